@@ -1,0 +1,311 @@
+// All-reduce bus bandwidth: shoal's Group::all_reduce beside c10d's ProcessGroupGloo called
+// directly, in the same processes, over the same store, with the same device and threads.
+//
+//   shoal run -n N [--no-tag-output] allreduce [--min-bytes B] [--max-bytes B] [--factor F]
+//                                              [--reps R] [--bound-gbit G] [--sliced] [--split K]
+//
+// Sizes go from --min-bytes to --max-bytes of float32, multiplied by --factor each step. For each
+// size the two implementations alternate repetitions (shoal first on even ones, raw first on odd
+// ones) so that noise from the rest of the machine falls on both alike. A repetition's time is
+// the slowest worker's; the table shows the median over --reps repetitions, and shoal/raw is the
+// median of the repetitions' ratios raw time / shoal time (above 1: shoal was faster).
+// Bus bandwidth = 2(N-1)/N * S / t, the bytes each worker's busiest link carries in a ring.
+// With --bound-gbit G (a shaped link of G Gbit/s), the table adds the link's bound time
+// 2(N-1)/N * S / B and the fraction of it achieved.
+// With --sliced, two more columns time raw gloo waited on as shoal's Work::wait does (see the
+// contenders "sliced" and "probed" below), to tell what in shoal's wrapper costs what.
+// With --split K, a column times raw gloo on the tensor cut into K parts all-reduced at once
+// (the group's 2 threads run two at a time): what splitting large tensors could gain.
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/torch.h>
+
+#include "shoal/shoal.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct BenchOptions {
+  int64_t min_bytes = 4 << 10;
+  int64_t max_bytes = 64 << 20;
+  int factor = 4;
+  int reps = 9;
+  double bound_gbit = 0;  // 0: no shaped link to compare with
+  bool sliced = false;
+  int split = 0;  // 0: no "split" column
+};
+
+[[noreturn]] void usage(const std::string& problem) {
+  std::fprintf(stderr,
+               "allreduce: %s\nusage: allreduce [--min-bytes B] [--max-bytes B] [--factor F] "
+               "[--reps R] [--bound-gbit G] [--sliced] [--split K]\n",
+               problem.c_str());
+  std::exit(2);
+}
+
+BenchOptions parse(int argc, char** argv) {
+  BenchOptions options;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (flag == "--sliced") {
+      options.sliced = true;
+      continue;
+    }
+    if (i + 1 >= argc) usage(flag + " needs a value");
+    const char* value = argv[++i];
+    char* end = nullptr;
+    const double number = std::strtod(value, &end);
+    if (*end != '\0' || number < 0) usage(flag + ": expected a non-negative number, got '" + value + "'");
+    if (flag == "--min-bytes") options.min_bytes = static_cast<int64_t>(number);
+    else if (flag == "--max-bytes") options.max_bytes = static_cast<int64_t>(number);
+    else if (flag == "--factor") options.factor = static_cast<int>(number);
+    else if (flag == "--reps") options.reps = static_cast<int>(number);
+    else if (flag == "--bound-gbit") options.bound_gbit = number;
+    else if (flag == "--split") options.split = static_cast<int>(number);
+    else usage("unknown flag '" + flag + "'");
+  }
+  if (options.min_bytes < 4 || options.max_bytes < options.min_bytes || options.factor < 2 ||
+      options.reps < 1) {
+    usage("expected 4 <= --min-bytes <= --max-bytes, --factor >= 2, --reps >= 1");
+  }
+  return options;
+}
+
+// The local address on the route to the master, as shoal::init() picks it for its own group:
+// the raw group must use the same interface to be a fair reference. Connecting a UDP socket
+// sends nothing; it only makes the kernel choose the route.
+std::string local_address_towards(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  std::string address = "127.0.0.1";
+  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0 || !found) {
+    return address;
+  }
+  const int fd = socket(AF_INET, SOCK_DGRAM, 0);
+  if (fd >= 0 && ::connect(fd, found->ai_addr, found->ai_addrlen) == 0) {
+    sockaddr_in local{};
+    socklen_t length = sizeof(local);
+    char text[INET_ADDRSTRLEN];
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) == 0 &&
+        inet_ntop(AF_INET, &local.sin_addr, text, sizeof(text))) {
+      address = text;
+    }
+  }
+  if (fd >= 0) close(fd);
+  freeaddrinfo(found);
+  return address;
+}
+
+shoal::comm::StorePtr open_job_store() {
+  const auto& job = shoal::job();
+  shoal::comm::StoreOptions options;
+  options.host = job.master_addr;
+  options.port = job.master_port;
+  options.described_as = job.master_described_as;
+  return shoal::comm::open_store(options);
+}
+
+c10::intrusive_ptr<c10d::ProcessGroupGloo> make_raw_group(const shoal::comm::StorePtr& store,
+                                                          const std::string& bind_address) {
+  const auto& job = shoal::job();
+  auto options = c10d::ProcessGroupGloo::Options::create(std::chrono::seconds(120));
+  options->threads = 2;  // shoal's GroupOptions::threads default
+  options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(bind_address));
+  auto scoped = c10::make_intrusive<c10d::PrefixStore>("bench/raw_gloo", store);
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(scoped, job.rank, job.world_size, options);
+}
+
+// Enough iterations per timed batch that small sizes are not all clock and barrier noise.
+int iterations_for(int64_t bytes) {
+  return static_cast<int>(std::clamp<int64_t>((8 << 20) / bytes, 1, 32));
+}
+
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  const size_t n = values.size();
+  return n % 2 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
+}
+
+std::string format_size(int64_t bytes) {
+  if (bytes >= (1 << 20)) return std::to_string(bytes >> 20) + " MiB";
+  if (bytes >= (1 << 10)) return std::to_string(bytes >> 10) + " KiB";
+  return std::to_string(bytes) + " B";
+}
+
+struct Contender {
+  const char* name;
+  std::function<void(at::Tensor&)> all_reduce;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const BenchOptions options = parse(argc, argv);
+  shoal::init();
+  auto& world = shoal::world();
+  const int n = world.size();
+  if (n < 2) {
+    std::fprintf(stderr, "allreduce: run under `shoal run -n N` with N >= 2\n");
+    return 2;
+  }
+  const auto& job = shoal::job();
+  const std::string bind_address = local_address_towards(job.master_addr, job.master_port);
+  auto store = open_job_store();
+  auto raw = make_raw_group(store, bind_address);
+  // Synchronises the start of each timed batch; its own time is not measured.
+  auto barrier = [&] { raw->barrier()->wait(std::chrono::seconds(120)); };
+
+  std::vector<Contender> contenders{
+      {"shoal", [&](at::Tensor& t) { world.all_reduce(t); }},
+      {"raw gloo",
+       [&](at::Tensor& t) {
+         std::vector<at::Tensor> tensors{t};
+         // The plain wait is the reference; the group's own 120 s timeout still bounds it.
+         raw->allreduce(tensors)->wait();
+       }},
+  };
+  int late_completions = 0;  // see sliced_wait
+  if (options.sliced) {
+    // Raw gloo waited on the way shoal's Work::wait waits (src/comm/work.cpp), to take shoal's
+    // cost apart: "sliced" waits in 250 ms slices, each expired slice costing c10d's timeout
+    // exception; "probed" also reads, after each expired slice, every other member's exit key
+    // from the job's store, as shoal's liveness check does.
+    auto sliced_wait = [&](at::Tensor& t, bool probe) {
+      std::vector<at::Tensor> tensors{t};
+      auto work = raw->allreduce(tensors);
+      for (;;) {
+        try {
+          work->wait(std::chrono::milliseconds(250));
+          return;
+        } catch (const std::exception&) {
+          // A slice can run out just before the operation completes, and building c10d's
+          // timeout error (it captures a backtrace) takes long enough for the completion to
+          // land before isCompleted() is asked: only a failed operation is a failure.
+          if (work->isCompleted()) {
+            if (work->isSuccess()) {
+              ++late_completions;
+              return;
+            }
+            throw;
+          }
+        }
+        if (!probe) continue;
+        for (int member = 0; member < n; ++member) {
+          if (member != job.rank) (void)shoal::comm::try_get(store, shoal::comm::worker_exit_key(member));
+        }
+      }
+    };
+    // By value: sliced_wait ends with this block.
+    contenders.push_back({"sliced", [sliced_wait](at::Tensor& t) { sliced_wait(t, false); }});
+    contenders.push_back({"probed", [sliced_wait](at::Tensor& t) { sliced_wait(t, true); }});
+  }
+  if (options.split > 1) {
+    contenders.push_back({"split", [&](at::Tensor& t) {
+                            std::vector<c10::intrusive_ptr<c10d::Work>> works;
+                            for (auto& part : t.chunk(options.split)) {
+                              std::vector<at::Tensor> tensors{part};
+                              works.push_back(raw->allreduce(tensors));
+                            }
+                            for (auto& work : works) work->wait();
+                          }});
+  }
+  const int kinds = static_cast<int>(contenders.size());
+
+  // Both implementations must compute the same sum before their speed means anything.
+  for (auto& contender : contenders) {
+    auto ones = torch::ones({1000});
+    contender.all_reduce(ones);
+    if (!ones.eq(static_cast<float>(n)).all().item<bool>()) {
+      std::fprintf(stderr, "allreduce: %s computed a wrong sum\n", contender.name);
+      return 1;
+    }
+  }
+
+  const bool main_worker = shoal::is_main();
+  const double bus_factor = 2.0 * (n - 1) / n;
+  const double link_bytes_per_s = options.bound_gbit * 1e9 / 8;
+  if (main_worker) {
+    std::printf("# all_reduce float32, %d workers, bind %s, %d repetitions per size (median), "
+                "contenders alternate\n",
+                n, bind_address.c_str(), options.reps);
+    std::printf("| size | shoal ms | raw ms |%s%s shoal GB/s | raw GB/s | shoal/raw |%s\n",
+                options.sliced ? " sliced ms | probed ms |" : "",
+                options.split > 1 ? (" split " + std::to_string(options.split) + " ms |").c_str() : "",
+                link_bytes_per_s > 0 ? " bound ms | shoal/bound | raw/bound |" : "");
+    std::printf("|---:|---:|---:|%s%s---:|---:|---:|%s\n", options.sliced ? "---:|---:|" : "",
+                options.split > 1 ? "---:|" : "",
+                link_bytes_per_s > 0 ? "---:|---:|---:|" : "");
+    std::fflush(stdout);
+  }
+
+  for (int64_t bytes = options.min_bytes; bytes <= options.max_bytes; bytes *= options.factor) {
+    // Zeros stay zeros under a sum, so repeated reductions never overflow into inf/NaN, whose
+    // arithmetic could be slower than ordinary floats'.
+    auto tensor = torch::zeros({bytes / 4});
+    const int iterations = iterations_for(bytes);
+    for (auto& contender : contenders) contender.all_reduce(tensor);  // warm up: buffers, pairs
+
+    // seconds[k * reps + r]: contender k's time per operation in repetition r, on this worker.
+    auto seconds = torch::zeros({kinds * options.reps}, torch::kFloat64);
+    auto* out = seconds.data_ptr<double>();
+    for (int r = 0; r < options.reps; ++r) {
+      for (int j = 0; j < kinds; ++j) {
+        const int k = (r % 2 == 0) ? j : kinds - 1 - j;
+        barrier();
+        const auto start = Clock::now();
+        for (int i = 0; i < iterations; ++i) contenders[k].all_reduce(tensor);
+        out[k * options.reps + r] =
+            std::chrono::duration<double>(Clock::now() - start).count() / iterations;
+      }
+    }
+    // A collective is as slow as its slowest member.
+    std::vector<at::Tensor> slowest{seconds};
+    c10d::AllreduceOptions max;
+    max.reduceOp = c10d::ReduceOp::MAX;
+    raw->allreduce(slowest, max)->wait(std::chrono::seconds(120));
+
+    if (!main_worker) continue;
+    std::vector<double> t(kinds);
+    for (int k = 0; k < kinds; ++k) {
+      t[k] = median(std::vector<double>(out + k * options.reps, out + (k + 1) * options.reps));
+    }
+    auto bus_gbps = [&](double s) { return bus_factor * bytes / s / 1e9; };
+    std::printf("| %s | %.3f | %.3f |", format_size(bytes).c_str(), t[0] * 1e3, t[1] * 1e3);
+    if (options.sliced) std::printf(" %.3f | %.3f |", t[2] * 1e3, t[3] * 1e3);
+    if (options.split > 1) std::printf(" %.3f |", t[kinds - 1] * 1e3);
+    // The ratio pairs each repetition's two measurements, taken back to back, before the median:
+    // noise that comes and goes over seconds then cancels out instead of landing on one side.
+    std::vector<double> ratios(options.reps);
+    for (int r = 0; r < options.reps; ++r) ratios[r] = out[options.reps + r] / out[r];
+    std::printf(" %.3f | %.3f | %.3f |", bus_gbps(t[0]), bus_gbps(t[1]), median(ratios));
+    if (link_bytes_per_s > 0) {
+      const double bound = bus_factor * bytes / link_bytes_per_s;
+      std::printf(" %.3f | %.1f%% | %.1f%% |", bound * 1e3, 100 * bound / t[0], 100 * bound / t[1]);
+    }
+    std::printf("\n");
+    std::fflush(stdout);
+  }
+  if (options.sliced) {
+    std::printf("# worker %d: %d sliced waits saw their operation complete while c10d built the "
+                "slice's timeout error\n", job.rank, late_completions);
+  }
+  barrier();
+  return 0;
+}

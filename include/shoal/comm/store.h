@@ -1,0 +1,44 @@
+// The job's rendezvous key-value store (c10d's TCPStore) and the keys that launchers and workers
+// share through it.
+#pragma once
+
+#include <string>
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "shoal/core/timeout.h"
+
+namespace shoal::comm {
+
+using StorePtr = c10::intrusive_ptr<c10d::Store>;
+
+struct StoreOptions {
+  std::string host = "127.0.0.1";
+  int port = 0;  // a server on port 0 takes a free port; see hosted_port()
+  bool is_server = false;
+  // How long a client keeps retrying to connect, and the default for waits on keys.
+  Duration timeout = std::chrono::seconds(60);
+  // Names the setting the address came from ("MASTER_ADDR:MASTER_PORT", "--master"), so that
+  // an unreachable store is reported in the user's terms.
+  std::string described_as = "the store address";
+};
+
+// Hosts (is_server) or connects to a store. A server whose port is taken, or a client that cannot
+// connect within the timeout, raises UsageError naming options.described_as and host:port.
+StorePtr open_store(const StoreOptions& options);
+
+// The port a store opened by open_store listens on (useful after asking for port 0).
+int hosted_port(const StorePtr& store);
+
+// Keys. A launcher records how each of its workers ended under worker_exit_key(rank), as a
+// sentence ("exited with code 3", "was killed by signal 9 (SIGKILL)"); a group whose collective
+// fails reads these to name the lost peer.
+std::string worker_exit_key(int rank);
+
+// Sets key to a text value.
+void put(const StorePtr& store, const std::string& key, const std::string& value);
+
+// Reads key if it is present, without waiting; "" when it is not.
+std::string try_get(const StorePtr& store, const std::string& key);
+
+}  // namespace shoal::comm

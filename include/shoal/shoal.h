@@ -1,0 +1,10 @@
+// shoal: distributed training for LibTorch programs. See README.md and docs/.
+#pragma once
+
+#include "shoal/comm/group.h"
+#include "shoal/comm/store.h"
+#include "shoal/comm/work.h"
+#include "shoal/core/error.h"
+#include "shoal/core/timeout.h"
+#include "shoal/runtime/init.h"
+#include "shoal/runtime/job.h"

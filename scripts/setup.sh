@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Installs everything shoal's build, tests, demo and benchmarks use, from Debian's archive.
+# Idempotent; prints nothing when all is there.
+set -euo pipefail
+
+packages=(
+  build-essential cmake ninja-build ccache pkg-config
+  libtorch-dev libgloo-dev           # LibTorch 1.13 and c10d's Gloo backend
+  libgtest-dev libcli11-dev nlohmann-json3-dev libspdlog-dev zlib1g-dev
+  dataset-fashion-mnist              # the demo's data
+  iproute2                           # network namespaces and tc for multi-host tests
+  procps                             # pgrep/ps in tests
+)
+if [ "${SHOAL_SETUP_BENCH:-0}" = 1 ]; then
+  packages+=(python3-torch)          # PyTorch's own DDP and torchrun, for side-by-side benchmarks
+fi
+
+missing=()
+for package in "${packages[@]}"; do
+  status=$(dpkg-query -W -f='${Status}' "$package" 2>/dev/null || true)
+  [ "$status" = "install ok installed" ] || missing+=("$package")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+
+echo "setup: installing ${missing[*]}" >&2
+run_as_root=()
+if [ "$(id -u)" -ne 0 ]; then
+  command -v sudo >/dev/null || { echo "setup: need root (or sudo) to install: ${missing[*]}" >&2; exit 1; }
+  run_as_root=(sudo)
+fi
+export DEBIAN_FRONTEND=noninteractive
+"${run_as_root[@]}" apt-get update -qq
+"${run_as_root[@]}" apt-get install -y -qq "${missing[@]}" >/dev/null

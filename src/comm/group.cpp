@@ -1,0 +1,467 @@
+#include "shoal/comm/group.h"
+
+#include <algorithm>
+#include <numeric>
+#include <set>
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+#include "shoal/core/error.h"
+#include "state.h"
+
+namespace shoal::comm {
+namespace {
+
+c10d::ReduceOp to_backend(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAvg:  // Gloo has no average: a sum, divided on completion
+      return c10d::ReduceOp::SUM;
+    case ReduceOp::kMax:
+      return c10d::ReduceOp::MAX;
+    case ReduceOp::kMin:
+      return c10d::ReduceOp::MIN;
+  }
+  SHOAL_CHECK(false) << "unknown ReduceOp " << static_cast<int>(op);
+}
+
+void check_average(ReduceOp op, const at::Tensor& tensor, const char* name) {
+  if (op == ReduceOp::kAvg && !at::isFloatingType(tensor.scalar_type())) {
+    throw UsageError(std::string(name) + ": ReduceOp::kAvg needs a floating-point tensor, got " +
+                     std::string(c10::toString(tensor.scalar_type())));
+  }
+}
+
+void check_rows(const at::Tensor& tensor, const char* name) {
+  if (tensor.dim() == 0) {
+    throw UsageError(std::string(name) + " works along dim 0 and needs a tensor of at least one "
+                     "dimension, got a scalar");
+  }
+}
+
+std::string join(const std::vector<int>& values) {
+  std::string text;
+  for (size_t i = 0; i < values.size(); ++i) text += (i ? ", " : "") + std::to_string(values[i]);
+  return text;
+}
+
+std::string join(const Sizes& values) {
+  std::string text;
+  for (size_t i = 0; i < values.size(); ++i) text += (i ? ", " : "") + std::to_string(values[i]);
+  return text;
+}
+
+void check_sizes(const Sizes& sizes, int group_size, int64_t total, const char* name,
+                 const char* what) {
+  if (static_cast<int>(sizes.size()) != group_size) {
+    throw UsageError(std::string(name) + ": " + what + " has " + std::to_string(sizes.size()) +
+                     " entries [" + join(sizes) + "]; expected one per member (" +
+                     std::to_string(group_size) + ")");
+  }
+  for (auto s : sizes) {
+    if (s < 0) throw UsageError(std::string(name) + ": " + what + " [" + join(sizes) + "] has a negative size");
+  }
+  const auto sum = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
+  if (total >= 0 && sum != total) {
+    throw UsageError(std::string(name) + ": " + what + " [" + join(sizes) + "] add up to " +
+                     std::to_string(sum) + "; expected dim 0 of the input, " + std::to_string(total));
+  }
+}
+
+std::vector<int64_t> shape_with_rows(const at::Tensor& like, int64_t rows) {
+  auto shape = like.sizes().vec();
+  shape[0] = rows;
+  return shape;
+}
+
+at::Tensor reduce_rows(const at::Tensor& stacked, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+      return stacked.sum(0);
+    case ReduceOp::kAvg:
+      return stacked.mean(0);
+    case ReduceOp::kMax:
+      return stacked.amax(0);
+    case ReduceOp::kMin:
+      return stacked.amin(0);
+  }
+  SHOAL_CHECK(false) << "unknown ReduceOp " << static_cast<int>(op);
+}
+
+}  // namespace
+
+Sizes split_sizes(int64_t length, int parts) {
+  SHOAL_CHECK(parts > 0) << "split into " << parts << " parts";
+  Sizes sizes(parts, length / parts);
+  for (int64_t i = 0; i < length % parts; ++i) sizes[i] += 1;
+  return sizes;
+}
+
+// ----- Group::State -----
+
+std::string Group::State::describe() const {
+  return "workers [" + join(members) + "] (this worker: " + std::to_string(members[rank]) + ")";
+}
+
+void Group::State::mark_broken(const std::string& reason) {
+  std::lock_guard<std::mutex> lock(mutex);
+  if (!broken.exchange(true)) broken_reason = reason;
+}
+
+std::string Group::State::lost_members() const {
+  if (!store) return "";
+  std::string text;
+  for (int i = 0; i < size(); ++i) {
+    if (i == rank) continue;
+    std::string how;
+    try {
+      how = try_get(store, worker_exit_key(members[i]));
+    } catch (const std::exception&) {
+      continue;  // the store itself may be gone with the job; the deadline still holds
+    }
+    if (!how.empty()) text += (text.empty() ? "" : "; ") + ("worker " + std::to_string(members[i]) + ", which " + how);
+  }
+  return text;
+}
+
+Group::State::~State() {
+  // A broken group may still have an operation blocked in a Gloo thread until the group's
+  // timeout; c10d's destructor would join that thread. Leave the backend behind instead.
+  if (broken && backend) (void)backend.release();
+}
+
+// ----- construction -----
+
+namespace {
+
+std::shared_ptr<Group::State> connect(StorePtr store, std::string prefix, int rank,
+                                      std::vector<int> members, const GroupOptions& options) {
+  auto state = std::make_shared<Group::State>();
+  state->store = store;
+  state->prefix = prefix;
+  state->options = options;
+  state->rank = rank;
+  state->members = std::move(members);
+  if (state->size() == 1) return state;
+
+  Deadline deadline(options.timeout);
+  try {
+    auto backend_options = c10d::ProcessGroupGloo::Options::create(options.timeout);
+    backend_options->threads = options.threads;
+    backend_options->devices.push_back(
+        options.interface.empty()
+            ? c10d::ProcessGroupGloo::createDeviceForHostname(options.bind_address)
+            : c10d::ProcessGroupGloo::createDeviceForInterface(options.interface));
+    auto scoped = c10::make_intrusive<c10d::PrefixStore>(prefix, store);
+    state->backend = c10::make_intrusive<c10d::ProcessGroupGloo>(scoped, rank, state->size(),
+                                                                 backend_options);
+  } catch (const std::exception& e) {
+    std::string what = e.what();
+    if (auto* c10_error = dynamic_cast<const c10::Error*>(&e)) what = c10_error->what_without_backtrace();
+    what = what.substr(0, what.find('\n'));
+    throw CommError("connecting " + state->describe() + " failed after " +
+                    format_duration(deadline.elapsed()) + ": " + what);
+  }
+  return state;
+}
+
+}  // namespace
+
+Group Group::create(StorePtr store, int rank, int size, const GroupOptions& options) {
+  if (size < 1 || rank < 0 || rank >= size) {
+    throw UsageError("Group::create: rank " + std::to_string(rank) + " of " + std::to_string(size) +
+                     " workers; expected 0 <= rank < size");
+  }
+  if (size > 1 && !store) throw UsageError("Group::create: a group of " + std::to_string(size) + " workers needs a store");
+  std::vector<int> members(size);
+  std::iota(members.begin(), members.end(), 0);
+  return Group(connect(std::move(store), "shoal/group/world", rank, std::move(members), options));
+}
+
+Group Group::single() {
+  auto state = std::make_shared<Group::State>();
+  state->members = {0};
+  return Group(state);
+}
+
+Group Group::subgroup(std::vector<int> ranks) const {
+  SHOAL_CHECK(state_ != nullptr) << "subgroup() on an empty Group";
+  std::set<int> seen;
+  for (int r : ranks) {
+    if (r < 0 || r >= size() || !seen.insert(r).second) {
+      throw UsageError("subgroup([" + join(ranks) + "]): expected distinct ranks in [0, " +
+                       std::to_string(size()) + ") of " + state_->describe());
+    }
+  }
+  auto me = std::find(ranks.begin(), ranks.end(), rank());
+  if (me == ranks.end()) {
+    throw UsageError("subgroup([" + join(ranks) + "]) is called by worker " +
+                     std::to_string(state_->members[rank()]) + ", which is not among its members");
+  }
+  std::vector<int> members;
+  for (int r : ranks) members.push_back(state_->members[r]);
+  // Members number their subgroups of the same set alike, since they create them in the same
+  // order; non-members never see the key.
+  int count;
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    count = state_->subgroup_counts[join(members)]++;
+  }
+  std::string prefix = state_->prefix + "/sub[" + join(members) + "]#" + std::to_string(count);
+  return Group(connect(state_->store, prefix, static_cast<int>(me - ranks.begin()), members,
+                       state_->options));
+}
+
+// ----- accessors -----
+
+int Group::rank() const { return state_ ? state_->rank : 0; }
+int Group::size() const { return state_ ? state_->size() : 0; }
+const std::vector<int>& Group::members() const {
+  SHOAL_CHECK(state_ != nullptr) << "members() on an empty Group";
+  return state_->members;
+}
+Duration Group::timeout() const { return state_ ? state_->options.timeout : kDefaultGroupTimeout; }
+void Group::set_timeout(Duration timeout) {
+  SHOAL_CHECK(state_ != nullptr) << "set_timeout() on an empty Group";
+  if (timeout.count() <= 0) throw UsageError("Group::set_timeout: expected a positive timeout, got " + format_duration(timeout));
+  state_->options.timeout = timeout;
+}
+bool Group::is_broken() const { return state_ && state_->broken; }
+
+// ----- operations -----
+
+Work Group::launch(const char* op, const std::function<void(Work::State&)>& start, Duration timeout) {
+  if (!state_) throw UsageError(std::string(op) + " on an empty Group; call shoal::init() first");
+  if (state_->broken) {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    throw CommError(std::string(op) + " on " + state_->describe() +
+                    " cannot start: the group was broken by an earlier failure: " + state_->broken_reason);
+  }
+  auto work = std::make_shared<Work::State>();
+  work->op = op;
+  work->group = state_;
+  work->deadline = Deadline(timeout == kUnsetTimeout ? state_->options.timeout : timeout);
+  try {
+    start(*work);
+  } catch (const shoal::Error&) {
+    throw;
+  } catch (const c10::Error& e) {
+    throw UsageError(std::string(op) + " on " + state_->describe() + ": " + e.what_without_backtrace());
+  }
+  return Work(work);
+}
+
+Work Group::all_reduce_async(at::Tensor& tensor, const AllReduceOptions& options) {
+  check_average(options.op, tensor, "all_reduce");
+  at::Tensor target = tensor;
+  at::Tensor buffer = tensor.is_contiguous() ? tensor : tensor.contiguous();
+  const int n = size();
+  const ReduceOp op = options.op;
+  return launch("all_reduce", [&](Work::State& work) {
+    if (n > 1 && buffer.numel() > 0) {
+      std::vector<at::Tensor> tensors{buffer};
+      c10d::AllreduceOptions backend_options;
+      backend_options.reduceOp = to_backend(op);
+      work.backend_work = state_->backend->allreduce(tensors, backend_options);
+    }
+    work.finish = [target, buffer, op, n](Work::State&) mutable {
+      if (op == ReduceOp::kAvg && n > 1) buffer.div_(n);
+      if (!buffer.is_same(target)) target.copy_(buffer);
+    };
+  }, options.timeout);
+}
+
+void Group::all_reduce(at::Tensor& tensor, const AllReduceOptions& options) {
+  all_reduce_async(tensor, options).wait();
+}
+
+Work Group::broadcast_async(at::Tensor& tensor, const BroadcastOptions& options) {
+  if (options.root < 0 || options.root >= size()) {
+    throw UsageError("broadcast: root " + std::to_string(options.root) + " is not a member of a group of " +
+                     std::to_string(size()));
+  }
+  at::Tensor target = tensor;
+  at::Tensor buffer = tensor.is_contiguous() ? tensor : tensor.contiguous();
+  return launch("broadcast", [&](Work::State& work) {
+    if (size() > 1 && buffer.numel() > 0) {
+      std::vector<at::Tensor> tensors{buffer};
+      c10d::BroadcastOptions backend_options;
+      backend_options.rootRank = options.root;
+      work.backend_work = state_->backend->broadcast(tensors, backend_options);
+    }
+    work.finish = [target, buffer](Work::State&) mutable {
+      if (!buffer.is_same(target)) target.copy_(buffer);
+    };
+  }, options.timeout);
+}
+
+void Group::broadcast(at::Tensor& tensor, const BroadcastOptions& options) {
+  broadcast_async(tensor, options).wait();
+}
+
+Work Group::all_gather_async(const at::Tensor& tensor, const AllGatherOptions& options) {
+  check_rows(tensor, "all_gather");
+  const int n = size();
+  Sizes sizes = options.sizes;
+  if (sizes.empty()) {
+    sizes.assign(n, tensor.size(0));
+  } else {
+    check_sizes(sizes, n, -1, "all_gather", "sizes");
+    if (sizes[rank()] != tensor.size(0)) {
+      throw UsageError("all_gather: sizes[" + std::to_string(rank()) + "] = " +
+                       std::to_string(sizes[rank()]) + " but this worker's tensor has " +
+                       std::to_string(tensor.size(0)) + " rows");
+    }
+  }
+  const int64_t rows = *std::max_element(sizes.begin(), sizes.end());
+  // Gloo's all-gather needs equal parts: pad each to the largest, cut on completion.
+  at::Tensor input = tensor.contiguous();
+  if (input.size(0) != rows) {
+    at::Tensor padded = at::zeros(shape_with_rows(input, rows), input.options());
+    padded.narrow(0, 0, input.size(0)).copy_(input);
+    input = padded;
+  }
+  return launch("all_gather", [&](Work::State& work) {
+    std::vector<at::Tensor> parts;
+    if (n == 1) {
+      parts.push_back(input);
+    } else if (rows > 0 && input.numel() > 0) {
+      std::vector<std::vector<at::Tensor>> outputs(1);
+      for (int i = 0; i < n; ++i) outputs[0].push_back(at::empty_like(input));
+      std::vector<at::Tensor> inputs{input};
+      work.backend_work = state_->backend->allgather(outputs, inputs);
+      parts = outputs[0];
+    } else {
+      for (int i = 0; i < n; ++i) parts.push_back(input);  // nothing to send: all empty
+    }
+    work.finish = [parts, sizes](Work::State& done) {
+      std::vector<at::Tensor> pieces;
+      for (size_t i = 0; i < parts.size(); ++i) pieces.push_back(parts[i].narrow(0, 0, sizes[i]));
+      done.result = at::cat(pieces, 0);
+    };
+  }, options.timeout);
+}
+
+at::Tensor Group::all_gather(const at::Tensor& tensor, const AllGatherOptions& options) {
+  auto work = all_gather_async(tensor, options);
+  work.wait();
+  return work.result();
+}
+
+Work Group::all_to_all_async(const at::Tensor& input_tensor, const AllToAllOptions& options) {
+  check_rows(input_tensor, "all_to_all");
+  const int n = size();
+  Sizes send = options.send_sizes.empty() ? split_sizes(input_tensor.size(0), n) : options.send_sizes;
+  check_sizes(send, n, input_tensor.size(0), "all_to_all", "send_sizes");
+  Sizes recv = options.recv_sizes;
+  if (recv.empty()) {
+    recv.assign(n, split_sizes(input_tensor.size(0), n)[rank()]);
+  } else {
+    check_sizes(recv, n, -1, "all_to_all", "recv_sizes");
+  }
+  at::Tensor input = input_tensor.contiguous();
+  const int64_t total = std::accumulate(recv.begin(), recv.end(), int64_t{0});
+  at::Tensor output = at::empty(shape_with_rows(input, total), input.options());
+  return launch("all_to_all", [&](Work::State& work) {
+    const bool any = std::any_of(send.begin(), send.end(), [](int64_t s) { return s > 0; }) ||
+                     total > 0;
+    if (n == 1) {
+      output.copy_(input);
+    } else if (any) {
+      work.backend_work = state_->backend->alltoall_base(output, input, recv, send);
+    }
+    work.finish = [output](Work::State& done) { done.result = output; };
+  }, options.timeout);
+}
+
+at::Tensor Group::all_to_all(const at::Tensor& input, const AllToAllOptions& options) {
+  auto work = all_to_all_async(input, options);
+  work.wait();
+  return work.result();
+}
+
+Work Group::reduce_scatter_async(const at::Tensor& input, const ReduceScatterOptions& options) {
+  check_rows(input, "reduce_scatter");
+  check_average(options.op, input, "reduce_scatter");
+  const int n = size();
+  Sizes sizes = options.sizes.empty() ? split_sizes(input.size(0), n) : options.sizes;
+  check_sizes(sizes, n, input.size(0), "reduce_scatter", "sizes");
+  // An all-to-all moves the same bytes as a ring reduce-scatter ((n-1)/n of the input per
+  // worker) and handles uneven parts and every op; the reduction then runs locally.
+  AllToAllOptions exchange;
+  exchange.send_sizes = sizes;
+  exchange.recv_sizes.assign(n, sizes[rank()]);
+  exchange.timeout = options.timeout;
+  Work work = all_to_all_async(input, exchange);
+  work.state_->op = "reduce_scatter";
+  auto mine = sizes[rank()];
+  const ReduceOp op = options.op;
+  auto inner = std::move(work.state_->finish);
+  work.state_->finish = [inner, n, mine, op](Work::State& done) {
+    inner(done);
+    auto shape = done.result.sizes().vec();
+    shape[0] = mine;
+    shape.insert(shape.begin(), n);
+    done.result = reduce_rows(done.result.view(shape), op);
+  };
+  return work;
+}
+
+at::Tensor Group::reduce_scatter(const at::Tensor& input, const ReduceScatterOptions& options) {
+  auto work = reduce_scatter_async(input, options);
+  work.wait();
+  return work.result();
+}
+
+namespace {
+void check_peer(const Group& group, int peer, const char* op, const char* role) {
+  if (peer < 0 || peer >= group.size() || peer == group.rank()) {
+    throw UsageError(std::string(op) + ": " + role + " " + std::to_string(peer) +
+                     " is not another member of a group of " + std::to_string(group.size()) +
+                     " (this worker is " + std::to_string(group.rank()) + ")");
+  }
+}
+}  // namespace
+
+Work Group::send_async(const at::Tensor& tensor, int dst, const PointToPointOptions& options) {
+  check_peer(*this, dst, "send", "destination");
+  at::Tensor buffer = tensor.contiguous();
+  return launch("send", [&](Work::State& work) {
+    std::vector<at::Tensor> tensors{buffer};
+    work.point_to_point = true;
+    work.backend_work = state_->backend->send(tensors, dst, options.tag);
+    work.finish = [buffer](Work::State&) {};  // keeps the buffer alive until sent
+  }, options.timeout);
+}
+
+void Group::send(const at::Tensor& tensor, int dst, const PointToPointOptions& options) {
+  send_async(tensor, dst, options).wait();
+}
+
+Work Group::recv_async(at::Tensor& tensor, int src, const PointToPointOptions& options) {
+  check_peer(*this, src, "recv", "source");
+  at::Tensor target = tensor;
+  at::Tensor buffer = tensor.is_contiguous() ? tensor : tensor.contiguous();
+  return launch("recv", [&](Work::State& work) {
+    std::vector<at::Tensor> tensors{buffer};
+    work.point_to_point = true;
+    work.backend_work = state_->backend->recv(tensors, src, options.tag);
+    work.finish = [target, buffer](Work::State&) mutable {
+      if (!buffer.is_same(target)) target.copy_(buffer);
+    };
+  }, options.timeout);
+}
+
+void Group::recv(at::Tensor& tensor, int src, const PointToPointOptions& options) {
+  recv_async(tensor, src, options).wait();
+}
+
+Work Group::barrier_async(const BarrierOptions& options) {
+  return launch("barrier", [&](Work::State& work) {
+    if (size() > 1) work.backend_work = state_->backend->barrier();
+  }, options.timeout);
+}
+
+void Group::barrier(const BarrierOptions& options) { barrier_async(options).wait(); }
+
+}  // namespace shoal::comm

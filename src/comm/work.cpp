@@ -1,0 +1,116 @@
+#include "shoal/comm/work.h"
+
+#include <thread>
+
+#include <c10/util/Exception.h>
+
+#include "shoal/core/error.h"
+#include "state.h"
+
+namespace shoal::comm {
+namespace {
+
+// How often a blocked wait looks up whether a member has ended. A member killed outright is
+// usually reported by Gloo at once, but only to the workers that talk to it directly; the rest
+// learn of it here instead of at the group's timeout.
+constexpr Duration kLivenessPeriod{250};
+
+std::string first_line(const std::exception& e) {
+  std::string text;
+  if (auto* c10_error = dynamic_cast<const c10::Error*>(&e)) {
+    text = c10_error->what_without_backtrace();
+  } else {
+    text = e.what();
+  }
+  auto newline = text.find('\n');
+  return newline == std::string::npos ? text : text.substr(0, newline);
+}
+
+std::string others(const Group::State& group) {
+  std::string text = "[";
+  bool first = true;
+  for (int i = 0; i < group.size(); ++i) {
+    if (i == group.rank) continue;
+    text += (first ? "" : ", ") + std::to_string(group.members[i]);
+    first = false;
+  }
+  return text + "]";
+}
+
+[[noreturn]] void fail(Work::State& work, const std::string& what) {
+  const std::string message = work.op + " on " + work.group->describe() + " " + what;
+  work.group->mark_broken(message);
+  throw CommError(message);
+}
+
+// Gloo reported an error: usually a peer's socket closed. Its launcher's record of how it ended
+// may lag the socket by a few milliseconds, so give it a moment to name the lost worker.
+[[noreturn]] void fail_with_backend_error(Work::State& work, const std::exception& e) {
+  const auto waited = work.deadline.elapsed();
+  std::string lost = work.group->lost_members();
+  for (Deadline grace(std::chrono::seconds(1)); lost.empty() && !grace.expired();) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    lost = work.group->lost_members();
+  }
+  fail(work, "failed after " + format_duration(waited) + ": " +
+                 (lost.empty() ? "a peer was lost" : "lost " + lost) + " (gloo: " + first_line(e) + ")");
+}
+
+}  // namespace
+
+void Work::wait(Duration timeout) {
+  SHOAL_CHECK(state_ != nullptr) << "wait() on an empty Work";
+  State& work = *state_;
+  if (work.done) return;
+  if (work.backend_work) {
+    const Duration limit = timeout == kUnsetTimeout ? work.deadline.remaining()
+                                                    : std::min(timeout, work.deadline.remaining());
+    Deadline deadline(limit);
+    if (work.point_to_point) {
+      // A Gloo send/recv can only be waited on once; wait for the whole time.
+      try {
+        work.backend_work->wait(std::max(deadline.remaining(), Duration(1)));
+      } catch (const std::exception& e) {
+        if (work.deadline.expired() || deadline.expired()) {
+          fail(work, "timed out after " + format_duration(work.deadline.elapsed()) +
+                         " waiting for workers " + others(*work.group));
+        }
+        fail_with_backend_error(work, e);
+      }
+    } else {
+      for (;;) {
+        try {
+          work.backend_work->wait(std::min(kLivenessPeriod, deadline.remaining()));
+          break;
+        } catch (const std::exception& e) {
+          // c10d's wait(timeout) throws both when the time runs out and when the operation
+          // failed; only a completed operation has failed.
+          if (work.backend_work->isCompleted()) fail_with_backend_error(work, e);
+        }
+        if (deadline.expired()) {
+          fail(work, "timed out after " + format_duration(work.deadline.elapsed()) +
+                         " waiting for workers " + others(*work.group));
+        }
+        std::string lost = work.group->lost_members();
+        if (!lost.empty()) {
+          fail(work, "failed after " + format_duration(work.deadline.elapsed()) + ": lost " + lost);
+        }
+      }
+    }
+  }
+  if (work.finish) work.finish(work);
+  work.done = true;
+}
+
+bool Work::is_completed() const {
+  SHOAL_CHECK(state_ != nullptr) << "is_completed() on an empty Work";
+  return state_->done || !state_->backend_work || state_->backend_work->isCompleted();
+}
+
+const at::Tensor& Work::result() const {
+  SHOAL_CHECK(state_ != nullptr) << "result() on an empty Work";
+  if (!state_->done) throw UsageError(state_->op + ": result() called before wait()");
+  return state_->result;
+}
+
+}  // namespace shoal::comm

@@ -1,0 +1,77 @@
+// The launcher of one node: starts its workers, forwards their output and the user's signals,
+// records how each worker ended, and stops them all when one fails. See docs/launch.md.
+//
+// Elastic launching (--max-restarts, --min/--max, joining a running job) is meant to build on
+// this class: the workers and their lifecycle are here, and what a worker's failure means for
+// the job is decided in one place, on_failure().
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "options.h"
+#include "output.h"
+
+namespace shoal::launch {
+
+class JobStore;
+class NodeGroup;
+class SignalSet;
+class Watchdog;
+struct ExitStatus;
+
+class Launcher {
+ public:
+  explicit Launcher(LaunchOptions options);
+  // SIGKILLs any worker still running (only reached on an unexpected error).
+  ~Launcher();
+  Launcher(const Launcher&) = delete;
+  Launcher& operator=(const Launcher&) = delete;
+
+  // Runs this node's part of the job to its end and returns `shoal run`'s exit code: 0 when all
+  // workers exited 0; the first failed worker's code (128 + signal if killed); 128 + signal when
+  // the launcher was stopped by one; 1 when another node failed or the store was lost.
+  // Raises UsageError for what is wrong before any worker starts (exit code 2) and CommError when
+  // the nodes cannot form the job.
+  int run();
+
+ private:
+  using TimePoint = std::chrono::steady_clock::time_point;
+  struct Worker;
+
+  void start_workers(const std::string& run_id, int port);
+  void supervise();
+  void reap();
+  void on_exit(Worker& worker, const ExitStatus& status);
+  void on_failure(Worker& worker, const ExitStatus& status);
+  void on_signal(int signal);
+  void check_nodes();
+  void begin_stop(int signal);
+  void signal_running(int signal);
+  void drain(Worker& worker);
+  void close_output(Worker& worker);
+  void kill_leftovers();
+  bool any_running() const;
+  void say(const std::string& message);
+
+  LaunchOptions options_;
+  Sink out_;
+  Sink err_;
+  // Created by run() in this order: signals are blocked before the store starts its threads,
+  // and the guard is forked while the process has no other thread.
+  std::unique_ptr<SignalSet> signals_;
+  std::unique_ptr<Watchdog> watchdog_;
+  std::unique_ptr<JobStore> store_;
+  std::unique_ptr<NodeGroup> nodes_;
+  std::vector<std::unique_ptr<Worker>> workers_;
+
+  bool stopping_ = false;
+  int exit_code_ = 0;
+  std::optional<TimePoint> kill_at_;     // when a stop escalates to SIGKILL
+  std::optional<TimePoint> give_up_at_;  // when to stop waiting for SIGKILLed workers
+};
+
+}  // namespace shoal::launch

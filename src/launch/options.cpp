@@ -1,0 +1,199 @@
+#include "options.h"
+
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <utility>
+
+#include <CLI/CLI.hpp>
+
+#include "process.h"
+#include "shoal/core/error.h"
+#include "shoal/runtime/job.h"
+
+namespace shoal::launch {
+namespace {
+
+// The flags as typed, before validation: CLI11 only splits the command line, so that every
+// message about a value is ours and fits on one line.
+struct RawFlags {
+  std::string nproc = "1";
+  std::string nnodes = "1";
+  std::string node_rank = "0";
+  std::string master;
+  std::string master_port;
+  std::string connect_timeout = "60";
+};
+
+// The program and its arguments are split off before CLI11 parses, so CLI11 does not know them;
+// the usage line says they are there.
+class RunFormatter : public CLI::Formatter {
+ public:
+  std::string make_usage(const CLI::App*, std::string) const override {
+    return "Usage: shoal run [OPTIONS] PROGRAM [ARGS...]\n";
+  }
+};
+
+int parse_int(const std::string& flag, const std::string& text, long min, long max,
+              const std::string& expected) {
+  errno = 0;
+  char* end = nullptr;
+  long value = std::strtol(text.c_str(), &end, 10);
+  if (text.empty() || errno != 0 || *end != '\0' || value < min || value > max) {
+    throw UsageError(flag + ": expected " + expected + ", got '" + text + "'");
+  }
+  return static_cast<int>(value);
+}
+
+Duration parse_seconds(const std::string& flag, const std::string& text) {
+  errno = 0;
+  char* end = nullptr;
+  double seconds = std::strtod(text.c_str(), &end);
+  if (text.empty() || errno != 0 || *end != '\0' || !std::isfinite(seconds) || seconds <= 0 ||
+      seconds > 7 * 24 * 3600) {
+    throw UsageError(flag + ": expected a positive number of seconds, got '" + text + "'");
+  }
+  return Duration(static_cast<int64_t>(std::ceil(seconds * 1000)));
+}
+
+// Where the launcher's own flags end and the program begins: at `--`, or at the first argument
+// that is neither a flag nor a flag's value. Everything from there on belongs to the program,
+// even arguments that look like our flags (`shoal run -n 2 ./train -n 5`).
+size_t program_start(const CLI::App& app, const std::vector<std::string>& args, bool& has_separator) {
+  has_separator = false;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& arg = args[i];
+    if (arg == "--") {
+      has_separator = true;
+      return i;
+    }
+    if (arg.size() < 2 || arg[0] != '-') return i;
+    std::string name = arg;
+    bool value_attached = false;
+    if (arg.compare(0, 2, "--") == 0) {
+      auto eq = arg.find('=');
+      if (eq != std::string::npos) {
+        name = arg.substr(0, eq);
+        value_attached = true;
+      }
+    } else if (arg.size() > 2) {  // -n4
+      name = arg.substr(0, 2);
+      value_attached = true;
+    }
+    const CLI::Option* option = app.get_option_no_throw(name);
+    if (option == nullptr || option->get_positional()) {
+      throw UsageError("unknown flag '" + name + "' (see shoal run --help)");
+    }
+    if (option->get_expected_min() > 0 && !value_attached) {
+      if (i + 1 >= args.size()) throw UsageError(name + " needs a value (see shoal run --help)");
+      ++i;
+    }
+  }
+  return args.size();
+}
+
+void add_flags(CLI::App& app, RawFlags& raw) {
+  app.add_option("-n,--nproc-per-node", raw.nproc, "Workers to start on this node (default 1)")
+      ->type_name("N");
+  app.add_option("--nnodes", raw.nnodes,
+                 "Nodes in the job; run one `shoal run` per node (default 1)")
+      ->type_name("K");
+  app.add_option("--node-rank", raw.node_rank, "This node's index, 0 to K-1 (default 0)")
+      ->type_name("I");
+  app.add_option("--master", raw.master,
+                 "Address of the job's store, hosted by node 0's launcher; needed when K > 1")
+      ->type_name("HOST:PORT");
+  app.add_option("--master-port", raw.master_port,
+                 "Port of the store on a single node (default: any free port)")
+      ->type_name("PORT");
+  app.add_option("--connect-timeout", raw.connect_timeout,
+                 "How long to wait for node 0 and for all nodes to join (default 60)")
+      ->type_name("SECONDS");
+  app.add_flag("--tag-output", "Prefix each output line with \"[RANK] \" (the default when the "
+               "job has more than one worker)");
+  app.add_flag("--no-tag-output", "Forward output lines as they are");
+}
+
+LaunchOptions validate(const RawFlags& raw, const CLI::App& app) {
+  LaunchOptions options;
+  options.nproc_per_node = parse_int("-n/--nproc-per-node", raw.nproc, 1, 1024,
+                                     "a number of workers from 1 to 1024");
+  options.nnodes = parse_int("--nnodes", raw.nnodes, 1, 65536, "a positive number of nodes");
+  options.node_rank = parse_int("--node-rank", raw.node_rank, 0, 65535, "an integer from 0");
+  if (options.node_rank >= options.nnodes) {
+    throw UsageError("--node-rank " + std::to_string(options.node_rank) + " is out of range for --nnodes " +
+                     std::to_string(options.nnodes) + ": expected 0 to " +
+                     std::to_string(options.nnodes - 1));
+  }
+  const bool has_master = app.count("--master") > 0;
+  const bool has_port = app.count("--master-port") > 0;
+  if (has_master && has_port) {
+    throw UsageError("--master HOST:PORT already gives the port; drop --master-port");
+  }
+  if (has_master) {
+    std::tie(options.master_host, options.master_port) = parse_host_port(raw.master, "--master");
+    if (options.master_host.empty()) throw UsageError("--master='" + raw.master + "' has no host");
+    options.master_described_as = "--master";
+  } else if (options.nnodes > 1) {
+    throw UsageError("--nnodes " + std::to_string(options.nnodes) +
+                     " needs --master HOST:PORT, the address where node 0 hosts the job's store");
+  }
+  if (has_port) {
+    options.master_port = parse_int("--master-port", raw.master_port, 0, 65535,
+                                    "a port from 1 to 65535, or 0 for any free port");
+  }
+  options.connect_timeout = parse_seconds("--connect-timeout", raw.connect_timeout);
+  const bool tag = app.count("--tag-output") > 0;
+  const bool no_tag = app.count("--no-tag-output") > 0;
+  if (tag && no_tag) throw UsageError("--tag-output and --no-tag-output contradict each other");
+  if (tag || no_tag) options.tag_output = tag;
+  return options;
+}
+
+}  // namespace
+
+std::optional<LaunchOptions> parse_run_command(const std::vector<std::string>& args,
+                                               std::ostream& help_out) {
+  CLI::App app("Starts N workers running PROGRAM [ARGS...] on this node, hosts (node 0) or joins "
+               "the job's store, forwards their output and signals, and stops them all when one "
+               "fails. PROGRAM is found on PATH as a shell would.",
+               "shoal run");
+  app.footer("Workers get SHOAL_RANK, SHOAL_WORLD_SIZE, ... and torchrun's RANK, WORLD_SIZE, "
+             "MASTER_ADDR, ...; see docs/launch.md.");
+  auto formatter = std::make_shared<RunFormatter>();
+  formatter->column_width(30);
+  app.formatter(formatter);
+  RawFlags raw;
+  add_flags(app, raw);
+
+  bool has_separator = false;
+  const size_t start = program_start(app, args, has_separator);
+  std::vector<std::string> flags(args.begin(), args.begin() + static_cast<long>(start));
+  std::vector<std::string> program(args.begin() + static_cast<long>(start + (has_separator ? 1 : 0)),
+                                   args.end());
+  try {
+    // CLI11 consumes its argument vector from the back.
+    std::vector<std::string> reversed(flags.rbegin(), flags.rend());
+    app.parse(reversed);
+  } catch (const CLI::CallForHelp&) {
+    help_out << app.help();
+    return std::nullopt;
+  } catch (const CLI::ParseError& e) {
+    std::string message = e.what();
+    for (char& c : message) {
+      if (c == '\n') c = ' ';
+    }
+    throw UsageError(message);
+  }
+
+  LaunchOptions options = validate(raw, app);
+  if (program.empty()) {
+    throw UsageError("no program given; usage: shoal run [OPTIONS] PROGRAM [ARGS...]");
+  }
+  options.program = program.front();
+  options.program_path = resolve_program(options.program);
+  options.program_args.assign(program.begin() + 1, program.end());
+  return options;
+}
+
+}  // namespace shoal::launch

@@ -1,0 +1,51 @@
+// What `shoal run` was asked to do, parsed from its command line. See docs/launch.md.
+#pragma once
+
+#include <chrono>
+#include <optional>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "shoal/core/timeout.h"
+
+namespace shoal::launch {
+
+struct LaunchOptions {
+  int nproc_per_node = 1;  // -n: workers on this node
+  int nnodes = 1;
+  int node_rank = 0;
+
+  // The job's store. Node 0 hosts it on master_port (0: any free port, single node only) and
+  // every worker connects to master_host; an empty master_host means 127.0.0.1.
+  std::string master_host;
+  int master_port = 0;
+  // The flag the address came from, so errors speak in the user's terms.
+  std::string master_described_as = "--master-port";
+
+  // How long a launcher of node k > 0 waits for node 0's store, and how long the launchers wait
+  // for every node to join.
+  Duration connect_timeout = std::chrono::seconds(60);
+  // After SIGTERM, how long workers have before SIGKILL.
+  Duration stop_grace = std::chrono::seconds(3);
+
+  std::optional<bool> tag_output;  // unset: tag when the job has more than one worker
+
+  std::string program;  // as given (for messages)
+  std::string program_path;  // resolved against PATH; what is executed
+  std::vector<std::string> program_args;
+
+  int world_size() const { return nnodes * nproc_per_node; }
+  bool tags_output() const { return tag_output.value_or(world_size() > 1); }
+  bool hosts_store() const { return node_rank == 0; }
+  // The address workers (and other nodes' launchers) connect to.
+  std::string master_addr() const { return master_host.empty() ? "127.0.0.1" : master_host; }
+};
+
+// Parses the arguments after `shoal run`. Returns nullopt when help was asked for (and printed
+// to help_out). Raises UsageError with a one-line message for anything wrong, including a
+// program that does not exist or cannot be executed.
+std::optional<LaunchOptions> parse_run_command(const std::vector<std::string>& args,
+                                               std::ostream& help_out);
+
+}  // namespace shoal::launch

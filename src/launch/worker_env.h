@@ -1,0 +1,36 @@
+// The environment contract between `shoal run` and its workers (shoal::init() reads it; programs
+// written for torchrun read the torchrun half). docs/launch.md lists it for users.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "shoal/core/env.h"
+
+namespace shoal::launch {
+
+// Where one worker stands in the job. With N workers per node and K nodes, worker i of node k
+// has rank k*N + i in a world of K*N.
+struct WorkerPlace {
+  int local_rank = 0;
+  int local_world_size = 1;
+  int node_rank = 0;
+  int nnodes = 1;
+  std::string master_addr;
+  int master_port = 0;
+  std::string run_id;
+
+  int rank() const { return node_rank * local_world_size + local_rank; }
+  int world_size() const { return nnodes * local_world_size; }
+};
+
+// `base` (the launcher's own environment) with the job's variables set for this worker: the
+// SHOAL_* set, and torchrun's (RANK, WORLD_SIZE, LOCAL_RANK, ..., TORCHELASTIC_*). Variables of
+// the same names in `base` are replaced. OMP_NUM_THREADS is left as the user set it: init()
+// chooses thread counts itself and takes a set OMP_NUM_THREADS as the user's choice.
+env::Environment worker_environment(const env::Environment& base, const WorkerPlace& place);
+
+// "NAME=value" strings, as execve takes them.
+std::vector<std::string> to_envp(const env::Environment& env);
+
+}  // namespace shoal::launch

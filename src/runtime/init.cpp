@@ -1,0 +1,137 @@
+#include "shoal/runtime/init.h"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sched.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <memory>
+
+#include <ATen/Parallel.h>
+
+#include "shoal/core/error.h"
+
+namespace shoal {
+namespace {
+
+struct Runtime {
+  JobSpec job;
+  comm::StorePtr store;
+  comm::Group world;
+};
+
+// Deliberately never destroyed: at exit, peers may still hold connections to this process's
+// group, and c10d's destructor would wait for their operations.
+Runtime* runtime = nullptr;
+
+Runtime& current() {
+  if (runtime == nullptr) throw UsageError("shoal::init() has not been called");
+  return *runtime;
+}
+
+int cores_on_host() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return std::max(1L, sysconf(_SC_NPROCESSORS_ONLN));
+}
+
+void set_threads(const InitOptions& options, const JobSpec& job, const env::Environment& env) {
+  if (options.intra_op_threads > 0) {
+    at::set_num_threads(options.intra_op_threads);
+    return;
+  }
+  if (auto n = env::get_int(env, "SHOAL_NUM_THREADS", 1)) {
+    at::set_num_threads(static_cast<int>(*n));
+    return;
+  }
+  if (env.count("OMP_NUM_THREADS")) return;  // the user's choice, already applied by OpenMP
+  at::set_num_threads(std::max(1, cores_on_host() / std::max(1, job.local_world_size)));
+}
+
+// The local address on the route to the master: what peers on other hosts can reach us on.
+// A connected UDP socket sends nothing but makes the kernel pick the route.
+std::string local_address_towards(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* result = nullptr;
+  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &result) != 0 || !result) {
+    return "127.0.0.1";
+  }
+  std::string address = "127.0.0.1";
+  int fd = socket(AF_INET, SOCK_DGRAM, 0);
+  if (fd >= 0) {
+    if (::connect(fd, result->ai_addr, result->ai_addrlen) == 0) {
+      sockaddr_in local{};
+      socklen_t length = sizeof(local);
+      char text[INET_ADDRSTRLEN];
+      if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) == 0 &&
+          inet_ntop(AF_INET, &local.sin_addr, text, sizeof(text))) {
+        address = text;
+      }
+    }
+    close(fd);
+  }
+  freeaddrinfo(result);
+  return address;
+}
+
+Duration default_timeout(const InitOptions& options, const env::Environment& env) {
+  if (options.timeout != kUnsetTimeout) {
+    if (options.timeout.count() <= 0) throw UsageError("InitOptions::timeout must be positive");
+    return options.timeout;
+  }
+  if (auto seconds = env::get_int(env, "SHOAL_TIMEOUT", 1)) return std::chrono::seconds(*seconds);
+  return comm::kDefaultGroupTimeout;
+}
+
+}  // namespace
+
+void init(const InitOptions& options) {
+  if (runtime != nullptr) throw UsageError("shoal::init() was already called in this process");
+  const auto env = env::current();
+  auto state = std::make_unique<Runtime>();
+  state->job = discover_job(env, options.master);
+  const JobSpec& job = state->job;
+  set_threads(options, job, env);
+  const Duration timeout = default_timeout(options, env);
+
+  if (job.master_addr.empty()) {
+    state->world = comm::Group::single();
+  } else {
+    comm::StoreOptions store;
+    store.host = job.master_addr;
+    store.port = job.master_port;
+    store.is_server = !job.store_hosted_by_launcher && job.rank == 0;
+    store.timeout = options.connect_timeout;
+    store.described_as = job.master_described_as;
+    state->store = comm::open_store(store);
+
+    comm::GroupOptions group;
+    group.timeout = options.connect_timeout;  // for connecting; collectives get `timeout`
+    if (auto ifname = env::get(env, "SHOAL_SOCKET_IFNAME")) group.interface = *ifname;
+    else if (auto gloo_ifname = env::get(env, "GLOO_SOCKET_IFNAME")) group.interface = *gloo_ifname;
+    group.bind_address = local_address_towards(job.master_addr, job.master_port);
+    state->world = comm::Group::create(state->store, job.rank, job.world_size, group);
+    state->world.set_timeout(timeout);
+  }
+  runtime = state.release();
+}
+
+bool is_initialized() { return runtime != nullptr; }
+int world_size() { return current().job.world_size; }
+bool is_main() { return current().job.rank == 0; }
+int rank() { return current().job.rank; }
+int local_rank() { return current().job.local_rank; }
+const JobSpec& job() { return current().job; }
+comm::Group& world() { return current().world; }
+
+void shutdown() {
+  Runtime* state = runtime;
+  runtime = nullptr;
+  delete state;
+}
+
+}  // namespace shoal

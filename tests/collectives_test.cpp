@@ -1,0 +1,276 @@
+// Collectives over a grid of world sizes x element counts (0, odd, non-divisible) x dtypes,
+// against closed forms (gloo's test style: fill with the rank, expect n(n+1)/2).
+#include <gtest/gtest.h>
+
+#include <torch/torch.h>
+
+#include "harness.h"
+#include "shoal/shoal.h"
+
+namespace {
+
+using shoal::comm::AllGatherOptions;
+using shoal::comm::AllReduceOptions;
+using shoal::comm::AllToAllOptions;
+using shoal::comm::ReduceOp;
+using shoal::comm::ReduceScatterOptions;
+using shoal::testing::run_workers;
+
+const std::vector<int64_t> kCounts = {0, 1, 7, 1001, 65537};
+const std::vector<torch::Dtype> kDtypes = {torch::kFloat32, torch::kFloat64, torch::kInt64};
+
+// 1, 2, 3, ... as `dtype`.
+torch::Tensor ramp(int64_t count, torch::Dtype dtype) {
+  return torch::arange(1, count + 1, torch::TensorOptions().dtype(torch::kInt64)).to(dtype);
+}
+
+class Collectives : public ::testing::TestWithParam<int> {};
+
+TEST_P(Collectives, AllReduceEveryOp) {
+  run_workers(GetParam(), [] {
+    auto& world = shoal::world();
+    const int n = world.size(), r = world.rank();
+    for (auto dtype : kDtypes) {
+      for (auto count : kCounts) {
+        auto base = ramp(count, dtype);
+        std::vector<std::pair<ReduceOp, torch::Tensor>> cases = {
+            {ReduceOp::kSum, base * (n * (n + 1) / 2)},
+            {ReduceOp::kMax, base * n},
+            {ReduceOp::kMin, base},
+        };
+        if (dtype != torch::kInt64) cases.push_back({ReduceOp::kAvg, base * ((n + 1) / 2.0)});
+        for (auto& [op, expected] : cases) {
+          auto t = base * (r + 1);
+          world.all_reduce(t, {op});
+          ASSERT_TRUE(torch::equal(t, expected.to(dtype)))
+              << "op " << static_cast<int>(op) << " dtype " << dtype << " count " << count;
+        }
+      }
+    }
+    // A non-contiguous tensor is reduced in place all the same.
+    auto m = torch::arange(12, torch::kFloat32).view({3, 4}).t();
+    auto expected = m * n;
+    world.all_reduce(m);
+    EXPECT_TRUE(torch::equal(m, expected));
+    // Average of integers is refused, before anything is sent.
+    auto ints = torch::ones({3}, torch::kInt64);
+    try {
+      world.all_reduce(ints, {ReduceOp::kAvg});
+      ADD_FAILURE() << "expected UsageError";
+    } catch (const shoal::UsageError& e) {
+      EXPECT_STREQ(e.what(), "all_reduce: ReduceOp::kAvg needs a floating-point tensor, got Long");
+    }
+  });
+}
+
+TEST_P(Collectives, BroadcastFromEveryRoot) {
+  run_workers(GetParam(), [] {
+    auto& world = shoal::world();
+    for (auto dtype : kDtypes) {
+      for (auto count : kCounts) {
+        for (int root = 0; root < world.size(); ++root) {
+          auto t = ramp(count, dtype) + 1000 * world.rank();
+          world.broadcast(t, {root});
+          ASSERT_TRUE(torch::equal(t, ramp(count, dtype) + 1000 * root)) << "root " << root;
+        }
+      }
+    }
+  });
+}
+
+TEST_P(Collectives, AllGatherEvenAndUneven) {
+  run_workers(GetParam(), [] {
+    auto& world = shoal::world();
+    const int n = world.size(), r = world.rank();
+    for (auto dtype : kDtypes) {
+      for (auto count : kCounts) {
+        // Even: each worker contributes count rows of [rank, row].
+        auto mine = torch::stack({torch::full({count}, r, torch::kInt64), torch::arange(count)}, 1).to(dtype);
+        auto all = world.all_gather(mine);
+        std::vector<torch::Tensor> parts;
+        for (int j = 0; j < n; ++j) parts.push_back(torch::stack({torch::full({count}, j, torch::kInt64), torch::arange(count)}, 1).to(dtype));
+        ASSERT_TRUE(torch::equal(all, torch::cat(parts, 0))) << "count " << count;
+
+        // Uneven: the shares of split_sizes, as a split tensor holds them.
+        auto sizes = shoal::comm::split_sizes(count, n);
+        auto whole = ramp(count, dtype);
+        int64_t offset = 0;
+        for (int j = 0; j < r; ++j) offset += sizes[j];
+        AllGatherOptions options;
+        options.sizes = sizes;
+        auto gathered = world.all_gather(whole.narrow(0, offset, sizes[r]), options);
+        ASSERT_TRUE(torch::equal(gathered, whole)) << "uneven count " << count;
+      }
+    }
+  });
+}
+
+TEST_P(Collectives, ReduceScatterEvenAndUneven) {
+  run_workers(GetParam(), [] {
+    auto& world = shoal::world();
+    const int n = world.size(), r = world.rank();
+    for (auto dtype : kDtypes) {
+      for (auto count : kCounts) {
+        auto input = ramp(count * 2, dtype).view({count, 2}) * (r + 1);
+        auto total = ramp(count * 2, dtype).view({count, 2}) * (n * (n + 1) / 2);
+        auto sizes = shoal::comm::split_sizes(count, n);
+        int64_t offset = 0;
+        for (int j = 0; j < r; ++j) offset += sizes[j];
+        auto part = world.reduce_scatter(input);
+        ASSERT_TRUE(torch::equal(part, total.narrow(0, offset, sizes[r]))) << "count " << count;
+
+        // Explicit uneven parts, all of the input to the last worker but one row each.
+        ReduceScatterOptions options;
+        options.op = ReduceOp::kMax;
+        options.sizes.assign(n, 0);
+        for (int j = 0; j + 1 < n && j < count; ++j) options.sizes[j] = 1;
+        int64_t given = 0;
+        for (auto s : options.sizes) given += s;
+        options.sizes[n - 1] += count - given;
+        offset = 0;
+        for (int j = 0; j < r; ++j) offset += options.sizes[j];
+        auto biggest = ramp(count * 2, dtype).view({count, 2}) * n;
+        auto max_part = world.reduce_scatter(input, options);
+        ASSERT_TRUE(torch::equal(max_part, biggest.narrow(0, offset, options.sizes[r]))) << "count " << count;
+      }
+    }
+  });
+}
+
+TEST_P(Collectives, AllToAllUneven) {
+  run_workers(GetParam(), [] {
+    auto& world = shoal::world();
+    const int n = world.size(), r = world.rank();
+    for (auto dtype : kDtypes) {
+      // Worker r sends r + j + extra rows, each worth 100 r + j, to worker j.
+      for (int64_t extra : {0, 3}) {
+        AllToAllOptions options;
+        std::vector<torch::Tensor> outgoing, incoming;
+        for (int j = 0; j < n; ++j) {
+          options.send_sizes.push_back(r + j + extra);
+          options.recv_sizes.push_back(j + r + extra);
+          outgoing.push_back(torch::full({r + j + extra, 3}, 100 * r + j, torch::kInt64));
+          incoming.push_back(torch::full({j + r + extra, 3}, 100 * j + r, torch::kInt64));
+        }
+        auto received = world.all_to_all(torch::cat(outgoing).to(dtype), options);
+        ASSERT_TRUE(torch::equal(received, torch::cat(incoming).to(dtype))) << "extra " << extra;
+      }
+      // Default: even parts of equal inputs.
+      auto input = torch::arange(4 * n, torch::kInt64).to(dtype) + 1000 * r;
+      auto received = world.all_to_all(input);
+      std::vector<torch::Tensor> incoming;
+      for (int j = 0; j < n; ++j) incoming.push_back(torch::arange(4 * r, 4 * r + 4).to(dtype) + 1000 * j);
+      ASSERT_TRUE(torch::equal(received, torch::cat(incoming)));
+    }
+  });
+}
+
+TEST_P(Collectives, SendRecvRingAndBarrier) {
+  run_workers(GetParam(), [] {
+    auto& world = shoal::world();
+    const int n = world.size(), r = world.rank();
+    if (n == 1) {
+      auto t = torch::zeros({2});
+      EXPECT_THROW(world.send(t, 0), shoal::UsageError);
+      world.barrier();
+      return;
+    }
+    for (auto count : kCounts) {
+      auto out = ramp(count, torch::kFloat64) * r;
+      auto in = torch::empty({count}, torch::kFloat64);
+      auto sent = world.send_async(out, (r + 1) % n, {7});
+      world.recv(in, (r + n - 1) % n, {7});
+      sent.wait();
+      ASSERT_TRUE(torch::equal(in, ramp(count, torch::kFloat64) * ((r + n - 1) % n)));
+    }
+    world.barrier();
+  });
+}
+
+TEST_P(Collectives, AsyncOperationsInFlightTogether) {
+  run_workers(GetParam(), [] {
+    auto& world = shoal::world();
+    const int n = world.size(), r = world.rank();
+    std::vector<torch::Tensor> tensors;
+    std::vector<shoal::comm::Work> works;
+    for (int i = 0; i < 8; ++i) {
+      tensors.push_back(torch::full({1000 + i}, float(r + i)));
+      works.push_back(world.all_reduce_async(tensors.back()));
+    }
+    for (int i = 0; i < 8; ++i) {
+      works[i].wait(std::chrono::seconds(30));
+      EXPECT_TRUE(works[i].is_completed());
+      EXPECT_TRUE(torch::allclose(tensors[i], torch::full({1000 + i}, float(n * (n - 1) / 2 + n * i))));
+    }
+  });
+}
+
+TEST_P(Collectives, SubgroupsOfAnySubset) {
+  run_workers(GetParam(), [] {
+    auto& world = shoal::world();
+    const int n = world.size(), r = world.rank();
+    // Evens and odds each form a group, given in descending order: the order sets the ranks.
+    std::vector<int> mine;
+    for (int j = n - 1; j >= 0; --j) if (j % 2 == r % 2) mine.push_back(j);
+    auto group = world.subgroup(mine);
+    EXPECT_EQ(group.size(), static_cast<int>(mine.size()));
+    EXPECT_EQ(group.members(), mine);
+    EXPECT_EQ(group.members()[group.rank()], r);
+    auto t = torch::full({5}, float(r));
+    group.all_reduce(t);
+    float sum = 0;
+    for (int j : mine) sum += j;
+    EXPECT_TRUE(torch::equal(t, torch::full({5}, sum)));
+    // The same members again make a second, independent group.
+    auto again = world.subgroup(mine);
+    auto u = torch::ones({2});
+    again.all_reduce(u);
+    EXPECT_TRUE(torch::equal(u, torch::full({2}, float(mine.size()))));
+    // A worker cannot create a group it is not in.
+    if (n > 1) {
+      try {
+        world.subgroup({(r + 1) % n});
+        ADD_FAILURE() << "expected UsageError";
+      } catch (const shoal::UsageError& e) {
+        EXPECT_NE(std::string(e.what()).find("which is not among its members"), std::string::npos) << e.what();
+      }
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, Collectives, ::testing::Values(1, 2, 3, 4),
+                         [](const auto& info) { return "n" + std::to_string(info.param); });
+
+TEST(CollectiveArguments, BadSizesAndRootsAreUsageErrors) {
+  run_workers(2, [] {
+    auto& world = shoal::world();
+    auto t = torch::zeros({5, 2});
+    ReduceScatterOptions bad;
+    bad.sizes = {2, 2};
+    try {
+      world.reduce_scatter(t, bad);
+      ADD_FAILURE() << "expected UsageError";
+    } catch (const shoal::UsageError& e) {
+      EXPECT_STREQ(e.what(), "reduce_scatter: sizes [2, 2] add up to 4; expected dim 0 of the input, 5");
+    }
+    try {
+      world.broadcast(t, {5});
+      ADD_FAILURE() << "expected UsageError";
+    } catch (const shoal::UsageError& e) {
+      EXPECT_STREQ(e.what(), "broadcast: root 5 is not a member of a group of 2");
+    }
+    EXPECT_THROW(world.all_gather(torch::tensor(1.0)), shoal::UsageError);
+    // None of this broke the group.
+    auto one = torch::ones({1});
+    world.all_reduce(one);
+    EXPECT_EQ(one.item<float>(), 2.0f);
+  });
+}
+
+TEST(SplitSizes, FirstPartsTakeTheRemainder) {
+  EXPECT_EQ(shoal::comm::split_sizes(10, 3), (shoal::comm::Sizes{4, 3, 3}));
+  EXPECT_EQ(shoal::comm::split_sizes(2, 4), (shoal::comm::Sizes{1, 1, 0, 0}));
+  EXPECT_EQ(shoal::comm::split_sizes(0, 2), (shoal::comm::Sizes{0, 0}));
+}
+
+}  // namespace

@@ -1,0 +1,151 @@
+// Fault injection: a peer SIGKILLed or SIGSTOPped during an all-reduce. The survivors must raise
+// CommError naming the operation and the lost peer, within twice the timeout, and never hang.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "harness.h"
+#include "shoal/shoal.h"
+
+namespace {
+
+using shoal::testing::run_workers;
+using Clock = std::chrono::steady_clock;
+
+constexpr auto kTimeout = std::chrono::seconds(5);
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+class KilledPeer : public ::testing::TestWithParam<int> {};
+
+TEST_P(KilledPeer, SurvivorsRaiseCommErrorNamingIt) {
+  const int n = GetParam();
+  const int victim = 1;
+  shoal::testing::WorkersOptions options;
+  options.may_fail = {victim};
+  auto exits = run_workers(n, [victim] {
+    auto& world = shoal::world();
+    world.set_timeout(kTimeout);
+    for (int step = 0;; ++step) {
+      auto t = torch::ones({1 << 20});
+      auto start = Clock::now();
+      auto work = world.all_reduce_async(t);
+      if (shoal::rank() == victim && step == 3) raise(SIGKILL);
+      try {
+        work.wait();
+      } catch (const shoal::CommError& e) {
+        const double waited = seconds_since(start);
+        const std::string message = e.what();
+        std::printf("survivor %d: %.2f s: %s\n", shoal::rank(), waited, e.what());
+        EXPECT_LT(waited, 2 * std::chrono::duration<double>(kTimeout).count());
+        EXPECT_EQ(message.rfind("all_reduce on workers [0, 1, 2", 0), 0u) << message;
+        EXPECT_NE(message.find("lost worker 1, which was killed by signal 9 (SIGKILL)"), std::string::npos)
+            << message;
+        EXPECT_EQ(step, 3);
+        // The group is broken for good: the next operation fails at once.
+        auto again = Clock::now();
+        EXPECT_THROW(world.all_reduce(t), shoal::CommError);
+        EXPECT_LT(seconds_since(again), 0.5);
+        return;
+      }
+      ASSERT_LT(step, 3) << "the all-reduce went on without worker " << victim;
+    }
+  }, options);
+  if (!shoal::testing::is_worker()) {
+    EXPECT_EQ(exits[victim].signal, SIGKILL);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, KilledPeer, ::testing::Values(3, 4),
+                         [](const auto& info) { return "n" + std::to_string(info.param); });
+
+TEST(StoppedPeer, SurvivorsTimeOutNamingTheWait) {
+  shoal::testing::WorkersOptions options;
+  options.stragglers = {2};
+  run_workers(3, [] {
+    auto& world = shoal::world();
+    const auto timeout = std::chrono::seconds(2);
+    world.set_timeout(timeout);
+    auto t = torch::ones({1000});
+    world.all_reduce(t);  // all connected and working
+    if (shoal::rank() == 2) raise(SIGSTOP);
+    auto start = Clock::now();
+    try {
+      world.all_reduce(t);
+      ADD_FAILURE() << "expected CommError";
+    } catch (const shoal::CommError& e) {
+      const double waited = seconds_since(start);
+      std::printf("worker %d: %.2f s: %s\n", shoal::rank(), waited, e.what());
+      EXPECT_GE(waited, 2.0);
+      EXPECT_LT(waited, 4.0);
+      const std::string expected = "all_reduce on workers [0, 1, 2] (this worker: " +
+                                   std::to_string(shoal::rank()) + ") timed out after 2.";
+      EXPECT_EQ(std::string(e.what()).rfind(expected, 0), 0u) << e.what();
+      EXPECT_NE(std::string(e.what()).find("waiting for workers ["), std::string::npos) << e.what();
+    }
+  }, options);
+}
+
+TEST(StoppedPeer, PerOperationTimeoutOverridesTheGroups) {
+  shoal::testing::WorkersOptions options;
+  options.stragglers = {1};
+  run_workers(2, [] {
+    auto& world = shoal::world();
+    auto t = torch::ones({10});
+    world.barrier();
+    if (shoal::rank() == 1) raise(SIGSTOP);
+    auto start = Clock::now();
+    EXPECT_THROW(world.all_reduce(t, {shoal::comm::ReduceOp::kSum, std::chrono::milliseconds(700)}),
+                 shoal::CommError);
+    const double waited = seconds_since(start);
+    EXPECT_GE(waited, 0.7);
+    EXPECT_LT(waited, 2.0);
+  }, options);
+}
+
+// The same failure under the real launcher: shoal run exits non-zero, says which worker died
+// and how, and leaves no process behind.
+TEST(ShoalRun, KilledWorkerStopsTheJobWithNoOrphans) {
+  namespace fs = std::filesystem;
+  const fs::path pids = fs::temp_directory_path() / ("shoal-fault-" + std::to_string(getpid()));
+  fs::create_directories(pids);
+  const std::string command = std::string(SHOAL_BIN) + " run -n 3 " + SHOAL_TEST_PROGRAMS_DIR +
+                              "/fault_worker 1 " + pids.string() + " 2>" + (pids / "stderr").string();
+  auto start = Clock::now();
+  int status = std::system(command.c_str());
+  const double took = seconds_since(start);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 128 + SIGKILL);
+  EXPECT_LT(took, 20.0);
+  std::ifstream err(pids / "stderr");
+  std::string text((std::istreambuf_iterator<char>(err)), {});
+  EXPECT_NE(text.find("worker 1 was killed by signal 9 (SIGKILL)"), std::string::npos) << text;
+
+  int workers = 0;
+  for (auto& entry : fs::directory_iterator(pids)) {
+    if (entry.path().filename() == "stderr") continue;
+    ++workers;
+    const pid_t pid = std::stoi(entry.path().filename().string());
+    bool gone = false;
+    for (int i = 0; i < 100 && !gone; ++i) {
+      gone = kill(pid, 0) != 0;
+      if (!gone) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    EXPECT_TRUE(gone) << "worker process " << pid << " outlived shoal run";
+  }
+  EXPECT_EQ(workers, 3);
+  fs::remove_all(pids);
+}
+
+}  // namespace

@@ -1,0 +1,238 @@
+#include "harness.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <netinet/in.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include "shoal/comm/store.h"
+#include "shoal/core/env.h"
+#include "shoal/core/error.h"
+#include "shoal/runtime/init.h"
+
+extern char** environ;
+
+namespace shoal::testing {
+namespace {
+
+constexpr const char* kWorkerCall = "SHOAL_TEST_WORKER_CALL";
+
+// Variables that would make a worker believe it belongs to another job.
+bool is_job_variable(const std::string& name) {
+  static const char* prefixes[] = {"SHOAL_", "OMPI_", "SLURM_", "TORCHELASTIC_"};
+  for (auto* prefix : prefixes) {
+    if (name.rfind(prefix, 0) == 0) return true;
+  }
+  static const std::set<std::string> names = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                              "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
+                                              "OMP_NUM_THREADS"};
+  return names.count(name) > 0;
+}
+
+std::map<std::string, std::string> job_environment(Launcher launcher, int rank, int n, int port) {
+  const std::string r = std::to_string(rank), size = std::to_string(n), p = std::to_string(port);
+  switch (launcher) {
+    case Launcher::kShoal:
+      return {{"SHOAL_RANK", r}, {"SHOAL_WORLD_SIZE", size}, {"SHOAL_LOCAL_RANK", r},
+              {"SHOAL_LOCAL_WORLD_SIZE", size}, {"SHOAL_MASTER_ADDR", "127.0.0.1"},
+              {"SHOAL_MASTER_PORT", p}};
+    case Launcher::kTorchrun:
+      return {{"RANK", r}, {"WORLD_SIZE", size}, {"LOCAL_RANK", r}, {"LOCAL_WORLD_SIZE", size},
+              {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", p}};
+    case Launcher::kOpenMpi:
+      return {{"OMPI_COMM_WORLD_RANK", r}, {"OMPI_COMM_WORLD_SIZE", size},
+              {"OMPI_COMM_WORLD_LOCAL_RANK", r}, {"OMPI_COMM_WORLD_LOCAL_SIZE", size},
+              {"SHOAL_MASTER", "127.0.0.1:" + p}};
+    case Launcher::kSlurm:
+      return {{"SLURM_PROCID", r}, {"SLURM_NTASKS", size}, {"SLURM_LOCALID", r},
+              {"SLURM_NTASKS_PER_NODE", size}, {"SLURM_JOB_NODELIST", "localhost"},
+              {"MASTER_PORT", p}};
+    case Launcher::kNone:
+      return {};
+  }
+  return {};
+}
+
+std::string current_test_name() {
+  auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  return std::string(info->test_suite_name()) + "." + info->name();
+}
+
+// The number of run_workers calls made so far by the current test.
+int next_call_index() {
+  static std::string test;
+  static int calls = 0;
+  auto name = current_test_name();
+  if (name != test) {
+    test = name;
+    calls = 0;
+  }
+  return calls++;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+std::string describe_exit(int status) {
+  if (WIFSIGNALED(status)) {
+    int sig = WTERMSIG(status);
+    return "was killed by signal " + std::to_string(sig) + " (SIG" + sigabbrev_np(sig) + ")";
+  }
+  return "exited with code " + std::to_string(WEXITSTATUS(status));
+}
+
+[[noreturn]] void run_body(const std::function<void()>& body, const WorkersOptions& options) {
+  int code = 0;
+  try {
+    if (options.init) shoal::init();
+    body();
+    code = ::testing::Test::HasFailure() ? 1 : 0;
+  } catch (const std::exception& e) {
+    std::cout << "worker body threw: " << e.what() << std::endl;
+    code = 1;
+  }
+  std::cout.flush();
+  std::cerr.flush();
+  std::fflush(nullptr);
+  _exit(code);  // skip static destructors: peers may still be connected
+}
+
+}  // namespace
+
+bool is_worker() { return std::getenv(kWorkerCall) != nullptr; }
+
+int free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = 0;
+  bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address));
+  socklen_t length = sizeof(address);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
+  close(fd);
+  return ntohs(address.sin_port);
+}
+
+std::vector<WorkerExit> run_workers(int n, const std::function<void()>& body,
+                                    const WorkersOptions& options) {
+  const int call = next_call_index();
+  if (is_worker()) {
+    if (std::atoi(std::getenv(kWorkerCall)) == call) run_body(body, options);
+    return {};
+  }
+
+  // The test process plays the launcher: it hosts the store (for launchers that do) and records
+  // how each worker ended, as `shoal run` does.
+  comm::StorePtr store;
+  int port = free_port();
+  if (options.launcher == Launcher::kShoal) {
+    comm::StoreOptions store_options;
+    store_options.is_server = true;
+    store_options.port = 0;
+    store = comm::open_store(store_options);
+    port = comm::hosted_port(store);
+  }
+
+  char directory_template[] = "/tmp/shoal-test-XXXXXX";
+  const std::string directory = mkdtemp(directory_template);
+  std::vector<pid_t> pids(n);
+  for (int rank = 0; rank < n; ++rank) {
+    std::vector<std::string> env_strings;
+    for (char** entry = environ; *entry != nullptr; ++entry) {
+      std::string text(*entry);
+      if (!is_job_variable(text.substr(0, text.find('=')))) env_strings.push_back(text);
+    }
+    for (auto& [key, value] : job_environment(options.launcher, rank, n, port)) env_strings.push_back(key + "=" + value);
+    for (auto& [key, value] : options.env) env_strings.push_back(key + "=" + value);
+    env_strings.push_back(std::string(kWorkerCall) + "=" + std::to_string(call));
+    const std::string filter = "--gtest_filter=" + current_test_name();
+    const std::string output = directory + "/worker" + std::to_string(rank) + ".log";
+
+    pid_t pid = fork();
+    if (pid == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      int fd = open(output.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      dup2(fd, 1);
+      dup2(fd, 2);
+      std::vector<char*> argv{const_cast<char*>("/proc/self/exe"), const_cast<char*>(filter.c_str()), nullptr};
+      std::vector<char*> envp;
+      for (auto& s : env_strings) envp.push_back(const_cast<char*>(s.c_str()));
+      envp.push_back(nullptr);
+      execve("/proc/self/exe", argv.data(), envp.data());
+      _exit(127);
+    }
+    pids[rank] = pid;
+  }
+
+  std::vector<WorkerExit> exits(n);
+  std::vector<bool> running(n, true);
+  int left = n;
+  Deadline deadline(options.timeout);
+  while (left > 0) {
+    bool reaped = false;
+    for (int rank = 0; rank < n; ++rank) {
+      int status = 0;
+      if (!running[rank] || waitpid(pids[rank], &status, WNOHANG) != pids[rank]) continue;
+      running[rank] = false;
+      --left;
+      reaped = true;
+      exits[rank].rank = rank;
+      exits[rank].exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+      exits[rank].signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
+      if (store) comm::put(store, comm::worker_exit_key(rank), describe_exit(status));
+    }
+    // Stragglers go once everyone else is done.
+    int others_left = 0;
+    for (int rank = 0; rank < n; ++rank) others_left += running[rank] && !options.stragglers.count(rank);
+    if (others_left == 0) {
+      for (int rank : options.stragglers) if (running[rank]) kill(pids[rank], SIGKILL);
+    }
+    if (deadline.expired()) {
+      for (int rank = 0; rank < n; ++rank) {
+        if (running[rank]) {
+          ADD_FAILURE() << "worker " << rank << " still running after " << format_duration(options.timeout);
+          kill(pids[rank], SIGKILL);
+        }
+      }
+      for (int rank = 0; rank < n; ++rank) {
+        if (running[rank]) waitpid(pids[rank], nullptr, 0);
+        exits[rank].rank = rank;
+      }
+      break;
+    }
+    if (!reaped) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+
+  for (int rank = 0; rank < n; ++rank) {
+    const std::string path = directory + "/worker" + std::to_string(rank) + ".log";
+    exits[rank].output = read_file(path);
+    std::remove(path.c_str());
+    const bool ok = exits[rank].exit_code == 0;
+    if (!ok && !options.may_fail.count(rank) && !options.stragglers.count(rank)) {
+      ADD_FAILURE() << "worker " << rank << " of " << n << " failed (exit code " << exits[rank].exit_code
+                    << ", signal " << exits[rank].signal << "); its output:\n" << exits[rank].output;
+    }
+  }
+  rmdir(directory.c_str());
+  return exits;
+}
+
+}  // namespace shoal::testing
