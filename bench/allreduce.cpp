@@ -2,18 +2,19 @@
 // directly, in the same processes, over the same store, with the same device and threads.
 //
 //   shoal run -n N [--no-tag-output] allreduce [--min-bytes B] [--max-bytes B] [--factor F]
-//                                              [--reps R] [--bound-gbit G] [--sliced] [--split K]
+//                                [--reps R] [--bound-gbit G] [--sliced [--slice-ms M]] [--split K]
 //
 // Sizes go from --min-bytes to --max-bytes of float32, multiplied by --factor each step. For each
-// size the two implementations alternate repetitions (shoal first on even ones, raw first on odd
-// ones) so that noise from the rest of the machine falls on both alike. A repetition's time is
+// size the contenders take turns within each repetition, in column order on even repetitions and
+// in reverse on odd ones, so that noise from the rest of the machine falls on all alike. A repetition's time is
 // the slowest worker's; the table shows the median over --reps repetitions, and shoal/raw is the
 // median of the repetitions' ratios raw time / shoal time (above 1: shoal was faster).
 // Bus bandwidth = 2(N-1)/N * S / t, the bytes each worker's busiest link carries in a ring.
 // With --bound-gbit G (a shaped link of G Gbit/s), the table adds the link's bound time
 // 2(N-1)/N * S / B and the fraction of it achieved.
 // With --sliced, two more columns time raw gloo waited on as shoal's Work::wait does (see the
-// contenders "sliced" and "probed" below), to tell what in shoal's wrapper costs what.
+// contenders "sliced" and "probed" below), to tell what in shoal's wrapper costs what; the
+// slices last --slice-ms (default 250, as shoal's).
 // With --split K, a column times raw gloo on the tensor cut into K parts all-reduced at once
 // (the group's 2 threads run two at a time): what splitting large tensors could gain.
 #include <arpa/inet.h>
@@ -47,13 +48,14 @@ struct BenchOptions {
   int reps = 9;
   double bound_gbit = 0;  // 0: no shaped link to compare with
   bool sliced = false;
+  int slice_ms = 250;  // shoal's kLivenessPeriod (src/comm/work.cpp)
   int split = 0;  // 0: no "split" column
 };
 
 [[noreturn]] void usage(const std::string& problem) {
   std::fprintf(stderr,
                "allreduce: %s\nusage: allreduce [--min-bytes B] [--max-bytes B] [--factor F] "
-               "[--reps R] [--bound-gbit G] [--sliced] [--split K]\n",
+               "[--reps R] [--bound-gbit G] [--sliced [--slice-ms M]] [--split K]\n",
                problem.c_str());
   std::exit(2);
 }
@@ -77,6 +79,7 @@ BenchOptions parse(int argc, char** argv) {
     else if (flag == "--reps") options.reps = static_cast<int>(number);
     else if (flag == "--bound-gbit") options.bound_gbit = number;
     else if (flag == "--split") options.split = static_cast<int>(number);
+    else if (flag == "--slice-ms") options.slice_ms = static_cast<int>(number);
     else usage("unknown flag '" + flag + "'");
   }
   if (options.min_bytes < 4 || options.max_bytes < options.min_bytes || options.factor < 2 ||
@@ -192,7 +195,7 @@ int main(int argc, char** argv) {
       auto work = raw->allreduce(tensors);
       for (;;) {
         try {
-          work->wait(std::chrono::milliseconds(250));
+          work->wait(std::chrono::milliseconds(options.slice_ms));
           return;
         } catch (const std::exception&) {
           // A slice can run out just before the operation completes, and building c10d's

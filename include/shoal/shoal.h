@@ -6,5 +6,7 @@
 #include "shoal/comm/work.h"
 #include "shoal/core/error.h"
 #include "shoal/core/timeout.h"
+#include "shoal/data/loader.h"
+#include "shoal/dp/data_parallel.h"
 #include "shoal/runtime/init.h"
 #include "shoal/runtime/job.h"

@@ -44,7 +44,8 @@ std::string others(const Group::State& group) {
 }
 
 // Gloo reported an error: usually a peer's socket closed. Its launcher's record of how it ended
-// may lag the socket by a few milliseconds, so give it a moment to name the lost worker.
+// may lag the socket by a few milliseconds, so give it a moment to name the lost worker. With no
+// record (no launcher that keeps them, or not a lost peer at all) Gloo's words must do.
 [[noreturn]] void fail_with_backend_error(Work::State& work, const std::exception& e) {
   const auto waited = work.deadline.elapsed();
   std::string lost = work.group->lost_members();
@@ -53,7 +54,7 @@ std::string others(const Group::State& group) {
     lost = work.group->lost_members();
   }
   fail(work, "failed after " + format_duration(waited) + ": " +
-                 (lost.empty() ? "a peer was lost" : "lost " + lost) + " (gloo: " + first_line(e) + ")");
+                 (lost.empty() ? "" : "lost " + lost + " ") + "(gloo: " + first_line(e) + ")");
 }
 
 }  // namespace
@@ -82,10 +83,17 @@ void Work::wait(Duration timeout) {
         try {
           work.backend_work->wait(std::min(kLivenessPeriod, deadline.remaining()));
           break;
-        } catch (const std::exception& e) {
-          // c10d's wait(timeout) throws both when the time runs out and when the operation
-          // failed; only a completed operation has failed.
-          if (work.backend_work->isCompleted()) fail_with_backend_error(work, e);
+        } catch (const std::exception&) {
+          // c10d's wait(timeout) throws both when the slice runs out and when the operation
+          // failed. An operation that completed between the two is judged by its own status.
+          if (work.backend_work->isCompleted()) {
+            if (work.backend_work->isSuccess()) break;
+            try {
+              std::rethrow_exception(work.backend_work->exception());
+            } catch (const std::exception& failure) {
+              fail_with_backend_error(work, failure);
+            }
+          }
         }
         if (deadline.expired()) {
           fail(work, "timed out after " + format_duration(work.deadline.elapsed()) +
@@ -100,6 +108,20 @@ void Work::wait(Duration timeout) {
   }
   if (work.finish) work.finish(work);
   work.done = true;
+}
+
+Work& Work::then(std::function<void(const at::Tensor&)> next) {
+  SHOAL_CHECK(state_ != nullptr) << "then() on an empty Work";
+  if (state_->done) {
+    next(state_->result);
+    return *this;
+  }
+  auto before = std::move(state_->finish);
+  state_->finish = [before = std::move(before), next = std::move(next)](State& work) {
+    if (before) before(work);
+    next(work.result);
+  };
+  return *this;
 }
 
 bool Work::is_completed() const {

@@ -1,6 +1,7 @@
 // A handle on an operation in flight (c10d's Work, with shoal's deadlines and errors).
 #pragma once
 
+#include <functional>
 #include <memory>
 
 #include <ATen/ATen.h>
@@ -24,6 +25,12 @@ class Work {
 
   // True once wait() would return or throw without blocking.
   bool is_completed() const;
+
+  // Runs `next(result)` once the operation has succeeded, inside the wait() that sees it
+  // complete (so on the waiting thread), after the operation's own completion steps; `result`
+  // is what result() will return (undefined for in-place operations). For communication hooks:
+  // decompress, divide, copy back.
+  Work& then(std::function<void(const at::Tensor& result)> next);
 
   // The operation's output, for those that make a new tensor (all_gather, reduce_scatter,
   // all_to_all). Valid after wait().

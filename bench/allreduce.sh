@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# All-reduce bus bandwidth, shoal beside raw c10d ProcessGroupGloo (bench/allreduce.cpp):
+#   1. 2 and 4 workers on loopback;
+#   2. 2 workers on two "hosts": network namespaces joined by a veth pair shaped to 1 Gbit/s with
+#      tc tbf, one `shoal run` per namespace, beside the link's bound. Needs root; skipped if not.
+#
+#   bench/allreduce.sh [BUILD_DIR]      (default: build; e.g. build-bench)
+# Environment: REPS (repetitions per size, default 15 on loopback), SHAPED_REPS (default 7),
+# FACTOR (size step, default 2), SLICED=1 adds the "raw gloo waited in 250 ms slices" column.
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+build=${1:-$here/../build}
+shoal=$(realpath "$build/bin/shoal")
+bench=$(realpath "$build/bench/allreduce")
+reps=${REPS:-15}
+shaped_reps=${SHAPED_REPS:-7}
+factor=${FACTOR:-2}
+sliced=()
+[[ "${SLICED:-0}" == 1 ]] && sliced=(--sliced)
+
+for tool in "$shoal" "$bench"; do
+  [[ -x "$tool" ]] || { echo "allreduce.sh: $tool is missing; build the targets shoal_cli and allreduce" >&2; exit 2; }
+done
+
+echo "## machine"
+echo "date: $(date)"
+echo "cores: $(nproc); $(lscpu | grep 'Model name' | sed 's/  */ /g')"
+echo "os: $(. /etc/os-release && echo "$PRETTY_NAME")"
+echo "load before: $(cut -d' ' -f1-3 /proc/loadavg)"
+
+for n in 2 4; do
+  echo
+  echo "## loopback, $n workers"
+  timeout 600 "$shoal" run -n "$n" --no-tag-output "$bench" --reps "$reps" --factor "$factor" "${sliced[@]}"
+  echo "load after: $(cut -d' ' -f1-3 /proc/loadavg)"
+done
+
+echo
+echo "## shaped link: 2 network namespaces, veth pair, tbf rate 1gbit burst 64kb latency 50ms"
+if [[ $(id -u) != 0 ]]; then
+  echo "skipped: creating network namespaces and shaping a link needs root (ip netns, tc)"
+  exit 0
+fi
+for tool in ip tc; do
+  command -v "$tool" >/dev/null || { echo "skipped: $tool (iproute2) is not installed"; exit 0; }
+done
+
+# Unique names, so that concurrent runs (or a test) never touch each other's namespaces; the
+# addresses exist only inside these namespaces.
+ns_a=shoal-bench-a-$$
+ns_b=shoal-bench-b-$$
+veth=sbv$$  # interface names have at most 15 characters
+addr_a=10.77.0.1
+addr_b=10.77.0.2
+port=29500
+
+node1_pid=
+cleanup() {
+  [[ -n "$node1_pid" ]] && kill "$node1_pid" 2>/dev/null || true
+  # Deleting a namespace deletes its end of the veth pair, and with it the pair.
+  ip netns del "$ns_a" 2>/dev/null || true
+  ip netns del "$ns_b" 2>/dev/null || true
+}
+trap cleanup EXIT
+
+ip netns add "$ns_a"
+ip netns add "$ns_b"
+ip link add "${veth}a" netns "$ns_a" type veth peer name "${veth}b" netns "$ns_b"
+ip -n "$ns_a" addr add "$addr_a/24" dev "${veth}a"
+ip -n "$ns_b" addr add "$addr_b/24" dev "${veth}b"
+for ns in "$ns_a" "$ns_b"; do ip -n "$ns" link set lo up; done
+ip -n "$ns_a" link set "${veth}a" up
+ip -n "$ns_b" link set "${veth}b" up
+# Both directions: an all-reduce ring sends both ways at once.
+ip netns exec "$ns_a" tc qdisc add dev "${veth}a" root tbf rate 1gbit burst 64kb latency 50ms
+ip netns exec "$ns_b" tc qdisc add dev "${veth}b" root tbf rate 1gbit burst 64kb latency 50ms
+ip netns exec "$ns_a" tc qdisc show dev "${veth}a"
+
+args=(--reps "$shaped_reps" --factor "$factor" --bound-gbit 1 "${sliced[@]}")
+# Node 1 prints nothing but errors (only rank 0 prints the table).
+ip netns exec "$ns_b" timeout 600 "$shoal" run --nnodes 2 --node-rank 1 --master "$addr_a:$port" -n 1 \
+  --no-tag-output "$bench" "${args[@]}" &
+node1_pid=$!
+status=0
+ip netns exec "$ns_a" timeout 600 "$shoal" run --nnodes 2 --node-rank 0 --master "$addr_a:$port" -n 1 \
+  --no-tag-output "$bench" "${args[@]}" || status=$?
+wait "$node1_pid" || status=$?
+node1_pid=
+echo "load after: $(cut -d' ' -f1-3 /proc/loadavg)"
+ip netns exec "$ns_a" tc -s qdisc show dev "${veth}a" | sed 's/^/# /'
+exit "$status"

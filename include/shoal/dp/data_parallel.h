@@ -1,0 +1,120 @@
+// DataParallel: wraps a module so that backward averages its gradients across the job's workers.
+//
+//   auto net = std::make_shared<Net>();        // or a TORCH_MODULE holder
+//   shoal::DataParallel model(net);             // broadcasts, checks, hooks in
+//   ... net->forward(x) / model->forward(x), loss.backward(), optimizer.step() as before
+//
+// The module is used exactly as before; DataParallel only adds autograd hooks and keeps the
+// workers' copies equal. See docs/dp.md.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <utility>
+
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include "shoal/comm/group.h"
+#include "shoal/dp/comm_hooks.h"
+#include "shoal/dp/reducer.h"
+
+namespace shoal {
+
+struct DataParallelOptions {
+  // Gradients are averaged in buckets of about this many bytes (PyTorch: bucket_cap_mb=25).
+  int64_t bucket_bytes = 25 * 1024 * 1024;
+  // See dp::ReducerOptions::find_unused_parameters.
+  bool find_unused_parameters = false;
+  // Broadcast buffers (e.g. batch-norm running statistics) from the first worker after each
+  // synchronized backward, so every worker's next forward sees the same buffers.
+  bool broadcast_buffers = true;
+  // How a bucket is averaged; empty: an all-reduce in the gradients' dtype.
+  dp::CommHook comm_hook;
+  // The workers to replicate over; empty: shoal::world().
+  std::optional<comm::Group> group;
+};
+
+namespace dp {
+
+// The part of DataParallel that does not depend on the module's type.
+class Replicator {
+ public:
+  Replicator(std::shared_ptr<torch::nn::Module> module, DataParallelOptions options);
+  void set_sync(bool sync) {
+    if (reducer_) reducer_->set_sync(sync);
+    sync_ = sync;
+  }
+  bool sync() const { return sync_; }
+  // Null in a job of one, where there is nothing to average.
+  const Reducer* reducer() const { return reducer_.get(); }
+  // Copies the first worker's buffers to every worker.
+  void broadcast_buffers();
+
+ private:
+  std::shared_ptr<torch::nn::Module> module_;
+  comm::Group group_;
+  std::unique_ptr<Reducer> reducer_;
+  bool sync_ = true;
+};
+
+}  // namespace dp
+
+template <typename ModuleType>
+class DataParallel {
+ public:
+  explicit DataParallel(std::shared_ptr<ModuleType> module, DataParallelOptions options = {})
+      : module_(std::move(module)), replicator_(std::make_unique<dp::Replicator>(module_, std::move(options))) {}
+
+  explicit DataParallel(torch::nn::ModuleHolder<ModuleType> holder, DataParallelOptions options = {})
+      : DataParallel(holder.ptr(), std::move(options)) {}
+
+  ModuleType* operator->() { return module_.get(); }
+  const ModuleType* operator->() const { return module_.get(); }
+  ModuleType& operator*() { return *module_; }
+  const std::shared_ptr<ModuleType>& module() const { return module_; }
+
+  // Calls the module's forward.
+  template <typename... Args>
+  decltype(auto) forward(Args&&... args) {
+    return module_->forward(std::forward<Args>(args)...);
+  }
+  template <typename... Args>
+  decltype(auto) operator()(Args&&... args) {
+    return module_->forward(std::forward<Args>(args)...);
+  }
+
+  // Within the returned guard's scope, backward accumulates gradients locally only; the first
+  // backward after it averages everything accumulated (gradient accumulation, PyTorch's no_sync).
+  class NoSync {
+   public:
+    explicit NoSync(dp::Replicator& replicator) : replicator_(&replicator), before_(replicator.sync()) {
+      replicator.set_sync(false);
+    }
+    ~NoSync() {
+      if (replicator_) replicator_->set_sync(before_);
+    }
+    NoSync(NoSync&& other) noexcept : replicator_(std::exchange(other.replicator_, nullptr)), before_(other.before_) {}
+    NoSync(const NoSync&) = delete;
+    NoSync& operator=(const NoSync&) = delete;
+    NoSync& operator=(NoSync&&) = delete;
+
+   private:
+    dp::Replicator* replicator_;
+    bool before_;
+  };
+  [[nodiscard]] NoSync no_sync() { return NoSync(*replicator_); }
+
+  const dp::Replicator& replicator() const { return *replicator_; }
+
+ private:
+  std::shared_ptr<ModuleType> module_;
+  std::unique_ptr<dp::Replicator> replicator_;
+};
+
+template <typename ModuleType>
+DataParallel(std::shared_ptr<ModuleType>, DataParallelOptions = {}) -> DataParallel<ModuleType>;
+template <typename ModuleType>
+DataParallel(torch::nn::ModuleHolder<ModuleType>, DataParallelOptions = {}) -> DataParallel<ModuleType>;
+
+}  // namespace shoal

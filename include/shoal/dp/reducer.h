@@ -1,0 +1,62 @@
+// The engine of DataParallel: averages gradients across workers during backward.
+//
+// Parameters are grouped into buckets in reverse registration order (roughly the order backward
+// produces their gradients). A hook after each parameter's gradient accumulation copies the
+// gradient into its bucket; when a bucket is full its average is started at once, while backward
+// goes on with earlier layers. Buckets are started strictly in bucket order, so every worker
+// issues the same collectives in the same order whatever order its gradients arrive in. At the
+// end of backward (an autograd engine callback) buckets not yet started (their parameters got no
+// gradient here) are started with zeros in place of the missing gradients, every bucket is
+// waited for, and the averages are written to the parameters' .grad.
+// See docs/dp.md.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "shoal/comm/group.h"
+#include "shoal/dp/comm_hooks.h"
+
+namespace shoal::dp {
+
+struct ReducerOptions {
+  int64_t bucket_bytes = 25 * 1024 * 1024;
+  // The first bucket is kept small so that communication starts early in backward.
+  int64_t first_bucket_bytes = 1024 * 1024;
+  // Agree after each backward on which parameters got a gradient on any worker, and leave the
+  // .grad of those that got none anywhere untouched (as a single process would). One more small
+  // all-reduce per step. Without it such parameters get a zero gradient.
+  bool find_unused_parameters = false;
+  CommHook hook;  // empty: allreduce_hook()
+};
+
+class Reducer {
+ public:
+  // `parameters`: the ones that require gradients, in registration order.
+  Reducer(std::vector<at::Tensor> parameters, comm::Group group, ReducerOptions options);
+  ~Reducer();
+  Reducer(const Reducer&) = delete;
+  Reducer& operator=(const Reducer&) = delete;
+
+  // While false, backward accumulates gradients locally only (no_sync).
+  void set_sync(bool sync);
+  bool sync() const;
+
+  // Called at the end of each synchronized backward, after the gradients are averaged
+  // (DataParallel broadcasts buffers here).
+  void set_after_backward(std::function<void()> callback);
+
+  // The buckets, as lists of parameter indices (for tests and docs).
+  std::vector<std::vector<size_t>> bucket_assignment() const;
+
+  struct State;
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace shoal::dp

@@ -1,0 +1,190 @@
+#include "shoal/data/sampler.h"
+
+#include <algorithm>
+#include <numeric>
+#include <string>
+#include <utility>
+
+#include "shoal/comm/group.h"
+#include "shoal/core/error.h"
+#include "shoal/runtime/init.h"
+
+namespace shoal::data {
+namespace {
+
+// splitmix64 (Steele, Lea and Flood): a tiny generator of good quality whose output is fixed by
+// its definition, unlike std::uniform_int_distribution's or torch's, which vary by library.
+constexpr uint64_t kGoldenGamma = 0x9e3779b97f4a7c15ULL;
+
+uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+class SplitMix64 {
+ public:
+  explicit SplitMix64(uint64_t state) : state_(state) {}
+  uint64_t next() { return mix64(state_ += kGoldenGamma); }
+  // Uniform in [0, bound), without modulo bias: draws below 2^64 mod bound are rejected.
+  uint64_t below(uint64_t bound) {
+    const uint64_t threshold = (0 - bound) % bound;
+    for (;;) {
+      const uint64_t r = next();
+      if (r >= threshold) return r % bound;
+    }
+  }
+
+ private:
+  uint64_t state_;
+};
+
+std::string out_of_range(const char* name, int64_t value, const std::string& expected) {
+  return std::string("Sampler: ") + name + " = " + std::to_string(value) + " is out of range: expected " + expected;
+}
+
+void check_world(int rank, int world_size) {
+  if (world_size < 1) throw UsageError(out_of_range("world_size", world_size, "at least 1"));
+  if (rank < 0 || rank >= world_size) {
+    throw UsageError(out_of_range("rank", rank, "0 <= rank < world_size = " + std::to_string(world_size)));
+  }
+}
+
+void check_initialized() {
+  if (!is_initialized()) {
+    throw UsageError(
+        "Sampler: the job is not known yet: call shoal::init() first, or pass rank and world_size explicitly");
+  }
+}
+
+// Two functions because the order in which a call's arguments are evaluated is unspecified.
+int job_rank() {
+  check_initialized();
+  return rank();
+}
+
+int job_world_size() {
+  check_initialized();
+  return world_size();
+}
+
+}  // namespace
+
+std::vector<size_t> epoch_permutation(int64_t size, uint64_t seed, int64_t epoch) {
+  std::vector<size_t> permutation(static_cast<size_t>(std::max<int64_t>(size, 0)));
+  std::iota(permutation.begin(), permutation.end(), size_t{0});
+  // mix64 is a bijection, so distinct epochs of one seed start distinct streams.
+  SplitMix64 random(mix64(mix64(seed) ^ static_cast<uint64_t>(epoch)));
+  for (size_t i = permutation.size(); i > 1; --i) {
+    std::swap(permutation[i - 1], permutation[random.below(i)]);
+  }
+  return permutation;
+}
+
+Sampler::Sampler(int64_t dataset_size, const SamplerOptions& options, int rank, int world_size)
+    : options_(options), dataset_size_(dataset_size), rank_(rank), world_size_(world_size) {
+  if (dataset_size < 0) throw UsageError(out_of_range("dataset_size", dataset_size, "at least 0"));
+  if (options.batch_size < 1) throw UsageError(out_of_range("batch_size", options.batch_size, "at least 1"));
+  check_world(rank, world_size);
+  set_epoch(0);
+}
+
+Sampler::Sampler(int64_t dataset_size, const SamplerOptions& options)
+    : Sampler(dataset_size, options, job_rank(), job_world_size()) {}
+
+void Sampler::set_epoch(int64_t epoch) {
+  if (epoch < 0) throw UsageError(out_of_range("epoch", epoch, "at least 0"));
+  const bool resuming = restored_ && epoch == epoch_;
+  restored_ = false;
+  if (resuming) return;
+  if (epoch != epoch_ || permutation_.size() != static_cast<size_t>(dataset_size_)) {
+    if (options_.shuffle) {
+      permutation_ = epoch_permutation(dataset_size_, options_.seed, epoch);
+    } else {
+      permutation_.resize(static_cast<size_t>(dataset_size_));
+      std::iota(permutation_.begin(), permutation_.end(), size_t{0});
+    }
+  }
+  epoch_ = epoch;
+  cursor_ = 0;
+}
+
+void Sampler::reshard(int rank, int world_size) {
+  check_world(rank, world_size);
+  rank_ = rank;
+  world_size_ = world_size;
+}
+
+int64_t Sampler::global_batch_size() const {
+  return options_.per_worker ? options_.batch_size * world_size_ : options_.batch_size;
+}
+
+int64_t Sampler::batches_from(int64_t position) const {
+  const int64_t remaining = dataset_size_ - position;
+  const int64_t global = global_batch_size();
+  if (options_.last_batch == LastBatch::kDrop) return remaining / global;
+  return (remaining + global - 1) / global;
+}
+
+int64_t Sampler::batches_per_epoch() const { return batches_from(0); }
+int64_t Sampler::batches_remaining() const { return batches_from(cursor_); }
+bool Sampler::epoch_done() const { return batches_remaining() == 0; }
+
+int64_t Sampler::global_batch_at_cursor() const {
+  if (epoch_done()) return 0;
+  if (options_.last_batch == LastBatch::kKeep) return std::min(global_batch_size(), dataset_size_ - cursor_);
+  return global_batch_size();  // kDrop: only full batches remain; kPad: filled up
+}
+
+std::vector<size_t> Sampler::batch() const {
+  const comm::Sizes shares = comm::split_sizes(global_batch_at_cursor(), world_size_);
+  const int64_t offset = std::accumulate(shares.begin(), shares.begin() + rank_, int64_t{0});
+  std::vector<size_t> indices(static_cast<size_t>(shares[rank_]));
+  for (size_t i = 0; i < indices.size(); ++i) {
+    // Wraps around only for kPad's last batch.
+    const int64_t position = (cursor_ + offset + static_cast<int64_t>(i)) % dataset_size_;
+    indices[i] = permutation_[static_cast<size_t>(position)];
+  }
+  return indices;
+}
+
+void Sampler::advance() {
+  if (epoch_done()) return;
+  cursor_ = std::min(dataset_size_, cursor_ + global_batch_size());
+}
+
+SamplerState Sampler::state() const {
+  SamplerState state;
+  state.seed = options_.seed;
+  state.shuffle = options_.shuffle;
+  state.dataset_size = dataset_size_;
+  state.epoch = epoch_;
+  state.cursor = cursor_;
+  return state;
+}
+
+void Sampler::load_state(const SamplerState& state) {
+  if (state.dataset_size != dataset_size_) {
+    throw UsageError("Sampler: the state was saved for a dataset of " + std::to_string(state.dataset_size) +
+                     " samples; this one has " + std::to_string(dataset_size_));
+  }
+  if (state.seed != options_.seed) {
+    throw UsageError("Sampler: the state was saved with seed " + std::to_string(state.seed) +
+                     "; this sampler's seed is " + std::to_string(options_.seed));
+  }
+  if (state.shuffle != options_.shuffle) {
+    const auto name = [](bool shuffle) { return shuffle ? "true" : "false"; };
+    throw UsageError(std::string("Sampler: the state was saved with shuffle = ") + name(state.shuffle) +
+                     "; this sampler has shuffle = " + name(options_.shuffle));
+  }
+  if (state.epoch < 0) throw UsageError(out_of_range("the state's epoch", state.epoch, "at least 0"));
+  if (state.cursor < 0 || state.cursor > dataset_size_) {
+    throw UsageError(out_of_range("the state's cursor", state.cursor,
+                                  "0 <= cursor <= dataset_size = " + std::to_string(dataset_size_)));
+  }
+  set_epoch(state.epoch);
+  cursor_ = state.cursor;
+  restored_ = true;
+}
+
+}  // namespace shoal::data

@@ -1,0 +1,150 @@
+#include "shoal/dp/data_parallel.h"
+
+#include <map>
+#include <sstream>
+
+#include "shoal/core/error.h"
+#include "shoal/runtime/init.h"
+
+namespace shoal::dp {
+namespace {
+
+struct Entry {
+  std::string kind;  // "parameter" or "buffer"
+  std::string name;
+  std::string shape;
+  std::string dtype;
+};
+
+std::vector<Entry> describe(const torch::nn::Module& module) {
+  std::vector<Entry> entries;
+  auto add = [&](const char* kind, const std::string& name, const at::Tensor& t) {
+    std::ostringstream shape;
+    shape << t.sizes();
+    entries.push_back({kind, name, shape.str(), std::string(c10::toString(t.scalar_type()))});
+  };
+  for (const auto& item : module.named_parameters()) add("parameter", item.key(), item.value());
+  for (const auto& item : module.named_buffers()) add("buffer", item.key(), item.value());
+  return entries;
+}
+
+std::string encode(const std::vector<Entry>& entries) {
+  std::string text;
+  for (const auto& e : entries) text += e.kind + '\t' + e.name + '\t' + e.shape + '\t' + e.dtype + '\n';
+  return text;
+}
+
+std::vector<Entry> decode(const std::string& text) {
+  std::vector<Entry> entries;
+  std::istringstream lines(text);
+  std::string line;
+  while (std::getline(lines, line)) {
+    Entry e;
+    std::istringstream fields(line);
+    std::getline(fields, e.kind, '\t');
+    std::getline(fields, e.name, '\t');
+    std::getline(fields, e.shape, '\t');
+    std::getline(fields, e.dtype, '\t');
+    entries.push_back(e);
+  }
+  return entries;
+}
+
+// Every worker's description of its model, through two all-gathers (lengths, then bytes).
+std::vector<std::string> gather_descriptions(comm::Group& group, const std::string& mine) {
+  auto length = at::full({1}, static_cast<int64_t>(mine.size()), at::kLong);
+  auto lengths = group.all_gather(length);
+  comm::AllGatherOptions options;
+  for (int i = 0; i < group.size(); ++i) options.sizes.push_back(lengths[i].item<int64_t>());
+  auto bytes = at::empty({static_cast<int64_t>(mine.size())}, at::kByte);
+  std::memcpy(bytes.data_ptr(), mine.data(), mine.size());
+  auto all = group.all_gather(bytes, options);
+  std::vector<std::string> descriptions;
+  int64_t offset = 0;
+  for (int i = 0; i < group.size(); ++i) {
+    descriptions.emplace_back(reinterpret_cast<const char*>(all.data_ptr<uint8_t>()) + offset, options.sizes[i]);
+    offset += options.sizes[i];
+  }
+  return descriptions;
+}
+
+// The first difference between worker 0's model and another's, or "" when all agree. Every
+// worker computes the same answer from the same descriptions, so all raise together.
+std::string first_difference(const std::vector<std::string>& descriptions, const std::vector<int>& members) {
+  const auto reference = decode(descriptions[0]);
+  for (size_t w = 1; w < descriptions.size(); ++w) {
+    if (descriptions[w] == descriptions[0]) continue;
+    const auto other = decode(descriptions[w]);
+    const std::string a = "worker " + std::to_string(members[0]);
+    const std::string b = "worker " + std::to_string(members[w]);
+    for (size_t i = 0; i < std::max(reference.size(), other.size()); ++i) {
+      if (i >= reference.size()) return b + " has " + other[i].kind + " '" + other[i].name + "' that " + a + " lacks";
+      if (i >= other.size()) return a + " has " + reference[i].kind + " '" + reference[i].name + "' that " + b + " lacks";
+      const auto& x = reference[i];
+      const auto& y = other[i];
+      if (x.kind != y.kind || x.name != y.name) {
+        return x.kind + " " + std::to_string(i) + " is '" + x.name + "' on " + a + " but " + y.kind + " '" + y.name +
+               "' on " + b;
+      }
+      if (x.shape != y.shape || x.dtype != y.dtype) {
+        return x.kind + " '" + x.name + "' has shape " + x.shape + " (" + x.dtype + ") on " + a + " but " + y.shape +
+               " (" + y.dtype + ") on " + b;
+      }
+    }
+  }
+  return "";
+}
+
+// One broadcast per dtype rather than one per tensor.
+void broadcast_from_first(comm::Group& group, const std::vector<at::Tensor>& tensors) {
+  std::map<at::ScalarType, std::vector<at::Tensor>> by_dtype;
+  for (const auto& t : tensors) by_dtype[t.scalar_type()].push_back(t);
+  torch::NoGradGuard no_grad;
+  for (auto& [dtype, group_tensors] : by_dtype) {
+    std::vector<at::Tensor> flat;
+    for (auto& t : group_tensors) flat.push_back(t.reshape(-1));
+    auto buffer = at::cat(flat);
+    group.broadcast(buffer, {0});
+    int64_t offset = 0;
+    for (auto& t : group_tensors) {
+      t.copy_(buffer.narrow(0, offset, t.numel()).view_as(t));
+      offset += t.numel();
+    }
+  }
+}
+
+}  // namespace
+
+Replicator::Replicator(std::shared_ptr<torch::nn::Module> module, DataParallelOptions options)
+    : module_(std::move(module)), group_(options.group ? *options.group : shoal::world()) {
+  if (!module_) throw UsageError("DataParallel: the module is null");
+  if (group_.size() == 1) return;  // a job of one: nothing to check, copy or average
+
+  const auto problem = first_difference(gather_descriptions(group_, encode(describe(*module_))), group_.members());
+  if (!problem.empty()) {
+    throw UsageError("DataParallel: the model differs across workers: " + problem +
+                     "; expected the same parameters and buffers, in the same order, everywhere");
+  }
+  std::vector<at::Tensor> state = module_->parameters();
+  for (auto& b : module_->buffers()) state.push_back(b);
+  broadcast_from_first(group_, state);
+
+  std::vector<at::Tensor> trainable;
+  for (auto& p : module_->parameters()) {
+    if (p.requires_grad()) trainable.push_back(p);
+  }
+  ReducerOptions reducer;
+  reducer.bucket_bytes = options.bucket_bytes;
+  reducer.find_unused_parameters = options.find_unused_parameters;
+  reducer.hook = options.comm_hook;
+  reducer_ = std::make_unique<Reducer>(std::move(trainable), group_, std::move(reducer));
+  if (options.broadcast_buffers && !module_->buffers().empty()) {
+    reducer_->set_after_backward([this] { broadcast_buffers(); });
+  }
+}
+
+void Replicator::broadcast_buffers() {
+  if (group_.size() > 1) broadcast_from_first(group_, module_->buffers());
+}
+
+}  // namespace shoal::dp

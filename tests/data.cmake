@@ -1,0 +1,3 @@
+# The data part (docs/data.md): the sampler and the loader.
+# Included from tests/CMakeLists.txt with include(data.cmake OPTIONAL).
+shoal_add_test(sampler_test sampler_test.cpp)

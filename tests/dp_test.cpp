@@ -1,0 +1,259 @@
+// DataParallel against its oracle: the same training on one process over the concatenated
+// global batch. Each worker starts from a different random model (DataParallel must broadcast
+// the first worker's), trains on its shard, and ends with the reference's parameters.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "harness.h"
+#include "shoal/shoal.h"
+
+namespace {
+
+using shoal::testing::run_workers;
+
+constexpr int64_t kIn = 6, kHidden = 8, kOut = 3, kPerWorker = 4, kSteps = 10;
+
+struct MlpImpl : torch::nn::Module {
+  explicit MlpImpl(bool with_norm = false, bool with_unused = false) {
+    fc1 = register_module("fc1", torch::nn::Linear(kIn, kHidden));
+    if (with_norm) norm = register_module("norm", torch::nn::BatchNorm1d(kHidden));
+    fc2 = register_module("fc2", torch::nn::Linear(kHidden, kOut));
+    // Used only for batches whose first input is positive: on some workers, not others.
+    gate = register_parameter("gate", torch::ones({kOut}));
+    if (with_unused) unused = register_parameter("unused", torch::randn({5}));
+  }
+  torch::Tensor forward(torch::Tensor x, bool use_gate = false) {
+    auto h = fc1(x);
+    if (norm) h = norm(h);
+    auto y = fc2(torch::tanh(h));
+    return use_gate ? y * gate : y;
+  }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  torch::nn::BatchNorm1d norm{nullptr};
+  torch::Tensor gate, unused;
+};
+TORCH_MODULE(Mlp);
+
+// The global batches, the same on every worker: kSteps batches of n * kPerWorker samples.
+std::pair<torch::Tensor, torch::Tensor> global_data(int n, int64_t per_worker = kPerWorker) {
+  torch::manual_seed(1234);
+  return {torch::randn({kSteps, n * per_worker, kIn}), torch::randint(kOut, {kSteps, n * per_worker})};
+}
+
+torch::Tensor loss_of(Mlp& net, const torch::Tensor& x, const torch::Tensor& y, bool gated) {
+  return torch::nn::functional::cross_entropy(net->forward(x, gated), y);
+}
+
+// Largest |a - b| over largest |b|, across all parameters (or buffers).
+double relative_difference(const std::vector<torch::Tensor>& pa, const std::vector<torch::Tensor>& pb) {
+  double diff = 0, scale = 0;
+  for (size_t i = 0; i < pa.size(); ++i) {
+    diff = std::max(diff, (pa[i] - pb[i]).abs().max().item<double>());
+    scale = std::max(scale, pb[i].abs().max().item<double>());
+  }
+  return diff / scale;
+}
+
+double relative_difference(Mlp& a, Mlp& b) { return relative_difference(a->parameters(), b->parameters()); }
+
+enum class Optim { kSgd, kAdam };
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(Mlp& net, Optim kind) {
+  if (kind == Optim::kSgd) return std::make_unique<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  // Adam normalizes each component by its own history, so a component whose gradient is zero up
+  // to rounding (summation order differs between the reference and the all-reduce) would step
+  // by +-lr either way; an eps above that rounding keeps the comparison about the averaging.
+  return std::make_unique<torch::optim::Adam>(net->parameters(), torch::optim::AdamOptions(0.01).eps(1e-4));
+}
+
+// Trains a reference on one process and the distributed model on this worker's shards, both for
+// kSteps, and checks they agree. Shards use their own control flow (the gate) in both.
+// With `with_unused`, the model also has a parameter no worker uses and one (the gate) that only
+// the workers whose shard starts with a positive input use.
+void train_and_compare(Optim kind, bool with_norm, bool with_unused, shoal::DataParallelOptions options = {}) {
+  const int n = shoal::world_size(), r = shoal::rank();
+  auto [x, y] = global_data(n);
+  auto gated = [with_unused](const torch::Tensor& shard) { return with_unused && shard[0][0].item<float>() > 0; };
+
+  torch::manual_seed(100);  // the first worker's model: what DataParallel broadcasts
+  Mlp reference(with_norm, with_unused);
+  torch::manual_seed(100 + r);  // every worker starts elsewhere
+  Mlp net(with_norm, with_unused);
+  shoal::DataParallel model(net, options);
+
+  auto ref_opt = make_optimizer(reference, kind);
+  auto opt = make_optimizer(net, kind);
+  for (int64_t step = 0; step < kSteps; ++step) {
+    // Reference: the mean over shards of each shard's mean loss, i.e. the global batch's mean.
+    ref_opt->zero_grad();
+    torch::Tensor total = torch::zeros({});
+    std::vector<torch::Tensor> first_buffers;
+    for (int w = 0; w < n; ++w) {
+      auto shard_x = x[step].narrow(0, w * kPerWorker, kPerWorker);
+      total = total + loss_of(reference, shard_x, y[step].narrow(0, w * kPerWorker, kPerWorker), gated(shard_x));
+      if (w == 0) {
+        for (auto& b : reference->buffers()) first_buffers.push_back(b.clone());
+      }
+    }
+    (total / n).backward();
+    ref_opt->step();
+    // The first worker's buffers win (DataParallel broadcasts them after backward).
+    {
+      torch::NoGradGuard no_grad;
+      auto buffers = reference->buffers();
+      for (size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(first_buffers[i]);
+    }
+
+    opt->zero_grad();
+    auto shard_x = x[step].narrow(0, r * kPerWorker, kPerWorker);
+    loss_of(net, shard_x, y[step].narrow(0, r * kPerWorker, kPerWorker), gated(shard_x)).backward();
+    opt->step();
+  }
+  EXPECT_LT(relative_difference(net, reference), 1e-5);
+  if (with_norm) {
+    std::vector<torch::Tensor> nb, rb;  // running mean and variance (num_batches_tracked is an integer)
+    for (auto& b : net->buffers()) if (b.is_floating_point()) nb.push_back(b);
+    for (auto& b : reference->buffers()) if (b.is_floating_point()) rb.push_back(b);
+    EXPECT_LT(relative_difference(nb, rb), 1e-5);
+    EXPECT_TRUE(torch::equal(net->norm->num_batches_tracked, reference->norm->num_batches_tracked));
+  }
+  if (with_unused) {
+    // No worker used it: like a single process, its gradient was never set.
+    if (options.find_unused_parameters) EXPECT_FALSE(net->unused.grad().defined());
+  }
+}
+
+class Equivalence : public ::testing::TestWithParam<int> {};
+
+TEST_P(Equivalence, Sgd) { run_workers(GetParam(), [] { train_and_compare(Optim::kSgd, false, false); }); }
+TEST_P(Equivalence, Adam) { run_workers(GetParam(), [] { train_and_compare(Optim::kAdam, false, false); }); }
+TEST_P(Equivalence, BatchNormBuffers) { run_workers(GetParam(), [] { train_and_compare(Optim::kSgd, true, false); }); }
+TEST_P(Equivalence, UnusedParameters) {
+  run_workers(GetParam(), [] {
+    shoal::DataParallelOptions options;
+    options.find_unused_parameters = true;
+    train_and_compare(Optim::kAdam, false, true, options);
+  });
+}
+TEST_P(Equivalence, UnusedParametersWithoutTheOptionDoNotHang) {
+  // Without the option, parameters no worker used get a zero gradient instead of none. For SGD
+  // with momentum that is the same step; Adam would count it as a step (see docs/dp.md).
+  run_workers(GetParam(), [] { train_and_compare(Optim::kSgd, false, true); });
+}
+TEST_P(Equivalence, SmallBucketsManyCollectives) {
+  run_workers(GetParam(), [] {
+    shoal::DataParallelOptions options;
+    options.bucket_bytes = 64;  // a bucket per parameter or two
+    train_and_compare(Optim::kAdam, true, false, options);
+  });
+}
+
+TEST_P(Equivalence, NoSyncAccumulationEqualsOneLargeBatch) {
+  run_workers(GetParam(), [] {
+    const int n = shoal::world_size(), r = shoal::rank();
+    constexpr int kMicro = 4;
+    auto [x, y] = global_data(n, kPerWorker * kMicro);
+    torch::manual_seed(100);
+    Mlp reference;
+    torch::manual_seed(100 + r);
+    Mlp net;
+    shoal::DataParallel model(net);
+    torch::optim::SGD ref_opt(reference->parameters(), 0.1), opt(net->parameters(), 0.1);
+    for (int64_t step = 0; step < 3; ++step) {
+      ref_opt.zero_grad();
+      loss_of(reference, x[step], y[step], false).backward();
+      ref_opt.step();
+
+      opt.zero_grad();
+      // This worker's rows of the large batch, in kMicro micro-batches.
+      const int64_t rows = kPerWorker * kMicro;
+      for (int m = 0; m < kMicro; ++m) {
+        auto xs = x[step].narrow(0, r * rows + m * kPerWorker, kPerWorker);
+        auto ys = y[step].narrow(0, r * rows + m * kPerWorker, kPerWorker);
+        if (m + 1 < kMicro) {
+          auto guard = model.no_sync();
+          (loss_of(net, xs, ys, false) / kMicro).backward();
+        } else {
+          (loss_of(net, xs, ys, false) / kMicro).backward();
+        }
+      }
+      opt.step();
+    }
+    EXPECT_LT(relative_difference(net, reference), 1e-5);
+  });
+}
+
+TEST_P(Equivalence, CompressionHooksStayClose) {
+  run_workers(GetParam(), [] {
+    for (auto hook : {shoal::dp::fp16_compress_hook(), shoal::dp::bf16_compress_hook()}) {
+      const int n = shoal::world_size(), r = shoal::rank();
+      auto [x, y] = global_data(n);
+      torch::manual_seed(100);
+      Mlp reference;
+      torch::manual_seed(100 + r);
+      Mlp net;
+      shoal::DataParallelOptions options;
+      options.comm_hook = hook;
+      shoal::DataParallel model(net, options);
+      torch::optim::SGD ref_opt(reference->parameters(), 0.1), opt(net->parameters(), 0.1);
+      for (int64_t step = 0; step < kSteps; ++step) {
+        ref_opt.zero_grad();
+        loss_of(reference, x[step], y[step], false).backward();
+        ref_opt.step();
+        opt.zero_grad();
+        loss_of(net, x[step].narrow(0, r * kPerWorker, kPerWorker), y[step].narrow(0, r * kPerWorker, kPerWorker), false)
+            .backward();
+        opt.step();
+      }
+      const double difference = relative_difference(net, reference);
+      EXPECT_LT(difference, 1e-2);
+      EXPECT_GT(difference, 0.0);  // the compression really happened
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, Equivalence, ::testing::Values(2, 3),
+                         [](const auto& info) { return "n" + std::to_string(info.param); });
+
+TEST(DataParallel, MismatchedModelsRaiseOnEveryWorker) {
+  run_workers(3, [] {
+    auto net = std::make_shared<torch::nn::LinearImpl>(shoal::rank() == 2 ? 5 : 4, 3);
+    auto start = std::chrono::steady_clock::now();
+    try {
+      shoal::DataParallel model(net);
+      ADD_FAILURE() << "expected UsageError";
+    } catch (const shoal::UsageError& e) {
+      EXPECT_STREQ(e.what(),
+                   "DataParallel: the model differs across workers: parameter 'weight' has shape [3, 4] (Float) on "
+                   "worker 0 but [3, 5] (Float) on worker 2; expected the same parameters and buffers, in the same "
+                   "order, everywhere");
+    }
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 10.0);
+  });
+}
+
+TEST(DataParallel, AJobOfOneIsPlainTraining) {
+  shoal::testing::WorkersOptions options;
+  options.launcher = shoal::testing::Launcher::kNone;
+  run_workers(1, [] {
+    auto [x, y] = global_data(1);
+    torch::manual_seed(0);
+    Mlp reference;
+    torch::manual_seed(0);
+    Mlp net;
+    shoal::DataParallel model(net);
+    EXPECT_EQ(model.replicator().reducer(), nullptr);
+    torch::optim::SGD ref_opt(reference->parameters(), 0.1), opt(net->parameters(), 0.1);
+    for (int64_t step = 0; step < kSteps; ++step) {
+      ref_opt.zero_grad();
+      loss_of(reference, x[step], y[step], false).backward();
+      ref_opt.step();
+      opt.zero_grad();
+      loss_of(net, x[step], y[step], false).backward();
+      opt.step();
+    }
+    EXPECT_EQ(relative_difference(net, reference), 0.0);
+  }, options);
+}
+
+}  // namespace

@@ -1,0 +1,327 @@
+// A static job over two "hosts": two network namespaces joined by a veth pair, one `shoal run`
+// in each (--nnodes 2, --node-rank 0 and 1), as on two machines. Needs root; skips otherwise.
+// The workers (programs/multihost_worker.cpp) all-reduce known values and print where they ran;
+// the test checks the sums against the closed form and that node 1's workers reached node 0 over
+// the veth addresses, from a network namespace of their own.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <regex>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "harness.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+using namespace std::chrono_literals;
+
+// Each launcher's deadline; a test runs its two launchers side by side, so this bounds it.
+constexpr auto kLauncherDeadline = 25s;
+constexpr const char* kAddressA = "10.78.0.1";
+constexpr const char* kAddressB = "10.78.0.2";
+constexpr int kMasterPort = 29400;
+
+std::string read_file(const fs::path& path) {
+  std::ifstream in(path);
+  return std::string((std::istreambuf_iterator<char>(in)), {});
+}
+
+// Runs a short shell command (the `ip` calls), bounded by `timeout 10`; returns its exit code and
+// puts its stdout and stderr in `output`.
+int shell(const std::string& command, std::string* output = nullptr) {
+  std::string text;
+  FILE* pipe = ::popen(("timeout 10 " + command + " 2>&1").c_str(), "r");
+  if (pipe == nullptr) return -1;
+  char buffer[512];
+  while (std::fgets(buffer, sizeof(buffer), pipe) != nullptr) text += buffer;
+  const int status = ::pclose(pipe);
+  if (output != nullptr) *output = text;
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+std::string own_network_namespace() {
+  std::error_code error;
+  return fs::read_symlink("/proc/self/ns/net", error).string();
+}
+
+// Two network namespaces joined by a veth pair, with an address at each end and loopback up.
+// The namespaces (and with them the veth pair) are deleted on destruction, whatever happened.
+class TwoHosts {
+ public:
+  // Why the namespaces cannot be made here, or nullopt when they can. Runs as root only.
+  std::optional<std::string> create() {
+    static int count = 0;
+    const std::string id = std::to_string(::getpid()) + "-" + std::to_string(++count);
+    names_ = {"shoal-mh-" + id + "-a", "shoal-mh-" + id + "-b"};
+    // Interface names have at most 15 characters.
+    const std::string veth = "mh" + std::to_string(::getpid() % 10000000) + "x" + std::to_string(count % 100);
+    std::string output;
+    for (size_t i = 0; i < names_.size(); ++i) {
+      if (shell("ip netns add " + names_[i], &output) != 0) {
+        names_.resize(i);  // only those that exist are deleted
+        return "`ip netns add` failed: " + output;
+      }
+    }
+    const std::vector<std::string> commands = {
+        "ip link add " + veth + "a netns " + names_[0] + " type veth peer name " + veth + "b netns " + names_[1],
+        in(0, "ip addr add " + std::string(kAddressA) + "/24 dev " + veth + "a"),
+        in(1, "ip addr add " + std::string(kAddressB) + "/24 dev " + veth + "b"),
+        in(0, "ip link set " + veth + "a up"),
+        in(1, "ip link set " + veth + "b up"),
+        // The store and the workers of one node also talk among themselves over loopback.
+        in(0, "ip link set lo up"),
+        in(1, "ip link set lo up"),
+    };
+    for (const auto& command : commands) {
+      if (shell(command, &output) != 0) return "`" + command + "` failed: " + output;
+    }
+    return std::nullopt;
+  }
+
+  ~TwoHosts() {
+    for (const auto& name : names_) {
+      std::string output;
+      if (shell("ip netns del " + name, &output) != 0) {
+        std::fprintf(stderr, "could not delete network namespace %s: %s\n", name.c_str(), output.c_str());
+      }
+    }
+  }
+
+  const std::string& name(int host) const { return names_.at(host); }
+  std::string in(int host, const std::string& command) const {
+    return "ip netns exec " + names_.at(host) + " " + command;
+  }
+
+ private:
+  std::vector<std::string> names_;
+};
+
+// A process started with `argv`, its stdout and stderr in files. Killed (SIGKILL) and reaped on
+// destruction if still running; its `shoal run` watchdog then takes the workers along.
+class Process {
+ public:
+  Process(const std::vector<std::string>& argv, const fs::path& out, const fs::path& err)
+      : out_(out), err_(err), start_(Clock::now()) {
+    std::vector<char*> c_argv;
+    std::vector<std::string> copy = argv;
+    for (auto& arg : copy) c_argv.push_back(arg.data());
+    c_argv.push_back(nullptr);
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      const int out_fd = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      const int err_fd = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      if (out_fd < 0 || err_fd < 0) ::_exit(126);
+      ::dup2(out_fd, STDOUT_FILENO);
+      ::dup2(err_fd, STDERR_FILENO);
+      ::execvp(c_argv[0], c_argv.data());
+      ::_exit(127);
+    }
+  }
+
+  ~Process() {
+    if (pid_ > 0 && !status_) {
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, nullptr, 0);
+    }
+  }
+
+  // The exit code (128 + signal when killed), or nullopt if it is still running at `deadline`.
+  std::optional<int> wait_until(Clock::time_point deadline) {
+    while (!status_) {
+      int status = 0;
+      const pid_t done = ::waitpid(pid_, &status, WNOHANG);
+      if (done == pid_) {
+        status_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+        seconds_ = std::chrono::duration<double>(Clock::now() - start_).count();
+        break;
+      }
+      if (done < 0 || Clock::now() >= deadline) return std::nullopt;
+      std::this_thread::sleep_for(20ms);
+    }
+    return status_;
+  }
+
+  double seconds() const { return seconds_; }
+  std::string out() const { return read_file(out_); }
+  std::string err() const { return read_file(err_); }
+
+ private:
+  pid_t pid_ = -1;
+  fs::path out_, err_;
+  Clock::time_point start_;
+  std::optional<int> status_;
+  double seconds_ = 0;
+};
+
+struct Result {
+  int rank = -1;
+  int world = 0;
+  int node = -1;
+  std::string master, local, netns;
+  double sum = 0;
+  bool vector_ok = false;
+};
+
+std::vector<Result> parse_results(const std::string& out) {
+  static const std::regex line(
+      R"(result rank=(\d+) world=(\d+) node=(\d+) master=(\S+) local=(\S+) netns=(\S+) sum=(\S+) vector=(\w+))");
+  std::vector<Result> results;
+  std::istringstream stream(out);
+  for (std::string text; std::getline(stream, text);) {
+    std::smatch m;
+    if (!std::regex_search(text, m, line)) continue;
+    Result r;
+    r.rank = std::stoi(m[1]);
+    r.world = std::stoi(m[2]);
+    r.node = std::stoi(m[3]);
+    r.master = m[4];
+    r.local = m[5];
+    r.netns = m[6];
+    r.sum = std::stod(m[7]);
+    r.vector_ok = m[8] == "OK";
+    results.push_back(r);
+  }
+  return results;
+}
+
+class MultiHost : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (::geteuid() != 0) {
+      GTEST_SKIP() << "needs root to create network namespaces and a veth pair (ip netns add); "
+                      "run the test as root to exercise a two-host job";
+    }
+    std::string output;
+    if (shell("ip -V", &output) != 0) GTEST_SKIP() << "iproute2's `ip` does not run here: " << output;
+    if (auto problem = hosts_.create()) GTEST_SKIP() << "cannot build the two hosts: " << *problem;
+    // Parameterised tests are named "Test/param": keep the directory flat.
+    std::string name = ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    std::replace(name.begin(), name.end(), '/', '_');
+    dir_ = fs::temp_directory_path() / ("shoal-multihost-" + std::to_string(::getpid()) + "-" + name);
+    fs::create_directories(dir_);
+  }
+
+  void TearDown() override {
+    if (!dir_.empty() && !HasFailure()) fs::remove_all(dir_);
+  }
+
+  // `shoal run` for node `node` in its namespace, with the worker and its arguments.
+  std::vector<std::string> launcher(int node, const std::vector<std::string>& worker_args) const {
+    std::vector<std::string> argv{"ip", "netns", "exec", hosts_.name(node), SHOAL_BIN, "run",
+                                  "-n", "2", "--nnodes", "2", "--node-rank", std::to_string(node),
+                                  "--master", std::string(kAddressA) + ":" + std::to_string(kMasterPort),
+                                  "--connect-timeout", "15",
+                                  std::string(SHOAL_TEST_PROGRAMS_DIR) + "/multihost_worker"};
+    argv.insert(argv.end(), worker_args.begin(), worker_args.end());
+    return argv;
+  }
+
+  std::unique_ptr<Process> start(int node, const std::vector<std::string>& worker_args) const {
+    const std::string tag = "node" + std::to_string(node);
+    return std::make_unique<Process>(launcher(node, worker_args), dir_ / (tag + ".out"),
+                                     dir_ / (tag + ".err"));
+  }
+
+  TwoHosts hosts_;  // declared first: destroyed after the processes that run inside it
+  fs::path dir_;
+};
+
+std::string describe(const Process& p) { return "stdout:\n" + p.out() + "stderr:\n" + p.err(); }
+
+TEST_F(MultiHost, AllReduceAcrossTwoNamespaces) {
+  auto node0 = start(0, {});
+  auto node1 = start(1, {});
+  const auto deadline = Clock::now() + kLauncherDeadline;
+  const auto code0 = node0->wait_until(deadline);
+  const auto code1 = node1->wait_until(deadline);
+  ASSERT_TRUE(code0.has_value()) << "node 0's shoal run still runs after 25 s\n" << describe(*node0);
+  ASSERT_TRUE(code1.has_value()) << "node 1's shoal run still runs after 25 s\n" << describe(*node1);
+  EXPECT_EQ(*code0, 0) << describe(*node0);
+  EXPECT_EQ(*code1, 0) << describe(*node1);
+
+  const std::string master = std::string(kAddressA) + ":" + std::to_string(kMasterPort);
+  const std::string here = own_network_namespace();
+  std::set<int> ranks;
+  std::map<int, std::set<std::string>> namespaces;  // node -> network namespaces of its workers
+  for (int node : {0, 1}) {
+    const Process& p = node == 0 ? *node0 : *node1;
+    const auto results = parse_results(p.out());
+    EXPECT_EQ(results.size(), 2u) << describe(p);
+    for (const auto& r : results) {
+      EXPECT_TRUE(ranks.insert(r.rank).second) << "rank " << r.rank << " reported twice";
+      // shoal run numbers ranks node by node: node k has ranks 2k and 2k+1.
+      EXPECT_EQ(r.rank / 2, node) << "rank " << r.rank << " ran on node " << node;
+      EXPECT_EQ(r.node, node);
+      EXPECT_EQ(r.world, 4);
+      EXPECT_EQ(r.sum, 4 * 5 / 2) << "rank " << r.rank;
+      EXPECT_TRUE(r.vector_ok) << "rank " << r.rank;
+      EXPECT_EQ(r.master, master) << "rank " << r.rank;
+      // The route to the master leaves through this node's end of the veth pair: node 1's
+      // workers can only have reached node 0 over the link.
+      EXPECT_EQ(r.local, node == 0 ? kAddressA : kAddressB) << "rank " << r.rank;
+      EXPECT_NE(r.netns, here) << "rank " << r.rank << " ran in the test's own network namespace";
+      namespaces[node].insert(r.netns);
+    }
+  }
+  EXPECT_EQ(ranks, (std::set<int>{0, 1, 2, 3}));
+  EXPECT_EQ(namespaces[0].size(), 1u);
+  EXPECT_EQ(namespaces[1].size(), 1u);
+  EXPECT_NE(namespaces[0], namespaces[1]) << "both nodes ran in the same network namespace";
+}
+
+// A worker of node 1 ends (exit code 3, or SIGKILL): node 1's launcher stops its other worker and
+// reports the failure through the store, node 0's launcher sees it and stops its own workers;
+// both exit non-zero, soon.
+class MultiHostFailure : public MultiHost, public ::testing::WithParamInterface<const char*> {};
+
+TEST_P(MultiHostFailure, BothLaunchersExitNonZero) {
+  const std::string how = GetParam();
+  const std::vector<std::string> args = {how == "exit" ? "--exit-rank" : "--kill-rank", "3"};
+  auto node0 = start(0, args);
+  auto node1 = start(1, args);
+  const auto deadline = Clock::now() + kLauncherDeadline;
+  const auto code0 = node0->wait_until(deadline);
+  const auto code1 = node1->wait_until(deadline);
+  ASSERT_TRUE(code0.has_value()) << "node 0's shoal run still runs after 25 s\n" << describe(*node0);
+  ASSERT_TRUE(code1.has_value()) << "node 1's shoal run still runs after 25 s\n" << describe(*node1);
+  std::printf("node 0: exit %d after %.2f s; node 1: exit %d after %.2f s\n", *code0,
+              node0->seconds(), *code1, node1->seconds());
+  EXPECT_NE(*code0, 0) << describe(*node0);
+  EXPECT_NE(*code1, 0) << describe(*node1);
+  // Node 1's launcher passes on how its worker ended.
+  EXPECT_EQ(*code1, how == "exit" ? 3 : 128 + SIGKILL) << describe(*node1);
+  const std::string ended = how == "exit" ? "worker 3 exited with code 3"
+                                          : "worker 3 was killed by signal 9 (SIGKILL)";
+  EXPECT_NE(node1->err().find(ended), std::string::npos) << describe(*node1);
+  // Well under the workers' 10 s collective timeout: the failure travels through the launchers
+  // (and Gloo's closed sockets), not through a timeout.
+  EXPECT_LT(node0->seconds(), 15.0) << describe(*node0);
+  EXPECT_LT(node1->seconds(), 15.0) << describe(*node1);
+  // All four workers had joined the job before one of them ended.
+  EXPECT_EQ(parse_results(node0->out()).size() + parse_results(node1->out()).size(), 4u)
+      << describe(*node0) << describe(*node1);
+}
+
+INSTANTIATE_TEST_SUITE_P(Worker3, MultiHostFailure, ::testing::Values("exit", "kill"),
+                         [](const auto& info) { return std::string(info.param); });
+
+}  // namespace
