@@ -1,6 +1,7 @@
 // shoal: distributed training for LibTorch programs. See README.md and docs/.
 #pragma once
 
+#include "shoal/checkpoint/checkpoint.h"
 #include "shoal/comm/group.h"
 #include "shoal/comm/store.h"
 #include "shoal/comm/work.h"

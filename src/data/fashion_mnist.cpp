@@ -77,6 +77,11 @@ FashionMnist::FashionMnist(const std::string& root, Split split) {
   }
 }
 
+FashionMnist FashionMnist::head(int64_t count) const {
+  const int64_t n = std::min(count, images_.size(0));
+  return FashionMnist(images_.narrow(0, 0, n), labels_.narrow(0, 0, n));
+}
+
 torch::data::Example<> FashionMnist::get(size_t index) {
   return {images_[static_cast<int64_t>(index)], labels_[static_cast<int64_t>(index)]};
 }

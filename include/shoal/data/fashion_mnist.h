@@ -20,6 +20,9 @@ class FashionMnist : public torch::data::datasets::Dataset<FashionMnist> {
   // file raises UsageError naming the file and what was expected.
   explicit FashionMnist(const std::string& root = kFashionMnistRoot, Split split = Split::kTrain);
 
+  // The first `count` images and labels (all of them when there are fewer).
+  FashionMnist head(int64_t count) const;
+
   torch::data::Example<> get(size_t index) override;
   torch::optional<size_t> size() const override;
 
@@ -27,6 +30,7 @@ class FashionMnist : public torch::data::datasets::Dataset<FashionMnist> {
   const torch::Tensor& labels() const { return labels_; }
 
  private:
+  FashionMnist(torch::Tensor images, torch::Tensor labels) : images_(std::move(images)), labels_(std::move(labels)) {}
   torch::Tensor images_;
   torch::Tensor labels_;
 };

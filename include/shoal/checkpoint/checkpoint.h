@@ -1,0 +1,76 @@
+// Checkpoints: a module, its optimizer and where the data loader stands, in one file.
+//
+//   shoal::save("ckpt.pt", *net, optimizer, loader.sampler().state());   // every worker calls it
+//   ...
+//   loader.sampler().load_state(shoal::load("ckpt.pt", *net, optimizer)); // on any number of workers
+//
+// Contract: save and load are collectives of shoal::world() (or of options.group): every
+// worker calls them, in the same order as its other collectives. save is written by the
+// group's first worker only (shoal::is_main() for the world), to a temporary file that is
+// fsynced and renamed over `path`, so `path` always holds a complete checkpoint, the old one
+// or the new one. load is read by the first worker, which checks it and broadcasts its bytes,
+// so the other workers need not see the same filesystem. Both raise UsageError on every worker
+// for a file that can't be written or read, or is truncated or corrupt; load raises it too
+// where the file doesn't fit the worker's module or optimizer. load then has changed nothing.
+// See docs/checkpoint.md.
+#pragma once
+
+#include <map>
+#include <optional>
+#include <string>
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include "shoal/comm/group.h"
+#include "shoal/core/timeout.h"
+#include "shoal/data/sampler.h"
+
+namespace shoal {
+
+// The program's own values, saved alongside: a step count, a learning rate, an RNG state.
+// Tensors of any dtype and shape, e.g. extras["lr"] = torch::tensor(0.01).
+using CheckpointExtras = std::map<std::string, at::Tensor>;
+
+struct SaveOptions {
+  CheckpointExtras extras;
+  // The workers that call save together; empty: shoal::world(). comm::Group::single() saves
+  // from a process on its own, also without shoal::init().
+  std::optional<comm::Group> group;
+  // How long the other workers wait for the first one to write the file; kUnsetTimeout: the
+  // group's timeout.
+  Duration timeout = kUnsetTimeout;
+};
+
+struct LoadOptions {
+  // When set, receives the file's extras (empty when it has none).
+  CheckpointExtras* extras = nullptr;
+  // As in SaveOptions.
+  std::optional<comm::Group> group;
+  // How long the other workers wait for the first one to read and send the file.
+  Duration timeout = kUnsetTimeout;
+};
+
+// Writes `path`: the module's parameters and buffers (what Module::save writes), the
+// optimizer's state, the loader's state and options.extras.
+void save(const std::string& path, const torch::nn::Module& module, const torch::optim::Optimizer& optimizer,
+          const data::SamplerState& loader_state, const SaveOptions& options = {});
+void save(const std::string& path, const torch::nn::Module& module, const torch::optim::Optimizer& optimizer,
+          const SaveOptions& options = {});
+void save(const std::string& path, const torch::nn::Module& module, const SaveOptions& options = {});
+
+// Restores the module and the optimizer from `path` and returns the loader state saved with
+// them (SamplerState{}, whose dataset_size is 0, when the file has none). Values are copied
+// into the module's tensors, so references to them (the optimizer's, DataParallel's) stay
+// valid. Every parameter and buffer must be in the file with the module's shape, and nothing
+// else may be; the file must have been saved with an optimizer of the same type over as many
+// parameters. Param-group options (the learning rate) stay the program's, as in LibTorch's
+// Optimizer::load; save them as extras when they change.
+data::SamplerState load(const std::string& path, torch::nn::Module& module, torch::optim::Optimizer& optimizer,
+                        const LoadOptions& options = {});
+// Restores the module only (for evaluation, or a new optimizer); the file's optimizer and
+// loader state are not used.
+void load(const std::string& path, torch::nn::Module& module, const LoadOptions& options = {});
+
+}  // namespace shoal

@@ -1,0 +1,158 @@
+// save and load as collectives: who writes, who reads, and how every worker learns the outcome.
+// The file's container is in container.cpp, its content in contents.cpp, the atomic write in
+// atomic_file.cpp.
+#include "shoal/checkpoint/checkpoint.h"
+
+#include <algorithm>
+#include <exception>
+#include <string_view>
+
+#include <c10/util/Exception.h>
+
+#include "atomic_file.h"
+#include "container.h"
+#include "contents.h"
+#include "shoal/core/error.h"
+#include "shoal/runtime/init.h"
+
+namespace shoal {
+namespace {
+
+// The root of every exchange: the group's first worker writes and reads the file.
+constexpr int kRoot = 0;
+
+// A file travels in pieces: each broadcast then has its own deadline, and no tensor needs
+// more than 2^31 elements.
+constexpr int64_t kPieceBytes = int64_t{64} << 20;
+
+void check_path(const std::string& path, const char* operation) {
+  if (path.empty()) throw UsageError(std::string(operation) + ": the path is empty; expected a file name");
+}
+
+comm::Group group_of(const std::optional<comm::Group>& group, const char* operation) {
+  if (group) return *group;
+  if (!is_initialized()) {
+    throw UsageError(std::string(operation) +
+                     ": the job is not known yet: call shoal::init() first, or pass options.group "
+                     "(comm::Group::single() for a process on its own)");
+  }
+  return world();
+}
+
+std::string first_line(const std::exception& error) {
+  const auto* torch_error = dynamic_cast<const c10::Error*>(&error);
+  std::string text = torch_error ? torch_error->what_without_backtrace() : error.what();
+  return text.substr(0, text.find('\n'));
+}
+
+// Gives every member the root's outcome and the bytes that go with it: its error message when
+// `ok` is false, otherwise whatever the operation sends (the file, for load). The other
+// members' `ok` and `bytes` are overwritten. Waiting for the root is what makes save return
+// only once the file is complete, and load fail on every worker when the root can't read.
+void share_outcome(comm::Group& group, bool& ok, std::string& bytes, Duration timeout) {
+  comm::BroadcastOptions options;
+  options.root = kRoot;
+  options.timeout = timeout;
+  auto outcome = at::tensor({static_cast<int64_t>(ok), static_cast<int64_t>(bytes.size())}, at::kLong);
+  group.broadcast(outcome, options);
+  ok = outcome[0].item<int64_t>() != 0;
+  const int64_t size = outcome[1].item<int64_t>();
+  if (group.rank() != kRoot) bytes.assign(static_cast<size_t>(size), '\0');
+  for (int64_t offset = 0; offset < size; offset += kPieceBytes) {
+    // A view of the string itself: the root sends from it, the others receive into it.
+    auto piece = at::from_blob(&bytes[static_cast<size_t>(offset)], {std::min(kPieceBytes, size - offset)}, at::kByte);
+    group.broadcast(piece, options);
+  }
+}
+
+// share_outcome, with the checkpoint and what was waited for named in a CommError.
+void share_outcome(comm::Group& group, bool& ok, std::string& bytes, const std::string& path, const char* waiting_for,
+                   Duration timeout) {
+  try {
+    share_outcome(group, ok, bytes, timeout);
+  } catch (const CommError& error) {
+    throw CommError("checkpoint " + path + ": waiting for worker " + std::to_string(kRoot) + " " + waiting_for +
+                    ": " + error.what());
+  }
+}
+
+void save_checkpoint(const std::string& path, const torch::nn::Module& module, const torch::optim::Optimizer* optimizer,
+                     const data::SamplerState* loader_state, const SaveOptions& options) {
+  check_path(path, "shoal::save");
+  comm::Group group = group_of(options.group, "shoal::save");
+  bool ok = true;
+  std::string error;
+  // Kept to rethrow on the root as it was, when it is not shoal's or LibTorch's (bad_alloc).
+  std::exception_ptr unexpected;
+  if (group.rank() == kRoot) {
+    try {
+      const std::string payload = checkpoint::serialize_contents(module, optimizer, loader_state, options.extras);
+      const std::string header = checkpoint::encode_header(payload);
+      checkpoint::write_file_atomically(path, {header, payload});
+    } catch (const UsageError& e) {
+      ok = false;
+      error = e.what();
+    } catch (const c10::Error& e) {
+      ok = false;
+      error = "checkpoint " + path + " could not be saved: " + first_line(e);
+    } catch (const std::exception& e) {
+      ok = false;
+      error = "checkpoint " + path + " could not be saved: the main worker failed: " + first_line(e);
+      unexpected = std::current_exception();
+    }
+  }
+  if (group.size() > 1) share_outcome(group, ok, error, path, "to write it", options.timeout);
+  if (unexpected) std::rethrow_exception(unexpected);
+  if (!ok) throw UsageError(error);
+}
+
+std::optional<data::SamplerState> load_checkpoint(const std::string& path, torch::nn::Module& module,
+                                                  torch::optim::Optimizer* optimizer, const LoadOptions& options) {
+  check_path(path, "shoal::load");
+  comm::Group group = group_of(options.group, "shoal::load");
+  bool ok = true;
+  std::string bytes;  // the file, or the root's error message when !ok
+  std::string_view payload;
+  if (group.rank() == kRoot) {
+    // Checked before sending, so that a bad file costs one message rather than its size.
+    try {
+      bytes = checkpoint::read_whole_file(path);
+      payload = checkpoint::open_container(path, bytes);
+    } catch (const UsageError& e) {
+      ok = false;
+      bytes = e.what();
+    }
+  }
+  if (group.size() > 1) share_outcome(group, ok, bytes, path, "to read it", options.timeout);
+  if (!ok) throw UsageError(bytes);
+  // The others check their copy too: the checksum is cheap next to deserializing.
+  if (group.rank() != kRoot) payload = checkpoint::open_container(path, bytes);
+  return checkpoint::restore_contents(path, payload, module, optimizer, options.extras);
+}
+
+}  // namespace
+
+void save(const std::string& path, const torch::nn::Module& module, const torch::optim::Optimizer& optimizer,
+          const data::SamplerState& loader_state, const SaveOptions& options) {
+  save_checkpoint(path, module, &optimizer, &loader_state, options);
+}
+
+void save(const std::string& path, const torch::nn::Module& module, const torch::optim::Optimizer& optimizer,
+          const SaveOptions& options) {
+  save_checkpoint(path, module, &optimizer, nullptr, options);
+}
+
+void save(const std::string& path, const torch::nn::Module& module, const SaveOptions& options) {
+  save_checkpoint(path, module, nullptr, nullptr, options);
+}
+
+data::SamplerState load(const std::string& path, torch::nn::Module& module, torch::optim::Optimizer& optimizer,
+                        const LoadOptions& options) {
+  return load_checkpoint(path, module, &optimizer, options).value_or(data::SamplerState{});
+}
+
+void load(const std::string& path, torch::nn::Module& module, const LoadOptions& options) {
+  load_checkpoint(path, module, nullptr, options);
+}
+
+}  // namespace shoal

@@ -1,0 +1,312 @@
+#include "contents.h"
+
+#include <map>
+#include <memory>
+#include <set>
+#include <sstream>
+#include <typeinfo>
+#include <utility>
+#include <vector>
+
+#include <c10/util/Exception.h>
+#include <c10/util/Type.h>
+#include <torch/optim/lbfgs.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+#include <torch/utils.h>
+
+#include "shoal/core/error.h"
+
+namespace shoal::checkpoint {
+namespace {
+
+using torch::serialize::InputArchive;
+using torch::serialize::OutputArchive;
+
+// The payload archive's top-level entries.
+constexpr const char* kModuleKey = "module";
+constexpr const char* kOptimizerKey = "optimizer";
+constexpr const char* kOptimizerTypeKey = "optimizer_type";
+constexpr const char* kLoaderKey = "loader";
+constexpr const char* kExtrasKey = "extras";
+
+std::string where(const std::string& path) { return "checkpoint " + path; }
+
+std::string expected_this_model() { return "; expected a checkpoint of this model"; }
+
+std::string shape_of(const at::Tensor& tensor) {
+  std::ostringstream text;
+  text << tensor.sizes();
+  return text.str();
+}
+
+std::string first_line(const std::exception& error) {
+  const auto* torch_error = dynamic_cast<const c10::Error*>(&error);
+  std::string text = torch_error ? torch_error->what_without_backtrace() : error.what();
+  return text.substr(0, text.find('\n'));
+}
+
+std::string type_name(const torch::optim::Optimizer& optimizer) { return c10::demangle(typeid(optimizer).name()); }
+
+// One tensor of the module and the value the file has for it.
+struct Copy {
+  at::Tensor target;
+  at::Tensor value;
+};
+
+// Walks the module as Module::save does (own parameters, own buffers, then serializable
+// children as nested archives) and pairs each tensor with the file's, checking names and shapes.
+void plan_module(const std::string& path, InputArchive& archive, torch::nn::Module& module, const std::string& prefix,
+                 std::vector<Copy>& copies) {
+  std::set<std::string> known;
+  auto plan = [&](const char* kind, const torch::OrderedDict<std::string, at::Tensor>& tensors) {
+    for (const auto& item : tensors) {
+      known.insert(item.key());
+      const std::string name = prefix + item.key();
+      const at::Tensor& target = item.value();
+      at::Tensor stored;
+      const bool in_file = archive.try_read(item.key(), stored) && stored.defined();
+      if (!target.defined()) {
+        // e.g. the bias of a Linear built with bias(false)
+        if (in_file) {
+          throw UsageError(where(path) + ": " + kind + " '" + name + "' has shape " + shape_of(stored) +
+                           " in the file but is undefined in the module" + expected_this_model());
+        }
+        continue;
+      }
+      if (!in_file) {
+        throw UsageError(where(path) + ": the module has " + kind + " '" + name + "' of shape " + shape_of(target) +
+                         ", which the file does not" + expected_this_model());
+      }
+      if (stored.sizes() != target.sizes()) {
+        throw UsageError(where(path) + ": " + kind + " '" + name + "' has shape " + shape_of(stored) +
+                         " in the file but " + shape_of(target) + " in the module" + expected_this_model());
+      }
+      copies.push_back({target, stored});
+    }
+  };
+  plan("parameter", module.named_parameters(/*recurse=*/false));
+  plan("buffer", module.named_buffers(/*recurse=*/false));
+  for (const auto& child : module.named_children()) {
+    if (!child.value()->is_serializable()) continue;
+    known.insert(child.key());
+    InputArchive child_archive;
+    if (!archive.try_read(child.key(), child_archive)) {
+      throw UsageError(where(path) + ": the module has submodule '" + prefix + child.key() +
+                       "', which the file does not" + expected_this_model());
+    }
+    plan_module(path, child_archive, *child.value(), prefix + child.key() + ".", copies);
+  }
+  for (const auto& key : archive.keys()) {
+    if (!known.count(key)) {
+      throw UsageError(where(path) + ": the file has '" + prefix + key + "', which the module does not" +
+                       expected_this_model());
+    }
+  }
+}
+
+// The module's name for each parameter, for messages about the optimizer's state.
+std::map<const void*, std::string> parameter_names(torch::nn::Module& module) {
+  std::map<const void*, std::string> names;
+  for (const auto& item : module.named_parameters()) names[item.value().unsafeGetTensorImpl()] = item.key();
+  return names;
+}
+
+int64_t read_int(InputArchive& archive, const std::string& key) {
+  c10::IValue value;
+  archive.read(key, value);
+  return value.toInt();
+}
+
+// Checks what LibTorch's own Optimizer::load checks only by a failed assertion or not at all:
+// the number of parameter groups and of their parameters, and that each per-parameter state
+// tensor has its parameter's shape (a different parameter order would otherwise put one
+// parameter's Adam moments on another). Reads the format of torch/optim/serialize.h.
+void check_optimizer_state(const std::string& path, InputArchive& archive, torch::optim::Optimizer& optimizer,
+                           torch::nn::Module& module) {
+  c10::IValue version;
+  InputArchive groups_archive, state_archive;
+  if (!archive.try_read("pytorch_version", version) || !archive.try_read("param_groups", groups_archive) ||
+      !archive.try_read("state", state_archive)) {
+    return;  // an optimizer with a format of its own: its load() checks what it needs
+  }
+  auto& groups = optimizer.param_groups();
+  at::Tensor group_count_tensor;
+  const int64_t group_count = groups_archive.try_read("param_groups/size", group_count_tensor)
+                                  ? group_count_tensor.item<int64_t>()
+                                  : 0;
+  if (group_count != static_cast<int64_t>(groups.size())) {
+    throw UsageError(where(path) + ": its optimizer has " + std::to_string(group_count) +
+                     " parameter groups; this one has " + std::to_string(groups.size()) +
+                     "; expected an optimizer built the same way");
+  }
+  const bool per_parameter_state = dynamic_cast<const torch::optim::LBFGS*>(&optimizer) == nullptr;
+  const auto names = parameter_names(module);
+  for (size_t g = 0; g < groups.size(); ++g) {
+    InputArchive group;
+    groups_archive.read("param_groups/" + std::to_string(g), group);
+    at::Tensor size;
+    group.read("params/size", size);
+    const auto& params = groups[g].params();
+    if (size.item<int64_t>() != static_cast<int64_t>(params.size())) {
+      throw UsageError(where(path) + ": parameter group " + std::to_string(g) + " of its optimizer has " +
+                       std::to_string(size.item<int64_t>()) + " parameters; this optimizer's has " +
+                       std::to_string(params.size()) + "; expected an optimizer over the same parameters");
+    }
+    if (!per_parameter_state) continue;
+    for (size_t p = 0; p < params.size(); ++p) {
+      c10::IValue key;
+      group.read("params/" + std::to_string(p), key);
+      InputArchive state;
+      if (!state_archive.try_read(key.toStringRef(), state)) continue;  // no step taken for it yet
+      for (const auto& field : state.keys()) {
+        at::Tensor value;
+        if (!state.try_read(field, value) || !value.defined() || value.dim() == 0) continue;
+        if (value.sizes() != params[p].sizes()) {
+          auto name = names.find(params[p].unsafeGetTensorImpl());
+          const std::string which = name != names.end() ? "parameter '" + name->second + "'"
+                                                        : "parameter " + std::to_string(p) + " of group " +
+                                                              std::to_string(g);
+          throw UsageError(where(path) + ": the optimizer's '" + field + "' for " + which + " has shape " +
+                           shape_of(value) + " in the file but the parameter has shape " + shape_of(params[p]) +
+                           "; expected an optimizer over the same parameters in the same order");
+        }
+      }
+    }
+  }
+}
+
+data::SamplerState read_loader_state(InputArchive& archive) {
+  data::SamplerState state;
+  state.seed = static_cast<uint64_t>(read_int(archive, "seed"));
+  state.shuffle = read_int(archive, "shuffle") != 0;
+  state.dataset_size = read_int(archive, "dataset_size");
+  state.epoch = read_int(archive, "epoch");
+  state.cursor = read_int(archive, "cursor");
+  return state;
+}
+
+CheckpointExtras read_extras(InputArchive& archive) {
+  CheckpointExtras extras;
+  const int64_t size = read_int(archive, "size");
+  for (int64_t i = 0; i < size; ++i) {
+    c10::IValue name;
+    archive.read("name/" + std::to_string(i), name);
+    at::Tensor value;
+    archive.read("value/" + std::to_string(i), value);
+    extras[name.toStringRef()] = value;
+  }
+  return extras;
+}
+
+}  // namespace
+
+std::string serialize_contents(const torch::nn::Module& module, const torch::optim::Optimizer* optimizer,
+                               const data::SamplerState* loader_state, const CheckpointExtras& extras) {
+  OutputArchive archive(std::make_shared<torch::jit::CompilationUnit>());
+  OutputArchive module_archive(archive.compilation_unit());
+  module.save(module_archive);
+  archive.write(kModuleKey, module_archive);
+  if (optimizer != nullptr) {
+    OutputArchive optimizer_archive(archive.compilation_unit());
+    optimizer->save(optimizer_archive);
+    archive.write(kOptimizerKey, optimizer_archive);
+    archive.write(kOptimizerTypeKey, c10::IValue(type_name(*optimizer)));
+  }
+  if (loader_state != nullptr) {
+    OutputArchive loader(archive.compilation_unit());
+    // The seed's bits, as an int64: archives hold signed integers.
+    loader.write("seed", c10::IValue(static_cast<int64_t>(loader_state->seed)));
+    loader.write("shuffle", c10::IValue(static_cast<int64_t>(loader_state->shuffle)));
+    loader.write("dataset_size", c10::IValue(loader_state->dataset_size));
+    loader.write("epoch", c10::IValue(loader_state->epoch));
+    loader.write("cursor", c10::IValue(loader_state->cursor));
+    archive.write(kLoaderKey, loader);
+  }
+  if (!extras.empty()) {
+    // Names go in as values, not keys: keys of an archive can't be any string (a '.' nests).
+    OutputArchive extras_archive(archive.compilation_unit());
+    extras_archive.write("size", c10::IValue(static_cast<int64_t>(extras.size())));
+    int64_t i = 0;
+    for (const auto& [name, value] : extras) {
+      if (!value.defined()) {
+        throw UsageError("shoal::save: extras[\"" + name + "\"] is an undefined tensor; expected a tensor");
+      }
+      extras_archive.write("name/" + std::to_string(i), c10::IValue(name));
+      extras_archive.write("value/" + std::to_string(i), value.detach());
+      ++i;
+    }
+    archive.write(kExtrasKey, extras_archive);
+  }
+  std::string payload;
+  archive.save_to([&payload](const void* data, size_t size) {
+    payload.append(static_cast<const char*>(data), size);
+    return size;
+  });
+  return payload;
+}
+
+std::optional<data::SamplerState> restore_contents(const std::string& path, std::string_view payload,
+                                                   torch::nn::Module& module, torch::optim::Optimizer* optimizer,
+                                                   CheckpointExtras* extras) {
+  // Reading: nothing of the caller's changes here. A payload that passed its checksum but does
+  // not parse was written by something other than shoal::save (or a different LibTorch).
+  InputArchive archive, module_archive, optimizer_archive;
+  std::vector<Copy> copies;
+  std::optional<data::SamplerState> loader_state;
+  CheckpointExtras saved_extras;
+  try {
+    archive.load_from(payload.data(), payload.size());
+    if (!archive.try_read(kModuleKey, module_archive)) {
+      throw UsageError(where(path) + " holds no module; expected a file written by shoal::save");
+    }
+    plan_module(path, module_archive, module, "", copies);
+    if (optimizer != nullptr) {
+      if (!archive.try_read(kOptimizerKey, optimizer_archive)) {
+        throw UsageError(where(path) + " holds no optimizer state: it was saved without an optimizer; expected "
+                         "one saved with shoal::save(path, module, optimizer, ...), or load it with "
+                         "shoal::load(path, module)");
+      }
+      c10::IValue saved_type;
+      archive.read(kOptimizerTypeKey, saved_type);
+      if (saved_type.toStringRef() != type_name(*optimizer)) {
+        throw UsageError(where(path) + ": its optimizer state is " + saved_type.toStringRef() + "'s; this optimizer is " +
+                         type_name(*optimizer) + "; expected the same type of optimizer");
+      }
+      check_optimizer_state(path, optimizer_archive, *optimizer, module);
+    }
+    InputArchive loader_archive;
+    if (archive.try_read(kLoaderKey, loader_archive)) loader_state = read_loader_state(loader_archive);
+    InputArchive extras_archive;
+    if (extras != nullptr && archive.try_read(kExtrasKey, extras_archive)) saved_extras = read_extras(extras_archive);
+  } catch (const UsageError&) {
+    throw;
+  } catch (const std::exception& error) {
+    throw UsageError(where(path) + ": its content can't be read (" + first_line(error) +
+                     "); expected a file written by shoal::save");
+  }
+
+  // Changing: the optimizer first, since its load() is the one step that can still fail.
+  if (optimizer != nullptr) {
+    // Optimizer::load adds the file's entries but keeps any other; starting empty makes the
+    // state exactly the file's. On failure the old entries go back untouched.
+    auto before = std::move(optimizer->state());
+    optimizer->state().clear();
+    try {
+      optimizer->load(optimizer_archive);
+    } catch (const std::exception& error) {
+      optimizer->state() = std::move(before);
+      throw UsageError(where(path) + ": its optimizer state does not fit this optimizer (" + first_line(error) +
+                       "); expected an optimizer built the same way");
+    }
+  }
+  {
+    // Copied in place, so that whoever holds the tensors (optimizer, DataParallel) keeps them.
+    torch::NoGradGuard no_grad;
+    for (auto& copy : copies) copy.target.copy_(copy.value);
+  }
+  if (extras != nullptr) *extras = std::move(saved_extras);
+  return loader_state;
+}
+
+}  // namespace shoal::checkpoint

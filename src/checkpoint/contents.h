@@ -1,0 +1,31 @@
+// What a checkpoint's payload holds, and restoring it with every check before the first change.
+// Private to src/checkpoint; the payload's layout is described in docs/checkpoint.md.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include "shoal/checkpoint/checkpoint.h"
+#include "shoal/data/sampler.h"
+
+namespace shoal::checkpoint {
+
+// The payload: a torch::serialize archive of the module (as Module::save writes it), and of
+// the optimizer and the loader state when not null, and of the extras when not empty.
+// UsageError for an undefined extra.
+std::string serialize_contents(const torch::nn::Module& module, const torch::optim::Optimizer* optimizer,
+                               const data::SamplerState* loader_state, const CheckpointExtras& extras);
+
+// Restores `module`, and `optimizer` and `extras` when not null, from `payload`, a verified
+// payload of the checkpoint at `path`; returns the loader state when the payload has one.
+// Everything is checked before anything changes: UsageError naming the first mismatch (a
+// parameter's name and shapes, the optimizer's type, a missing part), with nothing changed.
+std::optional<data::SamplerState> restore_contents(const std::string& path, std::string_view payload,
+                                                   torch::nn::Module& module, torch::optim::Optimizer* optimizer,
+                                                   CheckpointExtras* extras);
+
+}  // namespace shoal::checkpoint
