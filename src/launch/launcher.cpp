@@ -126,9 +126,12 @@ void Launcher::start_workers(const std::string& run_id, int port) {
     spec.env = to_envp(worker_environment(base, place));
     spec.signal_mask = signals_->original_mask();
     ChildProcess child;
+    pid_t watched = -1;
     try {
-      child = start_process(spec);
+      // See Note [No orphans] (watchdog.h): the guard learns the group before the program runs.
+      child = start_process(spec, [&](pid_t group) { watchdog_->watch(watched = group); });
     } catch (const Error& e) {
+      if (watched > 0) watchdog_->forget(watched);  // the child was reaped: the group is gone
       if (workers_.empty()) throw;  // nothing started: a plain usage error
       say(std::string(e.what()) + "; stopping the other workers");
       nodes_->report_failure("node " + std::to_string(options_.node_rank) + ": " + e.what());
@@ -136,7 +139,6 @@ void Launcher::start_workers(const std::string& run_id, int port) {
       begin_stop(SIGTERM);
       return;
     }
-    watchdog_->watch(child.pid);
     worker->pid = child.pid;
     worker->out = std::move(child.stdout_pipe);
     worker->err = std::move(child.stderr_pipe);

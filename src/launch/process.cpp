@@ -43,11 +43,21 @@ std::vector<char*> c_strings(const std::vector<std::string>& strings) {
 // other threads (the store's), and any lock they held at the fork stays held in the child.
 [[noreturn]] void become_worker(const ProcessSpec& spec, char* const* argv, char* const* envp,
                                 pid_t launcher, int null_fd, int out_fd, int err_fd,
-                                int status_fd, int max_fd) {
+                                int status_fd, const Pipe& gate, int max_fd) {
   ::setpgid(0, 0);
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
   // The launcher may have died before the line above; then nobody would kill us.
   if (::getppid() != launcher) ::_exit(127);
+  // Wait until the launcher has run before_exec (told the guard our group). Without this, a
+  // launcher SIGKILLed before it got to that left the program's children to live on. EOF instead
+  // of the byte: the launcher gave up on us.
+  ::close(gate.write.get());
+  char go = 0;
+  ssize_t got;
+  do {
+    got = ::read(gate.read.get(), &go, 1);
+  } while (got < 0 && errno == EINTR);
+  if (got != 1) ::_exit(127);
   ::dup2(null_fd, STDIN_FILENO);
   ::dup2(out_fd, STDOUT_FILENO);
   ::dup2(err_fd, STDERR_FILENO);
@@ -119,7 +129,7 @@ std::string resolve_program(const std::string& program) {
   throw UsageError("program '" + program + "' was not found on PATH");
 }
 
-ChildProcess start_process(const ProcessSpec& spec) {
+ChildProcess start_process(const ProcessSpec& spec, const std::function<void(pid_t)>& before_exec) {
   // Everything the child needs is prepared here: it must not allocate.
   std::vector<char*> argv = c_strings(spec.argv);
   std::vector<char*> envp = c_strings(spec.env);
@@ -128,6 +138,7 @@ ChildProcess start_process(const ProcessSpec& spec) {
   Pipe out = make_pipe();
   Pipe err = make_pipe();
   Pipe status = make_pipe();
+  Pipe gate = make_pipe();
   struct rlimit files {};
   const int max_fd = ::getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur < 65536
                          ? static_cast<int>(files.rlim_cur)
@@ -138,13 +149,19 @@ ChildProcess start_process(const ProcessSpec& spec) {
   if (pid < 0) throw Error(std::string("cannot fork a worker: ") + std::strerror(errno));
   if (pid == 0) {
     become_worker(spec, argv.data(), envp.data(), launcher, null_fd.get(), out.write.get(),
-                  err.write.get(), status.write.get(), max_fd);
+                  err.write.get(), status.write.get(), gate, max_fd);
   }
   // Also here, so that the group exists before the launcher may signal it.
   ::setpgid(pid, pid);
   out.write.reset();
   err.write.reset();
   status.write.reset();
+  gate.read.reset();
+  before_exec(pid);
+  const char go = 1;
+  while (::write(gate.write.get(), &go, 1) < 0 && errno == EINTR) {
+  }
+  gate.write.reset();
 
   // EOF means execve succeeded (the status pipe closed on exec); otherwise the child sent errno.
   int error = 0;

@@ -4,6 +4,7 @@
 #include <signal.h>
 #include <sys/types.h>
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -49,9 +50,12 @@ struct ChildProcess {
   Fd stderr_pipe;
 };
 
+// `before_exec(pid)` runs in the launcher once the child leads its own process group and before
+// the child may execute the program: whoever learns the group there (the guard, Note [No orphans]
+// in watchdog.h) knows it before anything the program starts can exist.
 // Raises UsageError when the program cannot be executed (the child's execve error, e.g.
 // "Exec format error" for a script without #!), after reaping the child.
-ChildProcess start_process(const ProcessSpec& spec);
+ChildProcess start_process(const ProcessSpec& spec, const std::function<void(pid_t)>& before_exec);
 
 // This process's children (from /proc/self/task/*/children; empty where the kernel lacks it).
 std::vector<pid_t> child_processes();

@@ -8,6 +8,10 @@
 // EOF without a goodbye, the launcher is gone (even by SIGKILL) and the guard SIGKILLs every
 // group it knows. The guard is in a process group of its own, so a signal to the launcher's
 // group does not take it along.
+// The guard must hear of a group before the worker executes its program, so a forked worker
+// waits for start_process's before_exec. Telling it once execve had succeeded was a race: on a
+// loaded machine the worker's script could start its children before the launcher next ran, and
+// a launcher killed in between left them alive.
 #pragma once
 
 #include <sys/types.h>
