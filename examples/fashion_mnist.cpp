@@ -1,6 +1,6 @@
 // Data-parallel training on Fashion-MNIST: a single-machine LibTorch program plus shoal's lines.
 //
-//   shoal run -n 2 build/examples/fashion_mnist [--epochs 5] [--batch-size 128] [--lr 0.05]
+//   shoal run -n 2 build/examples/fashion_mnist [--epochs 10] [--batch-size 128] [--lr 0.05]
 //                                               [--checkpoint PATH] [--resume] [--limit N]
 //
 // The lines marked "shoal" are all it takes: init() joins the job, DataParallel averages the
@@ -39,7 +39,7 @@ struct NetImpl : torch::nn::Module {
 TORCH_MODULE(Net);
 
 struct Options {
-  int epochs = 5;
+  int epochs = 10;
   int64_t batch_size = 128;  // the global batch, whatever the number of workers
   double lr = 0.05;
   int64_t limit = 0;  // train on the first `limit` images only (0: all)
@@ -71,14 +71,13 @@ Options parse(int argc, char** argv) {
 // same in a terminal and in a log, with the job-wide mean loss.
 class Progress {
  public:
-  Progress(int epoch, int epochs, int64_t batches) : epoch_(epoch), epochs_(epochs), batches_(batches) {}
+  Progress(int64_t epoch, int epochs, int64_t batches) : epoch_(epoch), epochs_(epochs), batches_(batches) {}
 
   void step(int64_t samples, const torch::Tensor& loss) {
     ++done_;
     samples_ += samples;
     loss_sum_ += loss.detach() * samples;
-    const int64_t quarter = std::max<int64_t>(1, batches_ / 4);
-    if (done_ != batches_ && (done_ % quarter != 0 || batches_ - done_ < quarter / 2)) return;
+    if (done_ * 4 / batches_ == (done_ - 1) * 4 / batches_) return;  // print as each quarter fills
     auto totals = torch::stack({loss_sum_.to(torch::kFloat64), torch::tensor(double(samples_), torch::kFloat64)});
     shoal::world().all_reduce(totals);  // every worker takes part, one prints
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
@@ -86,14 +85,15 @@ class Progress {
     const double fraction = double(done_) / double(batches_);
     if (!shoal::is_main()) return;
     const int width = 24, filled = int(fraction * width + 0.5);
-    std::printf("epoch %d/%d [%s%s] %3.0f%%  %6.0f samples/s  loss %.4f  ETA %3.0fs\n", epoch_ + 1, epochs_,
+    std::printf("epoch %lld/%d [%s%s] %3.0f%%  %6.0f samples/s  loss %.4f  ETA %3.0fs\n", static_cast<long long>(epoch_ + 1), epochs_,
                 std::string(filled, '#').c_str(), std::string(width - filled, '.').c_str(), 100 * fraction, rate,
                 totals[0].item<double>() / totals[1].item<double>(), seconds / fraction - seconds);
     std::fflush(stdout);
   }
 
  private:
-  int epoch_, epochs_;
+  int64_t epoch_;
+  int epochs_;
   int64_t batches_, done_ = 0, samples_ = 0;
   torch::Tensor loss_sum_ = torch::zeros({});
   std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
@@ -140,22 +140,36 @@ int main(int argc, char** argv) {
                   static_cast<long long>(train.size().value()), shoal::world_size(),
                   static_cast<long long>(options.batch_size));
     }
-    for (int epoch = 0; epoch < options.epochs; ++epoch) {
+    // --resume: parameters, momentum and the loader's place come back from the last epoch's
+    // checkpoint, on however many workers this run has.
+    int64_t first_epoch = 0;
+    if (options.resume) {
+      loader.sampler().load_state(shoal::load(options.checkpoint, *net, optimizer));  // shoal
+      first_epoch = loader.sampler().epoch() + (loader.sampler().epoch_done() ? 1 : 0);
+      if (shoal::is_main()) {
+        std::printf("resumed from %s at epoch %lld\n", options.checkpoint.c_str(),
+                    static_cast<long long>(first_epoch + 1));
+      }
+    }
+    for (int64_t epoch = first_epoch; epoch < options.epochs; ++epoch) {
       // Cosine decay, one learning rate per epoch: a function of the epoch alone, so a resumed
       // run picks it up where it left off.
-      const double lr = options.lr * 0.5 * (1 + std::cos(M_PI * epoch / options.epochs));
+      const double lr = options.lr * 0.5 * (1 + std::cos(M_PI * double(epoch) / options.epochs));
       static_cast<torch::optim::SGDOptions&>(optimizer.param_groups()[0].options()).lr(lr);
-      Progress progress(epoch, options.epochs, loader.batches_per_epoch());
-      for (auto& batch : loader.epoch(epoch)) {
+      auto batches = loader.epoch(epoch);
+      Progress progress(epoch, options.epochs, loader.sampler().batches_remaining());
+      for (auto& batch : batches) {
         optimizer.zero_grad();
         auto loss = torch::nn::functional::cross_entropy(net->forward(batch.data), batch.target);
         loss.backward();
         optimizer.step();
         progress.step(batch.data.size(0), loss);
       }
+      shoal::save(options.checkpoint, *net, optimizer, loader.sampler().state());  // shoal
       const double accuracy = test_accuracy(net, test);
       if (shoal::is_main()) {
-        std::printf("epoch %d/%d: test accuracy %.2f%%\n", epoch + 1, options.epochs, 100 * accuracy);
+        std::printf("epoch %lld/%d: test accuracy %.2f%%, checkpoint %s\n", static_cast<long long>(epoch + 1),
+                    options.epochs, 100 * accuracy, options.checkpoint.c_str());
         std::fflush(stdout);
       }
     }

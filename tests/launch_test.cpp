@@ -29,6 +29,7 @@
 #include <gtest/gtest.h>
 
 #include "harness.h"
+#include "shoal_run.h"
 #include "shoal/comm/store.h"
 
 extern char** environ;
@@ -36,111 +37,13 @@ extern char** environ;
 namespace shoal::launch {
 namespace {
 
+using testing::RunResult;
+using testing::ShoalRun;
+using testing::run_shoal;
+using testing::split_lines;
+
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
-
-std::vector<std::string> split_lines(const std::string& text) {
-  std::vector<std::string> lines;
-  std::istringstream stream(text);
-  for (std::string line; std::getline(stream, line);) lines.push_back(line);
-  return lines;
-}
-
-struct RunResult {
-  int exit_code = -1;  // 128 + signal when killed
-  bool timed_out = false;
-  std::string out;
-  std::string err;
-  double seconds = 0;
-};
-
-// One `shoal run ...` process, with stdout and stderr captured apart.
-class ShoalRun {
- public:
-  explicit ShoalRun(const std::vector<std::string>& args) : start_(Clock::now()) {
-    std::vector<std::string> argv{"shoal", "run"};
-    argv.insert(argv.end(), args.begin(), args.end());
-    std::vector<char*> c_argv;
-    for (auto& arg : argv) c_argv.push_back(arg.data());
-    c_argv.push_back(nullptr);
-    int out[2], err[2];
-    EXPECT_EQ(::pipe2(out, O_CLOEXEC), 0);
-    EXPECT_EQ(::pipe2(err, O_CLOEXEC), 0);
-    pid_ = ::fork();
-    if (pid_ == 0) {
-      ::dup2(out[1], STDOUT_FILENO);
-      ::dup2(err[1], STDERR_FILENO);
-      ::execv(SHOAL_BIN, c_argv.data());
-      ::_exit(127);
-    }
-    ::close(out[1]);
-    ::close(err[1]);
-    out_ = out[0];
-    err_ = err[0];
-  }
-  ~ShoalRun() {
-    if (!reaped_) {
-      ::kill(pid_, SIGKILL);
-      ::waitpid(pid_, nullptr, 0);
-    }
-    if (out_ >= 0) ::close(out_);
-    if (err_ >= 0) ::close(err_);
-  }
-
-  pid_t pid() const { return pid_; }
-
-  // Collects output until the launcher has exited and both streams are closed. Past the
-  // timeout, SIGKILLs the launcher and reports timed_out.
-  RunResult wait(std::chrono::milliseconds timeout = 30s) {
-    RunResult result;
-    auto deadline = Clock::now() + timeout;
-    bool killed = false;
-    while (out_ >= 0 || err_ >= 0 || !reaped_) {
-      if (!reaped_) {
-        int status = 0;
-        if (::waitpid(pid_, &status, WNOHANG) == pid_) {
-          reaped_ = true;
-          result.exit_code = WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
-          result.seconds = std::chrono::duration<double>(Clock::now() - start_).count();
-        }
-      }
-      if (Clock::now() > deadline) {
-        if (killed) break;  // a stream stays open even after SIGKILL: give up on it
-        result.timed_out = killed = true;
-        ::kill(pid_, SIGKILL);
-        deadline = Clock::now() + 2s;
-      }
-      pollfd fds[2] = {{out_, POLLIN, 0}, {err_, POLLIN, 0}};
-      ::poll(fds, 2, 20);
-      read_into(out_, fds[0].revents, result.out);
-      read_into(err_, fds[1].revents, result.err);
-    }
-    return result;
-  }
-
- private:
-  static void read_into(int& fd, short revents, std::string& text) {
-    if (fd < 0 || revents == 0) return;
-    char buffer[65536];
-    ssize_t got = ::read(fd, buffer, sizeof(buffer));
-    if (got > 0) {
-      text.append(buffer, static_cast<size_t>(got));
-    } else {
-      ::close(fd);
-      fd = -1;
-    }
-  }
-
-  Clock::time_point start_;
-  pid_t pid_ = -1;
-  int out_ = -1;
-  int err_ = -1;
-  bool reaped_ = false;
-};
-
-RunResult run_shoal(const std::vector<std::string>& args, std::chrono::milliseconds timeout = 30s) {
-  return ShoalRun(args).wait(timeout);
-}
 
 // Alive means: exists and is not a zombie (a zombie is dead, waiting for its parent to notice).
 bool alive(pid_t pid) {

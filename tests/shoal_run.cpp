@@ -1,0 +1,111 @@
+#include "shoal_run.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <sstream>
+
+#include <gtest/gtest.h>
+
+#include "test_paths.h"
+
+namespace shoal::testing {
+
+using Clock = std::chrono::steady_clock;
+
+std::vector<std::string> split_lines(const std::string& text) {
+  std::vector<std::string> lines;
+  std::istringstream stream(text);
+  for (std::string line; std::getline(stream, line);) lines.push_back(line);
+  return lines;
+}
+
+ShoalRun::ShoalRun(const std::vector<std::string>& args) : start_(Clock::now()) {
+  std::vector<std::string> argv{"shoal", "run"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  std::vector<char*> c_argv;
+  for (auto& arg : argv) c_argv.push_back(arg.data());
+  c_argv.push_back(nullptr);
+  int out[2], err[2];
+  EXPECT_EQ(::pipe2(out, O_CLOEXEC), 0);
+  EXPECT_EQ(::pipe2(err, O_CLOEXEC), 0);
+  pid_ = ::fork();
+  if (pid_ == 0) {
+    ::dup2(out[1], STDOUT_FILENO);
+    ::dup2(err[1], STDERR_FILENO);
+    ::execv(SHOAL_BIN, c_argv.data());
+    ::_exit(127);
+  }
+  ::close(out[1]);
+  ::close(err[1]);
+  out_ = out[0];
+  err_ = err[0];
+}
+
+ShoalRun::~ShoalRun() {
+  if (!reaped_) {
+    ::kill(pid_, SIGKILL);
+    ::waitpid(pid_, nullptr, 0);
+  }
+  if (out_ >= 0) ::close(out_);
+  if (err_ >= 0) ::close(err_);
+}
+
+void ShoalRun::pump(int poll_ms) {
+  if (!reaped_) {
+    int status = 0;
+    if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+      reaped_ = true;
+      result_.exit_code = WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
+      result_.seconds = std::chrono::duration<double>(Clock::now() - start_).count();
+    }
+  }
+  pollfd fds[2] = {{out_, POLLIN, 0}, {err_, POLLIN, 0}};
+  ::poll(fds, 2, poll_ms);
+  auto read_into = [](int& fd, short revents, std::string& text) {
+    if (fd < 0 || revents == 0) return;
+    char buffer[65536];
+    const ssize_t got = ::read(fd, buffer, sizeof(buffer));
+    if (got > 0) {
+      text.append(buffer, static_cast<size_t>(got));
+    } else {
+      ::close(fd);
+      fd = -1;
+    }
+  };
+  read_into(out_, fds[0].revents, result_.out);
+  read_into(err_, fds[1].revents, result_.err);
+}
+
+bool ShoalRun::wait_for_output(const std::string& text, std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  while (result_.out.find(text) == std::string::npos) {
+    if (out_ < 0 || Clock::now() > deadline) return false;
+    pump(20);
+  }
+  return true;
+}
+
+RunResult ShoalRun::wait(std::chrono::milliseconds timeout) {
+  auto deadline = Clock::now() + timeout;
+  bool killed = false;
+  while (out_ >= 0 || err_ >= 0 || !reaped_) {
+    if (Clock::now() > deadline) {
+      if (killed) break;  // a stream stays open even after SIGKILL: give up on it
+      result_.timed_out = killed = true;
+      ::kill(pid_, SIGKILL);
+      deadline = Clock::now() + std::chrono::seconds(2);
+    }
+    pump(20);
+  }
+  return result_;
+}
+
+RunResult run_shoal(const std::vector<std::string>& args, std::chrono::milliseconds timeout) {
+  return ShoalRun(args).wait(timeout);
+}
+
+}  // namespace shoal::testing

@@ -1,0 +1,56 @@
+// The `shoal run` command from the outside, for tests: the real binary (SHOAL_BIN) in a child
+// process, its stdout and stderr captured apart, every wait with a deadline.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+namespace shoal::testing {
+
+std::vector<std::string> split_lines(const std::string& text);
+
+struct RunResult {
+  int exit_code = -1;  // 128 + signal when killed
+  bool timed_out = false;
+  std::string out;
+  std::string err;
+  double seconds = 0;
+};
+
+// One `shoal run ARGS...` process. The destructor SIGKILLs it if it was not waited for.
+class ShoalRun {
+ public:
+  explicit ShoalRun(const std::vector<std::string>& args);
+  ~ShoalRun();
+  ShoalRun(const ShoalRun&) = delete;
+  ShoalRun& operator=(const ShoalRun&) = delete;
+
+  pid_t pid() const { return pid_; }
+
+  // Reads output until stdout contains `text`. False when the timeout passes first, or stdout
+  // closes without it. What was read is kept for wait().
+  bool wait_for_output(const std::string& text, std::chrono::milliseconds timeout);
+
+  // Collects output until the launcher has exited and both streams are closed. Past the
+  // timeout, SIGKILLs the launcher and reports timed_out.
+  RunResult wait(std::chrono::milliseconds timeout = std::chrono::seconds(30));
+
+ private:
+  // Reads what is there within `poll_ms` and reaps the launcher if it has exited.
+  void pump(int poll_ms);
+
+  std::chrono::steady_clock::time_point start_;
+  pid_t pid_ = -1;
+  int out_ = -1;
+  int err_ = -1;
+  bool reaped_ = false;
+  RunResult result_;
+};
+
+RunResult run_shoal(const std::vector<std::string>& args,
+                    std::chrono::milliseconds timeout = std::chrono::seconds(30));
+
+}  // namespace shoal::testing
