@@ -6,6 +6,8 @@ set -euo pipefail
 packages=(
   build-essential cmake ninja-build ccache pkg-config
   libtorch-dev libgloo-dev           # LibTorch 1.13 and c10d's Gloo backend
+  libopenblas0-openmp                # an optimized BLAS: without it LibTorch runs on the reference
+                                     # BLAS, ~25x slower; the OpenMP build obeys torch's thread count
   libgtest-dev libcli11-dev nlohmann-json3-dev libspdlog-dev zlib1g-dev
   dataset-fashion-mnist              # the demo's data
   iproute2                           # network namespaces and tc for multi-host tests

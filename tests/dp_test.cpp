@@ -119,7 +119,9 @@ void train_and_compare(Optim kind, bool with_norm, bool with_unused, shoal::Data
   }
   if (with_unused) {
     // No worker used it: like a single process, its gradient was never set.
-    if (options.find_unused_parameters) EXPECT_FALSE(net->unused.grad().defined());
+    if (options.find_unused_parameters) {
+      EXPECT_FALSE(net->unused.grad().defined());
+    }
   }
 }
 
@@ -145,6 +147,47 @@ TEST_P(Equivalence, SmallBucketsManyCollectives) {
     shoal::DataParallelOptions options;
     options.bucket_bytes = 64;  // a bucket per parameter or two
     train_and_compare(Optim::kAdam, true, false, options);
+  });
+}
+
+TEST_P(Equivalence, SeparateGradientTensors) {
+  // gradient_as_bucket_view off: gradients are copied into buckets and the averages back.
+  run_workers(GetParam(), [] {
+    shoal::DataParallelOptions options;
+    options.gradient_as_bucket_view = false;
+    options.find_unused_parameters = true;
+    train_and_compare(Optim::kSgd, true, true, options);
+  });
+}
+
+TEST_P(Equivalence, GradientsAreSlicesOfTheirBuckets) {
+  run_workers(GetParam(), [] {
+    auto [x, y] = global_data(shoal::world_size());
+    Mlp net(true, false);
+    shoal::DataParallelOptions options;
+    options.bucket_bytes = 200;  // several buckets
+    shoal::DataParallel model(net, options);
+    torch::optim::SGD opt(net->parameters(), 0.1);
+    for (int step = 0; step < 3; ++step) {
+      opt.zero_grad();
+      loss_of(net, x[step], y[step], true).backward();
+      opt.step();
+    }
+    // Every parameter is in exactly one bucket, and the gradients of a bucket share its storage.
+    const auto assignment = model.reducer()->bucket_assignment();
+    auto params = net->parameters();
+    std::vector<int> seen(params.size(), 0);
+    for (const auto& bucket : assignment) {
+      ASSERT_FALSE(bucket.empty());
+      for (size_t k : bucket) {
+        ++seen.at(k);
+        EXPECT_TRUE(params[k].grad().storage().is_alias_of(params[bucket.front()].grad().storage())) << k;
+      }
+    }
+    EXPECT_EQ(seen, std::vector<int>(params.size(), 1));
+    EXPECT_GT(assignment.size(), 1u);
+    EXPECT_FALSE(params[assignment.front().front()].grad().storage().is_alias_of(
+        params[assignment.back().front()].grad().storage()));
   });
 }
 

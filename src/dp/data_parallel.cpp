@@ -136,6 +136,7 @@ Replicator::Replicator(std::shared_ptr<torch::nn::Module> module, DataParallelOp
   ReducerOptions reducer;
   reducer.bucket_bytes = options.bucket_bytes;
   reducer.find_unused_parameters = options.find_unused_parameters;
+  reducer.gradient_as_bucket_view = options.gradient_as_bucket_view;
   reducer.hook = options.comm_hook;
   reducer_ = std::make_unique<Reducer>(std::move(trainable), group_, std::move(reducer));
   if (options.broadcast_buffers && !module_->buffers().empty()) {

@@ -13,7 +13,7 @@ namespace {
 
 struct Bucket {
   std::vector<size_t> params;
-  std::vector<int64_t> offsets;  // where each parameter's gradient starts in `buffer`
+  std::vector<int64_t> offsets;  // where each parameter's gradient starts in `buffer`, in elements
   at::Tensor buffer;
   size_t pending = 0;  // parameters whose gradient has not arrived in this backward
   comm::Work work;
@@ -29,22 +29,47 @@ struct Reducer::State {
   std::vector<size_t> slot_of;
   std::vector<Bucket> buckets;
   std::vector<bool> ready;
+  std::vector<size_t> ready_order;  // this backward's gradients, in the order they arrived
   comm::Group group;
   ReducerOptions options;
+  // No hook was given: gradients are scaled by 1/n on their way into the bucket and the bucket
+  // is summed, one pass fewer than summing and dividing.
+  bool prescale = false;
+  bool rebuilt = false;
   std::function<void()> after_backward;
   bool sync = true;
   bool in_backward = false;
   size_t next_bucket = 0;  // the first bucket not yet started
 
+  void assign(const std::vector<size_t>& order);
   void begin_backward(const std::shared_ptr<State>& self);
   void on_grad_ready(size_t index, const std::shared_ptr<State>& self);
   void start_ready_buckets();
   void start(Bucket& bucket);
   void finalize();
+  void rebuild();
 
   at::Tensor slice(const Bucket& bucket, size_t slot) const {
     const auto& p = params[bucket.params[slot]];
     return bucket.buffer.narrow(0, bucket.offsets[slot], p.numel());
+  }
+
+  // The parameter's slice of its bucket shaped like the parameter, to serve as its .grad. Made
+  // with set_ on the bucket's storage rather than as an autograd view: Optimizer::zero_grad()
+  // detaches every .grad in place, which autograd refuses for views.
+  at::Tensor grad_alias(size_t index) const {
+    const Bucket& bucket = buckets[bucket_of[index]];
+    const at::Tensor& p = params[index];
+    auto alias = at::empty({0}, bucket.buffer.options());
+    alias.set_(bucket.buffer.storage(), bucket.buffer.storage_offset() + bucket.offsets[slot_of[index]], p.sizes());
+    return alias;
+  }
+
+  bool is_alias(size_t index) const {
+    const at::Tensor& grad = params[index].grad();
+    if (!grad.defined()) return false;
+    const Bucket& bucket = buckets[bucket_of[index]];
+    return grad.data_ptr() == slice(bucket, slot_of[index]).data_ptr() && grad.is_contiguous();
   }
 };
 
@@ -68,10 +93,61 @@ class GradReady : public torch::autograd::FunctionPostHook {
 
 }  // namespace
 
+// Cuts the parameters, walked in `order`, into buckets of one dtype each, as PyTorch's
+// compute_bucket_assignment_by_size does: a bucket closes once it holds at least its cap, the
+// first one's cap being small so that communication starts early.
+void Reducer::State::assign(const std::vector<size_t>& order) {
+  std::vector<std::vector<size_t>> groups;
+  int64_t bytes = 0;
+  bool open = false;
+  for (size_t k : order) {
+    const at::Tensor& p = params[k];
+    if (!open || params[groups.back().front()].scalar_type() != p.scalar_type()) {
+      groups.emplace_back();
+      bytes = 0;
+      open = true;
+    }
+    groups.back().push_back(k);
+    bytes += p.numel() * static_cast<int64_t>(p.element_size());
+    const int64_t cap =
+        groups.size() == 1 ? std::min(options.first_bucket_bytes, options.bucket_bytes) : options.bucket_bytes;
+    if (bytes >= cap) open = false;
+  }
+
+  // Gradients that live in the old buckets move to the new ones with their values.
+  std::vector<at::Tensor> aliased(params.size());
+  if (!buckets.empty()) {
+    for (size_t k = 0; k < params.size(); ++k) {
+      if (is_alias(k)) aliased[k] = params[k].grad().clone();
+    }
+  }
+  std::vector<Bucket> fresh(groups.size());
+  for (size_t b = 0; b < groups.size(); ++b) {
+    Bucket& bucket = fresh[b];
+    int64_t total = 0;
+    for (size_t k : groups[b]) {
+      bucket_of[k] = b;
+      slot_of[k] = bucket.params.size();
+      bucket.params.push_back(k);
+      bucket.offsets.push_back(total);
+      total += params[k].numel();
+    }
+    bucket.buffer = at::zeros({total}, params[groups[b].front()].options().requires_grad(false));
+  }
+  buckets = std::move(fresh);
+  for (size_t k = 0; k < params.size(); ++k) {
+    if (!aliased[k].defined()) continue;
+    auto alias = grad_alias(k);
+    alias.copy_(aliased[k]);
+    params[k].mutable_grad() = alias;
+  }
+}
+
 void Reducer::State::begin_backward(const std::shared_ptr<State>& self) {
   in_backward = true;
   next_bucket = 0;
   std::fill(ready.begin(), ready.end(), false);
+  ready_order.clear();
   for (auto& bucket : buckets) bucket.pending = bucket.params.size();
   std::weak_ptr<State> weak = self;
   torch::autograd::Engine::get_default_engine().queue_callback([weak] {
@@ -84,9 +160,21 @@ void Reducer::State::on_grad_ready(size_t index, const std::shared_ptr<State>& s
   if (!in_backward) begin_backward(self);
   if (ready[index]) return;
   ready[index] = true;
+  ready_order.push_back(index);
   Bucket& bucket = buckets[bucket_of[index]];
-  const at::Tensor& grad = params[index].grad();
-  slice(bucket, slot_of[index]).copy_(grad.reshape(-1));
+  auto view = slice(bucket, slot_of[index]);
+  at::Tensor& grad = params[index].mutable_grad();
+  if (is_alias(index)) {
+    // Backward accumulated straight into the bucket.
+    if (prescale) view.mul_(1.0 / group.size());
+  } else {
+    if (prescale) {
+      at::mul_out(view, grad.reshape(-1), at::scalar_tensor(1.0 / group.size(), view.options()));
+    } else {
+      view.copy_(grad.reshape(-1));
+    }
+    if (options.gradient_as_bucket_view) grad = grad_alias(index);
+  }
   if (--bucket.pending == 0) start_ready_buckets();
 }
 
@@ -95,15 +183,20 @@ void Reducer::State::start_ready_buckets() {
 }
 
 void Reducer::State::start(Bucket& bucket) {
-  bucket.work = options.hook(group, bucket.buffer);
+  bucket.work = prescale ? group.all_reduce_async(bucket.buffer, {comm::ReduceOp::kSum})
+                         : options.hook(group, bucket.buffer);
 }
 
 void Reducer::State::finalize() {
-  // Buckets with parameters that got no gradient here: their share of the average is zero.
+  // Buckets with parameters that got no gradient here: their share of the average is zero. A
+  // .grad that is the bucket's slice keeps its value apart, in case it is to stay untouched.
   for (; next_bucket < buckets.size(); ++next_bucket) {
     Bucket& bucket = buckets[next_bucket];
     for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
-      if (!ready[bucket.params[slot]]) slice(bucket, slot).zero_();
+      const size_t index = bucket.params[slot];
+      if (ready[index]) continue;
+      if (options.find_unused_parameters && is_alias(index)) params[index].mutable_grad() = params[index].grad().clone();
+      slice(bucket, slot).zero_();
     }
     start(bucket);
   }
@@ -115,12 +208,14 @@ void Reducer::State::finalize() {
   in_backward = false;
   for (auto& bucket : buckets) bucket.work.wait();
   if (used.defined()) group.all_reduce(used, {comm::ReduceOp::kMax});
-  for (auto& bucket : buckets) {
-    for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
-      const size_t index = bucket.params[slot];
-      if (used.defined() && used.data_ptr<float>()[index] == 0.0f) continue;
-      at::Tensor& param = params[index];
-      auto average = slice(bucket, slot).view_as(param);
+  for (size_t index = 0; index < params.size(); ++index) {
+    if (used.defined() && used.data_ptr<float>()[index] == 0.0f) continue;
+    if (is_alias(index)) continue;
+    at::Tensor& param = params[index];
+    if (options.gradient_as_bucket_view) {
+      param.mutable_grad() = grad_alias(index);
+    } else {
+      auto average = slice(buckets[bucket_of[index]], slot_of[index]).view_as(param);
       if (param.grad().defined()) {
         param.mutable_grad().copy_(average);
       } else {
@@ -128,7 +223,26 @@ void Reducer::State::finalize() {
       }
     }
   }
+  if (!rebuilt) rebuild();
   if (after_backward) after_backward();
+}
+
+// After the first synchronized backward, the buckets are cut again in the order the first
+// worker's gradients arrived (PyTorch's rebuild_buckets), so that a bucket fills as early as
+// backward allows. Every worker takes the first worker's order, as the buckets must agree.
+void Reducer::State::rebuild() {
+  rebuilt = true;
+  std::vector<size_t> order = ready_order;
+  for (size_t k = params.size(); k-- > 0;) {
+    if (!ready[k]) order.push_back(k);  // no gradient this time: last, in reverse registration order
+  }
+  auto shared = at::empty({static_cast<int64_t>(order.size())}, at::kLong);
+  for (size_t i = 0; i < order.size(); ++i) shared.data_ptr<int64_t>()[i] = static_cast<int64_t>(order[i]);
+  group.broadcast(shared, {0});
+  std::vector<size_t> current;
+  for (const auto& bucket : buckets) current.insert(current.end(), bucket.params.begin(), bucket.params.end());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<size_t>(shared.data_ptr<int64_t>()[i]);
+  if (order != current) assign(order);
 }
 
 Reducer::Reducer(std::vector<at::Tensor> parameters, comm::Group group, ReducerOptions options)
@@ -136,8 +250,8 @@ Reducer::Reducer(std::vector<at::Tensor> parameters, comm::Group group, ReducerO
   if (options.bucket_bytes < 1) {
     throw UsageError("DataParallel: bucket_bytes must be positive, got " + std::to_string(options.bucket_bytes));
   }
-  if (!options.hook) options.hook = allreduce_hook();
   State& state = *state_;
+  state.prescale = !options.hook;
   state.params = std::move(parameters);
   state.group = std::move(group);
   state.options = std::move(options);
@@ -145,35 +259,11 @@ Reducer::Reducer(std::vector<at::Tensor> parameters, comm::Group group, ReducerO
   state.bucket_of.resize(n);
   state.slot_of.resize(n);
   state.ready.assign(n, false);
-
-  // Reverse registration order approximates the order in which backward produces gradients.
-  const auto cap_of = [&](size_t bucket) {
-    return bucket == 0 ? std::min(state.options.first_bucket_bytes, state.options.bucket_bytes)
-                       : state.options.bucket_bytes;
-  };
-  int64_t bytes = 0;
-  for (size_t k = n; k-- > 0;) {
-    const at::Tensor& p = state.params[k];
-    const int64_t size = p.numel() * static_cast<int64_t>(p.element_size());
-    const bool fits = !state.buckets.empty() && state.buckets.back().buffer.scalar_type() == p.scalar_type() &&
-                      bytes + size <= cap_of(state.buckets.size() - 1);
-    if (!fits) {
-      state.buckets.emplace_back();
-      state.buckets.back().buffer = at::empty({0}, p.options());
-      bytes = 0;
-    }
-    Bucket& bucket = state.buckets.back();
-    state.bucket_of[k] = state.buckets.size() - 1;
-    state.slot_of[k] = bucket.params.size();
-    bucket.offsets.push_back(bytes / static_cast<int64_t>(p.element_size()));
-    bucket.params.push_back(k);
-    bytes += size;
-  }
-  for (auto& bucket : state.buckets) {
-    int64_t total = 0;
-    for (size_t slot = 0; slot < bucket.params.size(); ++slot) total += state.params[bucket.params[slot]].numel();
-    bucket.buffer = at::zeros({total}, bucket.buffer.options());
-  }
+  // Reverse registration order approximates the order in which backward produces gradients
+  // until the first backward tells (rebuild()).
+  std::vector<size_t> reverse(n);
+  for (size_t k = 0; k < n; ++k) reverse[k] = n - 1 - k;
+  state.assign(reverse);
 
   for (size_t k = 0; k < n; ++k) {
     auto accumulator = torch::autograd::impl::grad_accumulator(state.params[k]);

@@ -26,6 +26,8 @@ struct DataParallelOptions {
   int64_t bucket_bytes = 25 * 1024 * 1024;
   // See dp::ReducerOptions::find_unused_parameters.
   bool find_unused_parameters = false;
+  // See dp::ReducerOptions::gradient_as_bucket_view.
+  bool gradient_as_bucket_view = true;
   // Broadcast buffers (e.g. batch-norm running statistics) from the first worker after each
   // synchronized backward, so every worker's next forward sees the same buffers.
   bool broadcast_buffers = true;
@@ -73,6 +75,8 @@ class DataParallel {
   const ModuleType* operator->() const { return module_.get(); }
   ModuleType& operator*() { return *module_; }
   const std::shared_ptr<ModuleType>& module() const { return module_; }
+  // The engine that averages gradients (its buckets); null in a job of one.
+  const dp::Reducer* reducer() const { return replicator_->reducer(); }
 
   // Calls the module's forward.
   template <typename... Args>

@@ -1,9 +1,10 @@
 // The engine of DataParallel: averages gradients across workers during backward.
 //
 // Parameters are grouped into buckets in reverse registration order (roughly the order backward
-// produces their gradients). A hook after each parameter's gradient accumulation copies the
-// gradient into its bucket; when a bucket is full its average is started at once, while backward
-// goes on with earlier layers. Buckets are started strictly in bucket order, so every worker
+// produces their gradients), and after the first backward in the order the first worker's
+// gradients actually arrived. A hook after each parameter's gradient accumulation copies the
+// gradient into its bucket (or finds it there already, when .grad is the bucket's slice); when a
+// bucket is full its average is started at once, while backward goes on with earlier layers. Buckets are started strictly in bucket order, so every worker
 // issues the same collectives in the same order whatever order its gradients arrive in. At the
 // end of backward (an autograd engine callback) buckets not yet started (their parameters got no
 // gradient here) are started with zeros in place of the missing gradients, every bucket is
@@ -31,7 +32,13 @@ struct ReducerOptions {
   // .grad of those that got none anywhere untouched (as a single process would). One more small
   // all-reduce per step. Without it such parameters get a zero gradient.
   bool find_unused_parameters = false;
-  CommHook hook;  // empty: allreduce_hook()
+  // Each parameter's .grad is its slice of its bucket once the first synchronized backward has
+  // run (PyTorch's gradient_as_bucket_view): backward accumulates into the bucket and the
+  // average is left in place, two copies of every gradient fewer per step.
+  bool gradient_as_bucket_view = true;
+  // How a bucket is averaged. Empty: gradients are scaled by 1/n on their way into the bucket
+  // and the bucket is summed (what allreduce_hook() gives, with one pass fewer).
+  CommHook hook;
 };
 
 class Reducer {
