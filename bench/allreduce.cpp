@@ -17,10 +17,6 @@
 // slices last --slice-ms (default 250, as shoal's).
 // With --split K, a column times raw gloo on the tensor cut into K parts all-reduced at once
 // (the group's 2 threads run two at a time): what splitting large tensors could gain.
-#include <arpa/inet.h>
-#include <netdb.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -89,33 +85,6 @@ BenchOptions parse(int argc, char** argv) {
   return options;
 }
 
-// The local address on the route to the master, as shoal::init() picks it for its own group:
-// the raw group must use the same interface to be a fair reference. Connecting a UDP socket
-// sends nothing; it only makes the kernel choose the route.
-std::string local_address_towards(const std::string& host, int port) {
-  addrinfo hints{};
-  hints.ai_family = AF_INET;
-  hints.ai_socktype = SOCK_DGRAM;
-  addrinfo* found = nullptr;
-  std::string address = "127.0.0.1";
-  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0 || !found) {
-    return address;
-  }
-  const int fd = socket(AF_INET, SOCK_DGRAM, 0);
-  if (fd >= 0 && ::connect(fd, found->ai_addr, found->ai_addrlen) == 0) {
-    sockaddr_in local{};
-    socklen_t length = sizeof(local);
-    char text[INET_ADDRSTRLEN];
-    if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) == 0 &&
-        inet_ntop(AF_INET, &local.sin_addr, text, sizeof(text))) {
-      address = text;
-    }
-  }
-  if (fd >= 0) close(fd);
-  freeaddrinfo(found);
-  return address;
-}
-
 shoal::comm::StorePtr open_job_store() {
   const auto& job = shoal::job();
   shoal::comm::StoreOptions options;
@@ -169,7 +138,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   const auto& job = shoal::job();
-  const std::string bind_address = local_address_towards(job.master_addr, job.master_port);
+  // Where shoal::init() binds its own group: the raw group must use the same interface to be a
+  // fair reference.
+  const std::string bind_address = shoal::comm::local_address_towards(job.master_addr, job.master_port);
   auto store = open_job_store();
   auto raw = make_raw_group(store, bind_address);
   // Synchronises the start of each timed batch; its own time is not measured.

@@ -19,10 +19,6 @@
 // trained alike. samples_per_s counts every worker's samples (workers * batch * steps / slowest worker's time).
 // Phase means are the main worker's: backward_ms is the backward() call (with DataParallel it
 // includes waiting for the last buckets); comm_ms is the hand loop's all-reduces after it.
-#include <arpa/inet.h>
-#include <netdb.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -123,31 +119,6 @@ struct CnnImpl : torch::nn::Module {
 };
 TORCH_MODULE(Cnn);
 
-// The local address on the route to the master, as shoal::init() picks it for the world group
-// (bench/allreduce.cpp does the same): the hand loop's group must use the
-// same interface. Connecting a UDP socket sends nothing; it only makes the kernel pick a route.
-std::string local_address_towards(const std::string& host, int port) {
-  addrinfo hints{};
-  hints.ai_family = AF_INET;
-  hints.ai_socktype = SOCK_DGRAM;
-  addrinfo* found = nullptr;
-  std::string address = "127.0.0.1";
-  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0 || !found) return address;
-  const int fd = socket(AF_INET, SOCK_DGRAM, 0);
-  if (fd >= 0 && ::connect(fd, found->ai_addr, found->ai_addrlen) == 0) {
-    sockaddr_in local{};
-    socklen_t length = sizeof(local);
-    char text[INET_ADDRSTRLEN];
-    if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) == 0 &&
-        inet_ntop(AF_INET, &local.sin_addr, text, sizeof(text))) {
-      address = text;
-    }
-  }
-  if (fd >= 0) close(fd);
-  freeaddrinfo(found);
-  return address;
-}
-
 shoal::comm::StorePtr open_job_store() {
   const auto& job = shoal::job();
   shoal::comm::StoreOptions options;
@@ -189,7 +160,8 @@ int run(const BenchOptions& o, Model model, const std::vector<int64_t>& input_sh
   std::string bind_address = "127.0.0.1";
   if (n > 1) {
     store = open_job_store();
-    bind_address = local_address_towards(job.master_addr, job.master_port);
+    // Where shoal::init() binds the world group: the hand loop must use the same interface.
+    bind_address = shoal::comm::local_address_towards(job.master_addr, job.master_port);
   }
   shoal::comm::Group group = world;
   if (o.gloo_threads > 0 && n > 1) {

@@ -1,9 +1,6 @@
 #include "shoal/runtime/init.h"
 
-#include <arpa/inet.h>
-#include <netdb.h>
 #include <sched.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <memory>
@@ -50,34 +47,6 @@ void set_threads(const InitOptions& options, const JobSpec& job, const env::Envi
   at::set_num_threads(std::max(1, cores_on_host() / std::max(1, job.local_world_size)));
 }
 
-// The local address on the route to the master: what peers on other hosts can reach us on.
-// A connected UDP socket sends nothing but makes the kernel pick the route.
-std::string local_address_towards(const std::string& host, int port) {
-  addrinfo hints{};
-  hints.ai_family = AF_INET;
-  hints.ai_socktype = SOCK_DGRAM;
-  addrinfo* result = nullptr;
-  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &result) != 0 || !result) {
-    return "127.0.0.1";
-  }
-  std::string address = "127.0.0.1";
-  int fd = socket(AF_INET, SOCK_DGRAM, 0);
-  if (fd >= 0) {
-    if (::connect(fd, result->ai_addr, result->ai_addrlen) == 0) {
-      sockaddr_in local{};
-      socklen_t length = sizeof(local);
-      char text[INET_ADDRSTRLEN];
-      if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) == 0 &&
-          inet_ntop(AF_INET, &local.sin_addr, text, sizeof(text))) {
-        address = text;
-      }
-    }
-    close(fd);
-  }
-  freeaddrinfo(result);
-  return address;
-}
-
 Duration default_timeout(const InitOptions& options, const env::Environment& env) {
   if (options.timeout != kUnsetTimeout) {
     if (options.timeout.count() <= 0) throw UsageError("InitOptions::timeout must be positive");
@@ -113,7 +82,7 @@ void init(const InitOptions& options) {
     group.timeout = options.connect_timeout;  // for connecting; collectives get `timeout`
     if (auto ifname = env::get(env, "SHOAL_SOCKET_IFNAME")) group.interface = *ifname;
     else if (auto gloo_ifname = env::get(env, "GLOO_SOCKET_IFNAME")) group.interface = *gloo_ifname;
-    group.bind_address = local_address_towards(job.master_addr, job.master_port);
+    group.bind_address = comm::local_address_towards(job.master_addr, job.master_port);
     state->world = comm::Group::create(state->store, job.rank, job.world_size, group);
     state->world.set_timeout(timeout);
   }

@@ -6,11 +6,7 @@
 //   multihost_worker [--exit-rank R | --kill-rank R]
 // With --exit-rank, worker R exits with code 3 once every worker has printed its line; with
 // --kill-rank, it SIGKILLs itself then. The others keep all-reducing until the group fails.
-#include <arpa/inet.h>
-#include <netdb.h>
 #include <signal.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <climits>
 #include <cstdio>
@@ -23,30 +19,6 @@
 #include "shoal/shoal.h"
 
 namespace {
-
-std::string local_address_towards(const std::string& host, int port) {
-  addrinfo hints{};
-  hints.ai_family = AF_INET;
-  hints.ai_socktype = SOCK_DGRAM;
-  addrinfo* found = nullptr;
-  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0 || !found) {
-    return "unresolved";
-  }
-  std::string address = "unknown";
-  const int fd = socket(AF_INET, SOCK_DGRAM, 0);
-  if (fd >= 0 && ::connect(fd, found->ai_addr, found->ai_addrlen) == 0) {
-    sockaddr_in local{};
-    socklen_t length = sizeof(local);
-    char text[INET_ADDRSTRLEN];
-    if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) == 0 &&
-        inet_ntop(AF_INET, &local.sin_addr, text, sizeof(text))) {
-      address = text;
-    }
-  }
-  if (fd >= 0) close(fd);
-  freeaddrinfo(found);
-  return address;
-}
 
 std::string network_namespace() {
   char target[PATH_MAX] = {};
@@ -86,7 +58,7 @@ int main(int argc, char** argv) {
   std::printf("result rank=%d world=%d node=%s master=%s:%d local=%s netns=%s sum=%g vector=%s\n",
               rank, n, std::getenv("SHOAL_NODE_RANK") ? std::getenv("SHOAL_NODE_RANK") : "?",
               job.master_addr.c_str(), job.master_port,
-              local_address_towards(job.master_addr, job.master_port).c_str(),
+              shoal::comm::local_address_towards(job.master_addr, job.master_port).c_str(),
               network_namespace().c_str(), scalar.item<float>(), vector_ok ? "OK" : "BAD");
   std::fflush(stdout);
 
