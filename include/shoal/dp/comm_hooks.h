@@ -18,8 +18,9 @@ using CommHook = std::function<comm::Work(comm::Group& group, at::Tensor& bucket
 // The default: an all-reduce (average) in the gradients' own dtype.
 CommHook allreduce_hook();
 
-// Sends the bucket as float16 (half the bytes of float32), sums in float16, and writes the
-// average back in the bucket's dtype. PyTorch's fp16_compress_hook.
+// Sends the bucket as float16 (half the bytes of float32), sums each member's part in the
+// bucket's dtype, and writes the average back rounded to float16, the same on every member.
+// PyTorch's fp16_compress_hook. Its messages use point-to-point tags from 1 << 24 up.
 CommHook fp16_compress_hook();
 
 // The same with bfloat16: float32's range, 8 bits of mantissa.
