@@ -31,6 +31,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/torch.h>
 
+#include "job_store.h"
 #include "shoal/shoal.h"
 
 namespace {
@@ -83,15 +84,6 @@ BenchOptions parse(int argc, char** argv) {
     usage("expected 4 <= --min-bytes <= --max-bytes, --factor >= 2, --reps >= 1");
   }
   return options;
-}
-
-shoal::comm::StorePtr open_job_store() {
-  const auto& job = shoal::job();
-  shoal::comm::StoreOptions options;
-  options.host = job.master_addr;
-  options.port = job.master_port;
-  options.described_as = job.master_described_as;
-  return shoal::comm::open_store(options);
 }
 
 c10::intrusive_ptr<c10d::ProcessGroupGloo> make_raw_group(const shoal::comm::StorePtr& store,

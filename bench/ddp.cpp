@@ -33,6 +33,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/torch.h>
 
+#include "../examples/fashion_mnist_net.h"
+#include "job_store.h"
 #include "shoal/shoal.h"
 
 namespace {
@@ -101,32 +103,7 @@ struct MlpImpl : torch::nn::Module {
 };
 TORCH_MODULE(Mlp);
 
-// examples/fashion_mnist.cpp's NetImpl.
-struct CnnImpl : torch::nn::Module {
-  CnnImpl()
-      : conv1(register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 8, 5).padding(2)))),
-        conv2(register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(8, 16, 5).padding(2)))),
-        fc1(register_module("fc1", torch::nn::Linear(16 * 7 * 7, 64))),
-        fc2(register_module("fc2", torch::nn::Linear(64, 10))) {}
-  torch::Tensor forward(torch::Tensor x) {
-    x = torch::max_pool2d(torch::relu(conv1(x)), 2);
-    x = torch::max_pool2d(torch::relu(conv2(x)), 2);
-    x = torch::relu(fc1(x.flatten(1)));
-    return fc2(x);
-  }
-  torch::nn::Conv2d conv1, conv2;
-  torch::nn::Linear fc1, fc2;
-};
-TORCH_MODULE(Cnn);
-
-shoal::comm::StorePtr open_job_store() {
-  const auto& job = shoal::job();
-  shoal::comm::StoreOptions options;
-  options.host = job.master_addr;
-  options.port = job.master_port;
-  options.described_as = job.master_described_as;
-  return shoal::comm::open_store(options);
-}
+using Cnn = fashion_mnist::Net;  // the demo's model
 
 // Means over the timed steps, in milliseconds, on this worker.
 struct Phases {
