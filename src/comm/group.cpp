@@ -110,7 +110,9 @@ void Group::State::mark_broken(const std::string& reason) {
 
 std::string Group::State::lost_members() const {
   if (!store) return "";
-  std::string text;
+  // Members that failed come first: they are the cause. One that exited cleanly may only have
+  // left after seeing the same failure, sooner than this worker.
+  std::string failed, clean;
   for (int i = 0; i < size(); ++i) {
     if (i == rank) continue;
     std::string how;
@@ -119,9 +121,11 @@ std::string Group::State::lost_members() const {
     } catch (const std::exception&) {
       continue;  // the store itself may be gone with the job; the deadline still holds
     }
-    if (!how.empty()) text += (text.empty() ? "" : "; ") + ("worker " + std::to_string(members[i]) + ", which " + how);
+    if (how.empty()) continue;
+    std::string& list = how == "exited with code 0" ? clean : failed;
+    list += (list.empty() ? "" : "; ") + ("worker " + std::to_string(members[i]) + ", which " + how);
   }
-  return text;
+  return failed + (failed.empty() || clean.empty() ? "" : "; ") + clean;
 }
 
 Group::State::~State() {
