@@ -12,6 +12,7 @@ packages=(
   dataset-fashion-mnist              # the demo's data
   iproute2                           # network namespaces and tc for multi-host tests
   procps                             # pgrep/ps in tests
+  libssl-dev                         # OpenSSL libcrypto: HMAC-SHA256 on gossip datagrams
 )
 if [ "${SHOAL_SETUP_BENCH:-0}" = 1 ]; then
   packages+=(python3-torch)          # PyTorch's own DDP and torchrun, for side-by-side benchmarks

@@ -81,9 +81,13 @@ void ShoalRun::pump(int poll_ms) {
 }
 
 bool ShoalRun::wait_for_output(const std::string& text, std::chrono::milliseconds timeout) {
+  return wait_until([&](const RunResult& so_far) { return so_far.out.find(text) != std::string::npos; }, timeout);
+}
+
+bool ShoalRun::wait_until(const std::function<bool(const RunResult&)>& ready, std::chrono::milliseconds timeout) {
   const auto deadline = Clock::now() + timeout;
-  while (result_.out.find(text) == std::string::npos) {
-    if (out_ < 0 || Clock::now() > deadline) return false;
+  while (!ready(result_)) {
+    if ((out_ < 0 && err_ < 0) || Clock::now() > deadline) return false;
     pump(20);
   }
   return true;

@@ -5,6 +5,7 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -33,6 +34,11 @@ class ShoalRun {
   // Reads output until stdout contains `text`. False when the timeout passes first, or stdout
   // closes without it. What was read is kept for wait().
   bool wait_for_output(const std::string& text, std::chrono::milliseconds timeout);
+  // Reads output until `ready` holds for what was read so far (both streams). False when the
+  // timeout passes first, or both streams close before.
+  bool wait_until(const std::function<bool(const RunResult&)>& ready, std::chrono::milliseconds timeout);
+  // What was read so far.
+  const RunResult& so_far() const { return result_; }
 
   // Collects output until the launcher has exited and both streams are closed. Past the
   // timeout, SIGKILLs the launcher and reports timed_out.

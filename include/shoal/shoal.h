@@ -9,5 +9,6 @@
 #include "shoal/core/timeout.h"
 #include "shoal/data/loader.h"
 #include "shoal/dp/data_parallel.h"
+#include "shoal/elastic/state.h"
 #include "shoal/runtime/init.h"
 #include "shoal/runtime/job.h"

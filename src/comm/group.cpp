@@ -179,7 +179,7 @@ Group Group::create(StorePtr store, int rank, int size, const GroupOptions& opti
   if (size > 1 && !store) throw UsageError("Group::create: a group of " + std::to_string(size) + " workers needs a store");
   std::vector<int> members(size);
   std::iota(members.begin(), members.end(), 0);
-  return Group(connect(std::move(store), "shoal/group/world", rank, std::move(members), options));
+  return Group(connect(std::move(store), options.store_prefix, rank, std::move(members), options));
 }
 
 Group Group::single() {

@@ -100,6 +100,7 @@ void Work::wait(Duration timeout) {
                          " waiting for workers " + others(*work.group));
         }
         std::string lost = work.group->lost_members();
+        if (lost.empty() && work.group->options.lost_check) lost = work.group->options.lost_check();
         if (!lost.empty()) {
           fail(work, "failed after " + format_duration(work.deadline.elapsed()) + ": lost " + lost);
         }

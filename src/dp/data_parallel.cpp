@@ -5,6 +5,7 @@
 
 #include "shoal/core/error.h"
 #include "shoal/runtime/init.h"
+#include "shoal/runtime/world.h"
 
 namespace shoal::dp {
 namespace {
@@ -116,30 +117,57 @@ void broadcast_from_first(comm::Group& group, const std::vector<at::Tensor>& ten
 }  // namespace
 
 Replicator::Replicator(std::shared_ptr<torch::nn::Module> module, DataParallelOptions options)
-    : module_(std::move(module)), group_(options.group ? *options.group : shoal::world()) {
+    : module_(std::move(module)), options_(std::move(options)) {
   if (!module_) throw UsageError("DataParallel: the module is null");
+  if (options_.group) {
+    bind(*options_.group, true);
+    return;
+  }
+  // An elastic job's members synchronize through elastic::State, which every member of a
+  // round reaches together; a newcomer's constructor must not start a collective of its own.
+  const bool elastic = shoal::job().elastic;
+  bind(shoal::world(), !elastic);
+  world_listener_ = runtime::add_world_listener([this] { bind(shoal::world(), false); });
+}
+
+Replicator::~Replicator() {
+  if (world_listener_ != 0) runtime::remove_world_listener(world_listener_);
+}
+
+void Replicator::bind(comm::Group group, bool synchronize) {
+  // A broken group's operation may still complete late and write into its buckets; new ones
+  // (a new Reducer), and gradients that no longer share the old buckets' storage, keep that
+  // away from the gradients in use.
+  if (reducer_) {
+    reducer_.reset();
+    for (auto& p : module_->parameters()) p.mutable_grad().reset();
+  }
+  group_ = std::move(group);
   if (group_.size() == 1) return;  // a job of one: nothing to check, copy or average
 
-  const auto problem = first_difference(gather_descriptions(group_, encode(describe(*module_))), group_.members());
-  if (!problem.empty()) {
-    throw UsageError("DataParallel: the model differs across workers: " + problem +
-                     "; expected the same parameters and buffers, in the same order, everywhere");
+  if (synchronize) {
+    const auto problem = first_difference(gather_descriptions(group_, encode(describe(*module_))), group_.members());
+    if (!problem.empty()) {
+      throw UsageError("DataParallel: the model differs across workers: " + problem +
+                       "; expected the same parameters and buffers, in the same order, everywhere");
+    }
+    std::vector<at::Tensor> state = module_->parameters();
+    for (auto& b : module_->buffers()) state.push_back(b);
+    broadcast_from_first(group_, state);
   }
-  std::vector<at::Tensor> state = module_->parameters();
-  for (auto& b : module_->buffers()) state.push_back(b);
-  broadcast_from_first(group_, state);
 
   std::vector<at::Tensor> trainable;
   for (auto& p : module_->parameters()) {
     if (p.requires_grad()) trainable.push_back(p);
   }
   ReducerOptions reducer;
-  reducer.bucket_bytes = options.bucket_bytes;
-  reducer.find_unused_parameters = options.find_unused_parameters;
-  reducer.gradient_as_bucket_view = options.gradient_as_bucket_view;
-  reducer.hook = options.comm_hook;
+  reducer.bucket_bytes = options_.bucket_bytes;
+  reducer.find_unused_parameters = options_.find_unused_parameters;
+  reducer.gradient_as_bucket_view = options_.gradient_as_bucket_view;
+  reducer.hook = options_.comm_hook;
   reducer_ = std::make_unique<Reducer>(std::move(trainable), group_, std::move(reducer));
-  if (options.broadcast_buffers && !module_->buffers().empty()) {
+  reducer_->set_sync(sync_);
+  if (options_.broadcast_buffers && !module_->buffers().empty()) {
     reducer_->set_after_backward([this] { broadcast_buffers(); });
   }
 }

@@ -8,12 +8,14 @@
 #include <algorithm>
 #include <thread>
 
+#include "elastic_agent.h"
 #include "job_store.h"
 #include "nodes.h"
 #include "process.h"
 #include "shoal/core/error.h"
 #include "signals.h"
 #include "watchdog.h"
+#include "worker.h"
 #include "worker_env.h"
 
 namespace shoal::launch {
@@ -39,22 +41,6 @@ void forward(Fd& pipe, LineForwarder& lines, int max_reads) {
 
 }  // namespace
 
-struct Launcher::Worker {
-  Worker(int local_rank, int rank, const std::string& prefix, Sink& out, Sink& err)
-      : local_rank(local_rank), rank(rank), out_lines(prefix, out), err_lines(prefix, err) {}
-
-  int local_rank;
-  int rank;
-  pid_t pid = -1;  // also its process group
-  Fd out;
-  Fd err;
-  LineForwarder out_lines;
-  LineForwarder err_lines;
-  std::optional<ExitStatus> exit;
-
-  bool running() const { return pid > 0 && !exit; }
-};
-
 Launcher::Launcher(LaunchOptions options)
     : options_(std::move(options)), out_(STDOUT_FILENO), err_(STDERR_FILENO) {}
 
@@ -72,6 +58,7 @@ int Launcher::run() {
   // Descendants that a worker orphans are re-parented to us rather than to init, so we reap
   // them, and can kill those that left their worker's process group (kill_leftovers).
   ::prctl(PR_SET_CHILD_SUBREAPER, 1);
+  if (options_.elastic) return run_elastic();
   try {
     store_ = open_job_store(options_, *signals_);
   } catch (const Interrupted& interrupted) {
@@ -105,8 +92,6 @@ int Launcher::run() {
 
 void Launcher::start_workers(const std::string& run_id, int port) {
   const env::Environment base = env::current();
-  std::vector<std::string> argv{options_.program};
-  argv.insert(argv.end(), options_.program_args.begin(), options_.program_args.end());
   for (int i = 0; i < options_.nproc_per_node; ++i) {
     WorkerPlace place;
     place.local_rank = i;
@@ -119,19 +104,10 @@ void Launcher::start_workers(const std::string& run_id, int port) {
     const std::string prefix =
         options_.tags_output() ? "[" + std::to_string(place.rank()) + "] " : std::string();
     auto worker = std::make_unique<Worker>(i, place.rank(), prefix, out_, err_);
-
-    ProcessSpec spec;
-    spec.path = options_.program_path;
-    spec.argv = argv;
-    spec.env = to_envp(worker_environment(base, place));
-    spec.signal_mask = signals_->original_mask();
-    ChildProcess child;
-    pid_t watched = -1;
+    worker->envp = to_envp(worker_environment(base, place));
     try {
-      // See Note [No orphans] (watchdog.h): the guard learns the group before the program runs.
-      child = start_process(spec, [&](pid_t group) { watchdog_->watch(watched = group); });
+      spawn(*worker);
     } catch (const Error& e) {
-      if (watched > 0) watchdog_->forget(watched);  // the child was reaped: the group is gone
       if (workers_.empty()) throw;  // nothing started: a plain usage error
       say(std::string(e.what()) + "; stopping the other workers");
       nodes_->report_failure("node " + std::to_string(options_.node_rank) + ": " + e.what());
@@ -139,11 +115,31 @@ void Launcher::start_workers(const std::string& run_id, int port) {
       begin_stop(SIGTERM);
       return;
     }
-    worker->pid = child.pid;
-    worker->out = std::move(child.stdout_pipe);
-    worker->err = std::move(child.stderr_pipe);
     workers_.push_back(std::move(worker));
   }
+}
+
+void Launcher::spawn(Worker& worker) {
+  std::vector<std::string> argv{options_.program};
+  argv.insert(argv.end(), options_.program_args.begin(), options_.program_args.end());
+  ProcessSpec spec;
+  spec.path = options_.program_path;
+  spec.argv = argv;
+  spec.env = worker.envp;
+  spec.signal_mask = signals_->original_mask();
+  ChildProcess child;
+  pid_t watched = -1;
+  try {
+    // See Note [No orphans] (watchdog.h): the guard learns the group before the program runs.
+    child = start_process(spec, [&](pid_t group) { watchdog_->watch(watched = group); });
+  } catch (const Error&) {
+    if (watched > 0) watchdog_->forget(watched);  // the child was reaped: the group is gone
+    throw;
+  }
+  worker.pid = child.pid;
+  worker.exit.reset();
+  worker.out = std::move(child.stdout_pipe);
+  worker.err = std::move(child.stderr_pipe);
 }
 
 bool Launcher::any_running() const {
@@ -172,8 +168,9 @@ void Launcher::supervise() {
 
   for (;;) {
     reap();
+    if (options_.elastic) restart_due(Clock::now());
     const TimePoint now = Clock::now();
-    const bool running = any_running();
+    const bool running = any_running() || next_restart().has_value();
     const bool open_pipes = std::any_of(workers_.begin(), workers_.end(), [](const auto& w) {
       return w->out.valid() || w->err.valid();
     });
@@ -202,7 +199,7 @@ void Launcher::supervise() {
 
     TimePoint wake = now + kMaxSleep;
     if (several_nodes) wake = std::min(wake, next_check);
-    for (const auto& at : {kill_at_, give_up_at_, drain_until}) {
+    for (const auto& at : {kill_at_, give_up_at_, drain_until, next_restart()}) {
       if (at) wake = std::min(wake, *at);
     }
     const auto sleep = std::chrono::duration_cast<Duration>(wake - Clock::now()).count();
@@ -275,7 +272,8 @@ void Launcher::close_output(Worker& worker) {
 void Launcher::on_exit(Worker& worker, const ExitStatus& status) {
   worker.exit = status;
   // Workers read this to name a lost peer, so it is written before anything slower.
-  nodes_->record_exit(worker.rank, status.describe());
+  if (nodes_) nodes_->record_exit(worker.rank, status.describe());
+  if (status.success()) any_success_ = true;
   drain(worker);
   // Note [No orphans] (watchdog.h): whatever the worker left behind in its group goes with it.
   signal_group(worker.pid, SIGKILL);
@@ -284,6 +282,10 @@ void Launcher::on_exit(Worker& worker, const ExitStatus& status) {
 }
 
 void Launcher::on_failure(Worker& worker, const ExitStatus& status) {
+  if (options_.elastic) {
+    on_elastic_failure(worker, status);
+    return;
+  }
   // A static job cannot go on without a worker: stop the rest. (An elastic policy would decide
   // here between restarting the worker, shrinking the job and giving up.)
   exit_code_ = status.shell_code();
@@ -312,7 +314,7 @@ void Launcher::on_signal(int signal) {
   exit_code_ = 128 + signal;
   kill_at_ = Clock::now() + options_.stop_grace;
   say("received " + signal_name(signal) + "; stopping the workers");
-  nodes_->report_failure("node " + std::to_string(options_.node_rank) + "'s launcher received " +
+  if (nodes_) nodes_->report_failure("node " + std::to_string(options_.node_rank) + "'s launcher received " +
                          signal_name(signal));
 }
 

@@ -1,9 +1,9 @@
 // The launcher of one node: starts its workers, forwards their output and the user's signals,
 // records how each worker ended, and stops them all when one fails. See docs/launch.md.
 //
-// Elastic launching (--max-restarts, --min/--max, joining a running job) is meant to build on
-// this class: the workers and their lifecycle are here, and what a worker's failure means for
-// the job is decided in one place, on_failure().
+// Elastic jobs (--min/--max, --join) use the same workers and lifecycle; what differs (no store
+// of the launcher's, a membership agent, restarts instead of stopping the job) is in
+// elastic_launch.cpp. See docs/elastic.md.
 #pragma once
 
 #include <chrono>
@@ -17,6 +17,7 @@
 
 namespace shoal::launch {
 
+class ElasticAgent;
 class JobStore;
 class NodeGroup;
 class SignalSet;
@@ -43,6 +44,8 @@ class Launcher {
   struct Worker;
 
   void start_workers(const std::string& run_id, int port);
+  // Starts the worker's process (again, for a restart) with its environment.
+  void spawn(Worker& worker);
   void supervise();
   void reap();
   void on_exit(Worker& worker, const ExitStatus& status);
@@ -57,6 +60,13 @@ class Launcher {
   bool any_running() const;
   void say(const std::string& message);
 
+  // Elastic jobs (elastic_launch.cpp).
+  int run_elastic();
+  void start_elastic_workers();
+  void on_elastic_failure(Worker& worker, const ExitStatus& status);
+  void restart_due(TimePoint now);
+  std::optional<TimePoint> next_restart() const;
+
   LaunchOptions options_;
   Sink out_;
   Sink err_;
@@ -67,6 +77,8 @@ class Launcher {
   std::unique_ptr<JobStore> store_;
   std::unique_ptr<NodeGroup> nodes_;
   std::vector<std::unique_ptr<Worker>> workers_;
+  std::unique_ptr<ElasticAgent> agent_;
+  bool any_success_ = false;  // a worker exited 0 (an elastic job's training finished)
 
   bool stopping_ = false;
   int exit_code_ = 0;

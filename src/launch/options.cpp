@@ -23,6 +23,13 @@ struct RawFlags {
   std::string master;
   std::string master_port;
   std::string connect_timeout = "60";
+  std::string min_workers;
+  std::string max_workers;
+  std::string max_restarts = "0";
+  std::string join;
+  std::string token_file;
+  std::string last_call = "1";
+  std::string rendezvous_timeout = "600";
 };
 
 // The program and its arguments are split off before CLI11 parses, so CLI11 does not know them;
@@ -54,6 +61,10 @@ Duration parse_seconds(const std::string& flag, const std::string& text) {
     throw UsageError(flag + ": expected a positive number of seconds, got '" + text + "'");
   }
   return Duration(static_cast<int64_t>(std::ceil(seconds * 1000)));
+}
+
+Duration parse_seconds_or_zero(const std::string& flag, const std::string& text) {
+  return text == "0" ? Duration(0) : parse_seconds(flag, text);
 }
 
 // Where the launcher's own flags end and the program begins: at `--`, or at the first argument
@@ -109,9 +120,74 @@ void add_flags(CLI::App& app, RawFlags& raw) {
   app.add_option("--connect-timeout", raw.connect_timeout,
                  "How long to wait for node 0 and for all nodes to join (default 60)")
       ->type_name("SECONDS");
+  app.add_option("--min", raw.min_workers,
+                 "Elastic job: the fewest workers it trains with (waits for them to start)")
+      ->type_name("A");
+  app.add_option("--max", raw.max_workers, "Elastic job: the most workers it trains with")->type_name("B");
+  app.add_option("--max-restarts", raw.max_restarts,
+                 "Elastic job: restarts of each worker that fails, with a growing back-off (default 0)")
+      ->type_name("R");
+  app.add_option("--join", raw.join,
+                 "Adds this node's workers to the running elastic job of any of its members")
+      ->type_name("HOST:PORT");
+  app.add_option("--token-file", raw.token_file,
+                 "Elastic job: where the job's token is written (mode 600), or read with --join")
+      ->type_name("PATH");
+  app.add_flag("--quorum", "Elastic job: a round goes on only with a majority of the previous one");
+  app.add_option("--last-call", raw.last_call,
+                 "Elastic job: how long a round waits for more workers once --min are there (default 1)")
+      ->type_name("SECONDS");
+  app.add_option("--rendezvous-timeout", raw.rendezvous_timeout,
+                 "Elastic job: how long a worker waits for a round to close (default 600)")
+      ->type_name("SECONDS");
   app.add_flag("--tag-output", "Prefix each output line with \"[RANK] \" (the default when the "
                "job has more than one worker)");
   app.add_flag("--no-tag-output", "Forward output lines as they are");
+}
+
+// See docs/elastic.md, "shoal run for elastic jobs".
+void validate_elastic(const RawFlags& raw, const CLI::App& app, LaunchOptions& options) {
+  const bool has_min = app.count("--min") > 0;
+  const bool has_max = app.count("--max") > 0;
+  const bool joins = app.count("--join") > 0;
+  for (const char* flag : {"--max-restarts", "--token-file", "--quorum", "--last-call", "--rendezvous-timeout"}) {
+    if (app.count(flag) > 0 && !has_min && !has_max && !joins) {
+      throw UsageError(std::string(flag) + " is for elastic jobs; add --min A --max B (or --join HOST:PORT)");
+    }
+  }
+  if (!has_min && !has_max && !joins) return;
+  if (options.nnodes > 1 || app.count("--node-rank") > 0) {
+    throw UsageError("--nnodes/--node-rank are for static jobs; an elastic job grows with --join HOST:PORT");
+  }
+  if (joins) {
+    if (has_min || has_max || app.count("--quorum") > 0) {
+      throw UsageError("--join takes the job's --min, --max and --quorum from the job itself; drop them");
+    }
+    std::tie(options.join_host, options.join_port) = parse_host_port(raw.join, "--join");
+  } else {
+    if (has_min != has_max) {
+      throw UsageError(std::string(has_min ? "--min" : "--max") + " needs " + (has_min ? "--max" : "--min") +
+                       ": an elastic job is started with both");
+    }
+    options.min_workers = parse_int("--min", raw.min_workers, 1, 1 << 20, "a number of workers from 1");
+    options.max_workers = parse_int("--max", raw.max_workers, 1, 1 << 20, "a number of workers from 1");
+    if (options.min_workers > options.max_workers) {
+      throw UsageError("--min " + std::to_string(options.min_workers) + " is more than --max " +
+                       std::to_string(options.max_workers) + ": expected min <= max");
+    }
+    if (app.count("--nproc-per-node") == 0) {
+      options.nproc_per_node = options.min_workers;
+    } else if (options.nproc_per_node > options.max_workers) {
+      throw UsageError("-n " + std::to_string(options.nproc_per_node) + " is more than --max " +
+                       std::to_string(options.max_workers) + ": the job could not take them all");
+    }
+    options.quorum = app.count("--quorum") > 0;
+  }
+  options.elastic = true;
+  options.max_restarts = parse_int("--max-restarts", raw.max_restarts, 0, 1 << 20, "a number of restarts from 0");
+  options.token_file = raw.token_file;
+  options.last_call = parse_seconds_or_zero("--last-call", raw.last_call);
+  options.rendezvous_timeout = parse_seconds("--rendezvous-timeout", raw.rendezvous_timeout);
 }
 
 LaunchOptions validate(const RawFlags& raw, const CLI::App& app) {
@@ -147,6 +223,7 @@ LaunchOptions validate(const RawFlags& raw, const CLI::App& app) {
   const bool no_tag = app.count("--no-tag-output") > 0;
   if (tag && no_tag) throw UsageError("--tag-output and --no-tag-output contradict each other");
   if (tag || no_tag) options.tag_output = tag;
+  validate_elastic(raw, app, options);
   return options;
 }
 

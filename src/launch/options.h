@@ -31,12 +31,25 @@ struct LaunchOptions {
 
   std::optional<bool> tag_output;  // unset: tag when the job has more than one worker
 
+  // Elastic jobs (--min/--max, or --join): see docs/elastic.md.
+  bool elastic = false;
+  int min_workers = 0;  // unset (0) for --join: the job's own apply
+  int max_workers = 0;
+  bool quorum = false;
+  int max_restarts = 0;
+  std::string join_host;  // --join: a member of the running job
+  int join_port = 0;
+  std::string token_file;  // where the token is written (or read, with --join); empty: default
+  Duration last_call = std::chrono::seconds(1);
+  Duration rendezvous_timeout = std::chrono::seconds(600);
+
   std::string program;  // as given (for messages)
   std::string program_path;  // resolved against PATH; what is executed
   std::vector<std::string> program_args;
 
   int world_size() const { return nnodes * nproc_per_node; }
-  bool tags_output() const { return tag_output.value_or(world_size() > 1); }
+  bool tags_output() const { return tag_output.value_or(elastic || world_size() > 1); }
+  bool joins() const { return !join_host.empty(); }
   bool hosts_store() const { return node_rank == 0; }
   // The address workers (and other nodes' launchers) connect to.
   std::string master_addr() const { return master_host.empty() ? "127.0.0.1" : master_host; }

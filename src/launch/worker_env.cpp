@@ -1,5 +1,7 @@
 #include "worker_env.h"
 
+#include <algorithm>
+
 namespace shoal::launch {
 
 env::Environment worker_environment(const env::Environment& base, const WorkerPlace& place) {
@@ -38,6 +40,27 @@ env::Environment worker_environment(const env::Environment& base, const WorkerPl
   env["TORCHELASTIC_RUN_ID"] = place.run_id;
   env["TORCHELASTIC_RESTART_COUNT"] = "0";
   env["TORCHELASTIC_MAX_RESTARTS"] = "0";
+  return env;
+}
+
+env::Environment elastic_worker_environment(const env::Environment& base, const ElasticPlace& place) {
+  env::Environment env = base;
+  for (const char* name : {"SHOAL_RANK", "SHOAL_WORLD_SIZE", "SHOAL_LOCAL_RANK", "SHOAL_NODE_RANK", "SHOAL_NNODES",
+                           "SHOAL_MASTER_ADDR", "SHOAL_MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                           "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR",
+                           "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"}) {
+    env.erase(name);
+  }
+  env["SHOAL_ELASTIC"] = "1";
+  env["SHOAL_LOCAL_WORLD_SIZE"] = std::to_string(place.local_world_size);
+  env["SHOAL_MIN_WORKERS"] = std::to_string(place.min_workers);
+  env["SHOAL_MAX_WORKERS"] = std::to_string(place.max_workers);
+  env["SHOAL_QUORUM"] = place.quorum ? "1" : "0";
+  env["SHOAL_GOSSIP_SEEDS"] = place.seeds;
+  if (!place.token_file.empty()) env["SHOAL_JOB_TOKEN_FILE"] = place.token_file;
+  env["SHOAL_LAST_CALL_MS"] = std::to_string(place.last_call.count());
+  env["SHOAL_RENDEZVOUS_TIMEOUT"] = std::to_string(std::max<int64_t>(1, place.rendezvous_timeout.count() / 1000));
+  env["SHOAL_RUN_ID"] = place.run_id;
   return env;
 }
 

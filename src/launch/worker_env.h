@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "shoal/core/env.h"
+#include "shoal/core/timeout.h"
 
 namespace shoal::launch {
 
@@ -29,6 +30,23 @@ struct WorkerPlace {
 // the same names in `base` are replaced. OMP_NUM_THREADS is left as the user set it: init()
 // chooses thread counts itself and takes a set OMP_NUM_THREADS as the user's choice.
 env::Environment worker_environment(const env::Environment& base, const WorkerPlace& place);
+
+// What a worker of an elastic job is told: no rank (rounds decide it), but how to find the job.
+struct ElasticPlace {
+  int local_world_size = 1;  // workers this launcher starts (for thread counts)
+  int min_workers = 1;
+  int max_workers = 1;
+  bool quorum = false;
+  std::string seeds;       // "HOST:PORT" of this launcher's membership agent
+  std::string token_file;  // empty when the token comes from SHOAL_JOB_TOKEN
+  Duration last_call{0};
+  Duration rendezvous_timeout{0};
+  std::string run_id;
+};
+
+// `base` with SHOAL_ELASTIC=1 and the job's settings; any static job's variables in `base`
+// (SHOAL_RANK, RANK, WORLD_SIZE, ...) are removed. See docs/elastic.md.
+env::Environment elastic_worker_environment(const env::Environment& base, const ElasticPlace& place);
 
 // "NAME=value" strings, as execve takes them.
 std::vector<std::string> to_envp(const env::Environment& env);

@@ -3,11 +3,13 @@
 #include <sched.h>
 #include <unistd.h>
 
+#include <map>
 #include <memory>
 
 #include <ATen/Parallel.h>
 
 #include "shoal/core/error.h"
+#include "shoal/runtime/world.h"
 
 namespace shoal {
 namespace {
@@ -20,11 +22,21 @@ struct Runtime {
 
 // Deliberately never destroyed: at exit, peers may still hold connections to this process's
 // group, and c10d's destructor would wait for their operations.
-Runtime* runtime = nullptr;
+Runtime* the_runtime = nullptr;
+
+runtime::ElasticJoin& elastic_join() {
+  static runtime::ElasticJoin join;
+  return join;
+}
+
+std::map<int, std::function<void()>>& world_listeners() {
+  static std::map<int, std::function<void()>> listeners;
+  return listeners;
+}
 
 Runtime& current() {
-  if (runtime == nullptr) throw UsageError("shoal::init() has not been called");
-  return *runtime;
+  if (the_runtime == nullptr) throw UsageError("shoal::init() has not been called");
+  return *the_runtime;
 }
 
 int cores_on_host() {
@@ -59,7 +71,7 @@ Duration default_timeout(const InitOptions& options, const env::Environment& env
 }  // namespace
 
 void init(const InitOptions& options) {
-  if (runtime != nullptr) throw UsageError("shoal::init() was already called in this process");
+  if (the_runtime != nullptr) throw UsageError("shoal::init() was already called in this process");
   const auto env = env::current();
   auto state = std::make_unique<Runtime>();
   state->job = discover_job(env, options.master);
@@ -67,7 +79,12 @@ void init(const InitOptions& options) {
   set_threads(options, job, env);
   const Duration timeout = default_timeout(options, env);
 
-  if (job.master_addr.empty()) {
+  if (job.elastic) {
+    SHOAL_CHECK(elastic_join() != nullptr) << "the elastic part did not register how to join";
+    auto world = elastic_join()(job, env, options.connect_timeout, timeout);
+    state->job = std::move(world.job);
+    state->world = std::move(world.group);
+  } else if (job.master_addr.empty()) {
     state->world = comm::Group::single();
   } else {
     comm::StoreOptions store;
@@ -86,10 +103,10 @@ void init(const InitOptions& options) {
     state->world = comm::Group::create(state->store, job.rank, job.world_size, group);
     state->world.set_timeout(timeout);
   }
-  runtime = state.release();
+  the_runtime = state.release();
 }
 
-bool is_initialized() { return runtime != nullptr; }
+bool is_initialized() { return the_runtime != nullptr; }
 int world_size() { return current().job.world_size; }
 bool is_main() { return current().job.rank == 0; }
 int rank() { return current().job.rank; }
@@ -97,9 +114,30 @@ int local_rank() { return current().job.local_rank; }
 const JobSpec& job() { return current().job; }
 comm::Group& world() { return current().world; }
 
+namespace runtime {
+
+void register_elastic_join(ElasticJoin join) { elastic_join() = std::move(join); }
+
+void replace_world(World world) {
+  Runtime& state = current();
+  state.job = std::move(world.job);
+  state.world = std::move(world.group);
+  for (auto& [id, listener] : world_listeners()) listener();
+}
+
+int add_world_listener(std::function<void()> listener) {
+  static int next_id = 0;
+  world_listeners().emplace(++next_id, std::move(listener));
+  return next_id;
+}
+
+void remove_world_listener(int id) { world_listeners().erase(id); }
+
+}  // namespace runtime
+
 void shutdown() {
-  Runtime* state = runtime;
-  runtime = nullptr;
+  Runtime* state = the_runtime;
+  the_runtime = nullptr;
   delete state;
 }
 

@@ -192,6 +192,12 @@ std::string first_slurm_host(const std::string& nodelist) {
 
 JobSpec discover_job(const env::Environment& env, const std::string& master) {
   JobSpec job;
+  if (env::get_bool(env, "SHOAL_ELASTIC").value_or(false)) {
+    job.launcher = "shoal";
+    job.elastic = true;
+    job.local_world_size = optional_int(env, "SHOAL_LOCAL_WORLD_SIZE", 1, 1);
+    return job;
+  }
   if (env.count("SHOAL_RANK") || env.count("SHOAL_WORLD_SIZE")) {
     if (!env.count("SHOAL_RANK")) {
       throw UsageError("SHOAL_WORLD_SIZE is set but SHOAL_RANK is not; shoal run sets both");

@@ -5,6 +5,7 @@
 // when a peer is lost (CommError), the group is broken for good and must be replaced.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -29,6 +30,14 @@ struct GroupOptions {
   std::string interface;
   // Threads c10d gives the group to run operations.
   int threads = 2;
+  // Where in the store the members exchange their addresses. A store that sees the same
+  // members connect again (an elastic job's next round) needs a new prefix each time.
+  std::string store_prefix = "shoal/group/world";
+  // Asked every 250 ms while a collective waits: a non-empty answer names members known to be
+  // gone, and the collective fails with CommError quoting it instead of waiting for its
+  // deadline. Elastic jobs answer from their membership, which notices a silent peer long
+  // before any collective's timeout.
+  std::function<std::string()> lost_check;
 };
 
 struct AllReduceOptions {

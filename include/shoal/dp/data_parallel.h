@@ -33,7 +33,8 @@ struct DataParallelOptions {
   bool broadcast_buffers = true;
   // How a bucket is averaged; empty: an all-reduce in the gradients' dtype.
   dp::CommHook comm_hook;
-  // The workers to replicate over; empty: shoal::world().
+  // The workers to replicate over; empty: shoal::world(), followed as an elastic job's world
+  // changes (see docs/elastic.md).
   std::optional<comm::Group> group;
 };
 
@@ -43,6 +44,9 @@ namespace dp {
 class Replicator {
  public:
   Replicator(std::shared_ptr<torch::nn::Module> module, DataParallelOptions options);
+  ~Replicator();
+  Replicator(const Replicator&) = delete;
+  Replicator& operator=(const Replicator&) = delete;
   void set_sync(bool sync) {
     if (reducer_) reducer_->set_sync(sync);
     sync_ = sync;
@@ -54,10 +58,17 @@ class Replicator {
   void broadcast_buffers();
 
  private:
+  // Averages over `group` from now on, with new buckets. With `synchronize`, first checks that
+  // every worker has the same model and copies the first worker's values to all (a collective);
+  // in an elastic job elastic::State does that when the world changes.
+  void bind(comm::Group group, bool synchronize);
+
   std::shared_ptr<torch::nn::Module> module_;
+  DataParallelOptions options_;
   comm::Group group_;
   std::unique_ptr<Reducer> reducer_;
   bool sync_ = true;
+  int world_listener_ = 0;  // set while following shoal::world()
 };
 
 }  // namespace dp

@@ -24,6 +24,10 @@ struct JobSpec {
   // True when a launcher process hosts the store (shoal run, torchrun's agent); otherwise
   // rank 0 hosts it, as torch.distributed's env:// does.
   bool store_hosted_by_launcher = false;
+  // An elastic job (SHOAL_ELASTIC=1, as `shoal run --min/--max` sets it): the workers find each
+  // other through the job's membership, and rank and world size are those of the current
+  // rendezvous round (see docs/elastic.md); discover_job leaves them 0 and 1.
+  bool elastic = false;
 };
 
 // Reads the job from `env`, trying in order: shoal run's SHOAL_* variables; torchrun's RANK,

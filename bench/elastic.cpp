@@ -1,0 +1,108 @@
+// Elastic training for bench/elastic.py: the MLP of bench/ddp.cpp (784-2048-2048-10), random
+// data, SGD with momentum, batch 64 per worker, one intra-op thread, under shoal::elastic::run.
+//
+//   shoal run --min 1 --max 3 -n 3 elastic [--steps 200] [--commit-every 1] [--batch 64]
+//
+// --commit-every 0 never commits (to measure what committing costs). The main worker prints
+// "step S world W t=MS" after each step (MS: milliseconds since the epoch, to line up with the
+// driver's clock) and at the end "elastic steps=S samples_per_s=X step_ms=Y" over the steps
+// after the first 3 of the last round.
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include <torch/torch.h>
+
+#include "shoal/shoal.h"
+
+namespace {
+
+int64_t now_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// Random samples, the same on every run: the dataset only sets the pace.
+class RandomImages : public torch::data::datasets::Dataset<RandomImages> {
+ public:
+  explicit RandomImages(int64_t size) : size_(size) {
+    torch::manual_seed(0);
+    x_ = torch::randn({size, 784});
+    y_ = torch::randint(10, {size});
+  }
+  torch::data::Example<> get(size_t i) override { return {x_[i], y_[i]}; }
+  torch::optional<size_t> size() const override { return size_; }
+
+ private:
+  int64_t size_;
+  torch::Tensor x_, y_;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int64_t steps = 200;
+  int commit_every = 1;
+  int64_t batch = 64;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i];
+    if (flag == "--steps") steps = std::atoll(argv[i + 1]);
+    else if (flag == "--commit-every") commit_every = std::atoi(argv[i + 1]);
+    else if (flag == "--batch") batch = std::atoll(argv[i + 1]);
+    else {
+      std::fprintf(stderr, "elastic: unknown flag %s\n", flag.c_str());
+      return 2;
+    }
+  }
+  shoal::InitOptions init;
+  init.intra_op_threads = 1;
+  shoal::init(init);
+  torch::manual_seed(1);
+  auto net = torch::nn::Sequential(torch::nn::Linear(784, 2048), torch::nn::ReLU(), torch::nn::Linear(2048, 2048),
+                                   torch::nn::ReLU(), torch::nn::Linear(2048, 10));
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+  shoal::DataParallel model(net);
+  shoal::data::LoaderOptions options;
+  options.batch_size = batch;
+  options.per_worker = true;
+  options.shuffle = true;
+  // Enough samples for every step in one epoch at the largest world.
+  auto loader = shoal::data::make_loader(RandomImages(steps * batch * 4), options);
+  shoal::elastic::State state(net.ptr(), optimizer, loader,
+                              {shoal::elastic::BatchPolicy::scale_learning_rate(1, 0)});
+
+  int64_t done = 0;  // steps taken; after a recovery, those committed
+  state.on_reset([&] { done = state.version(); });
+  std::chrono::steady_clock::time_point timed_from;
+  int64_t timed_steps = 0;
+  shoal::elastic::run(state, [&] {
+    int64_t in_round = 0;
+    for (auto& b : loader.epoch(0)) {
+      if (done >= steps) break;
+      optimizer.zero_grad();
+      torch::nn::functional::cross_entropy(net->forward(b.data), b.target).backward();
+      optimizer.step();
+      ++done;
+      if (commit_every > 0 && done % commit_every == 0) state.commit();
+      if (++in_round == 3) {
+        timed_from = std::chrono::steady_clock::now();
+        timed_steps = 0;
+      } else if (in_round > 3) {
+        ++timed_steps;
+      }
+      if (shoal::is_main()) {
+        std::printf("step %lld world %d t=%lld\n", static_cast<long long>(done), shoal::world_size(),
+                    static_cast<long long>(now_ms()));
+        std::fflush(stdout);
+      }
+    }
+  });
+  if (shoal::is_main() && timed_steps > 0) {
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - timed_from).count();
+    std::printf("elastic steps=%lld samples_per_s=%.1f step_ms=%.1f commit_every=%d world=%d\n",
+                static_cast<long long>(timed_steps), timed_steps * batch * shoal::world_size() / seconds,
+                1000 * seconds / timed_steps, commit_every, shoal::world_size());
+  }
+  return 0;
+}

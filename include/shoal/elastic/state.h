@@ -1,0 +1,138 @@
+// Elastic training: what a failure rolls back to and what a newcomer receives, in one object
+// (Horovod's elastic state, in C++), and the loop that recovers.
+//
+//   shoal::init();                                   // under shoal run --min 1 --max 4
+//   ...model, optimizer, DataParallel, loader as usual...
+//   shoal::elastic::State state(net, optimizer, loader);
+//   shoal::elastic::run(state, [&] {
+//     for (; state.epoch() < epochs; state.next_epoch())
+//       for (auto& batch : loader.epoch(state.epoch())) { step(batch); state.commit(); }
+//   });
+//
+// When a worker dies, the others' collective raises CommError; run() catches it, forms the
+// next round with the workers still alive (and any waiting to join), gives every member the
+// newest commit, re-cuts what is left of the epoch over the new world and calls the function
+// again: the loop continues from the last commit. See docs/elastic.md.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include "shoal/data/sampler.h"
+
+namespace shoal::elastic {
+
+// What changes when the number of workers changes.
+struct BatchPolicy {
+  enum class Kind {
+    // The global batch stays (the sampler's batch_size is the global one and is cut over the
+    // workers: each takes more or fewer samples); the learning rate stays.
+    kKeepGlobalBatch,
+    // Each worker's batch stays (the sampler is per_worker), so the global batch follows the
+    // world, and the learning rate is scaled linearly with it: lr = lr0 * world / reference.
+    kScaleLearningRate,
+  };
+  Kind kind = Kind::kKeepGlobalBatch;
+  // kScaleLearningRate: the world size the optimizer's learning rates were set for.
+  int reference_world_size = 1;
+  // kScaleLearningRate: after a change, the rate moves linearly to its new value over this many
+  // commits (0: at once).
+  int64_t warmup_steps = 0;
+
+  static BatchPolicy keep_global_batch() { return {}; }
+  static BatchPolicy scale_learning_rate(int reference_world_size = 1, int64_t warmup_steps = 0) {
+    return {Kind::kScaleLearningRate, reference_world_size, warmup_steps};
+  }
+};
+
+struct StateOptions {
+  BatchPolicy policy;
+};
+
+class State {
+ public:
+  // The module's parameters and buffers, the optimizer's state and learning rates, and the
+  // sampler's place. UsageError when the policy does not fit the sampler (kKeepGlobalBatch needs
+  // a global batch_size, kScaleLearningRate a per_worker one).
+  State(torch::nn::Module& module, torch::optim::Optimizer& optimizer, data::Sampler& sampler,
+        StateOptions options = {});
+  template <typename ModuleType, typename Loader>
+  State(const std::shared_ptr<ModuleType>& module, torch::optim::Optimizer& optimizer, Loader& loader,
+        StateOptions options = {})
+      : State(*module, optimizer, loader.sampler(), options) {}
+  ~State();
+  State(const State&) = delete;
+  State& operator=(const State&) = delete;
+
+  // Records the state in memory, as the point a failure rolls back to. Cheap (a copy of the
+  // parameters and the optimizer's state); in an elastic job it also agrees with the other
+  // workers whether the world should change now (a worker waiting to join, or this one or
+  // another leaving after SIGTERM) and, if so, leaves the training function to form it. A
+  // worker that got SIGTERM exits here with code 0, after the others know it leaves.
+  // Every worker calls it at the same points (a collective).
+  void commit();
+
+  // The epoch the training loop is in; next_epoch() moves to the next one and commits.
+  int64_t epoch() const { return epoch_; }
+  void next_epoch();
+
+  // Commits so far in the job's history (the committed step count), the same on every worker.
+  int64_t version() const { return version_; }
+
+  // The program's own values (a step counter, a schedule's state, an RNG seed), committed and
+  // restored with the rest and received by newcomers. Any dtype and shape.
+  at::Tensor& value(const std::string& name) { return values_[name]; }
+
+  // Called on every worker after the world changed and the state was restored and shared, before
+  // the training function runs again (e.g. to rebuild what depends on the world size).
+  void on_reset(std::function<void()> callback) { resets_.push_back(std::move(callback)); }
+
+  // Changes the rates of each of the optimizer's parameter groups, as the policy's base
+  // ("lr0") values; for a program's own schedule under kScaleLearningRate.
+  void set_base_learning_rates(std::vector<double> rates) { base_rates_ = std::move(rates); }
+
+  // For run(): back to the last commit, and sharing the newest commit after a new round.
+  void restore();
+  void sync();
+  // Disowns the commits: this worker then takes the state of the others, as a newcomer does.
+  void forget();
+
+  struct Snapshot;
+
+ private:
+  void snapshot();
+  void apply_policy();
+  void check_world();
+
+  torch::nn::Module& module_;
+  torch::optim::Optimizer& optimizer_;
+  data::Sampler& sampler_;
+  StateOptions options_;
+  std::map<std::string, at::Tensor> values_;
+  std::vector<std::function<void()>> resets_;
+  std::vector<double> base_rates_;
+  int64_t epoch_ = 0;
+  int64_t version_ = 0;
+  uint64_t lineage_ = 0;  // which history version_ counts in; see Note [Sharing the newest commit]
+  // Warm-up towards new learning rates (kScaleLearningRate).
+  std::vector<double> warmup_from_;
+  int64_t warmup_done_ = 0;
+  std::unique_ptr<Snapshot> committed_;
+};
+
+// Runs `train` and, in an elastic job, recovers from the loss of a worker (CommError) and from
+// changes agreed at commit(): forms the next round, restores and shares the newest commit, and
+// calls `train` again. Returns when `train` returns. Outside an elastic job it only calls
+// `train` once (after sharing the first worker's state), and errors propagate.
+// `train` must let shoal's exceptions through (no catch (...) around commit()).
+void run(State& state, const std::function<void()>& train);
+
+}  // namespace shoal::elastic

@@ -1,0 +1,34 @@
+// How the world changes in an elastic job. For shoal's own parts: the elastic part forms and
+// re-forms the world, DataParallel follows it. A program uses shoal::world() and
+// elastic::State's reset callbacks instead.
+#pragma once
+
+#include <functional>
+
+#include "shoal/comm/group.h"
+#include "shoal/core/env.h"
+#include "shoal/core/timeout.h"
+#include "shoal/runtime/job.h"
+
+namespace shoal::runtime {
+
+struct World {
+  JobSpec job;  // rank, world size and local rank in this round
+  comm::Group group;
+};
+
+// How init() joins an elastic job. The elastic part (a higher layer) registers it when the
+// library loads; init() calls it with the job discover_job found, the environment, the connect
+// timeout and the collectives' default timeout.
+using ElasticJoin = std::function<World(const JobSpec& discovered, const env::Environment& env,
+                                        Duration connect_timeout, Duration timeout)>;
+void register_elastic_join(ElasticJoin join);
+
+// Makes `world` the job's world (an elastic job's next round), then calls the listeners.
+void replace_world(World world);
+
+// Called, in order of registration, after each replace_world. Returns an id for remove.
+int add_world_listener(std::function<void()> listener);
+void remove_world_listener(int id);
+
+}  // namespace shoal::runtime

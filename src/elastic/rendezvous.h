@@ -1,0 +1,73 @@
+// Rendezvous rounds of an elastic job: which workers train together next, and in what order.
+// Private to src/elastic. One interface, one implementation per membership backend (gossip/,
+// etcd/), as gloo's transport/ has tcp/ and uv/.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "shoal/core/timeout.h"
+
+namespace shoal::elastic {
+
+// One worker of a round, as it described itself.
+struct Peer {
+  std::string id;     // the membership's id for it
+  std::string host;   // its host name (local ranks count workers with the same one)
+  int pid = 0;
+  std::string store;  // "IP:PORT" of the store it hosts for forming groups
+};
+
+// A closed round: every member of it got the same members in the same order; rank is this
+// worker's index.
+struct View {
+  int64_t round = 0;
+  std::vector<Peer> members;
+  int rank = 0;
+
+  int size() const { return static_cast<int>(members.size()); }
+  // "worker 2 (pid 812 on node1)"
+  std::string describe(int rank) const;
+};
+
+struct RendezvousOptions {
+  int min_workers = 1;
+  int max_workers = 1;
+  // A round goes on only with more than half of the newest round anyone here knows of.
+  bool quorum = false;
+  // How long the candidates of a round must stay the same before it closes, so that workers
+  // starting together (or joining together) land in one round. A round of only the previous
+  // round's survivors closes without it.
+  Duration last_call = std::chrono::milliseconds(1000);
+};
+
+class Rendezvous {
+ public:
+  virtual ~Rendezvous() = default;
+
+  // Blocks until a round after `previous` (null: this worker's first) closes with this worker
+  // in it, and returns it. CommError after `timeout`, naming what the round waited for (too
+  // few workers for --min, no quorum, a member that never agreed).
+  virtual View next(const View* previous, Duration timeout) = 0;
+
+  // Why `current` should be formed again although no member of it failed: a worker waits to
+  // join and the round has room. "" when nothing is pending. Cheap: no communication.
+  virtual std::string pending_change(const View& current) = 0;
+
+  // The members of `current` the membership knows are gone, as a sentence; "" when none. Also
+  // non-empty when the others declared this worker dead: its group is no longer theirs.
+  virtual std::string lost(const View& current) = 0;
+
+  // True once after next() had this worker join again under a new identity (the others had
+  // declared it dead): whatever it committed since it went silent is not the job's history.
+  virtual bool take_rejoined() = 0;
+
+  // A collective of `current` failed: find out now which members are gone.
+  virtual void check(const View& current) = 0;
+
+  // This worker leaves the job (after a graceful stop); the others are told at once.
+  virtual void leave() = 0;
+};
+
+}  // namespace shoal::elastic

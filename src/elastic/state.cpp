@@ -1,0 +1,417 @@
+#include "shoal/elastic/state.h"
+
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <sstream>
+
+#include <torch/optim.h>
+#include <torch/serialize.h>
+
+#include "../checkpoint/contents.h"
+#include "shoal/core/error.h"
+#include "shoal/runtime/init.h"
+#include "world.h"
+
+namespace shoal::elastic {
+namespace {
+
+// Thrown by commit() when the workers agreed to form the next round; caught by run(). Not an
+// std::exception, so that a training function's catch (const std::exception&) lets it through.
+struct Reform {
+  std::string why;
+};
+
+std::atomic<bool> leave_requested{false};
+
+extern "C" void on_sigterm(int) { leave_requested.store(true); }
+
+at::Tensor copy_into(const at::Tensor& from, at::Tensor to) {
+  if (!from.defined()) return {};
+  if (to.defined() && to.sizes() == from.sizes() && to.scalar_type() == from.scalar_type()) {
+    to.copy_(from);
+    return to;
+  }
+  return from.detach().clone();
+}
+
+// Copies an optimizer's per-parameter state into `to`, reusing its tensors. False for an
+// optimizer whose state type is not one of LibTorch's (its state is then serialized instead).
+template <typename T, typename Fields>
+bool copy_as(const torch::optim::OptimizerParamState& from, std::unique_ptr<torch::optim::OptimizerParamState>& to,
+             Fields fields) {
+  const auto* source = dynamic_cast<const T*>(&from);
+  if (source == nullptr) return false;
+  auto* target = dynamic_cast<T*>(to.get());
+  if (target == nullptr) {
+    to = std::make_unique<T>();
+    target = static_cast<T*>(to.get());
+  }
+  fields(*source, *target);
+  return true;
+}
+
+bool copy_param_state(const torch::optim::OptimizerParamState& from,
+                      std::unique_ptr<torch::optim::OptimizerParamState>& to) {
+  using namespace torch::optim;
+  return copy_as<SGDParamState>(from, to, [](const auto& s, auto& d) {
+           d.momentum_buffer(copy_into(s.momentum_buffer(), d.momentum_buffer()));
+         }) ||
+         copy_as<AdamParamState>(from, to, [](const auto& s, auto& d) {
+           d.step(s.step());
+           d.exp_avg(copy_into(s.exp_avg(), d.exp_avg()));
+           d.exp_avg_sq(copy_into(s.exp_avg_sq(), d.exp_avg_sq()));
+           d.max_exp_avg_sq(copy_into(s.max_exp_avg_sq(), d.max_exp_avg_sq()));
+         }) ||
+         copy_as<AdamWParamState>(from, to, [](const auto& s, auto& d) {
+           d.step(s.step());
+           d.exp_avg(copy_into(s.exp_avg(), d.exp_avg()));
+           d.exp_avg_sq(copy_into(s.exp_avg_sq(), d.exp_avg_sq()));
+           d.max_exp_avg_sq(copy_into(s.max_exp_avg_sq(), d.max_exp_avg_sq()));
+         }) ||
+         copy_as<AdagradParamState>(from, to, [](const auto& s, auto& d) {
+           d.step(s.step());
+           d.sum(copy_into(s.sum(), d.sum()));
+         }) ||
+         copy_as<RMSpropParamState>(from, to, [](const auto& s, auto& d) {
+           d.step(s.step());
+           d.square_avg(copy_into(s.square_avg(), d.square_avg()));
+           d.momentum_buffer(copy_into(s.momentum_buffer(), d.momentum_buffer()));
+           d.grad_avg(copy_into(s.grad_avg(), d.grad_avg()));
+         });
+}
+
+std::vector<at::Tensor> module_tensors(torch::nn::Module& module) {
+  std::vector<at::Tensor> tensors = module.parameters();
+  for (auto& b : module.buffers()) tensors.push_back(b);
+  return tensors;
+}
+
+// FNV-1a: the same on every host, unlike what std::hash promises.
+uint64_t fnv1a(const std::string& text) {
+  uint64_t h = 1469598103934665603ULL;
+  for (unsigned char c : text) {
+    h ^= c;
+    h *= 1099511628211ULL;
+  }
+  return h;
+}
+
+constexpr const char* kEpochKey = "shoal.elastic.epoch";
+constexpr const char* kVersionKey = "shoal.elastic.version";
+constexpr const char* kRatesKey = "shoal.elastic.learning_rates";
+constexpr const char* kValuePrefix = "value.";
+
+}  // namespace
+
+struct State::Snapshot {
+  std::vector<at::Tensor> tensors;  // the module's parameters, then its buffers
+  std::map<std::string, std::unique_ptr<torch::optim::OptimizerParamState>> optimizer_state;
+  bool optimizer_serialized = false;  // not one of LibTorch's optimizers: optimizer_bytes instead
+  std::string optimizer_bytes;
+  std::vector<double> rates;
+  data::SamplerState sampler;
+  int64_t epoch = 0;
+  int64_t version = 0;
+  std::map<std::string, at::Tensor> values;
+  std::vector<double> warmup_from;
+  int64_t warmup_done = 0;
+};
+
+State::State(torch::nn::Module& module, torch::optim::Optimizer& optimizer, data::Sampler& sampler,
+             StateOptions options)
+    : module_(module), optimizer_(optimizer), sampler_(sampler), options_(options) {
+  const bool per_worker = sampler.options().per_worker;
+  if (options_.policy.kind == BatchPolicy::Kind::kKeepGlobalBatch && per_worker) {
+    throw UsageError("elastic::State: BatchPolicy::keep_global_batch() needs a sampler whose batch_size is the "
+                     "global batch; this one is per_worker");
+  }
+  if (options_.policy.kind == BatchPolicy::Kind::kScaleLearningRate) {
+    if (!per_worker) {
+      throw UsageError("elastic::State: BatchPolicy::scale_learning_rate() needs a per_worker sampler (each "
+                       "worker's batch stays); this one's batch_size is the global batch");
+    }
+    if (options_.policy.reference_world_size < 1 || options_.policy.warmup_steps < 0) {
+      throw UsageError("elastic::State: scale_learning_rate(" + std::to_string(options_.policy.reference_world_size) +
+                       ", " + std::to_string(options_.policy.warmup_steps) +
+                       "): expected a reference world size >= 1 and warm-up steps >= 0");
+    }
+  }
+  for (auto& group : optimizer_.param_groups()) base_rates_.push_back(group.options().get_lr());
+}
+
+State::~State() = default;
+
+void State::snapshot() {
+  torch::NoGradGuard no_grad;
+  if (!committed_) committed_ = std::make_unique<Snapshot>();
+  Snapshot& s = *committed_;
+  const auto tensors = module_tensors(module_);
+  s.tensors.resize(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) s.tensors[i] = copy_into(tensors[i], s.tensors[i]);
+
+  auto& live = optimizer_.state();
+  if (!s.optimizer_serialized) {
+    for (auto& [key, param_state] : live) {
+      if (!copy_param_state(*param_state, s.optimizer_state[key])) {
+        s.optimizer_serialized = true;
+        s.optimizer_state.clear();
+        break;
+      }
+    }
+    for (auto it = s.optimizer_state.begin(); it != s.optimizer_state.end();) {
+      it = live.count(it->first) ? std::next(it) : s.optimizer_state.erase(it);
+    }
+  }
+  if (s.optimizer_serialized) {
+    torch::serialize::OutputArchive archive;
+    optimizer_.save(archive);
+    std::ostringstream bytes;
+    archive.save_to(bytes);
+    s.optimizer_bytes = bytes.str();
+  }
+  s.rates.clear();
+  for (auto& group : optimizer_.param_groups()) s.rates.push_back(group.options().get_lr());
+  s.sampler = sampler_.state();
+  s.epoch = epoch_;
+  s.version = version_;
+  for (auto it = s.values.begin(); it != s.values.end();) {
+    it = values_.count(it->first) ? std::next(it) : s.values.erase(it);
+  }
+  for (auto& [name, value] : values_) s.values[name] = copy_into(value, s.values[name]);
+  s.warmup_from = warmup_from_;
+  s.warmup_done = warmup_done_;
+}
+
+void State::restore() {
+  if (!committed_) return;
+  torch::NoGradGuard no_grad;
+  const Snapshot& s = *committed_;
+  auto tensors = module_tensors(module_);
+  SHOAL_CHECK_EQ(tensors.size(), s.tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) tensors[i].copy_(s.tensors[i]);
+
+  if (s.optimizer_serialized) {
+    torch::serialize::InputArchive archive;
+    std::istringstream bytes(s.optimizer_bytes);
+    archive.load_from(bytes);
+    optimizer_.load(archive);
+  } else {
+    auto& live = optimizer_.state();
+    for (auto it = live.begin(); it != live.end();) {
+      it = s.optimizer_state.count(it->first) ? std::next(it) : live.erase(it);
+    }
+    for (auto& [key, param_state] : s.optimizer_state) copy_param_state(*param_state, live[key]);
+  }
+  auto& groups = optimizer_.param_groups();
+  for (size_t i = 0; i < groups.size() && i < s.rates.size(); ++i) groups[i].options().set_lr(s.rates[i]);
+  sampler_.load_state(s.sampler);
+  epoch_ = s.epoch;
+  version_ = s.version;
+  values_.clear();
+  for (auto& [name, value] : s.values) values_[name] = value.defined() ? value.clone() : at::Tensor();
+  warmup_from_ = s.warmup_from;
+  warmup_done_ = s.warmup_done;
+}
+
+void State::forget() {
+  version_ = 0;
+  lineage_ = 0;
+  if (committed_) committed_->version = 0;
+}
+
+void State::commit() {
+  // A worker the others declared dead trains in a group they left: nothing it does from here is
+  // the job's (see Note [Sharing the newest commit]).
+  if (shoal::is_initialized() && shoal::job().elastic) {
+    const ElasticWorld& elastic = ElasticWorld::get();
+    if (std::string lost = elastic.lost(); !lost.empty()) {
+      throw CommError("commit on " + std::to_string(shoal::world_size()) + " workers: lost " + lost);
+    }
+  }
+  ++version_;
+  const auto& policy = options_.policy;
+  if (policy.kind == BatchPolicy::Kind::kScaleLearningRate && warmup_done_ < policy.warmup_steps) {
+    ++warmup_done_;
+    const int world = shoal::is_initialized() ? shoal::world_size() : 1;
+    const double fraction = static_cast<double>(warmup_done_) / static_cast<double>(policy.warmup_steps);
+    auto& groups = optimizer_.param_groups();
+    for (size_t i = 0; i < groups.size() && i < warmup_from_.size(); ++i) {
+      const double target = base_rates_[i] * world / policy.reference_world_size;
+      groups[i].options().set_lr(warmup_from_[i] + (target - warmup_from_[i]) * fraction);
+    }
+  }
+  snapshot();
+  if (shoal::is_initialized() && shoal::job().elastic) check_world();
+}
+
+void State::next_epoch() {
+  ++epoch_;
+  commit();
+}
+
+void State::check_world() {
+  ElasticWorld& elastic = ElasticWorld::get();
+  comm::Group& group = shoal::world();
+  const int n = group.size();
+  auto flags = at::zeros({n + 1}, at::kInt);
+  if (leave_requested.load()) flags[group.rank()] = 1;
+  const std::string pending = elastic.rendezvous().pending_change(elastic.view());
+  if (!pending.empty()) flags[n] = 1;
+  group.all_reduce(flags);
+
+  std::vector<int> leavers;
+  for (int r = 0; r < n; ++r) {
+    if (flags[r].item<int>() > 0) leavers.push_back(r);
+  }
+  if (leavers.empty() && flags[n].item<int>() == 0) return;
+  const View& view = elastic.view();
+  if (leave_requested.load()) {
+    std::fprintf(stderr, "shoal elastic: %s leaves the job after step %lld (SIGTERM)\n",
+                 view.describe(view.rank).c_str(), static_cast<long long>(version_));
+    elastic.rendezvous().leave();
+    std::fflush(nullptr);
+    std::exit(0);
+  }
+  std::string why;
+  for (int r : leavers) why += (why.empty() ? "" : "; ") + view.describe(r) + " leaves";
+  if (flags[n].item<int>() > 0) why += (why.empty() ? "" : "; ") + (pending.empty() ? "a worker waits to join" : pending);
+  throw Reform{why};
+}
+
+// Note [Sharing the newest commit]
+// After a new round forms, its members hold commits of different ages: survivors the last one
+// (or the one before, if the failure came between another worker's commit and theirs), a
+// newcomer none. Every member's (version, lineage) is gathered; the lowest rank with the highest
+// version sends its commit to all, unless every member already has that very commit. The
+// lineage names the history a version counts in (the round and members that last shared a
+// commit), so two halves of a partitioned job that trained apart to the same version are not
+// taken for equal.
+void State::sync() {
+  comm::Group alone = comm::Group::single();
+  comm::Group& group = shoal::is_initialized() ? shoal::world() : alone;
+  const int n = group.size();
+  if (n > 1) {
+    auto mine = at::tensor({version_, static_cast<int64_t>(lineage_)}, at::kLong).view({1, 2});
+    auto all = group.all_gather(mine);
+    int source = 0;
+    for (int r = 1; r < n; ++r) {
+      if (all[r][0].item<int64_t>() > all[source][0].item<int64_t>()) source = r;
+    }
+    // Nothing committed anywhere yet: start everyone from the first worker's values, as
+    // DataParallel's constructor does in a static job.
+    bool same = all[source][0].item<int64_t>() > 0;
+    for (int r = 0; r < n; ++r) same = same && all[r].equal(all[source]);
+    if (!same) {
+      std::string payload;
+      if (group.rank() == source) {
+        shoal::CheckpointExtras extras;
+        for (auto& [name, value] : values_) {
+          if (value.defined()) extras[kValuePrefix + name] = value;
+        }
+        extras[kEpochKey] = at::tensor({epoch_}, at::kLong);
+        extras[kVersionKey] = at::tensor({version_}, at::kLong);
+        std::vector<double> rates;
+        for (auto& g : optimizer_.param_groups()) rates.push_back(g.options().get_lr());
+        extras[kRatesKey] = at::tensor(rates, at::kDouble);
+        const auto sampler_state = sampler_.state();
+        payload = checkpoint::serialize_contents(module_, &optimizer_, &sampler_state, extras);
+      }
+      auto length = at::tensor({static_cast<int64_t>(payload.size())}, at::kLong);
+      group.broadcast(length, {source});
+      auto bytes = at::empty({length.item<int64_t>()}, at::kByte);
+      if (group.rank() == source) std::memcpy(bytes.data_ptr(), payload.data(), payload.size());
+      group.broadcast(bytes, {source});
+      if (group.rank() != source) {
+        shoal::CheckpointExtras extras;
+        const std::string_view view(reinterpret_cast<const char*>(bytes.data_ptr()), bytes.numel());
+        auto sampler_state = checkpoint::restore_contents(
+            "the elastic state of worker " + std::to_string(source), view, module_, &optimizer_, &extras);
+        if (sampler_state) sampler_.load_state(*sampler_state);
+        epoch_ = extras.at(kEpochKey).item<int64_t>();
+        version_ = extras.at(kVersionKey).item<int64_t>();
+        auto rates = extras.at(kRatesKey);
+        auto& groups = optimizer_.param_groups();
+        for (size_t i = 0; i < groups.size() && i < static_cast<size_t>(rates.numel()); ++i) {
+          groups[i].options().set_lr(rates[i].item<double>());
+        }
+        values_.clear();
+        const std::string prefix = kValuePrefix;
+        for (auto& [name, value] : extras) {
+          if (name.compare(0, prefix.size(), prefix) == 0) values_[name.substr(prefix.size())] = value;
+        }
+      }
+    }
+  }
+  if (shoal::is_initialized() && shoal::job().elastic) {
+    const View& view = ElasticWorld::get().view();
+    std::string members = std::to_string(view.round);
+    for (const auto& p : view.members) members += "," + p.id;
+    lineage_ = fnv1a(members);
+  }
+  if (n != sampler_.world_size() || group.rank() != sampler_.rank()) {
+    const auto position = sampler_.state();
+    sampler_.reshard(group.rank(), n);
+    sampler_.load_state(position);  // so that the loop's set_epoch keeps the cursor
+  }
+  apply_policy();
+  snapshot();
+  for (auto& reset : resets_) reset();
+}
+
+void State::apply_policy() {
+  const auto& policy = options_.policy;
+  if (policy.kind != BatchPolicy::Kind::kScaleLearningRate) return;
+  const int world = shoal::is_initialized() ? shoal::world_size() : 1;
+  auto& groups = optimizer_.param_groups();
+  warmup_from_.clear();
+  for (size_t i = 0; i < groups.size() && i < base_rates_.size(); ++i) {
+    const double target = base_rates_[i] * world / policy.reference_world_size;
+    warmup_from_.push_back(groups[i].options().get_lr());
+    if (policy.warmup_steps == 0) groups[i].options().set_lr(target);
+  }
+  warmup_done_ = 0;
+}
+
+void run(State& state, const std::function<void()>& train) {
+  if (!shoal::is_initialized() || !shoal::job().elastic) {
+    state.sync();
+    train();
+    return;
+  }
+  struct sigaction action {}, previous {};
+  action.sa_handler = on_sigterm;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGTERM, &action, &previous);
+  struct RestoreHandler {
+    struct sigaction handler;
+    ~RestoreHandler() { sigaction(SIGTERM, &handler, nullptr); }
+  } restore_handler{previous};
+
+  ElasticWorld& elastic = ElasticWorld::get();
+  std::string why;
+  for (;;) {
+    try {
+      state.restore();
+      state.sync();
+      if (!why.empty() && shoal::is_main()) {
+        std::fprintf(stderr, "shoal elastic: round %lld: %d workers, from step %lld (epoch %lld) on; %s\n",
+                     static_cast<long long>(elastic.view().round), shoal::world_size(),
+                     static_cast<long long>(state.version()), static_cast<long long>(state.epoch()), why.c_str());
+      }
+      train();
+      return;
+    } catch (const Reform& reform) {
+      why = reform.why;
+      elastic.reform(false);
+    } catch (const CommError& e) {
+      why = e.what();
+      elastic.reform(true);
+    }
+    // Declared dead while it was silent: its commits since are not the job's history, so it
+    // takes the others' state as a newcomer does.
+    if (elastic.rendezvous().take_rejoined()) state.forget();
+  }
+}
+
+}  // namespace shoal::elastic

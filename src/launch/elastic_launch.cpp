@@ -1,0 +1,202 @@
+// `shoal run` for elastic jobs: see docs/elastic.md, "shoal run for elastic jobs".
+//
+// The launcher takes part in the job's membership as an agent (never in a round): its address is
+// the job's address for --join, its metadata carries the job's --min/--max/--quorum to joining
+// launchers, and its workers find the job through it. A worker that fails is restarted (up to
+// --max-restarts, with a back-off that doubles) while the others go on; the job ends when every
+// worker has ended.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+
+#include <nlohmann/json.hpp>
+
+#include "elastic_agent.h"
+#include "../elastic/token.h"
+#include "launcher.h"
+#include "nodes.h"
+#include "process.h"
+#include "shoal/comm/store.h"
+#include "shoal/core/error.h"
+#include "signals.h"
+#include "watchdog.h"
+#include "worker.h"
+
+namespace shoal::launch {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// A failed worker's first restart waits this long; each further one twice as long, up to the cap.
+constexpr Duration kFirstBackoff{1000};
+constexpr Duration kMaxBackoff{30000};
+// An elastic worker given SIGTERM leaves at its next commit; give it that long.
+constexpr Duration kElasticStopGrace{10000};
+
+std::string agent_meta(const ElasticPlace& place) {
+  return nlohmann::json{{"role", "agent"},
+                        {"min", place.min_workers},
+                        {"max", place.max_workers},
+                        {"quorum", place.quorum},
+                        {"last_call_ms", place.last_call.count()},
+                        {"run_id", place.run_id}}
+      .dump();
+}
+
+// A joining launcher takes the job's settings from any agent already in it.
+bool adopt_job_settings(const elastic::gossip::Gossip& membership, ElasticPlace& place) {
+  for (const auto& member : membership.members()) {
+    if (member.id == membership.id()) continue;
+    try {
+      auto meta = nlohmann::json::parse(member.meta);
+      if (meta.value("role", "") != "agent") continue;
+      place.min_workers = meta.at("min").get<int>();
+      place.max_workers = meta.at("max").get<int>();
+      place.quorum = meta.at("quorum").get<bool>();
+      place.last_call = Duration(meta.at("last_call_ms").get<int64_t>());
+      place.run_id = meta.at("run_id").get<std::string>();
+      return true;
+    } catch (const std::exception&) {
+      continue;
+    }
+  }
+  return false;
+}
+
+std::string default_token_path(const std::string& run_id) {
+  const char* dir = std::getenv("TMPDIR");
+  return std::string(dir != nullptr && *dir != '\0' ? dir : "/tmp") + "/shoal-" + run_id + ".token";
+}
+
+}  // namespace
+
+int Launcher::run_elastic() {
+  agent_ = std::make_unique<ElasticAgent>();
+  ElasticPlace& place = agent_->place;
+  place.local_world_size = options_.nproc_per_node;
+  place.last_call = options_.last_call;
+  place.rendezvous_timeout = options_.rendezvous_timeout;
+
+  elastic::gossip::Options membership;
+  std::string token;
+  if (options_.joins()) {
+    if (!options_.token_file.empty()) {
+      token = elastic::read_token_file(options_.token_file, "--token-file");
+      agent_->token_file = options_.token_file;
+    } else if (const char* from_env = std::getenv("SHOAL_JOB_TOKEN"); from_env != nullptr && *from_env != '\0') {
+      token = from_env;
+    } else {
+      throw UsageError("--join needs the job's token: pass --token-file PATH (the file the first shoal run "
+                       "wrote) or set SHOAL_JOB_TOKEN");
+    }
+    membership.seeds = {options_.join_host + ":" + std::to_string(options_.join_port)};
+    membership.advertise_host = comm::local_address_towards(options_.join_host, options_.join_port);
+  } else {
+    place.min_workers = options_.min_workers;
+    place.max_workers = options_.max_workers;
+    place.quorum = options_.quorum;
+    place.run_id = make_run_id();
+    token = elastic::make_token();
+    agent_->token_file = options_.token_file.empty() ? default_token_path(place.run_id) : options_.token_file;
+    elastic::write_token_file(agent_->token_file, token);
+    agent_->owns_token_file = true;
+    // --master HOST:PORT names this agent's address, for launchers on other hosts to --join.
+    membership.port = options_.master_port;
+    membership.advertise_host = options_.master_host.empty() ? "127.0.0.1" : options_.master_host;
+  }
+  membership.token = token;
+  membership.meta = agent_meta(place);
+  membership.join_timeout = options_.connect_timeout;
+  try {
+    agent_->membership = elastic::gossip::Gossip::start(membership);
+  } catch (const CommError& e) {
+    throw UsageError(std::string("--join ") + options_.join_host + ":" + std::to_string(options_.join_port) +
+                     ": " + e.what());
+  }
+  if (options_.joins()) {
+    if (!adopt_job_settings(*agent_->membership, place)) {
+      throw UsageError("--join " + options_.join_host + ":" + std::to_string(options_.join_port) +
+                       ": no launcher of the job is in its membership to tell its --min/--max");
+    }
+    agent_->membership->set_meta(agent_meta(place));
+  } else {
+    say("elastic job of " + std::to_string(place.min_workers) + " to " + std::to_string(place.max_workers) +
+        " workers; to add workers: shoal run --join " + agent_->membership->address() + " --token-file " +
+        agent_->token_file + " PROGRAM");
+  }
+  place.seeds = agent_->membership->address();
+  place.token_file = agent_->token_file;
+  options_.stop_grace = std::max(options_.stop_grace, kElasticStopGrace);
+
+  start_elastic_workers();
+  supervise();
+  kill_leftovers();
+  agent_.reset();
+  if (exit_code_ >= 128 && stopping_) return exit_code_;  // stopped by a signal
+  return any_success_ ? 0 : exit_code_;
+}
+
+void Launcher::start_elastic_workers() {
+  const env::Environment base = env::current();
+  for (int i = 0; i < options_.nproc_per_node; ++i) {
+    const std::string prefix =
+        options_.tags_output() ? "[" + std::string(options_.joins() ? "+" : "") + std::to_string(i) + "] " : "";
+    auto worker = std::make_unique<Worker>(i, i, prefix, out_, err_);
+    worker->envp = to_envp(elastic_worker_environment(base, agent_->place));
+    try {
+      spawn(*worker);
+    } catch (const Error& e) {
+      if (workers_.empty()) throw;
+      say(std::string(e.what()) + "; stopping the other workers");
+      exit_code_ = 2;
+      begin_stop(SIGTERM);
+      return;
+    }
+    workers_.push_back(std::move(worker));
+  }
+}
+
+void Launcher::on_elastic_failure(Worker& worker, const ExitStatus& status) {
+  if (exit_code_ == 0) exit_code_ = status.shell_code();
+  if (worker.restarts >= options_.max_restarts) {
+    say("worker " + std::to_string(worker.local_rank) + " " + status.describe() +
+        (options_.max_restarts > 0 ? " (restarted " + std::to_string(worker.restarts) + " times)" : "") +
+        "; the job goes on without it");
+    return;
+  }
+  const Duration backoff = std::min(kMaxBackoff, kFirstBackoff * (int64_t{1} << std::min(worker.restarts, 5)));
+  say("worker " + std::to_string(worker.local_rank) + " " + status.describe() + "; restarting it in " +
+      format_duration(backoff));
+  worker.restart_at = Clock::now() + backoff;
+}
+
+void Launcher::restart_due(TimePoint now) {
+  for (auto& worker : workers_) {
+    if (!worker->restart_at) continue;
+    if (stopping_) {
+      worker->restart_at.reset();
+      continue;
+    }
+    if (now < *worker->restart_at) continue;
+    worker->restart_at.reset();
+    ++worker->restarts;
+    close_output(*worker);
+    try {
+      spawn(*worker);
+    } catch (const Error& e) {
+      say("restarting worker " + std::to_string(worker->local_rank) + " failed: " + e.what());
+    }
+  }
+}
+
+std::optional<Launcher::TimePoint> Launcher::next_restart() const {
+  std::optional<TimePoint> next;
+  for (const auto& worker : workers_) {
+    if (worker->restart_at && (!next || *worker->restart_at < *next)) next = worker->restart_at;
+  }
+  return next;
+}
+
+}  // namespace shoal::launch

@@ -1,0 +1,328 @@
+// Elastic jobs end to end: `shoal run --min/--max` with tests/programs/elastic_worker, workers
+// SIGKILLed, SIGSTOPped, joining and leaving mid-epoch. Oracles: the final parameters equal a
+// one-process run over the same global batches, and every sample of every epoch was trained on
+// exactly once in committed steps (the program keeps that count in its elastic state).
+#include <signal.h>
+#include <sys/stat.h>
+
+#include <cmath>
+#include <fstream>
+#include <regex>
+#include <map>
+#include <memory>
+#include <sstream>
+
+#include <gtest/gtest.h>
+
+#include "shoal_run.h"
+#include "test_paths.h"
+
+namespace {
+
+using shoal::testing::RunResult;
+using shoal::testing::ShoalRun;
+using namespace std::chrono_literals;
+
+const std::string kWorker = std::string(SHOAL_TEST_PROGRAMS_DIR) + "/elastic_worker";
+constexpr int kSamples = 240;
+
+struct Outcome {
+  std::vector<double> parameters;
+  std::vector<int64_t> counts;
+};
+
+Outcome read_outcome(const std::string& path) {
+  Outcome outcome;
+  std::ifstream file(path);
+  std::string line;
+  std::getline(file, line);
+  std::istringstream values(line);
+  double v;
+  while (values >> v) outcome.parameters.push_back(v);
+  std::getline(file, line);
+  std::istringstream counts(line);
+  std::string word;
+  counts >> word;
+  int64_t c;
+  while (counts >> c) outcome.counts.push_back(c);
+  return outcome;
+}
+
+std::string temp_path(const std::string& name) {
+  return ::testing::TempDir() + "/elastic_" + std::to_string(::getpid()) + "_" + name;
+}
+
+// "train pid=P rank=R world=W step=S" lines, in order.
+struct Start {
+  int pid, rank, world;
+  int64_t step;
+};
+std::vector<Start> starts(const std::string& out) {
+  std::vector<Start> result;
+  static const std::regex line(R"(train pid=(\d+) rank=(\d+) world=(\d+) step=(\d+))");
+  for (std::sregex_iterator it(out.begin(), out.end(), line), end; it != end; ++it) {
+    result.push_back({std::stoi((*it)[1]), std::stoi((*it)[2]), std::stoi((*it)[3]), std::stoll((*it)[4])});
+  }
+  return result;
+}
+
+// The last "step S world W" line: {S, W}, or {-1, 0}.
+std::pair<int64_t, int> last_step(const std::string& out) {
+  static const std::regex line(R"(step (\d+) world (\d+))");
+  std::pair<int64_t, int> last{-1, 0};
+  for (std::sregex_iterator it(out.begin(), out.end(), line), end; it != end; ++it) {
+    last = {std::stoll((*it)[1]), std::stoi((*it)[2])};
+  }
+  return last;
+}
+
+// The address and token file that the first launcher prints for --join.
+std::pair<std::string, std::string> join_hint(const std::string& err) {
+  static const std::regex line(R"(to add workers: shoal run --join (\S+) --token-file (\S+))");
+  std::smatch match;
+  if (!std::regex_search(err, match, line)) return {};
+  return {match[1], match[2]};
+}
+
+// The pids of the workers in the newest round of `size` workers, by rank.
+std::map<int, int> ranks_of_round(const std::vector<Start>& all, int size) {
+  std::map<int, int> pids;
+  for (const auto& s : all) {
+    if (s.world == size) pids[s.rank] = s.pid;
+  }
+  return pids;
+}
+
+bool step_at_least(ShoalRun& run, int64_t step, int world, std::chrono::milliseconds timeout) {
+  return run.wait_until(
+      [&](const RunResult& so_far) {
+        auto [s, w] = last_step(so_far.out);
+        return s >= step && (world == 0 || w == world);
+      },
+      timeout);
+}
+
+void expect_each_sample_once(const Outcome& outcome, int epochs) {
+  ASSERT_EQ(outcome.counts.size(), static_cast<size_t>(epochs * kSamples));
+  int wrong = 0;
+  for (size_t i = 0; i < outcome.counts.size(); ++i) {
+    if (outcome.counts[i] != 1 && wrong++ < 5) {
+      ADD_FAILURE() << "epoch " << i / kSamples << " sample " << i % kSamples << " was trained on "
+                    << outcome.counts[i] << " times in committed steps";
+    }
+  }
+  EXPECT_EQ(wrong, 0);
+}
+
+Outcome one_process(int epochs) {
+  const std::string out = temp_path("reference_" + std::to_string(epochs));
+  auto result = shoal::testing::run_shoal({"-n", "1", kWorker, out, std::to_string(epochs)}, 120s);
+  EXPECT_EQ(result.exit_code, 0) << result.err;
+  return read_outcome(out);
+}
+
+void expect_same_parameters(const Outcome& got, const Outcome& want) {
+  ASSERT_EQ(got.parameters.size(), want.parameters.size());
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < got.parameters.size(); ++i) {
+    diff += std::pow(got.parameters[i] - want.parameters[i], 2);
+    norm += std::pow(want.parameters[i], 2);
+  }
+  EXPECT_LT(std::sqrt(diff / norm), 1e-4) << "relative difference of the final parameters";
+}
+
+// The issue's oracle: 3 workers, one SIGKILLed mid-epoch, one joining later, one leaving with
+// SIGTERM; the global batch stays, so the result is the one-process run's.
+TEST(Elastic, KillJoinLeaveEndsWithTheOneProcessParameters) {
+  constexpr int kEpochs = 8;
+  const Outcome reference = one_process(kEpochs);
+  expect_each_sample_once(reference, kEpochs);
+
+  const std::string out = temp_path("oracle");
+  const std::string token = temp_path("oracle.token");
+  ShoalRun job({"--min", "1", "--max", "3", "-n", "3", "--token-file", token, kWorker, out,
+                std::to_string(kEpochs), "80"});
+  ASSERT_TRUE(step_at_least(job, 15, 3, 60s)) << job.so_far().out << job.so_far().err;
+  auto first = ranks_of_round(starts(job.so_far().out), 3);
+  ASSERT_EQ(first.size(), 3u);
+  struct stat info {};
+  ASSERT_EQ(::stat(token.c_str(), &info), 0);
+  EXPECT_EQ(info.st_mode & 0777, 0600u);
+
+  // SIGKILL the second worker; the other two go on.
+  ASSERT_EQ(::kill(first[1], SIGKILL), 0);
+  const int64_t killed_at = last_step(job.so_far().out).first;
+  ASSERT_TRUE(step_at_least(job, killed_at + 5, 2, 30s)) << job.so_far().out << job.so_far().err;
+
+  // A worker joins through the first launcher's address.
+  auto [address, token_file] = join_hint(job.so_far().err);
+  ASSERT_FALSE(address.empty()) << job.so_far().err;
+  EXPECT_EQ(token_file, token);
+  ShoalRun joiner({"--join", address, "--token-file", token, "-n", "1", kWorker, out, std::to_string(kEpochs), "80"});
+  const int64_t joined_from = last_step(job.so_far().out).first;
+  ASSERT_TRUE(step_at_least(job, joined_from + 1, 3, 60s)) << job.so_far().out << job.so_far().err
+                                                            << joiner.so_far().err;
+
+  // The third worker of the first round leaves with SIGTERM.
+  const int64_t left_at = last_step(job.so_far().out).first + 5;
+  ASSERT_TRUE(step_at_least(job, left_at, 3, 30s));
+  ASSERT_EQ(::kill(first[2], SIGTERM), 0);
+  ASSERT_TRUE(step_at_least(job, left_at + 1, 2, 30s)) << job.so_far().out << job.so_far().err;
+
+  const RunResult joined = joiner.wait(120s);
+  const RunResult result = job.wait(120s);
+  EXPECT_EQ(result.exit_code, 0) << result.err;
+  EXPECT_EQ(joined.exit_code, 0) << joined.err;
+  EXPECT_NE(result.err.find("was killed by signal 9 (SIGKILL); the job goes on without it"), std::string::npos)
+      << result.err;
+  EXPECT_NE(result.err.find("leaves the job after step"), std::string::npos) << result.err;
+  const Outcome outcome = read_outcome(out);
+  expect_each_sample_once(outcome, kEpochs);
+  expect_same_parameters(outcome, reference);
+  EXPECT_NE(::stat(token.c_str(), &info), 0) << "the token file outlived the job";
+}
+
+}  // namespace
+
+namespace {
+
+// Every sample once per epoch in committed steps, for 1 to 4 workers, across a kill (the worker
+// is restarted and joins again), a join and a leave.
+class ElasticAccounting : public ::testing::TestWithParam<int> {};
+
+TEST_P(ElasticAccounting, EachSampleOncePerEpoch) {
+  const int n = GetParam();
+  constexpr int kEpochs = 6;
+  const std::string out = temp_path("accounting" + std::to_string(n));
+  const std::string token = temp_path("accounting" + std::to_string(n) + ".token");
+  ShoalRun job({"--min", "1", "--max", std::to_string(std::max(n, 2)), "-n", std::to_string(n), "--max-restarts",
+                "1", "--token-file", token, kWorker, out, std::to_string(kEpochs), "60"});
+  ASSERT_TRUE(step_at_least(job, 10, n, 60s)) << job.so_far().out << job.so_far().err;
+  auto first = ranks_of_round(starts(job.so_far().out), n);
+  ASSERT_EQ(first.size(), static_cast<size_t>(n));
+  std::unique_ptr<ShoalRun> joiner;
+  if (n == 1) {
+    // One worker: another joins, then the first leaves; the newcomer finishes the job.
+    auto [address, token_file] = join_hint(job.so_far().err);
+    joiner = std::make_unique<ShoalRun>(std::vector<std::string>{"--join", address, "--token-file", token_file, "-n",
+                                                                 "1", kWorker, out, std::to_string(kEpochs), "60"});
+    const int64_t from = last_step(job.so_far().out).first;
+    ASSERT_TRUE(step_at_least(job, from + 1, 2, 60s)) << job.so_far().out << job.so_far().err;
+    ASSERT_EQ(::kill(first[0], SIGTERM), 0);
+    ASSERT_TRUE(joiner->wait_until([](const RunResult& r) { return last_step(r.out).second == 1; }, 60s))
+        << joiner->so_far().out << joiner->so_far().err << job.so_far().err;
+  } else {
+    // SIGKILL the last worker: it is restarted after 1 s and joins again.
+    ASSERT_EQ(::kill(first[n - 1], SIGKILL), 0);
+    const int64_t killed_at = last_step(job.so_far().out).first;
+    ASSERT_TRUE(step_at_least(job, killed_at + 1, n - 1, 60s)) << job.so_far().out << job.so_far().err;
+    const int64_t shrunk_at = last_step(job.so_far().out).first;
+    ASSERT_TRUE(step_at_least(job, shrunk_at + 1, n, 60s)) << job.so_far().out << job.so_far().err;
+    // The first worker leaves.
+    ASSERT_EQ(::kill(first[0], SIGTERM), 0);
+    const int64_t regrown_at = last_step(job.so_far().out).first;
+    ASSERT_TRUE(job.wait_until(
+        [&](const RunResult& r) {
+          auto [s, w] = last_step(r.out);
+          return s > regrown_at && w == n - 1;
+        },
+        60s))
+        << job.so_far().out << job.so_far().err;
+  }
+  const RunResult result = job.wait(120s);
+  EXPECT_EQ(result.exit_code, 0) << result.err;
+  if (joiner) {
+    EXPECT_EQ(joiner->wait(120s).exit_code, 0);
+  }
+  expect_each_sample_once(read_outcome(out), kEpochs);
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, ElasticAccounting, ::testing::Values(1, 2, 3, 4),
+                         [](const auto& info) { return "n" + std::to_string(info.param); });
+
+// A SIGSTOPped worker is declared dead by the membership and the others go on; after SIGCONT it
+// joins again as a new worker.
+TEST(Elastic, StoppedWorkerIsExcludedAndRejoinsAfterContinue) {
+  constexpr int kEpochs = 8;
+  const std::string out = temp_path("stopped");
+  const std::string token = temp_path("stopped.token");
+  ShoalRun job({"--min", "1", "--max", "3", "-n", "3", "--token-file", token, kWorker, out, std::to_string(kEpochs),
+                "60"});
+  ASSERT_TRUE(step_at_least(job, 10, 3, 60s)) << job.so_far().out << job.so_far().err;
+  auto first = ranks_of_round(starts(job.so_far().out), 3);
+  ASSERT_EQ(::kill(first[2], SIGSTOP), 0);
+  const auto stopped = std::chrono::steady_clock::now();
+  const int64_t stopped_at = last_step(job.so_far().out).first;
+  ASSERT_TRUE(step_at_least(job, stopped_at + 1, 2, 30s)) << job.so_far().out << job.so_far().err;
+  const double excluded_after = std::chrono::duration<double>(std::chrono::steady_clock::now() - stopped).count();
+  std::printf("a SIGSTOPped worker was left out after %.2f s\n", excluded_after);
+  ASSERT_EQ(::kill(first[2], SIGCONT), 0);
+  const int64_t continued_at = last_step(job.so_far().out).first;
+  ASSERT_TRUE(step_at_least(job, continued_at + 1, 3, 60s)) << job.so_far().out << job.so_far().err;
+  const RunResult result = job.wait(120s);
+  EXPECT_EQ(result.exit_code, 0) << result.err;
+  EXPECT_NE(result.err.find("joins again as a new worker"), std::string::npos) << result.err;
+  expect_each_sample_once(read_outcome(out), kEpochs);
+}
+
+// A process without the job's token is refused, says so, and the job never notices.
+TEST(Elastic, JoinWithoutTheTokenIsRefused) {
+  constexpr int kEpochs = 6;
+  const std::string out = temp_path("token");
+  const std::string token = temp_path("token.token");
+  ShoalRun job({"--min", "2", "--max", "3", "-n", "2", "--token-file", token, kWorker, out, std::to_string(kEpochs),
+                "60"});
+  ASSERT_TRUE(step_at_least(job, 5, 2, 60s)) << job.so_far().out << job.so_far().err;
+  auto [address, token_file] = join_hint(job.so_far().err);
+  const std::string wrong = temp_path("wrong.token");
+  {
+    std::ofstream file(wrong);
+    file << "0123456789abcdef0123456789abcdef\n";
+  }
+  ::chmod(wrong.c_str(), 0600);
+  auto refused = shoal::testing::run_shoal({"--join", address, "--token-file", wrong, "-n", "1", kWorker, out}, 60s);
+  EXPECT_EQ(refused.exit_code, 2) << refused.err;
+  EXPECT_NE(refused.err.find("refused this process: its token does not match"), std::string::npos) << refused.err;
+  EXPECT_EQ(shoal::testing::split_lines(refused.err).size(), 1u) << refused.err;
+
+  ::chmod(wrong.c_str(), 0644);
+  auto readable = shoal::testing::run_shoal({"--join", address, "--token-file", wrong, "-n", "1", kWorker, out}, 60s);
+  EXPECT_EQ(readable.exit_code, 2);
+  EXPECT_NE(readable.err.find("can be read by other users (mode 644); expected mode 600"), std::string::npos)
+      << readable.err;
+
+  const RunResult result = job.wait(120s);
+  EXPECT_EQ(result.exit_code, 0) << result.err;
+  EXPECT_NE(result.err.find("lacks the job's token"), std::string::npos) << result.err;
+  static const std::regex line(R"(step \d+ world (\d+))");
+  for (std::sregex_iterator it(result.out.begin(), result.out.end(), line), end; it != end; ++it) {
+    ASSERT_EQ((*it)[1], "2") << "the world changed: " << result.out;
+  }
+  expect_each_sample_once(read_outcome(out), kEpochs);
+}
+
+TEST(Elastic, BadFlagsAreUsageErrors) {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--min", "3", "--max", "2", kWorker}, "--min 3 is more than --max 2: expected min <= max"},
+      {{"--min", "2", kWorker}, "--min needs --max"},
+      {{"--max", "2", kWorker}, "--max needs --min"},
+      {{"--min", "0", "--max", "2", kWorker}, "--min: expected a number of workers from 1, got '0'"},
+      {{"--min", "1", "--max", "2", "-n", "3", kWorker}, "-n 3 is more than --max 2"},
+      {{"--join", "127.0.0.1:9", "--min", "1", kWorker}, "--join takes the job's --min, --max and --quorum"},
+      {{"--quorum", kWorker}, "--quorum is for elastic jobs"},
+      {{"--max-restarts", "2", kWorker}, "--max-restarts is for elastic jobs"},
+      {{"--min", "1", "--max", "2", "--nnodes", "2", "--master", "127.0.0.1:9", kWorker}, "--nnodes/--node-rank are for static jobs"},
+  };
+  for (const auto& [args, message] : cases) {
+    auto result = shoal::testing::run_shoal(args, 30s);
+    EXPECT_EQ(result.exit_code, 2) << result.err;
+    EXPECT_NE(result.err.find(message), std::string::npos) << "got: " << result.err << "expected: " << message;
+    EXPECT_EQ(shoal::testing::split_lines(result.err).size(), 1u) << result.err;
+  }
+  ::unsetenv("SHOAL_JOB_TOKEN");
+  auto no_token = shoal::testing::run_shoal({"--join", "127.0.0.1:9", kWorker}, 30s);
+  EXPECT_EQ(no_token.exit_code, 2);
+  EXPECT_NE(no_token.err.find("--join needs the job's token"), std::string::npos) << no_token.err;
+}
+
+}  // namespace

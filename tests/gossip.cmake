@@ -1,0 +1,7 @@
+# Gossip membership (docs/elastic.md): real processes and UDP sockets on 127.0.0.1. Built without
+# torch or the test harness, so that it builds in seconds. Included from tests/CMakeLists.txt.
+add_executable(gossip_test gossip_test.cpp)
+target_link_libraries(gossip_test PRIVATE shoal_gossip GTest::gtest_main Threads::Threads)
+target_include_directories(gossip_test PRIVATE ${PROJECT_SOURCE_DIR}/src)  # white-box tests of the wire format and rules
+target_compile_options(gossip_test PRIVATE ${SHOAL_WARNINGS})
+gtest_discover_tests(gossip_test DISCOVERY_TIMEOUT 60 PROPERTIES TIMEOUT 120)

@@ -1,0 +1,136 @@
+// A small training program for the elastic tests (tests/elastic_test.cpp): an MLP on a synthetic
+// classification set, a commit after every step, and a count of how often each sample was
+// trained on in committed steps, kept in the elastic state so that it rolls back with it.
+//
+//   elastic_worker OUT [EPOCHS] [STEP_MS] [POLICY]
+//
+// POLICY: "global" (keep the global batch of 12, the default) or "scale" (4 per worker, the
+// learning rate scaled with the world). Every worker prints "train pid=P rank=R world=W step=S"
+// when the training function (re)starts; the first worker prints "step S world W" after each
+// commit and, at the end, writes OUT: the parameters and the counts, as text.
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <thread>
+
+#include <shoal/shoal.h>
+#include <torch/torch.h>
+
+namespace {
+
+constexpr int64_t kSamples = 240;
+constexpr int64_t kFeatures = 8;
+constexpr int64_t kClasses = 4;
+
+struct Net : torch::nn::Module {
+  Net() {
+    fc1 = register_module("fc1", torch::nn::Linear(kFeatures, 16));
+    fc2 = register_module("fc2", torch::nn::Linear(16, kClasses));
+  }
+  torch::Tensor forward(torch::Tensor x) { return fc2->forward(torch::tanh(fc1->forward(x))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+
+// Each sample's features with its index in the last column, so that a worker knows what it got.
+class Synthetic : public torch::data::datasets::Dataset<Synthetic> {
+ public:
+  Synthetic() {
+    torch::manual_seed(0);
+    x_ = torch::randn({kSamples, kFeatures});
+    y_ = x_.matmul(torch::randn({kFeatures, kClasses})).argmax(1);
+  }
+  torch::data::Example<> get(size_t i) override {
+    auto features = torch::cat({x_[i], torch::tensor({static_cast<float>(i)})});
+    return {features, y_[i]};
+  }
+  torch::optional<size_t> size() const override { return kSamples; }
+
+ private:
+  torch::Tensor x_, y_;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::cerr << "usage: elastic_worker OUT [EPOCHS] [STEP_MS] [POLICY]\n";
+    return 2;
+  }
+  const std::string out_path = argv[1];
+  const int64_t epochs = argc > 2 ? std::atoll(argv[2]) : 4;
+  const int step_ms = argc > 3 ? std::atoi(argv[3]) : 0;
+  const std::string policy = argc > 4 ? argv[4] : "global";
+
+  shoal::init();
+  torch::manual_seed(1);
+  auto net = std::make_shared<Net>();
+  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  shoal::DataParallel model(net);
+
+  shoal::data::LoaderOptions options;
+  options.shuffle = true;
+  options.seed = 7;
+  shoal::elastic::StateOptions state_options;
+  if (policy == "scale") {
+    options.batch_size = 4;
+    options.per_worker = true;
+    state_options.policy = shoal::elastic::BatchPolicy::scale_learning_rate(1, 0);
+  } else {
+    options.batch_size = 12;
+  }
+  auto loader = shoal::data::make_loader(Synthetic(), options);
+  shoal::elastic::State state(net, optimizer, loader, state_options);
+  state.value("counts") = torch::zeros({epochs, kSamples}, torch::kLong);
+
+  shoal::elastic::run(state, [&] {
+    std::cout << "train pid=" << getpid() << " rank=" << shoal::rank() << " world=" << shoal::world_size()
+              << " step=" << state.version() << std::endl;
+    for (; state.epoch() < epochs; state.next_epoch()) {
+      for (auto& batch : loader.epoch(state.epoch())) {
+        auto features = batch.data.narrow(1, 0, kFeatures);
+        auto indices = batch.data.select(1, kFeatures).to(torch::kLong);
+        optimizer.zero_grad();
+        // Summed, over the global batch: the same loss whatever the share of each worker.
+        const int64_t global = loader.sampler().options().per_worker
+                                   ? options.batch_size * shoal::world_size()
+                                   : options.batch_size;
+        auto loss = torch::nn::functional::cross_entropy(
+                        net->forward(features), batch.target,
+                        torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)) *
+                    (static_cast<double>(shoal::world_size()) / static_cast<double>(global));
+        loss.backward();
+        optimizer.step();
+        // What every worker trained on in this step, summed over the workers.
+        auto seen = torch::zeros({kSamples}, torch::kLong);
+        seen.index_add_(0, indices, torch::ones_like(indices));
+        shoal::world().all_reduce(seen);
+        state.value("counts")[state.epoch()] += seen;
+        if (step_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(step_ms));
+        state.commit();
+        if (shoal::is_main()) {
+          std::cout << "step " << state.version() << " world " << shoal::world_size() << std::endl;
+        }
+      }
+    }
+  });
+
+  if (shoal::is_main()) {
+    std::ofstream out(out_path + ".tmp");
+    out << std::setprecision(9);
+    for (auto& p : net->parameters()) {
+      auto flat = p.detach().reshape(-1);
+      for (int64_t i = 0; i < flat.numel(); ++i) out << flat[i].item<float>() << ' ';
+    }
+    out << "\ncounts";
+    auto counts = state.value("counts").reshape(-1);
+    for (int64_t i = 0; i < counts.numel(); ++i) out << ' ' << counts[i].item<int64_t>();
+    out << "\n";
+    out.close();
+    std::rename((out_path + ".tmp").c_str(), out_path.c_str());
+  }
+  return 0;
+}
