@@ -67,24 +67,31 @@ int main(int argc, char** argv) {
   options.batch_size = batch;
   options.per_worker = true;
   options.shuffle = true;
-  // Enough samples for every step in one epoch at the largest world.
-  auto loader = shoal::data::make_loader(RandomImages(steps * batch * 4), options);
+  auto loader = shoal::data::make_loader(RandomImages(4096), options);
   shoal::elastic::State state(net.ptr(), optimizer, loader,
                               {shoal::elastic::BatchPolicy::scale_learning_rate(1, 0)});
 
+  double commit_seconds = 0;
+  int64_t commits = 0;
   int64_t done = 0;  // steps taken; after a recovery, those committed
   state.on_reset([&] { done = state.version(); });
   std::chrono::steady_clock::time_point timed_from;
   int64_t timed_steps = 0;
   shoal::elastic::run(state, [&] {
     int64_t in_round = 0;
-    for (auto& b : loader.epoch(0)) {
+    for (; done < steps; state.next_epoch()) {
+    for (auto& b : loader.epoch(state.epoch())) {
       if (done >= steps) break;
       optimizer.zero_grad();
       torch::nn::functional::cross_entropy(net->forward(b.data), b.target).backward();
       optimizer.step();
       ++done;
-      if (commit_every > 0 && done % commit_every == 0) state.commit();
+      if (commit_every > 0 && done % commit_every == 0) {
+        const auto before = std::chrono::steady_clock::now();
+        state.commit();
+        commit_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - before).count();
+        ++commits;
+      }
       if (++in_round == 3) {
         timed_from = std::chrono::steady_clock::now();
         timed_steps = 0;
@@ -97,12 +104,14 @@ int main(int argc, char** argv) {
         std::fflush(stdout);
       }
     }
+    }
   });
   if (shoal::is_main() && timed_steps > 0) {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - timed_from).count();
-    std::printf("elastic steps=%lld samples_per_s=%.1f step_ms=%.1f commit_every=%d world=%d\n",
+    std::printf("elastic steps=%lld samples_per_s=%.1f step_ms=%.1f commit_every=%d world=%d commit_ms=%.2f\n",
                 static_cast<long long>(timed_steps), timed_steps * batch * shoal::world_size() / seconds,
-                1000 * seconds / timed_steps, commit_every, shoal::world_size());
+                1000 * seconds / timed_steps, commit_every, shoal::world_size(),
+                commits > 0 ? 1000 * commit_seconds / commits : 0.0);
   }
   return 0;
 }

@@ -155,7 +155,7 @@ def measure_kill(contender, build, work):
         killed = time.time()
         os.kill(victim, signal.SIGKILL)
         after = job.wait_for(lambda l: (m := STEP.search(l)) and int(m.group(3)) / 1000 > killed and m, 180)
-        return after.group(3) and (int(after.group(3)) / 1000 - killed) if after else None
+        return int(after.group(3)) / 1000 - killed if after else None
     finally:
         job.stop()
 
@@ -164,7 +164,7 @@ def find_shoal_worker(launcher_pid, exclude_first):
     """A worker of `shoal run` (its children, in start order), not the first one when asked."""
     out = subprocess.run(["pgrep", "-P", str(launcher_pid)], capture_output=True, text=True).stdout.split()
     pids = sorted(int(p) for p in out)
-    workers = [p for p in pids if open(f"/proc/{p}/cmdline").read().find("elastic") >= 0]
+    workers = [p for p in pids if open(f"/proc/{p}/cmdline").read().split("\0")[0].endswith("bench/elastic")]
     return workers[1] if exclude_first and len(workers) > 1 else workers[0]
 
 

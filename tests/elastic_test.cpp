@@ -14,6 +14,7 @@
 
 #include <gtest/gtest.h>
 
+#include "netns.h"
 #include "shoal_run.h"
 #include "test_paths.h"
 
@@ -324,5 +325,64 @@ TEST(Elastic, BadFlagsAreUsageErrors) {
   EXPECT_EQ(no_token.exit_code, 2);
   EXPECT_NE(no_token.err.find("--join needs the job's token"), std::string::npos) << no_token.err;
 }
+
+}  // namespace
+
+namespace {
+
+// Two hosts (network namespaces) cut apart mid-job, 2 workers on one side and 1 on the other.
+// With --quorum only the majority side trains on; the other gives up at its rendezvous timeout
+// and says why. Without it both sides go on, each with its own copy of the job (docs/elastic.md,
+// "--quorum and partitions"); neither hangs.
+class ElasticPartition : public ::testing::TestWithParam<bool> {};
+
+TEST_P(ElasticPartition, OnlyTheMajorityTrainsWithQuorum) {
+  const bool quorum = GetParam();
+  shoal::testing::TwoHosts hosts;
+  if (auto problem = hosts.create()) GTEST_SKIP() << "cannot build two hosts: " << *problem;
+  constexpr int kEpochs = 8;
+  const std::string name = quorum ? "quorum" : "noquorum";
+  const std::string out_a = temp_path(name + "_a"), out_b = temp_path(name + "_b");
+  const std::string token = temp_path(name + ".token");
+  const std::string address = std::string(shoal::testing::TwoHosts::kAddressA) + ":29410";
+  std::vector<std::string> args = {"--min", "1", "--max", "3", "-n", "2", "--master", address,
+                                   "--token-file", token, "--rendezvous-timeout", "8"};
+  if (quorum) args.push_back("--quorum");
+  args.insert(args.end(), {kWorker, out_a, std::to_string(kEpochs), "60"});
+  ShoalRun a(args, hosts.name(0));
+  ASSERT_TRUE(step_at_least(a, 3, 2, 60s)) << a.so_far().out << a.so_far().err;
+  ShoalRun b({"--join", address, "--token-file", token, "--rendezvous-timeout", "8", "-n", "1", kWorker, out_b,
+              std::to_string(kEpochs), "60"},
+             hosts.name(1));
+  const int64_t joined_from = last_step(a.so_far().out).first;
+  ASSERT_TRUE(step_at_least(a, joined_from + 1, 3, 60s)) << a.so_far().out << a.so_far().err << b.so_far().err;
+  const int64_t cut_at = last_step(a.so_far().out).first + 3;
+  ASSERT_TRUE(step_at_least(a, cut_at, 3, 30s));
+
+  ASSERT_TRUE(hosts.set_link(false));
+  const auto cut = std::chrono::steady_clock::now();
+  ASSERT_TRUE(step_at_least(a, cut_at + 1, 2, 30s)) << a.so_far().out << a.so_far().err;
+  std::printf("the majority side went on after %.2f s\n",
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - cut).count());
+  const RunResult side_b = b.wait(90s);
+  const RunResult side_a = a.wait(120s);
+  EXPECT_FALSE(side_a.timed_out);
+  EXPECT_FALSE(side_b.timed_out);
+  EXPECT_EQ(side_a.exit_code, 0) << side_a.err;
+  expect_each_sample_once(read_outcome(out_a), kEpochs);
+  if (quorum) {
+    EXPECT_NE(side_b.exit_code, 0) << side_b.out << side_b.err;
+    EXPECT_NE(side_b.err.find("a quorum (--quorum): more than half of the 3 workers"), std::string::npos)
+        << side_b.err;
+    EXPECT_EQ(last_step(side_b.out).second, 0) << "the minority side trained: " << side_b.out;
+  } else {
+    EXPECT_EQ(side_b.exit_code, 0) << side_b.err;
+    EXPECT_EQ(last_step(side_b.out).second, 1) << side_b.out;
+    expect_each_sample_once(read_outcome(out_b), kEpochs);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Quorum, ElasticPartition, ::testing::Values(true, false),
+                         [](const auto& info) { return info.param ? std::string("on") : std::string("off"); });
 
 }  // namespace

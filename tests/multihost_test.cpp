@@ -27,17 +27,20 @@
 #include <gtest/gtest.h>
 
 #include "harness.h"
+#include "netns.h"
 
 namespace {
 
 namespace fs = std::filesystem;
+using shoal::testing::shell;
+using shoal::testing::TwoHosts;
 using Clock = std::chrono::steady_clock;
 using namespace std::chrono_literals;
 
 // Each launcher's deadline; a test runs its two launchers side by side, so this bounds it.
 constexpr auto kLauncherDeadline = 25s;
-constexpr const char* kAddressA = "10.78.0.1";
-constexpr const char* kAddressB = "10.78.0.2";
+constexpr const char* kAddressA = TwoHosts::kAddressA;
+constexpr const char* kAddressB = TwoHosts::kAddressB;
 constexpr int kMasterPort = 29400;
 
 std::string read_file(const fs::path& path) {
@@ -45,75 +48,10 @@ std::string read_file(const fs::path& path) {
   return std::string((std::istreambuf_iterator<char>(in)), {});
 }
 
-// Runs a short shell command (the `ip` calls), bounded by `timeout 10`; returns its exit code and
-// puts its stdout and stderr in `output`.
-int shell(const std::string& command, std::string* output = nullptr) {
-  std::string text;
-  FILE* pipe = ::popen(("timeout 10 " + command + " 2>&1").c_str(), "r");
-  if (pipe == nullptr) return -1;
-  char buffer[512];
-  while (std::fgets(buffer, sizeof(buffer), pipe) != nullptr) text += buffer;
-  const int status = ::pclose(pipe);
-  if (output != nullptr) *output = text;
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-}
-
 std::string own_network_namespace() {
   std::error_code error;
   return fs::read_symlink("/proc/self/ns/net", error).string();
 }
-
-// Two network namespaces joined by a veth pair, with an address at each end and loopback up.
-// The namespaces (and with them the veth pair) are deleted on destruction, whatever happened.
-class TwoHosts {
- public:
-  // Why the namespaces cannot be made here, or nullopt when they can. Runs as root only.
-  std::optional<std::string> create() {
-    static int count = 0;
-    const std::string id = std::to_string(::getpid()) + "-" + std::to_string(++count);
-    names_ = {"shoal-mh-" + id + "-a", "shoal-mh-" + id + "-b"};
-    // Interface names have at most 15 characters.
-    const std::string veth = "mh" + std::to_string(::getpid() % 10000000) + "x" + std::to_string(count % 100);
-    std::string output;
-    for (size_t i = 0; i < names_.size(); ++i) {
-      if (shell("ip netns add " + names_[i], &output) != 0) {
-        names_.resize(i);  // only those that exist are deleted
-        return "`ip netns add` failed: " + output;
-      }
-    }
-    const std::vector<std::string> commands = {
-        "ip link add " + veth + "a netns " + names_[0] + " type veth peer name " + veth + "b netns " + names_[1],
-        in(0, "ip addr add " + std::string(kAddressA) + "/24 dev " + veth + "a"),
-        in(1, "ip addr add " + std::string(kAddressB) + "/24 dev " + veth + "b"),
-        in(0, "ip link set " + veth + "a up"),
-        in(1, "ip link set " + veth + "b up"),
-        // The store and the workers of one node also talk among themselves over loopback.
-        in(0, "ip link set lo up"),
-        in(1, "ip link set lo up"),
-    };
-    for (const auto& command : commands) {
-      if (shell(command, &output) != 0) return "`" + command + "` failed: " + output;
-    }
-    return std::nullopt;
-  }
-
-  ~TwoHosts() {
-    for (const auto& name : names_) {
-      std::string output;
-      if (shell("ip netns del " + name, &output) != 0) {
-        std::fprintf(stderr, "could not delete network namespace %s: %s\n", name.c_str(), output.c_str());
-      }
-    }
-  }
-
-  const std::string& name(int host) const { return names_.at(host); }
-  std::string in(int host, const std::string& command) const {
-    return "ip netns exec " + names_.at(host) + " " + command;
-  }
-
- private:
-  std::vector<std::string> names_;
-};
 
 // A process started with `argv`, its stdout and stderr in files. Killed (SIGKILL) and reaped on
 // destruction if still running; its `shoal run` watchdog then takes the workers along.
@@ -206,12 +144,6 @@ std::vector<Result> parse_results(const std::string& out) {
 class MultiHost : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (::geteuid() != 0) {
-      GTEST_SKIP() << "needs root to create network namespaces and a veth pair (ip netns add); "
-                      "run the test as root to exercise a two-host job";
-    }
-    std::string output;
-    if (shell("ip -V", &output) != 0) GTEST_SKIP() << "iproute2's `ip` does not run here: " << output;
     if (auto problem = hosts_.create()) GTEST_SKIP() << "cannot build the two hosts: " << *problem;
     // Parameterised tests are named "Test/param": keep the directory flat.
     std::string name = ::testing::UnitTest::GetInstance()->current_test_info()->name();

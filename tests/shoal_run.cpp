@@ -23,8 +23,11 @@ std::vector<std::string> split_lines(const std::string& text) {
   return lines;
 }
 
-ShoalRun::ShoalRun(const std::vector<std::string>& args) : start_(Clock::now()) {
+ShoalRun::ShoalRun(const std::vector<std::string>& args) : ShoalRun(args, "") {}
+
+ShoalRun::ShoalRun(const std::vector<std::string>& args, const std::string& netns) : start_(Clock::now()) {
   std::vector<std::string> argv{"shoal", "run"};
+  if (!netns.empty()) argv = {"ip", "netns", "exec", netns, SHOAL_BIN, "run"};
   argv.insert(argv.end(), args.begin(), args.end());
   std::vector<char*> c_argv;
   for (auto& arg : argv) c_argv.push_back(arg.data());
@@ -36,7 +39,11 @@ ShoalRun::ShoalRun(const std::vector<std::string>& args) : start_(Clock::now()) 
   if (pid_ == 0) {
     ::dup2(out[1], STDOUT_FILENO);
     ::dup2(err[1], STDERR_FILENO);
-    ::execv(SHOAL_BIN, c_argv.data());
+    if (netns.empty()) {
+      ::execv(SHOAL_BIN, c_argv.data());
+    } else {
+      ::execvp("ip", c_argv.data());
+    }
     ::_exit(127);
   }
   ::close(out[1]);

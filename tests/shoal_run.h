@@ -25,6 +25,8 @@ struct RunResult {
 class ShoalRun {
  public:
   explicit ShoalRun(const std::vector<std::string>& args);
+  // The same inside the network namespace `netns` (ip netns exec).
+  ShoalRun(const std::vector<std::string>& args, const std::string& netns);
   ~ShoalRun();
   ShoalRun(const ShoalRun&) = delete;
   ShoalRun& operator=(const ShoalRun&) = delete;

@@ -109,6 +109,10 @@ void Group::State::mark_broken(const std::string& reason) {
 }
 
 std::string Group::State::lost_members() const {
+  // A group that says how to learn of lost members asks that instead of the store: in an elastic
+  // job the store is a member's own, which may be the one that is gone (and reading it would
+  // block for as long as the store's timeout).
+  if (options.lost_check) return options.lost_check();
   if (!store) return "";
   // Members that failed come first: they are the cause. One that exited cleanly may only have
   // left after seeing the same failure, sooner than this worker.

@@ -49,7 +49,10 @@ std::string others(const Group::State& group) {
 [[noreturn]] void fail_with_backend_error(Work::State& work, const std::exception& e) {
   const auto waited = work.deadline.elapsed();
   std::string lost = work.group->lost_members();
-  for (Deadline grace(std::chrono::seconds(1)); lost.empty() && !grace.expired();) {
+  // A membership (lost_check) learns of a death by probing, which the caller starts after this
+  // error; waiting here would only delay it.
+  const bool records = !work.group->options.lost_check;
+  for (Deadline grace(std::chrono::seconds(1)); records && lost.empty() && !grace.expired();) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
     lost = work.group->lost_members();
   }
@@ -100,7 +103,6 @@ void Work::wait(Duration timeout) {
                          " waiting for workers " + others(*work.group));
         }
         std::string lost = work.group->lost_members();
-        if (lost.empty() && work.group->options.lost_check) lost = work.group->options.lost_check();
         if (!lost.empty()) {
           fail(work, "failed after " + format_duration(work.deadline.elapsed()) + ": lost " + lost);
         }

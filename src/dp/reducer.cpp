@@ -1,11 +1,14 @@
 #include "shoal/dp/reducer.h"
 
+#include "shoal/runtime/world.h"
+
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include "shoal/core/error.h"
+#include "shoal/runtime/world.h"
 
 namespace shoal::dp {
 
@@ -188,6 +191,8 @@ void Reducer::State::start(Bucket& bucket) {
 }
 
 void Reducer::State::finalize() {
+  // The program's optimizer step comes next. See Note [Copying a commit in the background].
+  runtime::before_parameters_change();
   // Buckets with parameters that got no gradient here: their share of the average is zero. A
   // .grad that is the bucket's slice keeps its value apart, in case it is to stay untouched.
   for (; next_bucket < buckets.size(); ++next_bucket) {
@@ -271,9 +276,13 @@ Reducer::Reducer(std::vector<at::Tensor> parameters, comm::Group group, ReducerO
     state.hook_keys.push_back(accumulator->add_post_hook(std::make_unique<GradReady>(state_, k)));
     state.accumulators.push_back(std::move(accumulator));
   }
+  // See Note [Copying a commit in the background] (runtime/world.h): finalize() calls
+  // before_parameters_change() at the end of every synchronized backward.
+  runtime::count_parameter_change_announcer(+1);
 }
 
 Reducer::~Reducer() {
+  runtime::count_parameter_change_announcer(-1);
   for (size_t k = 0; k < state_->accumulators.size(); ++k) state_->accumulators[k]->del_post_hook(state_->hook_keys[k]);
 }
 

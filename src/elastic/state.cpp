@@ -1,8 +1,10 @@
 #include "shoal/elastic/state.h"
 
+#include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <sstream>
 
 #include <torch/optim.h>
@@ -11,6 +13,7 @@
 #include "../checkpoint/contents.h"
 #include "shoal/core/error.h"
 #include "shoal/runtime/init.h"
+#include "shoal/runtime/world.h"
 #include "world.h"
 
 namespace shoal::elastic {
@@ -29,7 +32,12 @@ extern "C" void on_sigterm(int) { leave_requested.store(true); }
 at::Tensor copy_into(const at::Tensor& from, at::Tensor to) {
   if (!from.defined()) return {};
   if (to.defined() && to.sizes() == from.sizes() && to.scalar_type() == from.scalar_type()) {
-    to.copy_(from);
+    if (to.is_contiguous() && from.is_contiguous() && from.device().is_cpu()) {
+      // glibc's memcpy streams large blocks past the cache, which at::copy_ does not.
+      std::memcpy(to.data_ptr(), from.data_ptr(), from.nbytes());
+    } else {
+      to.copy_(from);
+    }
     return to;
   }
   return from.detach().clone();
@@ -140,35 +148,29 @@ State::State(torch::nn::Module& module, torch::optim::Optimizer& optimizer, data
   for (auto& group : optimizer_.param_groups()) base_rates_.push_back(group.options().get_lr());
 }
 
-State::~State() = default;
+State::~State() {
+  if (parameter_waiter_ != 0) runtime::remove_parameter_waiter(parameter_waiter_);
+  if (copying_.valid()) copying_.wait();
+}
+
+struct State::Vote {
+  comm::Work work;
+  at::Tensor flags;  // one per member (leaving), then one (a change is pending)
+  std::string pending;
+};
 
 void State::snapshot() {
   torch::NoGradGuard no_grad;
+  wait_copy();
   if (!committed_) committed_ = std::make_unique<Snapshot>();
   Snapshot& s = *committed_;
-  const auto tensors = module_tensors(module_);
-  s.tensors.resize(tensors.size());
-  for (size_t i = 0; i < tensors.size(); ++i) s.tensors[i] = copy_into(tensors[i], s.tensors[i]);
-
-  auto& live = optimizer_.state();
-  if (!s.optimizer_serialized) {
-    for (auto& [key, param_state] : live) {
-      if (!copy_param_state(*param_state, s.optimizer_state[key])) {
-        s.optimizer_serialized = true;
-        s.optimizer_state.clear();
-        break;
-      }
-    }
-    for (auto it = s.optimizer_state.begin(); it != s.optimizer_state.end();) {
-      it = live.count(it->first) ? std::next(it) : s.optimizer_state.erase(it);
-    }
-  }
-  if (s.optimizer_serialized) {
-    torch::serialize::OutputArchive archive;
-    optimizer_.save(archive);
-    std::ostringstream bytes;
-    archive.save_to(bytes);
-    s.optimizer_bytes = bytes.str();
+  // What the next forward may change (buffers) or is cheap is copied now; the parameters and the
+  // optimizer's state, which only the optimizer's step changes, maybe in the background.
+  const auto params = module_.parameters();
+  const auto buffers = module_.buffers();
+  s.tensors.resize(params.size() + buffers.size());
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    s.tensors[params.size() + i] = copy_into(buffers[i], s.tensors[params.size() + i]);
   }
   s.rates.clear();
   for (auto& group : optimizer_.param_groups()) s.rates.push_back(group.options().get_lr());
@@ -181,9 +183,45 @@ void State::snapshot() {
   for (auto& [name, value] : values_) s.values[name] = copy_into(value, s.values[name]);
   s.warmup_from = warmup_from_;
   s.warmup_done = warmup_done_;
+
+  auto copy = [this, &s, params] {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < params.size(); ++i) s.tensors[i] = copy_into(params[i], s.tensors[i]);
+    auto& live = optimizer_.state();
+    if (!s.optimizer_serialized) {
+      for (auto& [key, param_state] : live) {
+        if (!copy_param_state(*param_state, s.optimizer_state[key])) {
+          s.optimizer_serialized = true;
+          s.optimizer_state.clear();
+          break;
+        }
+      }
+      for (auto it = s.optimizer_state.begin(); it != s.optimizer_state.end();) {
+        it = live.count(it->first) ? std::next(it) : s.optimizer_state.erase(it);
+      }
+    }
+    if (s.optimizer_serialized) {
+      torch::serialize::OutputArchive archive;
+      optimizer_.save(archive);
+      std::ostringstream bytes;
+      archive.save_to(bytes);
+      s.optimizer_bytes = bytes.str();
+    }
+  };
+  if (runtime::parameter_changes_announced()) {
+    if (parameter_waiter_ == 0) parameter_waiter_ = runtime::add_parameter_waiter([this] { wait_copy(); });
+    copying_ = std::async(std::launch::async, copy);
+  } else {
+    copy();
+  }
+}
+
+void State::wait_copy() {
+  if (copying_.valid()) copying_.get();
 }
 
 void State::restore() {
+  wait_copy();
   if (!committed_) return;
   torch::NoGradGuard no_grad;
   const Snapshot& s = *committed_;
@@ -250,23 +288,37 @@ void State::next_epoch() {
   commit();
 }
 
+// The workers vote at each commit on changing the world: this one leaves (SIGTERM), or a worker
+// waits to join. The vote is an all-reduce that runs while the next step computes; its result is
+// read at the next commit, where every worker sees the same one, so all leave the training
+// function at the same commit (one step after the vote).
 void State::check_world() {
   ElasticWorld& elastic = ElasticWorld::get();
   comm::Group& group = shoal::world();
   const int n = group.size();
-  auto flags = at::zeros({n + 1}, at::kInt);
-  if (leave_requested.load()) flags[group.rank()] = 1;
-  const std::string pending = elastic.rendezvous().pending_change(elastic.view());
-  if (!pending.empty()) flags[n] = 1;
-  group.all_reduce(flags);
+  std::unique_ptr<Vote> counted = std::move(vote_);
 
+  auto vote = std::make_unique<Vote>();
+  vote->flags = at::zeros({n + 1}, at::kInt);
+  if (leave_requested.load()) vote->flags[group.rank()] = 1;
+  vote->pending = elastic.rendezvous().pending_change(elastic.view());
+  if (!vote->pending.empty()) vote->flags[n] = 1;
+  vote->work = group.all_reduce_async(vote->flags);
+  vote_ = std::move(vote);
+
+  if (!counted) return;
+  counted->work.wait();
+  const auto flags = counted->flags.accessor<int, 1>();
   std::vector<int> leavers;
   for (int r = 0; r < n; ++r) {
-    if (flags[r].item<int>() > 0) leavers.push_back(r);
+    if (flags[r] > 0) leavers.push_back(r);
   }
-  if (leavers.empty() && flags[n].item<int>() == 0) return;
+  const bool change = flags[n] > 0;
+  if (leavers.empty() && !change) return;
+  vote_->work.wait();  // the others wait for this one too before they leave
+  vote_.reset();
   const View& view = elastic.view();
-  if (leave_requested.load()) {
+  if (std::find(leavers.begin(), leavers.end(), group.rank()) != leavers.end()) {
     std::fprintf(stderr, "shoal elastic: %s leaves the job after step %lld (SIGTERM)\n",
                  view.describe(view.rank).c_str(), static_cast<long long>(version_));
     elastic.rendezvous().leave();
@@ -275,7 +327,7 @@ void State::check_world() {
   }
   std::string why;
   for (int r : leavers) why += (why.empty() ? "" : "; ") + view.describe(r) + " leaves";
-  if (flags[n].item<int>() > 0) why += (why.empty() ? "" : "; ") + (pending.empty() ? "a worker waits to join" : pending);
+  if (change) why += (why.empty() ? "" : "; ") + (counted->pending.empty() ? "a worker waits to join" : counted->pending);
   throw Reform{why};
 }
 
@@ -288,6 +340,7 @@ void State::check_world() {
 // commit), so two halves of a partitioned job that trained apart to the same version are not
 // taken for equal.
 void State::sync() {
+  vote_.reset();  // a vote of the previous world, which is gone
   comm::Group alone = comm::Group::single();
   comm::Group& group = shoal::is_initialized() ? shoal::world() : alone;
   const int n = group.size();
@@ -359,6 +412,17 @@ void State::sync() {
   for (auto& reset : resets_) reset();
 }
 
+void State::finish() {
+  wait_copy();
+  if (!vote_) return;
+  try {
+    vote_->work.wait();  // every worker has this vote in flight: end it together
+  } catch (const CommError&) {
+    // A worker was lost after the last commit: the training is complete all the same.
+  }
+  vote_.reset();
+}
+
 void State::apply_policy() {
   const auto& policy = options_.policy;
   if (policy.kind != BatchPolicy::Kind::kScaleLearningRate) return;
@@ -400,6 +464,7 @@ void run(State& state, const std::function<void()>& train) {
                      static_cast<long long>(state.version()), static_cast<long long>(state.epoch()), why.c_str());
       }
       train();
+      state.finish();
       return;
     } catch (const Reform& reform) {
       why = reform.why;

@@ -3,6 +3,7 @@
 #include <sched.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <map>
 #include <memory>
 
@@ -132,6 +133,28 @@ int add_world_listener(std::function<void()> listener) {
 }
 
 void remove_world_listener(int id) { world_listeners().erase(id); }
+
+namespace {
+std::map<int, std::function<void()>>& parameter_waiters() {
+  static std::map<int, std::function<void()>> waiters;
+  return waiters;
+}
+std::atomic<int> announcers{0};
+}  // namespace
+
+void before_parameters_change() {
+  for (auto& [id, wait] : parameter_waiters()) wait();
+}
+
+int add_parameter_waiter(std::function<void()> wait) {
+  static int next_id = 0;
+  parameter_waiters().emplace(++next_id, std::move(wait));
+  return next_id;
+}
+
+void remove_parameter_waiter(int id) { parameter_waiters().erase(id); }
+void count_parameter_change_announcer(int delta) { announcers += delta; }
+bool parameter_changes_announced() { return announcers.load() > 0; }
 
 }  // namespace runtime
 

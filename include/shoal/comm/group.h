@@ -36,7 +36,8 @@ struct GroupOptions {
   // Asked every 250 ms while a collective waits: a non-empty answer names members known to be
   // gone, and the collective fails with CommError quoting it instead of waiting for its
   // deadline. Elastic jobs answer from their membership, which notices a silent peer long
-  // before any collective's timeout.
+  // before any collective's timeout. When set, it replaces the launchers' exit records in the
+  // store as the way a failed collective names lost members.
   std::function<std::string()> lost_check;
 };
 

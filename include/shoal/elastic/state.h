@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <future>
 #include <map>
 #include <memory>
 #include <string>
@@ -104,11 +105,14 @@ class State {
   void sync();
   // Disowns the commits: this worker then takes the state of the others, as a newcomer does.
   void forget();
+  // After the training function returned: ends what commit() left in flight.
+  void finish();
 
   struct Snapshot;
 
  private:
   void snapshot();
+  void wait_copy();
   void apply_policy();
   void check_world();
 
@@ -126,6 +130,12 @@ class State {
   std::vector<double> warmup_from_;
   int64_t warmup_done_ = 0;
   std::unique_ptr<Snapshot> committed_;
+  // See Note [Copying a commit in the background] (shoal/runtime/world.h).
+  std::future<void> copying_;
+  int parameter_waiter_ = 0;
+  // The previous commit's vote on changing the world, in flight (see check_world).
+  struct Vote;
+  std::unique_ptr<Vote> vote_;
 };
 
 // Runs `train` and, in an elastic job, recovers from the loss of a worker (CommError) and from

@@ -31,4 +31,19 @@ void replace_world(World world);
 int add_world_listener(std::function<void()> listener);
 void remove_world_listener(int id);
 
+// Note [Copying a commit in the background]
+// elastic::State::commit() copies the parameters and the optimizer's state, which only the
+// optimizer's step changes. While some part promises to call before_parameters_change() ahead of
+// every such change (DataParallel does, at the end of each synchronized backward, before the
+// program's optimizer.step()), commit() leaves the copy to a background thread, which then
+// overlaps the next step's forward and backward; before_parameters_change() waits for it.
+void before_parameters_change();
+// A waiter is called by before_parameters_change(); returns an id for remove.
+int add_parameter_waiter(std::function<void()> wait);
+void remove_parameter_waiter(int id);
+// DataParallel counts itself in (+1) and out (-1); commit() copies in the background only while
+// the count is positive.
+void count_parameter_change_announcer(int delta);
+bool parameter_changes_announced();
+
 }  // namespace shoal::runtime
