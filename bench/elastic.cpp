@@ -79,31 +79,33 @@ int main(int argc, char** argv) {
   int64_t timed_steps = 0;
   shoal::elastic::run(state, [&] {
     int64_t in_round = 0;
-    for (; done < steps; state.next_epoch()) {
-    for (auto& b : loader.epoch(state.epoch())) {
-      if (done >= steps) break;
-      optimizer.zero_grad();
-      torch::nn::functional::cross_entropy(net->forward(b.data), b.target).backward();
-      optimizer.step();
-      ++done;
-      if (commit_every > 0 && done % commit_every == 0) {
-        const auto before = std::chrono::steady_clock::now();
-        state.commit();
-        commit_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - before).count();
-        ++commits;
+    // Without commits (--commit-every 0) the epoch is counted here, not committed.
+    for (int64_t epoch = state.epoch(); done < steps; ++epoch) {
+      for (auto& b : loader.epoch(epoch)) {
+        if (done >= steps) break;
+        optimizer.zero_grad();
+        torch::nn::functional::cross_entropy(net->forward(b.data), b.target).backward();
+        optimizer.step();
+        ++done;
+        if (commit_every > 0 && done % commit_every == 0) {
+          const auto before = std::chrono::steady_clock::now();
+          state.commit();
+          commit_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - before).count();
+          ++commits;
+        }
+        if (++in_round == 3) {
+          timed_from = std::chrono::steady_clock::now();
+          timed_steps = 0;
+        } else if (in_round > 3) {
+          ++timed_steps;
+        }
+        if (shoal::is_main()) {
+          std::printf("step %lld world %d t=%lld\n", static_cast<long long>(done), shoal::world_size(),
+                      static_cast<long long>(now_ms()));
+          std::fflush(stdout);
+        }
       }
-      if (++in_round == 3) {
-        timed_from = std::chrono::steady_clock::now();
-        timed_steps = 0;
-      } else if (in_round > 3) {
-        ++timed_steps;
-      }
-      if (shoal::is_main()) {
-        std::printf("step %lld world %d t=%lld\n", static_cast<long long>(done), shoal::world_size(),
-                    static_cast<long long>(now_ms()));
-        std::fflush(stdout);
-      }
-    }
+      if (commit_every > 0) state.next_epoch();
     }
   });
   if (shoal::is_main() && timed_steps > 0) {

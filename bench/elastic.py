@@ -11,7 +11,7 @@ one thread per worker, SGD with momentum, a commit or checkpoint after every ste
 Contenders: shoal (gossip membership, `shoal run --min 1 --max 3`); torchrun (`--nnodes=1:3`, c10d
 rendezvous, as elastic jobs are started; it waits out its last call); torchrun-fixed (`--nnodes=1`,
 `--monitor-interval=1`: restarts only, no membership changes, its fastest recovery).
-Then the cost of commit() every step against never, in a static-size elastic job of 2 workers
+(CONTENDERS=none measures only the commit cost.) Then the cost of commit() every step against never, in a static-size elastic job of 2 workers
 (`--min 2 --max 2`), for the same MLP.
 
     /usr/bin/python3 bench/elastic.py --worker STEPS CHECKPOINT
@@ -218,7 +218,8 @@ def main():
         return
     build = sys.argv[1]
     rounds = int(os.environ.get("ROUNDS", "3"))
-    contenders = os.environ.get("CONTENDERS", "shoal,torchrun,torchrun-fixed").split(",")
+    contenders = [c for c in os.environ.get("CONTENDERS", "shoal,torchrun,torchrun-fixed").split(",")
+                  if c and c != "none"]
     work = tempfile.mkdtemp(prefix="shoal-elastic-bench-")
     os.makedirs(os.path.join(work, "second"), exist_ok=True)
     kill = {c: [] for c in contenders}
@@ -241,8 +242,9 @@ def main():
         values = [v for v in values if v is not None]
         return statistics.median(values) if values else float("nan")
 
-    print("\n| contender | kill -> next step (s), median | join -> first step with it (s), median |")
-    print("|---|---|---|")
+    if contenders:
+        print("\n| contender | kill -> next step (s), median | join -> first step with it (s), median |")
+        print("|---|---|---|")
     for c in contenders:
         print(f"| {c} | {median(kill[c]):.2f} | {median(join[c]) if c in join else float('nan'):.2f} |")
     if "shoal" in kill:

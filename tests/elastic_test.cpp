@@ -13,6 +13,8 @@
 #include <sstream>
 
 #include <gtest/gtest.h>
+#include <shoal/shoal.h>
+#include <torch/torch.h>
 
 #include "netns.h"
 #include "shoal_run.h"
@@ -384,5 +386,174 @@ TEST_P(ElasticPartition, OnlyTheMajorityTrainsWithQuorum) {
 
 INSTANTIATE_TEST_SUITE_P(Quorum, ElasticPartition, ::testing::Values(true, false),
                          [](const auto& info) { return info.param ? std::string("on") : std::string("off"); });
+
+}  // namespace
+
+namespace {
+
+// "step S world W lr=L" lines: (world, lr) in order.
+std::vector<std::pair<int, double>> rates(const std::string& out) {
+  static const std::regex line(R"(step \d+ world (\d+) lr=(\S+))");
+  std::vector<std::pair<int, double>> result;
+  for (std::sregex_iterator it(out.begin(), out.end(), line), end; it != end; ++it) {
+    result.emplace_back(std::stoi((*it)[1]), std::stod((*it)[2]));
+  }
+  return result;
+}
+
+// Each worker's batch stays and the learning rate follows the world: 0.05 * world, at once or
+// over 4 commits. Every sample is still trained on once per epoch.
+class ElasticScaling : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ElasticScaling, LearningRateFollowsTheWorld) {
+  const std::string policy = GetParam();
+  constexpr int kEpochs = 4;
+  const std::string out = temp_path("scale_" + policy);
+  const std::string token = temp_path("scale_" + policy + ".token");
+  ShoalRun job({"--min", "1", "--max", "3", "-n", "3", "--token-file", token, kWorker, out, std::to_string(kEpochs),
+                "60", policy});
+  ASSERT_TRUE(step_at_least(job, 12, 3, 60s)) << job.so_far().out << job.so_far().err;
+  auto first = ranks_of_round(starts(job.so_far().out), 3);
+  ASSERT_EQ(::kill(first[1], SIGKILL), 0);
+  const RunResult result = job.wait(120s);
+  EXPECT_EQ(result.exit_code, 0) << result.err;
+  const auto seen = rates(result.out);
+  ASSERT_FALSE(seen.empty());
+  int shrunk_at = -1;
+  for (size_t i = 0; i < seen.size(); ++i) {
+    if (seen[i].first == 2 && shrunk_at < 0) shrunk_at = static_cast<int>(i);
+  }
+  ASSERT_GE(shrunk_at, 4) << result.out;
+  // In the first round (3 workers, from the start): 0.15 throughout, or reached over 4 commits.
+  const size_t settled = policy == "warmup" ? 3 : 0;
+  for (size_t i = settled; i < static_cast<size_t>(shrunk_at); ++i) {
+    EXPECT_NEAR(seen[i].second, 0.15, 1e-9) << "step line " << i;
+  }
+  if (policy == "warmup") {
+    EXPECT_NEAR(seen[0].second, 0.05 + (0.15 - 0.05) * 1 / 4, 1e-9);
+    EXPECT_NEAR(seen[1].second, 0.05 + (0.15 - 0.05) * 2 / 4, 1e-9);
+    // After the change: from 0.15 towards 0.10 over 4 commits.
+    // (Two commits in when the epoch's own commit, which prints no step line, came first.)
+    const double first_rate = seen[shrunk_at].second;
+    EXPECT_TRUE(std::abs(first_rate - (0.15 + (0.10 - 0.15) * 1 / 4)) < 1e-9 ||
+                std::abs(first_rate - (0.15 + (0.10 - 0.15) * 2 / 4)) < 1e-9)
+        << first_rate << "\n" << result.out;
+    EXPECT_NEAR(seen[shrunk_at + 3].second, 0.10, 1e-9) << result.out;
+  } else {
+    EXPECT_NEAR(seen[shrunk_at].second, 0.10, 1e-9) << result.out;
+  }
+  EXPECT_NEAR(seen.back().second, 0.10, 1e-9);
+  expect_each_sample_once(read_outcome(out), kEpochs);
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, ElasticScaling, ::testing::Values("scale", "warmup"),
+                         [](const auto& info) { return info.param; });
+
+// Above --max, a newcomer waits; it joins when a place frees up.
+TEST(Elastic, NewcomersAboveMaxWaitForRoom) {
+  constexpr int kEpochs = 8;
+  const std::string out = temp_path("max");
+  const std::string token = temp_path("max.token");
+  ShoalRun job({"--min", "1", "--max", "2", "-n", "2", "--token-file", token, kWorker, out, std::to_string(kEpochs),
+                "60"});
+  ASSERT_TRUE(step_at_least(job, 5, 2, 60s)) << job.so_far().out << job.so_far().err;
+  auto first = ranks_of_round(starts(job.so_far().out), 2);
+  auto [address, token_file] = join_hint(job.so_far().err);
+  ShoalRun joiner({"--join", address, "--token-file", token_file, "-n", "1", kWorker, out, std::to_string(kEpochs),
+                   "60"});
+  const int64_t from = last_step(job.so_far().out).first;
+  ASSERT_TRUE(step_at_least(job, from + 40, 2, 60s)) << job.so_far().out;
+  EXPECT_TRUE(starts(joiner.so_far().out).empty()) << "joined above --max: " << joiner.so_far().out;
+  ASSERT_EQ(::kill(first[0], SIGTERM), 0);
+  // The newcomer takes the free place: a round of 2 with it.
+  ASSERT_TRUE(joiner.wait_until([](const RunResult& r) { return !starts(r.out).empty(); }, 60s))
+      << joiner.so_far().err << job.so_far().err;
+  EXPECT_EQ(starts(joiner.so_far().out).front().world, 2);
+  const RunResult joined = joiner.wait(120s);
+  const RunResult result = job.wait(120s);
+  EXPECT_EQ(result.exit_code, 0) << result.err;
+  EXPECT_EQ(joined.exit_code, 0) << joined.err;
+  expect_each_sample_once(read_outcome(out), kEpochs);
+}
+
+}  // namespace
+
+namespace {
+
+// A policy that does not fit the sampler is refused when the State is made, with what to change.
+TEST(ElasticState, PolicyMustFitTheSampler) {
+  auto net = torch::nn::Linear(2, 2);
+  torch::optim::SGD optimizer(net->parameters(), 0.1);
+  shoal::data::SamplerOptions global;
+  global.batch_size = 4;
+  shoal::data::Sampler global_sampler(16, global, 0, 1);
+  shoal::data::SamplerOptions per_worker = global;
+  per_worker.per_worker = true;
+  shoal::data::Sampler per_worker_sampler(16, per_worker, 0, 1);
+  try {
+    shoal::elastic::State state(*net, optimizer, per_worker_sampler);
+    ADD_FAILURE() << "expected UsageError";
+  } catch (const shoal::UsageError& e) {
+    EXPECT_STREQ(e.what(),
+                 "elastic::State: BatchPolicy::keep_global_batch() needs a sampler whose batch_size is the global "
+                 "batch; this one is per_worker");
+  }
+  try {
+    shoal::elastic::State state(*net, optimizer, global_sampler,
+                                {shoal::elastic::BatchPolicy::scale_learning_rate()});
+    ADD_FAILURE() << "expected UsageError";
+  } catch (const shoal::UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("scale_learning_rate() needs a per_worker sampler"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(shoal::elastic::State(*net, optimizer, per_worker_sampler,
+                                     {shoal::elastic::BatchPolicy::scale_learning_rate(0)}),
+               shoal::UsageError);
+}
+
+// Outside an elastic job, commit() and restore() roll the module, the optimizer and the sampler
+// back to the commit, and run() calls the function once.
+TEST(ElasticState, RestoreReturnsToTheLastCommit) {
+  torch::manual_seed(0);
+  auto net = torch::nn::Linear(3, 2);
+  torch::optim::Adam optimizer(net->parameters(), 0.1);
+  shoal::data::SamplerOptions options;
+  options.batch_size = 2;
+  shoal::data::Sampler sampler(10, options, 0, 1);
+  shoal::elastic::State state(*net, optimizer, sampler);
+  auto step = [&] {
+    optimizer.zero_grad();
+    net->forward(torch::randn({4, 3})).sum().backward();
+    optimizer.step();
+    sampler.advance();
+  };
+  int calls = 0;
+  shoal::elastic::run(state, [&] {
+    ++calls;
+    step();
+    state.value("seen") = torch::tensor({7});
+    state.commit();
+  });
+  EXPECT_EQ(calls, 1);
+  const auto weight = net->weight.detach().clone();
+  const auto cursor = sampler.cursor();
+  step();
+  step();
+  state.value("seen") = torch::tensor({9});
+  ASSERT_FALSE(net->weight.detach().equal(weight));
+  state.restore();
+  EXPECT_TRUE(net->weight.detach().equal(weight));
+  EXPECT_EQ(sampler.cursor(), cursor);
+  EXPECT_EQ(state.value("seen").item<int64_t>(), 7);
+  EXPECT_EQ(state.version(), 1);
+  // The optimizer's state too: the same step from the commit gives the same weights.
+  torch::manual_seed(5);
+  step();
+  const auto once = net->weight.detach().clone();
+  state.restore();
+  torch::manual_seed(5);
+  step();
+  EXPECT_TRUE(net->weight.detach().equal(once));
+}
 
 }  // namespace

@@ -4,10 +4,11 @@
 //
 //   elastic_worker OUT [EPOCHS] [STEP_MS] [POLICY]
 //
-// POLICY: "global" (keep the global batch of 12, the default) or "scale" (4 per worker, the
-// learning rate scaled with the world). Every worker prints "train pid=P rank=R world=W step=S"
-// when the training function (re)starts; the first worker prints "step S world W" after each
-// commit and, at the end, writes OUT: the parameters and the counts, as text.
+// POLICY: "global" (keep the global batch of 12, the default), "scale" (4 per worker, the
+// learning rate scaled with the world) or "warmup" (the same, reached over 4 commits). Every
+// worker prints "train pid=P rank=R world=W step=S lr=L" when the training function (re)starts;
+// the first worker prints "step S world W lr=L" after each commit and, at the end, writes OUT:
+// the parameters and the counts, as text.
 #include <unistd.h>
 
 #include <chrono>
@@ -79,6 +80,10 @@ int main(int argc, char** argv) {
     options.batch_size = 4;
     options.per_worker = true;
     state_options.policy = shoal::elastic::BatchPolicy::scale_learning_rate(1, 0);
+  } else if (policy == "warmup") {
+    options.batch_size = 4;
+    options.per_worker = true;
+    state_options.policy = shoal::elastic::BatchPolicy::scale_learning_rate(1, 4);
   } else {
     options.batch_size = 12;
   }
@@ -88,7 +93,7 @@ int main(int argc, char** argv) {
 
   shoal::elastic::run(state, [&] {
     std::cout << "train pid=" << getpid() << " rank=" << shoal::rank() << " world=" << shoal::world_size()
-              << " step=" << state.version() << std::endl;
+              << " step=" << state.version() << " lr=" << optimizer.param_groups()[0].options().get_lr() << std::endl;
     for (; state.epoch() < epochs; state.next_epoch()) {
       for (auto& batch : loader.epoch(state.epoch())) {
         auto features = batch.data.narrow(1, 0, kFeatures);
@@ -112,7 +117,8 @@ int main(int argc, char** argv) {
         if (step_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(step_ms));
         state.commit();
         if (shoal::is_main()) {
-          std::cout << "step " << state.version() << " world " << shoal::world_size() << std::endl;
+          std::cout << "step " << state.version() << " world " << shoal::world_size()
+                    << " lr=" << optimizer.param_groups()[0].options().get_lr() << std::endl;
         }
       }
     }
