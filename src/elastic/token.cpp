@@ -14,13 +14,15 @@
 
 namespace shoal::elastic {
 
-std::string make_token() {
+std::string random_hex(int digits) {
   std::random_device device;
   std::uniform_int_distribution<int> digit(0, 15);
-  std::string token;
-  for (int i = 0; i < 32; ++i) token += "0123456789abcdef"[digit(device)];
-  return token;
+  std::string text;
+  for (int i = 0; i < digits; ++i) text += "0123456789abcdef"[digit(device)];
+  return text;
 }
+
+std::string make_token() { return random_hex(32); }
 
 void write_token_file(const std::string& path, const std::string& token) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);

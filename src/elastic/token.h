@@ -6,6 +6,9 @@
 
 namespace shoal::elastic {
 
+// `digits` random hex digits, from the system's random device.
+std::string random_hex(int digits);
+
 // 32 random hex digits.
 std::string make_token();
 

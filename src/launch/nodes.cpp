@@ -8,8 +8,8 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <random>
 
+#include "../elastic/token.h"
 #include "shoal/core/error.h"
 
 namespace shoal::launch {
@@ -110,13 +110,7 @@ std::unique_ptr<JobStore> open_job_store(const LaunchOptions& options, SignalSet
                            options.master_described_as);
 }
 
-std::string make_run_id() {
-  std::random_device device;
-  std::uniform_int_distribution<int> digit(0, 15);
-  std::string id;
-  for (int i = 0; i < 16; ++i) id += "0123456789abcdef"[digit(device)];
-  return id;
-}
+std::string make_run_id() { return elastic::random_hex(16); }
 
 NodeGroup::NodeGroup(JobStore& store, const LaunchOptions& options, SignalSet& signals,
                      Sink& messages)

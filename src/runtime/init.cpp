@@ -30,10 +30,34 @@ runtime::ElasticJoin& elastic_join() {
   return join;
 }
 
-std::map<int, std::function<void()>>& world_listeners() {
-  static std::map<int, std::function<void()>> listeners;
+// Callbacks by id, called in the order they were added.
+class Callbacks {
+ public:
+  int add(std::function<void()> callback) {
+    callbacks_.emplace(++last_id_, std::move(callback));
+    return last_id_;
+  }
+  void remove(int id) { callbacks_.erase(id); }
+  void call_all() {
+    for (auto& [id, callback] : callbacks_) callback();
+  }
+
+ private:
+  std::map<int, std::function<void()>> callbacks_;
+  int last_id_ = 0;
+};
+
+Callbacks& world_listeners() {
+  static Callbacks listeners;
   return listeners;
 }
+
+Callbacks& parameter_waiters() {
+  static Callbacks waiters;
+  return waiters;
+}
+
+std::atomic<int> announcers{0};
 
 Runtime& current() {
   if (the_runtime == nullptr) throw UsageError("shoal::init() has not been called");
@@ -123,36 +147,15 @@ void replace_world(World world) {
   Runtime& state = current();
   state.job = std::move(world.job);
   state.world = std::move(world.group);
-  for (auto& [id, listener] : world_listeners()) listener();
+  world_listeners().call_all();
 }
 
-int add_world_listener(std::function<void()> listener) {
-  static int next_id = 0;
-  world_listeners().emplace(++next_id, std::move(listener));
-  return next_id;
-}
+int add_world_listener(std::function<void()> listener) { return world_listeners().add(std::move(listener)); }
+void remove_world_listener(int id) { world_listeners().remove(id); }
 
-void remove_world_listener(int id) { world_listeners().erase(id); }
-
-namespace {
-std::map<int, std::function<void()>>& parameter_waiters() {
-  static std::map<int, std::function<void()>> waiters;
-  return waiters;
-}
-std::atomic<int> announcers{0};
-}  // namespace
-
-void before_parameters_change() {
-  for (auto& [id, wait] : parameter_waiters()) wait();
-}
-
-int add_parameter_waiter(std::function<void()> wait) {
-  static int next_id = 0;
-  parameter_waiters().emplace(++next_id, std::move(wait));
-  return next_id;
-}
-
-void remove_parameter_waiter(int id) { parameter_waiters().erase(id); }
+void before_parameters_change() { parameter_waiters().call_all(); }
+int add_parameter_waiter(std::function<void()> wait) { return parameter_waiters().add(std::move(wait)); }
+void remove_parameter_waiter(int id) { parameter_waiters().remove(id); }
 void count_parameter_change_announcer(int delta) { announcers += delta; }
 bool parameter_changes_announced() { return announcers.load() > 0; }
 
