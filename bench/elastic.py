@@ -1,6 +1,6 @@
 """Elastic recovery, shoal beside torchrun's elastic agent (bench/RESULTS.md, section "elastic").
 
-    /usr/bin/python3 bench/elastic.py BUILD_DIR [--rounds 3] [--contenders shoal,torchrun,torchrun-fixed]
+    [ROUNDS=3] [CONTENDERS=shoal,shoal-etcd,torchrun,torchrun-fixed] /usr/bin/python3 bench/elastic.py BUILD_DIR
 
 For each round and contender, on the MLP of bench/ddp (784-2048-2048-10, batch 64 per worker,
 one thread per worker, SGD with momentum, a commit or checkpoint after every step):
@@ -8,7 +8,9 @@ one thread per worker, SGD with momentum, a commit or checkpoint after every ste
         step that completes (the first committed step after it).
   join: 2 workers; after step 20 a third is added (shoal: `shoal run --join`; torchrun: a second
         agent on the same rendezvous); time from starting it to the first step of a world of 3.
-Contenders: shoal (gossip membership, `shoal run --min 1 --max 3`); torchrun (`--nnodes=1:3`, c10d
+Contenders: shoal (gossip membership, `shoal run --min 1 --max 3`); shoal-etcd (the same with
+`--rendezvous etcd://...`, on an etcd server this script starts: Debian's etcd-server, one member on
+127.0.0.1, its data in a temporary directory); torchrun (`--nnodes=1:3`, c10d
 rendezvous, as elastic jobs are started; it waits out its last call); torchrun-fixed (`--nnodes=1`,
 `--monitor-interval=1`: restarts only, no membership changes, its fastest recovery).
 (CONTENDERS=none measures only the commit cost.) Then the cost of commit() every step against never, in a static-size elastic job of 2 workers
@@ -114,9 +116,35 @@ def step_line(min_step=0, world=None):
     return predicate
 
 
-def shoal_argv(build, n, extra=()):
+ETCD = None  # "HOST:PORT" of the etcd server that main() starts for shoal-etcd
+
+
+def shoal_argv(build, n, contender, extra=()):
+    if contender == "shoal-etcd":
+        extra = ["--rendezvous", f"etcd://{ETCD}", *extra]
     return [f"{build}/bin/shoal", "run", "--min", "1", "--max", "3", "-n", str(n), *extra,
             f"{build}/bench/elastic", "--steps", "100000"]
+
+
+def start_etcd(work):
+    """Debian's etcd on free ports of 127.0.0.1; returns (process, "HOST:PORT") once it answers."""
+    import urllib.request
+    client, peer = free_port(), free_port()
+    process = subprocess.Popen(
+        ["/usr/bin/etcd", "--name", "bench", "--data-dir", os.path.join(work, "etcd"),
+         "--listen-client-urls", f"http://127.0.0.1:{client}", "--advertise-client-urls", f"http://127.0.0.1:{client}",
+         "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+         "--initial-cluster", f"bench=http://127.0.0.1:{peer}"],
+        stdout=subprocess.DEVNULL, stderr=open(os.path.join(work, "etcd.log"), "w"))
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{client}/health", timeout=1).read()
+            return process, f"127.0.0.1:{client}"
+        except OSError:
+            time.sleep(0.2)
+    process.kill()
+    raise RuntimeError("etcd did not answer within 30 s; see " + os.path.join(work, "etcd.log"))
 
 
 def torchrun_argv(n, nnodes, endpoint, checkpoint, logdir, fixed):
@@ -140,15 +168,15 @@ def measure_kill(contender, build, work):
     checkpoint = os.path.join(work, f"{contender}.ckpt")
     if os.path.exists(checkpoint):
         os.remove(checkpoint)
-    if contender == "shoal":
-        job = Job(shoal_argv(build, 3), os.path.join(work, "kill.err"))
+    if contender.startswith("shoal"):
+        job = Job(shoal_argv(build, 3, contender), os.path.join(work, "kill.err"))
     else:
         job = Job(torchrun_argv(3, "1" if contender == "torchrun-fixed" else "1:3", f"127.0.0.1:{free_port()}",
                                 checkpoint, work, contender == "torchrun-fixed"), os.path.join(work, "kill.err"))
     try:
         if not job.wait_for(step_line(20), 180):
             return None
-        if contender == "shoal":
+        if contender.startswith("shoal"):
             victim = find_shoal_worker(job.process.pid, exclude_first=True)
         else:
             victim = job.pids().get(1)
@@ -176,8 +204,8 @@ def measure_join(contender, build, work):
     token = os.path.join(work, "join.token")
     if os.path.exists(token):
         os.remove(token)
-    if contender == "shoal":
-        job = Job(shoal_argv(build, 2, ["--token-file", token]), os.path.join(work, "join.err"))
+    if contender.startswith("shoal"):
+        job = Job(shoal_argv(build, 2, contender, ["--token-file", token]), os.path.join(work, "join.err"))
     else:
         job = Job(torchrun_argv(2, "1:2", endpoint, checkpoint, work, False), os.path.join(work, "join.err"))
     second = None
@@ -185,10 +213,10 @@ def measure_join(contender, build, work):
         if not job.wait_for(step_line(20), 180):
             return None
         started = time.time()
-        if contender == "shoal":
+        if contender.startswith("shoal"):
             hint = open(os.path.join(work, "join.err")).read()
-            address = re.search(r"--join (\S+) --token-file", hint).group(1)
-            second = Job([f"{build}/bin/shoal", "run", "--join", address, "--token-file", token, "-n", "1",
+            flags = re.search(r"to add workers: shoal run (.+) PROGRAM", hint).group(1).split()
+            second = Job([f"{build}/bin/shoal", "run", *flags, "-n", "1",
                           f"{build}/bench/elastic", "--steps", "100000"], os.path.join(work, "join2.err"))
         else:
             second = Job(torchrun_argv(1, "1:2", endpoint, checkpoint, work + "/second", False),
@@ -218,9 +246,13 @@ def main():
         return
     build = sys.argv[1]
     rounds = int(os.environ.get("ROUNDS", "3"))
-    contenders = [c for c in os.environ.get("CONTENDERS", "shoal,torchrun,torchrun-fixed").split(",")
+    contenders = [c for c in os.environ.get("CONTENDERS", "shoal,shoal-etcd,torchrun,torchrun-fixed").split(",")
                   if c and c != "none"]
     work = tempfile.mkdtemp(prefix="shoal-elastic-bench-")
+    global ETCD
+    etcd = None
+    if "shoal-etcd" in contenders:
+        etcd, ETCD = start_etcd(work)
     os.makedirs(os.path.join(work, "second"), exist_ok=True)
     kill = {c: [] for c in contenders}
     join = {c: [] for c in contenders if c != "torchrun-fixed"}
@@ -247,10 +279,12 @@ def main():
         print("|---|---|---|")
     for c in contenders:
         print(f"| {c} | {median(kill[c]):.2f} | {median(join[c]) if c in join else float('nan'):.2f} |")
-    if "shoal" in kill:
-        for c in contenders:
-            if c != "shoal":
-                print(f"{c} / shoal, kill: {median(kill[c]) / median(kill['shoal']):.1f}x")
+    for c in contenders:
+        if c.startswith("torchrun"):
+            for ours in (x for x in contenders if x.startswith("shoal")):
+                print(f"{c} / {ours}, kill: {median(kill[c]) / median(kill[ours]):.1f}x")
+    if etcd:
+        etcd.kill()
     ratios = [x[1] / x[0] for x in cost if x[0] and x[1]]
     print(f"commit every step / never (throughput): {statistics.median(ratios):.3f} (rounds: "
           + ", ".join(f"{r:.3f}" for r in ratios) + ")")

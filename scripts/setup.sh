@@ -13,6 +13,7 @@ packages=(
   iproute2                           # network namespaces and tc for multi-host tests
   procps                             # pgrep/ps in tests
   libssl-dev                         # OpenSSL libcrypto: HMAC-SHA256 on gossip datagrams
+  etcd-server                        # a real etcd (3.4) for the etcd rendezvous tests
 )
 if [ "${SHOAL_SETUP_BENCH:-0}" = 1 ]; then
   packages+=(python3-torch)          # PyTorch's own DDP and torchrun, for side-by-side benchmarks

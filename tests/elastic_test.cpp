@@ -11,11 +11,13 @@
 #include <map>
 #include <memory>
 #include <sstream>
+#include <thread>
 
 #include <gtest/gtest.h>
 #include <shoal/shoal.h>
 #include <torch/torch.h>
 
+#include "etcd_server.h"
 #include "netns.h"
 #include "shoal_run.h"
 #include "test_paths.h"
@@ -87,6 +89,43 @@ std::pair<std::string, std::string> join_hint(const std::string& err) {
   return {match[1], match[2]};
 }
 
+// The flags that the first launcher prints for adding workers: what goes between `shoal run` and
+// PROGRAM (--join and --token-file, and --rendezvous with etcd).
+std::vector<std::string> join_flags(const std::string& err) {
+  static const std::regex line(R"(to add workers: shoal run (.+) PROGRAM)");
+  std::smatch match;
+  if (!std::regex_search(err, match, line)) return {};
+  std::istringstream words(match[1].str());
+  std::vector<std::string> flags;
+  for (std::string word; words >> word;) flags.push_back(word);
+  return flags;
+}
+
+std::vector<std::string> operator+(std::vector<std::string> a, const std::vector<std::string>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+// The membership a test's job runs on: gossip among its processes (no service), or a real etcd
+// server (Debian's etcd-server) that the test starts and may stop.
+class Backend {
+ public:
+  explicit Backend(const std::string& name) {
+    if (name == "etcd") etcd_ = std::make_unique<shoal::testing::EtcdServer>();
+  }
+  // The first launcher's flags for it.
+  std::vector<std::string> flags() const {
+    if (!etcd_) return {};
+    return {"--rendezvous", "etcd://" + etcd_->endpoint()};
+  }
+  shoal::testing::EtcdServer& etcd() { return *etcd_; }
+
+ private:
+  std::unique_ptr<shoal::testing::EtcdServer> etcd_;
+};
+
+std::string backend_name(const ::testing::TestParamInfo<std::string>& info) { return info.param; }
+
 // The pids of the workers in the newest round of `size` workers, by rank.
 std::map<int, int> ranks_of_round(const std::vector<Start>& all, int size) {
   std::map<int, int> pids;
@@ -94,6 +133,16 @@ std::map<int, int> ranks_of_round(const std::vector<Start>& all, int size) {
     if (s.world == size) pids[s.rank] = s.pid;
   }
   return pids;
+}
+
+// A worker that is not one of `first` started training in a world of `size`.
+bool newcomer_in(const std::string& out, const std::map<int, int>& first, int size) {
+  for (const auto& s : starts(out)) {
+    bool known = false;
+    for (const auto& [rank, pid] : first) known = known || pid == s.pid;
+    if (s.world == size && !known) return true;
+  }
+  return false;
 }
 
 bool step_at_least(ShoalRun& run, int64_t step, int world, std::chrono::milliseconds timeout) {
@@ -135,16 +184,19 @@ void expect_same_parameters(const Outcome& got, const Outcome& want) {
 }
 
 // The issue's oracle: 3 workers, one SIGKILLed mid-epoch, one joining later, one leaving with
-// SIGTERM; the global batch stays, so the result is the one-process run's.
-TEST(Elastic, KillJoinLeaveEndsWithTheOneProcessParameters) {
+// SIGTERM; the global batch stays, so the result is the one-process run's. On both backends.
+class ElasticOracle : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ElasticOracle, KillJoinLeaveEndsWithTheOneProcessParameters) {
   constexpr int kEpochs = 8;
   const Outcome reference = one_process(kEpochs);
   expect_each_sample_once(reference, kEpochs);
 
-  const std::string out = temp_path("oracle");
-  const std::string token = temp_path("oracle.token");
-  ShoalRun job({"--min", "1", "--max", "3", "-n", "3", "--token-file", token, kWorker, out,
-                std::to_string(kEpochs), "80"});
+  Backend backend(GetParam());
+  const std::string out = temp_path("oracle_" + GetParam());
+  const std::string token = temp_path("oracle_" + GetParam() + ".token");
+  ShoalRun job(backend.flags() + std::vector<std::string>{"--min", "1", "--max", "3", "-n", "3", "--token-file", token,
+                                                          kWorker, out, std::to_string(kEpochs), "80"});
   ASSERT_TRUE(step_at_least(job, 15, 3, 60s)) << job.so_far().out << job.so_far().err;
   auto first = ranks_of_round(starts(job.so_far().out), 3);
   ASSERT_EQ(first.size(), 3u);
@@ -157,11 +209,11 @@ TEST(Elastic, KillJoinLeaveEndsWithTheOneProcessParameters) {
   const int64_t killed_at = last_step(job.so_far().out).first;
   ASSERT_TRUE(step_at_least(job, killed_at + 5, 2, 30s)) << job.so_far().out << job.so_far().err;
 
-  // A worker joins through the first launcher's address.
-  auto [address, token_file] = join_hint(job.so_far().err);
-  ASSERT_FALSE(address.empty()) << job.so_far().err;
-  EXPECT_EQ(token_file, token);
-  ShoalRun joiner({"--join", address, "--token-file", token, "-n", "1", kWorker, out, std::to_string(kEpochs), "80"});
+  // A worker joins as the first launcher says.
+  const auto join = join_flags(job.so_far().err);
+  ASSERT_FALSE(join.empty()) << job.so_far().err;
+  EXPECT_NE(std::find(join.begin(), join.end(), token), join.end()) << job.so_far().err;
+  ShoalRun joiner(join + std::vector<std::string>{"-n", "1", kWorker, out, std::to_string(kEpochs), "80"});
   const int64_t joined_from = last_step(job.so_far().out).first;
   ASSERT_TRUE(step_at_least(job, joined_from + 1, 3, 60s)) << job.so_far().out << job.so_far().err
                                                             << joiner.so_far().err;
@@ -185,42 +237,45 @@ TEST(Elastic, KillJoinLeaveEndsWithTheOneProcessParameters) {
   EXPECT_NE(::stat(token.c_str(), &info), 0) << "the token file outlived the job";
 }
 
+INSTANTIATE_TEST_SUITE_P(Backends, ElasticOracle, ::testing::Values("gossip", "etcd"), backend_name);
+
 }  // namespace
 
 namespace {
 
 // Every sample once per epoch in committed steps, for 1 to 4 workers, across a kill (the worker
 // is restarted and joins again), a join and a leave.
-class ElasticAccounting : public ::testing::TestWithParam<int> {};
+class ElasticAccounting : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
 
 TEST_P(ElasticAccounting, EachSampleOncePerEpoch) {
-  const int n = GetParam();
+  const auto [backend_kind, n] = GetParam();
   constexpr int kEpochs = 6;
-  const std::string out = temp_path("accounting" + std::to_string(n));
-  const std::string token = temp_path("accounting" + std::to_string(n) + ".token");
-  ShoalRun job({"--min", "1", "--max", std::to_string(std::max(n, 2)), "-n", std::to_string(n), "--max-restarts",
-                "1", "--token-file", token, kWorker, out, std::to_string(kEpochs), "60"});
+  Backend backend(backend_kind);
+  const std::string name = "accounting_" + backend_kind + std::to_string(n);
+  const std::string out = temp_path(name);
+  const std::string token = temp_path(name + ".token");
+  ShoalRun job(backend.flags() + std::vector<std::string>{"--min", "1", "--max", std::to_string(std::max(n, 2)), "-n",
+                                                          std::to_string(n), "--max-restarts", "1", "--token-file",
+                                                          token, kWorker, out, std::to_string(kEpochs), "60"});
   ASSERT_TRUE(step_at_least(job, 10, n, 60s)) << job.so_far().out << job.so_far().err;
   auto first = ranks_of_round(starts(job.so_far().out), n);
   ASSERT_EQ(first.size(), static_cast<size_t>(n));
   std::unique_ptr<ShoalRun> joiner;
   if (n == 1) {
     // One worker: another joins, then the first leaves; the newcomer finishes the job.
-    auto [address, token_file] = join_hint(job.so_far().err);
-    joiner = std::make_unique<ShoalRun>(std::vector<std::string>{"--join", address, "--token-file", token_file, "-n",
-                                                                 "1", kWorker, out, std::to_string(kEpochs), "60"});
+    joiner = std::make_unique<ShoalRun>(join_flags(job.so_far().err) +
+                                        std::vector<std::string>{"-n", "1", kWorker, out, std::to_string(kEpochs), "60"});
     const int64_t from = last_step(job.so_far().out).first;
     ASSERT_TRUE(step_at_least(job, from + 1, 2, 60s)) << job.so_far().out << job.so_far().err;
     ASSERT_EQ(::kill(first[0], SIGTERM), 0);
     ASSERT_TRUE(joiner->wait_until([](const RunResult& r) { return last_step(r.out).second == 1; }, 60s))
         << joiner->so_far().out << joiner->so_far().err << job.so_far().err;
   } else {
-    // SIGKILL the last worker: it is restarted after 1 s and joins again.
+    // SIGKILL the last worker: it is restarted after 1 s and joins again (the others train on
+    // without it meanwhile, or take it in at once when their round closed after its start).
     ASSERT_EQ(::kill(first[n - 1], SIGKILL), 0);
-    const int64_t killed_at = last_step(job.so_far().out).first;
-    ASSERT_TRUE(step_at_least(job, killed_at + 1, n - 1, 60s)) << job.so_far().out << job.so_far().err;
-    const int64_t shrunk_at = last_step(job.so_far().out).first;
-    ASSERT_TRUE(step_at_least(job, shrunk_at + 1, n, 60s)) << job.so_far().out << job.so_far().err;
+    ASSERT_TRUE(job.wait_until([&](const RunResult& r) { return newcomer_in(r.out, first, n); }, 60s))
+        << job.so_far().out << job.so_far().err;
     // The first worker leaves.
     ASSERT_EQ(::kill(first[0], SIGTERM), 0);
     const int64_t regrown_at = last_step(job.so_far().out).first;
@@ -240,8 +295,13 @@ TEST_P(ElasticAccounting, EachSampleOncePerEpoch) {
   expect_each_sample_once(read_outcome(out), kEpochs);
 }
 
-INSTANTIATE_TEST_SUITE_P(WorldSizes, ElasticAccounting, ::testing::Values(1, 2, 3, 4),
-                         [](const auto& info) { return "n" + std::to_string(info.param); });
+INSTANTIATE_TEST_SUITE_P(WorldSizes, ElasticAccounting,
+                         ::testing::Values(std::make_tuple("gossip", 1), std::make_tuple("gossip", 2),
+                                           std::make_tuple("gossip", 3), std::make_tuple("gossip", 4),
+                                           std::make_tuple("etcd", 1), std::make_tuple("etcd", 3)),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + "_n" + std::to_string(std::get<1>(info.param));
+                         });
 
 // A SIGSTOPped worker is declared dead by the membership and the others go on; after SIGCONT it
 // joins again as a new worker.
@@ -315,6 +375,11 @@ TEST(Elastic, BadFlagsAreUsageErrors) {
       {{"--quorum", kWorker}, "--quorum is for elastic jobs"},
       {{"--max-restarts", "2", kWorker}, "--max-restarts is for elastic jobs"},
       {{"--min", "1", "--max", "2", "--nnodes", "2", "--master", "127.0.0.1:9", kWorker}, "--nnodes/--node-rank are for static jobs"},
+      {{"--min", "1", "--max", "2", "--rendezvous", "consul://127.0.0.1:9", kWorker},
+       "--rendezvous consul://127.0.0.1:9 is not a rendezvous backend; expected gossip or etcd://HOST:PORT"},
+      {{"--rendezvous", "etcd://127.0.0.1:9", "--join", "127.0.0.1:9", kWorker},
+       "--join '127.0.0.1:9': with --rendezvous etcd:// it takes the job's run id"},
+      {{"--rendezvous", "etcd://127.0.0.1:9", kWorker}, "--rendezvous is for elastic jobs"},
   };
   for (const auto& [args, message] : cases) {
     auto result = shoal::testing::run_shoal(args, 30s);
@@ -331,6 +396,65 @@ TEST(Elastic, BadFlagsAreUsageErrors) {
 }  // namespace
 
 namespace {
+
+// etcd stops while the job trains and a worker is SIGKILLed meanwhile; etcd starts again on its
+// data: the job recovers, the restarted worker joins again, and every sample is still trained on
+// once. A joiner with a wrong token is refused by the job's record in etcd, which it never alters.
+TEST(ElasticEtcd, JobOutlivesAnEtcdRestart) {
+  constexpr int kEpochs = 8;
+  Backend backend("etcd");
+  const std::string out = temp_path("etcd_restart");
+  const std::string token = temp_path("etcd_restart.token");
+  ShoalRun job(backend.flags() + std::vector<std::string>{"--min", "1", "--max", "3", "-n", "3", "--max-restarts",
+                                                          "1", "--token-file", token, kWorker, out,
+                                                          std::to_string(kEpochs), "60"});
+  ASSERT_TRUE(step_at_least(job, 10, 3, 60s)) << job.so_far().out << job.so_far().err;
+  auto first = ranks_of_round(starts(job.so_far().out), 3);
+  ASSERT_EQ(first.size(), 3u);
+
+  auto join = join_flags(job.so_far().err);
+  ASSERT_FALSE(join.empty()) << job.so_far().err;
+  const std::string wrong = temp_path("etcd_wrong.token");
+  {
+    std::ofstream file(wrong);
+    file << "0123456789abcdef0123456789abcdef\n";
+  }
+  ::chmod(wrong.c_str(), 0600);
+  auto wrong_join = join;
+  *(std::find(wrong_join.begin(), wrong_join.end(), "--token-file") + 1) = wrong;
+  auto refused = shoal::testing::run_shoal(wrong_join + std::vector<std::string>{"-n", "1", kWorker, out}, 60s);
+  EXPECT_EQ(refused.exit_code, 2) << refused.err;
+  EXPECT_NE(refused.err.find("refused: the token is not the job's"), std::string::npos) << refused.err;
+  EXPECT_EQ(shoal::testing::split_lines(refused.err).size(), 1u) << refused.err;
+
+  // etcd away: the workers train on from what they last saw.
+  backend.etcd().stop();
+  const int64_t stopped_at = last_step(job.so_far().out).first;
+  ASSERT_TRUE(step_at_least(job, stopped_at + 10, 3, 30s)) << job.so_far().out << job.so_far().err;
+  // A worker dies while etcd is away; the survivors' round waits for etcd.
+  ASSERT_EQ(::kill(first[2], SIGKILL), 0);
+  std::this_thread::sleep_for(2s);
+  job.wait_until([](const RunResult&) { return false; }, 10ms);  // takes in what has arrived
+  const int64_t restarted_at = last_step(job.so_far().out).first;
+  const auto started = std::chrono::steady_clock::now();
+  backend.etcd().start();
+  ASSERT_TRUE(step_at_least(job, restarted_at + 1, 0, 60s)) << job.so_far().out << job.so_far().err;
+  std::printf("the job trained again %.2f s after etcd was started\n",
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
+  // The launcher restarted the killed worker (after 1 s), and it joins again: in the survivors'
+  // round when it came in time, or in the next one.
+  ASSERT_TRUE(job.wait_until([&](const RunResult& r) { return newcomer_in(r.out, first, 3); }, 60s))
+      << job.so_far().out << job.so_far().err;
+
+  const RunResult result = job.wait(120s);
+  EXPECT_EQ(result.exit_code, 0) << result.err;
+  expect_each_sample_once(read_outcome(out), kEpochs);
+}
+
+}  // namespace
+
+namespace {
+
 
 // Two hosts (network namespaces) cut apart mid-job, 2 workers on one side and 1 on the other.
 // With --quorum only the majority side trains on; the other gives up at its rendezvous timeout

@@ -22,6 +22,7 @@
 #include "elastic/gossip/table.h"
 #include "elastic/gossip/udp.h"
 #include "elastic/gossip/wire.h"
+#include "child_process.h"
 #include "shoal/core/error.h"
 
 namespace shoal::elastic::gossip {
@@ -29,6 +30,7 @@ namespace {
 
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
+using Child = shoal::testing::ChildProcess;
 
 constexpr char kToken[] = "0123456789abcdef0123456789abcdef";
 
@@ -120,71 +122,22 @@ struct Cluster {
   }
 };
 
-// A forked child; killed and reaped when this goes out of scope.
-class Child {
- public:
-  // Forks; the child runs body(write end of a pipe) and exits.
-  explicit Child(const std::function<void(int)>& body) {
-    int fds[2];
-    if (::pipe(fds) != 0) throw std::runtime_error("pipe failed");
-    pid_ = ::fork();
-    if (pid_ == 0) {
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // no busy loop outlives a crashed test
-      ::close(fds[0]);
-      try {
-        body(fds[1]);
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "child %d: %s\n", ::getpid(), e.what());
-        ::_exit(1);
-      }
-      ::_exit(0);
-    }
-    ::close(fds[1]);
-    fd_ = fds[0];
-  }
-  ~Child() {
-    ::kill(pid_, SIGKILL);
-    ::waitpid(pid_, nullptr, 0);
-    ::close(fd_);
-  }
-  pid_t pid() const { return pid_; }
-
-  // The next line the child wrote, or "" when none came within `timeout`.
-  std::string read_line(Duration timeout) {
-    std::string line;
-    const auto start = Clock::now();
-    char c;
-    while (Clock::now() - start < timeout) {
-      pollfd p{fd_, POLLIN, 0};
-      if (::poll(&p, 1, 20) <= 0) continue;
-      if (::read(fd_, &c, 1) != 1) return "";
-      if (c == '\n') return line;
-      line += c;
-    }
-    return "";
-  }
-
- private:
-  pid_t pid_ = -1;
-  int fd_ = -1;
-};
-
 // A member in a child process that starts the job: writes "ADDRESS ID", then its self_status()
 // whenever it changes.
-void run_member(int out) {
+void run_member(const Child::Say& say) {
   auto g = Gossip::start(member_options({}, "victim"));
-  dprintf(out, "%s %s\n", g->address().c_str(), g->id().c_str());
+  say(g->address() + " " + g->id());
   Status last = Status::kAlive;
   for (int i = 0; i < 60 * 100; ++i) {
     if (g->self_status() != last) {
       last = g->self_status();
-      dprintf(out, "%s\n", to_string(last));
+      say(to_string(last));
     }
     std::this_thread::sleep_for(10ms);
   }
 }
 
-void spin(int) {
+void spin(const Child::Say&) {
   volatile uint64_t n = 0;
   for (;;) n = n + 1;
 }

@@ -3,6 +3,7 @@
 // etcd/), as gloo's transport/ has tcp/ and uv/.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -41,6 +42,51 @@ struct RendezvousOptions {
   // round's survivors closes without it.
   Duration last_call = std::chrono::milliseconds(1000);
 };
+
+// A worker waiting for a round, as a backend sees it.
+struct Candidate {
+  std::string id;
+  int64_t prev_round = -1;  // the last round it trained in; -1 for none
+  int prev_rank = -1;       // its rank there
+};
+
+// The newest closed round a worker knows of: what --quorum counts a majority of.
+struct Newest {
+  int64_t round = -1;  // -1: none yet
+  std::vector<std::string> members;
+};
+
+// Whether `ids` may form a round: more than half of `newest` are among them. Always true without
+// --quorum or before any round closed.
+bool has_quorum(const RendezvousOptions& options, const Newest& newest, const std::vector<std::string>& ids);
+
+// Note [Choosing a round's view]
+// Both backends decide alike who forms a round, given the candidates (the workers waiting for it,
+// this one included) once nobody live is behind: survivors of the newest round first, by their
+// rank there, then newcomers by id, cut at --max. It is time to propose that view when there are
+// at least --min candidates, (with --quorum) a majority of the newest round, and they are settled:
+// the same for the last call, or exactly survivors of this worker's previous round, or --max of
+// them. A backend agrees on the view in its own way (gossip: everyone ready with it; etcd: the
+// first transaction to create the round's key).
+class ViewChooser {
+ public:
+  explicit ViewChooser(const RendezvousOptions& options) : options_(options) {}
+
+  // The view to propose, in rank order, when it is time and it includes `me` (whose previous
+  // round is `prev_round`); otherwise empty, and `waiting_for` says what the round waits for.
+  std::vector<std::string> choose(const std::string& me, int64_t prev_round, std::vector<Candidate> candidates,
+                                  const Newest& newest, std::string& waiting_for);
+  // The round changed: the last call starts again with the next candidates.
+  void restart() { candidates_.clear(); }
+
+ private:
+  RendezvousOptions options_;
+  std::string candidates_;  // their ids, sorted: what must stay the same for the last call
+  std::chrono::steady_clock::time_point since_;
+};
+
+// The CommError of a round that did not close before next()'s deadline.
+[[noreturn]] void round_timed_out(int64_t round, Duration waited, const std::string& waiting_for);
 
 class Rendezvous {
  public:

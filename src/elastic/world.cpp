@@ -4,7 +4,10 @@
 
 #include <cstdlib>
 #include <sstream>
+#include <thread>
 
+#include "etcd/job.h"
+#include "etcd/rendezvous.h"
 #include "gossip/rendezvous.h"
 #include "token.h"
 #include "shoal/core/error.h"
@@ -54,6 +57,42 @@ runtime::World make_world(const View& view, comm::Group group) {
   return world;
 }
 
+std::unique_ptr<Rendezvous> start_gossip(const Settings& settings, const std::string& address, const Peer& self,
+                                         Duration connect_timeout) {
+  gossip::Options membership;
+  membership.seeds = settings.seeds;
+  membership.token = settings.token;
+  membership.advertise_host = address;
+  membership.join_timeout = connect_timeout;
+  return std::make_unique<gossip::GossipRendezvous>(membership, self, settings.rendezvous);
+}
+
+// The job's record in etcd is made by its first shoal run (or its first worker, when started
+// without one); a worker whose token is not the job's is refused before it writes anything.
+std::unique_ptr<Rendezvous> start_etcd(const Settings& settings, const Peer& self, Duration connect_timeout) {
+  etcd::EtcdOptions options;
+  options.endpoint = settings.etcd;
+  options.prefix = etcd::job_prefix(settings.run_id);
+  options.connect_timeout = connect_timeout;
+  etcd::JobRecord record;
+  record.min_workers = settings.rendezvous.min_workers;
+  record.max_workers = settings.rendezvous.max_workers;
+  record.quorum = settings.rendezvous.quorum;
+  record.last_call = settings.rendezvous.last_call;
+  const etcd::Client client(etcd::Endpoint::parse(options.endpoint), options.request_timeout);
+  Deadline deadline(connect_timeout);
+  for (;;) {
+    try {
+      etcd::open_job(client, options.prefix, settings.token, record, /*create=*/true);
+      break;
+    } catch (const CommError& e) {
+      if (deadline.expired()) throw;
+      std::this_thread::sleep_for(std::min(Duration(200), deadline.remaining()));
+    }
+  }
+  return std::make_unique<etcd::EtcdRendezvous>(options, self, settings.rendezvous);
+}
+
 }  // namespace
 
 Settings read_settings(const env::Environment& env) {
@@ -78,7 +117,17 @@ Settings read_settings(const env::Environment& env) {
     settings.rendezvous_timeout = std::chrono::seconds(*s);
   }
   if (auto backend = env::get(env, "SHOAL_RENDEZVOUS"); backend && *backend != "gossip") {
-    throw UsageError("SHOAL_RENDEZVOUS=" + *backend + " is not a rendezvous backend; expected gossip");
+    const std::string scheme = "etcd://";
+    if (backend->compare(0, scheme.size(), scheme) != 0) {
+      throw UsageError("SHOAL_RENDEZVOUS=" + *backend + " is not a rendezvous backend; expected gossip or "
+                       "etcd://HOST:PORT");
+    }
+    settings.etcd = etcd::Endpoint::parse(backend->substr(scheme.size())).text();
+    settings.run_id = env::get(env, "SHOAL_RUN_ID").value_or("");
+    if (settings.run_id.empty()) {
+      throw UsageError("SHOAL_RENDEZVOUS=" + *backend + " needs SHOAL_RUN_ID, the job's name in etcd (shoal run "
+                       "sets it)");
+    }
   }
   settings.seeds = split_list(env::get(env, "SHOAL_GOSSIP_SEEDS").value_or(""));
   if (auto token = env::get(env, "SHOAL_JOB_TOKEN"); token && !token->empty()) {
@@ -110,7 +159,9 @@ runtime::World ElasticWorld::join(const JobSpec& discovered, const env::Environm
 
   std::string towards = "127.0.0.1";
   int towards_port = 1;
-  if (!world->settings_.seeds.empty()) {
+  if (!world->settings_.etcd.empty()) {
+    std::tie(towards, towards_port) = parse_host_port(world->settings_.etcd, "SHOAL_RENDEZVOUS");
+  } else if (!world->settings_.seeds.empty()) {
     std::tie(towards, towards_port) = parse_host_port(world->settings_.seeds[0], "SHOAL_GOSSIP_SEEDS");
   }
   world->address_ = comm::local_address_towards(towards, towards_port);
@@ -128,12 +179,8 @@ runtime::World ElasticWorld::join(const JobSpec& discovered, const env::Environm
   self.pid = static_cast<int>(getpid());
   self.store = world->address_ + ":" + std::to_string(comm::hosted_port(world->server_));
 
-  gossip::Options membership;
-  membership.seeds = world->settings_.seeds;
-  membership.token = world->settings_.token;
-  membership.advertise_host = world->address_;
-  membership.join_timeout = connect_timeout;
-  world->rendezvous_ = std::make_unique<gossip::GossipRendezvous>(membership, self, world->settings_.rendezvous);
+  world->rendezvous_ = world->settings_.etcd.empty() ? start_gossip(world->settings_, world->address_, self, connect_timeout)
+                                                     : start_etcd(world->settings_, self, connect_timeout);
 
   the_world = world.release();  // lives as long as the process, as the runtime does
   // A worker that returns from main() has left the job: say so (the others need not detect

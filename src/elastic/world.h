@@ -16,7 +16,9 @@ namespace shoal::elastic {
 // What `shoal run --min/--max` (or the user) put in the environment. See docs/elastic.md.
 struct Settings {
   RendezvousOptions rendezvous;
-  std::vector<std::string> seeds;  // "HOST:PORT" of members already in the job
+  std::vector<std::string> seeds;  // gossip: "HOST:PORT" of members already in the job
+  std::string etcd;                // etcd: "HOST:PORT" of its client URL; empty for gossip
+  std::string run_id;              // etcd: the job's keys are under "/shoal/<run id>/"
   std::string token;
   // How long a worker waits for a round to close before giving up.
   Duration rendezvous_timeout = std::chrono::minutes(10);

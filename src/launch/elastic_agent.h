@@ -1,4 +1,5 @@
-// This launcher's part in an elastic job: its membership agent and the job's token file.
+// This launcher's part in an elastic job: its membership agent (or etcd client) and the job's
+// token file.
 // Private to src/launch; see elastic_launch.cpp.
 #pragma once
 
@@ -7,6 +8,8 @@
 #include <memory>
 #include <string>
 
+#include "../elastic/etcd/client.h"
+#include "../elastic/etcd/job.h"
 #include "../elastic/gossip/swim.h"
 #include "worker_env.h"
 
@@ -14,13 +17,17 @@ namespace shoal::launch {
 
 class ElasticAgent {
  public:
-  std::unique_ptr<elastic::gossip::Gossip> membership;
+  std::unique_ptr<elastic::gossip::Gossip> membership;  // gossip: this launcher's agent
+  std::unique_ptr<elastic::etcd::Client> etcd;          // etcd: the server's client
+  std::string etcd_prefix;
   std::string token_file;  // what workers read the token from
   bool owns_token_file = false;
   ElasticPlace place;
 
   ~ElasticAgent() {
     if (membership) membership->leave();
+    // The last launcher to end removes the job's keys.
+    if (etcd) elastic::etcd::forget_job_if_done(*etcd, etcd_prefix);
     if (owns_token_file) ::unlink(token_file.c_str());
   }
 };

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -79,7 +80,6 @@ int Launcher::run_elastic() {
   place.last_call = options_.last_call;
   place.rendezvous_timeout = options_.rendezvous_timeout;
 
-  elastic::gossip::Options membership;
   std::string token;
   if (options_.joins()) {
     if (!options_.token_file.empty()) {
@@ -91,8 +91,6 @@ int Launcher::run_elastic() {
       throw UsageError("--join needs the job's token: pass --token-file PATH (the file the first shoal run "
                        "wrote) or set SHOAL_JOB_TOKEN");
     }
-    membership.seeds = {options_.join_host + ":" + std::to_string(options_.join_port)};
-    membership.advertise_host = comm::local_address_towards(options_.join_host, options_.join_port);
   } else {
     place.min_workers = options_.min_workers;
     place.max_workers = options_.max_workers;
@@ -102,6 +100,30 @@ int Launcher::run_elastic() {
     agent_->token_file = options_.token_file.empty() ? default_token_path(place.run_id) : options_.token_file;
     elastic::write_token_file(agent_->token_file, token);
     agent_->owns_token_file = true;
+  }
+  if (options_.etcd.empty()) {
+    join_gossip(token);
+  } else {
+    join_etcd(token);
+  }
+  place.token_file = agent_->token_file;
+  options_.stop_grace = std::max(options_.stop_grace, kElasticStopGrace);
+
+  start_elastic_workers();
+  supervise();
+  kill_leftovers();
+  agent_.reset();
+  if (exit_code_ >= 128 && stopping_) return exit_code_;  // stopped by a signal
+  return any_success_ ? 0 : exit_code_;
+}
+
+void Launcher::join_gossip(const std::string& token) {
+  ElasticPlace& place = agent_->place;
+  elastic::gossip::Options membership;
+  if (options_.joins()) {
+    membership.seeds = {options_.join_host + ":" + std::to_string(options_.join_port)};
+    membership.advertise_host = comm::local_address_towards(options_.join_host, options_.join_port);
+  } else {
     // --master HOST:PORT names this agent's address, for launchers on other hosts to --join.
     membership.port = options_.master_port;
     membership.advertise_host = options_.master_host.empty() ? "127.0.0.1" : options_.master_host;
@@ -127,15 +149,42 @@ int Launcher::run_elastic() {
         agent_->token_file + " PROGRAM");
   }
   place.seeds = agent_->membership->address();
-  place.token_file = agent_->token_file;
-  options_.stop_grace = std::max(options_.stop_grace, kElasticStopGrace);
+}
 
-  start_elastic_workers();
-  supervise();
-  kill_leftovers();
-  agent_.reset();
-  if (exit_code_ >= 128 && stopping_) return exit_code_;  // stopped by a signal
-  return any_success_ ? 0 : exit_code_;
+// With etcd the launcher keeps no membership of its own: the job's record in etcd carries its
+// settings and its token's digest, and its workers register themselves.
+void Launcher::join_etcd(const std::string& token) {
+  ElasticPlace& place = agent_->place;
+  if (options_.joins()) place.run_id = options_.join_run_id;
+  place.etcd = options_.etcd;
+  elastic::etcd::JobRecord record;
+  record.min_workers = place.min_workers;
+  record.max_workers = place.max_workers;
+  record.quorum = place.quorum;
+  record.last_call = place.last_call;
+  agent_->etcd = std::make_unique<elastic::etcd::Client>(elastic::etcd::Endpoint::parse(options_.etcd),
+                                                         std::chrono::seconds(2));
+  agent_->etcd_prefix = elastic::etcd::job_prefix(place.run_id);
+  Deadline deadline(options_.connect_timeout);
+  for (;;) {
+    try {
+      record = elastic::etcd::open_job(*agent_->etcd, agent_->etcd_prefix, token, record, !options_.joins());
+      break;
+    } catch (const CommError& e) {
+      if (deadline.expired()) throw UsageError(std::string("--rendezvous etcd://") + options_.etcd + ": " + e.what());
+      std::this_thread::sleep_for(std::min(Duration(200), deadline.remaining()));
+    }
+  }
+  place.min_workers = record.min_workers;
+  place.max_workers = record.max_workers;
+  place.quorum = record.quorum;
+  place.last_call = record.last_call;
+  if (!options_.joins()) {
+    say("elastic job " + place.run_id + " of " + std::to_string(place.min_workers) + " to " +
+        std::to_string(place.max_workers) + " workers in etcd at " + options_.etcd +
+        "; to add workers: shoal run --rendezvous etcd://" + options_.etcd + " --join " + place.run_id +
+        " --token-file " + agent_->token_file + " PROGRAM");
+  }
 }
 
 void Launcher::start_elastic_workers() {

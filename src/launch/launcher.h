@@ -62,6 +62,9 @@ class Launcher {
 
   // Elastic jobs (elastic_launch.cpp).
   int run_elastic();
+  // How this launcher finds the job: through its gossip membership, or its record in etcd.
+  void join_gossip(const std::string& token);
+  void join_etcd(const std::string& token);
   void start_elastic_workers();
   void on_elastic_failure(Worker& worker, const ExitStatus& status);
   void restart_due(TimePoint now);

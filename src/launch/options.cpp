@@ -27,6 +27,7 @@ struct RawFlags {
   std::string max_workers;
   std::string max_restarts = "0";
   std::string join;
+  std::string rendezvous = "gossip";
   std::string token_file;
   std::string last_call = "1";
   std::string rendezvous_timeout = "600";
@@ -128,8 +129,13 @@ void add_flags(CLI::App& app, RawFlags& raw) {
                  "Elastic job: restarts of each worker that fails, with a growing back-off (default 0)")
       ->type_name("R");
   app.add_option("--join", raw.join,
-                 "Adds this node's workers to the running elastic job of any of its members")
-      ->type_name("HOST:PORT");
+                 "Adds this node's workers to a running elastic job: the address of any of its members "
+                 "(gossip), or its run id (etcd)")
+      ->type_name("HOST:PORT|RUN_ID");
+  app.add_option("--rendezvous", raw.rendezvous,
+                 "Elastic job: how workers find each other: gossip among the job's processes (default), "
+                 "or an etcd server")
+      ->type_name("gossip|etcd://HOST:PORT");
   app.add_option("--token-file", raw.token_file,
                  "Elastic job: where the job's token is written (mode 600), or read with --join")
       ->type_name("PATH");
@@ -150,7 +156,8 @@ void validate_elastic(const RawFlags& raw, const CLI::App& app, LaunchOptions& o
   const bool has_min = app.count("--min") > 0;
   const bool has_max = app.count("--max") > 0;
   const bool joins = app.count("--join") > 0;
-  for (const char* flag : {"--max-restarts", "--token-file", "--quorum", "--last-call", "--rendezvous-timeout"}) {
+  for (const char* flag :
+       {"--max-restarts", "--token-file", "--quorum", "--last-call", "--rendezvous-timeout", "--rendezvous"}) {
     if (app.count(flag) > 0 && !has_min && !has_max && !joins) {
       throw UsageError(std::string(flag) + " is for elastic jobs; add --min A --max B (or --join HOST:PORT)");
     }
@@ -163,6 +170,23 @@ void validate_elastic(const RawFlags& raw, const CLI::App& app, LaunchOptions& o
     if (has_min || has_max || app.count("--quorum") > 0) {
       throw UsageError("--join takes the job's --min, --max and --quorum from the job itself; drop them");
     }
+  }
+  if (raw.rendezvous != "gossip") {
+    const std::string scheme = "etcd://";
+    if (raw.rendezvous.compare(0, scheme.size(), scheme) != 0) {
+      throw UsageError("--rendezvous " + raw.rendezvous + " is not a rendezvous backend; expected gossip or "
+                       "etcd://HOST:PORT");
+    }
+    options.etcd = raw.rendezvous.substr(scheme.size());
+    parse_host_port(options.etcd, "--rendezvous etcd://");
+  }
+  if (joins && !options.etcd.empty()) {
+    if (raw.join.empty() || raw.join.find_first_of(":/ ") != std::string::npos) {
+      throw UsageError("--join '" + raw.join + "': with --rendezvous etcd:// it takes the job's run id, which its "
+                       "first shoal run printed");
+    }
+    options.join_run_id = raw.join;
+  } else if (joins) {
     std::tie(options.join_host, options.join_port) = parse_host_port(raw.join, "--join");
   } else {
     if (has_min != has_max) {

@@ -37,8 +37,10 @@ struct LaunchOptions {
   int max_workers = 0;
   bool quorum = false;
   int max_restarts = 0;
-  std::string join_host;  // --join: a member of the running job
+  std::string join_host;  // --join HOST:PORT (gossip): a member of the running job
   int join_port = 0;
+  std::string etcd;         // --rendezvous etcd://HOST:PORT: "HOST:PORT"; empty for gossip
+  std::string join_run_id;  // --join RUN_ID (etcd): the job's run id
   std::string token_file;  // where the token is written (or read, with --join); empty: default
   Duration last_call = std::chrono::seconds(1);
   Duration rendezvous_timeout = std::chrono::seconds(600);
@@ -49,7 +51,7 @@ struct LaunchOptions {
 
   int world_size() const { return nnodes * nproc_per_node; }
   bool tags_output() const { return tag_output.value_or(elastic || world_size() > 1); }
-  bool joins() const { return !join_host.empty(); }
+  bool joins() const { return !join_host.empty() || !join_run_id.empty(); }
   bool hosts_store() const { return node_rank == 0; }
   // The address workers (and other nodes' launchers) connect to.
   std::string master_addr() const { return master_host.empty() ? "127.0.0.1" : master_host; }

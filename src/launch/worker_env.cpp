@@ -56,7 +56,13 @@ env::Environment elastic_worker_environment(const env::Environment& base, const 
   env["SHOAL_MIN_WORKERS"] = std::to_string(place.min_workers);
   env["SHOAL_MAX_WORKERS"] = std::to_string(place.max_workers);
   env["SHOAL_QUORUM"] = place.quorum ? "1" : "0";
-  env["SHOAL_GOSSIP_SEEDS"] = place.seeds;
+  if (place.etcd.empty()) {
+    env["SHOAL_RENDEZVOUS"] = "gossip";
+    env["SHOAL_GOSSIP_SEEDS"] = place.seeds;
+  } else {
+    env["SHOAL_RENDEZVOUS"] = "etcd://" + place.etcd;
+    env.erase("SHOAL_GOSSIP_SEEDS");
+  }
   if (!place.token_file.empty()) env["SHOAL_JOB_TOKEN_FILE"] = place.token_file;
   env["SHOAL_LAST_CALL_MS"] = std::to_string(place.last_call.count());
   env["SHOAL_RENDEZVOUS_TIMEOUT"] = std::to_string(std::max<int64_t>(1, place.rendezvous_timeout.count() / 1000));

@@ -37,7 +37,8 @@ struct ElasticPlace {
   int min_workers = 1;
   int max_workers = 1;
   bool quorum = false;
-  std::string seeds;       // "HOST:PORT" of this launcher's membership agent
+  std::string seeds;       // gossip: "HOST:PORT" of this launcher's membership agent
+  std::string etcd;        // etcd: "HOST:PORT" of its client URL
   std::string token_file;  // empty when the token comes from SHOAL_JOB_TOKEN
   Duration last_call{0};
   Duration rendezvous_timeout{0};

@@ -10,17 +10,9 @@
 
 #include "shoal/core/error.h"
 
-namespace shoal::elastic {
-
-std::string View::describe(int rank) const {
-  const Peer& peer = members.at(rank);
-  return "worker " + std::to_string(rank) + " (pid " + std::to_string(peer.pid) + " on " + peer.host + ")";
-}
-
-namespace gossip {
+namespace shoal::elastic::gossip {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 using Ids = std::vector<std::string>;
 
 // What a worker says about itself in its membership metadata. See Note [Rendezvous rounds].
@@ -167,8 +159,7 @@ View GossipRendezvous::next(const View* previous, Duration timeout) {
   }
   int64_t round = previous != nullptr ? previous->round + 1 : 1;
   Ids proposal;
-  std::string candidates_key;
-  auto stable_since = Clock::now();
+  ViewChooser chooser(options_);
   std::string waiting_for = "the other workers";
   rejoin_if_declared_dead();
   publish("wait", round, {});
@@ -176,7 +167,7 @@ View GossipRendezvous::next(const View* previous, Duration timeout) {
   auto give_up = [&](int64_t next_round) {
     round = std::max(round + 1, next_round);
     proposal.clear();
-    candidates_key.clear();
+    chooser.restart();
     publish("wait", round, {});
   };
 
@@ -191,20 +182,10 @@ View GossipRendezvous::next(const View* previous, Duration timeout) {
     const std::string& me = gossip_->id();
 
     // The newest round anyone here knows of: what --quorum counts a majority of.
-    Ids newest_view = prev_view_;
-    int64_t newest_round = prev_view_.empty() ? -1 : prev_round_;
+    Newest newest{prev_view_.empty() ? -1 : prev_round_, prev_view_};
     for (const auto& w : workers) {
-      if (w.meta.phase == "train" && w.meta.round > newest_round) {
-        newest_round = w.meta.round;
-        newest_view = w.meta.view;
-      }
+      if (w.meta.phase == "train" && w.meta.round > newest.round) newest = {w.meta.round, w.meta.view};
     }
-    auto has_quorum = [&](const Ids& ids) {
-      if (!options_.quorum || newest_view.empty()) return true;
-      size_t present = 0;
-      for (const auto& id : newest_view) present += contains(ids, id) ? 1 : 0;
-      return present * 2 > newest_view.size();
-    };
     auto all_live = [&](const Ids& ids) {
       for (const auto& id : ids) {
         const Worker* w = find(workers, id);
@@ -261,7 +242,7 @@ View GossipRendezvous::next(const View* previous, Duration timeout) {
       const Worker* offer = nullptr;
       for (const auto& w : workers) {
         if (w.member.id != me && w.live() && w.agrees_to(round) && contains(w.meta.view, me) &&
-            all_live(w.meta.view) && has_quorum(w.meta.view)) {
+            all_live(w.meta.view) && has_quorum(options_, newest, w.meta.view)) {
           offer = &w;
           break;
         }
@@ -282,17 +263,17 @@ View GossipRendezvous::next(const View* previous, Duration timeout) {
       }
       if (later > round) {
         round = later;
-        candidates_key.clear();
+        chooser.restart();
         publish("wait", round, {});
         continue;
       }
       // Propose, once nobody live is behind and the candidates are settled.
-      std::vector<const Worker*> candidates;
+      std::vector<Candidate> candidates{{me, prev_round_, prev_rank_}};
       const Worker* behind = nullptr;
       for (const auto& w : workers) {
         if (w.member.id == me || !w.live()) continue;
         if (w.meta.phase == "wait" && w.meta.round == round) {
-          candidates.push_back(&w);
+          candidates.push_back({w.member.id, w.meta.prev_round, w.meta.prev_rank});
         } else if (w.meta.round < round || w.meta.phase == "train") {
           behind = &w;
         }
@@ -300,59 +281,15 @@ View GossipRendezvous::next(const View* previous, Duration timeout) {
       if (behind != nullptr) {
         waiting_for = "worker " + who(*behind) + " to leave round " + std::to_string(behind->meta.round);
       } else {
-        struct Candidate {
-          int64_t prev_round;
-          int prev_rank;
-          std::string id;
-        };
-        std::vector<Candidate> order{{prev_round_, prev_rank_, me}};
-        for (const auto* w : candidates) order.push_back({w->meta.prev_round, w->meta.prev_rank, w->member.id});
-        std::sort(order.begin(), order.end(), [](const Candidate& a, const Candidate& b) {
-          if (a.prev_round != b.prev_round) return a.prev_round > b.prev_round;
-          if (a.prev_rank != b.prev_rank) return a.prev_rank < b.prev_rank;
-          return a.id < b.id;
-        });
-        Ids ids;
-        bool survivors_only = prev_round_ >= 0;
-        for (const auto& c : order) {
-          ids.push_back(c.id);
-          survivors_only = survivors_only && c.prev_round == prev_round_;
-        }
-        Ids sorted = ids;
-        std::sort(sorted.begin(), sorted.end());
-        std::string key;
-        for (const auto& id : sorted) key += id + ",";
-        if (key != candidates_key) {
-          candidates_key = key;
-          stable_since = Clock::now();
-        }
-        const int n = static_cast<int>(ids.size());
-        const bool settled = survivors_only || n >= options_.max_workers ||
-                             Clock::now() - stable_since >= options_.last_call;
-        if (n < options_.min_workers) {
-          waiting_for = "at least " + std::to_string(options_.min_workers) + " workers (--min); " +
-                        std::to_string(n) + " are here";
-        } else if (!has_quorum(ids)) {
-          waiting_for = "a quorum (--quorum): more than half of the " + std::to_string(newest_view.size()) +
-                        " workers of round " + std::to_string(newest_round) + "; " + std::to_string(n) +
-                        " workers are here";
-        } else if (!settled) {
-          waiting_for = "the last call";
-        } else {
-          if (n > options_.max_workers) ids.resize(options_.max_workers);
-          if (contains(ids, me)) {
-            proposal = ids;
-            publish("ready", round, proposal);
-            continue;
-          }
-          waiting_for = "room: the job has its --max of " + std::to_string(options_.max_workers) + " workers";
+        Ids ids = chooser.choose(me, prev_round_, std::move(candidates), newest, waiting_for);
+        if (!ids.empty()) {
+          proposal = ids;
+          publish("ready", round, proposal);
+          continue;
         }
       }
     }
-    if (deadline.expired()) {
-      throw CommError("elastic rendezvous: round " + std::to_string(round) + " did not close after " +
-                      format_duration(deadline.elapsed()) + "; it was waiting for " + waiting_for);
-    }
+    if (deadline.expired()) round_timed_out(round, deadline.elapsed(), waiting_for);
     gossip_->wait_change(seen, std::min(Duration(50), std::max(deadline.remaining(), Duration(1))));
   }
 }
@@ -399,5 +336,4 @@ void GossipRendezvous::check(const View& current) {
 
 void GossipRendezvous::leave() { gossip_->leave(); }
 
-}  // namespace gossip
-}  // namespace shoal::elastic
+}  // namespace shoal::elastic::gossip
