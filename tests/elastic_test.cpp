@@ -456,6 +456,53 @@ TEST(ElasticEtcd, JobOutlivesAnEtcdRestart) {
 namespace {
 
 
+// A worker dies right after its optimizer's step, and the others' next collective (before their
+// commit) fails: every survivor's parameters changed since its commit. With
+// StateOptions::copy_parameters they go back to the copy and end with the one-process
+// parameters; without it (the default, Note [Commits without copies]) run() raises, in bounded
+// time, an error that says what to do.
+class ElasticChangedParameters : public ::testing::TestWithParam<bool> {};
+
+TEST_P(ElasticChangedParameters, CopyOrClearError) {
+  const bool copy = GetParam();
+  constexpr int kEpochs = 4;
+  const Outcome reference = copy ? one_process(kEpochs) : Outcome{};
+  const std::string name = copy ? "changed_copy" : "changed_nocopy";
+  const std::string out = temp_path(name);
+  const std::string token = temp_path(name + ".token");
+  ::setenv("ELASTIC_WORKER_LATE_COUNT", "1", 1);
+  ::setenv("ELASTIC_WORKER_DIE_AFTER", "10", 1);
+  ::setenv("ELASTIC_WORKER_COPY", copy ? "1" : "0", 1);
+  ShoalRun job({"--min", "1", "--max", "3", "-n", "3", "--token-file", token, kWorker, out, std::to_string(kEpochs),
+                "20"});
+  ::unsetenv("ELASTIC_WORKER_LATE_COUNT");
+  ::unsetenv("ELASTIC_WORKER_DIE_AFTER");
+  ::unsetenv("ELASTIC_WORKER_COPY");
+  const RunResult result = job.wait(120s);
+  ASSERT_FALSE(result.timed_out) << result.err;
+  EXPECT_NE(result.err.find("was killed by signal 9 (SIGKILL)"), std::string::npos) << result.err;
+  if (copy) {
+    EXPECT_EQ(result.exit_code, 0) << result.err;
+    const Outcome outcome = read_outcome(out);
+    expect_each_sample_once(outcome, kEpochs);
+    expect_same_parameters(outcome, reference);
+  } else {
+    EXPECT_NE(result.exit_code, 0) << result.out;
+    EXPECT_NE(result.err.find("no worker holds the parameters of commit 10: they changed after it (the optimizer "
+                              "stepped) and a collective failed before the next commit(); commit right after the "
+                              "optimizer's step, or set StateOptions::copy_parameters"),
+              std::string::npos)
+        << result.err;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Commits, ElasticChangedParameters, ::testing::Values(true, false),
+                         [](const auto& info) { return info.param ? std::string("copied") : std::string("not_copied"); });
+
+}  // namespace
+
+namespace {
+
 // Two hosts (network namespaces) cut apart mid-job, 2 workers on one side and 1 on the other.
 // With --quorum only the majority side trains on; the other gives up at its rendezvous timeout
 // and says why. Without it both sides go on, each with its own copy of the job (docs/elastic.md,

@@ -213,6 +213,7 @@ void Reducer::State::finalize() {
   in_backward = false;
   for (auto& bucket : buckets) bucket.work.wait();
   if (used.defined()) group.all_reduce(used, {comm::ReduceOp::kMax});
+  runtime::count_synchronized_backward();
   for (size_t index = 0; index < params.size(); ++index) {
     if (used.defined() && used.data_ptr<float>()[index] == 0.0f) continue;
     if (is_alias(index)) continue;

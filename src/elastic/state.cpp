@@ -112,8 +112,30 @@ constexpr const char* kValuePrefix = "value.";
 
 }  // namespace
 
+// Note [Commits without copies]
+// In an elastic job with DataParallel, every worker holds the same parameters and optimizer
+// state, and only the optimizer's step changes them, after a backward whose all-reduce completed.
+// So commit() records only where it is (the parameters' version counters, which torch raises at
+// in-place changes, and the count of DataParallel backwards whose all-reduce completed, after
+// which the program's step may change the parameters through .data(), which those counters do
+// not see), not a copy, which would cost a memory pass over the model and its optimizer state
+// per step (bench/RESULTS.md, "elastic"). At a failure, a worker where neither moved still holds
+// its commit; one where one moved (it may have stepped, then failed before its next commit) takes
+// the parameters, with the rest of the state, from a worker that holds its commit or a newer
+// one: sync() picks as source the newest commit among the unchanged workers. A worker that
+// stepped after a completed all-reduce is never newer than that source without having
+// committed (its step was the job's next step, and only its commit makes it one), so nothing
+// is lost. In the usual loop (forward, backward, step, commit) a failure shows in the backward
+// (before its all-reduce completes) or in commit() (after the snapshot), so every survivor is
+// unchanged. Only a collective between the end of backward and commit() can fail with every
+// survivor changed; sync() then raises UsageError (a retry could not help), and
+// StateOptions::copy_parameters is the way to run such
+// a program (or the collective moves before the backward).
+
 struct State::Snapshot {
-  std::vector<at::Tensor> tensors;  // the module's parameters, then its buffers
+  std::vector<at::Tensor> tensors;  // the module's parameters (undefined when not copied), then its buffers
+  std::vector<int64_t> parameter_versions;  // without a copy: the parameters' version counters
+  uint64_t backwards = 0;                   // and runtime::synchronized_backwards()
   std::map<std::string, std::unique_ptr<torch::optim::OptimizerParamState>> optimizer_state;
   bool optimizer_serialized = false;  // not one of LibTorch's optimizers: optimizer_bytes instead
   std::string optimizer_bytes;
@@ -184,6 +206,17 @@ void State::snapshot() {
   s.warmup_from = warmup_from_;
   s.warmup_done = warmup_done_;
 
+  if (!copies_parameters()) {
+    // LibTorch's optimizers step through .data(), which torch's version counters do not see:
+    // what is counted is the backwards after which a step may have come.
+    s.backwards = runtime::synchronized_backwards();
+    s.parameter_versions.clear();
+    for (const auto& p : params) s.parameter_versions.push_back(static_cast<int64_t>(p._version()));
+    for (size_t i = 0; i < params.size(); ++i) s.tensors[i] = at::Tensor();
+    s.optimizer_state.clear();
+    return;
+  }
+  s.parameter_versions.clear();
   auto copy = [this, &s, params] {
     torch::NoGradGuard no_grad;
     for (size_t i = 0; i < params.size(); ++i) s.tensors[i] = copy_into(params[i], s.tensors[i]);
@@ -216,6 +249,21 @@ void State::snapshot() {
   }
 }
 
+bool State::copies_parameters() const {
+  return options_.copy_parameters || !shoal::is_initialized() || !shoal::job().elastic ||
+         !runtime::parameter_changes_announced();
+}
+
+bool State::parameters_changed() const {
+  if (!committed_ || committed_->parameter_versions.empty()) return false;
+  const auto params = module_.parameters();
+  if (params.size() != committed_->parameter_versions.size()) return true;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (static_cast<int64_t>(params[i]._version()) != committed_->parameter_versions[i]) return true;
+  }
+  return runtime::synchronized_backwards() != committed_->backwards;
+}
+
 void State::wait_copy() {
   if (copying_.valid()) copying_.get();
 }
@@ -227,9 +275,17 @@ void State::restore() {
   const Snapshot& s = *committed_;
   auto tensors = module_tensors(module_);
   SHOAL_CHECK_EQ(tensors.size(), s.tensors.size());
-  for (size_t i = 0; i < tensors.size(); ++i) tensors[i].copy_(s.tensors[i]);
+  // Without a copy (Note [Commits without copies]) the parameters and the optimizer's state are
+  // the commit's unless they changed; then sync() brings them from another worker.
+  const bool copied = s.parameter_versions.empty();
+  if (!copied && parameters_changed()) needs_parameters_ = true;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (s.tensors[i].defined()) tensors[i].copy_(s.tensors[i]);
+  }
 
-  if (s.optimizer_serialized) {
+  if (!copied) {
+    // as they are
+  } else if (s.optimizer_serialized) {
     torch::serialize::InputArchive archive;
     std::istringstream bytes(s.optimizer_bytes);
     archive.load_from(bytes);
@@ -259,14 +315,6 @@ void State::forget() {
 }
 
 void State::commit() {
-  // A worker the others declared dead trains in a group they left: nothing it does from here is
-  // the job's (see Note [Sharing the newest commit]).
-  if (shoal::is_initialized() && shoal::job().elastic) {
-    const ElasticWorld& elastic = ElasticWorld::get();
-    if (std::string lost = elastic.lost(); !lost.empty()) {
-      throw CommError("commit on " + std::to_string(shoal::world_size()) + " workers: lost " + lost);
-    }
-  }
   ++version_;
   const auto& policy = options_.policy;
   if (policy.kind == BatchPolicy::Kind::kScaleLearningRate && warmup_done_ < policy.warmup_steps) {
@@ -280,7 +328,16 @@ void State::commit() {
     }
   }
   snapshot();
-  if (shoal::is_initialized() && shoal::job().elastic) check_world();
+  if (shoal::is_initialized() && shoal::job().elastic) {
+    // A worker the others declared dead trains in a group they left: nothing it does from here
+    // is the job's (see Note [Sharing the newest commit]). Checked after the snapshot, so that
+    // the recovery finds this worker's parameters at its commit (Note [Commits without copies]).
+    const ElasticWorld& elastic = ElasticWorld::get();
+    if (std::string lost = elastic.lost(); !lost.empty()) {
+      throw CommError("commit on " + std::to_string(shoal::world_size()) + " workers: lost " + lost);
+    }
+    check_world();
+  }
 }
 
 void State::next_epoch() {
@@ -344,12 +401,31 @@ void State::sync() {
   comm::Group alone = comm::Group::single();
   comm::Group& group = shoal::is_initialized() ? shoal::world() : alone;
   const int n = group.size();
+  if (needs_parameters_ && n == 1) {
+    throw UsageError("elastic: no worker holds the parameters of commit " + std::to_string(version_) +
+                    ": they changed after it (the optimizer stepped) and a collective failed before the next "
+                    "commit(); commit right after the optimizer's step, or set StateOptions::copy_parameters");
+  }
   if (n > 1) {
-    auto mine = at::tensor({version_, static_cast<int64_t>(lineage_)}, at::kLong).view({1, 2});
+    auto mine = at::tensor({version_, static_cast<int64_t>(lineage_), int64_t{needs_parameters_}}, at::kLong)
+                    .view({1, 3});
     auto all = group.all_gather(mine);
-    int source = 0;
-    for (int r = 1; r < n; ++r) {
-      if (all[r][0].item<int64_t>() > all[source][0].item<int64_t>()) source = r;
+    // The newest commit among the workers that hold their commit's parameters (Note [Commits
+    // without copies]); a changed worker newer than all of them has nothing to give.
+    int source = -1;
+    int64_t newest_changed = -1;
+    for (int r = 0; r < n; ++r) {
+      const int64_t version = all[r][0].item<int64_t>();
+      if (all[r][2].item<int64_t>() != 0) {
+        newest_changed = std::max(newest_changed, version);
+      } else if (source < 0 || version > all[source][0].item<int64_t>()) {
+        source = r;
+      }
+    }
+    if (source < 0 || newest_changed > all[source][0].item<int64_t>()) {
+      throw UsageError("elastic: no worker holds the parameters of commit " + std::to_string(newest_changed) +
+                      ": they changed after it (the optimizer stepped) and a collective failed before the next "
+                      "commit(); commit right after the optimizer's step, or set StateOptions::copy_parameters");
     }
     // Nothing committed anywhere yet: start everyone from the first worker's values, as
     // DataParallel's constructor does in a static job.
@@ -407,6 +483,7 @@ void State::sync() {
     sampler_.reshard(group.rank(), n);
     sampler_.load_state(position);  // so that the loop's set_epoch keeps the cursor
   }
+  needs_parameters_ = false;
   apply_policy();
   snapshot();
   for (auto& reset : resets_) reset();

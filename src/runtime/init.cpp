@@ -58,6 +58,7 @@ Callbacks& parameter_waiters() {
 }
 
 std::atomic<int> announcers{0};
+std::atomic<uint64_t> backwards{0};
 
 Runtime& current() {
   if (the_runtime == nullptr) throw UsageError("shoal::init() has not been called");
@@ -158,6 +159,8 @@ int add_parameter_waiter(std::function<void()> wait) { return parameter_waiters(
 void remove_parameter_waiter(int id) { parameter_waiters().remove(id); }
 void count_parameter_change_announcer(int delta) { announcers += delta; }
 bool parameter_changes_announced() { return announcers.load() > 0; }
+void count_synchronized_backward() { ++backwards; }
+uint64_t synchronized_backwards() { return backwards.load(); }
 
 }  // namespace runtime
 

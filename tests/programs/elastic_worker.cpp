@@ -9,6 +9,13 @@
 // worker prints "train pid=P rank=R world=W step=S lr=L" when the training function (re)starts;
 // the first worker prints "step S world W lr=L" after each commit and, at the end, writes OUT:
 // the parameters and the counts, as text.
+//
+// For the tests of commits without copies (Note [Commits without copies] in src/elastic/state.cpp):
+// ELASTIC_WORKER_LATE_COUNT=1 counts the samples with a collective after the optimizer's step
+// (by default it runs before the backward); ELASTIC_WORKER_DIE_AFTER=K makes the last worker SIGKILL
+// itself right after the optimizer's step of the step after commit K; ELASTIC_WORKER_COPY=1 sets
+// StateOptions::copy_parameters.
+#include <signal.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -87,6 +94,13 @@ int main(int argc, char** argv) {
   } else {
     options.batch_size = 12;
   }
+  auto flag = [](const char* name) {
+    const char* value = std::getenv(name);
+    return value != nullptr ? std::atoll(value) : int64_t{-1};
+  };
+  const bool late_count = flag("ELASTIC_WORKER_LATE_COUNT") == 1;
+  const int64_t die_after = flag("ELASTIC_WORKER_DIE_AFTER");
+  state_options.copy_parameters = flag("ELASTIC_WORKER_COPY") == 1;
   auto loader = shoal::data::make_loader(Synthetic(), options);
   shoal::elastic::State state(net, optimizer, loader, state_options);
   state.value("counts") = torch::zeros({epochs, kSamples}, torch::kLong);
@@ -107,12 +121,16 @@ int main(int argc, char** argv) {
                         net->forward(features), batch.target,
                         torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)) *
                     (static_cast<double>(shoal::world_size()) / static_cast<double>(global));
-        loss.backward();
-        optimizer.step();
         // What every worker trained on in this step, summed over the workers.
         auto seen = torch::zeros({kSamples}, torch::kLong);
         seen.index_add_(0, indices, torch::ones_like(indices));
-        shoal::world().all_reduce(seen);
+        if (!late_count) shoal::world().all_reduce(seen);
+        loss.backward();
+        optimizer.step();
+        if (state.version() == die_after && shoal::rank() == shoal::world_size() - 1 && shoal::world_size() > 1) {
+          ::kill(::getpid(), SIGKILL);
+        }
+        if (late_count) shoal::world().all_reduce(seen);
         state.value("counts")[state.epoch()] += seen;
         if (step_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(step_ms));
         state.commit();

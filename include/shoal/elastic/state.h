@@ -56,6 +56,15 @@ struct BatchPolicy {
 
 struct StateOptions {
   BatchPolicy policy;
+  // Whether commit() copies the parameters and the optimizer's state. In an elastic job with
+  // DataParallel it need not (the default): every worker holds the same parameters, which only
+  // the optimizer's step changes, so a worker whose parameters changed since its last commit
+  // takes them from one whose did not, or whose commit is newer (Note [Commits without
+  // copies]). Set it when the program communicates between the end of its backward and commit()
+  // (a collective that fails there finds every worker's parameters possibly changed, and run()
+  // raises), or when it changes parameters outside the optimizer. Outside elastic DataParallel jobs commit() always
+  // copies.
+  bool copy_parameters = false;
 };
 
 class State {
@@ -73,8 +82,10 @@ class State {
   State(const State&) = delete;
   State& operator=(const State&) = delete;
 
-  // Records the state in memory, as the point a failure rolls back to. Cheap (a copy of the
-  // parameters and the optimizer's state); in an elastic job it also agrees with the other
+  // Records the state in memory, as the point a failure rolls back to. Cheap (buffers, values
+  // and the sampler's place; the parameters and the optimizer's state only by their version
+  // counters, or copied in the background with copy_parameters); in an elastic job it also
+  // agrees with the other
   // workers whether the world should change now (a worker waiting to join, or this one or
   // another leaving after SIGTERM) and, if so, leaves the training function to form it. A
   // worker that got SIGTERM exits here with code 0, after the others know it leaves.
@@ -113,6 +124,10 @@ class State {
  private:
   void snapshot();
   void wait_copy();
+  // Whether commit() copies the parameters and the optimizer's state (see StateOptions).
+  bool copies_parameters() const;
+  // Some parameter changed since the last commit, which kept no copy of them.
+  bool parameters_changed() const;
   void apply_policy();
   void check_world();
 
@@ -130,6 +145,9 @@ class State {
   std::vector<double> warmup_from_;
   int64_t warmup_done_ = 0;
   std::unique_ptr<Snapshot> committed_;
+  // restore() found the parameters changed since the commit, which kept no copy: sync() must
+  // bring them from another worker.
+  bool needs_parameters_ = false;
   // See Note [Copying a commit in the background] (shoal/runtime/world.h).
   std::future<void> copying_;
   int parameter_waiter_ = 0;

@@ -45,5 +45,9 @@ void remove_parameter_waiter(int id);
 // the count is positive.
 void count_parameter_change_announcer(int delta);
 bool parameter_changes_announced();
+// DataParallel counts each backward whose all-reduce completed: the optimizer's step may follow
+// and change the parameters (elastic::State's Note [Commits without copies]).
+void count_synchronized_backward();
+uint64_t synchronized_backwards();
 
 }  // namespace shoal::runtime
