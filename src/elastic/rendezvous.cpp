@@ -1,6 +1,7 @@
 #include "rendezvous.h"
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "shoal/core/error.h"
 
@@ -9,6 +10,14 @@ namespace shoal::elastic {
 std::string View::describe(int rank) const {
   const Peer& peer = members.at(rank);
   return "worker " + std::to_string(rank) + " (pid " + std::to_string(peer.pid) + " on " + peer.host + ")";
+}
+
+bool debugging() {
+  static const bool on = [] {
+    const char* value = std::getenv("SHOAL_ELASTIC_DEBUG");
+    return value != nullptr && *value != '\0' && std::string(value) != "0";
+  }();
+  return on;
 }
 
 void round_timed_out(int64_t round, Duration waited, const std::string& waiting_for) {

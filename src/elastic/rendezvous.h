@@ -85,6 +85,9 @@ class ViewChooser {
   std::chrono::steady_clock::time_point since_;
 };
 
+// SHOAL_ELASTIC_DEBUG=1 (not "0"): the backends log every phase a worker publishes on stderr.
+bool debugging();
+
 // The CommError of a round that did not close before next()'s deadline.
 [[noreturn]] void round_timed_out(int64_t round, Duration waited, const std::string& waiting_for);
 

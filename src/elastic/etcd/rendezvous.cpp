@@ -79,15 +79,6 @@ std::string new_id(const Peer& self) {
   return self.host + "-" + std::to_string(self.pid) + "-" + suffix;
 }
 
-// SHOAL_ELASTIC_DEBUG=1: every phase this worker publishes, on stderr.
-bool debugging() {
-  static const bool on = [] {
-    const char* value = std::getenv("SHOAL_ELASTIC_DEBUG");
-    return value != nullptr && *value != '\0' && std::string(value) != "0";
-  }();
-  return on;
-}
-
 }  // namespace
 
 struct EtcdRendezvous::Table {

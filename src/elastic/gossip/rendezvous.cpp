@@ -74,15 +74,6 @@ bool contains(const Ids& ids, const std::string& id) { return std::find(ids.begi
 
 std::string who(const Worker& w) { return "pid " + std::to_string(w.meta.pid) + " on " + w.meta.host; }
 
-// SHOAL_ELASTIC_DEBUG=1: every phase this worker publishes, with what it saw, on stderr.
-bool debugging() {
-  static const bool on = [] {
-    const char* value = std::getenv("SHOAL_ELASTIC_DEBUG");
-    return value != nullptr && *value != '\0' && std::string(value) != "0";
-  }();
-  return on;
-}
-
 }  // namespace
 
 // Note [Rendezvous rounds]
