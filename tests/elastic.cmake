@@ -1,5 +1,9 @@
 # Elastic jobs end to end (docs/elastic.md): `shoal run --min/--max` with a small training program.
-shoal_add_test(elastic_test elastic_test.cpp etcd_server.cpp)
 add_executable(elastic_worker programs/elastic_worker.cpp)
 shoal_program(elastic_worker)
-add_dependencies(elastic_test elastic_worker shoal_cli)
+# The training state's side (oracles, commits, policies) and the membership's side (stopped
+# workers, tokens, usage errors, etcd restarts, partitions).
+foreach(name elastic_test elastic_membership_test)
+  shoal_add_test(${name} ${name}.cpp etcd_server.cpp)
+  add_dependencies(${name} elastic_worker shoal_cli)
+endforeach()
