@@ -155,6 +155,19 @@ TEST_P(Collectives, AllToAllUneven) {
         auto received = world.all_to_all(torch::cat(outgoing).to(dtype), options);
         ASSERT_TRUE(torch::equal(received, torch::cat(incoming).to(dtype))) << "extra " << extra;
       }
+      // Worker 0 sends and receives nothing; it still takes part, so the next call pairs up.
+      AllToAllOptions none_to_first;
+      std::vector<torch::Tensor> from_others;
+      for (int j = 0; j < n; ++j) {
+        const int64_t rows = r == 0 || j == 0 ? 0 : 1;
+        none_to_first.send_sizes.push_back(rows);
+        none_to_first.recv_sizes.push_back(rows);
+        if (rows > 0) from_others.push_back(torch::full({1, 2}, j, torch::kInt64));
+      }
+      const int64_t sent = r == 0 ? 0 : n - 1;
+      auto got = world.all_to_all(torch::full({sent, 2}, r, torch::kInt64).to(dtype), none_to_first);
+      ASSERT_EQ(got.size(0), sent);
+      if (sent > 0) ASSERT_TRUE(torch::equal(got, torch::cat(from_others).to(dtype)));
       // Default: even parts of equal inputs.
       auto input = torch::arange(4 * n, torch::kInt64).to(dtype) + 1000 * r;
       auto received = world.all_to_all(input);

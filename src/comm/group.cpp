@@ -371,11 +371,11 @@ Work Group::all_to_all_async(const at::Tensor& input_tensor, const AllToAllOptio
   const int64_t total = std::accumulate(recv.begin(), recv.end(), int64_t{0});
   at::Tensor output = at::empty(shape_with_rows(input, total), input.options());
   return launch("all_to_all", [&](Work::State& work) {
-    const bool any = std::any_of(send.begin(), send.end(), [](int64_t s) { return s > 0; }) ||
-                     total > 0;
+    // Every member takes part even when it sends and receives nothing: Gloo numbers its
+    // collectives, and one member skipping would pair the others' next call with this one.
     if (n == 1) {
       output.copy_(input);
-    } else if (any) {
+    } else {
       work.backend_work = state_->backend->alltoall_base(output, input, recv, send);
     }
     work.finish = [output](Work::State& done) { done.result = output; };
