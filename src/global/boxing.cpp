@@ -240,7 +240,7 @@ at::Tensor change_axis_directly(const at::Tensor& x, at::IntArrayRef shape, cons
     const auto sizes = sizes_of(d);
     return x.narrow(d, offset_of(sizes, k), sizes[k]);
   }
-  if (from.is_broadcast() && target.is_partial_sum()) return k == 0 ? x : x * 0;
+  if (from.is_broadcast() && target.is_partial_sum()) return k == 0 ? x : zeros_after(x);
   if (from.is_split() && target.is_split()) {
     // split(i) -> split(j): every member sends member m the rows of its piece that fall in m's
     // part along j, and gets back the parts along i of its own part along j.
@@ -351,8 +351,12 @@ at::Tensor box(const at::Tensor& local, at::IntArrayRef shape, const Placement& 
   // of them, and keeps its piece.
   if (in_from) sent = box_within(local, shape, from_placement, from, all_broadcast(from_placement.ndim()));
   for (int i = 0; i < to_placement.size(); ++i) {
-    sources.push_back(from_placement.ranks()[static_cast<size_t>(i % from_placement.size())]);
-    destinations.push_back(to_placement.ranks()[i]);
+    // A destination that is a source already holds the whole value.
+    const int destination = to_placement.ranks()[i];
+    sources.push_back(from_placement.contains(destination)
+                          ? destination
+                          : from_placement.ranks()[static_cast<size_t>(i % from_placement.size())]);
+    destinations.push_back(destination);
   }
   if (!in_from && !in_to) return placeholder_after({local}, local.scalar_type());
   at::Tensor out = Transfer::apply(sent, sources, destinations, shape.vec());

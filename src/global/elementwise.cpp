@@ -55,7 +55,8 @@ GlobalTensor binary(const char* op, const GlobalTensor& a, const GlobalTensor& b
     table.push_back({{partial_sum(), broadcast()}, partial_sum()});
   }
   if (linearity == Linearity::kProduct) table.push_back({{broadcast(), partial_sum()}, partial_sum()});
-  const at::ScalarType dtype = at::promote_types(a.dtype(), b.dtype());
+  at::ScalarType dtype = at::promote_types(a.dtype(), b.dtype());
+  if (linearity == Linearity::kQuotient && !at::isFloatingType(dtype)) dtype = at::typeMetaToScalarType(at::get_default_dtype());  // true division
   return detail::apply(op, {a, b}, table, shape, dtype,
                        [&](const detail::Prepared& p) { return fn(p.locals[0], p.locals[1]); });
 }

@@ -159,6 +159,7 @@ void check_layout(const std::string& op, const Placement& placement, const NdSbp
                        std::to_string(job_size() - 1) + ")");
     }
   }
+  if (ndim < 0) return;  // the placement only
   if (sbp.size() != placement.ndim()) {
     throw UsageError(op + ": sbp " + sbp.describe() + " has " + std::to_string(sbp.size()) +
                      " axes, but placement " + placement.describe() + " has " + std::to_string(placement.ndim()) +
@@ -218,7 +219,7 @@ at::Tensor take_piece(const at::Tensor& full, const Placement& placement, const 
       for (int64_t i = 0; i < coordinate[a]; ++i) offset += sizes[i];
       piece = piece.narrow(d, offset, sizes[coordinate[a]]);
     } else if (sbp[a].is_partial_sum() && coordinate[a] != 0) {
-      piece = piece * 0;  // zeros that stay in the graph
+      piece = zeros_after(piece);
     }
   }
   return piece;
@@ -246,6 +247,10 @@ comm::Group& group_of(const std::vector<int>& ranks) {
     it = groups.emplace(ranks, world.subgroup(positions)).first;
   }
   return it->second;
+}
+
+at::Tensor zeros_after(const at::Tensor& x) {
+  return x.masked_fill(at::ones({}, at::TensorOptions().dtype(at::kBool)), 0);
 }
 
 at::Tensor placeholder(at::ScalarType dtype, bool requires_grad) {

@@ -22,7 +22,8 @@ int my_rank();
 int job_size();
 
 // UsageError, naming `op` and the placement, when it names a worker outside the job, or when
-// `sbp` does not fit it (one Sbp per mesh axis, split dims within the tensor's `ndim`).
+// `sbp` does not fit it (one Sbp per mesh axis, split dims within the tensor's `ndim`; with
+// ndim < 0 the placement only).
 void check_layout(const std::string& op, const Placement& placement, const NdSbp& sbp, int64_t ndim);
 
 // The extent of `dim` that axis `axis` cuts, for the worker at `coordinate`: the global size
@@ -43,6 +44,11 @@ int64_t piece_offset(at::IntArrayRef shape, const Placement& placement, const Nd
 // Differentiable.
 at::Tensor take_piece(const at::Tensor& full, const Placement& placement, const NdSbp& sbp,
                       const std::vector<int64_t>& coordinate);
+
+// Zeros of x's shape that depend on x for autograd (with a zero gradient), so that a worker whose
+// share of a partial_sum is zero keeps the graph of the others. Not x * 0, which is NaN where x
+// is infinite (an attention mask's -inf).
+at::Tensor zeros_after(const at::Tensor& x);
 
 // The group of these job ranks, in this order (made once per world and list, by its members).
 comm::Group& group_of(const std::vector<int>& ranks);

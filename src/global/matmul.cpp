@@ -66,7 +66,7 @@ GlobalTensor embedding(const GlobalTensor& indices, const GlobalTensor& weight) 
     const at::Tensor local = p.locals[0].to(at::kLong) - offset;
     const at::Tensor held = (local >= 0).logical_and(local < rows.size(0));
     const at::Tensor found = at::embedding(rows, at::where(held, local, at::zeros_like(local)));
-    return found * held.unsqueeze(-1).to(found.scalar_type());
+    return at::where(held.unsqueeze(-1), found, at::zeros_like(found));
   });
 }
 

@@ -147,7 +147,7 @@ GlobalTensor cross_entropy(const GlobalTensor& logits, const GlobalTensor& targe
     const at::Tensor local = p.locals[1].to(at::kLong) - offset;
     const at::Tensor held = (local >= 0).logical_and(local < x.size(1));
     at::Tensor picked = scores.gather(1, at::where(held, local, at::zeros_like(local)).unsqueeze(1)).squeeze(1);
-    picked = picked * held.to(picked.scalar_type());
+    picked = at::where(held, picked, at::zeros_like(picked));
     for (int a : class_axes) picked = detail::all_reduce_along(picked, p.placement, a);
     return -picked.sum() / batch;
   });

@@ -8,7 +8,7 @@ namespace shoal::global::detail {
 namespace {
 
 // Bytes each worker sends to box a tensor of `bytes` (as held on this axis) from `from` to `to`
-// among `n` workers, plus one for any change at all, so that of two free routes the one that
+// among `n` workers (split -> partial_sum: see below), plus one for any change at all, so that of two free routes the one that
 // keeps the inputs as they are wins, and a free split or partial_sum is not taken over
 // broadcast for nothing.
 double boxing_cost(const Sbp& from, const Sbp& to, double bytes, int64_t n) {
@@ -21,6 +21,11 @@ double boxing_cost(const Sbp& from, const Sbp& to, double bytes, int64_t n) {
   } else if (to.is_split()) {
     if (from.is_partial_sum()) sent = bytes * share;  // reduce-scatter
     if (from.is_split()) sent = bytes * share / static_cast<double>(n);  // all-to-all
+  } else if (from.is_split()) {
+    // Zero padding sends nothing now, but holds the whole size and leaves a reduction for
+    // later that costs more than the all-gather it spares: priced as that all-gather, so that
+    // a split the op can't keep is gathered rather than padded, unless padding saves elsewhere.
+    sent = bytes * share;
   }
   return sent + 1;
 }

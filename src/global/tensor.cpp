@@ -54,19 +54,25 @@ GlobalTensor GlobalTensor::from_local(const at::Tensor& local, const Placement& 
 GlobalTensor GlobalTensor::from_local(const at::Tensor& local, const Placement& placement, const NdSbp& sbp) {
   // Every worker tells its piece's dtype and shape; the global shape follows from the members'.
   constexpr int64_t kMaxDims = 16;
+  detail::check_layout("from_local", placement, sbp, -1);  // the workers, before any exchange
   const int me = detail::my_rank();
   const bool member = placement.contains(me);
-  if (member && local.dim() > kMaxDims) {
-    throw UsageError("from_local: tensors of more than " + std::to_string(kMaxDims) + " dimensions are not supported");
-  }
+  if (member && !local.defined()) throw UsageError("from_local: a member of " + placement.describe() + " passed no tensor");
   at::Tensor mine = at::full({kMaxDims + 2}, -1, at::kLong);
   if (member) {
     mine[0] = static_cast<int64_t>(local.scalar_type());
-    mine[1] = local.dim();
-    for (int64_t d = 0; d < local.dim(); ++d) mine[d + 2] = local.size(d);
+    mine[1] = std::min<int64_t>(local.dim(), kMaxDims + 1);
+    for (int64_t d = 0; d < std::min<int64_t>(local.dim(), kMaxDims); ++d) mine[d + 2] = local.size(d);
   }
   at::Tensor all = shoal::is_initialized() ? shoal::world().all_gather(mine.unsqueeze(0)) : mine.unsqueeze(0);
   auto row = [&](int rank) { return all[shoal::is_initialized() ? rank : 0]; };
+  // Every worker raises the same errors from the same exchanged facts, so none is left waiting.
+  for (int r : placement.ranks()) {
+    if (row(r)[1].item<int64_t>() > kMaxDims) {
+      throw UsageError("from_local: worker " + std::to_string(r) + "'s piece has more than " + std::to_string(kMaxDims) +
+                       " dimensions, which global tensors do not support");
+    }
+  }
   const at::Tensor first = row(placement.ranks()[0]);
   const int64_t ndim = first[1].item<int64_t>();
   const auto dtype = static_cast<at::ScalarType>(first[0].item<int64_t>());
@@ -102,7 +108,9 @@ GlobalTensor GlobalTensor::from_local(const at::Tensor& local, const Placement& 
                        " (split sizes as comm::split_sizes cuts them)");
     }
   }
-  at::Tensor piece = member ? local : detail::placeholder_after({local}, dtype);
+  at::Tensor piece = member            ? local
+                     : local.defined() ? detail::placeholder_after({local}, dtype)
+                                       : detail::placeholder(dtype, false);
   return GlobalTensor(piece, placement, sbp, shape);
 }
 

@@ -18,7 +18,7 @@ class GlobalTensor {
   GlobalTensor() = default;
 
   // Assembles a global tensor from the pieces the workers hold. `local` is this worker's piece
-  // for (placement, sbp); workers outside the placement pass anything (it is ignored). Every
+  // for (placement, sbp); workers outside the placement pass anything, or nothing. Every
   // worker of the job calls it (the pieces' sizes are exchanged to find the global shape).
   // UsageError when the pieces do not fit together (their split sizes must be those of
   // comm::split_sizes, the other dims equal).

@@ -1,0 +1,24 @@
+// OneFlow's two-stage pipeline on global tensors: the first stage's matmul runs on the first
+// worker, its output moves to the last worker's placement with to_global (a send and a receive),
+// and the second stage's matmul runs there.
+//   build/bin/shoal run -n 2 build/examples/global_pipeline
+#include <iomanip>
+#include <iostream>
+
+#include <shoal/global/ops.h>
+#include <shoal/shoal.h>
+
+namespace g = shoal::global;
+
+int main() {
+  shoal::init();
+  torch::manual_seed(0);
+  const g::Placement first({0}), last({shoal::world_size() - 1});
+  const auto x = g::randn({4, 5}, first, g::broadcast());
+  const auto w0 = g::randn({5, 8}, first, g::broadcast());
+  const auto y0 = g::matmul(x, w0);  // stage 1, on the first worker
+  const auto w1 = g::randn({8, 3}, last, g::broadcast());
+  const auto z = g::matmul(y0.to_global(last, g::broadcast()), w1);  // stage 2, on the last
+  const torch::Tensor whole = z.full();
+  if (shoal::is_main()) std::cout << z.describe() << "\n" << std::setprecision(6) << whole << std::endl;
+}

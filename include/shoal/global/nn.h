@@ -1,0 +1,143 @@
+// Layers whose parameters are global tensors, and the gradient synchronization they need.
+//
+//   namespace g = shoal::global;
+//   g::nn::Layout layout{g::Placement::all(), {0}};           // axis 0 is tensor-parallel
+//   g::nn::Linear up(64, 256, layout.placement, layout.column()),  // column-parallel
+//                 down(256, 64, layout.placement, layout.row());   // row-parallel
+//   g::nn::GradientSync sync(model);                          // once, after building the model
+//   torch::optim::AdamW optimizer(model->parameters());       // the local pieces
+//
+// A layer registers each global parameter's local piece as a torch parameter, so torch
+// optimizers step on the pieces. The gradient of a broadcast parameter is a partial_sum
+// (each worker holds its share); GradientSync sums those shares over the workers that hold the
+// same piece, in buckets, while backward goes on (DataParallel's engine), so that after
+// backward every .grad is the gradient of the piece. See docs/global.md.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "shoal/dp/reducer.h"
+#include "shoal/global/ops.h"
+
+namespace shoal::global::nn {
+
+// A torch module with global parameters.
+class Module : public torch::nn::Module {
+ public:
+  using torch::nn::Module::Module;
+
+  // The global parameters of this module and of its submodules, named as named_parameters()
+  // names their local pieces.
+  std::vector<std::pair<std::string, GlobalTensor>> named_global_parameters();
+
+ protected:
+  // Makes `value` a parameter that requires grad: its local piece joins parameters() under
+  // `name`. Returns the global tensor, whose local piece is that parameter.
+  GlobalTensor register_global_parameter(const std::string& name, const GlobalTensor& value);
+
+ private:
+  std::vector<std::pair<std::string, GlobalTensor>> globals_;
+};
+
+// How a transformer's weights are laid out: on `placement`, tensor-parallel (Megatron-style)
+// along `tensor_axes` and replicated along the others (which data parallelism uses).
+struct Layout {
+  Placement placement = Placement::all();
+  std::vector<int> tensor_axes;
+
+  // broadcast on every axis: layer norms, biases of row-parallel layers.
+  NdSbp replicated() const;
+  // split(0) of a [out, in] weight on the tensor axes: each worker computes some outputs.
+  NdSbp column() const;
+  // split(1) on the tensor axes: each worker takes some inputs, the output is a partial_sum.
+  NdSbp row() const;
+};
+
+// y = x weight^T + bias, with weight [out, in] in `weight_sbp` on `placement`: broadcast (data
+// parallel), split(0) (column-parallel) or split(1) (row-parallel), per mesh axis. The bias is
+// split(0) where the weight is, broadcast elsewhere. Initialized as torch::nn::Linear.
+class LinearImpl : public Module {
+ public:
+  LinearImpl(int64_t in, int64_t out, const Placement& placement, const NdSbp& weight_sbp, bool bias = true);
+  GlobalTensor forward(const GlobalTensor& x);
+  GlobalTensor weight, bias;
+};
+TORCH_MODULE(Linear);
+
+// Rows of weight [count, dim] in `weight_sbp`: split(0) is vocabulary-parallel, split(1) splits
+// the embedding dim. Initialized as torch::nn::Embedding (standard normal).
+class EmbeddingImpl : public Module {
+ public:
+  EmbeddingImpl(int64_t count, int64_t dim, const Placement& placement, const NdSbp& weight_sbp);
+  GlobalTensor forward(const GlobalTensor& indices);
+  GlobalTensor weight;
+};
+TORCH_MODULE(Embedding);
+
+// Over the last dim, with weight and bias broadcast on `placement`, as torch::nn::LayerNorm.
+class LayerNormImpl : public Module {
+ public:
+  LayerNormImpl(int64_t dim, const Placement& placement, double eps = 1e-5);
+  GlobalTensor forward(const GlobalTensor& x);
+  GlobalTensor weight, bias;
+  double eps;
+};
+TORCH_MODULE(LayerNorm);
+
+struct TransformerBlockOptions {
+  int64_t dim = 64;
+  int64_t heads = 4;
+  int64_t hidden = 0;  // of the MLP; 0: 4 * dim
+  double dropout = 0;
+};
+
+// A GPT-2 block: x + attention(layer_norm(x)), then x + mlp(layer_norm(x)), with causal
+// self-attention. Query, key, value and the MLP's first layer are column-parallel on the
+// layout's tensor axes, the attention's output and the MLP's second layer row-parallel, so a
+// block needs Megatron's two all-reduces forward and two backward, which boxing inserts. The
+// heads are split over the tensor axes' workers: heads must be a multiple of their count.
+class TransformerBlockImpl : public Module {
+ public:
+  TransformerBlockImpl(const TransformerBlockOptions& options, const Layout& layout);
+  // x [batch, time, dim].
+  GlobalTensor forward(const GlobalTensor& x);
+
+  TransformerBlockOptions options;
+  Layout layout;
+  LayerNorm norm1{nullptr}, norm2{nullptr};
+  Linear query{nullptr}, key{nullptr}, value{nullptr}, projection{nullptr}, up{nullptr}, down{nullptr};
+};
+TORCH_MODULE(TransformerBlock);
+
+struct GradientSyncOptions {
+  // As DataParallel's: gradients are summed in buckets of about this many bytes.
+  int64_t bucket_bytes = 25 * 1024 * 1024;
+  int64_t first_bucket_bytes = 1024 * 1024;
+};
+
+// Sums the partial_sum gradients of a module's broadcast parameters during backward. For each
+// parameter, the workers summed over are those holding the same piece: along the mesh axes on
+// which it is broadcast. Parameters with the same such workers share buckets. Construct it once
+// the module is built, on every worker; UsageError for a parameter that is not global (a plain
+// torch parameter has no layout to say how its gradient is shared).
+class GradientSync {
+ public:
+  explicit GradientSync(const std::shared_ptr<Module>& module, GradientSyncOptions options = {});
+  template <typename ModuleType>
+  explicit GradientSync(const torch::nn::ModuleHolder<ModuleType>& holder, GradientSyncOptions options = {})
+      : GradientSync(std::static_pointer_cast<Module>(holder.ptr()), std::move(options)) {}
+
+  // The workers each bucketed set of parameters is summed over (job ranks), one list per set.
+  std::vector<std::vector<int>> groups() const;
+
+ private:
+  std::vector<std::vector<int>> groups_;
+  std::vector<std::unique_ptr<dp::Reducer>> reducers_;
+};
+
+}  // namespace shoal::global::nn

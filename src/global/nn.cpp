@@ -1,0 +1,129 @@
+// Layers with global parameters and their gradient synchronization. See docs/global.md,
+// "Layers and gradient synchronization".
+#include "shoal/global/nn.h"
+
+#include <cmath>
+#include <map>
+#include <set>
+
+#include "layout.h"
+#include "shoal/core/error.h"
+
+namespace shoal::global::nn {
+
+std::vector<std::pair<std::string, GlobalTensor>> Module::named_global_parameters() {
+  std::vector<std::pair<std::string, GlobalTensor>> all;
+  for (const auto& item : named_modules()) {
+    auto* module = dynamic_cast<Module*>(item.value().get());
+    if (module == nullptr) continue;
+    const std::string prefix = item.key().empty() ? "" : item.key() + ".";
+    for (const auto& [name, value] : module->globals_) all.emplace_back(prefix + name, value);
+  }
+  return all;
+}
+
+GlobalTensor Module::register_global_parameter(const std::string& name, const GlobalTensor& value) {
+  // A leaf of its own: the piece of the whole value, or the placeholder outside the placement.
+  GlobalTensor parameter(value.to_local().detach(), value.placement(), value.sbp(), value.shape());
+  parameter.requires_grad_();
+  register_parameter(name, parameter.to_local());
+  globals_.emplace_back(name, parameter);
+  return parameter;
+}
+
+namespace {
+
+NdSbp per_axis(const Layout& layout, const Sbp& tensor) {
+  std::vector<Sbp> axes(static_cast<size_t>(layout.placement.ndim()), broadcast());
+  for (int a : layout.tensor_axes) {
+    if (a < 0 || a >= layout.placement.ndim()) {
+      throw UsageError("Layout: tensor axis " + std::to_string(a) + " is not an axis of placement " +
+                       layout.placement.describe());
+    }
+    axes[static_cast<size_t>(a)] = tensor;
+  }
+  return NdSbp(axes);
+}
+
+// The whole value, drawn as torch::nn::Linear draws it, on every worker.
+torch::Tensor uniform(std::vector<int64_t> shape, double bound) {
+  return torch::empty(shape).uniform_(-bound, bound);
+}
+
+}  // namespace
+
+NdSbp Layout::replicated() const { return per_axis(*this, broadcast()); }
+NdSbp Layout::column() const { return per_axis(*this, split(0)); }
+NdSbp Layout::row() const { return per_axis(*this, split(1)); }
+
+LinearImpl::LinearImpl(int64_t in, int64_t out, const Placement& placement, const NdSbp& weight_sbp, bool with_bias) {
+  // torch::nn::Linear: kaiming_uniform_(a = sqrt(5)) is uniform in +-1/sqrt(in), and so is the bias.
+  const double bound = 1.0 / std::sqrt(static_cast<double>(in));
+  weight = register_global_parameter("weight", GlobalTensor::from_full(uniform({out, in}, bound), placement, weight_sbp));
+  if (with_bias) {
+    std::vector<Sbp> axes;
+    for (const auto& s : weight_sbp.axes()) axes.push_back(s.is_split() && s.dim() == 0 ? split(0) : broadcast());
+    bias = register_global_parameter("bias", GlobalTensor::from_full(uniform({out}, bound), placement, NdSbp(axes)));
+  }
+}
+
+GlobalTensor LinearImpl::forward(const GlobalTensor& x) { return linear(x, weight, bias); }
+
+EmbeddingImpl::EmbeddingImpl(int64_t count, int64_t dim, const Placement& placement, const NdSbp& weight_sbp) {
+  weight = register_global_parameter("weight", GlobalTensor::from_full(torch::randn({count, dim}), placement, weight_sbp));
+}
+
+GlobalTensor EmbeddingImpl::forward(const GlobalTensor& indices) { return embedding(indices, weight); }
+
+LayerNormImpl::LayerNormImpl(int64_t dim, const Placement& placement, double eps) : eps(eps) {
+  const NdSbp whole(std::vector<Sbp>(static_cast<size_t>(placement.ndim()), broadcast()));
+  weight = register_global_parameter("weight", GlobalTensor::from_full(torch::ones({dim}), placement, whole));
+  bias = register_global_parameter("bias", GlobalTensor::from_full(torch::zeros({dim}), placement, whole));
+}
+
+GlobalTensor LayerNormImpl::forward(const GlobalTensor& x) { return layer_norm(x, {x.shape().back()}, weight, bias, eps); }
+
+GradientSync::GradientSync(const std::shared_ptr<Module>& module, GradientSyncOptions options) {
+  SHOAL_CHECK(module != nullptr) << "GradientSync of a null module";
+  std::set<const c10::TensorImpl*> global;
+  const int me = detail::my_rank();
+  // Parameters by the workers their gradients are summed over, in registration order.
+  std::map<std::vector<int>, std::vector<at::Tensor>> by_group;
+  std::vector<std::vector<int>> order;
+  for (const auto& [name, parameter] : module->named_global_parameters()) {
+    global.insert(parameter.to_local().unsafeGetTensorImpl());
+    if (!parameter.is_local() || !parameter.requires_grad()) continue;
+    // The members sharing this worker's coordinates on every axis the parameter is not
+    // broadcast on hold the same piece; their gradients are shares of its gradient.
+    const Placement& placement = parameter.placement();
+    const auto mine = placement.coordinate(me);
+    std::vector<int> ranks;
+    for (int r : placement.ranks()) {
+      const auto theirs = placement.coordinate(r);
+      bool same = true;
+      for (int a = 0; a < placement.ndim(); ++a) same = same && (parameter.sbp()[a].is_broadcast() || theirs[a] == mine[a]);
+      if (same) ranks.push_back(r);
+    }
+    if (ranks.size() < 2) continue;
+    if (by_group.count(ranks) == 0) order.push_back(ranks);
+    by_group[ranks].push_back(parameter.to_local());
+  }
+  for (const auto& item : module->named_parameters()) {
+    if (global.count(item.value().unsafeGetTensorImpl()) == 0) {
+      throw UsageError("GradientSync: parameter '" + item.key() + "' is a plain tensor; register it with "
+                       "register_global_parameter so that its layout says how its gradient is shared");
+    }
+  }
+  dp::ReducerOptions reducer;
+  reducer.bucket_bytes = options.bucket_bytes;
+  reducer.first_bucket_bytes = options.first_bucket_bytes;
+  reducer.hook = [](comm::Group& group, at::Tensor& bucket) { return group.all_reduce_async(bucket); };  // a sum
+  for (const auto& ranks : order) {
+    groups_.push_back(ranks);
+    reducers_.push_back(std::make_unique<dp::Reducer>(by_group[ranks], detail::group_of(ranks), reducer));
+  }
+}
+
+std::vector<std::vector<int>> GradientSync::groups() const { return groups_; }
+
+}  // namespace shoal::global::nn

@@ -1,0 +1,113 @@
+// The global-tensor examples end to end under the real `shoal run`: OneFlow's three matmul
+// programs give the one-process values on 2 and 3 workers with the SBP the guide shows, and the
+// character-level GPT trains 20 steps to the one-process loss curve and parameters in each of
+// its plans (relative 1e-4).
+#include <filesystem>
+#include <regex>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "shoal_run.h"
+#include "test_paths.h"
+
+namespace shoal::testing {
+namespace {
+
+using namespace std::chrono_literals;
+namespace fs = std::filesystem;
+
+std::string example(const std::string& name) { return fs::path(SHOAL_TEST_PROGRAMS_DIR).parent_path() / "examples" / name; }
+
+// The first worker's lines, without shoal run's "[0] " prefix.
+std::vector<std::string> printed(const RunResult& result) {
+  std::vector<std::string> lines;
+  for (const auto& line : split_lines(result.out)) lines.push_back(line.rfind("[0] ", 0) == 0 ? line.substr(4) : line);
+  return lines;
+}
+
+RunResult run(const std::vector<std::string>& args, std::chrono::milliseconds timeout = 120s) {
+  RunResult result = run_shoal(args, timeout);
+  EXPECT_EQ(result.exit_code, 0) << result.out << result.err;
+  return result;
+}
+
+TEST(GlobalExamples, MatmulProgramsGiveTheOneProcessValues) {
+  const std::vector<std::pair<std::string, std::string>> programs = {
+      {"global_data_parallel", "as split(0)"}, {"global_model_parallel", "as split(1)"}, {"global_pipeline", "as broadcast"}};
+  for (const auto& [program, sbp] : programs) {
+    const auto one = printed(run({"-n", "1", example(program)}));
+    ASSERT_GE(one.size(), 2u) << program;
+    for (const std::string n : {"2", "3"}) {
+      const auto many = printed(run({"-n", n, example(program)}));
+      ASSERT_EQ(many.size(), one.size()) << program << " on " << n;
+      EXPECT_NE(many[0].find(sbp), std::string::npos) << program << ": " << many[0];
+      for (size_t i = 1; i < one.size(); ++i) EXPECT_EQ(many[i], one[i]) << program << " on " << n << " workers";
+    }
+  }
+  // The pipeline's output lives on the last worker.
+  const auto pipeline = printed(run({"-n", "3", example("global_pipeline")}));
+  EXPECT_NE(pipeline[0].find("on [2] as broadcast"), std::string::npos) << pipeline[0];
+}
+
+std::vector<double> losses(const RunResult& result) {
+  std::vector<double> found;
+  static const std::regex line(R"(step \d+ loss ([-0-9.e+na]+))");
+  for (std::sregex_iterator it(result.out.begin(), result.out.end(), line), end; it != end; ++it) {
+    found.push_back(std::stod((*it)[1]));
+  }
+  return found;
+}
+
+class GlobalGpt : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char pattern[] = "/tmp/shoal-gpt-test-XXXXXX";
+    ASSERT_NE(::mkdtemp(pattern), nullptr);
+    dir_ = pattern;
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  fs::path dir_;
+};
+
+TEST_F(GlobalGpt, EveryPlanTrainsAsOneProcess) {
+  const std::string gpt = example("global_gpt");
+  const auto one = run({"-n", "1", gpt, "--plan", "one", "--save", dir_ / "one.pt"});
+  const auto expected = losses(one);
+  ASSERT_EQ(expected.size(), 20u) << one.out;
+  std::vector<torch::Tensor> reference;
+  torch::load(reference, dir_ / "one.pt");
+  ASSERT_FALSE(reference.empty());
+  for (const std::string plan : {"data", "tensor", "hybrid"}) {
+    const std::string file = dir_ / (plan + ".pt");
+    const auto result = run({"-n", "4", gpt, "--plan", plan, "--save", file}, 240s);
+    const auto got = losses(result);
+    ASSERT_EQ(got.size(), expected.size()) << plan << ":\n" << result.out << result.err;
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_NEAR(got[i], expected[i], 1e-4 * std::abs(expected[i])) << plan << ", step " << i + 1;
+    }
+    std::vector<torch::Tensor> parameters;
+    torch::load(parameters, file);
+    ASSERT_EQ(parameters.size(), reference.size()) << plan;
+    for (size_t i = 0; i < parameters.size(); ++i) {
+      const double error = (parameters[i] - reference[i]).norm().item<double>();
+      EXPECT_LE(error, 1e-4 * reference[i].norm().item<double>()) << plan << ", parameter " << i;
+      EXPECT_TRUE(parameters[i].allclose(reference[i], 1e-4, 1e-5)) << plan << ", parameter " << i;
+    }
+  }
+}
+
+TEST_F(GlobalGpt, BadPlansAreUsageErrors) {
+  const auto result = run_shoal({"-n", "3", example("global_gpt"), "--plan", "hybrid"}, 60s);
+  EXPECT_EQ(result.exit_code, 2);
+  EXPECT_NE(result.err.find("--plan hybrid: expected an even number of workers, got 3"), std::string::npos) << result.err;
+  const auto heads = run_shoal({"-n", "3", example("global_gpt"), "--plan", "tensor"}, 60s);
+  EXPECT_EQ(heads.exit_code, 2);
+  EXPECT_NE(heads.err.find("TransformerBlock: expected dim (64) to be a multiple of heads (4) and heads a multiple of the "
+                           "3 tensor-parallel workers"),
+            std::string::npos)
+      << heads.err;
+}
+
+}  // namespace
+}  // namespace shoal::testing
