@@ -133,7 +133,7 @@ at::Tensor GlobalTensor::full() const {
 }
 
 GlobalTensor GlobalTensor::to_global(const Placement& placement, const NdSbp& sbp) const {
-  SHOAL_CHECK(defined()) << "to_global on an empty GlobalTensor";
+  if (!defined()) throw UsageError("to_global: this is an empty GlobalTensor");
   detail::check_layout("to_global", placement, sbp, dim());
   return GlobalTensor(detail::box(local_, shape_, placement_, sbp_, placement, sbp), placement, sbp, shape_);
 }
@@ -150,6 +150,7 @@ GlobalTensor GlobalTensor::grad() const {
 }
 
 void GlobalTensor::backward() const {
+  if (!defined()) throw UsageError("backward: this is an empty GlobalTensor");
   if (numel() != 1) {
     throw UsageError("backward() without a gradient needs a single value; this is " + describe() +
                      "; pass backward(gradient)");
