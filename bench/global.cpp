@@ -53,14 +53,7 @@ Measured measure(const Plan& plan, const g::nn::TransformerBlockOptions& options
   // GradientSync's traffic: each parameter piece all-reduced among the workers holding it.
   for (const auto& [name, parameter] : block->named_global_parameters()) {
     if (!parameter.is_local()) continue;
-    int64_t holders = 1;
-    const auto mine = placement.coordinate(shoal::rank());
-    for (int r : placement.ranks()) {
-      bool same = r != shoal::rank();
-      const auto theirs = placement.coordinate(r);
-      for (int a = 0; a < placement.ndim(); ++a) same = same && (parameter.sbp()[a].is_broadcast() || theirs[a] == mine[a]);
-      holders += same ? 1 : 0;
-    }
+    const auto holders = static_cast<int64_t>(g::nn::piece_holders(parameter).size());
     m.gradient_bytes += ring_all_reduce(static_cast<double>(parameter.to_local().nbytes()), holders);
     m.piece_bytes += static_cast<double>(parameter.to_local().nbytes());
   }

@@ -116,14 +116,17 @@ TEST_F(Demo, ResumesWhereAStoppedRunLeftOff) {
   expected.erase(1);
   EXPECT_EQ(accuracies(resumed.out), expected) << whole.out << resumed.out;
 
-  // One worker: the same training up to floating-point summation order.
+  // One worker: the same training up to floating-point summation order, which SGD amplifies:
+  // runs on one and two workers that were never stopped differ by up to half a point by epoch
+  // 2 on some of this project's machines (65.18/72.39/76.55% against 65.18/71.87/76.51% on an
+  // AMD EPYC), while a resume from the wrong epoch is 6 points off.
   args = demo(1, "part1.ckpt", limit, 3);
   args.push_back("--resume");
   const RunResult alone = run_shoal(args, kRunTimeout);
   ASSERT_EQ(alone.exit_code, 0) << alone.out << alone.err;
   auto got = accuracies(alone.out);
   ASSERT_EQ(got.size(), 2u) << alone.out;
-  for (int epoch : {2, 3}) EXPECT_NEAR(std::stod(got[epoch]), std::stod(expected[epoch]), 0.1) << epoch;
+  for (int epoch : {2, 3}) EXPECT_NEAR(std::stod(got[epoch]), std::stod(expected[epoch]), 1.0) << epoch;
 }
 
 TEST_F(Demo, ResumeWithoutACheckpointIsAOneLineError) {

@@ -75,7 +75,7 @@ bool close(const torch::Tensor& a, const torch::Tensor& b) {
 // One op with its inputs in `layouts` on `placement`: the output's value and the gradients of a
 // random output gradient equal the oracle's. Non-fatal checks only, so that the workers' calls
 // stay in step after a failure.
-void check(const OpCase& c, const g::Placement& placement, const std::vector<g::NdSbp>& layouts) {
+g::NdSbp check(const OpCase& c, const g::Placement& placement, const std::vector<g::NdSbp>& layouts) {
   std::string what = c.name + " with";
   for (size_t i = 0; i < layouts.size(); ++i) what += " " + layouts[i].describe();
   what += " on " + placement.describe();
@@ -114,6 +114,7 @@ void check(const OpCase& c, const g::Placement& placement, const std::vector<g::
     EXPECT_TRUE(close(got, want)) << what << ": gradient of input " << i << "\nglobal:\n" << got << "\noracle:\n"
                                   << want;
   }
+  return out.sbp();
 }
 
 // The ops, each on sizes that split evenly over 1 to 4 workers (12) and sizes that don't.
@@ -245,6 +246,36 @@ TEST(Ops, OnAPlacementOfSomeWorkers) {
     const g::Placement some({2, 0});
     for (const auto& c : cases()) check(c, some, std::vector<g::NdSbp>(c.inputs.size(), g::split(0)));
   }, long_run());
+}
+
+TEST_P(Ops, RowsThatCommunicateThemselves) {
+  // Rows wide enough that sharing row statistics is cheaper than moving the split: softmax and
+  // the loss are computed on classes split over the workers, the embedding on split rows.
+  run_workers(GetParam(), [] {
+    const auto all = g::Placement::all();
+    torch::manual_seed(2);
+    using F = torch::nn::functional::CrossEntropyFuncOptions;
+    const OpCase softmax{"softmax", {randn({3, 97})}, [](const Tensors& t) { return torch::softmax(t[0], 1); },
+                         [](const Globals& t) { return g::softmax(t[0], 1); }};
+    const OpCase log_softmax{"log_softmax", {randn({3, 97})}, [](const Tensors& t) { return torch::log_softmax(t[0], 1); },
+                             [](const Globals& t) { return g::log_softmax(t[0], 1); }};
+    const OpCase loss{"cross_entropy", {randn({3, 97}), torch::randint(97, {3})},
+                      [](const Tensors& t) { return torch::nn::functional::cross_entropy(t[0], t[1], F()); },
+                      [](const Globals& t) { return g::cross_entropy(t[0], t[1]); }};
+    const OpCase lookup{"embedding", {torch::randint(11, {2, 5}), randn({11, 3})},
+                        [](const Tensors& t) { return torch::embedding(t[1], t[0]); },
+                        [](const Globals& t) { return g::embedding(t[0], t[1]); }};
+    EXPECT_EQ(check(softmax, all, {g::split(1)}), g::NdSbp(g::split(1)));
+    EXPECT_EQ(check(log_softmax, all, {g::split(1)}), g::NdSbp(g::split(1)));
+    EXPECT_EQ(check(loss, all, {g::split(1), g::broadcast()}), g::NdSbp(g::broadcast()));
+    EXPECT_EQ(check(lookup, all, {g::broadcast(), g::split(0)}), g::NdSbp(g::partial_sum()));
+    if (shoal::world_size() == 4) {
+      const auto mesh = g::Placement::mesh({2, 2});
+      EXPECT_EQ(check(loss, mesh, {g::NdSbp{g::split(0), g::split(1)}, g::NdSbp{g::split(0), g::broadcast()}}),
+                (g::NdSbp{g::partial_sum(), g::broadcast()}));
+      EXPECT_EQ(check(softmax, mesh, {g::NdSbp{g::split(1), g::split(1)}}), (g::NdSbp{g::split(1), g::split(1)}));
+    }
+  });
 }
 
 TEST(Ops, SignaturesThatFitMoveNothing) {

@@ -83,27 +83,30 @@ LayerNormImpl::LayerNormImpl(int64_t dim, const Placement& placement, double eps
 
 GlobalTensor LayerNormImpl::forward(const GlobalTensor& x) { return layer_norm(x, {x.shape().back()}, weight, bias, eps); }
 
+std::vector<int> piece_holders(const GlobalTensor& parameter) {
+  const Placement& placement = parameter.placement();
+  const auto mine = placement.coordinate(detail::my_rank());
+  std::vector<int> ranks;
+  for (int r : placement.ranks()) {
+    const auto theirs = placement.coordinate(r);
+    bool same = true;
+    for (int a = 0; a < placement.ndim(); ++a) same = same && (parameter.sbp()[a].is_broadcast() || theirs[a] == mine[a]);
+    if (same) ranks.push_back(r);
+  }
+  return ranks;
+}
+
 GradientSync::GradientSync(const std::shared_ptr<Module>& module, GradientSyncOptions options) {
   SHOAL_CHECK(module != nullptr) << "GradientSync of a null module";
   std::set<const c10::TensorImpl*> global;
-  const int me = detail::my_rank();
   // Parameters by the workers their gradients are summed over, in registration order.
   std::map<std::vector<int>, std::vector<at::Tensor>> by_group;
   std::vector<std::vector<int>> order;
   for (const auto& [name, parameter] : module->named_global_parameters()) {
     global.insert(parameter.to_local().unsafeGetTensorImpl());
     if (!parameter.is_local() || !parameter.requires_grad()) continue;
-    // The members sharing this worker's coordinates on every axis the parameter is not
-    // broadcast on hold the same piece; their gradients are shares of its gradient.
-    const Placement& placement = parameter.placement();
-    const auto mine = placement.coordinate(me);
-    std::vector<int> ranks;
-    for (int r : placement.ranks()) {
-      const auto theirs = placement.coordinate(r);
-      bool same = true;
-      for (int a = 0; a < placement.ndim(); ++a) same = same && (parameter.sbp()[a].is_broadcast() || theirs[a] == mine[a]);
-      if (same) ranks.push_back(r);
-    }
+    // The workers holding the same piece hold shares of its gradient.
+    const std::vector<int> ranks = piece_holders(parameter);
     if (ranks.size() < 2) continue;
     if (by_group.count(ranks) == 0) order.push_back(ranks);
     by_group[ranks].push_back(parameter.to_local());

@@ -60,17 +60,16 @@ at::Tensor local_log_softmax(const at::Tensor& x, int64_t dim, const detail::Pre
   return shifted - total.log();
 }
 
-// Row statistics sent per worker when `dim` of x is split on an axis: two all-reduces of one
-// value per row.
-int64_t row_statistics_bytes(const GlobalTensor& x, int64_t dim) {
-  return 2 * 2 * (x.numel() / std::max<int64_t>(x.shape()[dim], 1)) * static_cast<int64_t>(c10::elementSize(x.dtype()));
+// Row statistics all-reduced when `dim` of x is split on an axis: `count` values per row.
+int64_t row_statistics_bytes(const GlobalTensor& x, int64_t dim, int64_t count) {
+  return count * (x.numel() / std::max<int64_t>(x.shape()[dim], 1)) * static_cast<int64_t>(c10::elementSize(x.dtype()));
 }
 
 GlobalTensor softmax_like(const char* op, const GlobalTensor& x, int64_t dim, bool log) {
   dim = detail::wrap_dim(op, dim, x.dim());
   std::vector<Signature> table;
   for (int64_t d = 0; d < x.dim(); ++d) {
-    table.push_back({{split(d)}, split(d), d == dim ? row_statistics_bytes(x, dim) : 0});
+    table.push_back({{split(d)}, split(d), d == dim ? row_statistics_bytes(x, dim, 2) : 0});  // max, sum
   }
   table.push_back({{broadcast()}, broadcast()});
   return detail::apply(op, {x}, table, x.shape(), x.dtype(), [&](const detail::Prepared& p) {
@@ -134,7 +133,7 @@ GlobalTensor cross_entropy(const GlobalTensor& logits, const GlobalTensor& targe
   const double batch = static_cast<double>(logits.shape()[0]);
   const std::vector<Signature> table = {
       {{split(0), split(0)}, partial_sum()},  // rows: each worker sums its rows' losses
-      {{split(1), broadcast()}, broadcast(), row_statistics_bytes(logits, 1) * 3 / 2},  // classes
+      {{split(1), broadcast()}, broadcast(), row_statistics_bytes(logits, 1, 3)},  // classes: max, sum, pick
       {{broadcast(), broadcast()}, broadcast()},
   };
   return detail::apply("cross_entropy", {logits, target}, table, {}, logits.dtype(), [&](const detail::Prepared& p) {

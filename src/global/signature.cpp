@@ -77,7 +77,7 @@ Prepared prepare(const std::string& op, const std::vector<GlobalTensor>& inputs,
       SHOAL_CHECK(table[row].inputs.size() == inputs.size()) << op << ": signature row " << row << " has "
                                                              << table[row].inputs.size() << " inputs, the op "
                                                              << inputs.size();
-      double cost = n == 1 ? 0 : static_cast<double>(table[row].own_bytes);
+      double cost = 2 * static_cast<double>(table[row].own_bytes) * static_cast<double>(n - 1) / static_cast<double>(n);
       for (size_t i = 0; i < inputs.size(); ++i) {
         cost += boxing_cost(inputs[i].sbp()[axis], table[row].inputs[i], bytes_on_axis(inputs[i], axis), n);
       }

@@ -16,8 +16,9 @@ namespace shoal::global::detail {
 struct Signature {
   std::vector<Sbp> inputs;
   Sbp output;
-  // Bytes the op's own computation sends per worker on this axis with this row (a softmax over
-  // a split dim all-reduces row statistics), added to the boxing cost when rows are compared.
+  // Bytes the op's own computation all-reduces on this axis with this row (a softmax over a
+  // split dim all-reduces row statistics): priced as a ring all-reduce sends them, 2(n-1)/n
+  // of that per worker, and added to the boxing cost when rows are compared.
   int64_t own_bytes = 0;
 };
 

@@ -114,6 +114,11 @@ class TransformerBlockImpl : public Module {
 };
 TORCH_MODULE(TransformerBlock);
 
+// The members of `parameter`'s placement that hold the same piece as this worker (those sharing
+// its coordinates on every axis where the parameter is not broadcast), in placement order: the
+// workers GradientSync sums its gradient over. This worker must be a member.
+std::vector<int> piece_holders(const GlobalTensor& parameter);
+
 struct GradientSyncOptions {
   // As DataParallel's: gradients are summed in buckets of about this many bytes.
   int64_t bucket_bytes = 25 * 1024 * 1024;
