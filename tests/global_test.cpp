@@ -153,6 +153,13 @@ TEST(GlobalTensor, FromLocalFindsTheShapeOfUnevenPieces) {
     EXPECT_EQ(t.shape(), std::vector<int64_t>({8, 2}));
     const auto expected = torch::cat({torch::full({3, 2}, 0), torch::full({3, 2}, 1), torch::full({2, 2}, 2)});
     EXPECT_TRUE(t.full().to(torch::kFloat).equal(expected.to(torch::kFloat)));
+    // A member that passes nothing: every worker raises, none is left waiting for it.
+    try {
+      g::GlobalTensor::from_local(shoal::rank() == 1 ? torch::Tensor() : torch::zeros({3, 2}), all, g::split(0));
+      ADD_FAILURE() << "expected UsageError";
+    } catch (const shoal::UsageError& e) {
+      EXPECT_STREQ(e.what(), "from_local: worker 1, a member of [0, 1, 2], passed no tensor");
+    }
     // Pieces that split_sizes would not cut: 2, 3, 3.
     const int64_t wrong = std::vector<int64_t>({2, 3, 3})[shoal::rank()];
     try {

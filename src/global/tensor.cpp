@@ -57,9 +57,11 @@ GlobalTensor GlobalTensor::from_local(const at::Tensor& local, const Placement& 
   detail::check_layout("from_local", placement, sbp, -1);  // the workers, before any exchange
   const int me = detail::my_rank();
   const bool member = placement.contains(me);
-  if (member && !local.defined()) throw UsageError("from_local: a member of " + placement.describe() + " passed no tensor");
+  constexpr int64_t kNoTensor = -2;
   at::Tensor mine = at::full({kMaxDims + 2}, -1, at::kLong);
-  if (member) {
+  if (member && !local.defined()) {
+    mine[1] = kNoTensor;
+  } else if (member) {
     mine[0] = static_cast<int64_t>(local.scalar_type());
     mine[1] = std::min<int64_t>(local.dim(), kMaxDims + 1);
     for (int64_t d = 0; d < std::min<int64_t>(local.dim(), kMaxDims); ++d) mine[d + 2] = local.size(d);
@@ -68,6 +70,10 @@ GlobalTensor GlobalTensor::from_local(const at::Tensor& local, const Placement& 
   auto row = [&](int rank) { return all[shoal::is_initialized() ? rank : 0]; };
   // Every worker raises the same errors from the same exchanged facts, so none is left waiting.
   for (int r : placement.ranks()) {
+    if (row(r)[1].item<int64_t>() == kNoTensor) {
+      throw UsageError("from_local: worker " + std::to_string(r) + ", a member of " + placement.describe() +
+                       ", passed no tensor");
+    }
     if (row(r)[1].item<int64_t>() > kMaxDims) {
       throw UsageError("from_local: worker " + std::to_string(r) + "'s piece has more than " + std::to_string(kMaxDims) +
                        " dimensions, which global tensors do not support");
