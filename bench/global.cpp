@@ -18,12 +18,12 @@
 // shoal::DataParallel over the data-parallel ones.
 #include <cmath>
 #include <iomanip>
-#include <limits>
 #include <iostream>
+#include <limits>
 
-#include <CLI/CLI.hpp>
 #include <shoal/global/nn.h>
 #include <shoal/shoal.h>
+#include <CLI/CLI.hpp>
 
 namespace g = shoal::global;
 
@@ -36,18 +36,20 @@ struct Plan {
   int64_t data_workers = 1, tensor_workers = 1;
 };
 
-double ring_all_reduce(double bytes, int64_t n) { return n < 2 ? 0 : 2 * bytes * static_cast<double>(n - 1) / static_cast<double>(n); }
+double ring_all_reduce(double bytes, int64_t n) {
+  return n < 2 ? 0 : 2 * bytes * static_cast<double>(n - 1) / static_cast<double>(n);
+}
 
 struct Measured {
   double step_ms = 0;
-  double boxing_bytes = 0;     // per step, by sent_bytes()
-  double gradient_bytes = 0;   // per step, GradientSync's all-reduces (from the parameters' layouts)
-  double piece_bytes = 0;      // this worker's pieces of the parameters
-  double loss = 0;             // after the timed steps
+  double boxing_bytes = 0;    // per step, by sent_bytes()
+  double gradient_bytes = 0;  // per step, GradientSync's all-reduces (from the parameters' layouts)
+  double piece_bytes = 0;     // this worker's pieces of the parameters
+  double loss = 0;            // after the timed steps
 };
 
-Measured measure(const Plan& plan, const g::nn::TransformerBlockOptions& options, int64_t batch, int64_t time,
-                 int steps) {
+Measured measure(const Plan& plan, const g::nn::TransformerBlockOptions& options, int64_t batch,
+                 int64_t time, int steps) {
   torch::manual_seed(0);
   g::nn::TransformerBlock block(options, plan.layout);
   g::nn::GradientSync sync(block);
@@ -61,7 +63,8 @@ Measured measure(const Plan& plan, const g::nn::TransformerBlockOptions& options
   for (const auto& [name, parameter] : block->named_global_parameters()) {
     if (!parameter.is_local()) continue;
     const auto holders = static_cast<int64_t>(g::nn::piece_holders(parameter).size());
-    m.gradient_bytes += ring_all_reduce(static_cast<double>(parameter.to_local().nbytes()), holders);
+    m.gradient_bytes +=
+        ring_all_reduce(static_cast<double>(parameter.to_local().nbytes()), holders);
     m.piece_bytes += static_cast<double>(parameter.to_local().nbytes());
   }
 
@@ -79,7 +82,9 @@ Measured measure(const Plan& plan, const g::nn::TransformerBlockOptions& options
   const auto start = std::chrono::steady_clock::now();
   for (int i = 0; i < steps; ++i) step();
   shoal::world().barrier();
-  m.step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count() / steps;
+  m.step_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count() /
+      steps;
   m.boxing_bytes = static_cast<double>(g::sent_bytes() - before) / steps;
   m.loss = loss.detach().full().item<double>();
   return m;
@@ -97,8 +102,11 @@ at::Tensor summed(const at::Tensor& x) {
 // g: the sum of the workers' partial outputs; the whole gradient goes back to each.
 class ReduceForward : public torch::autograd::Function<ReduceForward> {
  public:
-  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& x) { return summed(x); }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*, torch::autograd::variable_list g) {
+  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& x) {
+    return summed(x);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list g) {
     return g;
   }
 };
@@ -107,7 +115,8 @@ class ReduceForward : public torch::autograd::Function<ReduceForward> {
 class ReduceBackward : public torch::autograd::Function<ReduceBackward> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& x) { return x; }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*, torch::autograd::variable_list g) {
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list g) {
     return {summed(g[0])};
   }
 };
@@ -116,8 +125,8 @@ class ReduceBackward : public torch::autograd::Function<ReduceBackward> {
 // in named_global_parameters() order) for `rank` of `size` tensor-parallel workers.
 class HandBlockImpl : public torch::nn::Module {
  public:
-  HandBlockImpl(const g::nn::TransformerBlockOptions& options, const std::vector<torch::Tensor>& weights, int rank,
-                int size)
+  HandBlockImpl(const g::nn::TransformerBlockOptions& options,
+                const std::vector<torch::Tensor>& weights, int rank, int size)
       : options_(options), heads_(options.heads / size) {
     size_t next = 0;
     auto take = [&](const std::string& name, int64_t split_dim) {
@@ -128,7 +137,8 @@ class HandBlockImpl : public torch::nn::Module {
     // The order of TransformerBlockImpl's registrations: norm1, query, key (no bias), value,
     // projection, norm2, up, down.
     n1w_ = take("n1w", -1), n1b_ = take("n1b", -1);
-    wq_ = take("wq", 0), bq_ = take("bq", 0), wk_ = take("wk", 0), wv_ = take("wv", 0), bv_ = take("bv", 0);
+    wq_ = take("wq", 0), bq_ = take("bq", 0), wk_ = take("wk", 0), wv_ = take("wv", 0),
+    bv_ = take("bv", 0);
     wo_ = take("wo", 1), bo_ = take("bo", -1);
     n2w_ = take("n2w", -1), n2b_ = take("n2b", -1);
     wu_ = take("wu", 0), bu_ = take("bu", 0), wd_ = take("wd", 1), bd_ = take("bd", -1);
@@ -139,9 +149,11 @@ class HandBlockImpl : public torch::nn::Module {
     const int64_t b = x.size(0), t = x.size(1), d = options_.dim, hd = d / options_.heads;
     auto heads = [&](const torch::Tensor& y) { return y.view({b, t, heads_, hd}).transpose(1, 2); };
     const auto h = ReduceBackward::apply(torch::layer_norm(x, {d}, n1w_, n1b_));
-    const auto q = heads(F::linear(h, wq_, bq_)), k = heads(F::linear(h, wk_)), v = heads(F::linear(h, wv_, bv_));
+    const auto q = heads(F::linear(h, wq_, bq_)), k = heads(F::linear(h, wk_)),
+               v = heads(F::linear(h, wv_, bv_));
     const auto mask = torch::full({t, t}, -std::numeric_limits<float>::infinity()).triu(1);
-    const auto att = torch::softmax(q.matmul(k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd))) + mask, -1);
+    const auto att = torch::softmax(
+        q.matmul(k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd))) + mask, -1);
     const auto merged = att.matmul(v).transpose(1, 2).reshape({b, t, heads_ * hd});
     const auto y = x + ReduceForward::apply(F::linear(merged, wo_)) + bo_;
     const auto h2 = ReduceBackward::apply(torch::layer_norm(y, {d}, n2w_, n2b_));
@@ -157,12 +169,14 @@ TORCH_MODULE(HandBlock);
 
 // The plan written by hand: its step time, and its loss after the timed steps (which must be
 // shoal's, as a check that both trained the same block).
-std::pair<double, double> measure_hand(const Plan& plan, const g::nn::TransformerBlockOptions& options, int64_t batch,
+std::pair<double, double> measure_hand(const Plan& plan,
+                                       const g::nn::TransformerBlockOptions& options, int64_t batch,
                                        int64_t time, int steps) {
   const auto& placement = plan.layout.placement;
   torch::manual_seed(0);
   std::vector<torch::Tensor> weights;
-  for (const auto& named : g::nn::TransformerBlock(options, plan.layout)->named_global_parameters()) {
+  for (const auto& named :
+       g::nn::TransformerBlock(options, plan.layout)->named_global_parameters()) {
     weights.push_back(named.second.detach().full());
   }
   const auto x = g::randn({batch, time, options.dim}, placement, plan.activations);
@@ -176,13 +190,15 @@ std::pair<double, double> measure_hand(const Plan& plan, const g::nn::Transforme
   const int tensor_axis = plan.layout.tensor_axes.empty() ? -1 : plan.layout.tensor_axes[0];
   const int data_axis = placement.ndim() == 2 ? 0 : (tensor_axis < 0 ? 0 : -1);
   auto subgroup = [&](int axis) {
-    return shoal::world().subgroup(axis >= 0 ? placement.axis_ranks(axis, shoal::rank()) : std::vector<int>{shoal::rank()});
+    return shoal::world().subgroup(axis >= 0 ? placement.axis_ranks(axis, shoal::rank())
+                                             : std::vector<int>{shoal::rank()});
   };
   shoal::comm::Group tensor = subgroup(tensor_axis);
   shoal::comm::Group data_group = subgroup(data_axis);
   tensor_group = &tensor;
   const auto coordinate = placement.coordinate(shoal::rank());
-  HandBlock block(options, weights, tensor_axis < 0 ? 0 : static_cast<int>(coordinate[tensor_axis]), tensor.size());
+  HandBlock block(options, weights, tensor_axis < 0 ? 0 : static_cast<int>(coordinate[tensor_axis]),
+                  tensor.size());
   shoal::DataParallelOptions data;
   data.group = data_group;
   shoal::DataParallel model(block, data);
@@ -204,7 +220,9 @@ std::pair<double, double> measure_hand(const Plan& plan, const g::nn::Transforme
   for (int i = 0; i < steps; ++i) step();
   shoal::world().barrier();
   tensor_group = nullptr;
-  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count() / steps;
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count() /
+      steps;
   // The mean over the whole batch: the data-parallel workers' means, averaged.
   at::Tensor mean = at::full({1}, loss, at::kDouble);
   data_group.all_reduce(mean, {shoal::comm::ReduceOp::kAvg});
@@ -213,10 +231,13 @@ std::pair<double, double> measure_hand(const Plan& plan, const g::nn::Transforme
 
 // What the plan sends per worker per step when written by hand (see the top of this file).
 // The gradients: the same pieces as shoal's, all-reduced along the data axis only.
-std::pair<double, double> hand_bytes(const Plan& plan, const g::nn::TransformerBlockOptions& options, int64_t batch,
+std::pair<double, double> hand_bytes(const Plan& plan,
+                                     const g::nn::TransformerBlockOptions& options, int64_t batch,
                                      int64_t time, double piece_bytes) {
-  const double shard = 4.0 * static_cast<double>(batch * time * options.dim) / static_cast<double>(plan.data_workers);
-  return {4 * ring_all_reduce(shard, plan.tensor_workers), ring_all_reduce(piece_bytes, plan.data_workers)};
+  const double shard = 4.0 * static_cast<double>(batch * time * options.dim) /
+                       static_cast<double>(plan.data_workers);
+  return {4 * ring_all_reduce(shard, plan.tensor_workers),
+          ring_all_reduce(piece_bytes, plan.data_workers)};
 }
 
 }  // namespace
@@ -244,33 +265,42 @@ int main(int argc, char** argv) {
       {"tensor", {all, {0}}, g::broadcast(), 1, n},
   };
   if (n % 2 == 0 && n > 2) {
-    plans.push_back({"2-D " + std::to_string(2) + "x" + std::to_string(n / 2), {g::Placement::mesh({2, n / 2}), {1}},
-                     g::NdSbp{g::split(0), g::broadcast()}, 2, n / 2});
+    plans.push_back({"2-D " + std::to_string(2) + "x" + std::to_string(n / 2),
+                     {g::Placement::mesh({2, n / 2}), {1}},
+                     g::NdSbp{g::split(0), g::broadcast()},
+                     2,
+                     n / 2});
   }
   torch::manual_seed(0);
   double parameter_bytes = 0;
-  for (const auto& p : g::nn::TransformerBlock(options, g::nn::Layout{g::Placement({0}), {}})->parameters()) {
+  for (const auto& p :
+       g::nn::TransformerBlock(options, g::nn::Layout{g::Placement({0}), {}})->parameters()) {
     parameter_bytes += static_cast<double>(p.numel() * 4);
   }
   if (shoal::is_main()) {
-    std::cout << "GPT block: batch " << batch << ", time " << time << ", dim " << options.dim << ", heads "
-              << options.heads << ", " << parameter_bytes / 4 << " parameters; " << n << " workers, " << steps
-              << " steps\n\n"
-              << "| plan | step ms | hand step ms | shoal/hand | boxing KiB/step | hand KiB/step | boxing/hand | "
+    std::cout << "GPT block: batch " << batch << ", time " << time << ", dim " << options.dim
+              << ", heads " << options.heads << ", " << parameter_bytes / 4 << " parameters; " << n
+              << " workers, " << steps << " steps\n\n"
+              << "| plan | step ms | hand step ms | shoal/hand | boxing KiB/step | hand KiB/step | "
+                 "boxing/hand | "
                  "gradient sync KiB/step | hand KiB/step | loss | hand loss |\n"
               << "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
   }
   for (const auto& plan : plans) {
     const Measured m = measure(plan, options, batch, time, steps);
     const auto [hand_ms, hand_loss] = measure_hand(plan, options, batch, time, steps);
-    const auto [hand_activations, hand_gradients] = hand_bytes(plan, options, batch, time, m.piece_bytes);
+    const auto [hand_activations, hand_gradients] =
+        hand_bytes(plan, options, batch, time, m.piece_bytes);
     if (!shoal::is_main()) continue;
     auto kib = [](double bytes) { return bytes / 1024; };
-    auto ratio = [](double a, double b) { return b > 0 ? std::to_string(a / b).substr(0, 5) : std::string("-"); };
-    std::cout << std::fixed << std::setprecision(1) << "| " << plan.name << " | " << m.step_ms << " | " << hand_ms
-              << " | " << ratio(m.step_ms, hand_ms) << " | " << kib(m.boxing_bytes) << " | " << kib(hand_activations)
-              << " | " << ratio(m.boxing_bytes, hand_activations) << " | " << kib(m.gradient_bytes) << " | "
-              << kib(hand_gradients) << " | " << std::setprecision(6) << m.loss << " | " << hand_loss << " |"
-              << std::endl;
+    auto ratio = [](double a, double b) {
+      return b > 0 ? std::to_string(a / b).substr(0, 5) : std::string("-");
+    };
+    std::cout << std::fixed << std::setprecision(1) << "| " << plan.name << " | " << m.step_ms
+              << " | " << hand_ms << " | " << ratio(m.step_ms, hand_ms) << " | "
+              << kib(m.boxing_bytes) << " | " << kib(hand_activations) << " | "
+              << ratio(m.boxing_bytes, hand_activations) << " | " << kib(m.gradient_bytes) << " | "
+              << kib(hand_gradients) << " | " << std::setprecision(6) << m.loss << " | "
+              << hand_loss << " |" << std::endl;
   }
 }

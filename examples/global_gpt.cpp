@@ -3,9 +3,10 @@
 // train the same model to the same losses:
 //
 //   build/examples/global_gpt --plan one                          # one process
-//   build/bin/shoal run -n 4 build/examples/global_gpt --plan data     # batch split(0), weights whole
-//   build/bin/shoal run -n 4 build/examples/global_gpt --plan tensor   # Megatron: heads and MLP split
-//   build/bin/shoal run -n 4 build/examples/global_gpt --plan hybrid   # 2 x 2 mesh: data x tensor
+//   build/bin/shoal run -n 4 build/examples/global_gpt --plan data     # batch split(0), weights
+//   whole build/bin/shoal run -n 4 build/examples/global_gpt --plan tensor   # Megatron: heads and
+//   MLP split build/bin/shoal run -n 4 build/examples/global_gpt --plan hybrid   # 2 x 2 mesh: data
+//   x tensor
 //
 // --steps N (default 20), --save FILE writes the final parameters (whole values, by name) from
 // the first worker, --text FILE trains on another text.
@@ -15,9 +16,9 @@
 #include <set>
 #include <sstream>
 
-#include <CLI/CLI.hpp>
 #include <shoal/global/nn.h>
 #include <shoal/shoal.h>
+#include <CLI/CLI.hpp>
 
 namespace g = shoal::global;
 
@@ -38,7 +39,9 @@ Plan make_plan(const std::string& name) {
   if (name == "data") return {{g::Placement::all(), {}}, g::split(0)};
   if (name == "tensor") return {{g::Placement::all(), {0}}, g::broadcast()};
   if (name == "hybrid") {
-    if (n % 2 != 0) throw shoal::UsageError("--plan hybrid: expected an even number of workers, got " + std::to_string(n));
+    if (n % 2 != 0)
+      throw shoal::UsageError("--plan hybrid: expected an even number of workers, got " +
+                              std::to_string(n));
     return {{g::Placement::mesh({2, n / 2}), {1}}, g::NdSbp{g::split(0), g::broadcast()}};
   }
   throw shoal::UsageError("--plan: expected one, data, tensor or hybrid, got '" + name + "'");
@@ -48,21 +51,27 @@ class GptImpl : public g::nn::Module {
  public:
   GptImpl(const Config& config, const g::nn::Layout& layout) : config_(config), layout_(layout) {
     const auto& p = layout.placement;
-    tokens_ = register_module("tokens", g::nn::Embedding(config.vocabulary, config.dim, p, layout.column()));
-    positions_ = register_module("positions", g::nn::Embedding(config.time, config.dim, p, layout.replicated()));
+    tokens_ = register_module("tokens",
+                              g::nn::Embedding(config.vocabulary, config.dim, p, layout.column()));
+    positions_ = register_module("positions",
+                                 g::nn::Embedding(config.time, config.dim, p, layout.replicated()));
     for (int64_t i = 0; i < config.layers; ++i) {
       blocks_.push_back(register_module(
           "block" + std::to_string(i),
-          g::nn::TransformerBlock(g::nn::TransformerBlockOptions{config.dim, config.heads, 0, config.dropout}, layout)));
+          g::nn::TransformerBlock(
+              g::nn::TransformerBlockOptions{config.dim, config.heads, 0, config.dropout},
+              layout)));
     }
     norm_ = register_module("norm", g::nn::LayerNorm(config.dim, p));
-    head_ = register_module("head", g::nn::Linear(config.dim, config.vocabulary, p, layout.column(), false));
+    head_ = register_module(
+        "head", g::nn::Linear(config.dim, config.vocabulary, p, layout.column(), false));
   }
 
   // ids [batch, time] -> logits [batch, time, vocabulary]
   g::GlobalTensor forward(const g::GlobalTensor& ids) {
     const auto where = g::arange(ids.shape()[1], layout_.placement, layout_.replicated());
-    g::GlobalTensor x = g::dropout(tokens_(ids) + positions_(where), config_.dropout, is_training());
+    g::GlobalTensor x =
+        g::dropout(tokens_(ids) + positions_(where), config_.dropout, is_training());
     for (auto& block : blocks_) x = block(x);
     return head_(norm_(x));
   }
@@ -105,7 +114,8 @@ int main(int argc, char** argv) {
 
     Config config;
     config.vocabulary = next;
-    if (static_cast<int64_t>(ids.size()) <= config.time + 1) throw shoal::UsageError("--text: too short to train on");
+    if (static_cast<int64_t>(ids.size()) <= config.time + 1)
+      throw shoal::UsageError("--text: too short to train on");
     torch::manual_seed(0);
     Gpt model(config, plan.layout);
     g::nn::GradientSync sync(model);
@@ -120,20 +130,25 @@ int main(int argc, char** argv) {
         inputs.push_back(corpus.narrow(0, starts[b].item<int64_t>(), config.time));
         targets.push_back(corpus.narrow(0, starts[b].item<int64_t>() + 1, config.time));
       }
-      const auto x = g::GlobalTensor::from_full(torch::stack(inputs), plan.layout.placement, plan.batch);
-      const auto y = g::GlobalTensor::from_full(torch::stack(targets), plan.layout.placement, plan.batch);
+      const auto x =
+          g::GlobalTensor::from_full(torch::stack(inputs), plan.layout.placement, plan.batch);
+      const auto y =
+          g::GlobalTensor::from_full(torch::stack(targets), plan.layout.placement, plan.batch);
       optimizer.zero_grad();
       const auto logits = model->forward(x);
-      const auto loss = g::cross_entropy(g::reshape(logits, {rows, config.vocabulary}), g::reshape(y, {rows}));
+      const auto loss =
+          g::cross_entropy(g::reshape(logits, {rows, config.vocabulary}), g::reshape(y, {rows}));
       loss.backward();
       optimizer.step();
       const double value = loss.detach().full().item<double>();
-      if (shoal::is_main()) std::cout << "step " << step << " loss " << std::setprecision(9) << value << std::endl;
+      if (shoal::is_main())
+        std::cout << "step " << step << " loss " << std::setprecision(9) << value << std::endl;
     }
     if (!save.empty()) {
       // In named_global_parameters() order, which every plan shares.
       std::vector<torch::Tensor> wholes;
-      for (const auto& named : model->named_global_parameters()) wholes.push_back(named.second.detach().full());
+      for (const auto& named : model->named_global_parameters())
+        wholes.push_back(named.second.detach().full());
       if (shoal::is_main()) torch::save(wholes, save);
     }
   } catch (const shoal::UsageError& e) {

@@ -17,5 +17,6 @@ int main() {
   const auto w = g::randn({5, 8}, all, g::split(1));
   const auto y = g::matmul(x, w);
   const torch::Tensor whole = y.full();
-  if (shoal::is_main()) std::cout << y.describe() << "\n" << std::setprecision(6) << whole << std::endl;
+  if (shoal::is_main())
+    std::cout << y.describe() << "\n" << std::setprecision(6) << whole << std::endl;
 }

@@ -20,5 +20,6 @@ int main() {
   const auto w1 = g::randn({8, 3}, last, g::broadcast());
   const auto z = g::matmul(y0.to_global(last, g::broadcast()), w1);  // stage 2, on the last
   const torch::Tensor whole = z.full();
-  if (shoal::is_main()) std::cout << z.describe() << "\n" << std::setprecision(6) << whole << std::endl;
+  if (shoal::is_main())
+    std::cout << z.describe() << "\n" << std::setprecision(6) << whole << std::endl;
 }

@@ -17,12 +17,15 @@ namespace {
 using namespace std::chrono_literals;
 namespace fs = std::filesystem;
 
-std::string example(const std::string& name) { return fs::path(SHOAL_TEST_PROGRAMS_DIR).parent_path() / "examples" / name; }
+std::string example(const std::string& name) {
+  return fs::path(SHOAL_TEST_PROGRAMS_DIR).parent_path() / "examples" / name;
+}
 
 // The first worker's lines, without shoal run's "[0] " prefix.
 std::vector<std::string> printed(const RunResult& result) {
   std::vector<std::string> lines;
-  for (const auto& line : split_lines(result.out)) lines.push_back(line.rfind("[0] ", 0) == 0 ? line.substr(4) : line);
+  for (const auto& line : split_lines(result.out))
+    lines.push_back(line.rfind("[0] ", 0) == 0 ? line.substr(4) : line);
   return lines;
 }
 
@@ -34,7 +37,9 @@ RunResult run(const std::vector<std::string>& args, std::chrono::milliseconds ti
 
 TEST(GlobalExamples, MatmulProgramsGiveTheOneProcessValues) {
   const std::vector<std::pair<std::string, std::string>> programs = {
-      {"global_data_parallel", "as split(0)"}, {"global_model_parallel", "as split(1)"}, {"global_pipeline", "as broadcast"}};
+      {"global_data_parallel", "as split(0)"},
+      {"global_model_parallel", "as split(1)"},
+      {"global_pipeline", "as broadcast"}};
   for (const auto& [program, sbp] : programs) {
     const auto one = printed(run({"-n", "1", example(program)}));
     ASSERT_GE(one.size(), 2u) << program;
@@ -42,7 +47,8 @@ TEST(GlobalExamples, MatmulProgramsGiveTheOneProcessValues) {
       const auto many = printed(run({"-n", n, example(program)}));
       ASSERT_EQ(many.size(), one.size()) << program << " on " << n;
       EXPECT_NE(many[0].find(sbp), std::string::npos) << program << ": " << many[0];
-      for (size_t i = 1; i < one.size(); ++i) EXPECT_EQ(many[i], one[i]) << program << " on " << n << " workers";
+      for (size_t i = 1; i < one.size(); ++i)
+        EXPECT_EQ(many[i], one[i]) << program << " on " << n << " workers";
     }
   }
   // The pipeline's output lives on the last worker.
@@ -100,10 +106,13 @@ TEST_F(GlobalGpt, EveryPlanTrainsAsOneProcess) {
 TEST_F(GlobalGpt, BadPlansAreUsageErrors) {
   const auto result = run_shoal({"-n", "3", example("global_gpt"), "--plan", "hybrid"}, 60s);
   EXPECT_EQ(result.exit_code, 2);
-  EXPECT_NE(result.err.find("--plan hybrid: expected an even number of workers, got 3"), std::string::npos) << result.err;
+  EXPECT_NE(result.err.find("--plan hybrid: expected an even number of workers, got 3"),
+            std::string::npos)
+      << result.err;
   const auto heads = run_shoal({"-n", "3", example("global_gpt"), "--plan", "tensor"}, 60s);
   EXPECT_EQ(heads.exit_code, 2);
-  EXPECT_NE(heads.err.find("TransformerBlock: expected dim (64) to be a multiple of heads (4) and heads a multiple of the "
+  EXPECT_NE(heads.err.find("TransformerBlock: expected dim (64) to be a multiple of heads (4) and "
+                           "heads a multiple of the "
                            "3 tensor-parallel workers"),
             std::string::npos)
       << heads.err;

@@ -40,8 +40,9 @@ std::vector<torch::Tensor> gradients(const g::nn::Layout& layout, const g::NdSbp
   for (const auto& named : model->named_global_parameters()) {
     // Each worker's .grad is its piece's whole gradient: broadcast where the parameter is.
     const auto& local = named.second.to_local();
-    const auto grad = g::GlobalTensor(local.grad().defined() ? local.grad() : torch::zeros_like(local),
-                                      named.second.placement(), named.second.sbp(), named.second.shape());
+    const auto grad =
+        g::GlobalTensor(local.grad().defined() ? local.grad() : torch::zeros_like(local),
+                        named.second.placement(), named.second.sbp(), named.second.shape());
     grads.push_back(grad.full());
   }
   return grads;
@@ -56,13 +57,15 @@ TEST(GradientSync, GradientsEqualOneProcessInEveryLayout) {
         {"data", gradients({all, {}}, g::split(0))},
         {"tensor", gradients({all, {0}}, g::broadcast())},
         {"2-D", gradients({mesh, {1}}, g::NdSbp{g::split(0), g::broadcast()})},
-        {"2-D, batch split on both axes", gradients({mesh, {}}, g::NdSbp{g::split(0), g::split(0)})},
+        {"2-D, batch split on both axes",
+         gradients({mesh, {}}, g::NdSbp{g::split(0), g::split(0)})},
     };
     for (const auto& [name, grads] : plans) {
       ASSERT_EQ(grads.size(), one.size());
       for (size_t i = 0; i < grads.size(); ++i) {
         EXPECT_TRUE(grads[i].allclose(one[i], 1e-5, 1e-6)) << name << ", parameter " << i << "\n"
-                                                            << grads[i] << "\n" << one[i];
+                                                           << grads[i] << "\n"
+                                                           << one[i];
       }
     }
   });
@@ -76,7 +79,8 @@ TEST(GradientSync, SumsOverTheWorkersHoldingThePiece) {
     // Weights split on axis 1 are summed along axis 0; the layer norm's over all four.
     const int r = shoal::rank();
     const std::vector<int> column = {r % 2, r % 2 + 2};
-    EXPECT_EQ(sync.groups(), (std::vector<std::vector<int>>{column, {0, 1, 2, 3}})) << "worker " << r;
+    EXPECT_EQ(sync.groups(), (std::vector<std::vector<int>>{column, {0, 1, 2, 3}}))
+        << "worker " << r;
   });
 }
 
@@ -92,8 +96,9 @@ TEST(GradientSync, RefusesPlainParameters) {
       g::nn::GradientSync sync(Plain{});
       ADD_FAILURE() << "expected UsageError";
     } catch (const shoal::UsageError& e) {
-      EXPECT_STREQ(e.what(), "GradientSync: parameter 'scale' is a plain tensor; register it with "
-                             "register_global_parameter so that its layout says how its gradient is shared");
+      EXPECT_STREQ(e.what(),
+                   "GradientSync: parameter 'scale' is a plain tensor; register it with "
+                   "register_global_parameter so that its layout says how its gradient is shared");
     }
   });
 }

@@ -51,7 +51,8 @@ void check_pair(const std::vector<int64_t>& shape, const g::Placement& a, const 
   torch::Tensor whole = x.clone().requires_grad_();
   const g::GlobalTensor before = g::GlobalTensor::from_full(whole, a, from);
   const g::GlobalTensor after = before.to_global(b, to);
-  const std::string what = from.describe() + " on " + a.describe() + " -> " + to.describe() + " on " + b.describe();
+  const std::string what =
+      from.describe() + " on " + a.describe() + " -> " + to.describe() + " on " + b.describe();
   ASSERT_EQ(after.shape(), shape) << what;
   bool unique = true;  // a partial_sum has many sets of pieces; the others one
   for (const auto& s : to.axes()) unique = unique && !s.is_partial_sum();
@@ -63,7 +64,8 @@ void check_pair(const std::vector<int64_t>& shape, const g::Placement& a, const 
   ASSERT_TRUE(after.detach().full().allclose(x, 1e-6, 1e-6)) << what;
   after.backward(g::GlobalTensor::from_full(w, b, g::dual(to)));
   ASSERT_TRUE(whole.grad().defined()) << what;
-  ASSERT_TRUE(summed(whole.grad()).allclose(w, 1e-5, 1e-5)) << what << ": the backward is not the adjoint";
+  ASSERT_TRUE(summed(whole.grad()).allclose(w, 1e-5, 1e-5))
+      << what << ": the backward is not the adjoint";
 }
 
 class Boxing : public ::testing::TestWithParam<int> {};
@@ -71,10 +73,12 @@ class Boxing : public ::testing::TestWithParam<int> {};
 TEST_P(Boxing, EveryPairOnALine) {
   run_workers(GetParam(), [] {
     const auto all = g::Placement::all();
-    for (const auto& shape : {std::vector<int64_t>{5, 7}, std::vector<int64_t>{4, 6}, std::vector<int64_t>{3},
-                              std::vector<int64_t>{2, 1}}) {  // a dim smaller than the workers
+    for (const auto& shape :
+         {std::vector<int64_t>{5, 7}, std::vector<int64_t>{4, 6}, std::vector<int64_t>{3},
+          std::vector<int64_t>{2, 1}}) {  // a dim smaller than the workers
       for (const auto& from : layouts(1, static_cast<int64_t>(shape.size()))) {
-        for (const auto& to : layouts(1, static_cast<int64_t>(shape.size()))) check_pair(shape, all, from, all, to);
+        for (const auto& to : layouts(1, static_cast<int64_t>(shape.size())))
+          check_pair(shape, all, from, all, to);
       }
     }
   });
@@ -149,13 +153,16 @@ TEST(GlobalTensor, FromLocalFindsTheShapeOfUnevenPieces) {
   run_workers(3, [] {
     const auto all = g::Placement::all();
     const int64_t rows = std::vector<int64_t>({3, 3, 2})[shoal::rank()];
-    const auto t = g::GlobalTensor::from_local(torch::full({rows, 2}, shoal::rank()), all, g::split(0));
+    const auto t =
+        g::GlobalTensor::from_local(torch::full({rows, 2}, shoal::rank()), all, g::split(0));
     EXPECT_EQ(t.shape(), std::vector<int64_t>({8, 2}));
-    const auto expected = torch::cat({torch::full({3, 2}, 0), torch::full({3, 2}, 1), torch::full({2, 2}, 2)});
+    const auto expected =
+        torch::cat({torch::full({3, 2}, 0), torch::full({3, 2}, 1), torch::full({2, 2}, 2)});
     EXPECT_TRUE(t.full().to(torch::kFloat).equal(expected.to(torch::kFloat)));
     // A member that passes nothing: every worker raises, none is left waiting for it.
     try {
-      g::GlobalTensor::from_local(shoal::rank() == 1 ? torch::Tensor() : torch::zeros({3, 2}), all, g::split(0));
+      g::GlobalTensor::from_local(shoal::rank() == 1 ? torch::Tensor() : torch::zeros({3, 2}), all,
+                                  g::split(0));
       ADD_FAILURE() << "expected UsageError";
     } catch (const shoal::UsageError& e) {
       EXPECT_STREQ(e.what(), "from_local: worker 1, a member of [0, 1, 2], passed no tensor");
@@ -166,7 +173,8 @@ TEST(GlobalTensor, FromLocalFindsTheShapeOfUnevenPieces) {
       g::GlobalTensor::from_local(torch::zeros({wrong, 2}), all, g::split(0));
       ADD_FAILURE() << "expected UsageError";
     } catch (const shoal::UsageError& e) {
-      EXPECT_NE(std::string(e.what()).find("from_local: the pieces do not fit together as split(0) on [0, 1, 2]"),
+      EXPECT_NE(std::string(e.what()).find(
+                    "from_local: the pieces do not fit together as split(0) on [0, 1, 2]"),
                 std::string::npos)
           << e.what();
     }
@@ -180,20 +188,24 @@ TEST(GlobalTensor, BadLayoutsAreUsageErrors) {
       g::randn({4, 5}, all, g::split(2));
       ADD_FAILURE() << "expected UsageError";
     } catch (const shoal::UsageError& e) {
-      EXPECT_STREQ(e.what(), "randn: split(2) is out of range for a tensor of 2 dimensions (placement [0, 1], sbp "
-                             "split(2))");
+      EXPECT_STREQ(
+          e.what(),
+          "randn: split(2) is out of range for a tensor of 2 dimensions (placement [0, 1], sbp "
+          "split(2))");
     }
     try {
       g::zeros({4}, g::Placement({0, 2}), g::broadcast());
       ADD_FAILURE() << "expected UsageError";
     } catch (const shoal::UsageError& e) {
-      EXPECT_STREQ(e.what(), "zeros: placement [0, 2] names worker 2, but the job has 2 workers (0 to 1)");
+      EXPECT_STREQ(e.what(),
+                   "zeros: placement [0, 2] names worker 2, but the job has 2 workers (0 to 1)");
     }
     try {
       g::zeros({4}, g::Placement::mesh({2, 1}), g::broadcast());
       ADD_FAILURE() << "expected UsageError";
     } catch (const shoal::UsageError& e) {
-      EXPECT_NE(std::string(e.what()).find("expected one Sbp per mesh axis"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("expected one Sbp per mesh axis"), std::string::npos)
+          << e.what();
     }
     EXPECT_THROW(g::Placement({0, 0}), shoal::UsageError);
     EXPECT_THROW(g::Placement::mesh({3}), shoal::UsageError);

@@ -19,19 +19,27 @@ using Ranks = std::vector<int64_t>;
 
 std::atomic<int64_t> sent{0};
 
-int64_t bytes_of(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+int64_t bytes_of(const at::Tensor& t) {
+  return t.numel() * static_cast<int64_t>(t.element_size());
+}
 // What each member sends of a whole of `bytes` in a ring all-gather or reduce-scatter.
 int64_t ring_share(int64_t bytes, size_t members) {
-  return members == 0 ? 0 : bytes * static_cast<int64_t>(members - 1) / static_cast<int64_t>(members);
+  return members == 0 ? 0
+                      : bytes * static_cast<int64_t>(members - 1) / static_cast<int64_t>(members);
 }
 
-std::vector<int> to_ints(const Ranks& ranks) { return std::vector<int>(ranks.begin(), ranks.end()); }
-Ranks to_ranks(const std::vector<int>& ranks) { return Ranks(ranks.begin(), ranks.end()); }
+std::vector<int> to_ints(const Ranks& ranks) {
+  return std::vector<int>(ranks.begin(), ranks.end());
+}
+Ranks to_ranks(const std::vector<int>& ranks) {
+  return Ranks(ranks.begin(), ranks.end());
+}
 
 // Concatenation along dim 0 of the members' `x` (their dim-0 sizes: `sizes`).
 class AllGather : public torch::autograd::Function<AllGather> {
  public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Ranks ranks, std::vector<int64_t> sizes) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Ranks ranks,
+                            std::vector<int64_t> sizes) {
     ctx->saved_data["ranks"] = ranks;
     ctx->saved_data["sizes"] = sizes;
     comm::AllGatherOptions options;
@@ -45,14 +53,16 @@ class AllGather : public torch::autograd::Function<AllGather> {
     options.sizes = ctx->saved_data["sizes"].toIntVector();
     const auto ranks = ctx->saved_data["ranks"].toIntVector();
     count_sent(ring_share(bytes_of(grads[0]), ranks.size()));
-    return {group_of(to_ints(ranks)).reduce_scatter(grads[0].contiguous(), options), at::Tensor(), at::Tensor()};
+    return {group_of(to_ints(ranks)).reduce_scatter(grads[0].contiguous(), options), at::Tensor(),
+            at::Tensor()};
   }
 };
 
 // This member's part (dim-0 `sizes`) of the sum of the members' `x`.
 class ReduceScatter : public torch::autograd::Function<ReduceScatter> {
  public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Ranks ranks, std::vector<int64_t> sizes) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Ranks ranks,
+                            std::vector<int64_t> sizes) {
     ctx->saved_data["ranks"] = ranks;
     ctx->saved_data["sizes"] = sizes;
     comm::ReduceScatterOptions options;
@@ -102,8 +112,8 @@ int64_t others_share(const at::Tensor& x, const Ranks& ranks, const std::vector<
 // received (`recv` counts), concatenated in member order.
 class AllToAll : public torch::autograd::Function<AllToAll> {
  public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Ranks ranks, std::vector<int64_t> send,
-                            std::vector<int64_t> recv) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Ranks ranks,
+                            std::vector<int64_t> send, std::vector<int64_t> recv) {
     ctx->saved_data["ranks"] = ranks;
     ctx->saved_data["send"] = send;
     ctx->saved_data["recv"] = recv;
@@ -119,8 +129,8 @@ class AllToAll : public torch::autograd::Function<AllToAll> {
     options.recv_sizes = ctx->saved_data["send"].toIntVector();
     const auto ranks = ctx->saved_data["ranks"].toIntVector();
     count_sent(others_share(grads[0], ranks, options.send_sizes));
-    return {group_of(to_ints(ranks)).all_to_all(grads[0].contiguous(), options), at::Tensor(), at::Tensor(),
-            at::Tensor()};
+    return {group_of(to_ints(ranks)).all_to_all(grads[0].contiguous(), options), at::Tensor(),
+            at::Tensor(), at::Tensor()};
   }
 };
 
@@ -129,8 +139,8 @@ class AllToAll : public torch::autograd::Function<AllToAll> {
 // placeholder. Backward sends the gradients back; a source adds what its destinations return.
 class Transfer : public torch::autograd::Function<Transfer> {
  public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Ranks sources, Ranks destinations,
-                            std::vector<int64_t> shape) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Ranks sources,
+                            Ranks destinations, std::vector<int64_t> shape) {
     ctx->saved_data["sources"] = sources;
     ctx->saved_data["destinations"] = destinations;
     ctx->saved_data["x_sizes"] = x.sizes().vec();
@@ -167,7 +177,8 @@ class Transfer : public torch::autograd::Function<Transfer> {
  private:
   static int world_index(int64_t rank) {
     const auto& members = shoal::world().members();
-    return static_cast<int>(std::find(members.begin(), members.end(), static_cast<int>(rank)) - members.begin());
+    return static_cast<int>(std::find(members.begin(), members.end(), static_cast<int>(rank)) -
+                            members.begin());
   }
   static at::Tensor route(const at::Tensor& x, const Ranks& sources, const Ranks& destinations,
                           const std::vector<int64_t>& shape, at::ScalarType dtype) {
@@ -202,8 +213,9 @@ int64_t offset_of(const std::vector<int64_t>& sizes, int64_t index) {
 
 // A member's piece changes from cur[axis] to `target` on one axis, among the workers along it.
 // The axes after `axis` must not split a dim that cur[axis] or `target` splits.
-at::Tensor change_axis_directly(const at::Tensor& x, at::IntArrayRef shape, const Placement& placement,
-                                const NdSbp& cur, int axis, const Sbp& target) {
+at::Tensor change_axis_directly(const at::Tensor& x, at::IntArrayRef shape,
+                                const Placement& placement, const NdSbp& cur, int axis,
+                                const Sbp& target) {
   const Sbp& from = cur[axis];
   const int n = static_cast<int>(placement.shape()[axis]);
   if (n == 1) return x;  // one worker along the axis: every form is the whole value
@@ -223,9 +235,11 @@ at::Tensor change_axis_directly(const at::Tensor& x, at::IntArrayRef shape, cons
     const int64_t d = from.dim();
     const auto sizes = sizes_of(d);
     const int64_t before = offset_of(sizes, k);
-    const int64_t after = extent_before_axis(shape, placement, cur, coordinate, axis, d) - before - sizes[k];
+    const int64_t after =
+        extent_before_axis(shape, placement, cur, coordinate, axis, d) - before - sizes[k];
     std::vector<int64_t> pad(static_cast<size_t>(2 * x.dim()), 0);
-    const size_t slot = static_cast<size_t>(2 * (x.dim() - 1 - d));  // constant_pad_nd counts from the last dim
+    const size_t slot =
+        static_cast<size_t>(2 * (x.dim() - 1 - d));  // constant_pad_nd counts from the last dim
     pad[slot] = before;
     pad[slot + 1] = after;
     return at::constant_pad_nd(x, pad, 0);
@@ -278,14 +292,15 @@ at::Tensor change_axis_directly(const at::Tensor& x, at::IntArrayRef shape, cons
 
 // cur[axis] -> target, first making broadcast the later axes that split a dim this change
 // touches (their pieces would not tile it), which the caller's loop turns into their targets.
-at::Tensor change_axis(const at::Tensor& x, at::IntArrayRef shape, const Placement& placement, NdSbp& cur, int axis,
-                       const Sbp& target) {
+at::Tensor change_axis(const at::Tensor& x, at::IntArrayRef shape, const Placement& placement,
+                       NdSbp& cur, int axis, const Sbp& target) {
   std::set<int64_t> dims;
   if (cur[axis].is_split()) dims.insert(cur[axis].dim());
   if (target.is_split()) dims.insert(target.dim());
   at::Tensor y = x;
   for (int b = placement.ndim() - 1; b > axis; --b) {
-    if (cur[b].is_split() && dims.count(cur[b].dim()) != 0) y = change_axis(y, shape, placement, cur, b, broadcast());
+    if (cur[b].is_split() && dims.count(cur[b].dim()) != 0)
+      y = change_axis(y, shape, placement, cur, b, broadcast());
   }
   y = change_axis_directly(y, shape, placement, cur, axis, target);
   cur[axis] = target;
@@ -293,8 +308,8 @@ at::Tensor change_axis(const at::Tensor& x, at::IntArrayRef shape, const Placeme
 }
 
 // Within one placement, for a member.
-at::Tensor box_within(const at::Tensor& x, at::IntArrayRef shape, const Placement& placement, const NdSbp& from,
-                      const NdSbp& to) {
+at::Tensor box_within(const at::Tensor& x, at::IntArrayRef shape, const Placement& placement,
+                      const NdSbp& from, const NdSbp& to) {
   NdSbp cur = from;
   at::Tensor y = x;
   for (int axis = 0; axis < placement.ndim(); ++axis) {
@@ -303,11 +318,15 @@ at::Tensor box_within(const at::Tensor& x, at::IntArrayRef shape, const Placemen
   return y;
 }
 
-NdSbp all_broadcast(int axes) { return NdSbp(std::vector<Sbp>(static_cast<size_t>(axes), broadcast())); }
+NdSbp all_broadcast(int axes) {
+  return NdSbp(std::vector<Sbp>(static_cast<size_t>(axes), broadcast()));
+}
 
 }  // namespace
 
-void count_sent(int64_t bytes) { sent += bytes; }
+void count_sent(int64_t bytes) {
+  sent += bytes;
+}
 
 at::Tensor all_reduce_along(const at::Tensor& x, const Placement& placement, int axis) {
   if (placement.shape()[axis] == 1) return x;
@@ -325,8 +344,8 @@ at::Tensor all_reduce_max_along(const at::Tensor& x, const Placement& placement,
   return max;
 }
 
-at::Tensor box(const at::Tensor& local, at::IntArrayRef shape, const Placement& from_placement, const NdSbp& from,
-               const Placement& to_placement, const NdSbp& to) {
+at::Tensor box(const at::Tensor& local, at::IntArrayRef shape, const Placement& from_placement,
+               const NdSbp& from, const Placement& to_placement, const NdSbp& to) {
   const int me = my_rank();
   const bool in_from = from_placement.contains(me);
   const bool in_to = to_placement.contains(me);
@@ -349,7 +368,8 @@ at::Tensor box(const at::Tensor& local, at::IntArrayRef shape, const Placement& 
   }
   // Otherwise the whole value: broadcast among the sources, each destination gets it from one
   // of them, and keeps its piece.
-  if (in_from) sent = box_within(local, shape, from_placement, from, all_broadcast(from_placement.ndim()));
+  if (in_from)
+    sent = box_within(local, shape, from_placement, from, all_broadcast(from_placement.ndim()));
   for (int i = 0; i < to_placement.size(); ++i) {
     // A destination that is a source already holds the whole value.
     const int destination = to_placement.ranks()[i];
@@ -367,5 +387,7 @@ at::Tensor box(const at::Tensor& local, at::IntArrayRef shape, const Placement& 
 }  // namespace shoal::global::detail
 
 namespace shoal::global {
-int64_t sent_bytes() { return detail::sent.load(); }
+int64_t sent_bytes() {
+  return detail::sent.load();
+}
 }  // namespace shoal::global

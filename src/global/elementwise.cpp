@@ -30,8 +30,8 @@ enum class Linearity { kNone, kSum, kProduct, kQuotient };
 // full size is split along it and the others (which lack it or have it at size 1) are whole.
 // kSum: partial_sum + partial_sum; kProduct: partial_sum times broadcast either way round;
 // kQuotient: partial_sum over broadcast.
-GlobalTensor binary(const char* op, const GlobalTensor& a, const GlobalTensor& b, Linearity linearity,
-                    at::Tensor (*fn)(const at::Tensor&, const at::Tensor&)) {
+GlobalTensor binary(const char* op, const GlobalTensor& a, const GlobalTensor& b,
+                    Linearity linearity, at::Tensor (*fn)(const at::Tensor&, const at::Tensor&)) {
   std::vector<int64_t> shape;
   try {
     shape = at::infer_size(a.shape(), b.shape());
@@ -50,26 +50,41 @@ GlobalTensor binary(const char* op, const GlobalTensor& a, const GlobalTensor& b
     if (sa.is_split() || sb.is_split()) table.push_back({{sa, sb}, split(d)});
   }
   table.push_back({{broadcast(), broadcast()}, broadcast()});
-  if (linearity == Linearity::kSum) table.push_back({{partial_sum(), partial_sum()}, partial_sum()});
+  if (linearity == Linearity::kSum)
+    table.push_back({{partial_sum(), partial_sum()}, partial_sum()});
   if (linearity == Linearity::kProduct || linearity == Linearity::kQuotient) {
     table.push_back({{partial_sum(), broadcast()}, partial_sum()});
   }
-  if (linearity == Linearity::kProduct) table.push_back({{broadcast(), partial_sum()}, partial_sum()});
+  if (linearity == Linearity::kProduct)
+    table.push_back({{broadcast(), partial_sum()}, partial_sum()});
   at::ScalarType dtype = at::promote_types(a.dtype(), b.dtype());
-  if (linearity == Linearity::kQuotient && !at::isFloatingType(dtype)) dtype = at::typeMetaToScalarType(at::get_default_dtype());  // true division
+  if (linearity == Linearity::kQuotient && !at::isFloatingType(dtype))
+    dtype = at::typeMetaToScalarType(at::get_default_dtype());  // true division
   return detail::apply(op, {a, b}, table, shape, dtype,
                        [&](const detail::Prepared& p) { return fn(p.locals[0], p.locals[1]); });
 }
 
-at::Tensor add_local(const at::Tensor& a, const at::Tensor& b) { return at::add(a, b); }
-at::Tensor sub_local(const at::Tensor& a, const at::Tensor& b) { return at::sub(a, b); }
-at::Tensor mul_local(const at::Tensor& a, const at::Tensor& b) { return at::mul(a, b); }
-at::Tensor div_local(const at::Tensor& a, const at::Tensor& b) { return at::div(a, b); }
+at::Tensor add_local(const at::Tensor& a, const at::Tensor& b) {
+  return at::add(a, b);
+}
+at::Tensor sub_local(const at::Tensor& a, const at::Tensor& b) {
+  return at::sub(a, b);
+}
+at::Tensor mul_local(const at::Tensor& a, const at::Tensor& b) {
+  return at::mul(a, b);
+}
+at::Tensor div_local(const at::Tensor& a, const at::Tensor& b) {
+  return at::div(a, b);
+}
 
 }  // namespace
 
-GlobalTensor add(const GlobalTensor& a, const GlobalTensor& b) { return binary("add", a, b, Linearity::kSum, add_local); }
-GlobalTensor sub(const GlobalTensor& a, const GlobalTensor& b) { return binary("sub", a, b, Linearity::kSum, sub_local); }
+GlobalTensor add(const GlobalTensor& a, const GlobalTensor& b) {
+  return binary("add", a, b, Linearity::kSum, add_local);
+}
+GlobalTensor sub(const GlobalTensor& a, const GlobalTensor& b) {
+  return binary("sub", a, b, Linearity::kSum, sub_local);
+}
 GlobalTensor mul(const GlobalTensor& a, const GlobalTensor& b) {
   return binary("mul", a, b, Linearity::kProduct, mul_local);
 }
@@ -85,15 +100,27 @@ GlobalTensor mul(const GlobalTensor& a, const at::Scalar& b) {
   return pointwise("mul", a, true, [&](const at::Tensor& t) { return at::mul(t, b); });
 }
 
-GlobalTensor operator+(const GlobalTensor& a, const GlobalTensor& b) { return add(a, b); }
-GlobalTensor operator-(const GlobalTensor& a, const GlobalTensor& b) { return sub(a, b); }
-GlobalTensor operator*(const GlobalTensor& a, const GlobalTensor& b) { return mul(a, b); }
-GlobalTensor operator/(const GlobalTensor& a, const GlobalTensor& b) { return div(a, b); }
-GlobalTensor operator+(const GlobalTensor& a, const at::Scalar& b) { return add(a, b); }
+GlobalTensor operator+(const GlobalTensor& a, const GlobalTensor& b) {
+  return add(a, b);
+}
+GlobalTensor operator-(const GlobalTensor& a, const GlobalTensor& b) {
+  return sub(a, b);
+}
+GlobalTensor operator*(const GlobalTensor& a, const GlobalTensor& b) {
+  return mul(a, b);
+}
+GlobalTensor operator/(const GlobalTensor& a, const GlobalTensor& b) {
+  return div(a, b);
+}
+GlobalTensor operator+(const GlobalTensor& a, const at::Scalar& b) {
+  return add(a, b);
+}
 GlobalTensor operator-(const GlobalTensor& a, const at::Scalar& b) {
   return pointwise("sub", a, false, [&](const at::Tensor& t) { return at::sub(t, b); });
 }
-GlobalTensor operator*(const GlobalTensor& a, const at::Scalar& b) { return mul(a, b); }
+GlobalTensor operator*(const GlobalTensor& a, const at::Scalar& b) {
+  return mul(a, b);
+}
 GlobalTensor operator/(const GlobalTensor& a, const at::Scalar& b) {
   return pointwise("div", a, true, [&](const at::Tensor& t) { return at::div(t, b); });
 }
@@ -134,7 +161,8 @@ GlobalTensor dropout(const GlobalTensor& x, double p, bool training) {
                            if (cut[a].is_partial_sum()) cut[a] = broadcast();
                          }
                          const auto coordinate = prepared.placement.coordinate(detail::my_rank());
-                         return prepared.locals[0] * detail::take_piece(mask, prepared.placement, cut, coordinate);
+                         return prepared.locals[0] *
+                                detail::take_piece(mask, prepared.placement, cut, coordinate);
                        });
 }
 

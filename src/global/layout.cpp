@@ -15,7 +15,8 @@ namespace {
 
 std::string join(const std::vector<int64_t>& values, const char* separator) {
   std::string text;
-  for (size_t i = 0; i < values.size(); ++i) text += (i ? separator : "") + std::to_string(values[i]);
+  for (size_t i = 0; i < values.size(); ++i)
+    text += (i ? separator : "") + std::to_string(values[i]);
   return text;
 }
 
@@ -25,27 +26,34 @@ std::string join(const std::vector<int64_t>& values, const char* separator) {
 
 Placement::Placement(std::vector<int64_t> shape, std::vector<int> ranks, const char* caller)
     : ranks_(std::move(ranks)), shape_(std::move(shape)) {
-  if (ranks_.empty()) throw UsageError(std::string(caller) + ": expected at least one worker, got none");
+  if (ranks_.empty())
+    throw UsageError(std::string(caller) + ": expected at least one worker, got none");
   std::set<int> seen;
   for (int r : ranks_) {
     if (r < 0 || !seen.insert(r).second) {
       std::vector<int64_t> all(ranks_.begin(), ranks_.end());
-      throw UsageError(std::string(caller) + "([" + join(all, ", ") + "]): expected distinct worker ranks from 0");
+      throw UsageError(std::string(caller) + "([" + join(all, ", ") +
+                       "]): expected distinct worker ranks from 0");
     }
   }
   int64_t product = 1;
   for (int64_t n : shape_) {
-    if (n < 1) throw UsageError(std::string(caller) + ": mesh dimensions must be at least 1, got " + join(shape_, "x"));
+    if (n < 1)
+      throw UsageError(std::string(caller) + ": mesh dimensions must be at least 1, got " +
+                       join(shape_, "x"));
     product *= n;
   }
   if (product != static_cast<int64_t>(ranks_.size())) {
-    throw UsageError(std::string(caller) + ": a " + join(shape_, "x") + " mesh holds " + std::to_string(product) +
-                     " workers, but " + std::to_string(ranks_.size()) + " were given");
+    throw UsageError(std::string(caller) + ": a " + join(shape_, "x") + " mesh holds " +
+                     std::to_string(product) + " workers, but " + std::to_string(ranks_.size()) +
+                     " were given");
   }
 }
 
 namespace {
-std::vector<int64_t> line_of(const std::vector<int>& ranks) { return {static_cast<int64_t>(ranks.size())}; }
+std::vector<int64_t> line_of(const std::vector<int>& ranks) {
+  return {static_cast<int64_t>(ranks.size())};
+}
 }  // namespace
 
 Placement::Placement(std::vector<int> ranks) : Placement(line_of(ranks), ranks, "Placement") {}
@@ -106,8 +114,12 @@ Sbp split(int64_t dim) {
   if (dim < 0) throw UsageError("split(" + std::to_string(dim) + "): expected a dimension from 0");
   return Sbp(Sbp::Kind::kSplit, dim);
 }
-Sbp broadcast() { return Sbp(Sbp::Kind::kBroadcast, 0); }
-Sbp partial_sum() { return Sbp(Sbp::Kind::kPartialSum, 0); }
+Sbp broadcast() {
+  return Sbp(Sbp::Kind::kBroadcast, 0);
+}
+Sbp partial_sum() {
+  return Sbp(Sbp::Kind::kPartialSum, 0);
+}
 
 Sbp dual(const Sbp& sbp) {
   if (sbp.is_broadcast()) return partial_sum();
@@ -148,27 +160,33 @@ std::string shape_text(at::IntArrayRef shape) {
   return text + "]";
 }
 
-int my_rank() { return shoal::is_initialized() ? shoal::rank() : 0; }
-int job_size() { return shoal::is_initialized() ? shoal::world_size() : 1; }
+int my_rank() {
+  return shoal::is_initialized() ? shoal::rank() : 0;
+}
+int job_size() {
+  return shoal::is_initialized() ? shoal::world_size() : 1;
+}
 
-void check_layout(const std::string& op, const Placement& placement, const NdSbp& sbp, int64_t ndim) {
+void check_layout(const std::string& op, const Placement& placement, const NdSbp& sbp,
+                  int64_t ndim) {
   for (int r : placement.ranks()) {
     if (r >= job_size()) {
-      throw UsageError(op + ": placement " + placement.describe() + " names worker " + std::to_string(r) +
-                       ", but the job has " + std::to_string(job_size()) + " workers (0 to " +
-                       std::to_string(job_size() - 1) + ")");
+      throw UsageError(op + ": placement " + placement.describe() + " names worker " +
+                       std::to_string(r) + ", but the job has " + std::to_string(job_size()) +
+                       " workers (0 to " + std::to_string(job_size() - 1) + ")");
     }
   }
   if (ndim < 0) return;  // the placement only
   if (sbp.size() != placement.ndim()) {
     throw UsageError(op + ": sbp " + sbp.describe() + " has " + std::to_string(sbp.size()) +
-                     " axes, but placement " + placement.describe() + " has " + std::to_string(placement.ndim()) +
-                     "; expected one Sbp per mesh axis");
+                     " axes, but placement " + placement.describe() + " has " +
+                     std::to_string(placement.ndim()) + "; expected one Sbp per mesh axis");
   }
   for (const auto& s : sbp.axes()) {
     if (s.is_split() && s.dim() >= ndim) {
-      throw UsageError(op + ": " + s.describe() + " is out of range for a tensor of " + std::to_string(ndim) +
-                       " dimensions (placement " + placement.describe() + ", sbp " + sbp.describe() + ")");
+      throw UsageError(op + ": " + s.describe() + " is out of range for a tensor of " +
+                       std::to_string(ndim) + " dimensions (placement " + placement.describe() +
+                       ", sbp " + sbp.describe() + ")");
     }
   }
 }
@@ -184,8 +202,8 @@ int64_t extent_before_axis(at::IntArrayRef shape, const Placement& placement, co
   return extent;
 }
 
-std::vector<int64_t> piece_shape(at::IntArrayRef shape, const Placement& placement, const NdSbp& sbp,
-                                 const std::vector<int64_t>& coordinate) {
+std::vector<int64_t> piece_shape(at::IntArrayRef shape, const Placement& placement,
+                                 const NdSbp& sbp, const std::vector<int64_t>& coordinate) {
   std::vector<int64_t> piece(shape.begin(), shape.end());
   for (int a = 0; a < placement.ndim(); ++a) {
     if (!sbp[a].is_split()) continue;
@@ -242,8 +260,9 @@ comm::Group& group_of(const std::vector<int>& ranks) {
   auto it = groups.find(ranks);
   if (it == groups.end()) {
     std::vector<int> positions;
-    for (int r : ranks) positions.push_back(static_cast<int>(
-        std::find(world.members().begin(), world.members().end(), r) - world.members().begin()));
+    for (int r : ranks)
+      positions.push_back(static_cast<int>(
+          std::find(world.members().begin(), world.members().end(), r) - world.members().begin()));
     it = groups.emplace(ranks, world.subgroup(positions)).first;
   }
   return it->second;
@@ -263,7 +282,8 @@ namespace {
 // has in its graph where the members have the op's.
 class After : public torch::autograd::Function<After> {
  public:
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, at::TensorList inputs, at::ScalarType dtype) {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, at::TensorList inputs,
+                            at::ScalarType dtype) {
     ctx->saved_data["count"] = static_cast<int64_t>(inputs.size());
     for (size_t i = 0; i < inputs.size(); ++i) {
       ctx->saved_data["sizes" + std::to_string(i)] = inputs[i].sizes().vec();
@@ -277,7 +297,8 @@ class After : public torch::autograd::Function<After> {
     const int64_t count = ctx->saved_data["count"].toInt();
     for (int64_t i = 0; i < count; ++i) {
       const auto sizes = ctx->saved_data["sizes" + std::to_string(i)].toIntVector();
-      const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype" + std::to_string(i)].toInt());
+      const auto dtype =
+          static_cast<at::ScalarType>(ctx->saved_data["dtype" + std::to_string(i)].toInt());
       grads.push_back(at::zeros(sizes, at::TensorOptions().dtype(dtype)));
     }
     grads.push_back(at::Tensor());  // for dtype

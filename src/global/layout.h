@@ -24,7 +24,8 @@ int job_size();
 // UsageError, naming `op` and the placement, when it names a worker outside the job, or when
 // `sbp` does not fit it (one Sbp per mesh axis, split dims within the tensor's `ndim`; with
 // ndim < 0 the placement only).
-void check_layout(const std::string& op, const Placement& placement, const NdSbp& sbp, int64_t ndim);
+void check_layout(const std::string& op, const Placement& placement, const NdSbp& sbp,
+                  int64_t ndim);
 
 // The extent of `dim` that axis `axis` cuts, for the worker at `coordinate`: the global size
 // after the splits of the axes before `axis`.
@@ -32,8 +33,8 @@ int64_t extent_before_axis(at::IntArrayRef shape, const Placement& placement, co
                            const std::vector<int64_t>& coordinate, int axis, int64_t dim);
 
 // The shape of the piece the worker at `coordinate` holds.
-std::vector<int64_t> piece_shape(at::IntArrayRef shape, const Placement& placement, const NdSbp& sbp,
-                                 const std::vector<int64_t>& coordinate);
+std::vector<int64_t> piece_shape(at::IntArrayRef shape, const Placement& placement,
+                                 const NdSbp& sbp, const std::vector<int64_t>& coordinate);
 
 // Where that piece starts along `dim` (0 for dims nobody splits).
 int64_t piece_offset(at::IntArrayRef shape, const Placement& placement, const NdSbp& sbp,
@@ -64,8 +65,8 @@ at::Tensor placeholder_after(const std::vector<at::Tensor>& inputs, at::ScalarTy
 // Boxing: `local` (this worker's piece for `from`) as its piece for `to`, by collectives among
 // the workers of both placements; differentiable, with the adjoint collectives in backward.
 // Every worker of the job calls it.
-at::Tensor box(const at::Tensor& local, at::IntArrayRef shape, const Placement& from_placement, const NdSbp& from,
-               const Placement& to_placement, const NdSbp& to);
+at::Tensor box(const at::Tensor& local, at::IntArrayRef shape, const Placement& from_placement,
+               const NdSbp& from, const Placement& to_placement, const NdSbp& to);
 
 // Sum over the workers along `axis` (this worker's), differentiable: backward sums the
 // gradients the same way.

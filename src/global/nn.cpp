@@ -37,8 +37,8 @@ NdSbp per_axis(const Layout& layout, const Sbp& tensor) {
   std::vector<Sbp> axes(static_cast<size_t>(layout.placement.ndim()), broadcast());
   for (int a : layout.tensor_axes) {
     if (a < 0 || a >= layout.placement.ndim()) {
-      throw UsageError("Layout: tensor axis " + std::to_string(a) + " is not an axis of placement " +
-                       layout.placement.describe());
+      throw UsageError("Layout: tensor axis " + std::to_string(a) +
+                       " is not an axis of placement " + layout.placement.describe());
     }
     axes[static_cast<size_t>(a)] = tensor;
   }
@@ -52,36 +52,57 @@ torch::Tensor uniform(std::vector<int64_t> shape, double bound) {
 
 }  // namespace
 
-NdSbp Layout::replicated() const { return per_axis(*this, broadcast()); }
-NdSbp Layout::column() const { return per_axis(*this, split(0)); }
-NdSbp Layout::row() const { return per_axis(*this, split(1)); }
+NdSbp Layout::replicated() const {
+  return per_axis(*this, broadcast());
+}
+NdSbp Layout::column() const {
+  return per_axis(*this, split(0));
+}
+NdSbp Layout::row() const {
+  return per_axis(*this, split(1));
+}
 
-LinearImpl::LinearImpl(int64_t in, int64_t out, const Placement& placement, const NdSbp& weight_sbp, bool with_bias) {
-  // torch::nn::Linear: kaiming_uniform_(a = sqrt(5)) is uniform in +-1/sqrt(in), and so is the bias.
+LinearImpl::LinearImpl(int64_t in, int64_t out, const Placement& placement, const NdSbp& weight_sbp,
+                       bool with_bias) {
+  // torch::nn::Linear: kaiming_uniform_(a = sqrt(5)) is uniform in +-1/sqrt(in), and so is the
+  // bias.
   const double bound = 1.0 / std::sqrt(static_cast<double>(in));
-  weight = register_global_parameter("weight", GlobalTensor::from_full(uniform({out, in}, bound), placement, weight_sbp));
+  weight = register_global_parameter(
+      "weight", GlobalTensor::from_full(uniform({out, in}, bound), placement, weight_sbp));
   if (with_bias) {
     std::vector<Sbp> axes;
-    for (const auto& s : weight_sbp.axes()) axes.push_back(s.is_split() && s.dim() == 0 ? split(0) : broadcast());
-    bias = register_global_parameter("bias", GlobalTensor::from_full(uniform({out}, bound), placement, NdSbp(axes)));
+    for (const auto& s : weight_sbp.axes())
+      axes.push_back(s.is_split() && s.dim() == 0 ? split(0) : broadcast());
+    bias = register_global_parameter(
+        "bias", GlobalTensor::from_full(uniform({out}, bound), placement, NdSbp(axes)));
   }
 }
 
-GlobalTensor LinearImpl::forward(const GlobalTensor& x) { return linear(x, weight, bias); }
-
-EmbeddingImpl::EmbeddingImpl(int64_t count, int64_t dim, const Placement& placement, const NdSbp& weight_sbp) {
-  weight = register_global_parameter("weight", GlobalTensor::from_full(torch::randn({count, dim}), placement, weight_sbp));
+GlobalTensor LinearImpl::forward(const GlobalTensor& x) {
+  return linear(x, weight, bias);
 }
 
-GlobalTensor EmbeddingImpl::forward(const GlobalTensor& indices) { return embedding(indices, weight); }
+EmbeddingImpl::EmbeddingImpl(int64_t count, int64_t dim, const Placement& placement,
+                             const NdSbp& weight_sbp) {
+  weight = register_global_parameter(
+      "weight", GlobalTensor::from_full(torch::randn({count, dim}), placement, weight_sbp));
+}
+
+GlobalTensor EmbeddingImpl::forward(const GlobalTensor& indices) {
+  return embedding(indices, weight);
+}
 
 LayerNormImpl::LayerNormImpl(int64_t dim, const Placement& placement, double eps) : eps(eps) {
   const NdSbp whole(std::vector<Sbp>(static_cast<size_t>(placement.ndim()), broadcast()));
-  weight = register_global_parameter("weight", GlobalTensor::from_full(torch::ones({dim}), placement, whole));
-  bias = register_global_parameter("bias", GlobalTensor::from_full(torch::zeros({dim}), placement, whole));
+  weight = register_global_parameter("weight",
+                                     GlobalTensor::from_full(torch::ones({dim}), placement, whole));
+  bias = register_global_parameter("bias",
+                                   GlobalTensor::from_full(torch::zeros({dim}), placement, whole));
 }
 
-GlobalTensor LayerNormImpl::forward(const GlobalTensor& x) { return layer_norm(x, {x.shape().back()}, weight, bias, eps); }
+GlobalTensor LayerNormImpl::forward(const GlobalTensor& x) {
+  return layer_norm(x, {x.shape().back()}, weight, bias, eps);
+}
 
 std::vector<int> piece_holders(const GlobalTensor& parameter) {
   const Placement& placement = parameter.placement();
@@ -90,7 +111,8 @@ std::vector<int> piece_holders(const GlobalTensor& parameter) {
   for (int r : placement.ranks()) {
     const auto theirs = placement.coordinate(r);
     bool same = true;
-    for (int a = 0; a < placement.ndim(); ++a) same = same && (parameter.sbp()[a].is_broadcast() || theirs[a] == mine[a]);
+    for (int a = 0; a < placement.ndim(); ++a)
+      same = same && (parameter.sbp()[a].is_broadcast() || theirs[a] == mine[a]);
     if (same) ranks.push_back(r);
   }
   return ranks;
@@ -113,20 +135,27 @@ GradientSync::GradientSync(const std::shared_ptr<Module>& module, GradientSyncOp
   }
   for (const auto& item : module->named_parameters()) {
     if (global.count(item.value().unsafeGetTensorImpl()) == 0) {
-      throw UsageError("GradientSync: parameter '" + item.key() + "' is a plain tensor; register it with "
-                       "register_global_parameter so that its layout says how its gradient is shared");
+      throw UsageError(
+          "GradientSync: parameter '" + item.key() +
+          "' is a plain tensor; register it with "
+          "register_global_parameter so that its layout says how its gradient is shared");
     }
   }
   dp::ReducerOptions reducer;
   reducer.bucket_bytes = options.bucket_bytes;
   reducer.first_bucket_bytes = options.first_bucket_bytes;
-  reducer.hook = [](comm::Group& group, at::Tensor& bucket) { return group.all_reduce_async(bucket); };  // a sum
+  reducer.hook = [](comm::Group& group, at::Tensor& bucket) {
+    return group.all_reduce_async(bucket);
+  };  // a sum
   for (const auto& ranks : order) {
     groups_.push_back(ranks);
-    reducers_.push_back(std::make_unique<dp::Reducer>(by_group[ranks], detail::group_of(ranks), reducer));
+    reducers_.push_back(
+        std::make_unique<dp::Reducer>(by_group[ranks], detail::group_of(ranks), reducer));
   }
 }
 
-std::vector<std::vector<int>> GradientSync::groups() const { return groups_; }
+std::vector<std::vector<int>> GradientSync::groups() const {
+  return groups_;
+}
 
 }  // namespace shoal::global::nn

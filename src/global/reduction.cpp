@@ -11,7 +11,9 @@ namespace {
 using detail::Signature;
 
 // The output dim of input dim `d` once `dim` is reduced.
-int64_t after_reduction(int64_t d, int64_t dim, bool keepdim) { return keepdim || d < dim ? d : d - 1; }
+int64_t after_reduction(int64_t d, int64_t dim, bool keepdim) {
+  return keepdim || d < dim ? d : d - 1;
+}
 
 std::vector<int64_t> reduced_shape(const std::vector<int64_t>& shape, int64_t dim, bool keepdim) {
   std::vector<int64_t> out = shape;
@@ -29,7 +31,8 @@ std::vector<Signature> sum_table(int64_t ndim, int64_t dim, bool keepdim) {
   std::vector<Signature> table;
   for (int64_t d = 0; d < ndim; ++d) {
     const bool reduced = dim < 0 || d == dim;
-    table.push_back({{split(d)}, reduced ? partial_sum() : split(after_reduction(d, dim, keepdim))});
+    table.push_back(
+        {{split(d)}, reduced ? partial_sum() : split(after_reduction(d, dim, keepdim))});
   }
   table.push_back({{broadcast()}, broadcast()});
   table.push_back({{partial_sum()}, partial_sum()});
@@ -62,18 +65,21 @@ at::Tensor local_log_softmax(const at::Tensor& x, int64_t dim, const detail::Pre
 
 // Row statistics all-reduced when `dim` of x is split on an axis: `count` values per row.
 int64_t row_statistics_bytes(const GlobalTensor& x, int64_t dim, int64_t count) {
-  return count * (x.numel() / std::max<int64_t>(x.shape()[dim], 1)) * static_cast<int64_t>(c10::elementSize(x.dtype()));
+  return count * (x.numel() / std::max<int64_t>(x.shape()[dim], 1)) *
+         static_cast<int64_t>(c10::elementSize(x.dtype()));
 }
 
 GlobalTensor softmax_like(const char* op, const GlobalTensor& x, int64_t dim, bool log) {
   dim = detail::wrap_dim(op, dim, x.dim());
   std::vector<Signature> table;
   for (int64_t d = 0; d < x.dim(); ++d) {
-    table.push_back({{split(d)}, split(d), d == dim ? row_statistics_bytes(x, dim, 2) : 0});  // max, sum
+    table.push_back(
+        {{split(d)}, split(d), d == dim ? row_statistics_bytes(x, dim, 2) : 0});  // max, sum
   }
   table.push_back({{broadcast()}, broadcast()});
   return detail::apply(op, {x}, table, x.shape(), x.dtype(), [&](const detail::Prepared& p) {
-    if (detail::axes_splitting(p, 0, dim).empty()) return log ? at::log_softmax(p.locals[0], dim) : at::softmax(p.locals[0], dim);
+    if (detail::axes_splitting(p, 0, dim).empty())
+      return log ? at::log_softmax(p.locals[0], dim) : at::softmax(p.locals[0], dim);
     const at::Tensor out = local_log_softmax(p.locals[0], dim, p);
     return log ? out : out.exp();
   });
@@ -81,8 +87,12 @@ GlobalTensor softmax_like(const char* op, const GlobalTensor& x, int64_t dim, bo
 
 }  // namespace
 
-GlobalTensor softmax(const GlobalTensor& x, int64_t dim) { return softmax_like("softmax", x, dim, false); }
-GlobalTensor log_softmax(const GlobalTensor& x, int64_t dim) { return softmax_like("log_softmax", x, dim, true); }
+GlobalTensor softmax(const GlobalTensor& x, int64_t dim) {
+  return softmax_like("softmax", x, dim, false);
+}
+GlobalTensor log_softmax(const GlobalTensor& x, int64_t dim) {
+  return softmax_like("log_softmax", x, dim, true);
+}
 
 GlobalTensor sum(const GlobalTensor& x) {
   return detail::apply("sum", {x}, sum_table(x.dim(), -1, false), {}, x.dtype(),
@@ -91,8 +101,9 @@ GlobalTensor sum(const GlobalTensor& x) {
 
 GlobalTensor sum(const GlobalTensor& x, int64_t dim, bool keepdim) {
   dim = detail::wrap_dim("sum", dim, x.dim());
-  return detail::apply("sum", {x}, sum_table(x.dim(), dim, keepdim), reduced_shape(x.shape(), dim, keepdim),
-                       x.dtype(), [&](const detail::Prepared& p) { return p.locals[0].sum(dim, keepdim); });
+  return detail::apply("sum", {x}, sum_table(x.dim(), dim, keepdim),
+                       reduced_shape(x.shape(), dim, keepdim), x.dtype(),
+                       [&](const detail::Prepared& p) { return p.locals[0].sum(dim, keepdim); });
 }
 
 // A mean is the local sum over the global count: right for a piece of a split (which sums to a
@@ -106,8 +117,9 @@ GlobalTensor mean(const GlobalTensor& x) {
 GlobalTensor mean(const GlobalTensor& x, int64_t dim, bool keepdim) {
   dim = detail::wrap_dim("mean", dim, x.dim());
   const double count = static_cast<double>(x.shape()[dim]);
-  return detail::apply("mean", {x}, sum_table(x.dim(), dim, keepdim), reduced_shape(x.shape(), dim, keepdim),
-                       x.dtype(), [&](const detail::Prepared& p) { return p.locals[0].sum(dim, keepdim) / count; });
+  return detail::apply(
+      "mean", {x}, sum_table(x.dim(), dim, keepdim), reduced_shape(x.shape(), dim, keepdim),
+      x.dtype(), [&](const detail::Prepared& p) { return p.locals[0].sum(dim, keepdim) / count; });
 }
 
 GlobalTensor max(const GlobalTensor& x) {
@@ -117,14 +129,16 @@ GlobalTensor max(const GlobalTensor& x) {
 
 GlobalTensor max(const GlobalTensor& x, int64_t dim, bool keepdim) {
   dim = detail::wrap_dim("max", dim, x.dim());
-  return detail::apply("max", {x}, rowwise_table(x.dim(), dim, keepdim), reduced_shape(x.shape(), dim, keepdim),
-                       x.dtype(), [&](const detail::Prepared& p) { return at::amax(p.locals[0], {dim}, keepdim); });
+  return detail::apply(
+      "max", {x}, rowwise_table(x.dim(), dim, keepdim), reduced_shape(x.shape(), dim, keepdim),
+      x.dtype(), [&](const detail::Prepared& p) { return at::amax(p.locals[0], {dim}, keepdim); });
 }
 
 GlobalTensor cross_entropy(const GlobalTensor& logits, const GlobalTensor& target) {
   if (logits.dim() != 2 || target.dim() != 1 || target.shape()[0] != logits.shape()[0]) {
     throw UsageError("cross_entropy: expected logits [batch, classes] and target [batch], got " +
-                     detail::shape_text(logits.shape()) + " and " + detail::shape_text(target.shape()));
+                     detail::shape_text(logits.shape()) + " and " +
+                     detail::shape_text(target.shape()));
   }
   if (at::isFloatingType(target.dtype()) || target.dtype() == at::kBool) {
     throw UsageError(std::string("cross_entropy: expected integer class indices as target, got ") +
@@ -133,35 +147,41 @@ GlobalTensor cross_entropy(const GlobalTensor& logits, const GlobalTensor& targe
   const double batch = static_cast<double>(logits.shape()[0]);
   const std::vector<Signature> table = {
       {{split(0), split(0)}, partial_sum()},  // rows: each worker sums its rows' losses
-      {{split(1), broadcast()}, broadcast(), row_statistics_bytes(logits, 1, 3)},  // classes: max, sum, pick
+      {{split(1), broadcast()},
+       broadcast(),
+       row_statistics_bytes(logits, 1, 3)},  // classes: max, sum, pick
       {{broadcast(), broadcast()}, broadcast()},
   };
-  return detail::apply("cross_entropy", {logits, target}, table, {}, logits.dtype(), [&](const detail::Prepared& p) {
-    const at::Tensor& x = p.locals[0];
-    const at::Tensor scores = local_log_softmax(x, 1, p);
-    // The target's score, from the worker holding its class (the others contribute zero).
-    const auto class_axes = detail::axes_splitting(p, 0, 1);
-    const int64_t offset = detail::piece_offset(logits.shape(), p.placement, p.inputs[0],
-                                                p.placement.coordinate(detail::my_rank()), 1);
-    const at::Tensor local = p.locals[1].to(at::kLong) - offset;
-    const at::Tensor held = (local >= 0).logical_and(local < x.size(1));
-    at::Tensor picked = scores.gather(1, at::where(held, local, at::zeros_like(local)).unsqueeze(1)).squeeze(1);
-    picked = at::where(held, picked, at::zeros_like(picked));
-    for (int a : class_axes) picked = detail::all_reduce_along(picked, p.placement, a);
-    return -picked.sum() / batch;
-  });
+  return detail::apply(
+      "cross_entropy", {logits, target}, table, {}, logits.dtype(), [&](const detail::Prepared& p) {
+        const at::Tensor& x = p.locals[0];
+        const at::Tensor scores = local_log_softmax(x, 1, p);
+        // The target's score, from the worker holding its class (the others contribute zero).
+        const auto class_axes = detail::axes_splitting(p, 0, 1);
+        const int64_t offset = detail::piece_offset(logits.shape(), p.placement, p.inputs[0],
+                                                    p.placement.coordinate(detail::my_rank()), 1);
+        const at::Tensor local = p.locals[1].to(at::kLong) - offset;
+        const at::Tensor held = (local >= 0).logical_and(local < x.size(1));
+        at::Tensor picked =
+            scores.gather(1, at::where(held, local, at::zeros_like(local)).unsqueeze(1)).squeeze(1);
+        picked = at::where(held, picked, at::zeros_like(picked));
+        for (int a : class_axes) picked = detail::all_reduce_along(picked, p.placement, a);
+        return -picked.sum() / batch;
+      });
 }
 
-GlobalTensor layer_norm(const GlobalTensor& x, at::IntArrayRef normalized_shape, const GlobalTensor& weight,
-                        const GlobalTensor& bias, double eps) {
+GlobalTensor layer_norm(const GlobalTensor& x, at::IntArrayRef normalized_shape,
+                        const GlobalTensor& weight, const GlobalTensor& bias, double eps) {
   const auto k = static_cast<int64_t>(normalized_shape.size());
-  const bool fits = k >= 1 && k <= x.dim() &&
-                    std::equal(normalized_shape.begin(), normalized_shape.end(), x.shape().end() - k) &&
-                    (!weight.defined() || weight.shape() == normalized_shape.vec()) &&
-                    (!bias.defined() || bias.shape() == normalized_shape.vec());
+  const bool fits =
+      k >= 1 && k <= x.dim() &&
+      std::equal(normalized_shape.begin(), normalized_shape.end(), x.shape().end() - k) &&
+      (!weight.defined() || weight.shape() == normalized_shape.vec()) &&
+      (!bias.defined() || bias.shape() == normalized_shape.vec());
   if (!fits) {
-    throw UsageError("layer_norm: expected normalized_shape " + detail::shape_text(normalized_shape) +
-                     " to be the last dims of " + x.describe() + " and the shape of weight and bias");
+    throw UsageError("layer_norm: expected normalized_shape " +
+                     detail::shape_text(normalized_shape) + " to be the last dims of " +
+                     x.describe() + " and the shape of weight and bias");
   }
   // Rows are normalized each on its own: a split of the leading dims stays, weight and bias whole.
   std::vector<GlobalTensor> inputs = {x};
@@ -175,11 +195,12 @@ GlobalTensor layer_norm(const GlobalTensor& x, at::IntArrayRef normalized_shape,
   std::vector<Signature> table;
   for (int64_t d = 0; d < x.dim() - k; ++d) table.push_back({row(split(d)), split(d)});
   table.push_back({row(broadcast()), broadcast()});
-  return detail::apply("layer_norm", inputs, table, x.shape(), x.dtype(), [&](const detail::Prepared& p) {
-    const at::Tensor w = weight.defined() ? p.locals[1] : at::Tensor();
-    const at::Tensor b = bias.defined() ? p.locals.back() : at::Tensor();
-    return at::layer_norm(p.locals[0], normalized_shape, w, b, eps);
-  });
+  return detail::apply("layer_norm", inputs, table, x.shape(), x.dtype(),
+                       [&](const detail::Prepared& p) {
+                         const at::Tensor w = weight.defined() ? p.locals[1] : at::Tensor();
+                         const at::Tensor b = bias.defined() ? p.locals.back() : at::Tensor();
+                         return at::layer_norm(p.locals[0], normalized_shape, w, b, eps);
+                       });
 }
 
 }  // namespace shoal::global

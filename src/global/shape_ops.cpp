@@ -14,13 +14,14 @@ namespace {
 using detail::Signature;
 
 int64_t product(const std::vector<int64_t>& shape, size_t end) {
-  return std::accumulate(shape.begin(), shape.begin() + static_cast<std::ptrdiff_t>(end), int64_t{1},
-                         std::multiplies<int64_t>());
+  return std::accumulate(shape.begin(), shape.begin() + static_cast<std::ptrdiff_t>(end),
+                         int64_t{1}, std::multiplies<int64_t>());
 }
 
 // Linear maps that keep every split dim whole: any split of `ndim` dims but those in `skip`,
 // renamed by `to`, plus broadcast and partial_sum.
-std::vector<Signature> carried_table(int64_t ndim, const std::function<int64_t(int64_t)>& to, int64_t skip = -1) {
+std::vector<Signature> carried_table(int64_t ndim, const std::function<int64_t(int64_t)>& to,
+                                     int64_t skip = -1) {
   std::vector<Signature> table;
   for (int64_t d = 0; d < ndim; ++d) {
     if (d != skip) table.push_back({{split(d)}, split(to(d))});
@@ -38,8 +39,8 @@ std::vector<Signature> carried_table(int64_t ndim, const std::function<int64_t(i
 // is cut into several. In the last two cases the pieces only line up when the split divides
 // evenly (split_sizes cuts 5 rows of 3 into 2+2+1, but 15 elements into 5+5+5); with `workers`
 // dividing the size they do however the placement's axes nest.
-std::optional<int64_t> carried_dim(const std::vector<int64_t>& in, const std::vector<int64_t>& out, int64_t d,
-                                   int64_t workers) {
+std::optional<int64_t> carried_dim(const std::vector<int64_t>& in, const std::vector<int64_t>& out,
+                                   int64_t d, int64_t workers) {
   const int64_t before = product(in, static_cast<size_t>(d));
   const int64_t through = before * in[d];
   for (size_t e = 0; e < out.size(); ++e) {
@@ -51,12 +52,14 @@ std::optional<int64_t> carried_dim(const std::vector<int64_t>& in, const std::ve
     const int64_t out_through = product(out, e + 1);
     if (out_through > through && in[d] % workers == 0) {
       for (size_t k = static_cast<size_t>(d) + 1; k <= in.size(); ++k) {
-        if (product(in, k) == out_through) return static_cast<int64_t>(e);  // d merged with later dims
+        if (product(in, k) == out_through)
+          return static_cast<int64_t>(e);  // d merged with later dims
       }
     }
     if (out_through < through && out[e] % workers == 0) {
       for (size_t f = e + 1; f <= out.size(); ++f) {
-        if (product(out, f) == through) return static_cast<int64_t>(e);  // d cut, e its first factor
+        if (product(out, f) == through)
+          return static_cast<int64_t>(e);  // d cut, e its first factor
       }
     }
   }
@@ -72,33 +75,37 @@ GlobalTensor reshape(const GlobalTensor& x, at::IntArrayRef shape) {
     if (out[i] == -1 && inferred < 0) {
       inferred = static_cast<int64_t>(i);
     } else if (out[i] < 0) {
-      throw UsageError("reshape: shape " + detail::shape_text(shape) + " is invalid; expected sizes from 0 and at most one -1");
+      throw UsageError("reshape: shape " + detail::shape_text(shape) +
+                       " is invalid; expected sizes from 0 and at most one -1");
     } else {
       known *= out[i];
     }
   }
   if (inferred >= 0 && known > 0 && x.numel() % known == 0) out[inferred] = x.numel() / known;
   if (product(out, out.size()) != x.numel() || (inferred >= 0 && known == 0)) {
-    throw UsageError("reshape: shape " + detail::shape_text(shape) + " is invalid for a tensor of shape " +
-                     detail::shape_text(x.shape()) + " (" + std::to_string(x.numel()) + " elements)");
+    throw UsageError("reshape: shape " + detail::shape_text(shape) +
+                     " is invalid for a tensor of shape " + detail::shape_text(x.shape()) + " (" +
+                     std::to_string(x.numel()) + " elements)");
   }
   std::vector<Signature> table;
   if (x.numel() > 0) {
     for (int64_t d = 0; d < x.dim(); ++d) {
-      if (auto e = carried_dim(x.shape(), out, d, x.placement().size())) table.push_back({{split(d)}, split(*e)});
+      if (auto e = carried_dim(x.shape(), out, d, x.placement().size()))
+        table.push_back({{split(d)}, split(*e)});
     }
   }
   table.push_back({{broadcast()}, broadcast()});
   table.push_back({{partial_sum()}, partial_sum()});
-  return detail::apply("reshape", {x}, table, out, x.dtype(),
-                       [&](const detail::Prepared& p) {
-                         // The local piece's shape: the output's, with the carried splits cut.
-                         const auto coordinate = p.placement.coordinate(detail::my_rank());
-                         return p.locals[0].reshape(detail::piece_shape(out, p.placement, p.output, coordinate));
-                       });
+  return detail::apply("reshape", {x}, table, out, x.dtype(), [&](const detail::Prepared& p) {
+    // The local piece's shape: the output's, with the carried splits cut.
+    const auto coordinate = p.placement.coordinate(detail::my_rank());
+    return p.locals[0].reshape(detail::piece_shape(out, p.placement, p.output, coordinate));
+  });
 }
 
-GlobalTensor view(const GlobalTensor& x, at::IntArrayRef shape) { return reshape(x, shape); }
+GlobalTensor view(const GlobalTensor& x, at::IntArrayRef shape) {
+  return reshape(x, shape);
+}
 
 GlobalTensor transpose(const GlobalTensor& x, int64_t dim0, int64_t dim1) {
   dim0 = detail::wrap_dim("transpose", dim0, x.dim());
@@ -106,8 +113,9 @@ GlobalTensor transpose(const GlobalTensor& x, int64_t dim0, int64_t dim1) {
   std::vector<int64_t> shape = x.shape();
   std::swap(shape[dim0], shape[dim1]);
   auto to = [&](int64_t d) { return d == dim0 ? dim1 : d == dim1 ? dim0 : d; };
-  return detail::apply("transpose", {x}, carried_table(x.dim(), to), shape, x.dtype(),
-                       [&](const detail::Prepared& p) { return p.locals[0].transpose(dim0, dim1); });
+  return detail::apply(
+      "transpose", {x}, carried_table(x.dim(), to), shape, x.dtype(),
+      [&](const detail::Prepared& p) { return p.locals[0].transpose(dim0, dim1); });
 }
 
 GlobalTensor permute(const GlobalTensor& x, at::IntArrayRef dims) {
@@ -119,13 +127,16 @@ GlobalTensor permute(const GlobalTensor& x, at::IntArrayRef dims) {
     if (inverse[order[i]] >= 0) break;
     inverse[order[i]] = static_cast<int64_t>(i);
   }
-  if (static_cast<int64_t>(order.size()) != n || std::count(inverse.begin(), inverse.end(), -1) != 0) {
-    throw UsageError("permute: dims " + detail::shape_text(dims) + " are not a permutation of the " +
-                     std::to_string(n) + " dims of " + x.describe());
+  if (static_cast<int64_t>(order.size()) != n ||
+      std::count(inverse.begin(), inverse.end(), -1) != 0) {
+    throw UsageError("permute: dims " + detail::shape_text(dims) +
+                     " are not a permutation of the " + std::to_string(n) + " dims of " +
+                     x.describe());
   }
   std::vector<int64_t> shape;
   for (int64_t d : order) shape.push_back(x.shape()[d]);
-  return detail::apply("permute", {x}, carried_table(n, [&](int64_t d) { return inverse[d]; }), shape, x.dtype(),
+  return detail::apply("permute", {x}, carried_table(n, [&](int64_t d) { return inverse[d]; }),
+                       shape, x.dtype(),
                        [&](const detail::Prepared& p) { return p.locals[0].permute(order); });
 }
 
@@ -139,8 +150,8 @@ GlobalTensor cat(const std::vector<GlobalTensor>& tensors, int64_t dim) {
     std::vector<int64_t> a = t.shape(), b = first.shape();
     if (a.size() == b.size()) a[dim] = b[dim] = 0;
     if (a != b || t.dtype() != first.dtype()) {
-      throw UsageError("cat: expected tensors of one dtype whose shapes differ only in dim " + std::to_string(dim) +
-                       ", got " + first.describe() + " and " + t.describe());
+      throw UsageError("cat: expected tensors of one dtype whose shapes differ only in dim " +
+                       std::to_string(dim) + ", got " + first.describe() + " and " + t.describe());
     }
     shape[dim] += t.shape()[dim];
   }
@@ -158,13 +169,19 @@ GlobalTensor cat(const std::vector<GlobalTensor>& tensors, int64_t dim) {
 GlobalTensor slice(const GlobalTensor& x, int64_t dim, int64_t start, int64_t end) {
   dim = detail::wrap_dim("slice", dim, x.dim());
   const int64_t size = x.shape()[dim];
-  auto clamp = [&](int64_t i) { return std::min(std::max(i < 0 ? i + size : i, int64_t{0}), size); };
+  auto clamp = [&](int64_t i) {
+    return std::min(std::max(i < 0 ? i + size : i, int64_t{0}), size);
+  };
   start = clamp(start);
   end = std::max(clamp(end), start);
   std::vector<int64_t> shape = x.shape();
   shape[dim] = end - start;
-  return detail::apply("slice", {x}, carried_table(x.dim(), [](int64_t d) { return d; }, dim), shape, x.dtype(),
-                       [&](const detail::Prepared& p) { return p.locals[0].slice(dim, start, end); });
+  return detail::apply("slice", {x},
+                       carried_table(
+                           x.dim(), [](int64_t d) { return d; }, dim),
+                       shape, x.dtype(), [&](const detail::Prepared& p) {
+                         return p.locals[0].slice(dim, start, end);
+                       });
 }
 
 }  // namespace shoal::global

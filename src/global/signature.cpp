@@ -8,9 +8,9 @@ namespace shoal::global::detail {
 namespace {
 
 // Bytes each worker sends to box a tensor of `bytes` (as held on this axis) from `from` to `to`
-// among `n` workers (split -> partial_sum: see below), plus one for any change at all, so that of two free routes the one that
-// keeps the inputs as they are wins, and a free split or partial_sum is not taken over
-// broadcast for nothing.
+// among `n` workers (split -> partial_sum: see below), plus one for any change at all, so that of
+// two free routes the one that keeps the inputs as they are wins, and a free split or partial_sum
+// is not taken over broadcast for nothing.
 double boxing_cost(const Sbp& from, const Sbp& to, double bytes, int64_t n) {
   if (from == to) return 0;
   if (n == 1) return 1;
@@ -19,7 +19,7 @@ double boxing_cost(const Sbp& from, const Sbp& to, double bytes, int64_t n) {
   if (to.is_broadcast()) {
     sent = from.is_split() ? bytes * share : 2 * bytes * share;  // all-gather; all-reduce
   } else if (to.is_split()) {
-    if (from.is_partial_sum()) sent = bytes * share;  // reduce-scatter
+    if (from.is_partial_sum()) sent = bytes * share;                     // reduce-scatter
     if (from.is_split()) sent = bytes * share / static_cast<double>(n);  // all-to-all
   } else if (from.is_split()) {
     // Zero padding sends nothing now, but holds the whole size and leaves a reduction for
@@ -44,15 +44,16 @@ double bytes_on_axis(const GlobalTensor& t, int axis) {
 std::string operands(const std::vector<GlobalTensor>& inputs) {
   std::string text;
   for (size_t i = 0; i < inputs.size(); ++i) {
-    text += (i ? ", " : "") + std::string("operand ") + std::to_string(i) + " on " + inputs[i].placement().describe() +
-            " as " + inputs[i].sbp().describe();
+    text += (i ? ", " : "") + std::string("operand ") + std::to_string(i) + " on " +
+            inputs[i].placement().describe() + " as " + inputs[i].sbp().describe();
   }
   return text;
 }
 
 }  // namespace
 
-Prepared prepare(const std::string& op, const std::vector<GlobalTensor>& inputs, const std::vector<Signature>& table) {
+Prepared prepare(const std::string& op, const std::vector<GlobalTensor>& inputs,
+                 const std::vector<Signature>& table) {
   SHOAL_CHECK(!inputs.empty()) << op << " without inputs";
   for (const auto& t : inputs) {
     if (!t.defined()) throw UsageError(op + ": an operand is an empty GlobalTensor");
@@ -74,12 +75,14 @@ Prepared prepare(const std::string& op, const std::vector<GlobalTensor>& inputs,
     size_t best = 0;
     double best_cost = -1;
     for (size_t row = 0; row < table.size(); ++row) {
-      SHOAL_CHECK(table[row].inputs.size() == inputs.size()) << op << ": signature row " << row << " has "
-                                                             << table[row].inputs.size() << " inputs, the op "
-                                                             << inputs.size();
-      double cost = 2 * static_cast<double>(table[row].own_bytes) * static_cast<double>(n - 1) / static_cast<double>(n);
+      SHOAL_CHECK(table[row].inputs.size() == inputs.size())
+          << op << ": signature row " << row << " has " << table[row].inputs.size()
+          << " inputs, the op " << inputs.size();
+      double cost = 2 * static_cast<double>(table[row].own_bytes) * static_cast<double>(n - 1) /
+                    static_cast<double>(n);
       for (size_t i = 0; i < inputs.size(); ++i) {
-        cost += boxing_cost(inputs[i].sbp()[axis], table[row].inputs[i], bytes_on_axis(inputs[i], axis), n);
+        cost += boxing_cost(inputs[i].sbp()[axis], table[row].inputs[i],
+                            bytes_on_axis(inputs[i], axis), n);
       }
       if (best_cost < 0 || cost < best_cost) {
         best = row;
@@ -101,17 +104,18 @@ Prepared prepare(const std::string& op, const std::vector<GlobalTensor>& inputs,
   return prepared;
 }
 
-GlobalTensor finish(const Prepared& prepared, const std::function<at::Tensor()>& local, std::vector<int64_t> shape,
-                    at::ScalarType dtype) {
+GlobalTensor finish(const Prepared& prepared, const std::function<at::Tensor()>& local,
+                    std::vector<int64_t> shape, at::ScalarType dtype) {
   at::Tensor out = prepared.member ? local() : placeholder_after(prepared.locals, dtype);
   return GlobalTensor(std::move(out), prepared.placement, prepared.output, std::move(shape));
 }
 
-GlobalTensor apply(const std::string& op, const std::vector<GlobalTensor>& inputs, const std::vector<Signature>& table,
-                   std::vector<int64_t> shape, at::ScalarType dtype,
-                   const std::function<at::Tensor(const Prepared&)>& local) {
+GlobalTensor apply(const std::string& op, const std::vector<GlobalTensor>& inputs,
+                   const std::vector<Signature>& table, std::vector<int64_t> shape,
+                   at::ScalarType dtype, const std::function<at::Tensor(const Prepared&)>& local) {
   const Prepared prepared = prepare(op, inputs, table);
-  return finish(prepared, [&] { return local(prepared); }, std::move(shape), dtype);
+  return finish(
+      prepared, [&] { return local(prepared); }, std::move(shape), dtype);
 }
 
 std::vector<int> axes_splitting(const Prepared& prepared, size_t input, int64_t dim) {

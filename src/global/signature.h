@@ -27,25 +27,26 @@ struct Prepared {
   Placement placement{std::vector<int>{0}};
   std::vector<NdSbp> inputs;  // the inputs' SBP after boxing
   NdSbp output{std::vector<Sbp>{}};
-  std::vector<int> rows;  // the table row each axis picked
+  std::vector<int> rows;           // the table row each axis picked
   std::vector<at::Tensor> locals;  // the boxed local inputs (placeholders outside the placement)
-  bool member = false;  // whether this worker holds pieces
+  bool member = false;             // whether this worker holds pieces
 };
 
 // Checks that `inputs` share one placement (UsageError naming `op` and every operand's
 // placement and SBP), picks for each mesh axis the row of `table` that boxes least (ties: the
 // earlier row), and boxes the inputs to it. UsageError when the table is empty.
-Prepared prepare(const std::string& op, const std::vector<GlobalTensor>& inputs, const std::vector<Signature>& table);
+Prepared prepare(const std::string& op, const std::vector<GlobalTensor>& inputs,
+                 const std::vector<Signature>& table);
 
 // The op's output: `local` on members (computed from prepared.locals), a placeholder that depends
 // on the inputs elsewhere.
-GlobalTensor finish(const Prepared& prepared, const std::function<at::Tensor()>& local, std::vector<int64_t> shape,
-                    at::ScalarType dtype);
+GlobalTensor finish(const Prepared& prepared, const std::function<at::Tensor()>& local,
+                    std::vector<int64_t> shape, at::ScalarType dtype);
 
 // The usual case: prepare, compute `local` from the boxed local inputs, finish.
-GlobalTensor apply(const std::string& op, const std::vector<GlobalTensor>& inputs, const std::vector<Signature>& table,
-                   std::vector<int64_t> shape, at::ScalarType dtype,
-                   const std::function<at::Tensor(const Prepared&)>& local);
+GlobalTensor apply(const std::string& op, const std::vector<GlobalTensor>& inputs,
+                   const std::vector<Signature>& table, std::vector<int64_t> shape,
+                   at::ScalarType dtype, const std::function<at::Tensor(const Prepared&)>& local);
 
 // The axes on which input `input` picked split(dim).
 std::vector<int> axes_splitting(const Prepared& prepared, size_t input, int64_t dim);

@@ -7,14 +7,18 @@
 
 namespace shoal::global::nn {
 
-TransformerBlockImpl::TransformerBlockImpl(const TransformerBlockOptions& options_, const Layout& layout_)
+TransformerBlockImpl::TransformerBlockImpl(const TransformerBlockOptions& options_,
+                                           const Layout& layout_)
     : options(options_), layout(layout_) {
   if (options.hidden == 0) options.hidden = 4 * options.dim;
   int64_t tensor_workers = 1;
-  for (int a : layout.tensor_axes) tensor_workers *= layout.placement.shape().at(static_cast<size_t>(a));
-  if (options.heads < 1 || options.dim % options.heads != 0 || options.heads % tensor_workers != 0) {
-    throw UsageError("TransformerBlock: expected dim (" + std::to_string(options.dim) + ") to be a multiple of heads (" +
-                     std::to_string(options.heads) + ") and heads a multiple of the " + std::to_string(tensor_workers) +
+  for (int a : layout.tensor_axes)
+    tensor_workers *= layout.placement.shape().at(static_cast<size_t>(a));
+  if (options.heads < 1 || options.dim % options.heads != 0 ||
+      options.heads % tensor_workers != 0) {
+    throw UsageError("TransformerBlock: expected dim (" + std::to_string(options.dim) +
+                     ") to be a multiple of heads (" + std::to_string(options.heads) +
+                     ") and heads a multiple of the " + std::to_string(tensor_workers) +
                      " tensor-parallel workers");
   }
   const Placement& p = layout.placement;
@@ -33,8 +37,8 @@ TransformerBlockImpl::TransformerBlockImpl(const TransformerBlockOptions& option
 
 GlobalTensor TransformerBlockImpl::forward(const GlobalTensor& x) {
   if (x.dim() != 3 || x.shape()[2] != options.dim) {
-    throw UsageError("TransformerBlock: expected x [batch, time, " + std::to_string(options.dim) + "], got " +
-                     x.describe());
+    throw UsageError("TransformerBlock: expected x [batch, time, " + std::to_string(options.dim) +
+                     "], got " + x.describe());
   }
   const int64_t batch = x.shape()[0], time = x.shape()[1];
   const int64_t heads = options.heads, head_dim = options.dim / heads;
@@ -55,11 +59,15 @@ GlobalTensor TransformerBlockImpl::forward(const GlobalTensor& x) {
   };
   const GlobalTensor h = norm1(whole_on_tensor_axes(x));
   const GlobalTensor q = split_heads(query(h)), k = split_heads(key(h)), v = split_heads(value(h));
-  const at::Tensor future = torch::full({time, time}, -std::numeric_limits<float>::infinity()).triu(1);
-  const GlobalTensor mask = GlobalTensor::from_full(future.to(x.dtype()), layout.placement, layout.replicated());
-  GlobalTensor scores = matmul(q, transpose(k, -2, -1)) * (1.0 / std::sqrt(static_cast<double>(head_dim))) + mask;
+  const at::Tensor future =
+      torch::full({time, time}, -std::numeric_limits<float>::infinity()).triu(1);
+  const GlobalTensor mask =
+      GlobalTensor::from_full(future.to(x.dtype()), layout.placement, layout.replicated());
+  GlobalTensor scores =
+      matmul(q, transpose(k, -2, -1)) * (1.0 / std::sqrt(static_cast<double>(head_dim))) + mask;
   const GlobalTensor attention = dropout(softmax(scores, -1), p, is_training());
-  const GlobalTensor merged = reshape(transpose(matmul(attention, v), 1, 2), {batch, time, options.dim});
+  const GlobalTensor merged =
+      reshape(transpose(matmul(attention, v), 1, 2), {batch, time, options.dim});
   const GlobalTensor y = x + dropout(projection(merged), p, is_training());
   return y + dropout(down(gelu(up(norm2(whole_on_tensor_axes(y))))), p, is_training());
 }

@@ -63,7 +63,8 @@ struct Layout {
 // split(0) where the weight is, broadcast elsewhere. Initialized as torch::nn::Linear.
 class LinearImpl : public Module {
  public:
-  LinearImpl(int64_t in, int64_t out, const Placement& placement, const NdSbp& weight_sbp, bool bias = true);
+  LinearImpl(int64_t in, int64_t out, const Placement& placement, const NdSbp& weight_sbp,
+             bool bias = true);
   GlobalTensor forward(const GlobalTensor& x);
   GlobalTensor weight, bias;
 };
@@ -110,7 +111,8 @@ class TransformerBlockImpl : public Module {
   TransformerBlockOptions options;
   Layout layout;
   LayerNorm norm1{nullptr}, norm2{nullptr};
-  Linear query{nullptr}, key{nullptr}, value{nullptr}, projection{nullptr}, up{nullptr}, down{nullptr};
+  Linear query{nullptr}, key{nullptr}, value{nullptr}, projection{nullptr}, up{nullptr},
+      down{nullptr};
 };
 TORCH_MODULE(TransformerBlock);
 
@@ -134,7 +136,8 @@ class GradientSync {
  public:
   explicit GradientSync(const std::shared_ptr<Module>& module, GradientSyncOptions options = {});
   template <typename ModuleType>
-  explicit GradientSync(const torch::nn::ModuleHolder<ModuleType>& holder, GradientSyncOptions options = {})
+  explicit GradientSync(const torch::nn::ModuleHolder<ModuleType>& holder,
+                        GradientSyncOptions options = {})
       : GradientSync(std::static_pointer_cast<Module>(holder.ptr()), std::move(options)) {}
 
   // The workers each bucketed set of parameters is summed over (job ranks), one list per set.

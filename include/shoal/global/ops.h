@@ -17,7 +17,8 @@ namespace shoal::global {
 GlobalTensor matmul(const GlobalTensor& a, const GlobalTensor& b);
 // x [..., in] times weight [out, in] transposed, plus bias [out] (when defined), as
 // torch::nn::functional::linear. weight split(0) is column-parallel, split(1) row-parallel.
-GlobalTensor linear(const GlobalTensor& x, const GlobalTensor& weight, const GlobalTensor& bias = {});
+GlobalTensor linear(const GlobalTensor& x, const GlobalTensor& weight,
+                    const GlobalTensor& bias = {});
 
 // Element-wise, with torch's broadcasting.
 GlobalTensor add(const GlobalTensor& a, const GlobalTensor& b);
@@ -66,8 +67,9 @@ GlobalTensor cat(const std::vector<GlobalTensor>& tensors, int64_t dim);
 GlobalTensor slice(const GlobalTensor& x, int64_t dim, int64_t start, int64_t end);
 
 // Over the last normalized_shape.size() dims, with optional weight and bias of that shape.
-GlobalTensor layer_norm(const GlobalTensor& x, at::IntArrayRef normalized_shape, const GlobalTensor& weight = {},
-                        const GlobalTensor& bias = {}, double eps = 1e-5);
+GlobalTensor layer_norm(const GlobalTensor& x, at::IntArrayRef normalized_shape,
+                        const GlobalTensor& weight = {}, const GlobalTensor& bias = {},
+                        double eps = 1e-5);
 // Rows of weight [vocabulary, dim] for the integer `indices`. weight split(0) is
 // vocabulary-parallel (each worker looks up the ids in its rows; the output is a partial_sum).
 GlobalTensor embedding(const GlobalTensor& indices, const GlobalTensor& weight);

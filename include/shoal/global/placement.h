@@ -46,7 +46,9 @@ class Placement {
   // "[0, 1, 2, 3]", or "[0, 1, 2, 3] as 2x2" for a mesh.
   std::string describe() const;
 
-  bool operator==(const Placement& other) const { return ranks_ == other.ranks_ && shape_ == other.shape_; }
+  bool operator==(const Placement& other) const {
+    return ranks_ == other.ranks_ && shape_ == other.shape_;
+  }
   bool operator!=(const Placement& other) const { return !(*this == other); }
 
  private:

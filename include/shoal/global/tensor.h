@@ -22,13 +22,15 @@ class GlobalTensor {
   // worker of the job calls it (the pieces' sizes are exchanged to find the global shape).
   // UsageError when the pieces do not fit together (their split sizes must be those of
   // comm::split_sizes, the other dims equal).
-  static GlobalTensor from_local(const at::Tensor& local, const Placement& placement, const NdSbp& sbp);
+  static GlobalTensor from_local(const at::Tensor& local, const Placement& placement,
+                                 const NdSbp& sbp);
   // The same without communication: the caller knows the global shape.
-  static GlobalTensor from_local(const at::Tensor& local, const Placement& placement, const NdSbp& sbp,
-                                 at::IntArrayRef shape);
+  static GlobalTensor from_local(const at::Tensor& local, const Placement& placement,
+                                 const NdSbp& sbp, at::IntArrayRef shape);
   // `full` is the whole value, the same on every worker; each keeps its piece. No communication.
   // For partial_sum axes the first worker along the axis keeps the value, the others zeros.
-  static GlobalTensor from_full(const at::Tensor& full, const Placement& placement, const NdSbp& sbp);
+  static GlobalTensor from_full(const at::Tensor& full, const Placement& placement,
+                                const NdSbp& sbp);
 
   bool defined() const { return local_.defined(); }
   // The global (logical) shape.
@@ -94,8 +96,8 @@ GlobalTensor zeros(at::IntArrayRef shape, const Placement& placement, const NdSb
                    const at::TensorOptions& options = {});
 GlobalTensor ones(at::IntArrayRef shape, const Placement& placement, const NdSbp& sbp,
                   const at::TensorOptions& options = {});
-GlobalTensor full(at::IntArrayRef shape, const at::Scalar& value, const Placement& placement, const NdSbp& sbp,
-                  const at::TensorOptions& options = {});
+GlobalTensor full(at::IntArrayRef shape, const at::Scalar& value, const Placement& placement,
+                  const NdSbp& sbp, const at::TensorOptions& options = {});
 GlobalTensor arange(int64_t end, const Placement& placement, const NdSbp& sbp,
                     const at::TensorOptions& options = at::kLong);
 
