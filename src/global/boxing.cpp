@@ -36,47 +36,51 @@ Ranks to_ranks(const std::vector<int>& ranks) {
 }
 
 // Concatenation along dim 0 of the members' `x` (their dim-0 sizes: `sizes`).
+at::Tensor gather(const at::Tensor& x, const Ranks& ranks, const std::vector<int64_t>& sizes) {
+  comm::AllGatherOptions options;
+  options.sizes = sizes;
+  at::Tensor out = group_of(to_ints(ranks)).all_gather(x.contiguous(), options);
+  count_sent(ring_share(bytes_of(out), ranks.size()));
+  return out;
+}
+
+// This member's part (dim-0 `sizes`) of the sum of the members' `x`.
+at::Tensor scatter_sum(const at::Tensor& x, const Ranks& ranks, const std::vector<int64_t>& sizes) {
+  comm::ReduceScatterOptions options;
+  options.sizes = sizes;
+  count_sent(ring_share(bytes_of(x), ranks.size()));
+  return group_of(to_ints(ranks)).reduce_scatter(x.contiguous(), options);
+}
+
+// gather, whose adjoint is scatter_sum.
 class AllGather : public torch::autograd::Function<AllGather> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Ranks ranks,
                             std::vector<int64_t> sizes) {
     ctx->saved_data["ranks"] = ranks;
     ctx->saved_data["sizes"] = sizes;
-    comm::AllGatherOptions options;
-    options.sizes = sizes;
-    at::Tensor out = group_of(to_ints(ranks)).all_gather(x.contiguous(), options);
-    count_sent(ring_share(bytes_of(out), ranks.size()));
-    return out;
+    return gather(x, ranks, sizes);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    comm::ReduceScatterOptions options;
-    options.sizes = ctx->saved_data["sizes"].toIntVector();
-    const auto ranks = ctx->saved_data["ranks"].toIntVector();
-    count_sent(ring_share(bytes_of(grads[0]), ranks.size()));
-    return {group_of(to_ints(ranks)).reduce_scatter(grads[0].contiguous(), options), at::Tensor(),
-            at::Tensor()};
+    return {scatter_sum(grads[0], ctx->saved_data["ranks"].toIntVector(),
+                        ctx->saved_data["sizes"].toIntVector()),
+            at::Tensor(), at::Tensor()};
   }
 };
 
-// This member's part (dim-0 `sizes`) of the sum of the members' `x`.
+// scatter_sum, whose adjoint is gather.
 class ReduceScatter : public torch::autograd::Function<ReduceScatter> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Ranks ranks,
                             std::vector<int64_t> sizes) {
     ctx->saved_data["ranks"] = ranks;
     ctx->saved_data["sizes"] = sizes;
-    comm::ReduceScatterOptions options;
-    options.sizes = sizes;
-    count_sent(ring_share(bytes_of(x), ranks.size()));
-    return group_of(to_ints(ranks)).reduce_scatter(x.contiguous(), options);
+    return scatter_sum(x, ranks, sizes);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    comm::AllGatherOptions options;
-    options.sizes = ctx->saved_data["sizes"].toIntVector();
-    const auto ranks = ctx->saved_data["ranks"].toIntVector();
-    at::Tensor out = group_of(to_ints(ranks)).all_gather(grads[0].contiguous(), options);
-    count_sent(ring_share(bytes_of(out), ranks.size()));
-    return {out, at::Tensor(), at::Tensor()};
+    return {gather(grads[0], ctx->saved_data["ranks"].toIntVector(),
+                   ctx->saved_data["sizes"].toIntVector()),
+            at::Tensor(), at::Tensor()};
   }
 };
 

@@ -24,7 +24,7 @@ GlobalTensor pointwise(const char* op, const GlobalTensor& x, bool linear,
                        [&](const detail::Prepared& p) { return fn(p.locals[0]); });
 }
 
-enum class Linearity { kNone, kSum, kProduct, kQuotient };
+enum class Linearity { kSum, kProduct, kQuotient };
 
 // Two inputs with torch's broadcasting. An output dim is split where each input that has it at
 // full size is split along it and the others (which lack it or have it at size 1) are whole.

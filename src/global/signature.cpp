@@ -89,7 +89,6 @@ Prepared prepare(const std::string& op, const std::vector<GlobalTensor>& inputs,
         best_cost = cost;
       }
     }
-    prepared.rows.push_back(static_cast<int>(best));
     for (size_t i = 0; i < inputs.size(); ++i) targets[i].push_back(table[best].inputs[i]);
     output.push_back(table[best].output);
   }

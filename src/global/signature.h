@@ -27,7 +27,6 @@ struct Prepared {
   Placement placement{std::vector<int>{0}};
   std::vector<NdSbp> inputs;  // the inputs' SBP after boxing
   NdSbp output{std::vector<Sbp>{}};
-  std::vector<int> rows;           // the table row each axis picked
   std::vector<at::Tensor> locals;  // the boxed local inputs (placeholders outside the placement)
   bool member = false;             // whether this worker holds pieces
 };
