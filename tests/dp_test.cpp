@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include "harness.h"
+#include "shoal/data/torch_sampler.h"
 #include "shoal/shoal.h"
 
 namespace {
@@ -118,9 +119,13 @@ void train_and_compare(Optim kind, bool with_norm, bool with_unused, shoal::Data
     EXPECT_TRUE(torch::equal(net->norm->num_batches_tracked, reference->norm->num_batches_tracked));
   }
   if (with_unused) {
-    // No worker used it: like a single process, its gradient was never set.
     if (options.find_unused_parameters) {
+      // No worker used it: like a single process, its gradient was never set.
       EXPECT_FALSE(net->unused.grad().defined());
+    } else {
+      // Without the option it joins its bucket's average with a zero gradient (docs/dp.md).
+      ASSERT_TRUE(net->unused.grad().defined());
+      EXPECT_EQ(net->unused.grad().abs().max().item<float>(), 0.0f);
     }
   }
 }
@@ -283,6 +288,142 @@ TEST_P(Equivalence, CompressedAveragesAgreeEverywhere) {
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, Equivalence, ::testing::Values(2, 3),
                          [](const auto& info) { return "n" + std::to_string(info.param); });
+
+// ----- Uneven shares of the global batch -----
+// The workers' gradients are weighed by their shares of each global batch (Note [Weighing
+// gradients by batch share]), so whatever the cut the result is the one-process run's: 64
+// samples over 3 workers are 22, 21, 21; a last batch of 1 gives shares 1, 0, 0; a batch of 2
+// gives 1, 1, 0 at every step.
+
+// Rows of x with targets y.
+class Rows : public torch::data::datasets::Dataset<Rows> {
+ public:
+  Rows(torch::Tensor x, torch::Tensor y) : x_(std::move(x)), y_(std::move(y)) {}
+  torch::data::Example<> get(size_t index) override { return {x_[index], y_[index]}; }
+  c10::optional<size_t> size() const override { return static_cast<size_t>(x_.size(0)); }
+
+ private:
+  torch::Tensor x_, y_;
+};
+
+struct UnevenCase {
+  int64_t samples;
+  int64_t batch;
+  std::string name;
+};
+void PrintTo(const UnevenCase& c, std::ostream* out) { *out << c.name; }
+
+enum class Feed { kShoalLoader, kTorchLoader };
+
+// Trains on one process over each global batch (the reference), and data parallel on this
+// worker's share from `feed`, for 3 epochs of SGD with momentum; with `accumulate`, two batches
+// per optimizer step (no_sync on the first). The oracle: the same parameters to 1e-5.
+void train_on_uneven_shares(const UnevenCase& c, Feed feed, bool accumulate) {
+  constexpr int kEpochs = 3;
+  torch::manual_seed(7);
+  const auto x = torch::randn({c.samples, kIn});
+  const auto y = torch::randint(kOut, {c.samples});
+  shoal::data::SamplerOptions options;
+  options.batch_size = c.batch;
+  options.shuffle = true;
+
+  torch::manual_seed(100);
+  Mlp reference;
+  torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  int64_t batches = 0;
+  for (int epoch = 0; epoch < kEpochs; ++epoch) {
+    shoal::data::Sampler whole(c.samples, options, 0, 1);  // the global batches, not a loader's
+    whole.set_epoch(epoch);
+    for (; !whole.epoch_done(); whole.advance(), ++batches) {
+      if (!accumulate || batches % 2 == 0) ref_opt.zero_grad();
+      const auto part = whole.batch();
+      const auto index = torch::tensor(std::vector<int64_t>(part.begin(), part.end()));
+      loss_of(reference, x.index_select(0, index), y.index_select(0, index), false).backward();
+      if (!accumulate || batches % 2 == 1) ref_opt.step();
+    }
+  }
+
+  torch::manual_seed(100 + shoal::rank());  // the first worker has the reference's start; DataParallel must broadcast it
+  Mlp net;
+  shoal::DataParallel model(net);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  int64_t step = 0;
+  auto train = [&](const torch::Tensor& data, const torch::Tensor& target) {
+    if (!accumulate || step % 2 == 0) opt.zero_grad();
+    if (accumulate && step % 2 == 0) {
+      auto guard = model.no_sync();
+      loss_of(net, data, target, false).backward();
+    } else {
+      loss_of(net, data, target, false).backward();
+      opt.step();
+    }
+    ++step;
+  };
+  if (feed == Feed::kShoalLoader) {
+    auto loader = shoal::data::make_loader(Rows(x, y), options);
+    for (int epoch = 0; epoch < kEpochs; ++epoch) {
+      for (auto& batch : loader.epoch(epoch)) train(batch.data, batch.target);
+    }
+  } else {
+    auto loader = torch::data::make_data_loader<shoal::data::RandomSampler>(
+        Rows(x, y).map(torch::data::transforms::Stack<>()), c.batch);
+    for (int epoch = 0; epoch < kEpochs; ++epoch) {
+      for (auto& batch : *loader) train(batch.data, batch.target);
+    }
+  }
+  EXPECT_EQ(step, batches);
+  EXPECT_LT(relative_difference(net, reference), 1e-5);
+}
+
+class UnevenShares : public ::testing::TestWithParam<UnevenCase> {};
+
+TEST_P(UnevenShares, ShoalLoaderEqualsOneProcess) {
+  run_workers(3, [] { train_on_uneven_shares(GetParam(), Feed::kShoalLoader, false); });
+}
+TEST_P(UnevenShares, TorchLoaderWithShoalSamplerEqualsOneProcess) {
+  run_workers(3, [] { train_on_uneven_shares(GetParam(), Feed::kTorchLoader, false); });
+}
+TEST_P(UnevenShares, NoSyncAccumulationEqualsOneProcess) {
+  run_workers(3, [] { train_on_uneven_shares(GetParam(), Feed::kShoalLoader, true); });
+}
+
+INSTANTIATE_TEST_SUITE_P(Cuts, UnevenShares,
+                         ::testing::Values(UnevenCase{64, 64, "s64_b64_22_21_21"},
+                                           UnevenCase{65, 64, "s65_b64_last_1_0_0"},
+                                           UnevenCase{10, 2, "s10_b2_1_1_0"}),
+                         [](const auto& info) { return info.param.name; });
+
+// The equal-weight average of PyTorch's DDP stays available, and differs from one process when
+// the shares are uneven: what the weights correct.
+TEST(DataParallel, EqualWeightsWhenAskedDifferFromOneProcessOnUnevenShares) {
+  run_workers(3, [] {
+    torch::manual_seed(7);
+    const auto x = torch::randn({64, kIn});
+    const auto y = torch::randint(kOut, {64});
+    torch::manual_seed(100);
+    Mlp reference, net;
+    {
+      torch::NoGradGuard no_grad;
+      for (size_t i = 0; i < net->parameters().size(); ++i) net->parameters()[i].copy_(reference->parameters()[i]);
+    }
+    shoal::DataParallelOptions options;
+    options.weigh_by_batch_share = false;
+    shoal::DataParallel model(net, options);
+    shoal::data::SamplerOptions sampling;
+    sampling.batch_size = 64;
+    auto loader = shoal::data::make_loader(Rows(x, y), sampling);
+    for (auto& batch : loader.epoch(0)) loss_of(net, batch.data, batch.target, false).backward();
+    loss_of(reference, x, y, false).backward();
+    std::vector<torch::Tensor> grads, ref_grads;  // of the linears: the gate is unused here
+    for (auto* layer : {&net->fc1, &net->fc2}) {
+      for (auto& p : (*layer)->parameters()) grads.push_back(p.grad());
+    }
+    for (auto* layer : {&reference->fc1, &reference->fc2}) {
+      for (auto& p : (*layer)->parameters()) ref_grads.push_back(p.grad());
+    }
+    EXPECT_GT(relative_difference(grads, ref_grads), 1e-4);
+  });
+}
 
 TEST(DataParallel, MismatchedModelsRaiseOnEveryWorker) {
   run_workers(3, [] {

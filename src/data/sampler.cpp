@@ -1,5 +1,7 @@
 #include "shoal/data/sampler.h"
 
+#include <torch/serialize/archive.h>
+
 #include <algorithm>
 #include <numeric>
 #include <string>
@@ -7,6 +9,8 @@
 
 #include "shoal/comm/group.h"
 #include "shoal/core/error.h"
+#include "shoal/data/torch_sampler.h"
+#include "shoal/runtime/batch_share.h"
 #include "shoal/runtime/init.h"
 
 namespace shoal::data {
@@ -50,21 +54,19 @@ void check_world(int rank, int world_size) {
   }
 }
 
-void check_initialized() {
-  if (!is_initialized()) {
-    throw UsageError(
-        "Sampler: the job is not known yet: call shoal::init() first, or pass rank and world_size explicitly");
-  }
+// A program may leave shoal::init() to its loader or to DataParallel, whichever comes first.
+void join_job() {
+  if (!is_initialized()) init();
 }
 
 // Two functions because the order in which a call's arguments are evaluated is unspecified.
 int job_rank() {
-  check_initialized();
+  join_job();
   return rank();
 }
 
 int job_world_size() {
-  check_initialized();
+  join_job();
   return world_size();
 }
 
@@ -184,6 +186,73 @@ void Sampler::load_state(const SamplerState& state) {
   }
   set_epoch(state.epoch);
   cursor_ = state.cursor;
+  restored_ = true;
+}
+
+namespace {
+
+}  // namespace
+
+DistributedSampler::DistributedSampler(int64_t size, bool shuffle, bool drop_last, uint64_t seed)
+    : size_(size), shuffle_(shuffle), drop_last_(drop_last), seed_(seed), rank_(job_rank()),
+      world_size_(job_world_size()) {
+  if (size < 0) throw UsageError(out_of_range("dataset_size", size, "at least 0"));
+}
+
+void DistributedSampler::set_epoch(int64_t epoch) {
+  if (epoch < 0) throw UsageError(out_of_range("epoch", epoch, "at least 0"));
+  next_epoch_ = epoch;
+}
+
+void DistributedSampler::reset(c10::optional<size_t> new_size) {
+  // The loader's begin() right after load() goes on from the saved place.
+  if (std::exchange(restored_, false) && !new_size) return;
+  if (new_size) size_ = static_cast<int64_t>(*new_size);
+  epoch_ = next_epoch_.value_or(epoch_ + 1);
+  next_epoch_.reset();
+  cursor_ = 0;
+  if (shuffle_) {
+    permutation_ = epoch_permutation(size_, seed_, epoch_);
+  } else {
+    permutation_.resize(static_cast<size_t>(size_));
+    std::iota(permutation_.begin(), permutation_.end(), size_t{0});
+  }
+}
+
+c10::optional<std::vector<size_t>> DistributedSampler::next(size_t batch_size) {
+  if (epoch_ < 0) reset();  // torch's loader resets first; a direct caller may not
+  const int64_t global = std::min(static_cast<int64_t>(batch_size), size_ - cursor_);
+  if (global <= 0 || (drop_last_ && global < static_cast<int64_t>(batch_size))) {
+    runtime::set_batch_share(std::nullopt);
+    return c10::nullopt;
+  }
+  const comm::Sizes shares = comm::split_sizes(global, world_size_);
+  const int64_t offset = std::accumulate(shares.begin(), shares.begin() + rank_, int64_t{0});
+  std::vector<size_t> indices;
+  for (int64_t i = 0; i < shares[rank_]; ++i) indices.push_back(permutation_[static_cast<size_t>(cursor_ + offset + i)]);
+  // torch's loader refuses an empty request: a share of 0 trains on one sample weighed 0.
+  if (indices.empty()) indices.push_back(permutation_[static_cast<size_t>(cursor_)]);
+  runtime::set_batch_share(runtime::BatchShare{shares[rank_], global, world_size_});
+  cursor_ += global;
+  return indices;
+}
+
+void DistributedSampler::save(torch::serialize::OutputArchive& archive) const {
+  archive.write("epoch", torch::tensor(epoch_, torch::kInt64), /*is_buffer=*/true);
+  archive.write("cursor", torch::tensor(cursor_, torch::kInt64), /*is_buffer=*/true);
+}
+
+void DistributedSampler::load(torch::serialize::InputArchive& archive) {
+  torch::Tensor epoch, cursor;
+  archive.read("epoch", epoch, /*is_buffer=*/true);
+  archive.read("cursor", cursor, /*is_buffer=*/true);
+  const int64_t saved_cursor = cursor.item<int64_t>();
+  if (saved_cursor < 0 || saved_cursor > size_) {
+    throw UsageError(out_of_range("the saved cursor", saved_cursor, "0 <= cursor <= dataset_size = " + std::to_string(size_)));
+  }
+  next_epoch_ = epoch.item<int64_t>();
+  reset();
+  cursor_ = saved_cursor;
   restored_ = true;
 }
 

@@ -123,6 +123,7 @@ Replicator::Replicator(std::shared_ptr<torch::nn::Module> module, DataParallelOp
     bind(*options_.group, true);
     return;
   }
+  if (!is_initialized()) init();  // a program may leave joining the job to DataParallel
   // An elastic job's members synchronize through elastic::State, which every member of a
   // round reaches together; a newcomer's constructor must not start a collective of its own.
   const bool elastic = shoal::job().elastic;
@@ -165,6 +166,7 @@ void Replicator::bind(comm::Group group, bool synchronize) {
   reducer.find_unused_parameters = options_.find_unused_parameters;
   reducer.gradient_as_bucket_view = options_.gradient_as_bucket_view;
   reducer.hook = options_.comm_hook;
+  reducer.weigh_by_batch_share = options_.weigh_by_batch_share;
   reducer_ = std::make_unique<Reducer>(std::move(trainable), group_, std::move(reducer));
   reducer_->set_sync(sync_);
   if (options_.broadcast_buffers && !module_->buffers().empty()) {

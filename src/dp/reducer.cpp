@@ -1,13 +1,12 @@
 #include "shoal/dp/reducer.h"
 
-#include "shoal/runtime/world.h"
-
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include "shoal/core/error.h"
+#include "shoal/runtime/batch_share.h"
 #include "shoal/runtime/world.h"
 
 namespace shoal::dp {
@@ -28,6 +27,7 @@ struct Reducer::State {
   std::vector<at::Tensor> params;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
   std::vector<uintptr_t> hook_keys;
+  std::vector<unsigned> weight_hooks;  // with weigh_by_batch_share: one per parameter
   std::vector<size_t> bucket_of;
   std::vector<size_t> slot_of;
   std::vector<Bucket> buckets;
@@ -277,6 +277,18 @@ Reducer::Reducer(std::vector<at::Tensor> parameters, comm::Group group, ReducerO
     state.hook_keys.push_back(accumulator->add_post_hook(std::make_unique<GradReady>(state_, k)));
     state.accumulators.push_back(std::move(accumulator));
   }
+  if (state.options.weigh_by_batch_share) {
+    // Before accumulation, so that no_sync steps of different shares accumulate exactly too.
+    const int workers = state.group.size();
+    for (auto& param : state.params) {
+      state.weight_hooks.push_back(param.register_hook([workers](const at::Tensor& grad) -> at::Tensor {
+        const double weight = runtime::gradient_weight(workers);
+        if (weight == 1.0) return {};
+        if (weight == 0.0) return at::zeros_like(grad);
+        return grad * weight;
+      }));
+    }
+  }
   // See Note [Copying a commit in the background] (runtime/world.h): finalize() calls
   // before_parameters_change() at the end of every synchronized backward.
   runtime::count_parameter_change_announcer(+1);
@@ -284,6 +296,7 @@ Reducer::Reducer(std::vector<at::Tensor> parameters, comm::Group group, ReducerO
 
 Reducer::~Reducer() {
   runtime::count_parameter_change_announcer(-1);
+  for (size_t k = 0; k < state_->weight_hooks.size(); ++k) state_->params[k].remove_hook(state_->weight_hooks[k]);
   for (size_t k = 0; k < state_->accumulators.size(); ++k) state_->accumulators[k]->del_post_hook(state_->hook_keys[k]);
 }
 

@@ -1,4 +1,5 @@
 // DataParallel: wraps a module so that backward averages its gradients across the job's workers.
+// It joins the job (shoal::init()) if the program has not.
 //
 //   auto net = std::make_shared<Net>();        // or a TORCH_MODULE holder
 //   shoal::DataParallel model(net);             // broadcasts, checks, hooks in
@@ -31,6 +32,11 @@ struct DataParallelOptions {
   // Broadcast buffers (e.g. batch-norm running statistics) from the first worker after each
   // synchronized backward, so every worker's next forward sees the same buffers.
   bool broadcast_buffers = true;
+  // Weigh each worker's gradient by its share of the global batch, as a shoal loader or sampler
+  // reports it, so that uneven shares still give the one-process gradient of a mean loss (Note
+  // [Weighing gradients by batch share] in runtime/batch_share.h). Off: equal weights, as
+  // PyTorch's DDP (e.g. for a loss summed rather than averaged over the batch).
+  bool weigh_by_batch_share = true;
   // How a bucket is averaged; empty: an all-reduce in the gradients' dtype.
   dp::CommHook comm_hook;
   // The workers to replicate over; empty: shoal::world(), followed as an elastic job's world

@@ -39,6 +39,11 @@ struct ReducerOptions {
   // How a bucket is averaged. Empty: gradients are scaled by 1/n on their way into the bucket
   // and the bucket is summed (what allreduce_hook() gives, with one pass fewer).
   CommHook hook;
+  // Weigh each incoming gradient by this worker's share of the global batch, so that the
+  // average is the gradient of the whole batch's mean loss even when the shares are uneven
+  // (DataParallel; see Note [Weighing gradients by batch share] in runtime/batch_share.h).
+  // GradientSync leaves it off: a global loss is already the whole batch's mean.
+  bool weigh_by_batch_share = false;
 };
 
 class Reducer {
