@@ -113,14 +113,8 @@ int main(int argc, char** argv) {
         auto features = batch.data.narrow(1, 0, kFeatures);
         auto indices = batch.data.select(1, kFeatures).to(torch::kLong);
         optimizer.zero_grad();
-        // Summed, over the global batch: the same loss whatever the share of each worker.
-        const int64_t global = loader.sampler().options().per_worker
-                                   ? options.batch_size * shoal::world_size()
-                                   : options.batch_size;
-        auto loss = torch::nn::functional::cross_entropy(
-                        net->forward(features), batch.target,
-                        torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)) *
-                    (static_cast<double>(shoal::world_size()) / static_cast<double>(global));
+        // The plain mean over this worker's share: DataParallel weighs it by the share.
+        auto loss = torch::nn::functional::cross_entropy(net->forward(features), batch.target);
         // What every worker trained on in this step, summed over the workers.
         auto seen = torch::zeros({kSamples}, torch::kLong);
         seen.index_add_(0, indices, torch::ones_like(indices));
