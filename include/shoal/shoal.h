@@ -8,6 +8,7 @@
 #include "shoal/core/error.h"
 #include "shoal/core/timeout.h"
 #include "shoal/data/loader.h"
+#include "shoal/data/torch_sampler.h"
 #include "shoal/dp/data_parallel.h"
 #include "shoal/elastic/state.h"
 #include "shoal/runtime/init.h"
