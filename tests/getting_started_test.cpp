@@ -34,7 +34,7 @@ std::vector<std::string> code_lines(const std::string& path) {
   std::string line;
   bool header = true;
   while (std::getline(in, line)) {
-    if (header && line.rfind("//", 0) == 0) continue;
+    if (header && (line.rfind("//", 0) == 0 || line.rfind("#", 0) == 0) && line.rfind("#include", 0) != 0) continue;
     header = false;
     lines.push_back(line);
   }
@@ -59,6 +59,18 @@ TEST(GettingStartedChange, TheDistributedProgramAddsTwoLinesAndChangesTwo) {
   EXPECT_EQ(distributed.size() - plain.size(), 2u) << "lines added";
   EXPECT_EQ(lines_not_kept(distributed, plain), 2u) << "lines of the plain program changed";
   EXPECT_EQ(lines_not_kept(plain, distributed), 4u) << "lines of the distributed program new or changed";
+}
+
+// What the same change takes with PyTorch's DDP (pytorch_plain.py to pytorch_ddp.py): the process
+// group, the sampler and its set_epoch, the per-worker batch size, the wrapper's forward, a save
+// on one rank, and the teardown.
+TEST(GettingStartedChange, PyTorchDdpAddsNineLinesAndChangesThree) {
+  const auto plain = code_lines(SHOAL_EXAMPLES_SOURCE_DIR "/getting_started/pytorch_plain.py");
+  const auto ddp = code_lines(SHOAL_EXAMPLES_SOURCE_DIR "/getting_started/pytorch_ddp.py");
+  ASSERT_GT(plain.size(), 20u);
+  EXPECT_EQ(ddp.size() - plain.size(), 9u) << "lines added";
+  EXPECT_EQ(lines_not_kept(ddp, plain), 3u) << "lines of the plain program changed";
+  EXPECT_EQ(lines_not_kept(plain, ddp), 12u) << "lines of the DDP program new or changed";
 }
 
 class GettingStartedRun : public ::testing::Test {
@@ -111,6 +123,19 @@ TEST_F(GettingStartedRun, ThePlainProgramRuns) {
   const RunResult plain = run_shoal({"-n", "1", SHOAL_EXAMPLES_DIR "/getting_started_plain", dir_, dir_ + "/plain.pt", "1"}, 300s);
   ASSERT_EQ(plain.exit_code, 0) << plain.out << plain.err;
   EXPECT_EQ(parameters(dir_ + "/plain.pt").size(), 4u);
+}
+
+// The PyTorch side of the comparison is a working program too: DDP under torchrun, one epoch.
+TEST_F(GettingStartedRun, ThePyTorchDdpProgramRuns) {
+  if (!fs::exists("/usr/lib/python3/dist-packages/torch/__init__.py")) {
+    GTEST_SKIP() << "Debian's python3-torch is not installed (scripts/setup.sh installs it)";
+  }
+  // Debian 12's torchrun crashes at start on Python 3.11 unless its redirects are given.
+  const std::string command = "cd " SHOAL_EXAMPLES_SOURCE_DIR "/getting_started && timeout 300 /usr/bin/python3 -m "
+                              "torch.distributed.run --redirects=2 --tee=2 --log_dir=" + dir_ + "/logs --nproc_per_node 2 "
+                              "pytorch_ddp.py " + dir_ + " " + dir_ + "/ddp.pt 1 > " + dir_ + "/ddp.out 2>&1";
+  ASSERT_EQ(std::system(command.c_str()), 0) << command;
+  EXPECT_TRUE(fs::exists(dir_ + "/ddp.pt"));
 }
 
 }  // namespace
