@@ -194,7 +194,9 @@ def summarize(path):
     def cell(x):
         return "–" if x != x else f"{x:.1f}"
 
-    print(f"raw lines: {path}")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    shown_path = os.path.relpath(os.path.abspath(path), root)
+    print(f"raw lines: {path if shown_path.startswith('..') else shown_path}")
     print("Ratios: ratio of the medians over rounds (in brackets: median of the rounds' ratios).")
     print("PyTorch best: the faster of PyTorch's configurations in this run, named.")
     print()

@@ -108,7 +108,7 @@ run_one() {
   run_pair "$link" "$model" "$contender" "$steps" >"$log" 2>&1 || status=$?
   line=$(grep -m1 '^ddp ' "$log" || true)
   if [[ $status != 0 || -z $line ]]; then
-    echo "# $link $model $contender round $round failed (exit $status); last lines of $log:"
+    echo "# $link $model $contender round $round failed (exit $status); last lines of $log:" | tee -a "$raw"
     tail -5 "$log" | sed 's/^/#   /'
     return 0
   fi
@@ -183,7 +183,7 @@ run_rounds() {
         run_one "$link" "$model" "${contenders[(round + i) % n]}" "$round"
       done
     done
-    echo "# $link round $round done; load $(cut -d' ' -f1-3 /proc/loadavg)"
+    echo "# $link round $round done; load $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$raw"
   done
 }
 
