@@ -131,7 +131,9 @@ def train(args):
             f"ddp_overlap_ms={ns('backward_compute_comm_overlap_time'):.3f} weight_abs_sum={weight_sum:.6f}",
             flush=True,
         )
-    dist.barrier()
+    # No barrier here: the all_reduce above already synchronized the workers, and a last
+    # collective at exit left a worker on the shaped link waiting for a peer that had gone
+    # (2026-11-24, under load), until the run's timeout.
     dist.destroy_process_group()
 
 
