@@ -371,7 +371,8 @@ def main():
         values = [v for v in values if v is not None]
         return statistics.median(values) if values else float("nan")
 
-    print(f"\nraw lines: {raw_path}")
+    shown = os.path.relpath(os.path.abspath(raw_path), os.path.dirname(HERE))
+    print(f"\nraw lines: {raw_path if shown.startswith('..') else shown}")
     if contenders:
         print("\n| contender | kill -> first step of the new world (s), median | runs | "
               "join -> first step with it (s), median | runs |")
