@@ -270,8 +270,11 @@ int main(int argc, char** argv) {
     for (int r = 0; raw_lines && r < options.reps; ++r) {
       std::fprintf(raw_lines, "allreduce workers=%d bytes=%lld rep=%d order=%s", n,
                    static_cast<long long>(bytes), r, r % 2 == 0 ? "forward" : "reverse");
-      for (int k = 0; k < kinds; ++k)
-        std::fprintf(raw_lines, " %s_ms=%.4f", contenders[k].name, out[k * options.reps + r] * 1e3);
+      for (int k = 0; k < kinds; ++k) {
+        std::string key = contenders[k].name;  // "raw gloo" -> raw_gloo_ms: one key=value token
+        std::replace(key.begin(), key.end(), ' ', '_');
+        std::fprintf(raw_lines, " %s_ms=%.4f", key.c_str(), out[k * options.reps + r] * 1e3);
+      }
       std::fprintf(raw_lines, "\n");
     }
     if (raw_lines) std::fflush(raw_lines);
