@@ -3,22 +3,27 @@
 //
 //   shoal run -n N [--no-tag-output] allreduce [--min-bytes B] [--max-bytes B] [--factor F]
 //                                [--reps R] [--bound-gbit G] [--sliced [--slice-ms M]] [--split K]
+//                                [--raw FILE]
 //
 // Sizes go from --min-bytes to --max-bytes of float32, multiplied by --factor each step. For each
 // size the contenders take turns within each repetition, in column order on even repetitions and
-// in reverse on odd ones, so that noise from the rest of the machine falls on all alike. A repetition's time is
-// the slowest worker's; the table shows the median over --reps repetitions, and shoal/raw is the
-// median of the repetitions' ratios raw time / shoal time (above 1: shoal was faster).
-// Bus bandwidth = 2(N-1)/N * S / t, the bytes each worker's busiest link carries in a ring.
-// With --bound-gbit G (a shaped link of G Gbit/s), the table adds the link's bound time
+// in reverse on odd ones, so that noise from the rest of the machine falls on all alike. A
+// repetition's time is the slowest worker's; the table shows the median over --reps repetitions,
+// and shoal/raw is the median of the repetitions' ratios raw time / shoal time (above 1: shoal was
+// faster). Bus bandwidth = 2(N-1)/N * S / t, the bytes each worker's busiest link carries in a
+// ring. With --bound-gbit G (a shaped link of G Gbit/s), the table adds the link's bound time
 // 2(N-1)/N * S / B and the fraction of it achieved.
 // With --sliced, two more columns time raw gloo waited on as shoal's Work::wait does (see the
 // contenders "sliced" and "probed" below), to tell what in shoal's wrapper costs what; the
 // slices last --slice-ms (default 250, as shoal's).
 // With --split K, a column times raw gloo on the tensor cut into K parts all-reduced at once
 // (the group's 2 threads run two at a time): what splitting large tensors could gain.
+// With --raw FILE, the main worker appends every repetition's times to FILE, one line per size
+// and repetition (the slowest worker's time per operation of each contender, and the order they
+// ran in), from which the table's medians and ratios can be recomputed.
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -47,12 +52,13 @@ struct BenchOptions {
   bool sliced = false;
   int slice_ms = 250;  // shoal's kLivenessPeriod (src/comm/work.cpp)
   int split = 0;  // 0: no "split" column
+  std::string raw;  // where to append the raw lines; empty: nowhere
 };
 
 [[noreturn]] void usage(const std::string& problem) {
   std::fprintf(stderr,
                "allreduce: %s\nusage: allreduce [--min-bytes B] [--max-bytes B] [--factor F] "
-               "[--reps R] [--bound-gbit G] [--sliced [--slice-ms M]] [--split K]\n",
+               "[--reps R] [--bound-gbit G] [--sliced [--slice-ms M]] [--split K] [--raw FILE]\n",
                problem.c_str());
   std::exit(2);
 }
@@ -67,6 +73,10 @@ BenchOptions parse(int argc, char** argv) {
     }
     if (i + 1 >= argc) usage(flag + " needs a value");
     const char* value = argv[++i];
+    if (flag == "--raw") {
+      options.raw = value;
+      continue;
+    }
     char* end = nullptr;
     const double number = std::strtod(value, &end);
     if (*end != '\0' || number < 0) usage(flag + ": expected a non-negative number, got '" + value + "'");
@@ -205,6 +215,15 @@ int main(int argc, char** argv) {
   }
 
   const bool main_worker = shoal::is_main();
+  std::FILE* raw_lines = nullptr;
+  if (main_worker && !options.raw.empty()) {
+    raw_lines = std::fopen(options.raw.c_str(), "a");
+    if (!raw_lines) {
+      std::fprintf(stderr, "allreduce: --raw %s: cannot open for appending: %s\n",
+                   options.raw.c_str(), std::strerror(errno));
+      return 2;
+    }
+  }
   const double bus_factor = 2.0 * (n - 1) / n;
   const double link_bytes_per_s = options.bound_gbit * 1e9 / 8;
   if (main_worker) {
@@ -248,6 +267,17 @@ int main(int argc, char** argv) {
     raw->allreduce(slowest, max)->wait(std::chrono::seconds(120));
 
     if (!main_worker) continue;
+    for (int r = 0; raw_lines && r < options.reps; ++r) {
+      std::fprintf(raw_lines, "allreduce workers=%d bytes=%lld rep=%d order=%s", n,
+                   static_cast<long long>(bytes), r, r % 2 == 0 ? "forward" : "reverse");
+      for (int k = 0; k < kinds; ++k) {
+        std::string key = contenders[k].name;  // "raw gloo" -> raw_gloo_ms: one key=value token
+        std::replace(key.begin(), key.end(), ' ', '_');
+        std::fprintf(raw_lines, " %s_ms=%.4f", key.c_str(), out[k * options.reps + r] * 1e3);
+      }
+      std::fprintf(raw_lines, "\n");
+    }
+    if (raw_lines) std::fflush(raw_lines);
     std::vector<double> t(kinds);
     for (int k = 0; k < kinds; ++k) {
       t[k] = median(std::vector<double>(out + k * options.reps, out + (k + 1) * options.reps));
@@ -272,6 +302,7 @@ int main(int argc, char** argv) {
     std::printf("# worker %d: %d sliced waits saw their operation complete while c10d built the "
                 "slice's timeout error\n", job.rank, late_completions);
   }
+  if (raw_lines) std::fclose(raw_lines);
   barrier();
   return 0;
 }

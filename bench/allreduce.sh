@@ -6,7 +6,9 @@
 #
 #   bench/allreduce.sh [BUILD_DIR]      (default: build; e.g. build-bench)
 # Environment: REPS (repetitions per size, default 15 on loopback), SHAPED_REPS (default 7),
-# FACTOR (size step, default 2), SLICED=1 adds the "raw gloo waited in 250 ms slices" column.
+# FACTOR (size step, default 2), SLICED=1 adds the "raw gloo waited in 250 ms slices" column,
+# RAW=FILE where every repetition's times go (default bench/results/allreduce-DATE.txt, kept in
+# the repository beside RESULTS.md; the tables are medians of these lines).
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -19,6 +21,11 @@ factor=${FACTOR:-2}
 sliced=()
 [[ "${SLICED:-0}" == 1 ]] && sliced=(--sliced)
 
+mkdir -p "$here/results"
+raw=$(realpath -m "${RAW:-$here/results/allreduce-$(date -u +%Y%m%dT%H%MZ).txt}")
+echo "# bench/allreduce.sh raw lines; date: $(date -u); cores: $(nproc); load before: $(cut -d' ' -f1-3 /proc/loadavg)" >"$raw"
+echo "# REPS=$reps SHAPED_REPS=$shaped_reps FACTOR=$factor SLICED=${SLICED:-0}" >>"$raw"
+
 for tool in "$shoal" "$bench"; do
   [[ -x "$tool" ]] || { echo "allreduce.sh: $tool is missing; build the targets shoal_cli and allreduce" >&2; exit 2; }
 done
@@ -28,11 +35,14 @@ echo "date: $(date)"
 echo "cores: $(nproc); $(lscpu | grep 'Model name' | sed 's/  */ /g')"
 echo "os: $(. /etc/os-release && echo "$PRETTY_NAME")"
 echo "load before: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "raw lines: $raw"
 
 for n in 2 4; do
   echo
   echo "## loopback, $n workers"
-  timeout 600 "$shoal" run -n "$n" --no-tag-output "$bench" --reps "$reps" --factor "$factor" "${sliced[@]}"
+  echo "# link=loopback workers=$n" >>"$raw"
+  timeout 600 "$shoal" run -n "$n" --no-tag-output "$bench" --reps "$reps" --factor "$factor" "${sliced[@]}" \
+    --raw "$raw"
   echo "load after: $(cut -d' ' -f1-3 /proc/loadavg)"
 done
 
@@ -77,7 +87,8 @@ ip netns exec "$ns_a" tc qdisc add dev "${veth}a" root tbf rate 1gbit burst 64kb
 ip netns exec "$ns_b" tc qdisc add dev "${veth}b" root tbf rate 1gbit burst 64kb latency 50ms
 ip netns exec "$ns_a" tc qdisc show dev "${veth}a"
 
-args=(--reps "$shaped_reps" --factor "$factor" --bound-gbit 1 "${sliced[@]}")
+echo "# link=shaped workers=2 bound_gbit=1" >>"$raw"
+args=(--reps "$shaped_reps" --factor "$factor" --bound-gbit 1 "${sliced[@]}" --raw "$raw")
 # Node 1 prints nothing but errors (only rank 0 prints the table).
 ip netns exec "$ns_b" timeout 600 "$shoal" run --nnodes 2 --node-rank 1 --master "$addr_a:$port" -n 1 \
   --no-tag-output "$bench" "${args[@]}" &

@@ -8,8 +8,13 @@ the shaped link:
 
 prints on rank 0 the same key=value line as bench/ddp.cpp (impl=pytorch), so that ddp.sh reads
 all contenders alike. DDP runs with its defaults (bucket_cap_mb=25, gradient_as_bucket_view off,
-buckets rebuilt after the first step), as a user would run it; the line adds DDP's own record of
-its buckets and of its last sampled iteration's backward (compute, comm, overlap).
+buckets rebuilt after the first step), as a user would run it, unless asked otherwise:
+
+    --bucket-view   gradient_as_bucket_view=True (gradients live in the buckets: no copies)
+    --fp16          PyTorch's own fp16_compress_hook (torch.distributed.algorithms.ddp_comm_hooks)
+
+The line adds DDP's own record of its buckets and of its last sampled iteration's backward
+(compute, comm, overlap).
 
     /usr/bin/python3 bench/ddp.py summarize RESULTS_FILE
 
@@ -68,7 +73,12 @@ def train(args):
     rank, workers = dist.get_rank(), dist.get_world_size()
 
     torch.manual_seed(0)
-    model = nn.parallel.DistributedDataParallel(build_model(args.model))  # broadcasts rank 0's parameters
+    # Broadcasts rank 0's parameters.
+    model = nn.parallel.DistributedDataParallel(build_model(args.model), gradient_as_bucket_view=args.bucket_view)
+    if args.fp16:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 
     # Different data on every worker, the same from run to run; made before anything is timed.
@@ -110,6 +120,7 @@ def train(args):
         print(
             f"ddp impl=pytorch model={args.model} workers={workers} batch={args.batch} steps={args.steps} "
             f"threads={torch.get_num_threads()} gloo_threads={data.get('gloo_num_threads', '?')} "
+            f"bucket_view={int(args.bucket_view)} hook={'fp16' if args.fp16 else 'none'} "
             f"samples_per_s={workers * args.batch * args.steps / slowest:.2f} "
             f"step_ms={slowest * 1e3 / args.steps:.3f} forward_ms={sums['forward'] * 1e3 / args.steps:.3f} "
             f"backward_ms={sums['backward'] * 1e3 / args.steps:.3f} comm_ms=0.000 "
@@ -120,11 +131,22 @@ def train(args):
             f"ddp_overlap_ms={ns('backward_compute_comm_overlap_time'):.3f} weight_abs_sum={weight_sum:.6f}",
             flush=True,
         )
-    dist.barrier()
+    # No barrier here: the all_reduce above already synchronized the workers, and a last
+    # collective at exit left a worker on the shaped link waiting for a peer that had gone
+    # (2026-11-24, under load), until the run's timeout.
     dist.destroy_process_group()
 
 
-MAIN = ("shoal", "pytorch", "hand")
+# PyTorch's float32 configurations and its fp16 hook's; "best" is the one with the highest
+# median throughput on that link and model, in that run.
+PYTORCH = ("pytorch", "pytorch-view")
+PYTORCH_FP16 = ("pytorch-fp16", "pytorch-view-fp16")
+NAMES = {
+    "pytorch": "default",
+    "pytorch-view": "gradient_as_bucket_view",
+    "pytorch-fp16": "fp16 hook",
+    "pytorch-view-fp16": "fp16 hook, bucket view",
+}
 
 
 def summarize(path):
@@ -137,11 +159,15 @@ def summarize(path):
                 runs.setdefault((f["link"], f["model"], f["contender"]), []).append(f)
     links = [l for l in ("loopback", "shaped") if any(k[0] == l for k in runs)]
     models = [m for m in ("mlp", "cnn") if any(k[1] == m for k in runs)]
-    others = sorted({k[2] for k in runs} - set(MAIN))
+    present = {k[2] for k in runs}
+    main = [c for c in ("shoal", *PYTORCH, "hand") if c in present]
+    fp16 = [c for c in ("shoal-fp16", *PYTORCH_FP16) if c in present]
+    others = sorted(present - set(main) - set(fp16))
+    nan = float("nan")
 
-    def median(link, model, contender, key):
+    def median(link, model, contender, key="samples_per_s"):
         values = [float(r[key]) for r in runs.get((link, model, contender), []) if key in r]
-        return statistics.median(values) if values else float("nan")
+        return statistics.median(values) if values else nan
 
     def spread(link, model, contender):
         values = [float(r["samples_per_s"]) for r in runs.get((link, model, contender), [])]
@@ -150,65 +176,98 @@ def summarize(path):
     def first(link, model, contender, key):
         return next((r[key] for r in runs.get((link, model, contender), []) if key in r), "–")
 
-    def per_bucket(link, model, contender, key):
-        lists = [[float(v) for v in r[key].split(",")] for r in runs.get((link, model, contender), []) if key in r]
-        return ",".join(f"{statistics.median(col):.0f}" for col in zip(*lists)) if lists else "–"
-
     def paired(link, model, a, b):
         """Median over rounds of a/b within each round: noise that drifts over minutes cancels."""
         by_round = lambda c: {r["round"]: float(r["samples_per_s"]) for r in runs.get((link, model, c), [])}
         x, y = by_round(a), by_round(b)
         ratios = [x[r] / y[r] for r in x if r in y]
-        return statistics.median(ratios) if ratios else float("nan")
+        return statistics.median(ratios) if ratios else nan
 
-    print("shoal/PyTorch and shoal/hand: ratio of the medians (in brackets: median of the rounds' ratios).")
+    def best(link, model, candidates):
+        measured = [c for c in candidates if (link, model, c) in runs]
+        return max(measured, key=lambda c: median(link, model, c)) if measured else None
+
+    def ratio(link, model, a, b):
+        """a/b as a ratio of medians, with the median of the rounds' ratios in brackets."""
+        if b is None or (link, model, a) not in runs or (link, model, b) not in runs:
+            return "–"
+        return f"{median(link, model, a) / median(link, model, b):.3f} ({paired(link, model, a, b):.3f})"
+
+    def cell(x):
+        return "–" if x != x else f"{x:.1f}"
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    shown_path = os.path.relpath(os.path.abspath(path), root)
+    print(f"raw lines: {path if shown_path.startswith('..') else shown_path}")
+    print("Ratios: ratio of the medians over rounds (in brackets: median of the rounds' ratios).")
+    print("PyTorch best: the faster of PyTorch's configurations in this run, named.")
     print()
-    print("| link | model | shoal samples/s | PyTorch samples/s | hand samples/s | shoal/PyTorch | shoal/hand |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("| link | model | shoal samples/s | PyTorch default | PyTorch bucket view | hand | "
+          "shoal/PyTorch default | shoal/PyTorch best | PyTorch best | shoal/hand |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|---:|")
     for link in links:
         for model in models:
-            s, p, h = (median(link, model, c, "samples_per_s") for c in MAIN)
-            print(f"| {link} | {model} | {s:.1f} | {p:.1f} | {h:.1f} | {s / p:.3f} ({paired(link, model, 'shoal', 'pytorch'):.3f}) "
-                  f"| {s / h:.3f} ({paired(link, model, 'shoal', 'hand'):.3f}) |")
+            top = best(link, model, PYTORCH)
+            values = [median(link, model, c) for c in ("shoal", "pytorch", "pytorch-view", "hand")]
+            print(f"| {link} | {model} | " + " | ".join(cell(v) for v in values) +
+                  f" | {ratio(link, model, 'shoal', 'pytorch')} | {ratio(link, model, 'shoal', top)} | "
+                  f"{NAMES.get(top, '–')} | {ratio(link, model, 'shoal', 'hand')} |")
+    if fp16:
+        print()
+        print("16-bit gradients: shoal's dp::fp16_compress_hook() beside PyTorch's own fp16_compress_hook.")
+        print()
+        print("| link | model | shoal-fp16 samples/s | PyTorch fp16 hook | PyTorch fp16 hook, bucket view | "
+              "shoal-fp16/PyTorch fp16 best | PyTorch fp16 best |")
+        print("|---|---|---:|---:|---:|---:|---|")
+        for link in links:
+            for model in models:
+                top = best(link, model, PYTORCH_FP16)
+                values = [median(link, model, c) for c in ("shoal-fp16", *PYTORCH_FP16)]
+                print(f"| {link} | {model} | " + " | ".join(cell(v) for v in values) +
+                      f" | {ratio(link, model, 'shoal-fp16', top)} | {NAMES.get(top, '–')} |")
     print()
     print("Spread: min–max samples/s over rounds (runs):")
     print()
-    print("| link | model | shoal | PyTorch | hand |")
-    print("|---|---|---:|---:|---:|")
+    shown = main + fp16
+    print("| link | model | " + " | ".join(shown) + " |")
+    print("|---|---|" + "---:|" * len(shown))
     for link in links:
         for model in models:
-            print(f"| {link} | {model} | " + " | ".join(spread(link, model, c) for c in MAIN) + " |")
+            print(f"| {link} | {model} | " + " | ".join(spread(link, model, c) for c in shown) + " |")
     print()
     print("Where a step goes: medians over rounds of the main worker's per-step means, ms. backward")
-    print("includes DataParallel's wait for its last buckets; after: the hand loop's all-reduces after")
+    print("includes DataParallel's (DDP's) wait for its last buckets; after: the hand loop's all-reduces after")
     print("backward (least: the smaller of the two workers' waits, which holds no waiting for the peer).")
     print()
     print("| link | model | contender | step | forward | backward | after | after, least | optimizer | buckets (bytes) |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---|")
     for link in links:
         for model in models:
-            for c in MAIN:
+            for c in shown:
                 if (link, model, c) not in runs:
                     continue
                 cells = [median(link, model, c, k) for k in ("step_ms", "forward_ms", "backward_ms", "comm_ms", "tail_min_ms", "optim_ms")]
-                print(f"| {link} | {model} | {c} | " + " | ".join("–" if x != x else f"{x:.1f}" for x in cells) +
+                print(f"| {link} | {model} | {c} | " + " | ".join(cell(x) for x in cells) +
                       f" | {first(link, model, c, 'bucket_bytes')} |")
     if not others:
         return
     print()
-    print("Other contenders: samples/s, and medians of the rounds' ratios to shoal and to PyTorch.")
+    print("Other contenders: samples/s, and medians of the rounds' ratios to shoal and to PyTorch's")
+    print("default (shoal-copy beside PyTorch's default is the matched pair: both copy into buckets).")
     print()
-    print("| link | model | contender | samples/s | /shoal | /PyTorch | step ms | backward ms |")
-    print("|---|---|---|---:|---:|---:|---:|---:|")
+    print("| link | model | contender | samples/s | /shoal | /PyTorch default | /PyTorch best | step ms | backward ms |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
     for link in links:
         for model in models:
+            top = best(link, model, PYTORCH)
             for c in others:
                 if (link, model, c) not in runs:
                     continue
-                x = median(link, model, c, "samples_per_s")
+                x = median(link, model, c)
                 cells = [median(link, model, c, k) for k in ("step_ms", "backward_ms")]
                 print(f"| {link} | {model} | {c} | {x:.1f} | {paired(link, model, c, 'shoal'):.3f} | "
-                      f"{paired(link, model, c, 'pytorch'):.3f} | " + " | ".join(f"{v:.1f}" for v in cells) + " |")
+                      f"{paired(link, model, c, 'pytorch'):.3f} | "
+                      f"{paired(link, model, c, top) if top else nan:.3f} | " + " | ".join(cell(v) for v in cells) + " |")
 
 
 def main():
@@ -220,6 +279,8 @@ def main():
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--bucket-view", action="store_true", help="gradient_as_bucket_view=True")
+    parser.add_argument("--fp16", action="store_true", help="PyTorch's fp16_compress_hook")
     args = parser.parse_args()
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         if var not in os.environ:

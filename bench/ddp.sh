@@ -3,6 +3,7 @@
 # lines"): the same model and batch trained by
 #   shoal    shoal::DataParallel (bench/ddp.cpp --impl shoal),
 #   pytorch  PyTorch 1.13's DistributedDataParallel with gloo, from Debian's python3-torch (bench/ddp.py),
+#            with its defaults; pytorch-view with gradient_as_bucket_view=True (as shoal's default),
 #   hand     a hand-written LibTorch loop: one c10d all-reduce per gradient after backward (--impl hand),
 # for an MLP 784-2048-2048-10 and the demo CNN, 2 workers with one intra-op thread each, batch 64
 # per worker: first on loopback, then between two network namespaces joined by a veth pair shaped
@@ -16,9 +17,12 @@
 #   ROUNDS=5 SHAPED_ROUNDS=5   rounds on loopback / on the shaped link
 #   MLP_STEPS=10 CNN_STEPS=60 WARMUP=3   timed and untimed steps per run
 #   MODELS="mlp cnn" LINKS="loopback shaped"
-#   CONTENDERS="shoal pytorch hand"; may add "local" (each worker trains alone: no averaging, the
-#   bound for all) and shoal's variants (shoal-*, listed in variant_flags below),
-#   e.g. CONTENDERS="shoal pytorch hand local shoal-fp16".
+#   CONTENDERS="shoal pytorch pytorch-view hand"; may add "local" (each worker trains alone: no
+#   averaging, the bound for all), shoal's variants (shoal-*, listed in variant_flags below) and
+#   PyTorch's (pytorch-*, in pytorch_flags), e.g. to compare the 16-bit hooks with each other:
+#   CONTENDERS="shoal pytorch pytorch-view hand shoal-fp16 pytorch-fp16 pytorch-view-fp16".
+#   RAW=FILE                   where the raw result lines go (default: bench/results/ddp-DATE.txt,
+#                              kept in the repository beside RESULTS.md)
 #   RUN_TIMEOUT=300            seconds allowed to one run (every process is under `timeout`)
 set -euo pipefail
 
@@ -33,7 +37,7 @@ shaped_rounds=${SHAPED_ROUNDS:-5}
 warmup=${WARMUP:-3}
 models=${MODELS:-mlp cnn}
 links=${LINKS:-loopback shaped}
-read -r -a contenders <<<"${CONTENDERS:-shoal pytorch hand}"
+read -r -a contenders <<<"${CONTENDERS:-shoal pytorch pytorch-view hand}"
 run_timeout=${RUN_TIMEOUT:-300}
 
 for tool in "$shoal" "$bench"; do
@@ -56,14 +60,41 @@ variant_flags() {
   esac
 }
 
+# PyTorch's configurations: its defaults, and what a user tuning DDP would set.
+pytorch_flags() {
+  case $1 in
+    pytorch) echo "" ;;
+    pytorch-view) echo "--bucket-view" ;;                # gradient_as_bucket_view=True
+    pytorch-fp16) echo "--fp16" ;;                       # PyTorch's fp16_compress_hook
+    pytorch-view-fp16) echo "--bucket-view --fp16" ;;
+    *) echo "ddp.sh: unknown contender $1" >&2; return 2 ;;
+  esac
+}
+
+for contender in "${contenders[@]}"; do
+  case $contender in
+    shoal | hand | local) ;;
+    shoal-*) variant_flags "$contender" >/dev/null || exit 2 ;;
+    pytorch*) pytorch_flags "$contender" >/dev/null || exit 2 ;;
+    *) echo "ddp.sh: unknown contender $contender" >&2; exit 2 ;;
+  esac
+done
+
 results=$(mktemp -d /tmp/shoal-ddp.XXXXXX)
+mkdir -p "$here/results"
+raw=${RAW:-$here/results/ddp-$(date -u +%Y%m%dT%H%MZ).txt}
 echo "## machine"
 echo "date: $(date -u)"
 echo "cores: $(nproc); $(lscpu | grep 'Model name' | sed 's/  */ /g')"
 echo "os: $(. /etc/os-release && echo "$PRETTY_NAME"); torch $("$python" -c 'import torch; print(torch.__version__)')"
 echo "scheduling: $(chrt -p $$ | sed -n 1p | sed 's/.*: //'), $(cat /proc/self/autogroup 2>/dev/null || echo "no autogroup")"
 echo "load before: $(cut -d' ' -f1-3 /proc/loadavg)"
-echo "raw lines: $results/lines"
+echo "logs: $results; raw lines: $raw"
+{
+  echo "# bench/ddp.sh raw lines: one per run (round, link, contender, then the worker's line)"
+  echo "# date: $(date -u); cores: $(nproc); load before: $(cut -d' ' -f1-3 /proc/loadavg)"
+  echo "# ROUNDS=$rounds SHAPED_ROUNDS=$shaped_rounds WARMUP=$warmup MLP_STEPS=${MLP_STEPS:-10} CNN_STEPS=${CNN_STEPS:-60} MODELS=\"$models\" LINKS=\"$links\" CONTENDERS=\"${contenders[*]}\""
+} >"$raw"
 
 # One run of one contender. $1: link, $2: model, $3: contender, $4: round; prints its ddp line.
 # run_pair (below) starts the two workers for the link.
@@ -77,11 +108,11 @@ run_one() {
   run_pair "$link" "$model" "$contender" "$steps" >"$log" 2>&1 || status=$?
   line=$(grep -m1 '^ddp ' "$log" || true)
   if [[ $status != 0 || -z $line ]]; then
-    echo "# $link $model $contender round $round failed (exit $status); last lines of $log:"
+    echo "# $link $model $contender round $round failed (exit $status); last lines of $log:" | tee -a "$raw"
     tail -5 "$log" | sed 's/^/#   /'
     return 0
   fi
-  echo "round=$round link=$link contender=$contender $line" | tee -a "$results/lines"
+  echo "round=$round link=$link contender=$contender $line" | tee -a "$raw"
 }
 
 # Command line of a contender's worker ($1 model, $2 contender, $3 steps), after the launcher.
@@ -96,14 +127,20 @@ shoal_args() {
   echo "$bench --impl $impl --model $model --warmup $warmup --steps $steps $flags"
 }
 
+# bench/ddp.py's arguments for a PyTorch contender ($1 model, $2 contender, $3 steps).
+pytorch_args() {
+  echo "--model $1 --warmup $warmup --steps $3 $(pytorch_flags "$2")"
+}
+
 run_pair() {
   local link=$1 model=$2 contender=$3 steps=$4 status=0
   if [[ $link == loopback ]]; then
-    if [[ $contender == pytorch ]]; then
+    if [[ $contender == pytorch* ]]; then
       local pids=()
       for rank in 1 0; do
+        # shellcheck disable=SC2046
         RANK=$rank WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port GLOO_SOCKET_IFNAME=lo \
-          timeout "$run_timeout" "$python" "$ddp_py" --model "$model" --warmup "$warmup" --steps "$steps" &
+          timeout "$run_timeout" "$python" "$ddp_py" $(pytorch_args "$model" "$contender" "$steps") &
         pids+=($!)
       done
       for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
@@ -115,12 +152,14 @@ run_pair() {
     return "$status"
   fi
   # Shaped link: one worker per namespace. Node 1 (namespace b) prints nothing but errors.
-  if [[ $contender == pytorch ]]; then
+  if [[ $contender == pytorch* ]]; then
+    # shellcheck disable=SC2046
     ip netns exec "$ns_b" env RANK=1 WORLD_SIZE=2 MASTER_ADDR=$addr_a MASTER_PORT=$port GLOO_SOCKET_IFNAME=${veth}b \
-      timeout "$run_timeout" "$python" "$ddp_py" --model "$model" --warmup "$warmup" --steps "$steps" &
+      timeout "$run_timeout" "$python" "$ddp_py" $(pytorch_args "$model" "$contender" "$steps") &
     bg_pid=$!
+    # shellcheck disable=SC2046
     ip netns exec "$ns_a" env RANK=0 WORLD_SIZE=2 MASTER_ADDR=$addr_a MASTER_PORT=$port GLOO_SOCKET_IFNAME=${veth}a \
-      timeout "$run_timeout" "$python" "$ddp_py" --model "$model" --warmup "$warmup" --steps "$steps" || status=$?
+      timeout "$run_timeout" "$python" "$ddp_py" $(pytorch_args "$model" "$contender" "$steps") || status=$?
   else
     # shellcheck disable=SC2046
     ip netns exec "$ns_b" env SHOAL_NUM_THREADS=1 timeout "$run_timeout" "$shoal" run --nnodes 2 --node-rank 1 \
@@ -144,7 +183,7 @@ run_rounds() {
         run_one "$link" "$model" "${contenders[(round + i) % n]}" "$round"
       done
     done
-    echo "# $link round $round done; load $(cut -d' ' -f1-3 /proc/loadavg)"
+    echo "# $link round $round done; load $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$raw"
   done
 }
 
@@ -201,5 +240,6 @@ echo
 echo "load after: $(cut -d' ' -f1-3 /proc/loadavg)"
 echo
 echo "## results (medians over rounds)"
-[[ -s $results/lines ]] || { echo "no run succeeded; see the logs in $results" >&2; exit 1; }
-"$python" "$ddp_py" summarize "$results/lines"
+grep -q '^round=' "$raw" || { echo "no run succeeded; see the logs in $results" >&2; exit 1; }
+echo "load after: $(cut -d' ' -f1-3 /proc/loadavg)" | sed 's/^/# /' >>"$raw"
+"$python" "$ddp_py" summarize "$raw"

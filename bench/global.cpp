@@ -3,6 +3,12 @@
 // sends per step beside what the same plan needs when written by hand. See bench/RESULTS.md.
 //
 //   build/bin/shoal run -n 4 build/bench/global [--steps 20] [--batch 8] [--time 64] [--dim 128]
+//                                              [--rounds 3] [--raw FILE]
+//
+// Each plan runs --rounds rounds of both contenders, shoal's plan first on even rounds and the
+// hand plan first on odd ones; the table gives median step times and the median of the rounds'
+// ratios. --raw FILE appends one line per round (both step times, the order) from the first
+// worker.
 //
 // Bytes are counted per worker as ring algorithms send them (shoal::global::sent_bytes()): an
 // all-reduce of T bytes among n sends 2T(n-1)/n. The hand plans:
@@ -16,7 +22,9 @@
 // on this worker's pieces of the same weights, with Megatron's f and g (an all-reduce in
 // backward, and one in forward) over the tensor-parallel workers, wrapped in
 // shoal::DataParallel over the data-parallel ones.
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <iomanip>
 #include <iostream>
 #include <limits>
@@ -35,6 +43,12 @@ struct Plan {
   g::NdSbp activations;  // of the block's input and output
   int64_t data_workers = 1, tensor_workers = 1;
 };
+
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  const size_t n = values.size();
+  return n % 2 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
+}
 
 double ring_all_reduce(double bytes, int64_t n) {
   return n < 2 ? 0 : 2 * bytes * static_cast<double>(n - 1) / static_cast<double>(n);
@@ -244,7 +258,8 @@ std::pair<double, double> hand_bytes(const Plan& plan,
 
 int main(int argc, char** argv) {
   CLI::App app{"GPT block on global tensors: step time and bytes beside hand-written plans"};
-  int steps = 20;
+  int steps = 20, rounds = 3;
+  std::string raw;
   int64_t batch = 8, time = 64;
   g::nn::TransformerBlockOptions options;
   options.dim = 128;
@@ -254,6 +269,9 @@ int main(int argc, char** argv) {
   app.add_option("--time", time)->check(CLI::PositiveNumber);
   app.add_option("--dim", options.dim)->check(CLI::PositiveNumber);
   app.add_option("--heads", options.heads)->check(CLI::PositiveNumber);
+  app.add_option("--rounds", rounds, "rounds of both contenders, in alternating order")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--raw", raw, "append each round's step times to this file");
   CLI11_PARSE(app, argc, argv);
   shoal::init();
   const int n = shoal::world_size();
@@ -280,15 +298,51 @@ int main(int argc, char** argv) {
   if (shoal::is_main()) {
     std::cout << "GPT block: batch " << batch << ", time " << time << ", dim " << options.dim
               << ", heads " << options.heads << ", " << parameter_bytes / 4 << " parameters; " << n
-              << " workers, " << steps << " steps\n\n"
+              << " workers, " << steps << " steps; " << rounds
+              << " rounds, the contenders' order alternating (step times: medians; shoal/hand: the "
+                 "median of the rounds' ratios)\n\n"
               << "| plan | step ms | hand step ms | shoal/hand | boxing KiB/step | hand KiB/step | "
                  "boxing/hand | "
                  "gradient sync KiB/step | hand KiB/step | loss | hand loss |\n"
               << "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
   }
+  std::FILE* raw_lines = nullptr;
+  if (shoal::is_main() && !raw.empty() && !(raw_lines = std::fopen(raw.c_str(), "a"))) {
+    std::cerr << "global: --raw " << raw << ": cannot open for appending\n";
+    return 2;
+  }
   for (const auto& plan : plans) {
-    const Measured m = measure(plan, options, batch, time, steps);
-    const auto [hand_ms, hand_loss] = measure_hand(plan, options, batch, time, steps);
+    Measured m;
+    double hand_loss = 0;
+    std::vector<double> shoal_times, hand_times, ratios;
+    for (int r = 0; r < rounds; ++r) {
+      auto run_shoal = [&] {
+        m = measure(plan, options, batch, time, steps);
+        shoal_times.push_back(m.step_ms);
+      };
+      auto run_hand = [&] {
+        const auto measured = measure_hand(plan, options, batch, time, steps);
+        hand_times.push_back(measured.first);
+        hand_loss = measured.second;
+      };
+      if (r % 2 == 0) {
+        run_shoal();
+        run_hand();
+      } else {
+        run_hand();
+        run_shoal();
+      }
+      ratios.push_back(shoal_times.back() / hand_times.back());
+      if (raw_lines) {
+        std::fprintf(raw_lines,
+                     "global workers=%d plan=%s round=%d order=%s step_ms=%.3f hand_step_ms=%.3f\n",
+                     n, plan.name.c_str(), r, r % 2 == 0 ? "shoal,hand" : "hand,shoal",
+                     shoal_times.back(), hand_times.back());
+        std::fflush(raw_lines);
+      }
+    }
+    const double hand_ms = median(hand_times);
+    m.step_ms = median(shoal_times);
     const auto [hand_activations, hand_gradients] =
         hand_bytes(plan, options, batch, time, m.piece_bytes);
     if (!shoal::is_main()) continue;
@@ -297,10 +351,11 @@ int main(int argc, char** argv) {
       return b > 0 ? std::to_string(a / b).substr(0, 5) : std::string("-");
     };
     std::cout << std::fixed << std::setprecision(1) << "| " << plan.name << " | " << m.step_ms
-              << " | " << hand_ms << " | " << ratio(m.step_ms, hand_ms) << " | "
+              << " | " << hand_ms << " | " << std::to_string(median(ratios)).substr(0, 5) << " | "
               << kib(m.boxing_bytes) << " | " << kib(hand_activations) << " | "
               << ratio(m.boxing_bytes, hand_activations) << " | " << kib(m.gradient_bytes) << " | "
               << kib(hand_gradients) << " | " << std::setprecision(6) << m.loss << " | "
               << hand_loss << " |" << std::endl;
   }
+  if (raw_lines) std::fclose(raw_lines);
 }
