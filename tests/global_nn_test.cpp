@@ -34,13 +34,13 @@ class MlpImpl : public g::nn::Module {
 };
 TORCH_MODULE(Mlp);
 
-// The gradients of every parameter, whole, after one step on a batch of 5 rows in `batch`.
-std::vector<torch::Tensor> gradients(const g::nn::Layout& layout, const g::NdSbp& batch) {
+// The gradients of every parameter, whole, after one step on a batch of `rows` rows in `batch`.
+std::vector<torch::Tensor> gradients(const g::nn::Layout& layout, const g::NdSbp& batch, int64_t rows = 5) {
   torch::manual_seed(11);
   Mlp model(layout);
   g::nn::GradientSync sync(model);
-  const auto x = g::randn({5, 6}, layout.placement, batch);
-  const auto target = g::randn({5, 6}, layout.placement, batch);
+  const auto x = g::randn({rows, 6}, layout.placement, batch);
+  const auto target = g::randn({rows, 6}, layout.placement, batch);
   const auto diff = model->forward(x) - target;
   g::mean(diff * diff).backward();
   std::vector<torch::Tensor> grads;
@@ -66,6 +66,28 @@ TEST(GradientSync, GradientsEqualOneProcessInEveryLayout) {
         {"2-D", gradients({mesh, {1}}, g::NdSbp{g::split(0), g::broadcast()})},
         {"2-D, batch split on both axes",
          gradients({mesh, {}}, g::NdSbp{g::split(0), g::split(0)})},
+    };
+    for (const auto& [name, grads] : plans) {
+      ASSERT_EQ(grads.size(), one.size());
+      for (size_t i = 0; i < grads.size(); ++i) {
+        EXPECT_TRUE(grads[i].allclose(one[i], 1e-5, 1e-6)) << name << ", parameter " << i << "\n"
+                                                           << grads[i] << "\n"
+                                                           << one[i];
+      }
+    }
+  });
+}
+
+// A global loss is the mean over the global batch, so GradientSync needs no weights for uneven
+// shares (docs/dp.md, "The loss and uneven shares"): 3 rows over 4 workers leave one with none.
+TEST(GradientSync, GradientsEqualOneProcessWhenAWorkerHoldsNoRows) {
+  run_workers(4, [] {
+    const auto one = gradients({g::Placement({0}), {}}, g::broadcast(), 3);
+    const auto all = g::Placement::all();
+    const auto mesh = g::Placement::mesh({2, 2});
+    const std::vector<std::pair<std::string, std::vector<torch::Tensor>>> plans = {
+        {"data, rows 1, 1, 1, 0", gradients({all, {}}, g::split(0), 3)},
+        {"2-D, rows 1, 1, 1, 0", gradients({mesh, {}}, g::NdSbp{g::split(0), g::split(0)}, 3)},
     };
     for (const auto& [name, grads] : plans) {
       ASSERT_EQ(grads.size(), one.size());
