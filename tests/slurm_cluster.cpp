@@ -4,6 +4,7 @@
 #include <grp.h>
 #include <pwd.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -114,6 +115,22 @@ std::vector<pid_t> processes_with(const std::string& entry) {
   return found;
 }
 
+// A number that no other cluster of these tests took recently: a counter in /tmp shared by the
+// test processes (ctest may run several at once), under an exclusive lock.
+int next_cluster_number() {
+  const int fd = ::open("/tmp/shoal-slurm-clusters", O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0 || ::flock(fd, LOCK_EX) != 0)
+    throw std::runtime_error("cannot lock /tmp/shoal-slurm-clusters");
+  char text[32] = {};
+  const ssize_t got = ::pread(fd, text, sizeof(text) - 1, 0);
+  const int number = got > 0 ? std::atoi(text) : 0;
+  const std::string next = std::to_string(number + 1) + "\n";
+  (void)!::ftruncate(fd, 0);
+  (void)!::pwrite(fd, next.data(), next.size(), 0);
+  ::close(fd);  // releases the lock
+  return number;
+}
+
 }  // namespace
 
 Command::Command(const std::vector<std::string>& argv,
@@ -203,6 +220,9 @@ std::string SlurmCluster::unavailable() {
 }
 
 SlurmCluster::SlurmCluster(const std::vector<SlurmNode>& nodes) {
+  // Jobs' ports derive from their ids (29500 + 8J + S mod 3000): clusters 16 ids apart use
+  // different ports for their first 16 jobs.
+  first_job_id_ = 1 + (next_cluster_number() % 23) * 16;
   char directory_template[] = "/tmp/shoal-slurm-XXXXXX";
   dir_ = ::mkdtemp(directory_template);
   conf_ = dir_ + "/slurm.conf";
@@ -233,6 +253,7 @@ SlurmCluster::SlurmCluster(const std::vector<SlurmNode>& nodes) {
   ::gethostname(host, sizeof(host) - 1);
   std::ostringstream conf;
   conf << "ClusterName=shoaltest\n"
+       << "FirstJobId=" << first_job_id_ << "\n"
        << "SlurmctldHost=" << host << "(127.0.0.1)\n"
        << "SlurmctldPort=" << free_port() << "\n"
        << "AuthType=auth/munge\nCredType=cred/munge\n"

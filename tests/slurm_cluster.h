@@ -73,10 +73,14 @@ class SlurmCluster {
   const std::string& dir() const { return dir_; }
   // The daemons' logs, for a failure message.
   std::string logs() const;
+  // The id of the cluster's first job; later jobs count up from it. Clusters that run at once
+  // start 16 apart (the first 23 of them), so their jobs' derived ports never meet.
+  int first_job_id() const { return first_job_id_; }
 
  private:
   void stop();
 
+  int first_job_id_ = 1;
   std::string dir_;
   std::string conf_;
   std::vector<pid_t> daemons_;  // munged first

@@ -82,7 +82,7 @@ TEST(Slurm, UnevenLayoutReadsEachNodesEntry) {
   for (const auto& [rank, r] : by_rank) {
     EXPECT_EQ(r.world, 3);
     EXPECT_EQ(r.sum, 6);  // 1 + 2 + 3: one world of three
-    EXPECT_EQ(r.job, "Slurm job 1 step 0");
+    EXPECT_EQ(r.job, "Slurm job " + std::to_string(cluster.first_job_id()) + " step 0");
     places.insert({r.local, r.local_size});
   }
   // One task alone on its node, two sharing the other.
@@ -194,7 +194,7 @@ TEST(Slurm, SbatchRunsTheWorkersWithSrun) {
     EXPECT_EQ(r.world, 4);
     EXPECT_EQ(r.sum, 10);
     EXPECT_EQ(r.local_size, 2);
-    EXPECT_EQ(r.job, "Slurm job 1 step 0");
+    EXPECT_EQ(r.job, "Slurm job " + std::to_string(cluster.first_job_id()) + " step 0");
   }
 }
 

@@ -126,8 +126,9 @@ comm::StoreOptions store_options(const JobSpec& job, Duration timeout) {
 // the store under shoal/init/<attempt>/failure, and every worker checks in there before building
 // the world group: it counts itself under .../arrived and polls until all have arrived or a
 // failure is posted, which it raises as its own UsageError. The poll has the connect timeout as
-// its deadline. A failing worker that would host the store hosts it just long enough for the
-// others to read the failure (each counts itself under .../heard).
+// its deadline. Whoever hosts the store (a failing worker that would host it hosts it anyway)
+// keeps it up until every worker has read the failure (each counts itself under .../heard),
+// since the others may connect only later.
 std::string init_key(const env::Environment& env, const std::string& what) {
   // torchrun restarts workers against the same agent store: each attempt has its own keys.
   return "shoal/init/" + env::get(env, "TORCHELASTIC_RESTART_COUNT").value_or("0") + "/" + what;
@@ -137,6 +138,14 @@ std::string this_worker() {
   char host[256] = {};
   gethostname(host, sizeof(host) - 1);
   return "a worker on host " + std::string(host) + " (pid " + std::to_string(getpid()) + ")";
+}
+
+// Every worker counts itself under .../heard once it has posted or read a failure.
+void wait_until_all_heard(const comm::StorePtr& store, const JobSpec& job,
+                          const env::Environment& env, const Deadline& deadline) {
+  while (store->add(init_key(env, "heard"), 0) < job.world_size && !deadline.expired()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
 }
 
 void check_in(const comm::StorePtr& store, const JobSpec& job, const env::Environment& env,
@@ -149,6 +158,8 @@ void check_in(const comm::StorePtr& store, const JobSpec& job, const env::Enviro
     const std::string posted = comm::try_get(store, failure);
     if (!posted.empty()) {
       store->add(init_key(env, "heard"), 1);
+      // The others may not have connected yet: the host keeps the store up until they heard.
+      if (job.hosts_store) wait_until_all_heard(store, job, env, deadline);
       throw UsageError("the job cannot start: " + posted);
     }
     const int64_t count = store->add(arrived, 0);
@@ -176,11 +187,7 @@ void tell_the_job(const env::Environment& env, const InitOptions& options,
     if (store->add(init_key(env, "failures"), 1) == 1)
       comm::put(store, init_key(env, "failure"), message);
     store->add(init_key(env, "heard"), 1);
-    if (!job.hosts_store) return;
-    Deadline deadline(options.connect_timeout);
-    while (store->add(init_key(env, "heard"), 0) < job.world_size && !deadline.expired()) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
+    if (job.hosts_store) wait_until_all_heard(store, job, env, Deadline(options.connect_timeout));
   } catch (const std::exception&) {
   }
 }
