@@ -14,10 +14,11 @@ packages=(
   procps                             # pgrep/ps in tests
   libssl-dev                         # OpenSSL libcrypto: HMAC-SHA256 on gossip datagrams
   etcd-server                        # a real etcd (3.4) for the etcd rendezvous tests
+  python3-torch                      # torchrun, for the test that torch.distributed programs run
+                                     # unchanged under shoal run; PyTorch's DDP for benchmarks
+  munge slurmctld slurmd slurm-client  # a real Slurm (22.05) that the Slurm tests start
+  openmpi-bin                        # a real mpirun for the Open MPI tests
 )
-if [ "${SHOAL_SETUP_BENCH:-0}" = 1 ]; then
-  packages+=(python3-torch)          # PyTorch's own DDP and torchrun, for side-by-side benchmarks
-fi
 
 missing=()
 for package in "${packages[@]}"; do

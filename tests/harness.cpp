@@ -42,13 +42,18 @@ bool is_job_variable(const std::string& name) {
   return names.count(name) > 0;
 }
 
-std::map<std::string, std::string> job_environment(Launcher launcher, int rank, int n, int port) {
+std::map<std::string, std::string> job_environment(Launcher launcher, int rank, int n, int port,
+                                                   const std::string& run_id) {
   const std::string r = std::to_string(rank), size = std::to_string(n), p = std::to_string(port);
   switch (launcher) {
     case Launcher::kShoal:
-      return {{"SHOAL_RANK", r}, {"SHOAL_WORLD_SIZE", size}, {"SHOAL_LOCAL_RANK", r},
-              {"SHOAL_LOCAL_WORLD_SIZE", size}, {"SHOAL_MASTER_ADDR", "127.0.0.1"},
-              {"SHOAL_MASTER_PORT", p}};
+      return {{"SHOAL_RANK", r},
+              {"SHOAL_WORLD_SIZE", size},
+              {"SHOAL_LOCAL_RANK", r},
+              {"SHOAL_LOCAL_WORLD_SIZE", size},
+              {"SHOAL_MASTER_ADDR", "127.0.0.1"},
+              {"SHOAL_MASTER_PORT", p},
+              {"SHOAL_RUN_ID", run_id}};
     case Launcher::kTorchrun:
       return {{"RANK", r}, {"WORLD_SIZE", size}, {"LOCAL_RANK", r}, {"LOCAL_WORLD_SIZE", size},
               {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", p}};
@@ -57,8 +62,12 @@ std::map<std::string, std::string> job_environment(Launcher launcher, int rank, 
               {"OMPI_COMM_WORLD_LOCAL_RANK", r}, {"OMPI_COMM_WORLD_LOCAL_SIZE", size},
               {"SHOAL_MASTER", "127.0.0.1:" + p}};
     case Launcher::kSlurm:
-      return {{"SLURM_PROCID", r}, {"SLURM_NTASKS", size}, {"SLURM_LOCALID", r},
-              {"SLURM_NTASKS_PER_NODE", size}, {"SLURM_JOB_NODELIST", "localhost"},
+      return {{"SLURM_PROCID", r},
+              {"SLURM_NTASKS", size},
+              {"SLURM_LOCALID", r},
+              {"SLURM_NTASKS_PER_NODE", size},
+              {"SLURM_JOB_NODELIST", "localhost"},
+              {"SLURM_STEP_ID", "0"},
               {"MASTER_PORT", p}};
     case Launcher::kNone:
       return {};
@@ -143,10 +152,12 @@ std::vector<WorkerExit> run_workers(int n, const std::function<void()>& body,
   // how each worker ended, as `shoal run` does.
   comm::StorePtr store;
   int port = free_port();
+  const std::string run_id = "test" + std::to_string(getpid()) + "-" + std::to_string(call);
   if (options.launcher == Launcher::kShoal) {
     comm::StoreOptions store_options;
     store_options.is_server = true;
     store_options.port = 0;
+    store_options.job_id = "shoal run " + run_id;  // as shoal run names its job
     store = comm::open_store(store_options);
     port = comm::hosted_port(store);
   }
@@ -160,7 +171,8 @@ std::vector<WorkerExit> run_workers(int n, const std::function<void()>& body,
       std::string text(*entry);
       if (!is_job_variable(text.substr(0, text.find('=')))) env_strings.push_back(text);
     }
-    for (auto& [key, value] : job_environment(options.launcher, rank, n, port)) env_strings.push_back(key + "=" + value);
+    for (auto& [key, value] : job_environment(options.launcher, rank, n, port, run_id))
+      env_strings.push_back(key + "=" + value);
     for (auto& [key, value] : options.env) env_strings.push_back(key + "=" + value);
     env_strings.push_back(std::string(kWorkerCall) + "=" + std::to_string(call));
     const std::string filter = "--gtest_filter=" + current_test_name();

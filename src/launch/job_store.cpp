@@ -78,7 +78,9 @@ struct JobStore::State {
 JobStore::JobStore(std::unique_ptr<State> state) : state_(std::move(state)) {}
 JobStore::~JobStore() = default;
 
-std::unique_ptr<JobStore> JobStore::host(int port, Duration timeout, const std::string& described_as) {
+std::unique_ptr<JobStore> JobStore::host(int port, Duration timeout,
+                                         const std::string& described_as,
+                                         const std::string& run_id) {
   comm::StoreOptions options;
   // The server listens on every interface; the launcher's own connection to it goes over
   // loopback, so node 0 works whatever name the other nodes know it by.
@@ -87,6 +89,8 @@ std::unique_ptr<JobStore> JobStore::host(int port, Duration timeout, const std::
   options.is_server = true;
   options.timeout = timeout;
   options.described_as = described_as;
+  // As shoal::init() names a job of shoal run's (JobSpec::job_id).
+  options.job_id = "shoal run " + run_id;
   auto state = std::make_unique<State>();
   state->store = open_quietly(options);
   state->port = comm::hosted_port(state->store);

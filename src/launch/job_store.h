@@ -16,9 +16,11 @@ namespace shoal::launch {
 
 class JobStore {
  public:
-  // Node 0: hosts the store on every interface at `port` (0: any free port). Raises UsageError
-  // (port taken) with a one-line message naming `described_as`.
-  static std::unique_ptr<JobStore> host(int port, Duration timeout, const std::string& described_as);
+  // Node 0: hosts the store on every interface at `port` (0: any free port), naming the job
+  // `run_id` under comm::kJobIdKey for the workers to check. Raises UsageError (port taken) with
+  // a one-line message naming `described_as`.
+  static std::unique_ptr<JobStore> host(int port, Duration timeout, const std::string& described_as,
+                                        const std::string& run_id);
   // Other nodes: connects to node 0's store at host:port, retrying until `timeout`.
   static std::unique_ptr<JobStore> connect(const std::string& host, int port, Duration timeout,
                                            const std::string& described_as);

@@ -59,8 +59,9 @@ int Launcher::run() {
   // them, and can kill those that left their worker's process group (kill_leftovers).
   ::prctl(PR_SET_CHILD_SUBREAPER, 1);
   if (options_.elastic) return run_elastic();
+  const std::string own_run_id = make_run_id();
   try {
-    store_ = open_job_store(options_, *signals_);
+    store_ = open_job_store(options_, *signals_, own_run_id);
   } catch (const Interrupted& interrupted) {
     say("received " + signal_name(interrupted.signal()) + " before the workers started");
     return 128 + interrupted.signal();
@@ -68,7 +69,7 @@ int Launcher::run() {
   nodes_ = std::make_unique<NodeGroup>(*store_, options_, *signals_, err_);
   const std::string node = "node " + std::to_string(options_.node_rank);
   try {
-    const std::string run_id = nodes_->join(make_run_id());
+    const std::string run_id = nodes_->join(own_run_id);
     start_workers(run_id, store_->port());
   } catch (const Interrupted& interrupted) {
     say("received " + signal_name(interrupted.signal()) + " before the workers started");

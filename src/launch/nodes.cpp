@@ -84,14 +84,16 @@ bool port_in_use(int port) {
 
 }  // namespace
 
-std::unique_ptr<JobStore> open_job_store(const LaunchOptions& options, SignalSet& signals) {
+std::unique_ptr<JobStore> open_job_store(const LaunchOptions& options, SignalSet& signals,
+                                         const std::string& run_id) {
   if (options.hosts_store()) {
     if (options.master_port != 0 && port_in_use(options.master_port)) {
       throw UsageError(options.master_described_as + ": port " + std::to_string(options.master_port) +
                        " is already in use on this host; pick a free port" +
                        (options.nnodes == 1 ? ", or omit it to use any free port" : ""));
     }
-    return JobStore::host(options.master_port, options.connect_timeout, options.master_described_as);
+    return JobStore::host(options.master_port, options.connect_timeout, options.master_described_as,
+                          run_id);
   }
   Deadline deadline(options.connect_timeout);
   while (!is_listening(options)) {

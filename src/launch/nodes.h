@@ -18,7 +18,9 @@ namespace shoal::launch {
 // Node 0 hosts the store; other nodes wait (up to --connect-timeout, waking for signals) until
 // it listens, then connect. Raises UsageError (port taken, host unknown, never reachable) or
 // Interrupted.
-std::unique_ptr<JobStore> open_job_store(const LaunchOptions& options, SignalSet& signals);
+// Node 0's store names the job `run_id` (see JobStore::host); the others adopt node 0's.
+std::unique_ptr<JobStore> open_job_store(const LaunchOptions& options, SignalSet& signals,
+                                         const std::string& run_id);
 
 // A random id for the job: 16 hex digits.
 std::string make_run_id();

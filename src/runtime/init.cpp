@@ -6,6 +6,7 @@
 #include <atomic>
 #include <map>
 #include <memory>
+#include <thread>
 
 #include <ATen/Parallel.h>
 
@@ -94,13 +95,115 @@ Duration default_timeout(const InitOptions& options, const env::Environment& env
   return comm::kDefaultGroupTimeout;
 }
 
+// What to set when the master's host name does not resolve, in the launcher's terms.
+std::string if_unresolved(const JobSpec& job) {
+  if (job.launcher == "shoal") {
+    return "; give shoal run --master a name or address that every node resolves";
+  }
+  if (job.launcher == "torchrun")
+    return "; set MASTER_ADDR to a name or address every worker resolves";
+  return "; set MASTER_ADDR (or SHOAL_MASTER=HOST:PORT) to a name or address of " +
+         std::string(job.launcher == "slurm" ? "the job's first node" : "rank 0's host") +
+         " that every worker resolves";
+}
+
+comm::StoreOptions store_options(const JobSpec& job, Duration timeout) {
+  comm::StoreOptions store;
+  store.host = job.master_addr;
+  store.port = job.master_port;
+  store.is_server = job.hosts_store;
+  store.timeout = timeout;
+  store.described_as = job.master_described_as;
+  if (job.store_names_job) store.job_id = job.job_id;
+  store.if_unresolved = if_unresolved(job);
+  return store;
+}
+
+// Note [A wrong environment fails every worker at once]
+// Workers check what they read alike (world size, the store's address, Slurm's whole task
+// layout) identically, so such a mistake fails all of them. What only one worker can see (its
+// SLURM_LOCALID against its node's task count, say) fails that one; it then posts its error in
+// the store under shoal/init/<attempt>/failure, and every worker checks in there before building
+// the world group: it counts itself under .../arrived and polls until all have arrived or a
+// failure is posted, which it raises as its own UsageError. The poll has the connect timeout as
+// its deadline. Whoever hosts the store (a failing worker that would host it hosts it anyway)
+// keeps it up until every worker has read the failure (each counts itself under .../heard),
+// since the others may connect only later.
+std::string init_key(const env::Environment& env, const std::string& what) {
+  // torchrun restarts workers against the same agent store: each attempt has its own keys.
+  return "shoal/init/" + env::get(env, "TORCHELASTIC_RESTART_COUNT").value_or("0") + "/" + what;
+}
+
+std::string this_worker() {
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  return "a worker on host " + std::string(host) + " (pid " + std::to_string(getpid()) + ")";
+}
+
+// Every worker counts itself under .../heard once it has posted or read a failure.
+void wait_until_all_heard(const comm::StorePtr& store, const JobSpec& job,
+                          const env::Environment& env, const Deadline& deadline) {
+  while (store->add(init_key(env, "heard"), 0) < job.world_size && !deadline.expired()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+void check_in(const comm::StorePtr& store, const JobSpec& job, const env::Environment& env,
+              Duration timeout) {
+  const std::string arrived = init_key(env, "arrived"), failure = init_key(env, "failure");
+  store->add(arrived, 1);
+  Deadline deadline(timeout);
+  auto pause = std::chrono::milliseconds(2);
+  for (;;) {
+    const std::string posted = comm::try_get(store, failure);
+    if (!posted.empty()) {
+      store->add(init_key(env, "heard"), 1);
+      // The others may not have connected yet: the host keeps the store up until they heard.
+      if (job.hosts_store) wait_until_all_heard(store, job, env, deadline);
+      throw UsageError("the job cannot start: " + posted);
+    }
+    const int64_t count = store->add(arrived, 0);
+    if (count >= job.world_size) return;
+    if (deadline.expired()) {
+      throw CommError("only " + std::to_string(count) + " of " + std::to_string(job.world_size) +
+                      " workers reached the job's store at " + job.master_described_as + "=" +
+                      job.master_addr + ":" + std::to_string(job.master_port) + " within " +
+                      format_duration(deadline.timeout()));
+    }
+    std::this_thread::sleep_for(std::min<Duration>(pause, deadline.remaining()));
+    pause = std::min(pause * 2, std::chrono::milliseconds(100));
+  }
+}
+
+// See Note [A wrong environment fails every worker at once]. Best effort: the worker raises its
+// own error in any case.
+void tell_the_job(const env::Environment& env, const InitOptions& options,
+                  const std::string& error) {
+  try {
+    const JobSpec job = discover_job_store(env, options.master);
+    if (job.master_addr.empty() || job.world_size <= 1) return;
+    auto store = comm::open_store(store_options(job, options.connect_timeout));
+    const std::string message = this_worker() + " found: " + error;
+    if (store->add(init_key(env, "failures"), 1) == 1)
+      comm::put(store, init_key(env, "failure"), message);
+    store->add(init_key(env, "heard"), 1);
+    if (job.hosts_store) wait_until_all_heard(store, job, env, Deadline(options.connect_timeout));
+  } catch (const std::exception&) {
+  }
+}
+
 }  // namespace
 
 void init(const InitOptions& options) {
   if (the_runtime != nullptr) throw UsageError("shoal::init() was already called in this process");
   const auto env = env::current();
   auto state = std::make_unique<Runtime>();
-  state->job = discover_job(env, options.master);
+  try {
+    state->job = discover_job(env, options.master);
+  } catch (const UsageError& e) {
+    tell_the_job(env, options, e.what());
+    throw;
+  }
   const JobSpec& job = state->job;
   set_threads(options, job, env);
   const Duration timeout = default_timeout(options, env);
@@ -113,13 +216,17 @@ void init(const InitOptions& options) {
   } else if (job.master_addr.empty()) {
     state->world = comm::Group::single();
   } else {
-    comm::StoreOptions store;
-    store.host = job.master_addr;
-    store.port = job.master_port;
-    store.is_server = !job.store_hosted_by_launcher && job.rank == 0;
-    store.timeout = options.connect_timeout;
-    store.described_as = job.master_described_as;
-    state->store = comm::open_store(store);
+    state->store = comm::open_store(store_options(job, options.connect_timeout));
+    try {
+      check_in(state->store, job, env, options.connect_timeout);
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      const std::string what = e.what();
+      throw CommError("lost the job's store at " + job.master_described_as + "=" + job.master_addr +
+                      ":" + std::to_string(job.master_port) + " while the workers checked in: " +
+                      what.substr(0, what.find('\n')));
+    }
 
     comm::GroupOptions group;
     group.timeout = options.connect_timeout;  // for connecting; collectives get `timeout`

@@ -2,6 +2,7 @@
 // share through it.
 #pragma once
 
+#include <optional>
 #include <string>
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -21,10 +22,21 @@ struct StoreOptions {
   // Names the setting the address came from ("MASTER_ADDR:MASTER_PORT", "--master"), so that
   // an unreachable store is reported in the user's terms.
   std::string described_as = "the store address";
+  // The job's identity (JobSpec::job_id; "" for a job that has none). When set, a server writes
+  // it under kJobIdKey as soon as it listens, and a client compares it before anything else:
+  // another job's store on this port is a UsageError naming both jobs. See docs/runtime.md.
+  std::optional<std::string> job_id;
+  // Appended to the error when `host` does not resolve: what the user should set instead.
+  std::string if_unresolved;
 };
 
-// Hosts (is_server) or connects to a store. A server whose port is taken, or a client that cannot
-// connect within the timeout, raises UsageError naming options.described_as and host:port.
+// Where the store's host writes the job's id.
+inline const std::string kJobIdKey = "shoal/job_id";
+
+// Hosts (is_server) or connects to a store. A host name that does not resolve, a server whose port
+// is taken, a client that cannot connect within the timeout, or a store of another job raise
+// UsageError naming options.described_as and host:port, in one line: c10d's own log lines about
+// failed binds and connections are held back while the store opens.
 StorePtr open_store(const StoreOptions& options);
 
 // The port a store opened by open_store listens on (useful after asking for port 0).
