@@ -32,13 +32,12 @@ SignalSet::SignalSet() {
     ::pthread_sigmask(SIG_SETMASK, &original_mask_, nullptr);
     throw Error(std::string("cannot create a signalfd: ") + std::strerror(errno));
   }
-  // A signal that is ignored never reaches the signalfd, and a launcher started in the
-  // background by a script inherits SIGINT ignored: take the default action back for every
-  // signal read here (they are blocked, so the default action never runs).
+  // SIGCHLD inherited as ignored would have the kernel reap the workers before waitpid() could
+  // say how they ended. (The other signals read here reach the signalfd even if inherited as
+  // ignored, since they are blocked; workers get every default action back in start_process.)
   struct sigaction fallback {};
   fallback.sa_handler = SIG_DFL;
-  ::sigaction(SIGCHLD, &fallback, nullptr);  // ignored, it would reap the workers for us
-  for (int signal : kForwarded) ::sigaction(signal, &fallback, nullptr);
+  ::sigaction(SIGCHLD, &fallback, nullptr);
   struct sigaction ignore {};
   ignore.sa_handler = SIG_IGN;
   ::sigaction(SIGPIPE, &ignore, &original_pipe_action_);

@@ -72,7 +72,7 @@ struct StateOptions {
   // again) resumes from that file. Empty and 0: SHOAL_CHECKPOINT and SHOAL_CHECKPOINT_EVERY
   // (default 100), which `shoal run` passes on to its workers; no file is written when neither
   // names one.
-  std::string checkpoint;
+  std::string checkpoint{};
   int64_t checkpoint_every = 0;
 };
 
