@@ -360,10 +360,14 @@ void State::commit() {
     // A worker the others declared dead trains in a group they left: nothing it does from here
     // is the job's (see Note [Sharing the newest commit]). Checked after the snapshot, so that
     // the recovery finds this worker's parameters at its commit (Note [Commits without copies]).
-    const ElasticWorld& elastic = ElasticWorld::get();
+    ElasticWorld& elastic = ElasticWorld::get();
     if (std::string lost = elastic.lost(); !lost.empty()) {
       throw CommError("commit on " + std::to_string(shoal::world_size()) + " workers: lost " +
                       lost);
+    }
+    if (!recorded_) {
+      elastic.rendezvous().record_commit(version_);
+      recorded_ = true;
     }
     if (durable_->due(version_)) write_to_disk();
     check_world();
@@ -425,6 +429,26 @@ void State::resume_from_disk() {
       "shoal elastic: no worker holds a commit; resuming from step %lld (epoch %lld) of %s\n",
       static_cast<long long>(version_), static_cast<long long>(epoch_), durable_->path().c_str());
 }
+
+int64_t State::lost_history() const {
+  if (!shoal::is_initialized() || !shoal::job().elastic) return 0;
+  return std::max<int64_t>(0, ElasticWorld::get().rendezvous().recorded_commit());
+}
+
+namespace {
+[[noreturn]] void refuse_to_start_again(int64_t recorded) {
+  if (recorded > 0) {
+    std::fprintf(
+        stderr,
+        "shoal elastic: every worker holding the job's commits is gone (it had committed step "
+        "%lld at least); not starting it again from step 0 (durable commits, SHOAL_CHECKPOINT, "
+        "would resume it)\n",
+        static_cast<long long>(recorded));
+  }
+  std::fflush(nullptr);
+  std::exit(1);
+}
+}  // namespace
 
 void State::next_epoch() {
   ++epoch_;
@@ -499,7 +523,12 @@ void State::sync() {
         ": they changed after it (the optimizer stepped) and a collective failed before the next "
         "commit(); commit right after the optimizer's step, or set StateOptions::copy_parameters");
   }
-  if (n == 1 && version_ == 0) resume_from_disk();
+  if (n == 1 && version_ == 0) {
+    resume_from_disk();
+    if (const int64_t recorded = version_ == 0 ? lost_history() : 0; recorded > 0) {
+      refuse_to_start_again(recorded);
+    }
+  }
   if (n > 1) {
     auto mine = at::tensor({version_, static_cast<int64_t>(lineage_), int64_t{needs_parameters_}},
                            at::kLong)
@@ -544,12 +573,18 @@ void State::sync() {
     }
     if (!same) {
       std::string payload;
+      int64_t lost = 0;
       if (group.rank() == source) {
         if (newest == 0) resume_from_disk();
-        payload = serialize();
+        // -1: the job lost its history, and every member stops (the source says why).
+        const int64_t recorded = version_ == 0 ? lost_history() : 0;
+        if (recorded == 0) payload = serialize();
+        lost = recorded;
       }
-      auto length = at::tensor({static_cast<int64_t>(payload.size())}, at::kLong);
+      auto length =
+          at::tensor({lost > 0 ? int64_t{-1} : static_cast<int64_t>(payload.size())}, at::kLong);
       group.broadcast(length, {source});
+      if (length.item<int64_t>() < 0) refuse_to_start_again(lost);
       auto bytes = at::empty({length.item<int64_t>()}, at::kByte);
       if (group.rank() == source) std::memcpy(bytes.data_ptr(), payload.data(), payload.size());
       group.broadcast(bytes, {source});
@@ -571,6 +606,7 @@ void State::sync() {
     sampler_.load_state(position);  // so that the loop's set_epoch keeps the cursor
   }
   needs_parameters_ = false;
+  recorded_ = false;
   apply_policy();
   snapshot();
   for (auto& reset : resets_) reset();

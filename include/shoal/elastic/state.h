@@ -147,6 +147,9 @@ class State {
   void deserialize(const std::string& what, std::string_view payload);
   // No member of the round holds a commit: take the durable one, if any (the first worker).
   void resume_from_disk();
+  // No member of the round holds a commit and none is on disk, but the job has committed
+  // before: the newest version recorded, else 0 (Note [The job's recorded commits]).
+  int64_t lost_history() const;
   void write_to_disk();
 
   torch::nn::Module& module_;
@@ -173,6 +176,7 @@ class State {
   struct Vote;
   std::unique_ptr<Vote> vote_;
   std::unique_ptr<DurableCommits> durable_;
+  bool recorded_ = false;  // this round's first commit was recorded for newcomers
 };
 
 // Runs `train` and, in an elastic job, recovers from the loss of a worker (CommError) and from
