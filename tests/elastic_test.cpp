@@ -516,8 +516,9 @@ TEST_P(ElasticHistory, NoWorkerGoesBackToAnOlderCommit) {
   ASSERT_GE(all.size(), 2u) << "the woken worker did not start again: " << result.out << result.err;
   for (const auto& s : all) {
     EXPECT_EQ(s.pid, first.at(0));
-    if (&s != &all.front())
+    if (&s != &all.front()) {
       EXPECT_GE(s.step, stopped_at) << "the woken worker went back: " << result.out;
+    }
   }
   if (!gossip) {
     const RunResult joined = joiner.wait(120s);

@@ -122,7 +122,8 @@ class Rendezvous {
 
   // Note [The job's recorded commits]
   // A newcomer whose round holds no commit must not start a job that has history from step 0.
-  // record_commit() notes, once per round, that this worker committed `version`, where later
+  // record_commit() notes (once per round, and every 100 commits: State::commit()) that this
+  // worker committed `version`, where later
   // newcomers see it even after this worker is gone; recorded_commit() is the newest such
   // version of any worker of the job, alive or not (0: none). Gossip keeps it in the worker's
   // metadata, which the membership keeps for dead members too; etcd keeps no such record yet

@@ -120,6 +120,8 @@ constexpr const char* kEpochKey = "shoal.elastic.epoch";
 constexpr const char* kVersionKey = "shoal.elastic.version";
 constexpr const char* kRatesKey = "shoal.elastic.learning_rates";
 constexpr const char* kValuePrefix = "value.";
+// How often commit() records the job's progress for newcomers (Note [The job's recorded commits]).
+constexpr int64_t kRecordEvery = 100;
 
 }  // namespace
 
@@ -365,7 +367,8 @@ void State::commit() {
       throw CommError("commit on " + std::to_string(shoal::world_size()) + " workers: lost " +
                       lost);
     }
-    if (!recorded_) {
+    // Once per round and every kRecordEvery commits: one small metadata update each.
+    if (!recorded_ || version_ % kRecordEvery == 0) {
       elastic.rendezvous().record_commit(version_);
       recorded_ = true;
     }

@@ -176,7 +176,7 @@ class State {
   struct Vote;
   std::unique_ptr<Vote> vote_;
   std::unique_ptr<DurableCommits> durable_;
-  bool recorded_ = false;  // this round's first commit was recorded for newcomers
+  bool recorded_ = false;  // a commit of this round was recorded for newcomers
 };
 
 // Runs `train` and, in an elastic job, recovers from the loss of a worker (CommError) and from
