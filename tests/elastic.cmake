@@ -7,3 +7,5 @@ foreach(name elastic_test elastic_membership_test)
   shoal_add_test(${name} ${name}.cpp etcd_server.cpp)
   add_dependencies(${name} elastic_worker shoal_cli)
 endforeach()
+# The elastic example (examples/elastic_fashion_mnist.cpp) is run by elastic_test.
+add_dependencies(elastic_test elastic_fashion_mnist)

@@ -6,10 +6,14 @@
 // elastic state). Membership cases are in elastic_membership_test.cpp.
 #include <signal.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
+#include <cstdio>
+#include <fstream>
 #include <thread>
 
 #include <gtest/gtest.h>
+#include <shoal/global/nn.h>
 #include <shoal/shoal.h>
 #include <torch/torch.h>
 
@@ -33,8 +37,9 @@ TEST_P(ElasticOracle, KillJoinLeaveEndsWithTheOneProcessParameters) {
   Backend backend(GetParam());
   const std::string out = temp_path("oracle_" + GetParam());
   const std::string token = temp_path("oracle_" + GetParam() + ".token");
-  ShoalRun job(backend.flags() + std::vector<std::string>{"--min", "1", "--max", "3", "-n", "3", "--token-file", token,
-                                                          kWorker, out, std::to_string(kEpochs), "80"});
+  ShoalRun job(backend.flags() + std::vector<std::string>{"--min", "1", "--max", "3", "-n", "3",
+                                                          "--token-file", token, kWorker, out,
+                                                          std::to_string(kEpochs), "80"});
   ASSERT_TRUE(step_at_least(job, 15, 3, 60s)) << job.so_far().out << job.so_far().err;
   auto first = ranks_of_round(starts(job.so_far().out), 3);
   ASSERT_EQ(first.size(), 3u);
@@ -51,10 +56,11 @@ TEST_P(ElasticOracle, KillJoinLeaveEndsWithTheOneProcessParameters) {
   const auto join = join_flags(job.so_far().err);
   ASSERT_FALSE(join.empty()) << job.so_far().err;
   EXPECT_NE(std::find(join.begin(), join.end(), token), join.end()) << job.so_far().err;
-  ShoalRun joiner(join + std::vector<std::string>{"-n", "1", kWorker, out, std::to_string(kEpochs), "80"});
+  ShoalRun joiner(join +
+                  std::vector<std::string>{"-n", "1", kWorker, out, std::to_string(kEpochs), "80"});
   const int64_t joined_from = last_step(job.so_far().out).first;
-  ASSERT_TRUE(step_at_least(job, joined_from + 1, 3, 60s)) << job.so_far().out << job.so_far().err
-                                                            << joiner.so_far().err;
+  ASSERT_TRUE(step_at_least(job, joined_from + 1, 3, 60s))
+      << job.so_far().out << job.so_far().err << joiner.so_far().err;
 
   // The third worker of the first round leaves with SIGTERM.
   const int64_t left_at = last_step(job.so_far().out).first + 5;
@@ -66,7 +72,8 @@ TEST_P(ElasticOracle, KillJoinLeaveEndsWithTheOneProcessParameters) {
   const RunResult result = job.wait(120s);
   EXPECT_EQ(result.exit_code, 0) << result.err;
   EXPECT_EQ(joined.exit_code, 0) << joined.err;
-  EXPECT_NE(result.err.find("was killed by signal 9 (SIGKILL); the job goes on without it"), std::string::npos)
+  EXPECT_NE(result.err.find("was killed by signal 9 (SIGKILL); the job goes on without it"),
+            std::string::npos)
       << result.err;
   EXPECT_NE(result.err.find("leaves the job after step"), std::string::npos) << result.err;
   const Outcome outcome = read_outcome(out);
@@ -75,7 +82,8 @@ TEST_P(ElasticOracle, KillJoinLeaveEndsWithTheOneProcessParameters) {
   EXPECT_NE(::stat(token.c_str(), &info), 0) << "the token file outlived the job";
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, ElasticOracle, ::testing::Values("gossip", "etcd"), backend_name);
+INSTANTIATE_TEST_SUITE_P(Backends, ElasticOracle, ::testing::Values("gossip", "etcd"),
+                         backend_name);
 
 }  // namespace
 
@@ -92,27 +100,31 @@ TEST_P(ElasticAccounting, EachSampleOncePerEpoch) {
   const std::string name = "accounting_" + backend_kind + std::to_string(n);
   const std::string out = temp_path(name);
   const std::string token = temp_path(name + ".token");
-  ShoalRun job(backend.flags() + std::vector<std::string>{"--min", "1", "--max", std::to_string(std::max(n, 2)), "-n",
-                                                          std::to_string(n), "--max-restarts", "1", "--token-file",
-                                                          token, kWorker, out, std::to_string(kEpochs), "60"});
+  ShoalRun job(backend.flags() +
+               std::vector<std::string>{"--min", "1", "--max", std::to_string(std::max(n, 2)), "-n",
+                                        std::to_string(n), "--max-restarts", "1", "--token-file",
+                                        token, kWorker, out, std::to_string(kEpochs), "60"});
   ASSERT_TRUE(step_at_least(job, 10, n, 60s)) << job.so_far().out << job.so_far().err;
   auto first = ranks_of_round(starts(job.so_far().out), n);
   ASSERT_EQ(first.size(), static_cast<size_t>(n));
   std::unique_ptr<ShoalRun> joiner;
   if (n == 1) {
     // One worker: another joins, then the first leaves; the newcomer finishes the job.
-    joiner = std::make_unique<ShoalRun>(join_flags(job.so_far().err) +
-                                        std::vector<std::string>{"-n", "1", kWorker, out, std::to_string(kEpochs), "60"});
+    joiner = std::make_unique<ShoalRun>(
+        join_flags(job.so_far().err) +
+        std::vector<std::string>{"-n", "1", kWorker, out, std::to_string(kEpochs), "60"});
     const int64_t from = last_step(job.so_far().out).first;
     ASSERT_TRUE(step_at_least(job, from + 1, 2, 60s)) << job.so_far().out << job.so_far().err;
     ASSERT_EQ(::kill(first[0], SIGTERM), 0);
-    ASSERT_TRUE(joiner->wait_until([](const RunResult& r) { return last_step(r.out).second == 1; }, 60s))
+    ASSERT_TRUE(
+        joiner->wait_until([](const RunResult& r) { return last_step(r.out).second == 1; }, 60s))
         << joiner->so_far().out << joiner->so_far().err << job.so_far().err;
   } else {
     // SIGKILL the last worker: it is restarted after 1 s and joins again (the others train on
     // without it meanwhile, or take it in at once when their round closed after its start).
     ASSERT_EQ(::kill(first[n - 1], SIGKILL), 0);
-    ASSERT_TRUE(job.wait_until([&](const RunResult& r) { return newcomer_in(r.out, first, n); }, 60s))
+    ASSERT_TRUE(
+        job.wait_until([&](const RunResult& r) { return newcomer_in(r.out, first, n); }, 60s))
         << job.so_far().out << job.so_far().err;
     // The first worker leaves.
     ASSERT_EQ(::kill(first[0], SIGTERM), 0);
@@ -133,13 +145,14 @@ TEST_P(ElasticAccounting, EachSampleOncePerEpoch) {
   expect_each_sample_once(read_outcome(out), kEpochs);
 }
 
-INSTANTIATE_TEST_SUITE_P(WorldSizes, ElasticAccounting,
-                         ::testing::Values(std::make_tuple("gossip", 1), std::make_tuple("gossip", 2),
-                                           std::make_tuple("gossip", 3), std::make_tuple("gossip", 4),
-                                           std::make_tuple("etcd", 1), std::make_tuple("etcd", 3)),
-                         [](const auto& info) {
-                           return std::get<0>(info.param) + "_n" + std::to_string(std::get<1>(info.param));
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    WorldSizes, ElasticAccounting,
+    ::testing::Values(std::make_tuple("gossip", 1), std::make_tuple("gossip", 2),
+                      std::make_tuple("gossip", 3), std::make_tuple("gossip", 4),
+                      std::make_tuple("etcd", 1), std::make_tuple("etcd", 3)),
+    [](const auto& info) {
+      return std::get<0>(info.param) + "_n" + std::to_string(std::get<1>(info.param));
+    });
 
 }  // namespace
 
@@ -162,8 +175,8 @@ TEST_P(ElasticChangedParameters, CopyOrClearError) {
   ::setenv("ELASTIC_WORKER_LATE_COUNT", "1", 1);
   ::setenv("ELASTIC_WORKER_DIE_AFTER", "10", 1);
   ::setenv("ELASTIC_WORKER_COPY", copy ? "1" : "0", 1);
-  ShoalRun job({"--min", "1", "--max", "3", "-n", "3", "--token-file", token, kWorker, out, std::to_string(kEpochs),
-                "20"});
+  ShoalRun job({"--min", "1", "--max", "3", "-n", "3", "--token-file", token, kWorker, out,
+                std::to_string(kEpochs), "20"});
   ::unsetenv("ELASTIC_WORKER_LATE_COUNT");
   ::unsetenv("ELASTIC_WORKER_DIE_AFTER");
   ::unsetenv("ELASTIC_WORKER_COPY");
@@ -177,16 +190,20 @@ TEST_P(ElasticChangedParameters, CopyOrClearError) {
     expect_same_parameters(outcome, reference);
   } else {
     EXPECT_NE(result.exit_code, 0) << result.out;
-    EXPECT_NE(result.err.find("no worker holds the parameters of commit 10: they changed after it (the optimizer "
-                              "stepped) and a collective failed before the next commit(); commit right after the "
-                              "optimizer's step, or set StateOptions::copy_parameters"),
-              std::string::npos)
+    EXPECT_NE(
+        result.err.find(
+            "no worker holds the parameters of commit 10: they changed after it (the optimizer "
+            "stepped) and a collective failed before the next commit(); commit right after the "
+            "optimizer's step, or set StateOptions::copy_parameters"),
+        std::string::npos)
         << result.err;
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(Commits, ElasticChangedParameters, ::testing::Values(true, false),
-                         [](const auto& info) { return info.param ? std::string("copied") : std::string("not_copied"); });
+                         [](const auto& info) {
+                           return info.param ? std::string("copied") : std::string("not_copied");
+                         });
 
 }  // namespace
 
@@ -211,8 +228,8 @@ TEST_P(ElasticScaling, LearningRateFollowsTheWorld) {
   constexpr int kEpochs = 4;
   const std::string out = temp_path("scale_" + policy);
   const std::string token = temp_path("scale_" + policy + ".token");
-  ShoalRun job({"--min", "1", "--max", "3", "-n", "3", "--token-file", token, kWorker, out, std::to_string(kEpochs),
-                "60", policy});
+  ShoalRun job({"--min", "1", "--max", "3", "-n", "3", "--token-file", token, kWorker, out,
+                std::to_string(kEpochs), "60", policy});
   ASSERT_TRUE(step_at_least(job, 12, 3, 60s)) << job.so_far().out << job.so_far().err;
   auto first = ranks_of_round(starts(job.so_far().out), 3);
   ASSERT_EQ(::kill(first[1], SIGKILL), 0);
@@ -238,7 +255,8 @@ TEST_P(ElasticScaling, LearningRateFollowsTheWorld) {
     const double first_rate = seen[shrunk_at].second;
     EXPECT_TRUE(std::abs(first_rate - (0.15 + (0.10 - 0.15) * 1 / 4)) < 1e-9 ||
                 std::abs(first_rate - (0.15 + (0.10 - 0.15) * 2 / 4)) < 1e-9)
-        << first_rate << "\n" << result.out;
+        << first_rate << "\n"
+        << result.out;
     EXPECT_NEAR(seen[shrunk_at + 3].second, 0.10, 1e-9) << result.out;
   } else {
     EXPECT_NEAR(seen[shrunk_at].second, 0.10, 1e-9) << result.out;
@@ -255,13 +273,13 @@ TEST(Elastic, NewcomersAboveMaxWaitForRoom) {
   constexpr int kEpochs = 8;
   const std::string out = temp_path("max");
   const std::string token = temp_path("max.token");
-  ShoalRun job({"--min", "1", "--max", "2", "-n", "2", "--token-file", token, kWorker, out, std::to_string(kEpochs),
-                "60"});
+  ShoalRun job({"--min", "1", "--max", "2", "-n", "2", "--token-file", token, kWorker, out,
+                std::to_string(kEpochs), "60"});
   ASSERT_TRUE(step_at_least(job, 5, 2, 60s)) << job.so_far().out << job.so_far().err;
   auto first = ranks_of_round(starts(job.so_far().out), 2);
   auto [address, token_file] = join_hint(job.so_far().err);
-  ShoalRun joiner({"--join", address, "--token-file", token_file, "-n", "1", kWorker, out, std::to_string(kEpochs),
-                   "60"});
+  ShoalRun joiner({"--join", address, "--token-file", token_file, "-n", "1", kWorker, out,
+                   std::to_string(kEpochs), "60"});
   const int64_t from = last_step(job.so_far().out).first;
   ASSERT_TRUE(step_at_least(job, from + 40, 2, 60s)) << job.so_far().out;
   EXPECT_TRUE(starts(joiner.so_far().out).empty()) << "joined above --max: " << joiner.so_far().out;
@@ -296,7 +314,8 @@ TEST(ElasticState, PolicyMustFitTheSampler) {
     ADD_FAILURE() << "expected UsageError";
   } catch (const shoal::UsageError& e) {
     EXPECT_STREQ(e.what(),
-                 "elastic::State: BatchPolicy::keep_global_batch() needs a sampler whose batch_size is the global "
+                 "elastic::State: BatchPolicy::keep_global_batch() needs a sampler whose "
+                 "batch_size is the global "
                  "batch; this one is per_worker");
   }
   try {
@@ -304,7 +323,8 @@ TEST(ElasticState, PolicyMustFitTheSampler) {
                                 {shoal::elastic::BatchPolicy::scale_learning_rate()});
     ADD_FAILURE() << "expected UsageError";
   } catch (const shoal::UsageError& e) {
-    EXPECT_NE(std::string(e.what()).find("scale_learning_rate() needs a per_worker sampler"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("scale_learning_rate() needs a per_worker sampler"),
+              std::string::npos)
         << e.what();
   }
   EXPECT_THROW(shoal::elastic::State(*net, optimizer, per_worker_sampler,
@@ -355,6 +375,295 @@ TEST(ElasticState, RestoreReturnsToTheLastCommit) {
   torch::manual_seed(5);
   step();
   EXPECT_TRUE(net->weight.detach().equal(once));
+}
+
+}  // namespace
+
+namespace {
+
+std::vector<std::string> lines_of(const std::string& text) {
+  return shoal::testing::split_lines(text);
+}
+
+int count_of(const std::string& text, const std::string& what) {
+  int count = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++count;
+  return count;
+}
+
+// Starts a ShoalRun whose launcher inherits `signals` ignored, as a POSIX shell starts a
+// background job of a script.
+std::unique_ptr<ShoalRun> start_ignoring(const std::vector<int>& signals,
+                                         const std::vector<std::string>& args) {
+  struct sigaction ignore {};
+  ignore.sa_handler = SIG_IGN;
+  std::vector<struct sigaction> previous(signals.size());
+  for (size_t i = 0; i < signals.size(); ++i) ::sigaction(signals[i], &ignore, &previous[i]);
+  auto run = std::make_unique<ShoalRun>(args);
+  for (size_t i = 0; i < signals.size(); ++i) ::sigaction(signals[i], &previous[i], nullptr);
+  return run;
+}
+
+// SIGINT (Ctrl-C) to an elastic launcher asks its workers to leave at a commit, as SIGTERM
+// does, also when the launcher was started with SIGINT ignored; the last lines say how each
+// worker ended.
+TEST(ElasticSignals, SigintMakesWorkersLeaveAtACommit) {
+  const std::string out = temp_path("sigint");
+  const std::string token = temp_path("sigint.token");
+  auto job = start_ignoring({SIGINT}, {"--min", "1", "--max", "2", "-n", "2", "--token-file", token,
+                                       kWorker, out, "8", "60"});
+  ASSERT_TRUE(step_at_least(*job, 5, 2, 60s)) << job->so_far().out << job->so_far().err;
+  ASSERT_EQ(::kill(job->pid(), SIGINT), 0);
+  const RunResult result = job->wait(60s);
+  ASSERT_FALSE(result.timed_out) << result.err;
+  EXPECT_EQ(result.exit_code, 130) << result.err;
+  EXPECT_NE(result.err.find("received SIGINT; stopping the workers"), std::string::npos)
+      << result.err;
+  EXPECT_EQ(count_of(result.err, "leaves the job after step"), 2) << result.err;
+  const auto lines = lines_of(result.err);
+  ASSERT_GE(lines.size(), 2u);
+  EXPECT_EQ(lines[lines.size() - 2], "shoal run: worker 0 exited with code 0") << result.err;
+  EXPECT_EQ(lines[lines.size() - 1], "shoal run: worker 1 exited with code 0") << result.err;
+}
+
+// A worker started by a launcher that inherited SIGTERM ignored still gets the default action:
+// the forwarded signal ends it at once instead of SIGKILL after the grace.
+TEST(ElasticSignals, WorkersStartWithDefaultSignalActions) {
+  const std::string token = temp_path("sleep.token");
+  auto job = start_ignoring({SIGINT, SIGTERM}, {"--min", "1", "--max", "1", "-n", "1",
+                                                "--token-file", token, "/bin/sleep", "60"});
+  // Workers start after this line; a signal that comes first waits for them in the launcher.
+  ASSERT_TRUE(job->wait_until(
+      [](const RunResult& r) { return r.err.find("to add workers") != std::string::npos; }, 30s))
+      << job->so_far().err;
+  ASSERT_EQ(::kill(job->pid(), SIGINT), 0);
+  const RunResult result = job->wait(60s);
+  ASSERT_FALSE(result.timed_out) << result.err;
+  EXPECT_NE(result.err.find("shoal run: worker 0 was killed by signal 15 (SIGTERM)"),
+            std::string::npos)
+      << result.err;
+}
+
+// A worker that crashes (exit code 3) is dropped and the job finishes without it: the job's
+// last lines say so, and the exit code is the finished training's, 0.
+TEST(ElasticEnd, LastLinesSayHowEachWorkerEnded) {
+  constexpr int kEpochs = 3;
+  const std::string out = temp_path("crash");
+  const std::string token = temp_path("crash.token");
+  ::setenv("ELASTIC_WORKER_EXIT_AT", "8", 1);
+  ShoalRun job({"--min", "1", "--max", "2", "-n", "2", "--token-file", token, kWorker, out,
+                std::to_string(kEpochs), "20"});
+  ::unsetenv("ELASTIC_WORKER_EXIT_AT");
+  const RunResult result = job.wait(120s);
+  ASSERT_FALSE(result.timed_out) << result.err;
+  EXPECT_EQ(result.exit_code, 0) << result.err;
+  // The last rank of the first round crashed: local worker 0 or 1, whichever it was.
+  const auto lines = lines_of(result.err);
+  ASSERT_GE(lines.size(), 2u);
+  const std::string last_two = lines[lines.size() - 2] + "\n" + lines[lines.size() - 1];
+  EXPECT_TRUE(
+      last_two ==
+          "shoal run: worker 0 exited with code 0\nshoal run: worker 1 exited with code 3" ||
+      last_two == "shoal run: worker 0 exited with code 3\nshoal run: worker 1 exited with code 0")
+      << result.err;
+  expect_each_sample_once(read_outcome(out), kEpochs);
+}
+
+// The only worker is SIGSTOPped past the failure timeout and a newcomer joins meanwhile: no
+// member of its round holds a commit. With gossip the membership recorded that the job had
+// committed (Note [The job's recorded commits]): the newcomer says so in one line and does not
+// start the job again from step 0. With etcd, which keeps no such record, it starts from step 0;
+// after SIGCONT the woken worker's commit is the newest, the round of both takes it (its
+// version() goes on from where it stopped) and the newcomer says it drops its own. Either way
+// the job ends with the one-process parameters.
+class ElasticHistory : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ElasticHistory, NoWorkerGoesBackToAnOlderCommit) {
+  constexpr int kEpochs = 6;
+  const Outcome reference = one_process(kEpochs);
+  Backend backend(GetParam());
+  const std::string out = temp_path("history_" + GetParam());
+  const std::string token = temp_path("history_" + GetParam() + ".token");
+  ShoalRun job(backend.flags() + std::vector<std::string>{"--min", "1", "--max", "2", "-n", "1",
+                                                          "--token-file", token, kWorker, out,
+                                                          std::to_string(kEpochs), "60"});
+  ASSERT_TRUE(step_at_least(job, 20, 1, 60s)) << job.so_far().out << job.so_far().err;
+  const auto first = ranks_of_round(starts(job.so_far().out), 1);
+  ASSERT_EQ(first.size(), 1u);
+  ASSERT_EQ(::kill(first.at(0), SIGSTOP), 0);
+  const int64_t stopped_at = last_step(job.so_far().out).first;
+  ShoalRun joiner(join_flags(job.so_far().err) +
+                  std::vector<std::string>{"-n", "1", kWorker, out, std::to_string(kEpochs), "60"});
+  const bool gossip = GetParam() == "gossip";
+  if (gossip) {
+    const RunResult refused = joiner.wait(120s);
+    ASSERT_FALSE(refused.timed_out) << refused.err;
+    EXPECT_EQ(refused.exit_code, 1) << refused.err;
+    EXPECT_TRUE(starts(refused.out).empty()) << refused.out;
+    EXPECT_EQ(count_of(refused.err,
+                       "every worker holding the job's commits is gone (it had committed step "),
+              1)
+        << refused.err;
+  } else {
+    ASSERT_TRUE(
+        joiner.wait_until([](const RunResult& r) { return last_step(r.out).first >= 3; }, 60s))
+        << joiner.so_far().out << joiner.so_far().err << job.so_far().err;
+  }
+  ASSERT_EQ(::kill(first.at(0), SIGCONT), 0);
+  const RunResult result = job.wait(120s);
+  EXPECT_EQ(result.exit_code, 0) << result.err;
+  const auto all = starts(result.out);
+  ASSERT_GE(all.size(), 2u) << "the woken worker did not start again: " << result.out << result.err;
+  for (const auto& s : all) {
+    EXPECT_EQ(s.pid, first.at(0));
+    if (&s != &all.front()) {
+      EXPECT_GE(s.step, stopped_at) << "the woken worker went back: " << result.out;
+    }
+  }
+  if (!gossip) {
+    const RunResult joined = joiner.wait(120s);
+    EXPECT_EQ(joined.exit_code, 0) << joined.err;
+    EXPECT_EQ(all.back().world, 2) << result.out;
+    EXPECT_NE(joined.err.find("drops its commit of step"), std::string::npos) << joined.err;
+  }
+  const Outcome outcome = read_outcome(out);
+  expect_each_sample_once(outcome, kEpochs);
+  expect_same_parameters(outcome, reference);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, ElasticHistory, ::testing::Values("gossip", "etcd"),
+                         backend_name);
+
+// Durable commits: every worker of a job is SIGKILLed; the job started again resumes from the
+// commit kept on disk (SHOAL_CHECKPOINT, every 5 commits) and ends with the one-process
+// parameters, every sample trained on once.
+TEST(ElasticDurable, JobStartedAgainResumesFromTheDurableCommit) {
+  constexpr int kEpochs = 4;
+  const Outcome reference = one_process(kEpochs);
+  const std::string out = temp_path("durable");
+  const std::string checkpoint = temp_path("durable.ckpt");
+  std::remove(checkpoint.c_str());
+  ::setenv("SHOAL_CHECKPOINT", checkpoint.c_str(), 1);
+  ::setenv("SHOAL_CHECKPOINT_EVERY", "5", 1);
+  struct Unset {
+    ~Unset() {
+      ::unsetenv("SHOAL_CHECKPOINT");
+      ::unsetenv("SHOAL_CHECKPOINT_EVERY");
+    }
+  } unset;
+  ShoalRun first({"--min", "1", "--max", "2", "-n", "2", "--token-file",
+                  temp_path("durable1.token"), kWorker, out, std::to_string(kEpochs), "60"});
+  ASSERT_TRUE(step_at_least(first, 23, 2, 60s)) << first.so_far().out << first.so_far().err;
+  const auto pids = ranks_of_round(starts(first.so_far().out), 2);
+  ASSERT_EQ(pids.size(), 2u);
+  for (const auto& [rank, pid] : pids) ASSERT_EQ(::kill(pid, SIGKILL), 0);
+  const int64_t killed_at = last_step(first.so_far().out).first;
+  const RunResult died = first.wait(60s);
+  EXPECT_NE(died.exit_code, 0) << died.err;
+
+  ShoalRun again({"--min", "1", "--max", "2", "-n", "2", "--token-file",
+                  temp_path("durable2.token"), kWorker, out, std::to_string(kEpochs), "20"});
+  const RunResult result = again.wait(120s);
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  std::smatch resumed;
+  ASSERT_TRUE(std::regex_search(result.err, resumed,
+                                std::regex(R"(resuming from step (\d+) \(epoch \d+\) of )")))
+      << result.err;
+  const int64_t step = std::stoll(resumed[1]);
+  EXPECT_GT(step, 0);
+  EXPECT_LE(step, killed_at + 1);
+  EXPECT_EQ(step % 5, 0) << "the durable commits are every 5 commits";
+  ASSERT_FALSE(starts(result.out).empty()) << result.out;
+  EXPECT_EQ(starts(result.out).front().step, step) << result.out;
+  const Outcome outcome = read_outcome(out);
+  expect_each_sample_once(outcome, kEpochs);
+  expect_same_parameters(outcome, reference);
+}
+
+// Global parameters are pieces that differ between workers, which elastic rounds would
+// overwrite with the first worker's: refused when the State is made, wherever in the module.
+struct WithGlobalLayer : torch::nn::Module {
+  WithGlobalLayer() {
+    namespace g = shoal::global;
+    plain = register_module("plain", torch::nn::Linear(3, 3));
+    sharded = register_module("sharded",
+                              g::nn::Linear(3, 2, g::Placement::all(), g::nn::Layout{}.column()));
+  }
+  torch::nn::Linear plain{nullptr};
+  shoal::global::nn::Linear sharded{nullptr};
+};
+
+TEST(ElasticState, RefusesGlobalParameters) {
+  WithGlobalLayer net;
+  torch::optim::SGD optimizer(net.parameters(), 0.1);
+  shoal::data::SamplerOptions options;
+  options.batch_size = 4;
+  shoal::data::Sampler sampler(16, options, 0, 1);
+  try {
+    shoal::elastic::State state(net, optimizer, sampler);
+    ADD_FAILURE() << "expected UsageError";
+  } catch (const shoal::UsageError& e) {
+    EXPECT_STREQ(
+        e.what(),
+        "elastic::State: the module holds global parameters (weight, of shoal::global::nn); "
+        "elastic jobs do "
+        "not support them yet: expected a module of plain torch parameters (with DataParallel)");
+  }
+}
+
+}  // namespace
+
+namespace {
+
+const std::string kExample =
+    std::string(SHOAL_TEST_PROGRAMS_DIR) + "/../examples/elastic_fashion_mnist";
+
+// "after S steps: test accuracy A, parameter checksum C": {A, C}.
+std::pair<double, double> example_result(const std::string& out) {
+  static const std::regex line(
+      R"(after \d+ steps: test accuracy ([0-9.]+), parameter checksum ([0-9.]+))");
+  std::smatch match;
+  if (!std::regex_search(out, match, line)) return {-1, -1};
+  return {std::stod(match[1]), std::stod(match[2])};
+}
+
+// The elastic example (examples/elastic_fashion_mnist.cpp) on a slice of Fashion-MNIST: two
+// workers, one SIGKILLed mid-job, end as one process does.
+TEST(ElasticExample, FashionMnistLosesAWorkerAndEndsAsOneProcess) {
+  if (::access("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz", R_OK) != 0) {
+    GTEST_SKIP()
+        << "Fashion-MNIST is not installed (scripts/setup.sh installs dataset-fashion-mnist)";
+  }
+  const std::vector<std::string> args{kExample, "--epochs", "2", "--limit", "1280"};
+  const RunResult one = shoal::testing::run_shoal(std::vector<std::string>{"-n", "1"} + args, 300s);
+  ASSERT_EQ(one.exit_code, 0) << one.out << one.err;
+  const auto [one_accuracy, one_checksum] = example_result(one.out);
+  ASSERT_GT(one_checksum, 0) << one.out;
+
+  ShoalRun job(std::vector<std::string>{"--min", "1", "--max", "2", "-n", "2", "--token-file",
+                                        temp_path("example.token")} +
+               args);
+  ASSERT_TRUE(job.wait_for_output("step 20 on 2 worker(s)", 300s))
+      << job.so_far().out << job.so_far().err;
+  // The launcher's children running the example (its guard is one too), in the order started.
+  std::ifstream children("/proc/" + std::to_string(job.pid()) + "/task/" +
+                         std::to_string(job.pid()) + "/children");
+  std::vector<int> pids;
+  for (int pid; children >> pid;) {
+    std::ifstream cmdline("/proc/" + std::to_string(pid) + "/cmdline");
+    std::string program;
+    std::getline(cmdline, program, '\0');
+    if (program.find("elastic_fashion_mnist") != std::string::npos) pids.push_back(pid);
+  }
+  ASSERT_EQ(pids.size(), 2u);
+  ASSERT_EQ(::kill(pids[1], SIGKILL), 0);
+  const RunResult result = job.wait(300s);
+  ASSERT_EQ(result.exit_code, 0) << result.out << result.err;
+  EXPECT_NE(result.out.find("training on 1 worker(s) from step"), std::string::npos) << result.out;
+  const auto [accuracy, checksum] = example_result(result.out);
+  EXPECT_NEAR(checksum / one_checksum, 1.0, 1e-4) << result.out << one.out;
+  EXPECT_NEAR(accuracy, one_accuracy, 0.01) << result.out << one.out;
+  EXPECT_GT(accuracy, 0.3) << "ten classes: chance is 0.1";
 }
 
 }  // namespace

@@ -14,8 +14,8 @@ namespace shoal::elastic {
 
 // One worker of a round, as it described itself.
 struct Peer {
-  std::string id;     // the membership's id for it
-  std::string host;   // its host name (local ranks count workers with the same one)
+  std::string id;    // the membership's id for it
+  std::string host;  // its host name (local ranks count workers with the same one)
   int pid = 0;
   std::string store;  // "IP:PORT" of the store it hosts for forming groups
 };
@@ -58,7 +58,8 @@ struct Newest {
 
 // Whether `ids` may form a round: more than half of `newest` are among them. Always true without
 // --quorum or before any round closed.
-bool has_quorum(const RendezvousOptions& options, const Newest& newest, const std::vector<std::string>& ids);
+bool has_quorum(const RendezvousOptions& options, const Newest& newest,
+                const std::vector<std::string>& ids);
 
 // Note [Choosing a round's view]
 // Both backends decide alike who forms a round, given the candidates (the workers waiting for it,
@@ -74,8 +75,9 @@ class ViewChooser {
 
   // The view to propose, in rank order, when it is time and it includes `me` (whose previous
   // round is `prev_round`); otherwise empty, and `waiting_for` says what the round waits for.
-  std::vector<std::string> choose(const std::string& me, int64_t prev_round, std::vector<Candidate> candidates,
-                                  const Newest& newest, std::string& waiting_for);
+  std::vector<std::string> choose(const std::string& me, int64_t prev_round,
+                                  std::vector<Candidate> candidates, const Newest& newest,
+                                  std::string& waiting_for);
   // The round changed: the last call starts again with the next candidates.
   void restart() { candidates_.clear(); }
 
@@ -117,6 +119,17 @@ class Rendezvous {
 
   // This worker leaves the job (after a graceful stop); the others are told at once.
   virtual void leave() = 0;
+
+  // Note [The job's recorded commits]
+  // A newcomer whose round holds no commit must not start a job that has history from step 0.
+  // record_commit() notes (once per round, and every 100 commits: State::commit()) that this
+  // worker committed `version`, where later
+  // newcomers see it even after this worker is gone; recorded_commit() is the newest such
+  // version of any worker of the job, alive or not (0: none). Gossip keeps it in the worker's
+  // metadata, which the membership keeps for dead members too; etcd keeps no such record yet
+  // (recorded_commit() is -1: unknown).
+  virtual void record_commit(int64_t version) = 0;
+  virtual int64_t recorded_commit() = 0;
 };
 
 }  // namespace shoal::elastic

@@ -11,7 +11,9 @@
 #include <torch/serialize.h>
 
 #include "../checkpoint/contents.h"
+#include "durable.h"
 #include "shoal/core/error.h"
+#include "shoal/global/nn.h"
 #include "shoal/runtime/init.h"
 #include "shoal/runtime/world.h"
 #include "world.h"
@@ -27,7 +29,9 @@ struct Reform {
 
 std::atomic<bool> leave_requested{false};
 
-extern "C" void on_sigterm(int) { leave_requested.store(true); }
+extern "C" void on_sigterm(int) {
+  leave_requested.store(true);
+}
 
 at::Tensor copy_into(const at::Tensor& from, at::Tensor to) {
   if (!from.defined()) return {};
@@ -46,8 +50,8 @@ at::Tensor copy_into(const at::Tensor& from, at::Tensor to) {
 // Copies an optimizer's per-parameter state into `to`, reusing its tensors. False for an
 // optimizer whose state type is not one of LibTorch's (its state is then serialized instead).
 template <typename T, typename Fields>
-bool copy_as(const torch::optim::OptimizerParamState& from, std::unique_ptr<torch::optim::OptimizerParamState>& to,
-             Fields fields) {
+bool copy_as(const torch::optim::OptimizerParamState& from,
+             std::unique_ptr<torch::optim::OptimizerParamState>& to, Fields fields) {
   const auto* source = dynamic_cast<const T*>(&from);
   if (source == nullptr) return false;
   auto* target = dynamic_cast<T*>(to.get());
@@ -62,25 +66,32 @@ bool copy_as(const torch::optim::OptimizerParamState& from, std::unique_ptr<torc
 bool copy_param_state(const torch::optim::OptimizerParamState& from,
                       std::unique_ptr<torch::optim::OptimizerParamState>& to) {
   using namespace torch::optim;
-  return copy_as<SGDParamState>(from, to, [](const auto& s, auto& d) {
-           d.momentum_buffer(copy_into(s.momentum_buffer(), d.momentum_buffer()));
-         }) ||
-         copy_as<AdamParamState>(from, to, [](const auto& s, auto& d) {
-           d.step(s.step());
-           d.exp_avg(copy_into(s.exp_avg(), d.exp_avg()));
-           d.exp_avg_sq(copy_into(s.exp_avg_sq(), d.exp_avg_sq()));
-           d.max_exp_avg_sq(copy_into(s.max_exp_avg_sq(), d.max_exp_avg_sq()));
-         }) ||
-         copy_as<AdamWParamState>(from, to, [](const auto& s, auto& d) {
-           d.step(s.step());
-           d.exp_avg(copy_into(s.exp_avg(), d.exp_avg()));
-           d.exp_avg_sq(copy_into(s.exp_avg_sq(), d.exp_avg_sq()));
-           d.max_exp_avg_sq(copy_into(s.max_exp_avg_sq(), d.max_exp_avg_sq()));
-         }) ||
-         copy_as<AdagradParamState>(from, to, [](const auto& s, auto& d) {
-           d.step(s.step());
-           d.sum(copy_into(s.sum(), d.sum()));
-         }) ||
+  return copy_as<SGDParamState>(
+             from, to,
+             [](const auto& s, auto& d) {
+               d.momentum_buffer(copy_into(s.momentum_buffer(), d.momentum_buffer()));
+             }) ||
+         copy_as<AdamParamState>(
+             from, to,
+             [](const auto& s, auto& d) {
+               d.step(s.step());
+               d.exp_avg(copy_into(s.exp_avg(), d.exp_avg()));
+               d.exp_avg_sq(copy_into(s.exp_avg_sq(), d.exp_avg_sq()));
+               d.max_exp_avg_sq(copy_into(s.max_exp_avg_sq(), d.max_exp_avg_sq()));
+             }) ||
+         copy_as<AdamWParamState>(
+             from, to,
+             [](const auto& s, auto& d) {
+               d.step(s.step());
+               d.exp_avg(copy_into(s.exp_avg(), d.exp_avg()));
+               d.exp_avg_sq(copy_into(s.exp_avg_sq(), d.exp_avg_sq()));
+               d.max_exp_avg_sq(copy_into(s.max_exp_avg_sq(), d.max_exp_avg_sq()));
+             }) ||
+         copy_as<AdagradParamState>(from, to,
+                                    [](const auto& s, auto& d) {
+                                      d.step(s.step());
+                                      d.sum(copy_into(s.sum(), d.sum()));
+                                    }) ||
          copy_as<RMSpropParamState>(from, to, [](const auto& s, auto& d) {
            d.step(s.step());
            d.square_avg(copy_into(s.square_avg(), d.square_avg()));
@@ -109,6 +120,8 @@ constexpr const char* kEpochKey = "shoal.elastic.epoch";
 constexpr const char* kVersionKey = "shoal.elastic.version";
 constexpr const char* kRatesKey = "shoal.elastic.learning_rates";
 constexpr const char* kValuePrefix = "value.";
+// How often commit() records the job's progress for newcomers (Note [The job's recorded commits]).
+constexpr int64_t kRecordEvery = 100;
 
 }  // namespace
 
@@ -133,7 +146,8 @@ constexpr const char* kValuePrefix = "value.";
 // a program (or the collective moves before the backward).
 
 struct State::Snapshot {
-  std::vector<at::Tensor> tensors;  // the module's parameters (undefined when not copied), then its buffers
+  std::vector<at::Tensor>
+      tensors;  // the module's parameters (undefined when not copied), then its buffers
   std::vector<int64_t> parameter_versions;  // without a copy: the parameters' version counters
   uint64_t backwards = 0;                   // and runtime::synchronized_backwards()
   std::map<std::string, std::unique_ptr<torch::optim::OptimizerParamState>> optimizer_state;
@@ -153,21 +167,38 @@ State::State(torch::nn::Module& module, torch::optim::Optimizer& optimizer, data
     : module_(module), optimizer_(optimizer), sampler_(sampler), options_(options) {
   const bool per_worker = sampler.options().per_worker;
   if (options_.policy.kind == BatchPolicy::Kind::kKeepGlobalBatch && per_worker) {
-    throw UsageError("elastic::State: BatchPolicy::keep_global_batch() needs a sampler whose batch_size is the "
-                     "global batch; this one is per_worker");
+    throw UsageError(
+        "elastic::State: BatchPolicy::keep_global_batch() needs a sampler whose batch_size is the "
+        "global batch; this one is per_worker");
   }
   if (options_.policy.kind == BatchPolicy::Kind::kScaleLearningRate) {
     if (!per_worker) {
-      throw UsageError("elastic::State: BatchPolicy::scale_learning_rate() needs a per_worker sampler (each "
-                       "worker's batch stays); this one's batch_size is the global batch");
+      throw UsageError(
+          "elastic::State: BatchPolicy::scale_learning_rate() needs a per_worker sampler (each "
+          "worker's batch stays); this one's batch_size is the global batch");
     }
     if (options_.policy.reference_world_size < 1 || options_.policy.warmup_steps < 0) {
-      throw UsageError("elastic::State: scale_learning_rate(" + std::to_string(options_.policy.reference_world_size) +
-                       ", " + std::to_string(options_.policy.warmup_steps) +
+      throw UsageError("elastic::State: scale_learning_rate(" +
+                       std::to_string(options_.policy.reference_world_size) + ", " +
+                       std::to_string(options_.policy.warmup_steps) +
                        "): expected a reference world size >= 1 and warm-up steps >= 0");
     }
   }
+  // Elastic rounds share one worker's whole module, which is wrong for pieces of global tensors.
+  auto refuse_globals = [](torch::nn::Module& m) {
+    auto* holder = dynamic_cast<global::nn::Module*>(&m);
+    if (holder == nullptr) return;
+    const auto globals = holder->named_global_parameters();
+    if (globals.empty()) return;
+    throw UsageError(
+        "elastic::State: the module holds global parameters (" + globals.front().first +
+        ", of shoal::global::nn); elastic jobs do not support them yet: expected a module of plain "
+        "torch parameters (with DataParallel)");
+  };
+  refuse_globals(module);
+  for (const auto& child : module.modules(/*include_self=*/false)) refuse_globals(*child);
   for (auto& group : optimizer_.param_groups()) base_rates_.push_back(group.options().get_lr());
+  durable_ = std::make_unique<DurableCommits>(options_.checkpoint, options_.checkpoint_every);
 }
 
 State::~State() {
@@ -242,7 +273,8 @@ void State::snapshot() {
     }
   };
   if (runtime::parameter_changes_announced()) {
-    if (parameter_waiter_ == 0) parameter_waiter_ = runtime::add_parameter_waiter([this] { wait_copy(); });
+    if (parameter_waiter_ == 0)
+      parameter_waiter_ = runtime::add_parameter_waiter([this] { wait_copy(); });
     copying_ = std::async(std::launch::async, copy);
   } else {
     copy();
@@ -259,7 +291,8 @@ bool State::parameters_changed() const {
   const auto params = module_.parameters();
   if (params.size() != committed_->parameter_versions.size()) return true;
   for (size_t i = 0; i < params.size(); ++i) {
-    if (static_cast<int64_t>(params[i]._version()) != committed_->parameter_versions[i]) return true;
+    if (static_cast<int64_t>(params[i]._version()) != committed_->parameter_versions[i])
+      return true;
   }
   return runtime::synchronized_backwards() != committed_->backwards;
 }
@@ -298,20 +331,16 @@ void State::restore() {
     for (auto& [key, param_state] : s.optimizer_state) copy_param_state(*param_state, live[key]);
   }
   auto& groups = optimizer_.param_groups();
-  for (size_t i = 0; i < groups.size() && i < s.rates.size(); ++i) groups[i].options().set_lr(s.rates[i]);
+  for (size_t i = 0; i < groups.size() && i < s.rates.size(); ++i)
+    groups[i].options().set_lr(s.rates[i]);
   sampler_.load_state(s.sampler);
   epoch_ = s.epoch;
   version_ = s.version;
   values_.clear();
-  for (auto& [name, value] : s.values) values_[name] = value.defined() ? value.clone() : at::Tensor();
+  for (auto& [name, value] : s.values)
+    values_[name] = value.defined() ? value.clone() : at::Tensor();
   warmup_from_ = s.warmup_from;
   warmup_done_ = s.warmup_done;
-}
-
-void State::forget() {
-  version_ = 0;
-  lineage_ = 0;
-  if (committed_) committed_->version = 0;
 }
 
 void State::commit() {
@@ -320,7 +349,8 @@ void State::commit() {
   if (policy.kind == BatchPolicy::Kind::kScaleLearningRate && warmup_done_ < policy.warmup_steps) {
     ++warmup_done_;
     const int world = shoal::is_initialized() ? shoal::world_size() : 1;
-    const double fraction = static_cast<double>(warmup_done_) / static_cast<double>(policy.warmup_steps);
+    const double fraction =
+        static_cast<double>(warmup_done_) / static_cast<double>(policy.warmup_steps);
     auto& groups = optimizer_.param_groups();
     for (size_t i = 0; i < groups.size() && i < warmup_from_.size(); ++i) {
       const double target = base_rates_[i] * world / policy.reference_world_size;
@@ -332,13 +362,96 @@ void State::commit() {
     // A worker the others declared dead trains in a group they left: nothing it does from here
     // is the job's (see Note [Sharing the newest commit]). Checked after the snapshot, so that
     // the recovery finds this worker's parameters at its commit (Note [Commits without copies]).
-    const ElasticWorld& elastic = ElasticWorld::get();
+    ElasticWorld& elastic = ElasticWorld::get();
     if (std::string lost = elastic.lost(); !lost.empty()) {
-      throw CommError("commit on " + std::to_string(shoal::world_size()) + " workers: lost " + lost);
+      throw CommError("commit on " + std::to_string(shoal::world_size()) + " workers: lost " +
+                      lost);
     }
+    // Once per round and every kRecordEvery commits: one small metadata update each.
+    if (!recorded_ || version_ % kRecordEvery == 0) {
+      elastic.rendezvous().record_commit(version_);
+      recorded_ = true;
+    }
+    if (durable_->due(version_)) write_to_disk();
     check_world();
+  } else if (durable_->due(version_)) {
+    write_to_disk();
   }
 }
+
+// The first worker keeps the commit on disk; the others hold the same one.
+void State::write_to_disk() {
+  if (shoal::is_initialized() && shoal::rank() != 0) return;
+  durable_->write(version_, serialize());
+}
+
+std::string State::serialize() const {
+  shoal::CheckpointExtras extras;
+  for (const auto& [name, value] : values_) {
+    if (value.defined()) extras[kValuePrefix + name] = value;
+  }
+  extras[kEpochKey] = at::tensor({epoch_}, at::kLong);
+  extras[kVersionKey] = at::tensor({version_}, at::kLong);
+  std::vector<double> rates;
+  for (auto& g : optimizer_.param_groups()) rates.push_back(g.options().get_lr());
+  extras[kRatesKey] = at::tensor(rates, at::kDouble);
+  const auto sampler_state = sampler_.state();
+  return checkpoint::serialize_contents(module_, &optimizer_, &sampler_state, extras);
+}
+
+void State::deserialize(const std::string& what, std::string_view payload) {
+  shoal::CheckpointExtras extras;
+  auto sampler_state = checkpoint::restore_contents(what, payload, module_, &optimizer_, &extras);
+  for (const char* key : {kEpochKey, kVersionKey, kRatesKey}) {
+    if (extras.count(key) == 0) {
+      throw UsageError(what + " has no " + key + ": expected the commit of an elastic::State");
+    }
+  }
+  if (sampler_state) sampler_.load_state(*sampler_state);
+  epoch_ = extras.at(kEpochKey).item<int64_t>();
+  version_ = extras.at(kVersionKey).item<int64_t>();
+  auto rates = extras.at(kRatesKey);
+  auto& groups = optimizer_.param_groups();
+  for (size_t i = 0; i < groups.size() && i < static_cast<size_t>(rates.numel()); ++i) {
+    groups[i].options().set_lr(rates[i].item<double>());
+  }
+  values_.clear();
+  const std::string prefix = kValuePrefix;
+  for (auto& [name, value] : extras) {
+    if (name.compare(0, prefix.size(), prefix) == 0) values_[name.substr(prefix.size())] = value;
+  }
+}
+
+void State::resume_from_disk() {
+  if (!durable_->enabled()) return;
+  auto payload = durable_->read();
+  if (!payload) return;
+  deserialize("checkpoint " + durable_->path(), *payload);
+  std::fprintf(
+      stderr,
+      "shoal elastic: no worker holds a commit; resuming from step %lld (epoch %lld) of %s\n",
+      static_cast<long long>(version_), static_cast<long long>(epoch_), durable_->path().c_str());
+}
+
+int64_t State::lost_history() const {
+  if (!shoal::is_initialized() || !shoal::job().elastic) return 0;
+  return std::max<int64_t>(0, ElasticWorld::get().rendezvous().recorded_commit());
+}
+
+namespace {
+[[noreturn]] void refuse_to_start_again(int64_t recorded) {
+  if (recorded > 0) {
+    std::fprintf(
+        stderr,
+        "shoal elastic: every worker holding the job's commits is gone (it had committed step "
+        "%lld at least); not starting it again from step 0 (durable commits, SHOAL_CHECKPOINT, "
+        "would resume it)\n",
+        static_cast<long long>(recorded));
+  }
+  std::fflush(nullptr);
+  std::exit(1);
+}
+}  // namespace
 
 void State::next_epoch() {
   ++epoch_;
@@ -384,15 +497,21 @@ void State::check_world() {
   }
   std::string why;
   for (int r : leavers) why += (why.empty() ? "" : "; ") + view.describe(r) + " leaves";
-  if (change) why += (why.empty() ? "" : "; ") + (counted->pending.empty() ? "a worker waits to join" : counted->pending);
+  if (change)
+    why += (why.empty() ? "" : "; ") +
+           (counted->pending.empty() ? "a worker waits to join" : counted->pending);
   throw Reform{why};
 }
 
 // Note [Sharing the newest commit]
 // After a new round forms, its members hold commits of different ages: survivors the last one
 // (or the one before, if the failure came between another worker's commit and theirs), a
-// newcomer none. Every member's (version, lineage) is gathered; the lowest rank with the highest
-// version sends its commit to all, unless every member already has that very commit. The
+// newcomer none, and a worker that was declared dead while stopped the one it had then. Every
+// member's (version, lineage) is gathered; the lowest rank with the highest version sends its
+// commit to all, unless every member already has that very commit. So a worker never takes an
+// older commit than its own, version() never goes back, and a member whose commit of another
+// round is dropped says so. When no member holds a commit, the first one takes the durable
+// commit, if the job keeps one (DurableCommits), before it sends. The
 // lineage names the history a version counts in (the round and members that last shared a
 // commit), so two halves of a partitioned job that trained apart to the same version are not
 // taken for equal.
@@ -402,12 +521,20 @@ void State::sync() {
   comm::Group& group = shoal::is_initialized() ? shoal::world() : alone;
   const int n = group.size();
   if (needs_parameters_ && n == 1) {
-    throw UsageError("elastic: no worker holds the parameters of commit " + std::to_string(version_) +
-                    ": they changed after it (the optimizer stepped) and a collective failed before the next "
-                    "commit(); commit right after the optimizer's step, or set StateOptions::copy_parameters");
+    throw UsageError(
+        "elastic: no worker holds the parameters of commit " + std::to_string(version_) +
+        ": they changed after it (the optimizer stepped) and a collective failed before the next "
+        "commit(); commit right after the optimizer's step, or set StateOptions::copy_parameters");
+  }
+  if (n == 1 && version_ == 0) {
+    resume_from_disk();
+    if (const int64_t recorded = version_ == 0 ? lost_history() : 0; recorded > 0) {
+      refuse_to_start_again(recorded);
+    }
   }
   if (n > 1) {
-    auto mine = at::tensor({version_, static_cast<int64_t>(lineage_), int64_t{needs_parameters_}}, at::kLong)
+    auto mine = at::tensor({version_, static_cast<int64_t>(lineage_), int64_t{needs_parameters_}},
+                           at::kLong)
                     .view({1, 3});
     auto all = group.all_gather(mine);
     // The newest commit among the workers that hold their commit's parameters (Note [Commits
@@ -423,52 +550,50 @@ void State::sync() {
       }
     }
     if (source < 0 || newest_changed > all[source][0].item<int64_t>()) {
-      throw UsageError("elastic: no worker holds the parameters of commit " + std::to_string(newest_changed) +
-                      ": they changed after it (the optimizer stepped) and a collective failed before the next "
-                      "commit(); commit right after the optimizer's step, or set StateOptions::copy_parameters");
+      throw UsageError(
+          "elastic: no worker holds the parameters of commit " + std::to_string(newest_changed) +
+          ": they changed after it (the optimizer stepped) and a collective failed before the next "
+          "commit(); commit right after the optimizer's step, or set "
+          "StateOptions::copy_parameters");
     }
-    // Nothing committed anywhere yet: start everyone from the first worker's values, as
-    // DataParallel's constructor does in a static job.
-    bool same = all[source][0].item<int64_t>() > 0;
+    // Nothing committed anywhere yet: start everyone from the durable commit, if any, else from
+    // the first worker's values, as DataParallel's constructor does in a static job.
+    const int64_t newest = all[source][0].item<int64_t>();
+    bool same = newest > 0;
     for (int r = 0; r < n; ++r) same = same && all[r].equal(all[source]);
+    if (!same && version_ > 0 && group.rank() != source &&
+        all[source][1].item<int64_t>() != static_cast<int64_t>(lineage_) &&
+        shoal::is_initialized() && shoal::job().elastic) {
+      // A newer commit wins, wherever it was made; say so where one is dropped that was not
+      // simply older in the same history (a worker left out while stopped, a partition).
+      const View& view = ElasticWorld::get().view();
+      std::fprintf(
+          stderr,
+          "shoal elastic: %s drops its commit of step %lld (made in another round) for step "
+          "%lld of %s\n",
+          view.describe(group.rank()).c_str(), static_cast<long long>(version_),
+          static_cast<long long>(newest), view.describe(source).c_str());
+    }
     if (!same) {
       std::string payload;
+      int64_t lost = 0;
       if (group.rank() == source) {
-        shoal::CheckpointExtras extras;
-        for (auto& [name, value] : values_) {
-          if (value.defined()) extras[kValuePrefix + name] = value;
-        }
-        extras[kEpochKey] = at::tensor({epoch_}, at::kLong);
-        extras[kVersionKey] = at::tensor({version_}, at::kLong);
-        std::vector<double> rates;
-        for (auto& g : optimizer_.param_groups()) rates.push_back(g.options().get_lr());
-        extras[kRatesKey] = at::tensor(rates, at::kDouble);
-        const auto sampler_state = sampler_.state();
-        payload = checkpoint::serialize_contents(module_, &optimizer_, &sampler_state, extras);
+        if (newest == 0) resume_from_disk();
+        // -1: the job lost its history, and every member stops (the source says why).
+        const int64_t recorded = version_ == 0 ? lost_history() : 0;
+        if (recorded == 0) payload = serialize();
+        lost = recorded;
       }
-      auto length = at::tensor({static_cast<int64_t>(payload.size())}, at::kLong);
+      auto length =
+          at::tensor({lost > 0 ? int64_t{-1} : static_cast<int64_t>(payload.size())}, at::kLong);
       group.broadcast(length, {source});
+      if (length.item<int64_t>() < 0) refuse_to_start_again(lost);
       auto bytes = at::empty({length.item<int64_t>()}, at::kByte);
       if (group.rank() == source) std::memcpy(bytes.data_ptr(), payload.data(), payload.size());
       group.broadcast(bytes, {source});
       if (group.rank() != source) {
-        shoal::CheckpointExtras extras;
         const std::string_view view(reinterpret_cast<const char*>(bytes.data_ptr()), bytes.numel());
-        auto sampler_state = checkpoint::restore_contents(
-            "the elastic state of worker " + std::to_string(source), view, module_, &optimizer_, &extras);
-        if (sampler_state) sampler_.load_state(*sampler_state);
-        epoch_ = extras.at(kEpochKey).item<int64_t>();
-        version_ = extras.at(kVersionKey).item<int64_t>();
-        auto rates = extras.at(kRatesKey);
-        auto& groups = optimizer_.param_groups();
-        for (size_t i = 0; i < groups.size() && i < static_cast<size_t>(rates.numel()); ++i) {
-          groups[i].options().set_lr(rates[i].item<double>());
-        }
-        values_.clear();
-        const std::string prefix = kValuePrefix;
-        for (auto& [name, value] : extras) {
-          if (name.compare(0, prefix.size(), prefix) == 0) values_[name.substr(prefix.size())] = value;
-        }
+        deserialize("the elastic state of worker " + std::to_string(source), view);
       }
     }
   }
@@ -484,6 +609,7 @@ void State::sync() {
     sampler_.load_state(position);  // so that the loop's set_epoch keeps the cursor
   }
   needs_parameters_ = false;
+  recorded_ = false;
   apply_policy();
   snapshot();
   for (auto& reset : resets_) reset();
@@ -491,6 +617,9 @@ void State::sync() {
 
 void State::finish() {
   wait_copy();
+  // The end of the training is kept too, so that the job started again has nothing left to do.
+  if (durable_->enabled() && !durable_->written(version_)) write_to_disk();
+  if (!shoal::is_initialized() || shoal::rank() == 0) durable_->wait();
   if (!vote_) return;
   try {
     vote_->work.wait();  // every worker has this vote in flight: end it together
@@ -518,9 +647,11 @@ void run(State& state, const std::function<void()>& train) {
   if (!shoal::is_initialized() || !shoal::job().elastic) {
     state.sync();
     train();
+    state.finish();
     return;
   }
-  struct sigaction action {}, previous {};
+  struct sigaction action {
+  }, previous{};
   action.sa_handler = on_sigterm;
   sigemptyset(&action.sa_mask);
   sigaction(SIGTERM, &action, &previous);
@@ -536,9 +667,11 @@ void run(State& state, const std::function<void()>& train) {
       state.restore();
       state.sync();
       if (!why.empty() && shoal::is_main()) {
-        std::fprintf(stderr, "shoal elastic: round %lld: %d workers, from step %lld (epoch %lld) on; %s\n",
+        std::fprintf(stderr,
+                     "shoal elastic: round %lld: %d workers, from step %lld (epoch %lld) on; %s\n",
                      static_cast<long long>(elastic.view().round), shoal::world_size(),
-                     static_cast<long long>(state.version()), static_cast<long long>(state.epoch()), why.c_str());
+                     static_cast<long long>(state.version()), static_cast<long long>(state.epoch()),
+                     why.c_str());
       }
       train();
       state.finish();
@@ -550,9 +683,10 @@ void run(State& state, const std::function<void()>& train) {
       why = e.what();
       elastic.reform(true);
     }
-    // Declared dead while it was silent: its commits since are not the job's history, so it
-    // takes the others' state as a newcomer does.
-    if (elastic.rendezvous().take_rejoined()) state.forget();
+    // Declared dead while it was silent, this worker keeps its commit: the next round takes
+    // the newest commit of its members (Note [Sharing the newest commit]), so the job never
+    // goes back to an older one, nor this worker's version().
+    elastic.rendezvous().take_rejoined();
   }
 }
 

@@ -13,8 +13,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "elastic_agent.h"
 #include "../elastic/token.h"
+#include "elastic_agent.h"
 #include "launcher.h"
 #include "nodes.h"
 #include "process.h"
@@ -85,11 +85,13 @@ int Launcher::run_elastic() {
     if (!options_.token_file.empty()) {
       token = elastic::read_token_file(options_.token_file, "--token-file");
       agent_->token_file = options_.token_file;
-    } else if (const char* from_env = std::getenv("SHOAL_JOB_TOKEN"); from_env != nullptr && *from_env != '\0') {
+    } else if (const char* from_env = std::getenv("SHOAL_JOB_TOKEN");
+               from_env != nullptr && *from_env != '\0') {
       token = from_env;
     } else {
-      throw UsageError("--join needs the job's token: pass --token-file PATH (the file the first shoal run "
-                       "wrote) or set SHOAL_JOB_TOKEN");
+      throw UsageError(
+          "--join needs the job's token: pass --token-file PATH (the file the first shoal run "
+          "wrote) or set SHOAL_JOB_TOKEN");
     }
   } else {
     place.min_workers = options_.min_workers;
@@ -97,7 +99,8 @@ int Launcher::run_elastic() {
     place.quorum = options_.quorum;
     place.run_id = make_run_id();
     token = elastic::make_token();
-    agent_->token_file = options_.token_file.empty() ? default_token_path(place.run_id) : options_.token_file;
+    agent_->token_file =
+        options_.token_file.empty() ? default_token_path(place.run_id) : options_.token_file;
     elastic::write_token_file(agent_->token_file, token);
     agent_->owns_token_file = true;
   }
@@ -113,6 +116,16 @@ int Launcher::run_elastic() {
   supervise();
   kill_leftovers();
   agent_.reset();
+  // The job's last lines say how each worker ended: one that crashed and was not restarted
+  // does not change the exit code of a job whose training finished.
+  for (const auto& worker : workers_) {
+    if (!worker->exit) continue;
+    const int restarts = worker->restarts;
+    say("worker " + std::to_string(worker->local_rank) + " " + worker->exit->describe() +
+        (restarts > 0
+             ? " (after " + std::to_string(restarts) + " restart" + (restarts > 1 ? "s" : "") + ")"
+             : ""));
+  }
   if (exit_code_ >= 128 && stopping_) return exit_code_;  // stopped by a signal
   return any_success_ ? 0 : exit_code_;
 }
@@ -134,8 +147,8 @@ void Launcher::join_gossip(const std::string& token) {
   try {
     agent_->membership = elastic::gossip::Gossip::start(membership);
   } catch (const CommError& e) {
-    throw UsageError(std::string("--join ") + options_.join_host + ":" + std::to_string(options_.join_port) +
-                     ": " + e.what());
+    throw UsageError(std::string("--join ") + options_.join_host + ":" +
+                     std::to_string(options_.join_port) + ": " + e.what());
   }
   if (options_.joins()) {
     if (!adopt_job_settings(*agent_->membership, place)) {
@@ -144,9 +157,9 @@ void Launcher::join_gossip(const std::string& token) {
     }
     agent_->membership->set_meta(agent_meta(place));
   } else {
-    say("elastic job of " + std::to_string(place.min_workers) + " to " + std::to_string(place.max_workers) +
-        " workers; to add workers: shoal run --join " + agent_->membership->address() + " --token-file " +
-        agent_->token_file + " PROGRAM");
+    say("elastic job of " + std::to_string(place.min_workers) + " to " +
+        std::to_string(place.max_workers) + " workers; to add workers: shoal run --join " +
+        agent_->membership->address() + " --token-file " + agent_->token_file + " PROGRAM");
   }
   place.seeds = agent_->membership->address();
 }
@@ -162,16 +175,18 @@ void Launcher::join_etcd(const std::string& token) {
   record.max_workers = place.max_workers;
   record.quorum = place.quorum;
   record.last_call = place.last_call;
-  agent_->etcd = std::make_unique<elastic::etcd::Client>(elastic::etcd::Endpoint::parse(options_.etcd),
-                                                         std::chrono::seconds(2));
+  agent_->etcd = std::make_unique<elastic::etcd::Client>(
+      elastic::etcd::Endpoint::parse(options_.etcd), std::chrono::seconds(2));
   agent_->etcd_prefix = elastic::etcd::job_prefix(place.run_id);
   Deadline deadline(options_.connect_timeout);
   for (;;) {
     try {
-      record = elastic::etcd::open_job(*agent_->etcd, agent_->etcd_prefix, token, record, !options_.joins());
+      record = elastic::etcd::open_job(*agent_->etcd, agent_->etcd_prefix, token, record,
+                                       !options_.joins());
       break;
     } catch (const CommError& e) {
-      if (deadline.expired()) throw UsageError(std::string("--rendezvous etcd://") + options_.etcd + ": " + e.what());
+      if (deadline.expired())
+        throw UsageError(std::string("--rendezvous etcd://") + options_.etcd + ": " + e.what());
       std::this_thread::sleep_for(std::min(Duration(200), deadline.remaining()));
     }
   }
@@ -182,8 +197,8 @@ void Launcher::join_etcd(const std::string& token) {
   if (!options_.joins()) {
     say("elastic job " + place.run_id + " of " + std::to_string(place.min_workers) + " to " +
         std::to_string(place.max_workers) + " workers in etcd at " + options_.etcd +
-        "; to add workers: shoal run --rendezvous etcd://" + options_.etcd + " --join " + place.run_id +
-        " --token-file " + agent_->token_file + " PROGRAM");
+        "; to add workers: shoal run --rendezvous etcd://" + options_.etcd + " --join " +
+        place.run_id + " --token-file " + agent_->token_file + " PROGRAM");
   }
 }
 
@@ -191,7 +206,9 @@ void Launcher::start_elastic_workers() {
   const env::Environment base = env::current();
   for (int i = 0; i < options_.nproc_per_node; ++i) {
     const std::string prefix =
-        options_.tags_output() ? "[" + std::string(options_.joins() ? "+" : "") + std::to_string(i) + "] " : "";
+        options_.tags_output()
+            ? "[" + std::string(options_.joins() ? "+" : "") + std::to_string(i) + "] "
+            : "";
     auto worker = std::make_unique<Worker>(i, i, prefix, out_, err_);
     worker->envp = to_envp(elastic_worker_environment(base, agent_->place));
     try {
@@ -211,13 +228,15 @@ void Launcher::on_elastic_failure(Worker& worker, const ExitStatus& status) {
   if (exit_code_ == 0) exit_code_ = status.shell_code();
   if (worker.restarts >= options_.max_restarts) {
     say("worker " + std::to_string(worker.local_rank) + " " + status.describe() +
-        (options_.max_restarts > 0 ? " (restarted " + std::to_string(worker.restarts) + " times)" : "") +
+        (options_.max_restarts > 0 ? " (restarted " + std::to_string(worker.restarts) + " times)"
+                                   : "") +
         "; the job goes on without it");
     return;
   }
-  const Duration backoff = std::min(kMaxBackoff, kFirstBackoff * (int64_t{1} << std::min(worker.restarts, 5)));
-  say("worker " + std::to_string(worker.local_rank) + " " + status.describe() + "; restarting it in " +
-      format_duration(backoff));
+  const Duration backoff =
+      std::min(kMaxBackoff, kFirstBackoff * (int64_t{1} << std::min(worker.restarts, 5)));
+  say("worker " + std::to_string(worker.local_rank) + " " + status.describe() +
+      "; restarting it in " + format_duration(backoff));
   worker.restart_at = Clock::now() + backoff;
 }
 

@@ -298,7 +298,9 @@ void Launcher::on_failure(Worker& worker, const ExitStatus& status) {
 }
 
 void Launcher::on_signal(int signal) {
-  signal_running(signal);
+  // An elastic worker leaves the job at its next commit on SIGTERM; SIGINT (Ctrl-C) asks for
+  // the same (docs/elastic.md).
+  signal_running(options_.elastic && signal == SIGINT ? SIGTERM : signal);
   if (signal == SIGTSTP) {
     // Workers are not in the terminal's foreground group, so Ctrl-Z reaches only us: pause them,
     // then ourselves. Execution goes on here when the shell's `fg` or `bg` sends SIGCONT.

@@ -42,8 +42,8 @@ std::vector<char*> c_strings(const std::vector<std::string>& strings) {
 // Between fork and execve the child may only make async-signal-safe calls: the launcher has
 // other threads (the store's), and any lock they held at the fork stays held in the child.
 [[noreturn]] void become_worker(const ProcessSpec& spec, char* const* argv, char* const* envp,
-                                pid_t launcher, int null_fd, int out_fd, int err_fd,
-                                int status_fd, const Pipe& gate, int max_fd) {
+                                pid_t launcher, int null_fd, int out_fd, int err_fd, int status_fd,
+                                const Pipe& gate, int max_fd) {
   ::setpgid(0, 0);
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
   // The launcher may have died before the line above; then nobody would kill us.
@@ -61,9 +61,15 @@ std::vector<char*> c_strings(const std::vector<std::string>& strings) {
   ::dup2(null_fd, STDIN_FILENO);
   ::dup2(out_fd, STDOUT_FILENO);
   ::dup2(err_fd, STDERR_FILENO);
+  // Every signal back to its default action: the launcher ignores SIGPIPE, and a launcher
+  // started in the background by a script inherits SIGINT and SIGQUIT ignored (POSIX shells do
+  // that), which would make a worker deaf to the signals the launcher forwards. Handlers are
+  // reset by execve anyway; ignored signals are not.
   struct sigaction fallback {};
   fallback.sa_handler = SIG_DFL;
-  ::sigaction(SIGPIPE, &fallback, nullptr);  // the launcher ignores it; a worker should not
+  for (int signal = 1; signal < NSIG; ++signal) {
+    if (signal != SIGKILL && signal != SIGSTOP) ::sigaction(signal, &fallback, nullptr);
+  }
   ::sigprocmask(SIG_SETMASK, &spec.signal_mask, nullptr);
   // Descriptors the launcher inherited without O_CLOEXEC (or a library opened so) must not
   // reach the worker: a stray copy of a pipe's write end keeps its reader from seeing EOF.

@@ -32,6 +32,12 @@ SignalSet::SignalSet() {
     ::pthread_sigmask(SIG_SETMASK, &original_mask_, nullptr);
     throw Error(std::string("cannot create a signalfd: ") + std::strerror(errno));
   }
+  // SIGCHLD inherited as ignored would have the kernel reap the workers before waitpid() could
+  // say how they ended. (The other signals read here reach the signalfd even if inherited as
+  // ignored, since they are blocked; workers get every default action back in start_process.)
+  struct sigaction fallback {};
+  fallback.sa_handler = SIG_DFL;
+  ::sigaction(SIGCHLD, &fallback, nullptr);
   struct sigaction ignore {};
   ignore.sa_handler = SIG_IGN;
   ::sigaction(SIGPIPE, &ignore, &original_pipe_action_);

@@ -12,14 +12,16 @@
 //
 // For the tests of commits without copies (Note [Commits without copies] in src/elastic/state.cpp):
 // ELASTIC_WORKER_LATE_COUNT=1 counts the samples with a collective after the optimizer's step
-// (by default it runs before the backward); ELASTIC_WORKER_DIE_AFTER=K makes the last worker SIGKILL
-// itself right after the optimizer's step of the step after commit K; ELASTIC_WORKER_COPY=1 sets
-// StateOptions::copy_parameters.
+// (by default it runs before the backward); ELASTIC_WORKER_DIE_AFTER=K makes the last worker
+// SIGKILL itself right after the optimizer's step of the step after commit K; ELASTIC_WORKER_COPY=1
+// sets StateOptions::copy_parameters. ELASTIC_WORKER_EXIT_AT=K makes the last worker of a world of
+// several exit with code 3 right after commit K (a crash of the program's own).
 #include <signal.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
@@ -100,14 +102,16 @@ int main(int argc, char** argv) {
   };
   const bool late_count = flag("ELASTIC_WORKER_LATE_COUNT") == 1;
   const int64_t die_after = flag("ELASTIC_WORKER_DIE_AFTER");
+  const int64_t exit_at = flag("ELASTIC_WORKER_EXIT_AT");
   state_options.copy_parameters = flag("ELASTIC_WORKER_COPY") == 1;
   auto loader = shoal::data::make_loader(Synthetic(), options);
   shoal::elastic::State state(net, optimizer, loader, state_options);
   state.value("counts") = torch::zeros({epochs, kSamples}, torch::kLong);
 
   shoal::elastic::run(state, [&] {
-    std::cout << "train pid=" << getpid() << " rank=" << shoal::rank() << " world=" << shoal::world_size()
-              << " step=" << state.version() << " lr=" << optimizer.param_groups()[0].options().get_lr() << std::endl;
+    std::cout << "train pid=" << getpid() << " rank=" << shoal::rank()
+              << " world=" << shoal::world_size() << " step=" << state.version()
+              << " lr=" << optimizer.param_groups()[0].options().get_lr() << std::endl;
     for (; state.epoch() < epochs; state.next_epoch()) {
       for (auto& batch : loader.epoch(state.epoch())) {
         auto features = batch.data.narrow(1, 0, kFeatures);
@@ -121,13 +125,18 @@ int main(int argc, char** argv) {
         if (!late_count) shoal::world().all_reduce(seen);
         loss.backward();
         optimizer.step();
-        if (state.version() == die_after && shoal::rank() == shoal::world_size() - 1 && shoal::world_size() > 1) {
+        if (state.version() == die_after && shoal::rank() == shoal::world_size() - 1 &&
+            shoal::world_size() > 1) {
           ::kill(::getpid(), SIGKILL);
         }
         if (late_count) shoal::world().all_reduce(seen);
         state.value("counts")[state.epoch()] += seen;
         if (step_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(step_ms));
         state.commit();
+        if (state.version() == exit_at && shoal::rank() == shoal::world_size() - 1 &&
+            shoal::world_size() > 1) {
+          std::_Exit(3);
+        }
         if (shoal::is_main()) {
           std::cout << "step " << state.version() << " world " << shoal::world_size()
                     << " lr=" << optimizer.param_groups()[0].options().get_lr() << std::endl;

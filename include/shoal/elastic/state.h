@@ -21,6 +21,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -62,21 +63,33 @@ struct StateOptions {
   // takes them from one whose did not, or whose commit is newer (Note [Commits without
   // copies]). Set it when the program communicates between the end of its backward and commit()
   // (a collective that fails there finds every worker's parameters possibly changed, and run()
-  // raises), or when it changes parameters outside the optimizer. Outside elastic DataParallel jobs commit() always
-  // copies.
+  // raises), or when it changes parameters outside the optimizer. Outside elastic DataParallel jobs
+  // commit() always copies.
   bool copy_parameters = false;
+  // Durable commits (docs/elastic.md): every `checkpoint_every` commits, and at the end, the
+  // first worker also writes the commit to `checkpoint` (the format of shoal::save), atomically
+  // and in the background; a job in which no worker holds a commit (all died, or it is started
+  // again) resumes from that file. Empty and 0: SHOAL_CHECKPOINT and SHOAL_CHECKPOINT_EVERY
+  // (default 100), which `shoal run` passes on to its workers; no file is written when neither
+  // names one.
+  std::string checkpoint{};
+  int64_t checkpoint_every = 0;
 };
+
+class DurableCommits;
 
 class State {
  public:
   // The module's parameters and buffers, the optimizer's state and learning rates, and the
   // sampler's place. UsageError when the policy does not fit the sampler (kKeepGlobalBatch needs
-  // a global batch_size, kScaleLearningRate a per_worker one).
+  // a global batch_size, kScaleLearningRate a per_worker one), and for a module holding global
+  // parameters (shoal::global::nn), whose pieces differ between workers: a new round would give
+  // every worker the first one's pieces.
   State(torch::nn::Module& module, torch::optim::Optimizer& optimizer, data::Sampler& sampler,
         StateOptions options = {});
   template <typename ModuleType, typename Loader>
-  State(const std::shared_ptr<ModuleType>& module, torch::optim::Optimizer& optimizer, Loader& loader,
-        StateOptions options = {})
+  State(const std::shared_ptr<ModuleType>& module, torch::optim::Optimizer& optimizer,
+        Loader& loader, StateOptions options = {})
       : State(*module, optimizer, loader.sampler(), options) {}
   ~State();
   State(const State&) = delete;
@@ -97,6 +110,7 @@ class State {
   void next_epoch();
 
   // Commits so far in the job's history (the committed step count), the same on every worker.
+  // It only grows: a round takes the newest commit any member holds (or the durable one).
   int64_t version() const { return version_; }
 
   // The program's own values (a step counter, a schedule's state, an RNG seed), committed and
@@ -114,8 +128,6 @@ class State {
   // For run(): back to the last commit, and sharing the newest commit after a new round.
   void restore();
   void sync();
-  // Disowns the commits: this worker then takes the state of the others, as a newcomer does.
-  void forget();
   // After the training function returned: ends what commit() left in flight.
   void finish();
 
@@ -130,6 +142,15 @@ class State {
   bool parameters_changed() const;
   void apply_policy();
   void check_world();
+  // The state as a checkpoint payload (checkpoint/contents.h), and back.
+  std::string serialize() const;
+  void deserialize(const std::string& what, std::string_view payload);
+  // No member of the round holds a commit: take the durable one, if any (the first worker).
+  void resume_from_disk();
+  // No member of the round holds a commit and none is on disk, but the job has committed
+  // before: the newest version recorded, else 0 (Note [The job's recorded commits]).
+  int64_t lost_history() const;
+  void write_to_disk();
 
   torch::nn::Module& module_;
   torch::optim::Optimizer& optimizer_;
@@ -154,6 +175,8 @@ class State {
   // The previous commit's vote on changing the world, in flight (see check_world).
   struct Vote;
   std::unique_ptr<Vote> vote_;
+  std::unique_ptr<DurableCommits> durable_;
+  bool recorded_ = false;  // a commit of this round was recorded for newcomers
 };
 
 // Runs `train` and, in an elastic job, recovers from the loss of a worker (CommError) and from

@@ -20,8 +20,10 @@ struct EtcdOptions {
   // counts whole seconds (rounded up) and has a minimum (1.5 election timeouts).
   Duration lease_ttl = std::chrono::seconds(5);
   Duration request_timeout = std::chrono::seconds(2);  // each request to etcd
-  Duration connect_timeout = std::chrono::seconds(10);  // the constructor's, for an etcd that does not answer
-  Duration probe_timeout = std::chrono::milliseconds(200);  // check(): connecting to a member's store
+  Duration connect_timeout =
+      std::chrono::seconds(10);  // the constructor's, for an etcd that does not answer
+  Duration probe_timeout =
+      std::chrono::milliseconds(200);  // check(): connecting to a member's store
 };
 
 class Session;
@@ -42,6 +44,9 @@ class EtcdRendezvous : public Rendezvous {
   bool take_rejoined() override;
   void check(const View& current) override;
   void leave() override;
+  // No record yet (Note [The job's recorded commits]).
+  void record_commit(int64_t) override {}
+  int64_t recorded_commit() override { return -1; }
 
   // This worker's id (it changes when the worker joins again).
   std::string id() const;
@@ -74,10 +79,11 @@ class EtcdRendezvous : public Rendezvous {
 
   EtcdOptions options_;
   RendezvousOptions rendezvous_;
-  mutable std::mutex mutex_;  // guards what lost() and pending_change() read: self_, session_, the table
-  Peer self_;                 // its id changes when the worker joins again
+  mutable std::mutex
+      mutex_;  // guards what lost() and pending_change() read: self_, session_, the table
+  Peer self_;  // its id changes when the worker joins again
   std::shared_ptr<Session> session_;
-  uint64_t generation_ = 0;   // raised with each new session
+  uint64_t generation_ = 0;  // raised with each new session
   mutable std::shared_ptr<const Table> table_;
   mutable uint64_t table_generation_ = 0;
   mutable uint64_t table_version_ = 0;

@@ -26,6 +26,7 @@ struct Meta {
   Ids view;
   int64_t prev_round = -1;  // the last round it trained in, -1 for none
   int prev_rank = -1;
+  int64_t committed = 0;  // Note [The job's recorded commits]
 };
 
 Meta parse(const std::string& text) {
@@ -41,6 +42,7 @@ Meta parse(const std::string& text) {
     meta.view = j.value("view", Ids{});
     meta.prev_round = j.value("prev_round", int64_t{-1});
     meta.prev_rank = j.value("prev_rank", -1);
+    meta.committed = j.value("committed", int64_t{0});
   } catch (const std::exception&) {
     meta.role.clear();  // not a worker's metadata
   }
@@ -113,6 +115,9 @@ void GossipRendezvous::publish(const std::string& phase, int64_t round, const st
     std::fprintf(stderr, "shoal elastic debug: pid %d: %s round %lld, view of %zu; sees%s\n", self_.pid,
                  phase.c_str(), static_cast<long long>(round), view.size(), seen.c_str());
   }
+  phase_ = phase;
+  round_ = round;
+  view_ = view;
   gossip_->set_meta(nlohmann::json{{"role", "worker"},
                                    {"host", self_.host},
                                    {"pid", self_.pid},
@@ -121,7 +126,8 @@ void GossipRendezvous::publish(const std::string& phase, int64_t round, const st
                                    {"round", round},
                                    {"view", view},
                                    {"prev_round", prev_round_},
-                                   {"prev_rank", prev_rank_}}
+                                   {"prev_rank", prev_rank_},
+                                   {"committed", committed_}}
                         .dump());
 }
 
@@ -313,6 +319,19 @@ std::string GossipRendezvous::lost(const View& current) {
     }
   }
   return text;
+}
+
+void GossipRendezvous::record_commit(int64_t version) {
+  if (version <= committed_) return;
+  committed_ = version;
+  const std::vector<std::string> view = view_;
+  publish(phase_, round_, view);
+}
+
+int64_t GossipRendezvous::recorded_commit() {
+  int64_t newest = committed_;
+  for (const auto& w : workers_of(*gossip_)) newest = std::max(newest, w.meta.committed);
+  return newest;
 }
 
 bool GossipRendezvous::take_rejoined() { return std::exchange(rejoined_, false); }

@@ -21,6 +21,8 @@ class GossipRendezvous : public Rendezvous {
   bool take_rejoined() override;
   void check(const View& current) override;
   void leave() override;
+  void record_commit(int64_t version) override;
+  int64_t recorded_commit() override;
 
   // This worker's membership (for tests and logs).
   const Gossip& membership() const { return *gossip_; }
@@ -40,6 +42,11 @@ class GossipRendezvous : public Rendezvous {
   int prev_rank_ = -1;
   std::vector<std::string> prev_view_;
   bool rejoined_ = false;
+  // What publish() last said, and the commit recorded in it (Note [The job's recorded commits]).
+  std::string phase_ = "wait";
+  int64_t round_ = 0;
+  std::vector<std::string> view_;
+  int64_t committed_ = 0;
 };
 
 }  // namespace shoal::elastic::gossip
