@@ -21,7 +21,8 @@ trap 'rm -rf "$work"' EXIT
 fail() { echo "FAIL: $*" >&2; exit 1; }
 need() {
   for tool in "$@"; do
-    command -v "$tool" >/dev/null || { echo "SKIP: $tool is not installed (scripts/setup.sh installs it)"; exit 77; }
+    command -v "$tool" >/dev/null ||
+      { echo "SKIP: $tool is not installed (scripts/setup.sh installs it)"; exit 77; }
   done
 }
 # Every wait has a deadline: a hung step fails the test instead of holding ctest.
@@ -73,7 +74,8 @@ install_mode() {
     { echo "$out"; fail "shoal run -n 2 train"; }
   echo "$out"
   for r in 0 1; do
-    grep -q "consumer: worker $r of 2: 2 steps, parameters as one process, global matmul as one process" <<<"$out" ||
+    grep -q "consumer: worker $r of 2: 2 steps, parameters as one process, global matmul as one \
+process" <<<"$out" ||
       fail "worker $r did not train as one process"
   done
 
@@ -85,22 +87,24 @@ install_mode() {
   for want in "-I$prefix/include" "-L$libdir" -lshoal -DUSE_C10D_GLOO -ltorch -lc10; do
     [[ " $flags " == *" $want "* ]] || fail "pkg-config gives no $want: $flags"
   done
-  # docs/getting-started.md's program, compiled with those flags as the page says.
+  # docs/getting-started.md's program, compiled with those flags as the page says, as strict C++17.
   awk '/tests\/install_test.sh builds this program/ { marked = 1; next }
        marked && /^```cpp/ { inside = 1; next }
        inside && /^```/ { exit }
        inside { print }' "$source/docs/getting-started.md" >"$work/train.cpp"
   [[ -s $work/train.cpp ]] || fail "no marked program in docs/getting-started.md"
   # shellcheck disable=SC2086  # the flags are words
-  (cd "$work" && run 600 "${launcher[@]}" g++ -std=c++17 -O1 train.cpp -o train $flags \
-    -Wl,-rpath,"$libdir") ||
+  # -pedantic-errors: the page promises plain C++17 (no designated initializers, which are C++20).
+  (cd "$work" && run 600 "${launcher[@]}" g++ -std=c++17 -pedantic-errors -O1 train.cpp \
+    -o train $flags -Wl,-rpath,"$libdir") ||
     fail "compiling docs/getting-started.md's program with pkg-config's flags"
   loads_shoal_from "$work/train" "$libdir"
   out=$(cd "$work" && run 120 "$prefix/bin/shoal" run -n 2 "$work/train" 2>&1) ||
     { echo "$out"; fail "shoal run -n 2 on docs/getting-started.md's program"; }
   echo "$out"
   # Printed by the main worker only, and it learns: y = 3x - 1 is fitted far below its variance.
-  [[ $(grep -c '^\[0\] epoch [0-4]: loss' <<<"$out") == 5 ]] || fail "expected 5 epochs from worker 0"
+  [[ $(grep -c '^\[0\] epoch [0-4]: loss' <<<"$out") == 5 ]] ||
+    fail "expected 5 epochs from worker 0"
   ! grep -q '^\[1\]' <<<"$out" || fail "worker 1 printed"
   local last
   last=$(sed -n 's/^\[0\] epoch 4: loss //p' <<<"$out")
@@ -126,7 +130,8 @@ deb_mode() {
   done
   for f in ./usr/include/shoal/shoal.h ./usr/include/shoal/global/ops.h \
     ./usr/lib/cmake/shoal/shoalConfig.cmake ./usr/lib/cmake/shoal/shoalTargets.cmake \
-    ./usr/lib/cmake/shoal/shoalTorch.cmake ./usr/lib/pkgconfig/shoal.pc "./usr/lib/libshoal.so ->"; do
+    ./usr/lib/cmake/shoal/shoalTorch.cmake ./usr/lib/pkgconfig/shoal.pc \
+    "./usr/lib/libshoal.so ->"; do
     grep -q " $f" "$work/dev.txt" || { cat "$work/dev.txt"; fail "shoal-dev has no $f"; }
   done
   ! grep -q "include/" "$work/runtime.txt" || fail "shoal has headers; they belong in shoal-dev"
@@ -146,7 +151,8 @@ deb_mode() {
   declare -A path_of
   while read -r name path; do path_of[$name]=$path; done < <(
     for f in "$unpacked/usr/bin/shoal" "$unpacked"/usr/lib/libshoal.so.*.*; do
-      # "libz.so.1 => /lib/x86_64-linux-gnu/libz.so.1 (0x...)", or the loader's "/lib64/ld-... (0x...)"
+      # "libz.so.1 => /lib/x86_64-linux-gnu/libz.so.1 (0x...)", or the loader's
+      # "/lib64/ld-linux-x86-64.so.2 (0x...)"
       LD_LIBRARY_PATH=$unpacked/usr/lib ldd "$f" |
         awk '/=> \// { print $1, $3 } $1 ~ /^\// { n = split($1, part, "/"); print part[n], $1 }'
     done)
@@ -156,7 +162,8 @@ deb_mode() {
     local path=${path_of[$lib]:-}
     [[ -n $path ]] || fail "cannot resolve $lib, which the packed files need"
     local package
-    package=$(dpkg-query -S "$(realpath "$path")" 2>/dev/null || dpkg-query -S "$path" 2>/dev/null ||
+    package=$(dpkg-query -S "$(realpath "$path")" 2>/dev/null ||
+      dpkg-query -S "$path" 2>/dev/null ||
       dpkg-query -S "/usr$path" 2>/dev/null || true)
     package=${package%%:*}
     [[ -n $package ]] || fail "no Debian package owns $path ($lib)"
