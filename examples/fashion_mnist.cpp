@@ -14,8 +14,8 @@
 
 #include <torch/torch.h>
 
+#include "cli.h"
 #include "fashion_mnist_net.h"
-#include "shoal/data/fashion_mnist.h"
 #include "shoal/shoal.h"
 
 namespace {
@@ -31,46 +31,30 @@ struct Options {
   bool resume = false;
 };
 
-Options parse(int argc, char** argv) {
-  Options options;
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    if (flag == "--resume") {
-      options.resume = true;
-      continue;
-    }
-    if (i + 1 >= argc) throw shoal::UsageError(flag + " needs a value");
-    const std::string value = argv[++i];
-    if (flag == "--epochs") options.epochs = std::stoi(value);
-    else if (flag == "--batch-size") options.batch_size = std::stoll(value);
-    else if (flag == "--lr") options.lr = std::stod(value);
-    else if (flag == "--limit") options.limit = std::stoll(value);
-    else if (flag == "--checkpoint") options.checkpoint = value;
-    else throw shoal::UsageError("unknown flag " + flag + "; expected --epochs, --batch-size, --lr, --limit, --checkpoint or --resume");
-  }
-  return options;
-}
-
 // One line per quarter of the epoch, printed by the main worker: a progress bar that reads the
 // same in a terminal and in a log, with the job-wide mean loss.
 class Progress {
  public:
-  Progress(int64_t epoch, int epochs, int64_t batches) : epoch_(epoch), epochs_(epochs), batches_(batches) {}
+  Progress(int64_t epoch, int epochs, int64_t batches)
+      : epoch_(epoch), epochs_(epochs), batches_(batches) {}
 
   void step(int64_t samples, const torch::Tensor& loss) {
     ++done_;
     samples_ += samples;
     loss_sum_ += loss.detach() * samples;
     if (done_ * 4 / batches_ == (done_ - 1) * 4 / batches_) return;  // print as each quarter fills
-    auto totals = torch::stack({loss_sum_.to(torch::kFloat64), torch::tensor(double(samples_), torch::kFloat64)});
+    auto totals = torch::stack(
+        {loss_sum_.to(torch::kFloat64), torch::tensor(double(samples_), torch::kFloat64)});
     shoal::world().all_reduce(totals);  // every worker takes part, one prints
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
     const double rate = totals[1].item<double>() / seconds;
     const double fraction = double(done_) / double(batches_);
     if (!shoal::is_main()) return;
     const int width = 24, filled = int(fraction * width + 0.5);
-    std::printf("epoch %lld/%d [%s%s] %3.0f%%  %6.0f samples/s  loss %.4f  ETA %3.0fs\n", static_cast<long long>(epoch_ + 1), epochs_,
-                std::string(filled, '#').c_str(), std::string(width - filled, '.').c_str(), 100 * fraction, rate,
+    std::printf("epoch %lld/%d [%s%s] %3.0f%%  %6.0f samples/s  loss %.4f  ETA %3.0fs\n",
+                static_cast<long long>(epoch_ + 1), epochs_, std::string(filled, '#').c_str(),
+                std::string(width - filled, '.').c_str(), 100 * fraction, rate,
                 totals[0].item<double>() / totals[1].item<double>(), seconds / fraction - seconds);
     std::fflush(stdout);
   }
@@ -105,19 +89,41 @@ double test_accuracy(Net& net, const shoal::data::FashionMnist& test) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  Options options;
+  CLI::App app{"Data-parallel training on Fashion-MNIST; run alone or under `shoal run -n N`.",
+               "fashion_mnist"};
+  app.add_option("--epochs", options.epochs, "epochs to train")
+      ->capture_default_str()
+      ->check(examples::positive());
+  app.add_option("--batch-size", options.batch_size, "the global batch, whatever the workers")
+      ->capture_default_str()
+      ->check(examples::positive());
+  app.add_option("--lr", options.lr, "the first epoch's learning rate (cosine decay)")
+      ->capture_default_str()
+      ->check(examples::positive());
+  app.add_option("--limit", options.limit, "train on the first N images only (0: all)")
+      ->capture_default_str()
+      ->check(examples::positive(true));
+  app.add_option("--checkpoint", options.checkpoint, "written after every epoch")
+      ->capture_default_str();
+  app.add_flag("--resume", options.resume, "continue from --checkpoint, on any number of workers");
+  if (const int code = examples::parse(app, argc, argv); code >= 0) return code;
   try {
-    const Options options = parse(argc, argv);
-    shoal::init();                                                       // shoal
+    shoal::init();  // shoal
     torch::manual_seed(0);
     Net net;
-    shoal::DataParallel model(net);                                      // shoal
+    shoal::DataParallel model(net);  // shoal
 
     using shoal::data::FashionMnist;
     FashionMnist train(shoal::data::kFashionMnistRoot, FashionMnist::Split::kTrain);
     FashionMnist test(shoal::data::kFashionMnistRoot, FashionMnist::Split::kTest);
     if (options.limit > 0) train = train.head(options.limit);
-    auto loader = shoal::data::make_loader(train, {.batch_size = options.batch_size, .shuffle = true});  // shoal
-    torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(options.lr).momentum(0.9));
+    shoal::data::LoaderOptions loading;
+    loading.batch_size = options.batch_size;  // the global batch
+    loading.shuffle = true;
+    auto loader = shoal::data::make_loader(train, loading);  // shoal
+    torch::optim::SGD optimizer(net->parameters(),
+                                torch::optim::SGDOptions(options.lr).momentum(0.9));
 
     if (shoal::is_main()) {
       std::printf("Fashion-MNIST: %lld training images on %d worker(s), global batch %lld\n",
@@ -152,8 +158,9 @@ int main(int argc, char** argv) {
       shoal::save(options.checkpoint, *net, optimizer, loader.sampler().state());  // shoal
       const double accuracy = test_accuracy(net, test);
       if (shoal::is_main()) {
-        std::printf("epoch %lld/%d: test accuracy %.2f%%, checkpoint %s\n", static_cast<long long>(epoch + 1),
-                    options.epochs, 100 * accuracy, options.checkpoint.c_str());
+        std::printf("epoch %lld/%d: test accuracy %.2f%%, checkpoint %s\n",
+                    static_cast<long long>(epoch + 1), options.epochs, 100 * accuracy,
+                    options.checkpoint.c_str());
         std::fflush(stdout);
       }
     }

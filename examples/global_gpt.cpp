@@ -2,11 +2,10 @@
 // base-files installs). The four plans differ only in placement and SBP; on the same seed they
 // train the same model to the same losses:
 //
-//   build/examples/global_gpt --plan one                          # one process
-//   build/bin/shoal run -n 4 build/examples/global_gpt --plan data     # batch split(0), weights
-//   whole build/bin/shoal run -n 4 build/examples/global_gpt --plan tensor   # Megatron: heads and
-//   MLP split build/bin/shoal run -n 4 build/examples/global_gpt --plan hybrid   # 2 x 2 mesh: data
-//   x tensor
+//   build/examples/global_gpt --plan one                               # one process
+//   build/bin/shoal run -n 4 build/examples/global_gpt --plan data     # batch split(0)
+//   build/bin/shoal run -n 4 build/examples/global_gpt --plan tensor   # Megatron: heads split
+//   build/bin/shoal run -n 4 build/examples/global_gpt --plan hybrid   # 2 x 2: data x tensor
 //
 // --steps N (default 20), --save FILE writes the final parameters (whole values, by name) from
 // the first worker, --text FILE trains on another text.
@@ -16,9 +15,9 @@
 #include <set>
 #include <sstream>
 
-#include <shoal/global/nn.h>
 #include <shoal/shoal.h>
-#include <CLI/CLI.hpp>
+
+#include "cli.h"
 
 namespace g = shoal::global;
 
@@ -87,14 +86,14 @@ class GptImpl : public g::nn::Module {
 TORCH_MODULE(Gpt);
 
 int main(int argc, char** argv) {
-  CLI::App app{"A character-level GPT on global tensors"};
+  CLI::App app{"A character-level GPT on global tensors, in one of four plans.", "global_gpt"};
   std::string plan_name = "one", save, text_path = "/usr/share/common-licenses/GPL-3";
   int steps = 20;
   app.add_option("--plan", plan_name, "one, data, tensor or hybrid");
-  app.add_option("--steps", steps, "training steps")->check(CLI::PositiveNumber);
+  app.add_option("--steps", steps, "training steps")->check(examples::positive());
   app.add_option("--save", save, "write the final parameters here");
   app.add_option("--text", text_path, "the text to train on");
-  CLI11_PARSE(app, argc, argv);
+  if (const int code = examples::parse(app, argc, argv); code >= 0) return code;
   try {
     shoal::init();
     const Plan plan = make_plan(plan_name);

@@ -4,12 +4,16 @@
 #include <iomanip>
 #include <iostream>
 
-#include <shoal/global/ops.h>
 #include <shoal/shoal.h>
+
+#include "cli.h"
 
 namespace g = shoal::global;
 
-int main() {
+int main(int argc, char** argv) {
+  CLI::App app{"OneFlow's model-parallel matmul on global tensors; run under `shoal run -n N`.",
+               "global_model_parallel"};
+  if (const int code = examples::parse(app, argc, argv); code >= 0) return code;
   shoal::init();
   torch::manual_seed(0);
   const auto all = g::Placement::all();

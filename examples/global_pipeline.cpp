@@ -5,12 +5,16 @@
 #include <iomanip>
 #include <iostream>
 
-#include <shoal/global/ops.h>
 #include <shoal/shoal.h>
+
+#include "cli.h"
 
 namespace g = shoal::global;
 
-int main() {
+int main(int argc, char** argv) {
+  CLI::App app{"OneFlow's two-stage pipeline on global tensors; run under `shoal run -n N`.",
+               "global_pipeline"};
+  if (const int code = examples::parse(app, argc, argv); code >= 0) return code;
   shoal::init();
   torch::manual_seed(0);
   const g::Placement first({0}), last({shoal::world_size() - 1});

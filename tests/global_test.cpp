@@ -5,7 +5,13 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
 #include "harness.h"
+#include "shoal/global/ops.h"
 #include "shoal/global/tensor.h"
 #include "shoal/shoal.h"
 
@@ -209,6 +215,115 @@ TEST(GlobalTensor, BadLayoutsAreUsageErrors) {
     }
     EXPECT_THROW(g::Placement({0, 0}), shoal::UsageError);
     EXPECT_THROW(g::Placement::mesh({3}), shoal::UsageError);
+  });
+}
+
+// What shoal::world_size() raises before init(): the error every global entry point must raise.
+std::string before_init_error() {
+  try {
+    shoal::world_size();
+  } catch (const shoal::UsageError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "world_size() did not raise before init()";
+  return "";
+}
+
+// Each call raises that same UsageError (type and message), naming no partial job of one.
+void expect_before_init_errors(
+    const std::vector<std::pair<std::string, std::function<void()>>>& calls) {
+  const std::string expected = before_init_error();
+  ASSERT_FALSE(expected.empty());
+  for (const auto& [name, call] : calls) {
+    try {
+      call();
+      ADD_FAILURE() << name << " ran without shoal::init(); expected UsageError: " << expected;
+    } catch (const shoal::UsageError& e) {
+      EXPECT_EQ(std::string(e.what()), expected) << name;
+    }
+  }
+}
+
+TEST(GlobalTensor, BeforeInitEveryEntryPointRaisesWhatWorldSizeRaises) {
+  shoal::testing::WorkersOptions options;
+  options.init = false;
+  options.launcher = shoal::testing::Launcher::kNone;
+  run_workers(
+      1,
+      [] {
+        ASSERT_FALSE(shoal::is_initialized());
+        // A placement of named workers is a value, like a torch::Device; using it needs the job.
+        const g::Placement zero({0});
+        const auto whole = torch::ones({2, 3});
+        expect_before_init_errors({
+            {"Placement::all", [] { g::Placement::all(); }},
+            {"Placement::mesh", [] { g::Placement::mesh({1}); }},
+            {"randn",
+             [&] {
+               g::randn({2, 3}, zero, g::split(0));
+             }},
+            {"rand",
+             [&] {
+               g::rand({2, 3}, zero, g::broadcast());
+             }},
+            {"zeros",
+             [&] {
+               g::zeros({2, 3}, zero, g::broadcast());
+             }},
+            {"ones",
+             [&] {
+               g::ones({2, 3}, zero, g::partial_sum());
+             }},
+            {"full",
+             [&] {
+               g::full({2, 3}, 1.5, zero, g::split(1));
+             }},
+            {"arange", [&] { g::arange(4, zero, g::split(0)); }},
+            {"from_full", [&] { g::GlobalTensor::from_full(whole, zero, g::split(0)); }},
+            {"from_local", [&] { g::GlobalTensor::from_local(whole, zero, g::broadcast()); }},
+            {"from_local with a shape",
+             [&] {
+               g::GlobalTensor::from_local(whole, zero, g::broadcast(), {2, 3});
+             }},
+        });
+      },
+      options);
+}
+
+TEST(GlobalTensor, AfterShutdownTensorsRaiseWhatWorldSizeRaises) {
+  run_workers(2, [] {
+    const auto all = g::Placement::all();
+    const auto x = g::randn({4, 4}, all, g::split(0)).requires_grad_();
+    const auto w = g::randn({4, 4}, all, g::broadcast());
+    shoal::shutdown();
+    expect_before_init_errors({
+        {"matmul", [&] { g::matmul(x, w); }},
+        {"add", [&] { g::add(x, w); }},
+        {"sum", [&] { g::sum(x); }},
+        {"full()", [&] { x.full(); }},
+        {"to_global", [&] { x.to_global(all, g::broadcast()); }},
+        {"backward", [&] { g::sum(x).backward(); }},
+    });
+  });
+}
+
+TEST(GlobalTensor, DescribeSaysShapeDtypePlacementAndSbp) {
+  run_workers(2, [] {
+    const auto all = g::Placement::all();
+    EXPECT_EQ(g::randn({4, 5}, all, g::split(0)).describe(),
+              "GlobalTensor of shape [4, 5], float, on [0, 1] as split(0)");
+    EXPECT_EQ(g::arange(6, all, g::broadcast()).describe(),
+              "GlobalTensor of shape [6], long, on [0, 1] as broadcast");
+    // Worker 0 holds no piece of a tensor on [1] and describes the same global tensor.
+    EXPECT_EQ(g::zeros({3}, g::Placement({1}), g::partial_sum(), torch::kDouble).describe(),
+              "GlobalTensor of shape [3], double, on [1] as partial_sum");
+    EXPECT_EQ(g::ones({4, 2}, g::Placement::mesh({2, 1}), g::NdSbp{g::split(0), g::broadcast()})
+                  .describe(),
+              "GlobalTensor of shape [4, 2], float, on the 2x1 mesh [0, 1] as (split(0), "
+              "broadcast)");
+    EXPECT_EQ(g::GlobalTensor().describe(), "an empty GlobalTensor");
+    // The placement alone keeps its own form.
+    EXPECT_EQ(g::Placement::mesh({2, 1}).describe(), "[0, 1] as 2x1");
   });
 }
 

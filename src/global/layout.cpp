@@ -1,5 +1,6 @@
 // Placement, Sbp and the shapes of pieces. See docs/global.md.
 #include <algorithm>
+#include <cctype>
 #include <map>
 #include <mutex>
 #include <numeric>
@@ -160,11 +161,21 @@ std::string shape_text(at::IntArrayRef shape) {
   return text + "]";
 }
 
+std::string dtype_text(at::ScalarType dtype) {
+  std::string text = c10::toString(dtype);
+  std::transform(text.begin(), text.end(), text.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return text;
+}
+
+// Through shoal::rank() and world_size(), so that before init() (or after shutdown()) every
+// entry point of global tensors raises the same UsageError as they do, instead of running as a
+// job of one that the program never asked for.
 int my_rank() {
-  return shoal::is_initialized() ? shoal::rank() : 0;
+  return shoal::rank();
 }
 int job_size() {
-  return shoal::is_initialized() ? shoal::world_size() : 1;
+  return shoal::world_size();
 }
 
 void check_layout(const std::string& op, const Placement& placement, const NdSbp& sbp,

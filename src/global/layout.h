@@ -15,10 +15,13 @@ namespace shoal::global::detail {
 
 // "[2, 3]"
 std::string shape_text(at::IntArrayRef shape);
+// "float", "double", "long", "bfloat16": c10's name of the dtype in lower case, as the C++ type
+// names read (torch::kFloat is a float).
+std::string dtype_text(at::ScalarType dtype);
 
-// This worker's rank in the job (0 without shoal::init()).
+// This worker's rank in the job, and the job's size. Both raise shoal::rank()'s UsageError before
+// shoal::init(): every entry point that needs the job reaches one of them first.
 int my_rank();
-// The job's size (1 without shoal::init()).
 int job_size();
 
 // UsageError, naming `op` and the placement, when it names a worker outside the job, or when

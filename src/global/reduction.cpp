@@ -142,7 +142,7 @@ GlobalTensor cross_entropy(const GlobalTensor& logits, const GlobalTensor& targe
   }
   if (at::isFloatingType(target.dtype()) || target.dtype() == at::kBool) {
     throw UsageError(std::string("cross_entropy: expected integer class indices as target, got ") +
-                     c10::toString(target.dtype()));
+                     detail::dtype_text(target.dtype()));
   }
   const double batch = static_cast<double>(logits.shape()[0]);
   const std::vector<Signature> table = {

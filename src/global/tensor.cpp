@@ -78,9 +78,8 @@ GlobalTensor GlobalTensor::from_local(const at::Tensor& local, const Placement& 
     for (int64_t d = 0; d < std::min<int64_t>(local.dim(), kMaxDims); ++d)
       mine[d + 2] = local.size(d);
   }
-  at::Tensor all =
-      shoal::is_initialized() ? shoal::world().all_gather(mine.unsqueeze(0)) : mine.unsqueeze(0);
-  auto row = [&](int rank) { return all[shoal::is_initialized() ? rank : 0]; };
+  const at::Tensor all = shoal::world().all_gather(mine.unsqueeze(0));
+  auto row = [&](int rank) { return all[rank]; };
   // Every worker raises the same errors from the same exchanged facts, so none is left waiting.
   for (int r : placement.ranks()) {
     if (row(r)[1].item<int64_t>() == kNoTensor) {
@@ -127,8 +126,8 @@ GlobalTensor GlobalTensor::from_local(const at::Tensor& local, const Placement& 
       throw UsageError("from_local: the pieces do not fit together as " + sbp.describe() + " on " +
                        placement.describe() + ": worker " + std::to_string(r) + " holds " +
                        shape_text(got) + " of " +
-                       c10::toString(static_cast<at::ScalarType>(info[0].item<int64_t>())) +
-                       ", expected " + shape_text(expected) + " of " + c10::toString(dtype) +
+                       detail::dtype_text(static_cast<at::ScalarType>(info[0].item<int64_t>())) +
+                       ", expected " + shape_text(expected) + " of " + detail::dtype_text(dtype) +
                        " (split sizes as comm::split_sizes cuts them)");
     }
   }
@@ -211,8 +210,16 @@ GlobalTensor GlobalTensor::detach() const {
 
 std::string GlobalTensor::describe() const {
   if (!defined()) return "an empty GlobalTensor";
-  return "GlobalTensor of shape " + shape_text(shape_) + ", " + c10::toString(dtype()) + ", on " +
-         placement_.describe() + " as " + sbp_.describe();
+  // Not placement_.describe(), whose "[0, 1, 2, 3] as 2x2" would read "as 2x2 as split(0)" here.
+  std::string where = placement_.describe();
+  if (placement_.ndim() > 1) {
+    const std::vector<int64_t> ranks(placement_.ranks().begin(), placement_.ranks().end());
+    std::string mesh;
+    for (int64_t n : placement_.shape()) mesh += (mesh.empty() ? "" : "x") + std::to_string(n);
+    where = "the " + mesh + " mesh " + shape_text(ranks);
+  }
+  return "GlobalTensor of shape " + shape_text(shape_) + ", " + detail::dtype_text(dtype()) +
+         ", on " + where + " as " + sbp_.describe();
 }
 
 GlobalTensor randn(at::IntArrayRef shape, const Placement& placement, const NdSbp& sbp,

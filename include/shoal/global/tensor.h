@@ -71,7 +71,8 @@ class GlobalTensor {
   void backward(const GlobalTensor& gradient) const;
   GlobalTensor detach() const;
 
-  // "GlobalTensor of shape [4, 5], float, on [0, 1] as split(0)"
+  // "GlobalTensor of shape [4, 5], float, on [0, 1] as split(0)", or on a mesh
+  // "GlobalTensor of shape [4, 5], float, on the 2x2 mesh [0, 1, 2, 3] as (split(0), broadcast)"
   std::string describe() const;
 
   // For ops: a global tensor made of its parts. `local` must be this worker's piece (or the
