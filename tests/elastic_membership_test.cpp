@@ -97,6 +97,11 @@ TEST(Elastic, BadFlagsAreUsageErrors) {
       {{"--rendezvous", "etcd://127.0.0.1:9", "--join", "127.0.0.1:9", kWorker},
        "--join '127.0.0.1:9': with --rendezvous etcd:// it takes the job's run id"},
       {{"--rendezvous", "etcd://127.0.0.1:9", kWorker}, "--rendezvous is for elastic jobs"},
+      {{"--checkpoint", "/tmp/x.ckpt", kWorker}, "--checkpoint is for elastic jobs"},
+      {{"--min", "1", "--max", "2", "--checkpoint-every", "5", kWorker},
+       "--checkpoint-every needs --checkpoint PATH"},
+      {{"--min", "1", "--max", "2", "--checkpoint", "/tmp/x.ckpt", "--checkpoint-every", "0", kWorker},
+       "--checkpoint-every: expected a number of commits from 1, got '0'"},
   };
   for (const auto& [args, message] : cases) {
     auto result = shoal::testing::run_shoal(args, 30s);

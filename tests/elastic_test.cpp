@@ -535,7 +535,7 @@ INSTANTIATE_TEST_SUITE_P(Backends, ElasticHistory, ::testing::Values("gossip", "
                          backend_name);
 
 // Durable commits: every worker of a job is SIGKILLed; the job started again resumes from the
-// commit kept on disk (SHOAL_CHECKPOINT, every 5 commits) and ends with the one-process
+// commit kept on disk (SHOAL_CHECKPOINT or --checkpoint, every 5 commits) and ends with the one-process
 // parameters, every sample trained on once.
 TEST(ElasticDurable, JobStartedAgainResumesFromTheDurableCommit) {
   constexpr int kEpochs = 4;
@@ -561,8 +561,12 @@ TEST(ElasticDurable, JobStartedAgainResumesFromTheDurableCommit) {
   const RunResult died = first.wait(60s);
   EXPECT_NE(died.exit_code, 0) << died.err;
 
-  ShoalRun again({"--min", "1", "--max", "2", "-n", "2", "--token-file",
-                  temp_path("durable2.token"), kWorker, out, std::to_string(kEpochs), "20"});
+  // The first run was given the checkpoint by the variables, this one by shoal run's flags.
+  ::unsetenv("SHOAL_CHECKPOINT");
+  ::unsetenv("SHOAL_CHECKPOINT_EVERY");
+  ShoalRun again({"--min", "1", "--max", "2", "-n", "2", "--checkpoint", checkpoint,
+                  "--checkpoint-every", "5", "--token-file", temp_path("durable2.token"), kWorker,
+                  out, std::to_string(kEpochs), "20"});
   const RunResult result = again.wait(120s);
   ASSERT_EQ(result.exit_code, 0) << result.err;
   std::smatch resumed;

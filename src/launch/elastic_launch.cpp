@@ -203,7 +203,9 @@ void Launcher::join_etcd(const std::string& token) {
 }
 
 void Launcher::start_elastic_workers() {
-  const env::Environment base = env::current();
+  env::Environment base = env::current();
+  if (!options_.checkpoint.empty()) base["SHOAL_CHECKPOINT"] = options_.checkpoint;
+  if (options_.checkpoint_every > 0) base["SHOAL_CHECKPOINT_EVERY"] = std::to_string(options_.checkpoint_every);
   for (int i = 0; i < options_.nproc_per_node; ++i) {
     const std::string prefix =
         options_.tags_output()

@@ -31,6 +31,8 @@ struct RawFlags {
   std::string token_file;
   std::string last_call = "1";
   std::string rendezvous_timeout = "600";
+  std::string checkpoint;
+  std::string checkpoint_every;
 };
 
 // The program and its arguments are split off before CLI11 parses, so CLI11 does not know them;
@@ -146,6 +148,13 @@ void add_flags(CLI::App& app, RawFlags& raw) {
   app.add_option("--rendezvous-timeout", raw.rendezvous_timeout,
                  "Elastic job: how long a worker waits for a round to close (default 600)")
       ->type_name("SECONDS");
+  app.add_option("--checkpoint", raw.checkpoint,
+                 "Elastic job: keep its commit on disk too, at PATH, so that a job whose every "
+                 "worker died resumes from it (SHOAL_CHECKPOINT)")
+      ->type_name("PATH");
+  app.add_option("--checkpoint-every", raw.checkpoint_every,
+                 "Elastic job: write --checkpoint every N commits (default 100, and at the end)")
+      ->type_name("N");
   app.add_flag("--tag-output", "Prefix each output line with \"[RANK] \" (the default when the "
                "job has more than one worker)");
   app.add_flag("--no-tag-output", "Forward output lines as they are");
@@ -157,7 +166,8 @@ void validate_elastic(const RawFlags& raw, const CLI::App& app, LaunchOptions& o
   const bool has_max = app.count("--max") > 0;
   const bool joins = app.count("--join") > 0;
   for (const char* flag :
-       {"--max-restarts", "--token-file", "--quorum", "--last-call", "--rendezvous-timeout", "--rendezvous"}) {
+       {"--max-restarts", "--token-file", "--quorum", "--last-call", "--rendezvous-timeout", "--rendezvous",
+        "--checkpoint", "--checkpoint-every"}) {
     if (app.count(flag) > 0 && !has_min && !has_max && !joins) {
       throw UsageError(std::string(flag) + " is for elastic jobs; add --min A --max B (or --join HOST:PORT)");
     }
@@ -212,6 +222,13 @@ void validate_elastic(const RawFlags& raw, const CLI::App& app, LaunchOptions& o
   options.token_file = raw.token_file;
   options.last_call = parse_seconds_or_zero("--last-call", raw.last_call);
   options.rendezvous_timeout = parse_seconds("--rendezvous-timeout", raw.rendezvous_timeout);
+  if (app.count("--checkpoint-every") > 0 && raw.checkpoint.empty()) {
+    throw UsageError("--checkpoint-every needs --checkpoint PATH: where the commits are kept");
+  }
+  options.checkpoint = raw.checkpoint;
+  if (app.count("--checkpoint-every") > 0) {
+    options.checkpoint_every = parse_int("--checkpoint-every", raw.checkpoint_every, 1, 1 << 30, "a number of commits from 1");
+  }
 }
 
 LaunchOptions validate(const RawFlags& raw, const CLI::App& app) {

@@ -44,6 +44,10 @@ struct LaunchOptions {
   std::string token_file;  // where the token is written (or read, with --join); empty: default
   Duration last_call = std::chrono::seconds(1);
   Duration rendezvous_timeout = std::chrono::seconds(600);
+  // --checkpoint PATH / --checkpoint-every N: durable commits, passed to the workers as
+  // SHOAL_CHECKPOINT / SHOAL_CHECKPOINT_EVERY (docs/elastic.md). Empty / 0: not set here.
+  std::string checkpoint;
+  int checkpoint_every = 0;
 
   std::string program;  // as given (for messages)
   std::string program_path;  // resolved against PATH; what is executed
