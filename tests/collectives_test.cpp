@@ -1,5 +1,9 @@
 // Collectives over a grid of world sizes x element counts (0, odd, non-divisible) x dtypes,
 // against closed forms (gloo's test style: fill with the rank, expect n(n+1)/2).
+#include <chrono>
+#include <numeric>
+#include <thread>
+
 #include <gtest/gtest.h>
 
 #include <torch/torch.h>
@@ -85,10 +89,14 @@ TEST_P(Collectives, AllGatherEvenAndUneven) {
     for (auto dtype : kDtypes) {
       for (auto count : kCounts) {
         // Even: each worker contributes count rows of [rank, row].
-        auto mine = torch::stack({torch::full({count}, r, torch::kInt64), torch::arange(count)}, 1).to(dtype);
+        auto mine = torch::stack({torch::full({count}, r, torch::kInt64), torch::arange(count)}, 1)
+                        .to(dtype);
         auto all = world.all_gather(mine);
         std::vector<torch::Tensor> parts;
-        for (int j = 0; j < n; ++j) parts.push_back(torch::stack({torch::full({count}, j, torch::kInt64), torch::arange(count)}, 1).to(dtype));
+        for (int j = 0; j < n; ++j)
+          parts.push_back(
+              torch::stack({torch::full({count}, j, torch::kInt64), torch::arange(count)}, 1)
+                  .to(dtype));
         ASSERT_TRUE(torch::equal(all, torch::cat(parts, 0))) << "count " << count;
 
         // Uneven: the shares of split_sizes, as a split tensor holds them.
@@ -131,7 +139,8 @@ TEST_P(Collectives, ReduceScatterEvenAndUneven) {
         for (int j = 0; j < r; ++j) offset += options.sizes[j];
         auto biggest = ramp(count * 2, dtype).view({count, 2}) * n;
         auto max_part = world.reduce_scatter(input, options);
-        ASSERT_TRUE(torch::equal(max_part, biggest.narrow(0, offset, options.sizes[r]))) << "count " << count;
+        ASSERT_TRUE(torch::equal(max_part, biggest.narrow(0, offset, options.sizes[r])))
+            << "count " << count;
       }
     }
   });
@@ -165,14 +174,16 @@ TEST_P(Collectives, AllToAllUneven) {
         if (rows > 0) from_others.push_back(torch::full({1, 2}, j, torch::kInt64));
       }
       const int64_t sent = r == 0 ? 0 : n - 1;
-      auto got = world.all_to_all(torch::full({sent, 2}, r, torch::kInt64).to(dtype), none_to_first);
+      auto got =
+          world.all_to_all(torch::full({sent, 2}, r, torch::kInt64).to(dtype), none_to_first);
       ASSERT_EQ(got.size(0), sent);
       if (sent > 0) ASSERT_TRUE(torch::equal(got, torch::cat(from_others).to(dtype)));
       // Default: even parts of equal inputs.
       auto input = torch::arange(4 * n, torch::kInt64).to(dtype) + 1000 * r;
       auto received = world.all_to_all(input);
       std::vector<torch::Tensor> incoming;
-      for (int j = 0; j < n; ++j) incoming.push_back(torch::arange(4 * r, 4 * r + 4).to(dtype) + 1000 * j);
+      for (int j = 0; j < n; ++j)
+        incoming.push_back(torch::arange(4 * r, 4 * r + 4).to(dtype) + 1000 * j);
       ASSERT_TRUE(torch::equal(received, torch::cat(incoming)));
     }
   });
@@ -213,7 +224,8 @@ TEST_P(Collectives, AsyncOperationsInFlightTogether) {
     for (int i = 0; i < 8; ++i) {
       works[i].wait(std::chrono::seconds(30));
       EXPECT_TRUE(works[i].is_completed());
-      EXPECT_TRUE(torch::allclose(tensors[i], torch::full({1000 + i}, float(n * (n - 1) / 2 + n * i))));
+      EXPECT_TRUE(
+          torch::allclose(tensors[i], torch::full({1000 + i}, float(n * (n - 1) / 2 + n * i))));
     }
   });
 }
@@ -224,7 +236,8 @@ TEST_P(Collectives, SubgroupsOfAnySubset) {
     const int n = world.size(), r = world.rank();
     // Evens and odds each form a group, given in descending order: the order sets the ranks.
     std::vector<int> mine;
-    for (int j = n - 1; j >= 0; --j) if (j % 2 == r % 2) mine.push_back(j);
+    for (int j = n - 1; j >= 0; --j)
+      if (j % 2 == r % 2) mine.push_back(j);
     auto group = world.subgroup(mine);
     EXPECT_EQ(group.size(), static_cast<int>(mine.size()));
     EXPECT_EQ(group.members(), mine);
@@ -245,9 +258,32 @@ TEST_P(Collectives, SubgroupsOfAnySubset) {
         world.subgroup({(r + 1) % n});
         ADD_FAILURE() << "expected UsageError";
       } catch (const shoal::UsageError& e) {
-        EXPECT_NE(std::string(e.what()).find("which is not among its members"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("which is not among its members"), std::string::npos)
+            << e.what();
       }
     }
+  });
+}
+
+// A member may drop a group, or end, as soon as it has it: creation must still succeed on the
+// members that were slower to connect (Note [Creating a group ends with a barrier]).
+TEST_P(Collectives, GroupsDroppedAtOnceConnectEverywhere) {
+  run_workers(GetParam(), [] {
+    auto& world = shoal::world();
+    const int n = world.size();
+    std::vector<int> everyone(n);
+    std::iota(everyone.begin(), everyone.end(), 0);
+    for (int i = 0; i < 40; ++i) {
+      // The last member comes late: the others, already waiting for its address, finish
+      // connecting first and drop their group while it is still connecting.
+      if (world.rank() == n - 1 && i % 2 == 0)
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      auto group = world.subgroup(everyone);
+      ASSERT_EQ(group.size(), n) << "group " << i;
+    }
+    auto t = torch::ones({3});
+    world.all_reduce(t);
+    EXPECT_TRUE(torch::equal(t, torch::full({3}, float(n))));
   });
 }
 
@@ -264,7 +300,8 @@ TEST(CollectiveArguments, BadSizesAndRootsAreUsageErrors) {
       world.reduce_scatter(t, bad);
       ADD_FAILURE() << "expected UsageError";
     } catch (const shoal::UsageError& e) {
-      EXPECT_STREQ(e.what(), "reduce_scatter: sizes [2, 2] add up to 4; expected dim 0 of the input, 5");
+      EXPECT_STREQ(e.what(),
+                   "reduce_scatter: sizes [2, 2] add up to 4; expected dim 0 of the input, 5");
     }
     try {
       world.broadcast(t, {5});

@@ -4,4 +4,5 @@
 add_executable(etcd_test etcd_test.cpp etcd_server.cpp ${PROJECT_SOURCE_DIR}/src/core/error.cpp)
 target_link_libraries(etcd_test PRIVATE shoal_etcd GTest::gtest_main Threads::Threads)
 target_compile_options(etcd_test PRIVATE ${SHOAL_WARNINGS})
-gtest_discover_tests(etcd_test DISCOVERY_TIMEOUT 60 PROPERTIES TIMEOUT 180)
+# Timing-sensitive (docs/testing.md): they take the resource lock `timing`.
+gtest_discover_tests(etcd_test DISCOVERY_TIMEOUT 60 PROPERTIES TIMEOUT 180 RESOURCE_LOCK timing)

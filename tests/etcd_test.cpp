@@ -194,8 +194,9 @@ TEST_F(EtcdRendezvousTest, TooFewWorkersTimeOut) {
     EXPECT_NE(std::string(e.what()).find("at least 2 workers (--min); 1 are here"), std::string::npos) << e.what();
   }
   const double ms = ms_since(start);
+  // Not before the timeout; the upper bound only catches a wait that ignores it.
   EXPECT_GE(ms, 1000);
-  EXPECT_LT(ms, 2500);
+  EXPECT_LT(ms, 4000);
   measured("CommError for --min after a timeout of 1 s", ms);
 }
 
@@ -217,7 +218,7 @@ TEST_F(EtcdRendezvousTest, UnreachableEtcdFailsTheConstructor) {
   }
   const double ms = ms_since(start);
   EXPECT_GE(ms, 1000);
-  EXPECT_LT(ms, 3000);
+  EXPECT_LT(ms, 4000);  // a failure bound: it keeps trying for the timeout, not for ever
   measured("CommError for an unreachable etcd (connect timeout 1 s)", ms);
 }
 
@@ -255,7 +256,8 @@ TEST_F(EtcdRendezvousTest, KilledMemberIsLeftOutAfterCheck) {
   const double ms = ms_since(start);
   EXPECT_EQ(second[0].view->size(), 2);
   for (const auto& p : second[0].view->members) EXPECT_NE(p.id, child_id);
-  EXPECT_LT(ms, 2000);
+  // A failure bound, below the lease TTL (5 s): without check() the key would go only then.
+  EXPECT_LT(ms, 4000);
   measured("check() of 2 stores", checked);
   measured("SIGKILL to lost() on both survivors", *lost + checked);
   measured("SIGKILL to round 2 closed without the killed member", ms);
@@ -330,7 +332,7 @@ TEST_F(EtcdRendezvousTest, LeaveIsSeenAtOnce) {
   ASSERT_TRUE(seen);
   EXPECT_NE(a->lost(*first[0].view).find("worker " + std::to_string(leaving) + " (pid"), std::string::npos)
       << a->lost(*first[0].view);
-  EXPECT_LT(*seen + left, 1000);
+  EXPECT_LT(*seen + left, 3000);  // a failure bound, below the lease TTL (5 s)
   measured("leave() (revoking the lease)", left);
   measured("leave() seen by lost() on both others", *seen + left);
 }
@@ -453,7 +455,7 @@ TEST_F(EtcdRendezvousTest, QuorumHoldsBackAMinority) {
   }
   const double ms = ms_since(start);
   EXPECT_GE(ms, 1500);
-  EXPECT_LT(ms, 3000);
+  EXPECT_LT(ms, 4500);  // a failure bound: the wait ends at its timeout
   measured("CommError for --quorum after a timeout of 1.5 s", ms);
 }
 

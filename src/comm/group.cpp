@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <numeric>
 #include <set>
+#include <thread>
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
@@ -34,7 +35,8 @@ void check_average(ReduceOp op, const at::Tensor& tensor, const char* name) {
 
 void check_rows(const at::Tensor& tensor, const char* name) {
   if (tensor.dim() == 0) {
-    throw UsageError(std::string(name) + " works along dim 0 and needs a tensor of at least one "
+    throw UsageError(std::string(name) +
+                     " works along dim 0 and needs a tensor of at least one "
                      "dimension, got a scalar");
   }
 }
@@ -59,12 +61,15 @@ void check_sizes(const Sizes& sizes, int group_size, int64_t total, const char* 
                      std::to_string(group_size) + ")");
   }
   for (auto s : sizes) {
-    if (s < 0) throw UsageError(std::string(name) + ": " + what + " [" + join(sizes) + "] has a negative size");
+    if (s < 0)
+      throw UsageError(std::string(name) + ": " + what + " [" + join(sizes) +
+                       "] has a negative size");
   }
   const auto sum = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
   if (total >= 0 && sum != total) {
     throw UsageError(std::string(name) + ": " + what + " [" + join(sizes) + "] add up to " +
-                     std::to_string(sum) + "; expected dim 0 of the input, " + std::to_string(total));
+                     std::to_string(sum) + "; expected dim 0 of the input, " +
+                     std::to_string(total));
   }
 }
 
@@ -127,7 +132,8 @@ std::string Group::State::lost_members() const {
     }
     if (how.empty()) continue;
     std::string& list = how == "exited with code 0" ? clean : failed;
-    list += (list.empty() ? "" : "; ") + ("worker " + std::to_string(members[i]) + ", which " + how);
+    list +=
+        (list.empty() ? "" : "; ") + ("worker " + std::to_string(members[i]) + ", which " + how);
   }
   return failed + (failed.empty() || clean.empty() ? "" : "; ") + clean;
 }
@@ -141,6 +147,56 @@ Group::State::~State() {
 // ----- construction -----
 
 namespace {
+
+// Note [Creating a group ends with a barrier]
+// Gloo's connectFullMesh returns on a worker once its own end of every pair is connected, and
+// that can be before the other end is: the end that connects is done at the TCP handshake, the
+// end that listens only once its device thread has accepted, and a worker connects its pairs one
+// after the other, so it may look at one pair long after the peer connected it. A member that
+// returns first and then drops the group, or ends (a member whose next groups are all of one
+// worker; a job that ends), closes sockets that a slower member has not yet looked at: that
+// member's connect fails with "Connection closed by peer" although everyone arrived, and the
+// members of its next group wait for it until their connect timeout ("Socket Timeout"). Under
+// load on two cores this happened to Collectives.SubgroupsOfAnySubset/n3, whose worker 1 ends
+// right after the world is connected. So, as torch.distributed does in init_process_group and
+// new_group (its store-based barrier), a worker leaves Group::create/subgroup only once every
+// member has connected its own ends: each writes `<prefix>/connected/<rank>`, adds one to
+// `<prefix>/connected`, and polls that counter until it reaches the group's size. Polling with
+// add(key, 0) rather than Store::wait: c10d 1.13's TCPStore cannot cancel a wait that timed out,
+// and its late answer would be read as the reply to the next request.
+constexpr Duration kLivenessPeriod{250};  // as in work.cpp: how often a wait asks who is gone
+
+void wait_for_members(Group::State& state, const Deadline& deadline) {
+  const std::string counter = state.prefix + "/connected";
+  put(state.store, counter + "/" + std::to_string(state.rank), "1");
+  Duration pause(1);
+  Deadline liveness(kLivenessPeriod);
+  for (int64_t arrived = state.store->add(counter, 1); arrived < state.size();
+       arrived = state.store->add(counter, 0)) {
+    if (liveness.expired()) {
+      liveness = Deadline(kLivenessPeriod);
+      std::string lost = state.lost_members();
+      // A member ends only after the counter is full; read it again before blaming one.
+      if (!lost.empty() && state.store->add(counter, 0) < state.size()) {
+        throw CommError("connecting " + state.describe() + " failed after " +
+                        format_duration(deadline.elapsed()) + ": lost " + lost);
+      }
+    }
+    if (deadline.expired()) {
+      std::vector<int> missing;
+      for (int i = 0; i < state.size(); ++i) {
+        if (!state.store->check({counter + "/" + std::to_string(i)})) {
+          missing.push_back(state.members[i]);
+        }
+      }
+      throw CommError("connecting " + state.describe() + " timed out after " +
+                      format_duration(deadline.elapsed()) + " waiting for workers [" +
+                      join(missing) + "] to connect");
+    }
+    std::this_thread::sleep_for(std::min(pause, deadline.remaining()));
+    pause = std::min(pause * 2, Duration(20));
+  }
+}
 
 std::shared_ptr<Group::State> connect(StorePtr store, std::string prefix, int rank,
                                       std::vector<int> members, const GroupOptions& options) {
@@ -161,11 +217,15 @@ std::shared_ptr<Group::State> connect(StorePtr store, std::string prefix, int ra
             ? c10d::ProcessGroupGloo::createDeviceForHostname(options.bind_address)
             : c10d::ProcessGroupGloo::createDeviceForInterface(options.interface));
     auto scoped = c10::make_intrusive<c10d::PrefixStore>(prefix, store);
-    state->backend = c10::make_intrusive<c10d::ProcessGroupGloo>(scoped, rank, state->size(),
-                                                                 backend_options);
+    state->backend =
+        c10::make_intrusive<c10d::ProcessGroupGloo>(scoped, rank, state->size(), backend_options);
+    wait_for_members(*state, deadline);  // See Note [Creating a group ends with a barrier]
+  } catch (const shoal::Error&) {
+    throw;
   } catch (const std::exception& e) {
     std::string what = e.what();
-    if (auto* c10_error = dynamic_cast<const c10::Error*>(&e)) what = c10_error->what_without_backtrace();
+    if (auto* c10_error = dynamic_cast<const c10::Error*>(&e))
+      what = c10_error->what_without_backtrace();
     what = what.substr(0, what.find('\n'));
     throw CommError("connecting " + state->describe() + " failed after " +
                     format_duration(deadline.elapsed()) + ": " + what);
@@ -180,7 +240,9 @@ Group Group::create(StorePtr store, int rank, int size, const GroupOptions& opti
     throw UsageError("Group::create: rank " + std::to_string(rank) + " of " + std::to_string(size) +
                      " workers; expected 0 <= rank < size");
   }
-  if (size > 1 && !store) throw UsageError("Group::create: a group of " + std::to_string(size) + " workers needs a store");
+  if (size > 1 && !store)
+    throw UsageError("Group::create: a group of " + std::to_string(size) +
+                     " workers needs a store");
   std::vector<int> members(size);
   std::iota(members.begin(), members.end(), 0);
   return Group(connect(std::move(store), options.store_prefix, rank, std::move(members), options));
@@ -222,28 +284,40 @@ Group Group::subgroup(std::vector<int> ranks) const {
 
 // ----- accessors -----
 
-int Group::rank() const { return state_ ? state_->rank : 0; }
-int Group::size() const { return state_ ? state_->size() : 0; }
+int Group::rank() const {
+  return state_ ? state_->rank : 0;
+}
+int Group::size() const {
+  return state_ ? state_->size() : 0;
+}
 const std::vector<int>& Group::members() const {
   SHOAL_CHECK(state_ != nullptr) << "members() on an empty Group";
   return state_->members;
 }
-Duration Group::timeout() const { return state_ ? state_->options.timeout : kDefaultGroupTimeout; }
+Duration Group::timeout() const {
+  return state_ ? state_->options.timeout : kDefaultGroupTimeout;
+}
 void Group::set_timeout(Duration timeout) {
   SHOAL_CHECK(state_ != nullptr) << "set_timeout() on an empty Group";
-  if (timeout.count() <= 0) throw UsageError("Group::set_timeout: expected a positive timeout, got " + format_duration(timeout));
+  if (timeout.count() <= 0)
+    throw UsageError("Group::set_timeout: expected a positive timeout, got " +
+                     format_duration(timeout));
   state_->options.timeout = timeout;
 }
-bool Group::is_broken() const { return state_ && state_->broken; }
+bool Group::is_broken() const {
+  return state_ && state_->broken;
+}
 
 // ----- operations -----
 
-Work Group::launch(const char* op, const std::function<void(Work::State&)>& start, Duration timeout) {
+Work Group::launch(const char* op, const std::function<void(Work::State&)>& start,
+                   Duration timeout) {
   if (!state_) throw UsageError(std::string(op) + " on an empty Group; call shoal::init() first");
   if (state_->broken) {
     std::lock_guard<std::mutex> lock(state_->mutex);
-    throw CommError(std::string(op) + " on " + state_->describe() +
-                    " cannot start: the group was broken by an earlier failure: " + state_->broken_reason);
+    throw CommError(
+        std::string(op) + " on " + state_->describe() +
+        " cannot start: the group was broken by an earlier failure: " + state_->broken_reason);
   }
   auto work = std::make_shared<Work::State>();
   work->op = op;
@@ -254,7 +328,8 @@ Work Group::launch(const char* op, const std::function<void(Work::State&)>& star
   } catch (const shoal::Error&) {
     throw;
   } catch (const c10::Error& e) {
-    throw UsageError(std::string(op) + " on " + state_->describe() + ": " + e.what_without_backtrace());
+    throw UsageError(std::string(op) + " on " + state_->describe() + ": " +
+                     e.what_without_backtrace());
   }
   return Work(work);
 }
@@ -265,18 +340,21 @@ Work Group::all_reduce_async(at::Tensor& tensor, const AllReduceOptions& options
   at::Tensor buffer = tensor.is_contiguous() ? tensor : tensor.contiguous();
   const int n = size();
   const ReduceOp op = options.op;
-  return launch("all_reduce", [&](Work::State& work) {
-    if (n > 1 && buffer.numel() > 0) {
-      std::vector<at::Tensor> tensors{buffer};
-      c10d::AllreduceOptions backend_options;
-      backend_options.reduceOp = to_backend(op);
-      work.backend_work = state_->backend->allreduce(tensors, backend_options);
-    }
-    work.finish = [target, buffer, op, n](Work::State&) mutable {
-      if (op == ReduceOp::kAvg && n > 1) buffer.div_(n);
-      if (!buffer.is_same(target)) target.copy_(buffer);
-    };
-  }, options.timeout);
+  return launch(
+      "all_reduce",
+      [&](Work::State& work) {
+        if (n > 1 && buffer.numel() > 0) {
+          std::vector<at::Tensor> tensors{buffer};
+          c10d::AllreduceOptions backend_options;
+          backend_options.reduceOp = to_backend(op);
+          work.backend_work = state_->backend->allreduce(tensors, backend_options);
+        }
+        work.finish = [target, buffer, op, n](Work::State&) mutable {
+          if (op == ReduceOp::kAvg && n > 1) buffer.div_(n);
+          if (!buffer.is_same(target)) target.copy_(buffer);
+        };
+      },
+      options.timeout);
 }
 
 void Group::all_reduce(at::Tensor& tensor, const AllReduceOptions& options) {
@@ -285,22 +363,25 @@ void Group::all_reduce(at::Tensor& tensor, const AllReduceOptions& options) {
 
 Work Group::broadcast_async(at::Tensor& tensor, const BroadcastOptions& options) {
   if (options.root < 0 || options.root >= size()) {
-    throw UsageError("broadcast: root " + std::to_string(options.root) + " is not a member of a group of " +
-                     std::to_string(size()));
+    throw UsageError("broadcast: root " + std::to_string(options.root) +
+                     " is not a member of a group of " + std::to_string(size()));
   }
   at::Tensor target = tensor;
   at::Tensor buffer = tensor.is_contiguous() ? tensor : tensor.contiguous();
-  return launch("broadcast", [&](Work::State& work) {
-    if (size() > 1 && buffer.numel() > 0) {
-      std::vector<at::Tensor> tensors{buffer};
-      c10d::BroadcastOptions backend_options;
-      backend_options.rootRank = options.root;
-      work.backend_work = state_->backend->broadcast(tensors, backend_options);
-    }
-    work.finish = [target, buffer](Work::State&) mutable {
-      if (!buffer.is_same(target)) target.copy_(buffer);
-    };
-  }, options.timeout);
+  return launch(
+      "broadcast",
+      [&](Work::State& work) {
+        if (size() > 1 && buffer.numel() > 0) {
+          std::vector<at::Tensor> tensors{buffer};
+          c10d::BroadcastOptions backend_options;
+          backend_options.rootRank = options.root;
+          work.backend_work = state_->backend->broadcast(tensors, backend_options);
+        }
+        work.finish = [target, buffer](Work::State&) mutable {
+          if (!buffer.is_same(target)) target.copy_(buffer);
+        };
+      },
+      options.timeout);
 }
 
 void Group::broadcast(at::Tensor& tensor, const BroadcastOptions& options) {
@@ -316,8 +397,8 @@ Work Group::all_gather_async(const at::Tensor& tensor, const AllGatherOptions& o
   } else {
     check_sizes(sizes, n, -1, "all_gather", "sizes");
     if (sizes[rank()] != tensor.size(0)) {
-      throw UsageError("all_gather: sizes[" + std::to_string(rank()) + "] = " +
-                       std::to_string(sizes[rank()]) + " but this worker's tensor has " +
+      throw UsageError("all_gather: sizes[" + std::to_string(rank()) +
+                       "] = " + std::to_string(sizes[rank()]) + " but this worker's tensor has " +
                        std::to_string(tensor.size(0)) + " rows");
     }
   }
@@ -329,25 +410,29 @@ Work Group::all_gather_async(const at::Tensor& tensor, const AllGatherOptions& o
     padded.narrow(0, 0, input.size(0)).copy_(input);
     input = padded;
   }
-  return launch("all_gather", [&](Work::State& work) {
-    std::vector<at::Tensor> parts;
-    if (n == 1) {
-      parts.push_back(input);
-    } else if (rows > 0 && input.numel() > 0) {
-      std::vector<std::vector<at::Tensor>> outputs(1);
-      for (int i = 0; i < n; ++i) outputs[0].push_back(at::empty_like(input));
-      std::vector<at::Tensor> inputs{input};
-      work.backend_work = state_->backend->allgather(outputs, inputs);
-      parts = outputs[0];
-    } else {
-      for (int i = 0; i < n; ++i) parts.push_back(input);  // nothing to send: all empty
-    }
-    work.finish = [parts, sizes](Work::State& done) {
-      std::vector<at::Tensor> pieces;
-      for (size_t i = 0; i < parts.size(); ++i) pieces.push_back(parts[i].narrow(0, 0, sizes[i]));
-      done.result = at::cat(pieces, 0);
-    };
-  }, options.timeout);
+  return launch(
+      "all_gather",
+      [&](Work::State& work) {
+        std::vector<at::Tensor> parts;
+        if (n == 1) {
+          parts.push_back(input);
+        } else if (rows > 0 && input.numel() > 0) {
+          std::vector<std::vector<at::Tensor>> outputs(1);
+          for (int i = 0; i < n; ++i) outputs[0].push_back(at::empty_like(input));
+          std::vector<at::Tensor> inputs{input};
+          work.backend_work = state_->backend->allgather(outputs, inputs);
+          parts = outputs[0];
+        } else {
+          for (int i = 0; i < n; ++i) parts.push_back(input);  // nothing to send: all empty
+        }
+        work.finish = [parts, sizes](Work::State& done) {
+          std::vector<at::Tensor> pieces;
+          for (size_t i = 0; i < parts.size(); ++i)
+            pieces.push_back(parts[i].narrow(0, 0, sizes[i]));
+          done.result = at::cat(pieces, 0);
+        };
+      },
+      options.timeout);
 }
 
 at::Tensor Group::all_gather(const at::Tensor& tensor, const AllGatherOptions& options) {
@@ -359,7 +444,8 @@ at::Tensor Group::all_gather(const at::Tensor& tensor, const AllGatherOptions& o
 Work Group::all_to_all_async(const at::Tensor& input_tensor, const AllToAllOptions& options) {
   check_rows(input_tensor, "all_to_all");
   const int n = size();
-  Sizes send = options.send_sizes.empty() ? split_sizes(input_tensor.size(0), n) : options.send_sizes;
+  Sizes send =
+      options.send_sizes.empty() ? split_sizes(input_tensor.size(0), n) : options.send_sizes;
   check_sizes(send, n, input_tensor.size(0), "all_to_all", "send_sizes");
   Sizes recv = options.recv_sizes;
   if (recv.empty()) {
@@ -370,16 +456,19 @@ Work Group::all_to_all_async(const at::Tensor& input_tensor, const AllToAllOptio
   at::Tensor input = input_tensor.contiguous();
   const int64_t total = std::accumulate(recv.begin(), recv.end(), int64_t{0});
   at::Tensor output = at::empty(shape_with_rows(input, total), input.options());
-  return launch("all_to_all", [&](Work::State& work) {
-    // Every member takes part even when it sends and receives nothing: Gloo numbers its
-    // collectives, and one member skipping would pair the others' next call with this one.
-    if (n == 1) {
-      output.copy_(input);
-    } else {
-      work.backend_work = state_->backend->alltoall_base(output, input, recv, send);
-    }
-    work.finish = [output](Work::State& done) { done.result = output; };
-  }, options.timeout);
+  return launch(
+      "all_to_all",
+      [&](Work::State& work) {
+        // Every member takes part even when it sends and receives nothing: Gloo numbers its
+        // collectives, and one member skipping would pair the others' next call with this one.
+        if (n == 1) {
+          output.copy_(input);
+        } else {
+          work.backend_work = state_->backend->alltoall_base(output, input, recv, send);
+        }
+        work.finish = [output](Work::State& done) { done.result = output; };
+      },
+      options.timeout);
 }
 
 at::Tensor Group::all_to_all(const at::Tensor& input, const AllToAllOptions& options) {
@@ -434,12 +523,15 @@ void check_peer(const Group& group, int peer, const char* op, const char* role) 
 Work Group::send_async(const at::Tensor& tensor, int dst, const PointToPointOptions& options) {
   check_peer(*this, dst, "send", "destination");
   at::Tensor buffer = tensor.contiguous();
-  return launch("send", [&](Work::State& work) {
-    std::vector<at::Tensor> tensors{buffer};
-    work.point_to_point = true;
-    work.backend_work = state_->backend->send(tensors, dst, options.tag);
-    work.finish = [buffer](Work::State&) {};  // keeps the buffer alive until sent
-  }, options.timeout);
+  return launch(
+      "send",
+      [&](Work::State& work) {
+        std::vector<at::Tensor> tensors{buffer};
+        work.point_to_point = true;
+        work.backend_work = state_->backend->send(tensors, dst, options.tag);
+        work.finish = [buffer](Work::State&) {};  // keeps the buffer alive until sent
+      },
+      options.timeout);
 }
 
 void Group::send(const at::Tensor& tensor, int dst, const PointToPointOptions& options) {
@@ -450,14 +542,17 @@ Work Group::recv_async(at::Tensor& tensor, int src, const PointToPointOptions& o
   check_peer(*this, src, "recv", "source");
   at::Tensor target = tensor;
   at::Tensor buffer = tensor.is_contiguous() ? tensor : tensor.contiguous();
-  return launch("recv", [&](Work::State& work) {
-    std::vector<at::Tensor> tensors{buffer};
-    work.point_to_point = true;
-    work.backend_work = state_->backend->recv(tensors, src, options.tag);
-    work.finish = [target, buffer](Work::State&) mutable {
-      if (!buffer.is_same(target)) target.copy_(buffer);
-    };
-  }, options.timeout);
+  return launch(
+      "recv",
+      [&](Work::State& work) {
+        std::vector<at::Tensor> tensors{buffer};
+        work.point_to_point = true;
+        work.backend_work = state_->backend->recv(tensors, src, options.tag);
+        work.finish = [target, buffer](Work::State&) mutable {
+          if (!buffer.is_same(target)) target.copy_(buffer);
+        };
+      },
+      options.timeout);
 }
 
 void Group::recv(at::Tensor& tensor, int src, const PointToPointOptions& options) {
@@ -465,11 +560,16 @@ void Group::recv(at::Tensor& tensor, int src, const PointToPointOptions& options
 }
 
 Work Group::barrier_async(const BarrierOptions& options) {
-  return launch("barrier", [&](Work::State& work) {
-    if (size() > 1) work.backend_work = state_->backend->barrier();
-  }, options.timeout);
+  return launch(
+      "barrier",
+      [&](Work::State& work) {
+        if (size() > 1) work.backend_work = state_->backend->barrier();
+      },
+      options.timeout);
 }
 
-void Group::barrier(const BarrierOptions& options) { barrier_async(options).wait(); }
+void Group::barrier(const BarrierOptions& options) {
+  barrier_async(options).wait();
+}
 
 }  // namespace shoal::comm
