@@ -50,6 +50,7 @@ struct BenchOptions {
   int gloo_threads = 0;  // 0: shoal's default group (2 threads)
   double bucket_mb = 25;
   bool bucket_view = true;  // DataParallelOptions::gradient_as_bucket_view
+  bool weigh = true;        // DataParallelOptions::weigh_by_batch_share
   bool fp16 = false;        // average through shoal::dp::fp16_compress_hook()
   bool bf16 = false;        // average through shoal::dp::bf16_compress_hook()
 };
@@ -67,6 +68,7 @@ BenchOptions parse(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
     if (flag == "--no-bucket-view") { o.bucket_view = false; continue; }
+    if (flag == "--no-weigh") { o.weigh = false; continue; }
     if (flag == "--fp16") { o.fp16 = true; continue; }
     if (flag == "--bf16") { o.bf16 = true; continue; }
     if (i + 1 >= argc) usage(flag + " needs a value");
@@ -86,7 +88,9 @@ BenchOptions parse(int argc, char** argv) {
   if (o.impl != "shoal" && o.impl != "hand" && o.impl != "local") usage("--impl must be shoal, hand or local");
   if (o.model != "mlp" && o.model != "cnn") usage("--model must be mlp or cnn");
   if (o.batch < 1 || o.steps < 1 || o.bucket_mb <= 0) usage("expected --batch >= 1, --steps >= 1, --bucket-mb > 0");
-  if ((o.fp16 || o.bf16 || !o.bucket_view) && o.impl != "shoal") usage("--fp16, --bf16 and --no-bucket-view need --impl shoal");
+  if ((o.fp16 || o.bf16 || !o.bucket_view || !o.weigh) && o.impl != "shoal") {
+    usage("--fp16, --bf16, --no-bucket-view and --no-weigh need --impl shoal");
+  }
   if (o.fp16 && o.bf16) usage("--fp16 and --bf16 exclude each other");
   return o;
 }
@@ -158,6 +162,7 @@ int run(const BenchOptions& o, Model model, const std::vector<int64_t>& input_sh
     options.group = group;
     options.bucket_bytes = static_cast<int64_t>(o.bucket_mb * 1024 * 1024);
     options.gradient_as_bucket_view = o.bucket_view;
+    options.weigh_by_batch_share = o.weigh;
     if (o.fp16) options.comm_hook = shoal::dp::fp16_compress_hook();
     if (o.bf16) options.comm_hook = shoal::dp::bf16_compress_hook();
     shoal_dp = std::make_unique<shoal::DataParallel<typename Model::ContainedType>>(model.ptr(), options);

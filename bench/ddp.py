@@ -131,10 +131,12 @@ def train(args):
             f"ddp_overlap_ms={ns('backward_compute_comm_overlap_time'):.3f} weight_abs_sum={weight_sum:.6f}",
             flush=True,
         )
-    # No barrier here: the all_reduce above already synchronized the workers, and a last
-    # collective at exit left a worker on the shaped link waiting for a peer that had gone
-    # (2026-11-24, under load), until the run's timeout.
-    dist.destroy_process_group()
+    # No barrier and no teardown: the all_reduce above was both workers' last collective and the
+    # result is printed. A last collective at exit left a worker on the shaped link waiting for a
+    # peer that had gone, and destroy_process_group() left one spinning after its result line
+    # until the run's timeout (2026-11-24); neither is part of what is measured.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 # PyTorch's float32 configurations and its fp16 hook's; "best" is the one with the highest

@@ -54,6 +54,7 @@ variant_flags() {
     shoal-fp16) echo "--fp16" ;;                  # dp::fp16_compress_hook()
     shoal-bf16) echo "--bf16" ;;                  # dp::bf16_compress_hook()
     shoal-copy) echo "--no-bucket-view" ;;        # gradient_as_bucket_view = false
+    shoal-unweighted) echo "--no-weigh" ;;        # weigh_by_batch_share = false: no share hooks
     shoal-t1) echo "--gloo-threads 1" ;;
     shoal-t4) echo "--gloo-threads 4" ;;
     *) echo "ddp.sh: unknown contender $1" >&2; return 2 ;;

@@ -438,7 +438,8 @@ TEST(DataParallel, MismatchedModelsRaiseOnEveryWorker) {
                    "worker 0 but [3, 5] (Float) on worker 2; expected the same parameters and buffers, in the same "
                    "order, everywhere");
     }
-    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 10.0);
+    // A failure bound: far below the 60 s a worker waiting on the others would take.
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 30.0);
   });
 }
 

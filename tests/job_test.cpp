@@ -399,7 +399,7 @@ TEST(Init, UnreachableMasterIsAUsageErrorInBoundedTime) {
     // It kept trying for the whole connect timeout, and not much longer.
     const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     EXPECT_GE(waited, 1.8);
-    EXPECT_LT(waited, 5.0);
+    EXPECT_LT(waited, 15.0);  // a failure bound, far below the 60 s default
     EXPECT_FALSE(shoal::is_initialized());
     EXPECT_THROW(shoal::world_size(), shoal::UsageError);
   }, under(Launcher::kNone, false));

@@ -265,7 +265,7 @@ TEST_F(LaunchTest, FailingWorkerStopsTheOthers) {
   RunResult run = run_shoal({"-n", "3", worker});
   ASSERT_FALSE(run.timed_out);
   EXPECT_EQ(run.exit_code, 3);
-  EXPECT_LT(run.seconds, 8.0);
+  EXPECT_LT(run.seconds, 30.0);  // a failure bound: the others sleep 1000 s
   EXPECT_EQ(run.err, "shoal run: worker 2 exited with code 3; stopping the other workers\n");
   expect_all_dead(path("pids"), 2);
 }
@@ -278,7 +278,7 @@ TEST_F(LaunchTest, KilledWorkerIsReportedBySignal) {
   RunResult run = run_shoal({"-n", "2", worker});
   ASSERT_FALSE(run.timed_out);
   EXPECT_EQ(run.exit_code, 128 + SIGKILL);
-  EXPECT_LT(run.seconds, 8.0);
+  EXPECT_LT(run.seconds, 30.0);
   EXPECT_EQ(run.err, "shoal run: worker 1 was killed by signal 9 (SIGKILL); stopping the other workers\n");
   expect_all_dead(path("pids"), 1);
 }

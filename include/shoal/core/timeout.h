@@ -1,4 +1,4 @@
-// Durations and deadlines. Every wait in shoal has one (see ../shared/DESIGN.md section 3.3).
+// Durations and deadlines. Every wait in shoal has one (docs/comm.md, "Deadlines and lost peers").
 #pragma once
 
 #include <chrono>

@@ -4,7 +4,7 @@
 // job walks through it one global batch at a time, and each worker takes a contiguous slice of
 // every global batch. Progress is one number shared by the whole job, the cursor: how many
 // positions of the permutation completed global batches have consumed. That is what makes a
-// restore or a change of the world exact (see docs/data.md and DESIGN.md section 3.2).
+// restore or a change of the world exact (see docs/data.md).
 //
 // Contract: every worker builds its sampler with the same dataset size and options, and calls
 // set_epoch / advance / reshard in the same order; then the workers' batches are disjoint and
