@@ -598,6 +598,8 @@ struct WithGlobalLayer : torch::nn::Module {
 };
 
 TEST(ElasticState, RefusesGlobalParameters) {
+  // Global tensors need the job (a job of one here, nothing having started this process).
+  if (!shoal::is_initialized()) shoal::init();
   WithGlobalLayer net;
   torch::optim::SGD optimizer(net.parameters(), 0.1);
   shoal::data::SamplerOptions options;
