@@ -17,34 +17,9 @@ namespace {
 
 using shoal::testing::Command;
 using shoal::testing::CommandResult;
+using shoal::testing::launched_results;
 
 const std::string kWorker = std::string(SHOAL_TEST_PROGRAMS_DIR) + "/launched_worker";
-
-struct Result {
-  int world, local, local_size;
-  std::string job, master;
-  double sum;
-};
-
-std::map<int, Result> results(const std::string& out) {
-  static const std::regex line(
-      R"(result rank=(\d+) world=(\d+) local=(\d+)/(\d+) job=(.*) master=(\S+) sum=(\S+))");
-  std::map<int, Result> found;
-  std::istringstream lines(out);
-  for (std::string text; std::getline(lines, text);) {
-    std::smatch m;
-    if (std::regex_search(text, m, line)) {
-      found[std::stoi(m[1])] = {std::stoi(m[2]), std::stoi(m[3]), std::stoi(m[4]), m[5], m[6],
-                                std::stod(m[7])};
-    }
-  }
-  return found;
-}
-
-std::string describe(const CommandResult& r) {
-  return "exit " + std::to_string(r.exit_code) + (r.timed_out ? " (timed out)" : "") +
-         "\nstdout:\n" + r.out + "stderr:\n" + r.err;
-}
 
 std::vector<std::string> mpirun(int n, std::vector<std::string> extra = {}) {
   // As root Open MPI wants to be told; --oversubscribe: more ranks than this machine's cores.
@@ -64,7 +39,7 @@ TEST(OpenMpi, MpirunAloneIsEnough) {
   Command run(mpirun(3));
   const CommandResult result = run.wait(std::chrono::seconds(120));
   ASSERT_EQ(result.exit_code, 0) << describe(result);
-  auto by_rank = results(result.out);
+  auto by_rank = launched_results(result.out);
   ASSERT_EQ(by_rank.size(), 3u) << describe(result);
   const std::regex job_id(R"(Open MPI job \d+)");
   for (const auto& [rank, r] : by_rank) {
@@ -85,7 +60,7 @@ TEST(OpenMpi, AnAddressGivenWins) {
   Command run(mpirun(2, {"-x", "SHOAL_MASTER=127.0.0.1:" + port}));
   const CommandResult result = run.wait(std::chrono::seconds(120));
   ASSERT_EQ(result.exit_code, 0) << describe(result);
-  auto by_rank = results(result.out);
+  auto by_rank = launched_results(result.out);
   ASSERT_EQ(by_rank.size(), 2u) << describe(result);
   for (const auto& [rank, r] : by_rank) {
     EXPECT_EQ(r.sum, 3);

@@ -12,6 +12,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <regex>
 #include <sstream>
 #include <stdexcept>
 #include <thread>
@@ -340,6 +341,26 @@ std::string SlurmCluster::logs() const {
     text += "--- " + item.path().filename().string() + "\n" + read_file(item.path().string());
   }
   return text;
+}
+
+std::string describe(const CommandResult& r) {
+  return "exit " + std::to_string(r.exit_code) + (r.timed_out ? " (timed out)" : "") +
+         "\nstdout:\n" + r.out + "stderr:\n" + r.err;
+}
+
+std::map<int, LaunchedResult> launched_results(const std::string& out) {
+  static const std::regex line(
+      R"(result rank=(\d+) world=(\d+) local=(\d+)/(\d+) job=(.*) master=(\S+) sum=(\S+))");
+  std::map<int, LaunchedResult> found;
+  std::istringstream lines(out);
+  for (std::string text; std::getline(lines, text);) {
+    std::smatch m;
+    if (!std::regex_search(text, m, line)) continue;
+    found[std::stoi(m[1])] = {
+        std::stoi(m[1]), std::stoi(m[2]), std::stoi(m[3]), std::stoi(m[4]), m[5], m[6],
+        std::stod(m[7])};
+  }
+  return found;
 }
 
 }  // namespace shoal::testing

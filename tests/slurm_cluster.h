@@ -20,6 +20,19 @@ struct CommandResult {
   double seconds = 0;
 };
 
+// Exit, both streams: for failure messages.
+std::string describe(const CommandResult& result);
+
+// What tests/programs/launched_worker prints on a "result ..." line.
+struct LaunchedResult {
+  int rank, world, local, local_size;
+  std::string job, master;
+  double sum;
+};
+
+// The workers' "result ..." lines in `out`, by rank.
+std::map<int, LaunchedResult> launched_results(const std::string& out);
+
 // One command in its own process group, its stdout and stderr captured to files. The destructor
 // SIGKILLs the group if it was not waited for.
 class Command {

@@ -20,38 +20,12 @@ namespace {
 
 using shoal::testing::Command;
 using shoal::testing::CommandResult;
+using shoal::testing::launched_results;
 using shoal::testing::SlurmCluster;
 using shoal::testing::SlurmNode;
 
 const std::string kWorker = std::string(SHOAL_TEST_PROGRAMS_DIR) + "/launched_worker";
 constexpr std::chrono::seconds kRunLimit{120};  // a failure bound for one srun
-
-struct Result {
-  int rank, world, local, local_size;
-  std::string job, master;
-  double sum;
-};
-
-// The workers' "result ..." lines, by rank.
-std::map<int, Result> results(const std::string& out) {
-  static const std::regex line(
-      R"(result rank=(\d+) world=(\d+) local=(\d+)/(\d+) job=(.*) master=(\S+) sum=(\S+))");
-  std::map<int, Result> found;
-  std::istringstream lines(out);
-  for (std::string text; std::getline(lines, text);) {
-    std::smatch m;
-    if (!std::regex_search(text, m, line)) continue;
-    found[std::stoi(m[1])] = {
-        std::stoi(m[1]), std::stoi(m[2]), std::stoi(m[3]), std::stoi(m[4]), m[5], m[6],
-        std::stod(m[7])};
-  }
-  return found;
-}
-
-std::string describe(const CommandResult& r) {
-  return "exit " + std::to_string(r.exit_code) + (r.timed_out ? " (timed out)" : "") +
-         "\nstdout:\n" + r.out + "stderr:\n" + r.err;
-}
 
 #define SKIP_WITHOUT_SLURM() \
   if (auto why = SlurmCluster::unavailable(); !why.empty()) GTEST_SKIP() << why
@@ -76,7 +50,7 @@ TEST(Slurm, UnevenLayoutReadsEachNodesEntry) {
   Command srun({"srun", "-N2", "-n3", kWorker}, job_env(cluster));
   const CommandResult run = srun.wait(kRunLimit);
   ASSERT_EQ(run.exit_code, 0) << describe(run);
-  auto by_rank = results(run.out);
+  auto by_rank = launched_results(run.out);
   ASSERT_EQ(by_rank.size(), 3u) << describe(run);
   std::set<std::pair<int, int>> places;
   for (const auto& [rank, r] : by_rank) {
@@ -102,7 +76,7 @@ TEST(Slurm, TwoJobsOnOneNodeNeverMix) {
   const CommandResult b = second.wait(kRunLimit);
   ASSERT_EQ(a.exit_code, 0) << describe(a);
   ASSERT_EQ(b.exit_code, 0) << describe(b);
-  auto in_a = results(a.out), in_b = results(b.out);
+  auto in_a = launched_results(a.out), in_b = launched_results(b.out);
   ASSERT_EQ(in_a.size(), 2u) << describe(a);
   ASSERT_EQ(in_b.size(), 2u) << describe(b);
   // Each job is a world of its own two workers, with its own id and its own store.
@@ -141,7 +115,7 @@ TEST(Slurm, AJobNeverJoinsAnotherJobsStore) {
   const CommandResult won = winner.wait(kRunLimit);
 
   ASSERT_EQ(won.exit_code, 0) << describe(won);
-  auto in_won = results(won.out);
+  auto in_won = launched_results(won.out);
   ASSERT_EQ(in_won.size(), 2u) << describe(won);
   for (const auto& [rank, r] : in_won) {
     EXPECT_EQ(r.world, 2);
@@ -149,7 +123,7 @@ TEST(Slurm, AJobNeverJoinsAnotherJobsStore) {
   }
   const std::string winner_id = in_won.at(0).job;
   EXPECT_NE(lost.exit_code, 0) << describe(lost);
-  EXPECT_TRUE(results(lost.out).empty()) << describe(lost);
+  EXPECT_TRUE(launched_results(lost.out).empty()) << describe(lost);
   // Its rank 0 could not host the store; its rank 1 found the other job's and said whose.
   EXPECT_NE(lost.err.find(
                 "launched_worker: cannot host the job's store on MASTER_ADDR:MASTER_PORT (port " +
@@ -188,7 +162,7 @@ TEST(Slurm, SbatchRunsTheWorkersWithSrun) {
                "with srun PROGRAM\nbatch exit 1\n"),
       std::string::npos)
       << out;
-  auto by_rank = results(out);
+  auto by_rank = launched_results(out);
   ASSERT_EQ(by_rank.size(), 4u) << out;
   for (const auto& [rank, r] : by_rank) {
     EXPECT_EQ(r.world, 4);

@@ -66,27 +66,19 @@ bool copy_as(const torch::optim::OptimizerParamState& from,
 bool copy_param_state(const torch::optim::OptimizerParamState& from,
                       std::unique_ptr<torch::optim::OptimizerParamState>& to) {
   using namespace torch::optim;
+  // Adam's and AdamW's states have the same fields.
+  const auto adam = [](const auto& s, auto& d) {
+    d.step(s.step());
+    d.exp_avg(copy_into(s.exp_avg(), d.exp_avg()));
+    d.exp_avg_sq(copy_into(s.exp_avg_sq(), d.exp_avg_sq()));
+    d.max_exp_avg_sq(copy_into(s.max_exp_avg_sq(), d.max_exp_avg_sq()));
+  };
   return copy_as<SGDParamState>(
              from, to,
              [](const auto& s, auto& d) {
                d.momentum_buffer(copy_into(s.momentum_buffer(), d.momentum_buffer()));
              }) ||
-         copy_as<AdamParamState>(
-             from, to,
-             [](const auto& s, auto& d) {
-               d.step(s.step());
-               d.exp_avg(copy_into(s.exp_avg(), d.exp_avg()));
-               d.exp_avg_sq(copy_into(s.exp_avg_sq(), d.exp_avg_sq()));
-               d.max_exp_avg_sq(copy_into(s.max_exp_avg_sq(), d.max_exp_avg_sq()));
-             }) ||
-         copy_as<AdamWParamState>(
-             from, to,
-             [](const auto& s, auto& d) {
-               d.step(s.step());
-               d.exp_avg(copy_into(s.exp_avg(), d.exp_avg()));
-               d.exp_avg_sq(copy_into(s.exp_avg_sq(), d.exp_avg_sq()));
-               d.max_exp_avg_sq(copy_into(s.max_exp_avg_sq(), d.max_exp_avg_sq()));
-             }) ||
+         copy_as<AdamParamState>(from, to, adam) || copy_as<AdamWParamState>(from, to, adam) ||
          copy_as<AdagradParamState>(from, to,
                                     [](const auto& s, auto& d) {
                                       d.step(s.step());
