@@ -126,8 +126,8 @@ class Rendezvous {
   // worker committed `version`, where later
   // newcomers see it even after this worker is gone; recorded_commit() is the newest such
   // version of any worker of the job, alive or not (0: none). Gossip keeps it in the worker's
-  // metadata, which the membership keeps for dead members too; etcd keeps no such record yet
-  // (recorded_commit() is -1: unknown).
+  // metadata, which the membership keeps for dead members too; etcd in a key per worker with no
+  // lease, which the job's last launcher deletes only when the job's training finished.
   virtual void record_commit(int64_t version) = 0;
   virtual int64_t recorded_commit() = 0;
 };

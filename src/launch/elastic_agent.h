@@ -23,11 +23,16 @@ class ElasticAgent {
   std::string token_file;  // what workers read the token from
   bool owns_token_file = false;
   ElasticPlace place;
+  // A worker of this launcher finished the training. Only then may it delete the job's keys in
+  // etcd: a job whose workers all died keeps its recorded commits (Note [The job's recorded
+  // commits]), so that a newcomer, or a launcher that joins it later, does not start it
+  // from step 0.
+  bool finished = false;
 
   ~ElasticAgent() {
     if (membership) membership->leave();
-    // The last launcher to end removes the job's keys.
-    if (etcd) elastic::etcd::forget_job_if_done(*etcd, etcd_prefix);
+    // The last launcher to end a finished job removes the job's keys.
+    if (etcd && finished) elastic::etcd::forget_job_if_done(*etcd, etcd_prefix);
     if (owns_token_file) ::unlink(token_file.c_str());
   }
 };

@@ -115,6 +115,7 @@ int Launcher::run_elastic() {
   start_elastic_workers();
   supervise();
   kill_leftovers();
+  agent_->finished = any_success_;
   agent_.reset();
   // The job's last lines say how each worker ended: one that crashed and was not restarted
   // does not change the exit code of a job whose training finished.

@@ -55,7 +55,7 @@ int64_t number(const Json& object, const char* name) {
 
 KeyValue key_value(const Json& kv) { return {unbase64(kv.value("key", "")), unbase64(kv.value("value", ""))}; }
 
-Json put(const std::string& key, const std::string& value, int64_t lease) {
+Json put_request(const std::string& key, const std::string& value, int64_t lease) {
   Json request{{"key", base64(key)}, {"value", base64(value)}};
   if (lease != 0) request["lease"] = std::to_string(lease);
   return {{"request_put", request}};
@@ -133,9 +133,13 @@ void Client::erase_range(const std::string& from, const std::string& to) const {
   call("/v3/kv/deleterange", Json{{"key", base64(from)}, {"range_end", base64(to)}}.dump());
 }
 
+void Client::put(const std::string& key, const std::string& value, int64_t lease) const {
+  call("/v3/kv/put", put_request(key, value, lease)["request_put"].dump());
+}
+
 std::optional<int64_t> Client::create(const std::string& key, const std::string& value, int64_t lease) const {
   Json txn{{"compare", {{{"key", base64(key)}, {"result", "EQUAL"}, {"target", "CREATE"}, {"create_revision", "0"}}}},
-           {"success", {put(key, value, lease)}}};
+           {"success", {put_request(key, value, lease)}}};
   const Json j = call("/v3/kv/txn", txn.dump());
   if (j.value("succeeded", false)) return number(j.value("header", Json::object()), "revision");
   return std::nullopt;
@@ -147,7 +151,7 @@ bool Client::update(const std::string& key, const std::string& value, int64_t le
               {"result", "EQUAL"},
               {"target", "CREATE"},
               {"create_revision", std::to_string(create_revision)}}}},
-           {"success", {put(key, value, lease)}}};
+           {"success", {put_request(key, value, lease)}}};
   return call("/v3/kv/txn", txn.dump()).value("succeeded", false);
 }
 

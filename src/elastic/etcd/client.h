@@ -46,6 +46,8 @@ class Client {
   // Deletes the keys in [from, to).
   void erase_range(const std::string& from, const std::string& to) const;
 
+  // Sets `key` = `value` (under `lease`, 0 for none), whether it exists or not.
+  void put(const std::string& key, const std::string& value, int64_t lease) const;
   // Creates `key` = `value` (under `lease`, 0 for none) unless it exists. Returns the revision
   // of the creation (the key's create_revision), or nullopt when the key existed.
   std::optional<int64_t> create(const std::string& key, const std::string& value, int64_t lease) const;

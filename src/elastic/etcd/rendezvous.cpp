@@ -25,6 +25,9 @@ namespace shoal::elastic::etcd {
 //                 Under its lease: it goes when the worker leaves, dies or stops for a TTL.
 //   rounds/<r>    a closed round: its members in rank order (id, host, pid, store). No lease: a
 //                 closed round stays closed. The proposer of round r deletes those before r-1.
+//   commits/<id>  the newest commit this worker recorded (Note [The job's recorded commits] in
+//                 ../rendezvous.h). No lease: it outlives the worker, so that a newcomer finds
+//                 the job's history when every worker holding it is gone.
 // A round r closes in one step, where gossip needs two (propose, then agree):
 //  1. Waiting workers read the candidates, the workers waiting for r, from their copy of the
 //     keys. Once no worker is behind (training an older round, or waiting for one) and it is
@@ -403,6 +406,32 @@ void EtcdRendezvous::erase_gone() {
       return;
     }
   }
+}
+
+void EtcdRendezvous::record_commit(int64_t version) {
+  if (version <= recorded_) return;
+  const auto session = this->session();
+  try {
+    session->client().put(options_.prefix + "commits/" + id(), std::to_string(version), 0);
+    recorded_ = version;
+  } catch (const CommError&) {
+    // etcd is away: the next record (a round or 100 commits later) tries again
+  }
+}
+
+int64_t EtcdRendezvous::recorded_commit() {
+  // Read from etcd, not from the session's copy: a newcomer asks right after its first round
+  // closed, and the record may be older than anything its watch has delivered.
+  int64_t newest = recorded_;
+  for (const auto& kv : session()->client().range_prefix(options_.prefix + "commits/").kvs) {
+    try {
+      newest = std::max<int64_t>(newest, std::stoll(kv.value));
+    } catch (const std::exception&) {
+      throw UsageError("etcd at " + options_.endpoint + ": " + kv.key + " is \"" + kv.value +
+                       "\", expected a shoal job's recorded commit (a step number)");
+    }
+  }
+  return newest;
 }
 
 void EtcdRendezvous::leave() {

@@ -44,9 +44,10 @@ class EtcdRendezvous : public Rendezvous {
   bool take_rejoined() override;
   void check(const View& current) override;
   void leave() override;
-  // No record yet (Note [The job's recorded commits]).
-  void record_commit(int64_t) override {}
-  int64_t recorded_commit() override { return -1; }
+  // Under commits/<id>, with no lease (Note [The job's recorded commits]). CommError from
+  // recorded_commit() when etcd does not answer; record_commit() tries again next time.
+  void record_commit(int64_t version) override;
+  int64_t recorded_commit() override;
 
   // This worker's id (it changes when the worker joins again).
   std::string id() const;
@@ -93,6 +94,7 @@ class EtcdRendezvous : public Rendezvous {
   std::vector<std::string> prev_view_;
   bool rejoined_ = false;
   bool left_ = false;
+  int64_t recorded_ = 0;  // the newest commit record_commit() wrote (the training thread's)
   std::vector<std::string> gone_;  // ids of members whose stores refused, still to delete in etcd
 };
 
