@@ -177,7 +177,7 @@ TEST(PipelineSchedule, ZeroBubbleH1LeavesAThirdOf1F1BsIdleTime) {
         EXPECT_NEAR(zb_idle / ref_idle, 1.0 / 3, 1e-12);
       } else {
         // Fewer micro-batches than workers leave fewer Ws to fill the drain with (measured:
-        // from 0.38 at m = p - 1 to 2/3 at m = 1).
+        // between 0.38 and 2/3 of 1F1B's idle time, 2/3 at m = 1).
         EXPECT_LE(zb_idle / ref_idle, 2.0 / 3 + 1e-12);
       }
     }
