@@ -199,15 +199,33 @@ TEST(PipelineSchedule, PeakInFlightIsWhatEachScheduleStashes) {
         EXPECT_EQ(zb[static_cast<size_t>(w)], std::min(p, m)) << "worker " << w;
       }
       for (int v = 2; v <= 4; ++v) {
-        // Counted per stage: Megatron's warm-up, 2 (p - w - 1) + (v - 1) p, plus one.
+        // Counted per stage: Megatron's warm-up, 2 (p - w - 1) + (v - 1) p, plus one; with a
+        // short last group (p does not divide m), at most that.
         const auto il = pp::simulate(pp::interleaved_one_f_one_b(p, v, m)).peak_in_flight;
         for (int w = 0; w < p; ++w) {
-          EXPECT_LE(il[static_cast<size_t>(w)], std::min(v * m, 2 * (p - w - 1) + (v - 1) * p + 1))
-              << "v = " << v << " worker " << w;
+          const int megatron = std::min(v * m, 2 * (p - w - 1) + (v - 1) * p + 1);
+          if (m % p == 0) {
+            EXPECT_EQ(il[static_cast<size_t>(w)], megatron) << "v = " << v << " worker " << w;
+          } else {
+            EXPECT_LE(il[static_cast<size_t>(w)], megatron) << "v = " << v << " worker " << w;
+          }
         }
       }
     }
   }
+}
+
+TEST(PipelineSchedule, SimulationStartsEachActionAsEarlyAsItsWaitsAllow) {
+  // 1F1B, p = 2, m = 2, f = 1, b = 2, worked by hand: a receive starts when its send has run
+  // and takes no time.
+  //   worker 0: F0.0 SA0.0 F0.1 SA0.1 RG0.0 B0.0 RG0.1 B0.1
+  //   worker 1: RA1.0 F1.0 B1.0 SG1.0 RA1.1 F1.1 B1.1 SG1.1
+  const pp::Simulation sim = pp::simulate(pp::one_f_one_b(2, 2), unit_costs());
+  EXPECT_EQ(sim.start[0], (std::vector<double>{0, 1, 1, 2, 4, 4, 7, 7}));
+  EXPECT_EQ(sim.start[1], (std::vector<double>{1, 1, 2, 4, 4, 4, 5, 7}));
+  EXPECT_EQ(sim.makespan, 9);
+  EXPECT_NEAR(sim.bubble, 1 - 12.0 / 18, 1e-12);
+  EXPECT_EQ(sim.peak_in_flight, (std::vector<int>{2, 1}));
 }
 
 TEST(PipelineSchedule, ListsAreTheKnownOrders) {
