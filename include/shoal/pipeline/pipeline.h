@@ -22,10 +22,8 @@
 #pragma once
 
 #include <functional>
-#include <map>
 #include <memory>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include <torch/nn/modules/container/sequential.h>
