@@ -22,6 +22,7 @@
 namespace {
 
 namespace pp = shoal::pipeline;
+namespace g = shoal::global;
 using shoal::testing::run_workers;
 using Clock = std::chrono::steady_clock;
 
@@ -55,6 +56,24 @@ void expect_close(const torch::Tensor& got, const torch::Tensor& want, const std
   EXPECT_LE(error, 1e-5 * scale) << what << ": got " << got << " want " << want;
 }
 
+// LibTorch's parameters() lists a shared tensor once per module that registers it (PyTorch's
+// lists it once); the one-process optimizer must step it once.
+std::vector<torch::Tensor> distinct_parameters(torch::nn::Sequential net) {
+  std::vector<torch::Tensor> distinct;
+  for (const auto& p : net->parameters()) {
+    if (std::none_of(distinct.begin(), distinct.end(), [&](auto& d) { return d.is_same(p); }))
+      distinct.push_back(p);
+  }
+  return distinct;
+}
+
+// The width of the model's input: the first layer's weight's (Linear: [out, in]; the tied
+// embedding: [in, out]).
+int64_t input_width(torch::nn::Sequential net) {
+  if (auto* linear = net[0]->as<torch::nn::Linear>()) return linear->options.in_features();
+  return net[0]->parameters()[0].size(0);
+}
+
 // Trains `net` under `options` and its one-process twin `reference` for two SGD steps on the
 // batch; checks the loss and the gradients of this worker's stages' parameters at each step.
 // Returns how many parameters this worker checked.
@@ -63,8 +82,8 @@ int64_t train_and_compare(torch::nn::Sequential net, torch::nn::Sequential refer
                           const std::string& tag) {
   pp::Pipeline pipe(net, options);
   torch::optim::SGD opt(pipe.parameters(), 0.1);
-  torch::optim::SGD ref_opt(reference->parameters(), 0.1);
-  const int64_t in = net[0]->as<torch::nn::Linear>()->options.in_features();
+  torch::optim::SGD ref_opt(distinct_parameters(reference), 0.1);
+  const int64_t in = input_width(net);
   const int64_t out = reference->forward(torch::zeros({1, in})).size(1);
   int64_t checked = 0;
   for (int step = 0; step < 2; ++step) {
@@ -235,13 +254,7 @@ TEST(Pipeline, TiedWeightsGradientSummedOverStagesAndCopiesStayEqual) {
     options.split = {1, 3, 1};  // the tie between the first and the last worker
     pp::Pipeline pipe(net, options);
     torch::optim::SGD opt(pipe.parameters(), 0.1);
-    // LibTorch's parameters() lists a shared tensor once per module that registers it (PyTorch's
-    // lists it once); the one-process optimizer must step it once.
-    std::vector<torch::Tensor> distinct;
-    for (const auto& p : reference->parameters()) {
-      if (std::none_of(distinct.begin(), distinct.end(), [&](auto& d) { return d.is_same(p); }))
-        distinct.push_back(p);
-    }
+    const auto distinct = distinct_parameters(reference);
     ASSERT_EQ(distinct.size(), reference->parameters().size() - 1);
     torch::optim::SGD ref_opt(distinct, 0.1);
     const auto tied = net[0]->as<TiedIn>()->weight;
@@ -277,6 +290,30 @@ TEST(Pipeline, TiedWeightsGradientSummedOverStagesAndCopiesStayEqual) {
       shoal::world().recv(other, 0);
       EXPECT_TRUE(torch::equal(other, copy));
     }
+  });
+}
+
+// ----- a data axis: each stage on two workers -----
+
+TEST(Pipeline, StagesReplicatedOverADataAxisTrainAsOneProcess) {
+  run_workers(4, [] {
+    for (const std::string schedule : {"gpipe", "1f1b", "interleaved", "zb"}) {
+      pp::PipelineOptions options;
+      options.schedule = schedule;
+      options.micro_batches = 3;  // 13 rows: 7 and 6 per replica, micro-batches of 3, 2, 2 and 2
+      options.placements = {{0, 1}, {2, 3}};
+      if (schedule == "interleaved") options.placements = {{0, 1}, {2, 3}, {0, 1}, {2, 3}};
+      const std::string what = schedule + " on [0, 1], [2, 3]";
+      const int64_t checked = train_and_compare(mlp(), mlp(), options, 13, what);
+      expect_all_checked(checked, 2 * parameter_count(mlp()), what);
+    }
+    // The tie between the first and the last stage, each on two replicas.
+    pp::PipelineOptions options;
+    options.micro_batches = 2;
+    options.placements = {{0, 1}, {2, 3}};
+    options.split = {2, 3};
+    const int64_t checked = train_and_compare(tied_model(), tied_model(), options, 9, "tied");
+    expect_all_checked(checked, 2 * parameter_count(tied_model()), "tied");
   });
 }
 
@@ -372,34 +409,41 @@ TEST(PipelineErrors, KilledMiddleStageIsACommErrorNamingIt) {
 
 TEST(PipelineErrors, PlacementsTheScheduleForbidsAreUsageErrors) {
   run_workers(2, [] {
+    auto expect_usage = [](const pp::PipelineOptions& options, const std::string& text) {
+      try {
+        pp::Pipeline pipe(mlp(), options);
+        ADD_FAILURE() << "expected UsageError: " << text;
+      } catch (const shoal::UsageError& e) {
+        EXPECT_EQ(std::string(e.what()), text);
+      }
+    };
     pp::PipelineOptions options;
     options.schedule = "1f1b";
-    options.placements = {1, 1};
-    try {
-      pp::Pipeline pipe(mlp(), options);
-      ADD_FAILURE() << "expected UsageError";
-    } catch (const shoal::UsageError& e) {
-      EXPECT_STREQ(e.what(),
-                   "pipeline: stages 0 and 1 are both placed on worker 1, but the 1f1b schedule "
-                   "runs one stage per worker (schedule \"interleaved\" runs several; "
-                   "placements [1, 1])");
-    }
-    // Interleaved puts stage s on the (s % p)-th worker: 0, 1, 0, 1, not 0, 1, 1, 0.
+    options.placements = {{1}, {1}};
+    expect_usage(options,
+                 "pipeline: stages 0 and 1 are both placed on [1], but the 1f1b schedule runs one "
+                 "stage per worker (schedule \"interleaved\" runs several)");
+    options.placements = {{0, 1}, {1}};
+    expect_usage(options,
+                 "pipeline: stage 1's placement [1] shares worker 1 with another stage's "
+                 "placement [0, 1]; stages on one worker must have the same placement");
+    options.placements = {{0}, {2}};
+    expect_usage(options,
+                 "pipeline: stage 1's placement [2] names worker 2, which is not in this job of 2");
+    options.placements = {g::Placement::mesh({1, 2}), {0}};
+    expect_usage(options,
+                 "pipeline: stage 0's placement [0, 1] as 1x2 is a mesh; a stage's placement is a "
+                 "line of workers (its data axis)");
+    // Interleaved puts stage s on the (s % p)-th placement: 0, 1, 0, 1, not 0, 1, 1, 0.
     options.schedule = "interleaved";
-    options.placements = {0, 1, 1, 0};
-    try {
-      pp::Pipeline pipe(mlp(), options);
-      ADD_FAILURE() << "expected UsageError";
-    } catch (const shoal::UsageError& e) {
-      EXPECT_NE(std::string(e.what()).find("stage 2 on its worker 0 (rank 0), but placements put "
-                                           "it on worker 1 (placements [0, 1, 1, 0])"),
-                std::string::npos)
-          << e.what();
-    }
-    options.placements = {1, 0, 1, 0};  // allowed: worker 1 is the schedule's first worker
+    options.placements = {{0}, {1}, {1}, {0}};
+    expect_usage(options,
+                 "pipeline: the interleaved 1F1B (v = 2) schedule runs stage 2 on the worker of "
+                 "stage 0, placed on [0], but stage 2 is placed on [1]");
+    options.placements = {{1}, {0}, {1}, {0}};  // allowed: worker 1 is the schedule's first
     pp::Pipeline pipe(mlp(), options);
-    EXPECT_EQ(pipe.worker_of(0), 1);
-    EXPECT_EQ(pipe.worker_of(3), 0);
+    EXPECT_EQ(pipe.placement(0), g::Placement({1}));
+    EXPECT_EQ(pipe.placement(3), g::Placement({0}));
   });
 }
 

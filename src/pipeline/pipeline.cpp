@@ -74,8 +74,9 @@ void place_stages(Pipeline::State& state) {
                      std::to_string(v) + " needs schedule \"interleaved\"");
   }
 
-  // The stages' workers, in the order the schedule numbers them.
-  std::vector<int> placements = o.placements;
+  // The stages' placements; each distinct one is a worker of the schedule (a line of d
+  // replicas), numbered in order of first use.
+  const auto& placements = o.placements;
   int stages = 0;
   if (!placements.empty()) {
     stages = static_cast<int>(placements.size());
@@ -90,17 +91,43 @@ void place_stages(Pipeline::State& state) {
     throw UsageError("pipeline: split has " + std::to_string(o.split.size()) +
                      " stages but placements has " + std::to_string(stages));
   }
-  for (int rank : placements) {
-    if (rank < 0 || rank >= state.world_size) {
-      throw UsageError("pipeline: placement " + std::to_string(rank) + " in " + join(placements) +
-                       " is not a worker of this job of " + std::to_string(state.world_size));
+  std::vector<std::vector<int>> groups;
+  for (int s = 0; s < stages && !placements.empty(); ++s) {
+    const global::Placement& placement = placements[s];
+    if (placement.ndim() != 1) {
+      throw UsageError("pipeline: stage " + std::to_string(s) + "'s placement " +
+                       placement.describe() +
+                       " is a mesh; a stage's placement is a line of workers (its data axis)");
+    }
+    for (int rank : placement.ranks()) {
+      if (rank >= state.world_size) {
+        throw UsageError("pipeline: stage " + std::to_string(s) + "'s placement " +
+                         placement.describe() + " names worker " + std::to_string(rank) +
+                         ", which is not in this job of " + std::to_string(state.world_size));
+      }
+    }
+    if (std::find(groups.begin(), groups.end(), placement.ranks()) == groups.end()) {
+      for (const auto& group : groups) {
+        for (int rank : placement.ranks()) {
+          if (std::find(group.begin(), group.end(), rank) != group.end()) {
+            throw UsageError("pipeline: stage " + std::to_string(s) + "'s placement " +
+                             placement.describe() + " shares worker " + std::to_string(rank) +
+                             " with another stage's placement " +
+                             global::Placement(group).describe() +
+                             "; stages on one worker must have the same placement");
+          }
+        }
+      }
+      if (!groups.empty() && groups.front().size() != placement.ranks().size()) {
+        throw UsageError("pipeline: stage " + std::to_string(s) + "'s placement " +
+                         placement.describe() + " has " + std::to_string(placement.size()) +
+                         " workers, stage 0's " + std::to_string(groups.front().size()) +
+                         "; every stage needs as many replicas");
+      }
+      groups.push_back(placement.ranks());
     }
   }
-  std::vector<int> ranks;  // distinct, in order of first use
-  for (int rank : placements) {
-    if (std::find(ranks.begin(), ranks.end(), rank) == ranks.end()) ranks.push_back(rank);
-  }
-  int p = placements.empty() ? (stages + v - 1) / v : static_cast<int>(ranks.size());
+  const int p = placements.empty() ? (stages + v - 1) / v : static_cast<int>(groups.size());
   if (placements.empty()) {
     if (stages % v != 0) {
       throw UsageError("pipeline: " + std::to_string(stages) + " stages don't fill " +
@@ -111,25 +138,23 @@ void place_stages(Pipeline::State& state) {
                        " per worker need " + std::to_string(p) + " workers; the job has " +
                        std::to_string(state.world_size));
     }
-    for (int w = 0; w < p; ++w) ranks.push_back(w);
+    for (int w = 0; w < p; ++w) groups.push_back({w});
   } else if (stages != p * v) {
     // Two stages on one worker where the schedule runs one per worker (or v per worker).
     for (int s = 0; s < stages; ++s) {
       for (int t = s + 1; t < stages; ++t) {
         if (placements[s] == placements[t] && v == 1) {
           throw UsageError("pipeline: stages " + std::to_string(s) + " and " + std::to_string(t) +
-                           " are both placed on worker " + std::to_string(placements[s]) +
-                           ", but the " + o.schedule +
-                           " schedule runs one stage per worker "
-                           "(schedule \"interleaved\" runs several; placements " +
-                           join(placements) + ")");
+                           " are both placed on " + placements[s].describe() + ", but the " +
+                           o.schedule +
+                           " schedule runs one stage per worker (schedule \"interleaved\" runs "
+                           "several)");
         }
       }
     }
     throw UsageError("pipeline: " + std::to_string(stages) + " stages on " + std::to_string(p) +
-                     " workers " + join(ranks) + ", but the " + o.schedule + " schedule runs " +
-                     std::to_string(v) + " stages on each worker (placements " + join(placements) +
-                     ")");
+                     " placements, but the " + o.schedule + " schedule runs " + std::to_string(v) +
+                     " stages on each worker");
   }
 
   if (o.custom_schedule) {
@@ -149,19 +174,26 @@ void place_stages(Pipeline::State& state) {
   validate(state.schedule);
   // The schedule decides which stages share a worker; the placements must agree.
   for (int s = 0; s < stages && !placements.empty(); ++s) {
-    const int expected = ranks[state.schedule.worker_of(s)];
-    if (placements[s] != expected) {
+    const int w = state.schedule.worker_of(s);
+    if (placements[s].ranks() != groups[w]) {
+      int first = 0;
+      while (state.schedule.worker_of(first) != w) ++first;
       throw UsageError("pipeline: the " + state.schedule.name + " schedule runs stage " +
-                       std::to_string(s) + " on its worker " +
-                       std::to_string(state.schedule.worker_of(s)) + " (rank " +
-                       std::to_string(expected) + "), but placements put it on worker " +
-                       std::to_string(placements[s]) + " (placements " + join(placements) + ")");
+                       std::to_string(s) + " on the worker of stage " + std::to_string(first) +
+                       ", placed on " + placements[first].describe() + ", but stage " +
+                       std::to_string(s) + " is placed on " + placements[s].describe());
     }
   }
-  state.ranks = ranks;
+  state.ranks = groups;
+  state.replicas = static_cast<int>(groups.front().size());
   const int my_rank = shoal::rank();
   for (int w = 0; w < p; ++w) {
-    if (ranks[w] == my_rank) state.me = w;
+    for (int j = 0; j < state.replicas; ++j) {
+      if (groups[w][j] == my_rank) {
+        state.me = w;
+        state.replica = j;
+      }
+    }
   }
   const int64_t tags = int64_t{kChannels} * stages * o.micro_batches;
   if (kTagBase + tags > kTagLimit) {
@@ -228,6 +260,9 @@ Pipeline::Pipeline(torch::nn::Sequential net, PipelineOptions options)
     if (used.size() > 1) {
       state.tied.push_back(mine ? p : torch::Tensor());
       state.tied_numel.push_back(p.numel());
+    } else if (mine) {
+      state.replicated.push_back(p);
+      state.replicated_numel.push_back(p.numel());
     }
   }
 }
@@ -243,12 +278,12 @@ const std::vector<int>& Pipeline::split() const {
 int Pipeline::stages() const {
   return state_->stages();
 }
-int Pipeline::worker_of(int stage) const {
+global::Placement Pipeline::placement(int stage) const {
   if (stage < 0 || stage >= stages()) {
     throw UsageError("pipeline: stage " + std::to_string(stage) + " is not one of the " +
                      std::to_string(stages()) + " stages");
   }
-  return state_->rank_of(stage);
+  return global::Placement(state_->ranks[state_->schedule.worker_of(stage)]);
 }
 const Schedule& Pipeline::schedule() const {
   return state_->schedule;

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <map>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <tuple>
@@ -82,8 +83,12 @@ struct Pipeline::State {
   using Shape = detail::Shape;
   PipelineOptions options;
   Schedule schedule;
-  std::vector<int> split;                                 // layers per stage
-  std::vector<int> ranks;                                 // schedule worker -> job rank
+  std::vector<int> split;  // layers per stage
+  // Schedule worker -> its replicas' ranks (one each without a data axis).
+  std::vector<std::vector<int>> ranks;
+  int replicas = 1;                          // d: the workers of each stage's placement
+  int replica = 0;                           // which of them this worker is
+  std::optional<comm::Group> replica_group;  // this stage's replicas, made at the first step
   std::vector<std::vector<torch::nn::AnyModule>> layers;  // per stage; empty unless held here
   int me = -1;  // this worker's index in the schedule, -1 when it holds no stage
   int world_size = 1;
@@ -91,6 +96,9 @@ struct Pipeline::State {
   // Weights used by stages on several workers: their gradients are summed across workers.
   std::vector<torch::Tensor> tied;  // this worker's copies, undefined where it holds none
   std::vector<int64_t> tied_numel;
+  // This worker's other parameters: summed among the stage's replicas (with a data axis).
+  std::vector<torch::Tensor> replicated;
+  std::vector<int64_t> replicated_numel;
   // Shapes and receive buffers, by (batch rows, stage, micro-batch): learned at the first step
   // with that batch size (Note [Shape headers]).
   std::map<std::tuple<int64_t, int, int>, Shape> learned;
@@ -98,7 +106,8 @@ struct Pipeline::State {
   std::string broken;  // why an earlier step failed
 
   int stages() const { return schedule.stages; }
-  int rank_of(int stage) const { return ranks[schedule.worker_of(stage)]; }
+  // The rank of `stage` in this worker's replica of the pipeline.
+  int rank_of(int stage) const { return ranks[schedule.worker_of(stage)][replica]; }
   int tag(Channel channel, int stage, int micro_batch) const {
     return detail::kTagBase + (channel * stages() + stage) * schedule.micro_batches + micro_batch;
   }

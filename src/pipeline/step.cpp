@@ -36,11 +36,20 @@ class StepRun {
   StepRun(Pipeline::State& state, const torch::Tensor& input, const torch::Tensor& target,
           const LossFunction& loss)
       : state_(state), loss_(loss), group_(shoal::world()) {
+    // With a data axis, replica j runs the j-th share of the batch's rows through its own copy
+    // of the pipeline; each micro-batch's loss is weighed by its rows over the whole batch's.
     rows_ = input.size(0);
-    sizes_ = comm::split_sizes(rows_, state.schedule.micro_batches);
+    const auto shares = comm::split_sizes(rows_, state.replicas);
+    int64_t offset = 0;
+    for (int j = 0; j < state.replica; ++j) offset += shares[j];
+    sizes_ = comm::split_sizes(shares[state.replica], state.schedule.micro_batches);
     const int last = state.stages() - 1;
-    if (state.schedule.worker_of(0) == state.me) inputs_ = input.split_with_sizes(sizes_);
-    if (state.schedule.worker_of(last) == state.me) targets_ = target.split_with_sizes(sizes_);
+    if (state.schedule.worker_of(0) == state.me) {
+      inputs_ = input.narrow(0, offset, shares[state.replica]).split_with_sizes(sizes_);
+    }
+    if (state.schedule.worker_of(last) == state.me) {
+      targets_ = target.narrow(0, offset, shares[state.replica]).split_with_sizes(sizes_);
+    }
   }
 
   // Runs this worker's actions; returns this worker's part of the loss (0 unless it holds the
@@ -295,6 +304,51 @@ class StepRun {
 
 }  // namespace
 
+namespace {
+
+// Sums over `group` what this step added to the .grad of `params` (undefined: a weight this
+// worker doesn't hold, which adds zeros), in one flat all-reduce. What .grad held before the
+// step (`before`) is kept as it was, so that gradients accumulated over steps are not summed
+// again.
+void sum_step_gradients(comm::Group& group, const std::vector<torch::Tensor>& params,
+                        const std::vector<int64_t>& numel, const std::vector<torch::Tensor>& before,
+                        Duration timeout) {
+  int64_t total = 0;
+  for (auto n : numel) total += n;
+  auto flat = torch::zeros({total}, torch::kFloat64);
+  int64_t offset = 0;
+  for (size_t t = 0; t < params.size(); ++t) {
+    const auto& p = params[t];
+    if (p.defined() && p.grad().defined()) {
+      auto delta = before[t].defined() ? p.grad() - before[t] : p.grad();
+      flat.narrow(0, offset, numel[t]).copy_(delta.reshape(-1));
+    }
+    offset += numel[t];
+  }
+  comm::AllReduceOptions options;
+  options.timeout = timeout;
+  group.all_reduce(flat, options);
+  offset = 0;
+  for (size_t t = 0; t < params.size(); ++t) {
+    const auto& p = params[t];
+    if (p.defined()) {
+      auto sum = flat.narrow(0, offset, numel[t]).view(p.sizes()).to(p.dtype());
+      p.mutable_grad() = before[t].defined() ? before[t] + sum : sum;
+    }
+    offset += numel[t];
+  }
+}
+
+std::vector<torch::Tensor> gradients_of(const std::vector<torch::Tensor>& params) {
+  std::vector<torch::Tensor> grads;
+  for (const auto& p : params) {
+    grads.push_back(p.defined() && p.grad().defined() ? p.grad().clone() : torch::Tensor());
+  }
+  return grads;
+}
+
+}  // namespace
+
 torch::Tensor Pipeline::step(const torch::Tensor& input, const torch::Tensor& target,
                              const LossFunction& loss) {
   State& state = *state_;
@@ -311,18 +365,20 @@ torch::Tensor Pipeline::step(const torch::Tensor& input, const torch::Tensor& ta
                      "; expected the same batch");
   }
   const int m = state.schedule.micro_batches;
-  if (input.size(0) < m) {
+  if (input.size(0) < int64_t{m} * state.replicas) {
     throw UsageError("pipeline: a batch of " + std::to_string(input.size(0)) +
-                     " rows cannot be cut into " + std::to_string(m) +
-                     " micro-batches; expected at least one row each");
+                     " rows cannot be cut into " + std::to_string(m) + " micro-batches" +
+                     (state.replicas > 1
+                          ? " for each of " + std::to_string(state.replicas) + " replicas"
+                          : std::string()) +
+                     "; expected at least one row each");
   }
   if (!loss) throw UsageError("pipeline: step() needs a loss function");
 
-  // Tied weights: remember what .grad held, so that only this step's part is summed.
-  std::vector<torch::Tensor> before;
-  for (const auto& p : state.tied) {
-    before.push_back(p.defined() && p.grad().defined() ? p.grad().clone() : torch::Tensor());
-  }
+  // Only this step's part of the gradients is summed across workers.
+  const auto tied_before = gradients_of(state.tied);
+  const auto replicated_before =
+      state.replicas > 1 ? gradients_of(state.replicated) : std::vector<torch::Tensor>();
 
   double loss_part = 0;
   StepRun run(state, input, target, loss);
@@ -339,40 +395,21 @@ torch::Tensor Pipeline::step(const torch::Tensor& input, const torch::Tensor& ta
 
   auto& world = shoal::world();
   try {
+    // A tied weight's gradient: the sum over every worker that uses it (all replicas too).
     if (!state.tied.empty()) {
-      // Sum the tied weights' gradients over the workers that use them, with one all-reduce
-      // over the world (zeros from the others).
-      int64_t total = 0;
-      for (auto n : state.tied_numel) total += n;
-      auto flat = torch::zeros({total}, torch::kFloat64);
-      int64_t offset = 0;
-      for (size_t t = 0; t < state.tied.size(); ++t) {
-        const auto& p = state.tied[t];
-        if (p.defined() && p.grad().defined()) {
-          auto delta = before[t].defined() ? p.grad() - before[t] : p.grad();
-          flat.narrow(0, offset, state.tied_numel[t]).copy_(delta.reshape(-1));
-        }
-        offset += state.tied_numel[t];
-      }
-      comm::AllReduceOptions options;
-      options.timeout = state.options.timeout;
-      world.all_reduce(flat, options);
-      offset = 0;
-      for (size_t t = 0; t < state.tied.size(); ++t) {
-        auto& p = state.tied[t];
-        if (p.defined()) {
-          auto sum = flat.narrow(0, offset, state.tied_numel[t]).view(p.sizes()).to(p.dtype());
-          p.mutable_grad() = before[t].defined() ? before[t] + sum : sum;
-        }
-        offset += state.tied_numel[t];
-      }
+      sum_step_gradients(world, state.tied, state.tied_numel, tied_before, state.options.timeout);
     }
-    // The loss lives on the last stage's worker; every worker returns it.
+    // A stage's other gradients: the sum over its replicas.
+    if (state.replicas > 1 && state.me >= 0) {
+      if (!state.replica_group) state.replica_group = world.subgroup(state.ranks[state.me]);
+      sum_step_gradients(*state.replica_group, state.replicated, state.replicated_numel,
+                         replicated_before, state.options.timeout);
+    }
+    // The loss: the parts of the last stage's workers (one per replica); every worker returns it.
     auto value = torch::full({}, loss_part, torch::kFloat64);
-    comm::BroadcastOptions options;
-    options.root = state.rank_of(state.stages() - 1);
+    comm::AllReduceOptions options;
     options.timeout = state.options.timeout;
-    world.broadcast(value, options);
+    world.all_reduce(value, options);
     return value;
   } catch (const CommError& e) {
     state.broken = e.what();

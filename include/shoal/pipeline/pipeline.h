@@ -30,6 +30,7 @@
 #include <torch/types.h>
 
 #include "shoal/core/timeout.h"
+#include "shoal/global/placement.h"
 #include "shoal/pipeline/schedule.h"
 
 namespace shoal::pipeline {
@@ -51,10 +52,12 @@ struct PipelineOptions {
   // Layers per stage, in order (their sum is the number of layers). Empty: as many stages as
   // workers times stages_per_worker (or placements), balanced by parameter count.
   std::vector<int> split;
-  // The worker (rank) of each stage. Empty: stage s on worker s % p, where p is the job's world
-  // size. The schedule fixes which stages share a worker: stage s on the (s % p)-th of the
-  // distinct workers named here; another placement is a UsageError.
-  std::vector<int> placements;
+  // Each stage's placement: a line of workers. One worker, or d that each run the stage on
+  // their share of every micro-batch (a data axis: every stage needs d, and the stage's
+  // gradients are summed among them). Empty: stage s on worker s % p, p the job's world size.
+  // The schedule fixes which stages share a placement: stage s on the (s % p)-th of the
+  // distinct placements named here; another placement is a UsageError.
+  std::vector<global::Placement> placements;
   // Deadline of every transfer between stages; kUnsetTimeout: the world group's.
   Duration timeout = kUnsetTimeout;
   // A hand-written schedule instead of `schedule` (its workers, stages and micro_batches must
@@ -89,8 +92,8 @@ class Pipeline {
   const std::vector<int>& split() const;
   std::vector<int> local_stages() const;
   int stages() const;
-  // The worker (rank) that runs `stage`.
-  int worker_of(int stage) const;
+  // The workers that run `stage`.
+  global::Placement placement(int stage) const;
   const Schedule& schedule() const;
 
   struct State;
