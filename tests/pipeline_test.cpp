@@ -3,7 +3,9 @@
 // compares the loss and its parameters' gradients with its own one-process run of the whole
 // model on the whole batch (relative 1e-5), for two steps (the second with the shapes learned
 // at the first). Every parameter is checked on some worker: the counts are summed over the job.
-// Errors: a wrong activation shape, a killed middle stage, placements the schedule forbids.
+// Also: one worker (every stage local), a hand-written schedule, stages with a data axis. Errors:
+// a wrong activation shape, a killed middle stage, a stopped stage, placements the schedule
+// forbids, bad options and batches.
 #include <signal.h>
 
 #include <atomic>
@@ -165,7 +167,9 @@ TEST_P(Schedules, LossAndGradientsEqualOneProcess) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Grid, Schedules,
-                         ::testing::Values(GridCase{"gpipe", 2}, GridCase{"gpipe", 3},
+                         ::testing::Values(GridCase{"gpipe", 1}, GridCase{"1f1b", 1},
+                                           GridCase{"interleaved", 1}, GridCase{"zb", 1},
+                                           GridCase{"gpipe", 2}, GridCase{"gpipe", 3},
                                            GridCase{"gpipe", 4}, GridCase{"1f1b", 2},
                                            GridCase{"1f1b", 3}, GridCase{"1f1b", 4},
                                            GridCase{"interleaved", 2}, GridCase{"interleaved", 3},
@@ -174,6 +178,55 @@ INSTANTIATE_TEST_SUITE_P(Grid, Schedules,
                          [](const auto& info) {
                            return info.param.schedule + "_p" + std::to_string(info.param.workers);
                          });
+
+// ----- a schedule of one's own -----
+
+TEST(Pipeline, HandWrittenScheduleRunsAndIsValidated) {
+  run_workers(2, [] {
+    using K = pp::ActionKind;
+    // GPipe on 2 workers and 2 micro-batches, backwards in micro-batch order.
+    auto schedule = std::make_shared<pp::Schedule>();
+    schedule->name = "hand-written GPipe";
+    schedule->workers = 2;
+    schedule->stages = 2;
+    schedule->micro_batches = 2;
+    schedule->stage_worker = {0, 1};
+    schedule->actions = {{{K::kForward, 0, 0},
+                          {K::kSendActivation, 0, 0},
+                          {K::kForward, 0, 1},
+                          {K::kSendActivation, 0, 1},
+                          {K::kRecvGradient, 0, 0},
+                          {K::kBackward, 0, 0},
+                          {K::kRecvGradient, 0, 1},
+                          {K::kBackward, 0, 1}},
+                         {{K::kRecvActivation, 1, 0},
+                          {K::kForward, 1, 0},
+                          {K::kRecvActivation, 1, 1},
+                          {K::kForward, 1, 1},
+                          {K::kBackward, 1, 0},
+                          {K::kSendGradient, 1, 0},
+                          {K::kBackward, 1, 1},
+                          {K::kSendGradient, 1, 1}}};
+    pp::PipelineOptions options;
+    options.micro_batches = 2;
+    options.custom_schedule = schedule;
+    const int64_t checked = train_and_compare(mlp(), mlp(), options, 7, "hand-written");
+    expect_all_checked(checked, parameter_count(mlp()), "hand-written");
+    // The same list with worker 1's first backward before its forward: refused before running.
+    auto broken = std::make_shared<pp::Schedule>(*schedule);
+    std::swap(broken->actions[1][1], broken->actions[1][4]);
+    options.custom_schedule = broken;
+    try {
+      pp::Pipeline pipe(mlp(), options);
+      ADD_FAILURE() << "expected UsageError";
+    } catch (const shoal::UsageError& e) {
+      EXPECT_STREQ(e.what(),
+                   "invalid pipeline schedule 'hand-written GPipe': worker 1, action 1 (backward "
+                   "of stage 1, micro-batch 0): expected after the forward of stage 1, "
+                   "micro-batch 0, which is action 4");
+    }
+  });
+}
 
 // ----- uneven stages -----
 
@@ -369,6 +422,16 @@ struct KillSwitchImpl : torch::nn::Module {
 };
 TORCH_MODULE(KillSwitch);
 
+// Passes its input on; SIGSTOPs its worker when armed (the harness kills it at the end).
+std::atomic<bool> stop_armed{false};
+struct StopSwitchImpl : torch::nn::Module {
+  torch::Tensor forward(torch::Tensor x) {
+    if (stop_armed) raise(SIGSTOP);
+    return x;
+  }
+};
+TORCH_MODULE(StopSwitch);
+
 TEST(PipelineErrors, KilledMiddleStageIsACommErrorNamingIt) {
   constexpr auto kTimeout = std::chrono::seconds(5);
   shoal::testing::WorkersOptions workers;
@@ -402,6 +465,47 @@ TEST(PipelineErrors, KilledMiddleStageIsACommErrorNamingIt) {
           EXPECT_NE(message.find("lost worker 1, which was killed by signal 9 (SIGKILL)"),
                     std::string::npos)
               << message;
+        }
+      },
+      workers);
+}
+
+TEST(PipelineErrors, StoppedStageIsACommErrorAtTheDeadline) {
+  constexpr auto kTimeout = std::chrono::seconds(2);
+  shoal::testing::WorkersOptions workers;
+  workers.stragglers = {1};
+  run_workers(
+      2,
+      [kTimeout] {
+        torch::manual_seed(0);
+        auto net =
+            torch::nn::Sequential(torch::nn::Linear(4, 4), StopSwitch(), torch::nn::Linear(4, 3));
+        pp::PipelineOptions options;
+        options.micro_batches = 2;
+        options.split = {1, 2};
+        options.timeout = kTimeout;
+        pp::Pipeline pipe(net, options);
+        auto [x, y] = batch(6, 4, 3, 0);
+        pipe.step(x, y, mse);
+        stop_armed = shoal::rank() == 1;  // worker 1 stops in its next forward
+        const auto start = Clock::now();
+        try {
+          pipe.step(x, y, mse);
+          ADD_FAILURE() << "expected CommError";
+        } catch (const shoal::CommError& e) {
+          const double waited = seconds_since(start);
+          const std::string message = e.what();
+          std::printf("worker %d: %.2f s: %s\n", shoal::rank(), waited, e.what());
+          EXPECT_GE(waited, 2.0);
+          EXPECT_LT(waited, 2 * 2.0);
+          EXPECT_EQ(message.rfind("pipeline: stage 0 (worker 0) receiving its output's gradient "
+                                  "for micro-batch ",
+                                  0),
+                    0u)
+              << message;
+          EXPECT_NE(message.find("from stage 1 (worker 1): recv on "), std::string::npos)
+              << message;
+          EXPECT_NE(message.find("timed out after 2."), std::string::npos) << message;
         }
       },
       workers);
