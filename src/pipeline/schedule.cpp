@@ -6,6 +6,9 @@
 #include <cctype>
 #include <deque>
 #include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "shoal/core/error.h"
 
