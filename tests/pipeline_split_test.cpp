@@ -10,6 +10,7 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -515,6 +516,32 @@ TEST(SplitBackward, ActivationHookRunsOnce) {
   EXPECT_EQ(ref_calls, 1);
   EXPECT_EQ(calls, 1);
   expect_same(actual, expected, "hooked activation");
+}
+
+// Between I and W a micro-batch keeps only what W needs: a tensor saved only by a node of the
+// input's path (GELU's input) is freed by I; one a weight's gradient needs (the second Linear's
+// input) is kept until W.
+TEST(SplitBackward, IFreesWhatOnlyTheInputGradientNeeded) {
+  using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+  torch::manual_seed(0);
+  torch::nn::Linear a(8, 16), b(16, 4);
+  auto x = floats({5, 8}, 0).requires_grad_(true);
+  std::optional<WeakImpl> gelu_input, b_input;
+  std::optional<SplitBackward> split;
+  {
+    auto h = a(x);
+    auto g = torch::gelu(h);
+    gelu_input.emplace(h.getIntrusivePtr());
+    b_input.emplace(g.getIntrusivePtr());
+    split.emplace(b(g), x);
+  }
+  EXPECT_FALSE(gelu_input->expired());
+  EXPECT_FALSE(b_input->expired());
+  split->input_gradient(torch::ones({5, 4}));
+  EXPECT_TRUE(gelu_input->expired()) << "GELU's saved input outlived I";
+  EXPECT_FALSE(b_input->expired()) << "the second Linear's input was freed before W";
+  split->weight_gradient();
+  EXPECT_TRUE(b_input->expired()) << "W kept the graph";
 }
 
 // A stage that passes its input through unchanged, and one whose output ignores its input.
