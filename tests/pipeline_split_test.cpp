@@ -589,6 +589,10 @@ TEST(SplitBackward, BadArgumentsAreNamed) {
             }).find("has shape [2, 3], expected the output's shape [2, 4]"),
             std::string::npos);
   EXPECT_NE(error_of<shoal::UsageError>([&] {
+              SplitBackward(x.mm(w), x).input_gradient(torch::ones({2, 4}, torch::kDouble));
+            }).find("is Double, expected the output's dtype Float"),
+            std::string::npos);
+  EXPECT_NE(error_of<shoal::UsageError>([&] {
               SplitBackward(x.mm(w), x).input_gradient(at::Tensor());
             }).find("no gradient given for the stage's output of shape [2, 4]"),
             std::string::npos);

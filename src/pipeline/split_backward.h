@@ -37,7 +37,8 @@ class SplitBackward {
   // I: returns the gradient of `input` (undefined when the input needs none; zeros when the
   // output does not depend on it) and keeps what weight_gradient() needs; accumulates no
   // parameter's gradient and runs no hook of a parameter. An undefined grad_output means 1 for
-  // a scalar output, as backward() takes it. UsageError when its shape is not the output's.
+  // a scalar output, as backward() takes it. UsageError when its shape or dtype is not the
+  // output's.
   at::Tensor input_gradient(const at::Tensor& grad_output);
 
   // W: accumulates every parameter's gradient (as backward() would, so DataParallel's hooks on
