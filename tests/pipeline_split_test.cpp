@@ -3,8 +3,9 @@
 // through views, the GPT's layers, a first stage whose input needs no gradient, a last stage
 // ending in a loss, a parameter that takes no part, custom autograd Functions), I then W gives
 // the input's and every parameter's gradient that one backward() gives on an identical copy,
-// for several micro-batches whatever the order of their W's; I accumulates nothing and runs no
-// parameter hook; W runs the parameters' hooks as backward() does, and only W.
+// for several micro-batches whatever the order of their W's. I accumulates nothing, runs no
+// parameter hook and frees what W does not need; W runs the parameters' hooks as backward()
+// does, so DataParallel (two real workers) averages in W.
 #include <algorithm>
 #include <cmath>
 #include <functional>
@@ -17,8 +18,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "harness.h"
 #include "pipeline/split_backward.h"
 #include "shoal/core/error.h"
+#include "shoal/shoal.h"
 
 namespace {
 
@@ -542,6 +545,43 @@ TEST(SplitBackward, IFreesWhatOnlyTheInputGradientNeeded) {
   EXPECT_FALSE(b_input->expired()) << "the second Linear's input was freed before W";
   split->weight_gradient();
   EXPECT_TRUE(b_input->expired()) << "W kept the graph";
+}
+
+// DataParallel's hooks on the parameters' accumulators run in W: two workers, two micro-batches
+// each, the first W under no_sync; the averaged gradients are those of one process on the
+// whole batch.
+TEST(SplitBackward, DataParallelAveragesInW) {
+  shoal::testing::run_workers(2, [] {
+    const int n = shoal::world_size(), r = shoal::rank();
+    constexpr int64_t kRows = 4, kMicro = 2;
+    torch::manual_seed(5);
+    const auto x = torch::randn({n * kRows, 8});
+    const auto y = torch::randint(4, {n * kRows});
+
+    Stage reference = linear_stack(true);
+    torch::nn::functional::cross_entropy(reference.forward(x.requires_grad_(false), 0), y)
+        .backward();
+
+    Stage stage = linear_stack(true);
+    shoal::DataParallel dp(stage.module);
+    std::vector<SplitBackward> splits;
+    for (int64_t mb = 0; mb < kMicro; ++mb) {
+      const int64_t rows = kRows / kMicro, first = r * kRows + mb * rows;
+      auto input = x.narrow(0, first, rows).clone().requires_grad_(true);
+      auto loss =
+          torch::nn::functional::cross_entropy(stage.forward(input, 0), y.narrow(0, first, rows)) /
+          static_cast<double>(kMicro);
+      splits.emplace_back(loss, input);
+      splits.back().input_gradient(at::Tensor());
+    }
+    {
+      auto local = dp.no_sync();
+      splits[0].weight_gradient();
+    }
+    splits[1].weight_gradient();
+    expect_same(parameter_gradients(stage, {}), parameter_gradients(reference, {}),
+                "worker " + std::to_string(r));
+  });
 }
 
 // A stage that passes its input through unchanged, and one whose output ignores its input.
