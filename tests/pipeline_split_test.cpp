@@ -21,6 +21,7 @@
 #include "harness.h"
 #include "pipeline/split_backward.h"
 #include "shoal/core/error.h"
+#include "shoal/global/nn.h"
 #include "shoal/shoal.h"
 
 namespace {
@@ -581,6 +582,63 @@ TEST(SplitBackward, DataParallelAveragesInW) {
     splits[1].weight_gradient();
     expect_same(parameter_gradients(stage, {}), parameter_gradients(reference, {}),
                 "worker " + std::to_string(r));
+  });
+}
+
+// Two linears of a global model, column- then row-parallel over two workers (Megatron), and a
+// layer norm: their backward has collectives on the activation's path and, through the
+// GradientSync hooks, on the weights'. I then W on each worker gives what backward() gives,
+// without a hang: every worker puts each collective in the same half.
+class TensorParallelMlpImpl : public shoal::global::nn::Module {
+ public:
+  explicit TensorParallelMlpImpl(const shoal::global::nn::Layout& layout) {
+    namespace gnn = shoal::global::nn;
+    up = register_module("up", gnn::Linear(6, 8, layout.placement, layout.column()));
+    down = register_module("down", gnn::Linear(8, 6, layout.placement, layout.row()));
+    norm = register_module("norm", gnn::LayerNorm(6, layout.placement));
+  }
+  shoal::global::GlobalTensor forward(const shoal::global::GlobalTensor& x) {
+    return norm(down(shoal::global::relu(up(x))));
+  }
+  shoal::global::nn::Linear up{nullptr}, down{nullptr};
+  shoal::global::nn::LayerNorm norm{nullptr};
+};
+TORCH_MODULE(TensorParallelMlp);
+
+TEST(SplitBackward, TensorParallelStageEqualsBackward) {
+  shoal::testing::run_workers(2, [] {
+    namespace g = shoal::global;
+    const g::nn::Layout layout{g::Placement::all(), {0}};
+    auto run = [&](bool split_it) {
+      torch::manual_seed(11);
+      TensorParallelMlp model(layout);
+      g::nn::GradientSync sync(model);
+      torch::manual_seed(12);
+      auto x = g::randn({5, 6}, layout.placement, g::broadcast());
+      x.requires_grad_();
+      const at::Tensor out = model->forward(x).to_local();
+      torch::manual_seed(13);
+      const auto dy = torch::randn(out.sizes());
+      at::Tensor dx;
+      if (split_it) {
+        SplitBackward split(out, x.to_local());
+        dx = split.input_gradient(dy);
+        split.weight_gradient();
+      } else {
+        out.backward(dy);
+        dx = x.to_local().grad();
+      }
+      Gradients grads{{dx}, {}};
+      for (const auto& named : model->named_global_parameters()) {
+        const auto& grad = named.second.to_local().grad();
+        grads.parameters.emplace_back(named.first, grad.defined() ? grad.clone() : grad);
+      }
+      return grads;
+    };
+    const Gradients expected = run(false);
+    ASSERT_TRUE(expected.inputs[0].defined());
+    for (const auto& [name, grad] : expected.parameters) EXPECT_TRUE(grad.defined()) << name;
+    expect_same(run(true), expected, "worker " + std::to_string(shoal::rank()));
   });
 }
 
