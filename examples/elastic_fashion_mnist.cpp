@@ -70,7 +70,10 @@ int main(int argc, char** argv) {
     train = train.head(limit);
     test = test.head(std::max<int64_t>(1, limit / 6));
   }
-  auto loader = shoal::data::make_loader(train, {.batch_size = batch_size, .shuffle = true});
+  shoal::data::LoaderOptions loader_options;
+  loader_options.batch_size = batch_size;
+  loader_options.shuffle = true;
+  auto loader = shoal::data::make_loader(train, loader_options);
   torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(lr).momentum(0.9));
 
   // What a failure rolls back to and what a newcomer receives: the parameters, the optimizer's

@@ -299,7 +299,13 @@ class Points : public torch::data::datasets::Dataset<Points> {
   torch::Tensor x_, y_;
 };
 
-shoal::data::LoaderOptions loader_options() { return {.batch_size = kGlobalBatch, .shuffle = true, .seed = 3}; }
+shoal::data::LoaderOptions loader_options() {
+  shoal::data::LoaderOptions options;
+  options.batch_size = kGlobalBatch;
+  options.shuffle = true;
+  options.seed = 3;
+  return options;
+}
 
 // Largest |a - b| over largest |b|, across all parameters.
 double relative_difference(Net& a, Net& b) {

@@ -266,9 +266,14 @@ TEST(DiscoverJob, OpenMpiFindsItsMasterFromMpirun) {
   EXPECT_EQ(job.master_addr, "10.0.0.1");
   EXPECT_EQ(job.master_described_as, "mpirun's host (OMPI_MCA_orte_hnp_uri)");
   EXPECT_TRUE(job.hosts_store);
+  EXPECT_TRUE(job.on_master_host);
+  // Every address of mpirun's, in Open MPI's order, for init() to settle on one.
+  EXPECT_EQ(job.master_candidates, (std::vector<std::string>{"10.0.0.1", "10.0.1.1"}));
   // Rank 0 on another node than mpirun's does not host; the first worker on mpirun's does.
   env["OMPI_MCA_orte_local_daemon_uri"] = "1.1;tcp://10.0.0.2:41000";
-  EXPECT_FALSE(discover_job(env).hosts_store);
+  job = discover_job(env);
+  EXPECT_FALSE(job.hosts_store);
+  EXPECT_FALSE(job.on_master_host);
   env["OMPI_COMM_WORLD_RANK"] = "1";
   env["OMPI_MCA_orte_local_daemon_uri"] = env["OMPI_MCA_orte_hnp_uri"];
   EXPECT_TRUE(discover_job(env).hosts_store);
@@ -277,6 +282,13 @@ TEST(DiscoverJob, OpenMpiFindsItsMasterFromMpirun) {
   job = discover_job(env);
   EXPECT_EQ(job.master_addr, "head");
   EXPECT_FALSE(job.hosts_store);
+  EXPECT_TRUE(job.master_candidates.empty());
+  // mpirun with one address names no candidates: there is nothing to settle.
+  env.erase("MASTER_ADDR");
+  env["OMPI_MCA_orte_hnp_uri"] = "1.0;tcp://10.0.0.1:37115";
+  job = discover_job(env);
+  EXPECT_EQ(job.master_addr, "10.0.0.1");
+  EXPECT_TRUE(job.master_candidates.empty());
 }
 
 TEST(DiscoverJob, FirstSlurmHost) {

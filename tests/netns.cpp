@@ -18,7 +18,7 @@ int shell(const std::string& command, std::string* output) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
-std::optional<std::string> TwoHosts::create() {
+std::optional<std::string> TwoHosts::create(const std::string& other_network) {
   if (::geteuid() != 0) return "needs root to create network namespaces and a veth pair (ip netns add)";
   std::string output;
   if (shell("ip -V", &output) != 0) return "iproute2's `ip` does not run here: " + output;
@@ -33,7 +33,17 @@ std::optional<std::string> TwoHosts::create() {
       return "`ip netns add` failed: " + output;
     }
   }
-  const std::vector<std::string> commands = {
+  std::vector<std::string> commands;
+  if (!other_network.empty()) {
+    // A veth pair with both ends in host 0: an interface whose network host 1 is not on.
+    commands = {
+        in(0, "ip link add " + veth_ + "o type veth peer name " + veth_ + "p"),
+        in(0, "ip addr add " + other_network + " dev " + veth_ + "o"),
+        in(0, "ip link set " + veth_ + "o up"),
+        in(0, "ip link set " + veth_ + "p up"),
+    };
+  }
+  const std::vector<std::string> link = {
       "ip link add " + veth_ + "a netns " + names_[0] + " type veth peer name " + veth_ + "b netns " + names_[1],
       in(0, "ip addr add " + std::string(kAddressA) + "/24 dev " + veth_ + "a"),
       in(1, "ip addr add " + std::string(kAddressB) + "/24 dev " + veth_ + "b"),
@@ -43,6 +53,7 @@ std::optional<std::string> TwoHosts::create() {
       in(0, "ip link set lo up"),
       in(1, "ip link set lo up"),
   };
+  commands.insert(commands.end(), link.begin(), link.end());
   for (const auto& command : commands) {
     if (shell(command, &output) != 0) return "`" + command + "` failed: " + output;
   }
@@ -60,6 +71,19 @@ TwoHosts::~TwoHosts() {
 
 std::string TwoHosts::in(int host, const std::string& command) const {
   return "ip netns exec " + names_.at(host) + " " + command;
+}
+
+std::string TwoHosts::hosts_file() const {
+  return "127.0.0.1 localhost\n" + std::string(kAddressA) + " " + names_.at(0) + "\n" +
+         std::string(kAddressB) + " " + names_.at(1) + "\n";
+}
+
+std::vector<std::string> TwoHosts::on_host(int host, const std::string& hosts_path) const {
+  // unshare --mount makes every mount private: the bind mount stays inside.
+  return {"nsenter", "--net=/run/netns/" + names_.at(host), "unshare", "--uts", "--mount",
+          "/bin/sh", "-c",
+          "hostname \"$1\" && mount --bind \"$2\" /etc/hosts && shift 2 && exec \"$@\"", "sh",
+          names_.at(host), hosts_path};
 }
 
 bool TwoHosts::set_link(bool up) {

@@ -302,8 +302,10 @@ TEST(Loader, JobOfOneMatchesTorchSequentialLoader) {
       std::vector<torch::data::Example<>> expected;
       for (auto& batch : *plain) expected.push_back(batch);
 
-      auto loader = shoal::data::make_loader(
-          Rows(10), {.batch_size = b, .last_batch = drop_last ? LastBatch::kDrop : LastBatch::kKeep}, 0, 1);
+      shoal::data::LoaderOptions options;
+      options.batch_size = b;
+      options.last_batch = drop_last ? LastBatch::kDrop : LastBatch::kKeep;
+      auto loader = shoal::data::make_loader(Rows(10), options, 0, 1);
       EXPECT_EQ(loader.batches_per_epoch(), static_cast<int64_t>(expected.size()));
       expect_same(all_batches(loader, 0), expected);
       expect_same(all_batches(loader, 1), expected);  // every epoch, without shuffle
@@ -313,7 +315,10 @@ TEST(Loader, JobOfOneMatchesTorchSequentialLoader) {
 // With shuffle, W workers' batches, concatenated in rank order, are the job of one's batches.
 TEST(Loader, WorkersTogetherMatchTheJobOfOne) {
   for (int64_t n : {23, 25}) {
-    const shoal::data::LoaderOptions options{.batch_size = 8, .shuffle = true, .seed = 17};
+    shoal::data::LoaderOptions options;
+    options.batch_size = 8;
+    options.shuffle = true;
+    options.seed = 17;
     auto single = shoal::data::make_loader(Rows(n), options, 0, 1);
     const auto expected = all_batches(single, 2);
     std::vector<std::vector<torch::data::Example<>>> parts;
@@ -337,7 +342,10 @@ TEST(Loader, WorkersTogetherMatchTheJobOfOne) {
 
 // A checkpoint taken in the loop's body, after the step, resumes with the next batch.
 TEST(Loader, CheckpointBetweenStepsResumesWithTheNextBatch) {
-  const shoal::data::LoaderOptions options{.batch_size = 4, .shuffle = true, .seed = 3};
+  shoal::data::LoaderOptions options;
+  options.batch_size = 4;
+  options.shuffle = true;
+  options.seed = 3;
   auto loader = shoal::data::make_loader(Rows(30), options, 1, 2);
   const auto whole = all_batches(loader, 6);
   shoal::data::SamplerState saved;
@@ -401,7 +409,11 @@ TEST(Loader, FashionMnist) {
   shoal::data::FashionMnist test(shoal::data::kFashionMnistRoot, shoal::data::FashionMnist::Split::kTest);
   const auto images = test.images();
   const auto labels = test.labels();
-  auto loader = shoal::data::make_loader(test, {.batch_size = 64, .shuffle = true, .seed = 1}, 1, 2);
+  shoal::data::LoaderOptions options;
+  options.batch_size = 64;
+  options.shuffle = true;
+  options.seed = 1;
+  auto loader = shoal::data::make_loader(test, options, 1, 2);
   EXPECT_EQ(loader.batches_per_epoch(), 157);  // ceil(10000 / 64)
   int taken = 0;
   for (auto& batch : loader.epoch(0)) {
@@ -421,7 +433,10 @@ TEST(Loader, FashionMnist) {
 // The overloads without rank and world size use the job's: real workers, each index once.
 TEST(Loader, WorkersOfARealJob) {
   shoal::testing::run_workers(2, [] {
-    auto loader = shoal::data::make_loader(Rows(21), {.batch_size = 4, .shuffle = true});
+    shoal::data::LoaderOptions options;
+    options.batch_size = 4;
+    options.shuffle = true;
+    auto loader = shoal::data::make_loader(Rows(21), options);
     std::vector<torch::Tensor> targets;
     for (auto& batch : loader.epoch(1)) targets.push_back(batch.target);
     auto all = shoal::world().all_gather(torch::cat(targets), {{11, 10}});

@@ -119,6 +119,60 @@ comm::StoreOptions store_options(const JobSpec& job, Duration timeout) {
   return store;
 }
 
+// See Note [mpirun's host] in docs/runtime.md. The candidates that can lead from this host
+// to another one: not this host's own addresses, not those it has no route to.
+std::vector<std::string> routable_candidates(const JobSpec& job) {
+  std::vector<std::string> routable;
+  for (const auto& address : job.master_candidates) {
+    const std::string via = comm::local_address_towards(address, job.master_port);
+    if (via != address && via != "127.0.0.1") routable.push_back(address);
+  }
+  return routable;
+}
+
+std::string joined(const std::vector<std::string>& items) {
+  std::string text;
+  for (const auto& item : items) text += (text.empty() ? "" : ", ") + item;
+  return text;
+}
+
+// Opens the job's store. A worker away from a store host with several addresses tries them in
+// turn, a second at a time, until one answers as this job's store; job.master_addr becomes it.
+comm::StorePtr open_job_store(JobSpec& job, Duration timeout) {
+  if (job.master_candidates.size() < 2 || job.on_master_host || job.hosts_store) {
+    return comm::open_store(store_options(job, timeout));
+  }
+  const std::vector<std::string> candidates = routable_candidates(job);
+  if (candidates.empty()) {
+    throw UsageError("this host has no route to any address of " + job.master_described_as + " (" +
+                     joined(job.master_candidates) +
+                     "); set SHOAL_MASTER=HOST:PORT to an address of mpirun's host that every "
+                     "worker reaches");
+  }
+  Deadline deadline(timeout);
+  std::string last_error;
+  for (size_t i = 0;; i = (i + 1) % candidates.size()) {
+    JobSpec attempt = job;
+    attempt.master_addr = candidates[i];
+    const Duration slice = candidates.size() == 1
+                               ? deadline.remaining()
+                               : std::min<Duration>(std::chrono::seconds(1), deadline.remaining());
+    try {
+      auto store = comm::open_store(store_options(attempt, std::max(slice, Duration(100))));
+      store->setTimeout(timeout);
+      job.master_addr = candidates[i];
+      return store;
+    } catch (const UsageError& e) {
+      last_error = e.what();
+    }
+    if (deadline.expired()) {
+      throw UsageError("cannot reach the job's master at " + job.master_described_as + " (" +
+                       joined(candidates) + ", port " + std::to_string(job.master_port) +
+                       ") within " + format_duration(deadline.elapsed()) + "; last: " + last_error);
+    }
+  }
+}
+
 // Note [A wrong environment fails every worker at once]
 // Workers check what they read alike (world size, the store's address, Slurm's whole task
 // layout) identically, so such a mistake fails all of them. What only one worker can see (its
@@ -180,9 +234,9 @@ void check_in(const comm::StorePtr& store, const JobSpec& job, const env::Enviro
 void tell_the_job(const env::Environment& env, const InitOptions& options,
                   const std::string& error) {
   try {
-    const JobSpec job = discover_job_store(env, options.master);
+    JobSpec job = discover_job_store(env, options.master);
     if (job.master_addr.empty() || job.world_size <= 1) return;
-    auto store = comm::open_store(store_options(job, options.connect_timeout));
+    auto store = open_job_store(job, options.connect_timeout);
     const std::string message = this_worker() + " found: " + error;
     if (store->add(init_key(env, "failures"), 1) == 1)
       comm::put(store, init_key(env, "failure"), message);
@@ -216,9 +270,19 @@ void init(const InitOptions& options) {
   } else if (job.master_addr.empty()) {
     state->world = comm::Group::single();
   } else {
-    state->store = comm::open_store(store_options(job, options.connect_timeout));
+    state->store = open_job_store(state->job, options.connect_timeout);
+    // See Note [mpirun's host]: a worker that reached mpirun's host from elsewhere says at
+    // which address before it checks in, so the workers there know it once all have.
+    const bool settles_address = state->job.master_candidates.size() > 1;
+    if (settles_address && !state->job.on_master_host) {
+      comm::put(state->store, init_key(env, "master_reached_at"), state->job.master_addr);
+    }
     try {
       check_in(state->store, job, env, options.connect_timeout);
+      if (settles_address && state->job.on_master_host) {
+        const std::string reached = comm::try_get(state->store, init_key(env, "master_reached_at"));
+        if (!reached.empty()) state->job.master_addr = reached;
+      }
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {

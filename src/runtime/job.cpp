@@ -124,15 +124,27 @@ JobSpec torchrun_store(const env::Environment& env) {
   return job;
 }
 
-// The first tcp:// address of an ORTE URI ("1206517760.0;tcp://10.0.0.1,10.0.1.1:37115;tcp6://
-// [fd00::2]:32913" -> "10.0.0.1"); "" if there is none.
-std::string first_tcp_address(const std::string& uri) {
+// The addresses of the first tcp:// entry of an ORTE URI, in Open MPI's order
+// ("1206517760.0;tcp://10.0.0.1,10.0.1.1:37115;tcp6://[fd00::2]:32913" -> 10.0.0.1, 10.0.1.1).
+std::vector<std::string> tcp_addresses(const std::string& uri) {
   const std::string scheme = "tcp://";
   auto at = uri.find(scheme);
-  if (at == std::string::npos) return "";
-  auto begin = at + scheme.size();
-  auto end = uri.find_first_of(",:;", begin);
-  return uri.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
+  if (at == std::string::npos) return {};
+  const auto begin = at + scheme.size();
+  const auto colon = uri.find_first_of(":;", begin);
+  const std::string list =
+      uri.substr(begin, colon == std::string::npos ? std::string::npos : colon - begin);
+  std::vector<std::string> addresses;
+  size_t from = 0;
+  while (from <= list.size()) {
+    const auto comma = list.find(',', from);
+    std::string address =
+        list.substr(from, comma == std::string::npos ? std::string::npos : comma - from);
+    if (!address.empty()) addresses.push_back(std::move(address));
+    if (comma == std::string::npos) break;
+    from = comma + 1;
+  }
+  return addresses;
 }
 
 JobSpec openmpi_store(const env::Environment& env, const std::string& master) {
@@ -148,12 +160,14 @@ JobSpec openmpi_store(const env::Environment& env, const std::string& master) {
   // See Note [mpirun's host] in docs/runtime.md: a one-node job meets on this host; a job of
   // several nodes meets where mpirun runs, which is where Open MPI puts rank 0 by default.
   const int nodes = optional_int(env, "OMPI_MCA_orte_num_nodes", 0, 0);
-  const std::string hnp = env::get(env, "OMPI_MCA_orte_hnp_uri").value_or("");
+  const auto addresses = tcp_addresses(env::get(env, "OMPI_MCA_orte_hnp_uri").value_or(""));
   if (nodes == 1) {
     job.master_addr = "127.0.0.1";
     job.master_described_as = "this host (mpirun's job has one node)";
-  } else if (!first_tcp_address(hnp).empty()) {
-    job.master_addr = first_tcp_address(hnp);
+  } else if (!addresses.empty()) {
+    // Several addresses (a host on several networks): init() settles on one.
+    job.master_addr = addresses.front();
+    if (addresses.size() > 1) job.master_candidates = addresses;
     job.master_described_as = "mpirun's host (OMPI_MCA_orte_hnp_uri)";
   } else {
     throw UsageError("an Open MPI job of " + std::to_string(job.world_size) +
@@ -247,8 +261,8 @@ void place_openmpi(const env::Environment& env, JobSpec& job) {
   if (job.master_described_as.rfind("mpirun's host", 0) == 0) {
     // The first worker on mpirun's host: there, mpirun is this process's local daemon.
     const auto hnp = env::get(env, "OMPI_MCA_orte_hnp_uri");
-    job.hosts_store =
-        job.local_rank == 0 && hnp && hnp == env::get(env, "OMPI_MCA_orte_local_daemon_uri");
+    job.on_master_host = hnp && hnp == env::get(env, "OMPI_MCA_orte_local_daemon_uri");
+    job.hosts_store = job.local_rank == 0 && job.on_master_host;
   } else {
     job.hosts_store = job.rank == 0;
   }
@@ -417,6 +431,7 @@ JobSpec discover_job_store(const env::Environment& env, const std::string& maste
     // This worker's own variables are wrong; whether it hosts the store may still be known.
   }
   job.hosts_store = placed.hosts_store;
+  job.on_master_host = placed.on_master_host;
   return job;
 }
 

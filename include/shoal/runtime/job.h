@@ -22,6 +22,14 @@ struct JobSpec {
   int master_port = 0;
   // The setting the address came from, for error messages ("MASTER_ADDR:MASTER_PORT").
   std::string master_described_as;
+  // When the launcher names several addresses of the store's host (mpirun on a host with several
+  // networks), all of them in the launcher's order, master_addr being the first; shoal::init()
+  // then settles on the one that the workers on other hosts reach (Note [mpirun's host] in
+  // docs/runtime.md). Empty otherwise.
+  std::vector<std::string> master_candidates;
+  // True on a worker that runs on the store's host as its launcher says (Open MPI: its local
+  // daemon is mpirun); such a worker reaches the store at any of master_candidates.
+  bool on_master_host = false;
   // True when a launcher process hosts the store (shoal run, torchrun's agent); otherwise
   // a worker hosts it (see hosts_store), as torch.distributed's env:// does.
   bool store_hosted_by_launcher = false;
@@ -54,7 +62,7 @@ JobSpec discover_job(const env::Environment& env, const std::string& master = ""
 
 // The part of the job every worker reads alike: launcher, job id, world size and the store's
 // address (rank and local fields are left as in a job of one), and whether this worker hosts the
-// store as far as its rank variables tell. discover_job is this plus the worker's own place; a
+// store or runs on its host as far as its rank variables tell. discover_job is this plus the worker's own place; a
 // worker whose own variables are wrong uses this to tell the others (see shoal::init).
 JobSpec discover_job_store(const env::Environment& env, const std::string& master = "");
 
