@@ -4,7 +4,7 @@ add_executable(pipeline_schedule_test pipeline_schedule_test.cpp)
 target_link_libraries(pipeline_schedule_test PRIVATE shoal_schedule GTest::gtest_main)
 target_compile_options(pipeline_schedule_test PRIVATE ${SHOAL_WARNINGS})
 gtest_discover_tests(pipeline_schedule_test DISCOVERY_TIMEOUT 60 PROPERTIES TIMEOUT 120)
-# The backward's split into I and W against one backward (white-box: the class is private).
+# The backward split into I and W against one backward (white-box: the class is private).
 shoal_add_test(pipeline_split_test pipeline_split_test.cpp)
 target_include_directories(pipeline_split_test PRIVATE ${PROJECT_SOURCE_DIR}/src)
 # The pipeline runtime (docs/pipeline.md): every schedule on real workers against one process,

@@ -3,21 +3,26 @@
 // through views, the GPT's layers, a first stage whose input needs no gradient, a last stage
 // ending in a loss, a parameter that takes no part, custom autograd Functions), I then W gives
 // the input's and every parameter's gradient that one backward() gives on an identical copy,
-// for several micro-batches whatever the order of their W's; I accumulates nothing and runs no
-// parameter hook; W runs the parameters' hooks as backward() does, and only W.
+// for several micro-batches whatever the order of their W's. I accumulates nothing, runs no
+// parameter hook and frees what W does not need; W runs the parameters' hooks as backward()
+// does, so DataParallel (two real workers) averages in W.
 #include <algorithm>
 #include <cmath>
 #include <functional>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "harness.h"
 #include "pipeline/split_backward.h"
 #include "shoal/core/error.h"
+#include "shoal/global/nn.h"
+#include "shoal/shoal.h"
 
 namespace {
 
@@ -517,6 +522,126 @@ TEST(SplitBackward, ActivationHookRunsOnce) {
   expect_same(actual, expected, "hooked activation");
 }
 
+// Between I and W a micro-batch keeps only what W needs: a tensor saved only by a node of the
+// input's path (GELU's input) is freed by I; one a weight's gradient needs (the second Linear's
+// input) is kept until W.
+TEST(SplitBackward, IFreesWhatOnlyTheInputGradientNeeded) {
+  using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+  torch::manual_seed(0);
+  torch::nn::Linear a(8, 16), b(16, 4);
+  auto x = floats({5, 8}, 0).requires_grad_(true);
+  std::optional<WeakImpl> gelu_input, b_input;
+  std::optional<SplitBackward> split;
+  {
+    auto h = a(x);
+    auto g = torch::gelu(h);
+    gelu_input.emplace(h.getIntrusivePtr());
+    b_input.emplace(g.getIntrusivePtr());
+    split.emplace(b(g), x);
+  }
+  EXPECT_FALSE(gelu_input->expired());
+  EXPECT_FALSE(b_input->expired());
+  split->input_gradient(torch::ones({5, 4}));
+  EXPECT_TRUE(gelu_input->expired()) << "GELU's saved input outlived I";
+  EXPECT_FALSE(b_input->expired()) << "the second Linear's input was freed before W";
+  split->weight_gradient();
+  EXPECT_TRUE(b_input->expired()) << "W kept the graph";
+}
+
+// DataParallel's hooks on the parameters' accumulators run in W: two workers, two micro-batches
+// each, the first W under no_sync; the averaged gradients are those of one process on the
+// whole batch.
+TEST(SplitBackward, DataParallelAveragesInW) {
+  shoal::testing::run_workers(2, [] {
+    const int n = shoal::world_size(), r = shoal::rank();
+    constexpr int64_t kRows = 4, kMicro = 2;
+    torch::manual_seed(5);
+    const auto x = torch::randn({n * kRows, 8});
+    const auto y = torch::randint(4, {n * kRows});
+
+    Stage reference = linear_stack(true);
+    torch::nn::functional::cross_entropy(reference.forward(x.requires_grad_(false), 0), y)
+        .backward();
+
+    Stage stage = linear_stack(true);
+    shoal::DataParallel dp(stage.module);
+    std::vector<SplitBackward> splits;
+    for (int64_t mb = 0; mb < kMicro; ++mb) {
+      const int64_t rows = kRows / kMicro, first = r * kRows + mb * rows;
+      auto input = x.narrow(0, first, rows).clone().requires_grad_(true);
+      auto loss =
+          torch::nn::functional::cross_entropy(stage.forward(input, 0), y.narrow(0, first, rows)) /
+          static_cast<double>(kMicro);
+      splits.emplace_back(loss, input);
+      splits.back().input_gradient(at::Tensor());
+    }
+    {
+      auto local = dp.no_sync();
+      splits[0].weight_gradient();
+    }
+    splits[1].weight_gradient();
+    expect_same(parameter_gradients(stage, {}), parameter_gradients(reference, {}),
+                "worker " + std::to_string(r));
+  });
+}
+
+// Two linears of a global model, column- then row-parallel over two workers (Megatron), and a
+// layer norm: their backward has collectives on the activation's path and, through the
+// GradientSync hooks, on the weights'. I then W on each worker gives what backward() gives,
+// without a hang: every worker puts each collective in the same half.
+class TensorParallelMlpImpl : public shoal::global::nn::Module {
+ public:
+  explicit TensorParallelMlpImpl(const shoal::global::nn::Layout& layout) {
+    namespace gnn = shoal::global::nn;
+    up = register_module("up", gnn::Linear(6, 8, layout.placement, layout.column()));
+    down = register_module("down", gnn::Linear(8, 6, layout.placement, layout.row()));
+    norm = register_module("norm", gnn::LayerNorm(6, layout.placement));
+  }
+  shoal::global::GlobalTensor forward(const shoal::global::GlobalTensor& x) {
+    return norm(down(shoal::global::relu(up(x))));
+  }
+  shoal::global::nn::Linear up{nullptr}, down{nullptr};
+  shoal::global::nn::LayerNorm norm{nullptr};
+};
+TORCH_MODULE(TensorParallelMlp);
+
+TEST(SplitBackward, TensorParallelStageEqualsBackward) {
+  shoal::testing::run_workers(2, [] {
+    namespace g = shoal::global;
+    const g::nn::Layout layout{g::Placement::all(), {0}};
+    auto run = [&](bool split_it) {
+      torch::manual_seed(11);
+      TensorParallelMlp model(layout);
+      g::nn::GradientSync sync(model);
+      torch::manual_seed(12);
+      auto x = g::randn({5, 6}, layout.placement, g::broadcast());
+      x.requires_grad_();
+      const at::Tensor out = model->forward(x).to_local();
+      torch::manual_seed(13);
+      const auto dy = torch::randn(out.sizes());
+      at::Tensor dx;
+      if (split_it) {
+        SplitBackward split(out, x.to_local());
+        dx = split.input_gradient(dy);
+        split.weight_gradient();
+      } else {
+        out.backward(dy);
+        dx = x.to_local().grad();
+      }
+      Gradients grads{{dx}, {}};
+      for (const auto& named : model->named_global_parameters()) {
+        const auto& grad = named.second.to_local().grad();
+        grads.parameters.emplace_back(named.first, grad.defined() ? grad.clone() : grad);
+      }
+      return grads;
+    };
+    const Gradients expected = run(false);
+    ASSERT_TRUE(expected.inputs[0].defined());
+    for (const auto& [name, grad] : expected.parameters) EXPECT_TRUE(grad.defined()) << name;
+    expect_same(run(true), expected, "worker " + std::to_string(shoal::rank()));
+  });
+}
+
 // A stage that passes its input through unchanged, and one whose output ignores its input.
 TEST(SplitBackward, IdentityAndInputIgnoringStages) {
   auto x = floats({4}, 0).requires_grad_(true);
@@ -560,6 +685,10 @@ TEST(SplitBackward, BadArgumentsAreNamed) {
   EXPECT_NE(error_of<shoal::UsageError>([&] {
               SplitBackward(x.mm(w), x).input_gradient(torch::ones({2, 3}));
             }).find("has shape [2, 3], expected the output's shape [2, 4]"),
+            std::string::npos);
+  EXPECT_NE(error_of<shoal::UsageError>([&] {
+              SplitBackward(x.mm(w), x).input_gradient(torch::ones({2, 4}, torch::kDouble));
+            }).find("is Double, expected the output's dtype Float"),
             std::string::npos);
   EXPECT_NE(error_of<shoal::UsageError>([&] {
               SplitBackward(x.mm(w), x).input_gradient(at::Tensor());

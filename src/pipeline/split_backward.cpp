@@ -180,6 +180,10 @@ at::Tensor SplitBackward::input_gradient(const at::Tensor& grad_output) {
   } else if (grad.sizes() != s.output.sizes()) {
     throw UsageError("SplitBackward: the gradient of the stage's output has shape " +
                      shape_of(grad) + ", expected the output's shape " + shape_of(s.output));
+  } else if (grad.scalar_type() != s.output.scalar_type()) {
+    throw UsageError(std::string("SplitBackward: the gradient of the stage's output is ") +
+                     c10::toString(grad.scalar_type()) + ", expected the output's dtype " +
+                     c10::toString(s.output.scalar_type()));
   }
 
   const Edge root = torch::autograd::impl::gradient_edge(s.output);

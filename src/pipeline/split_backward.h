@@ -37,7 +37,8 @@ class SplitBackward {
   // I: returns the gradient of `input` (undefined when the input needs none; zeros when the
   // output does not depend on it) and keeps what weight_gradient() needs; accumulates no
   // parameter's gradient and runs no hook of a parameter. An undefined grad_output means 1 for
-  // a scalar output, as backward() takes it. UsageError when its shape is not the output's.
+  // a scalar output, as backward() takes it. UsageError when its shape or dtype is not the
+  // output's.
   at::Tensor input_gradient(const at::Tensor& grad_output);
 
   // W: accumulates every parameter's gradient (as backward() would, so DataParallel's hooks on
@@ -47,7 +48,8 @@ class SplitBackward {
   // The autograd nodes (by name) whose backward computed its parameters' gradients during I
   // because it computes all its gradients at once (a custom autograd Function that ignores
   // needs_input_grad): their W was computed in I and only its accumulation waits for W. Empty
-  // for LibTorch's own layers. Known after input_gradient().
+  // for the LibTorch layers tested (Linear, LayerNorm, Embedding, GELU, attention's matmul and
+  // softmax, cross-entropy). Known after input_gradient().
   const std::vector<std::string>& joint_nodes() const;
 
  private:
