@@ -342,18 +342,25 @@ TEST(Timeline, JobOfOne) {
   std::filesystem::remove(path);
 }
 
-std::set<std::string> files_in(const std::filesystem::path& directory) {
+// Files in `directory` that hold a timeline (other tests may write files there meanwhile).
+std::set<std::string> traces_in(const std::filesystem::path& directory) {
   std::set<std::string> names;
-  for (const auto& entry : std::filesystem::directory_iterator(directory))
-    names.insert(entry.path().filename().string());
+  for (const auto& entry : std::filesystem::directory_iterator(directory)) {
+    if (!entry.is_regular_file()) continue;
+    std::ifstream in(entry.path());
+    std::string start(32, '\0');
+    in.read(start.data(), static_cast<std::streamsize>(start.size()));
+    if (start.find("shoal_timeline") != std::string::npos)
+      names.insert(entry.path().filename().string());
+  }
   return names;
 }
 
 // Unset or empty: nothing is recorded and no file is written (the workers run in this
-// process's directory).
+// process's directory, where a default name would land).
 TEST(Timeline, OffRecordsNothing) {
   const auto before = shoal::testing::is_worker() ? std::set<std::string>{}
-                                                  : files_in(std::filesystem::current_path());
+                                                  : traces_in(std::filesystem::current_path());
   WorkersOptions options;
   auto body = [] {
     EXPECT_FALSE(timeline::enabled());
@@ -366,7 +373,7 @@ TEST(Timeline, OffRecordsNothing) {
   options.env["SHOAL_TIMELINE"] = "";
   run_workers(2, body, options);
   if (shoal::testing::is_worker()) return;
-  EXPECT_EQ(files_in(std::filesystem::current_path()), before);
+  EXPECT_EQ(traces_in(std::filesystem::current_path()), before);
 }
 
 // At the cap, later events are dropped and the file says how many.
