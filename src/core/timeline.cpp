@@ -95,9 +95,28 @@ std::string quoted(const std::string& text) {
   return out + "\"";
 }
 
-std::string header_line(const std::string& job) {
-  return "{\"name\":\"shoal_timeline\",\"ph\":\"M\",\"pid\":0,\"tid\":0,\"args\":{\"job\":" +
-         quoted(job) + "}}\n";
+// The header is the writing worker's own metadata event (an unknown one, which viewers ignore;
+// a pid of its own would make them draw an empty process). Only its job is compared.
+constexpr const char* kHeaderStart = "[\n{\"name\":\"shoal_timeline\",\"ph\":\"M\",\"pid\":";
+
+std::string header_job_part(const std::string& job) {
+  return ",\"args\":{\"job\":" + quoted(job) + "}}\n";
+}
+
+std::string header(const std::string& job, int pid) {
+  return kHeaderStart + std::to_string(pid) + ",\"tid\":" + std::to_string(pid) +
+         header_job_part(job);
+}
+
+// Whether `start` (the file's first bytes) begins with the header of `job`.
+bool has_header(const std::string& start, const std::string& job) {
+  if (start.rfind(kHeaderStart, 0) != 0) return false;
+  const auto line_end = start.find('\n', 2);
+  if (line_end == std::string::npos) return false;
+  const std::string line = start.substr(0, line_end + 1);
+  const std::string ending = header_job_part(job);
+  return line.size() >= ending.size() &&
+         line.compare(line.size() - ending.size(), ending.size(), ending) == 0;
 }
 
 std::string host_name() {
@@ -217,9 +236,10 @@ class Recorder {
     in_flush = true;
     std::lock_guard<std::mutex> writing(write_mutex_);
     std::string text;
-    std::string header;
+    std::string job;
     bool check_header = false;
     std::string path;
+    int rank = 0;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       last_flush_ = std::chrono::steady_clock::now();
@@ -228,7 +248,8 @@ class Recorder {
         return;
       }
       path = path_;
-      header = header_line(job_);
+      rank = rank_;
+      job = job_;
       check_header = !header_checked_;
       text = metadata_locked();
       for (const Event& event : buffer_) append_event(text, event);
@@ -246,14 +267,14 @@ class Recorder {
         written_dropped_ = dropped_;
       }
     }
-    const std::string error = write(path, check_header ? &header : nullptr, text);
+    const std::string error = write(path, check_header ? &job : nullptr, text);
     if (error.empty()) {
       std::lock_guard<std::mutex> lock(mutex_);
       header_checked_ = true;
     } else if (!warned_write_) {
       warned_write_ = true;
       std::fprintf(stderr, "shoal timeline: %s; events of worker %d are lost\n", error.c_str(),
-                   rank_);
+                   rank);
     }
     in_flush = false;
   }
@@ -320,9 +341,9 @@ class Recorder {
     text += "}\n";
   }
 
-  // Appends `text` under the file's lock; with `header`, first replaces a file that does not
-  // start with it. Returns what went wrong, or "".
-  static std::string write(const std::string& path, const std::string* header,
+  // Appends `text` under the file's lock; with `job`, first replaces a file that does not start
+  // with that job's header. Returns what went wrong, or "".
+  static std::string write(const std::string& path, const std::string* job,
                            const std::string& text) {
     const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
     if (fd < 0) return "cannot open " + path + " (" + std::strerror(errno) + ")";
@@ -339,12 +360,12 @@ class Recorder {
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
-    if (error.empty() && header) {
-      const std::string start = "[\n" + *header;
-      std::string found(start.size(), '\0');
-      const ssize_t n = ::pread(fd, found.data(), found.size(), 0);
-      if (n != static_cast<ssize_t>(start.size()) || found != start) {
-        if (::ftruncate(fd, 0) != 0 || !write_all(fd, start)) {
+    if (error.empty() && job) {
+      std::string start(4096, '\0');
+      const ssize_t n = ::pread(fd, start.data(), start.size(), 0);
+      start.resize(n > 0 ? static_cast<size_t>(n) : 0);
+      if (!has_header(start, *job)) {
+        if (::ftruncate(fd, 0) != 0 || !write_all(fd, header(*job, ::getpid()))) {
           error = "cannot write " + path + " (" + std::strerror(errno) + ")";
         }
       }
