@@ -126,7 +126,8 @@ class StepRun {
     SHOAL_CHECK(source.defined()) << "forward of stage " << stage << ", micro-batch " << mb
                                   << " has no input";
     own.input = source.detach();
-    if (own.input.is_floating_point()) own.input.requires_grad_(true);
+    // The first stage's input (the batch) needs no gradient: nobody receives it.
+    if (stage > 0 && own.input.is_floating_point()) own.input.requires_grad_(true);
     torch::Tensor x = own.input;
     for (auto& layer : state_.layers[stage]) x = layer.forward(x);
     if (stage == state_.stages() - 1) {
