@@ -20,6 +20,7 @@ int main(int argc, char** argv) {
   int micro_batches = 4;
   int steps = 20;
   int batch = 32;
+  int width = 64;
   bool plain = false;
   app.add_option("--schedule", schedule, "gpipe, 1f1b, interleaved or zb")
       ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved", "zb"}));
@@ -27,16 +28,21 @@ int main(int argc, char** argv) {
       ->check(examples::positive());
   app.add_option("--steps", steps, "training steps")->check(examples::positive());
   app.add_option("--batch", batch, "rows per batch")->check(examples::positive());
+  app.add_option("--width", width, "the hidden layers' width")->check(examples::positive());
   app.add_flag("--no-pipeline", plain, "train the plain model on this process (the reference)");
   if (const int code = examples::parse(app, argc, argv); code >= 0) return code;
   shoal::init();
 
   // The same whole model on every worker; the pipeline keeps this worker's stages.
   torch::manual_seed(0);
-  auto net =
-      torch::nn::Sequential(torch::nn::Linear(16, 64), torch::nn::Tanh(), torch::nn::Linear(64, 64),
-                            torch::nn::Tanh(), torch::nn::Linear(64, 64), torch::nn::Tanh(),
-                            torch::nn::Linear(64, 64), torch::nn::Tanh(), torch::nn::Linear(64, 1));
+  // Four equal hidden layers between a small input and output layer, so that 2 or 4 stages
+  // balanced by parameter count cost about the same.
+  torch::nn::Sequential net(torch::nn::Linear(16, width), torch::nn::Tanh());
+  for (int layer = 0; layer < 4; ++layer) {
+    net->push_back(torch::nn::Linear(width, width));
+    net->push_back(torch::nn::Tanh());
+  }
+  net->push_back(torch::nn::Linear(width, 1));
   auto loss_fn = [](const torch::Tensor& out, const torch::Tensor& y) {
     return torch::mse_loss(out, y);
   };

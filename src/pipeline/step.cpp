@@ -381,6 +381,10 @@ torch::Tensor Pipeline::step(const torch::Tensor& input, const torch::Tensor& ta
   const auto replicated_before =
       state.replicas > 1 ? gradients_of(state.replicated) : std::vector<torch::Tensor>();
 
+  // The whole step as one slice, around its actions' (docs/pipeline.md, "Timeline").
+  std::optional<timeline::Slice> step_slice;
+  if (timeline::enabled()) step_slice.emplace("step", "pipeline");
+
   double loss_part = 0;
   StepRun run(state, input, target, loss);
   try {
