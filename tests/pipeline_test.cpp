@@ -11,11 +11,17 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <nlohmann/json.hpp>
 
 #include "harness.h"
 #include "shoal/pipeline/pipeline.h"
@@ -344,6 +350,68 @@ TEST(Pipeline, TiedWeightsGradientSummedOverStagesAndCopiesStayEqual) {
       EXPECT_TRUE(torch::equal(other, copy));
     }
   });
+}
+
+// ----- the timeline records what ran -----
+
+// Each worker's trace slices of category "pipeline" are its schedule's actions, in order, with
+// their stage and micro-batch: what was planned is what ran.
+TEST(Pipeline, TimelineRecordsEveryActionOfTheSchedule) {
+  char pattern[] = "/tmp/shoal-pipeline-trace-XXXXXX";
+  ASSERT_NE(::mkdtemp(pattern), nullptr);
+  const std::string dir = pattern;
+  const std::string trace = dir + "/trace.json";
+  shoal::testing::WorkersOptions workers;
+  workers.env["SHOAL_TIMELINE"] = trace;
+  run_workers(
+      2,
+      [] {
+        pp::PipelineOptions options;
+        options.schedule = "zb";
+        options.micro_batches = 3;
+        pp::Pipeline pipe(mlp(), options);
+        auto [x, y] = batch(7, 5, 3, 0);
+        pipe.step(x, y, mse);
+      },
+      workers);
+  if (shoal::testing::is_worker()) return;
+  std::ifstream in(trace);
+  std::stringstream text;
+  text << in.rdbuf();
+  const auto events = nlohmann::json::parse(text.str() + "]");
+  std::map<int64_t, int> rank_of;  // pid -> rank, from "worker R (pid P on HOST)"
+  for (const auto& e : events) {
+    if (e.at("ph") == "M" && e.at("name") == "process_name") {
+      const std::string name = e.at("args").at("name");
+      rank_of[e.at("pid").get<int64_t>()] = std::stoi(name.substr(name.find(' ') + 1));
+    }
+  }
+  std::vector<std::vector<std::tuple<double, std::string, int, int>>> ran(2);
+  int steps = 0;
+  for (const auto& e : events) {
+    if (e.value("cat", "") != "pipeline" || e.at("ph") != "X") continue;
+    if (e.at("name") == "step") {
+      ++steps;
+      continue;
+    }
+    ran.at(rank_of.at(e.at("pid").get<int64_t>()))
+        .emplace_back(e.at("ts").get<double>(), e.at("name").get<std::string>(),
+                      e.at("args").at("stage").get<int>(),
+                      e.at("args").at("micro_batch").get<int>());
+  }
+  EXPECT_EQ(steps, 2);  // one per worker
+  const auto planned = pp::zero_bubble_h1(2, 3);
+  for (int w = 0; w < 2; ++w) {
+    std::sort(ran[w].begin(), ran[w].end());
+    ASSERT_EQ(ran[w].size(), planned.actions[w].size()) << "worker " << w;
+    for (size_t k = 0; k < ran[w].size(); ++k) {
+      const auto& action = planned.actions[w][k];
+      EXPECT_EQ(std::get<1>(ran[w][k]), action.short_name()) << "worker " << w << " action " << k;
+      EXPECT_EQ(std::get<2>(ran[w][k]), action.stage);
+      EXPECT_EQ(std::get<3>(ran[w][k]), action.micro_batch);
+    }
+  }
+  std::filesystem::remove_all(dir);
 }
 
 // ----- a data axis: each stage on two workers -----
