@@ -61,7 +61,8 @@ struct PipelineOptions {
   // Deadline of every transfer between stages; kUnsetTimeout: the world group's.
   Duration timeout = kUnsetTimeout;
   // A hand-written schedule instead of `schedule` (its workers, stages and micro_batches must
-  // agree with the pipeline's). It is validated before the first step as the generated ones are.
+  // agree with the pipeline's). It is validated (validate()) when the pipeline is made, as the
+  // generated ones are.
   std::shared_ptr<const Schedule> custom_schedule;
 };
 
@@ -69,7 +70,7 @@ class Pipeline {
  public:
   // Cuts `net` into stages and keeps this worker's. Raises UsageError for options that don't fit
   // (a split that doesn't sum to the layers, a stage with no layer, placements the schedule
-  // forbids). Needs shoal::init(). Does no communication.
+  // forbids, a schedule validate() refuses). Needs shoal::init(). Does no communication.
   Pipeline(torch::nn::Sequential net, PipelineOptions options = {});
   ~Pipeline();
   Pipeline(const Pipeline&) = delete;
@@ -78,11 +79,11 @@ class Pipeline {
   // Forward and backward of the batch (`input`, `target`, cut along dim 0 into micro-batches)
   // under the schedule. Accumulates into the .grad of this worker's parameters the gradient of
   // the batch's mean loss (call the optimizer's zero_grad() between steps, as usual), with the
-  // gradients of tied weights summed over their stages. Returns the batch's mean loss (a
-  // scalar, detached) on every worker. Every worker must call it. Raises CommError when a
-  // stage's worker is lost or a transfer passes its deadline, UsageError when an activation's
-  // shape differs from the one learned at the first step with this batch size (on both sides of
-  // the transfer). After an error the pipeline is unusable.
+  // gradients of tied weights summed over their stages, and a replicated stage's over its
+  // replicas. Returns the batch's mean loss (a float64 scalar) on every worker. Every worker must
+  // call it. Raises CommError when a stage's worker is lost or a transfer passes its deadline,
+  // UsageError when an activation's shape differs from the one learned at the first step with this
+  // batch size (on both sides of the transfer). After an error the pipeline is unusable.
   torch::Tensor step(const torch::Tensor& input, const torch::Tensor& target,
                      const LossFunction& loss);
 
