@@ -1,6 +1,9 @@
 // A loader over a torch::data dataset that gives this worker its share of every global batch:
 //
-//   auto loader = shoal::data::make_loader(dataset, {.batch_size = 64, .shuffle = true});
+//   shoal::data::LoaderOptions options;
+//   options.batch_size = 64;
+//   options.shuffle = true;
+//   auto loader = shoal::data::make_loader(dataset, options);
 //   for (int epoch = 0; epoch < 10; ++epoch)
 //     for (auto& batch : loader.epoch(epoch)) { /* batch.data, batch.target */ }
 //
