@@ -259,6 +259,46 @@ TEST_P(Workers, OneTrackPerWorkerWithEveryOperation) {
 
 INSTANTIATE_TEST_SUITE_P(Timeline, Workers, ::testing::Values(2, 3));
 
+// Boxing a global tensor is a slice naming the change, around the collective it needs.
+TEST(Timeline, Boxing) {
+  const std::string path = temp_path("boxing.json");
+  std::filesystem::remove(path);
+  WorkersOptions options;
+  options.env["SHOAL_TIMELINE"] = path;
+  run_workers(
+      2,
+      [] {
+        namespace g = shoal::global;
+        auto x = g::randn({4, 3}, g::Placement::all(), g::split(0));
+        auto whole = x.to_global(g::broadcast());
+        EXPECT_EQ(whole.to_local().size(0), 4);
+      },
+      options);
+  if (shoal::testing::is_worker()) return;
+  const auto events = read_trace(path);
+  const auto workers = workers_of(events);
+  ASSERT_EQ(workers.size(), 2u);
+  for (const auto& [pid, rank] : workers) {
+    SCOPED_TRACE("worker " + std::to_string(rank));
+    // Each worker's piece is 2 rows of 3 floats; the slice encloses the all-gather.
+    const json* boxing = nullptr;
+    const json* gather = nullptr;
+    for (const json& e : events) {
+      if (e.at("ph") != "X" || e.at("pid") != pid) continue;
+      if (e.at("name") == "boxing split(0) -> broadcast") boxing = &e;
+      if (e.at("name") == "all_gather" && e.at("args").at("bytes") == 24) gather = &e;
+    }
+    ASSERT_NE(boxing, nullptr);
+    ASSERT_NE(gather, nullptr);
+    EXPECT_EQ(boxing->at("cat"), "boxing");
+    EXPECT_EQ(boxing->at("args").at("bytes"), 24);
+    const double start = boxing->at("ts"), end = start + boxing->at("dur").get<double>();
+    EXPECT_LE(start, gather->at("ts").get<double>());
+    EXPECT_GE(end + 1e-3, gather->at("ts").get<double>() + gather->at("dur").get<double>());
+  }
+  std::filesystem::remove(path);
+}
+
 // A file from an earlier run (another job's header, or none) is replaced, not appended to.
 TEST(Timeline, StaleFileIsReplaced) {
   const std::string path = temp_path("stale.json");
