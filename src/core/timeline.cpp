@@ -155,6 +155,7 @@ class Recorder {
       std::lock_guard<std::mutex> lock(mutex_);
       path_ = *path;
       rank_ = rank;
+      metadata_changed_ = true;
       max_events_ = cap.value_or(kDefaultMaxEvents);
       host_ = host_name();
       if (job) set_job_locked(*job);
@@ -185,6 +186,7 @@ class Recorder {
   void set_rank(int rank) {
     std::lock_guard<std::mutex> lock(mutex_);
     rank_ = rank;
+    metadata_changed_ = true;
   }
 
   int thread_id() {
@@ -202,6 +204,7 @@ class Recorder {
       }
       std::lock_guard<std::mutex> lock(mutex_);
       threads_[this_thread.tid] = label;
+      metadata_changed_ = true;
     }
     return this_thread.tid;
   }
@@ -215,6 +218,7 @@ class Recorder {
       }
     }
     lanes_.push_back(true);
+    metadata_changed_ = true;
     return static_cast<int>(lanes_.size() - 1);
   }
 
@@ -257,7 +261,10 @@ class Recorder {
       rank = rank_;
       job = job_;
       check_header = !header_checked_;
-      text = metadata_locked();
+      // Names and sort order only when they changed (a new thread or comm track, a new rank),
+      // and with the first chunk; a failed write sends them again.
+      if (metadata_changed_ || check_header) text = metadata_locked();
+      metadata_changed_ = false;
       for (const Event& event : buffer_) append_event(text, event);
       written_ += static_cast<int64_t>(buffer_.size());
       buffer_.clear();
@@ -279,7 +286,11 @@ class Recorder {
     if (error.empty()) {
       std::lock_guard<std::mutex> lock(mutex_);
       header_checked_ = true;
-    } else if (!warned_write_) {
+    } else {
+      std::lock_guard<std::mutex> lock(mutex_);
+      metadata_changed_ = true;
+    }
+    if (!error.empty() && !warned_write_) {
       warned_write_ = true;
       std::fprintf(stderr, "shoal timeline: %s; events of worker %d are lost\n", error.c_str(),
                    rank);
@@ -407,6 +418,7 @@ class Recorder {
   std::string job_;
   bool job_known_ = false;
   bool header_checked_ = false;
+  bool metadata_changed_ = false;
   int64_t max_events_ = kDefaultMaxEvents;
   int64_t written_ = 0;
   int64_t dropped_ = 0;
