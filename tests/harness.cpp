@@ -21,6 +21,7 @@
 #include "shoal/comm/store.h"
 #include "shoal/core/env.h"
 #include "shoal/core/error.h"
+#include "shoal/core/timeline.h"
 #include "shoal/runtime/init.h"
 
 extern char** environ;
@@ -119,6 +120,7 @@ std::string describe_exit(int status) {
   }
   std::cout.flush();
   std::cerr.flush();
+  shoal::timeline::flush();  // _exit skips the timeline's own flush at exit
   std::fflush(nullptr);
   _exit(code);  // skip static destructors: peers may still be connected
 }

@@ -310,8 +310,8 @@ bool Group::is_broken() const {
 
 // ----- operations -----
 
-Work Group::launch(const char* op, const std::function<void(Work::State&)>& start,
-                   Duration timeout) {
+Work Group::launch(const char* op, const std::function<void(Work::State&)>& start, Duration timeout,
+                   int64_t bytes, int peer) {
   if (!state_) throw UsageError(std::string(op) + " on an empty Group; call shoal::init() first");
   if (state_->broken) {
     std::lock_guard<std::mutex> lock(state_->mutex);
@@ -323,6 +323,11 @@ Work Group::launch(const char* op, const std::function<void(Work::State&)>& star
   work->op = op;
   work->group = state_;
   work->deadline = Deadline(timeout == kUnsetTimeout ? state_->options.timeout : timeout);
+  if (timeline::enabled()) {
+    work->slice = peer < 0 ? timeline::AsyncSlice(op, "comm", {{"bytes", bytes}, {"group", size()}})
+                           : timeline::AsyncSlice(
+                                 op, "comm", {{"bytes", bytes}, {"group", size()}, {"peer", peer}});
+  }
   try {
     start(*work);
   } catch (const shoal::Error&) {
@@ -354,7 +359,7 @@ Work Group::all_reduce_async(at::Tensor& tensor, const AllReduceOptions& options
           if (!buffer.is_same(target)) target.copy_(buffer);
         };
       },
-      options.timeout);
+      options.timeout, static_cast<int64_t>(buffer.nbytes()));
 }
 
 void Group::all_reduce(at::Tensor& tensor, const AllReduceOptions& options) {
@@ -381,7 +386,7 @@ Work Group::broadcast_async(at::Tensor& tensor, const BroadcastOptions& options)
           if (!buffer.is_same(target)) target.copy_(buffer);
         };
       },
-      options.timeout);
+      options.timeout, static_cast<int64_t>(buffer.nbytes()));
 }
 
 void Group::broadcast(at::Tensor& tensor, const BroadcastOptions& options) {
@@ -432,7 +437,7 @@ Work Group::all_gather_async(const at::Tensor& tensor, const AllGatherOptions& o
           done.result = at::cat(pieces, 0);
         };
       },
-      options.timeout);
+      options.timeout, static_cast<int64_t>(tensor.nbytes()));
 }
 
 at::Tensor Group::all_gather(const at::Tensor& tensor, const AllGatherOptions& options) {
@@ -468,7 +473,7 @@ Work Group::all_to_all_async(const at::Tensor& input_tensor, const AllToAllOptio
         }
         work.finish = [output](Work::State& done) { done.result = output; };
       },
-      options.timeout);
+      options.timeout, static_cast<int64_t>(input.nbytes()));
 }
 
 at::Tensor Group::all_to_all(const at::Tensor& input, const AllToAllOptions& options) {
@@ -491,6 +496,7 @@ Work Group::reduce_scatter_async(const at::Tensor& input, const ReduceScatterOpt
   exchange.timeout = options.timeout;
   Work work = all_to_all_async(input, exchange);
   work.state_->op = "reduce_scatter";
+  work.state_->slice.rename("reduce_scatter");
   auto mine = sizes[rank()];
   const ReduceOp op = options.op;
   auto inner = std::move(work.state_->finish);
@@ -531,7 +537,7 @@ Work Group::send_async(const at::Tensor& tensor, int dst, const PointToPointOpti
         work.backend_work = state_->backend->send(tensors, dst, options.tag);
         work.finish = [buffer](Work::State&) {};  // keeps the buffer alive until sent
       },
-      options.timeout);
+      options.timeout, static_cast<int64_t>(buffer.nbytes()), state_->members[dst]);
 }
 
 void Group::send(const at::Tensor& tensor, int dst, const PointToPointOptions& options) {
@@ -552,7 +558,7 @@ Work Group::recv_async(at::Tensor& tensor, int src, const PointToPointOptions& o
           if (!buffer.is_same(target)) target.copy_(buffer);
         };
       },
-      options.timeout);
+      options.timeout, static_cast<int64_t>(buffer.nbytes()), state_->members[src]);
 }
 
 void Group::recv(at::Tensor& tensor, int src, const PointToPointOptions& options) {
@@ -565,7 +571,7 @@ Work Group::barrier_async(const BarrierOptions& options) {
       [&](Work::State& work) {
         if (size() > 1) work.backend_work = state_->backend->barrier();
       },
-      options.timeout);
+      options.timeout, 0);
 }
 
 void Group::barrier(const BarrierOptions& options) {

@@ -12,6 +12,7 @@
 
 #include "shoal/comm/group.h"
 #include "shoal/comm/work.h"
+#include "shoal/core/timeline.h"
 
 namespace shoal::comm {
 
@@ -46,6 +47,7 @@ struct Work::State {
   std::function<void(Work::State&)> finish;  // after success: copy back, reduce, fill result
   at::Tensor result;
   bool done = false;
+  timeline::AsyncSlice slice;  // from launch to the completion a wait() sees
 };
 
 }  // namespace shoal::comm

@@ -38,6 +38,7 @@ std::string others(const Group::State& group) {
 }
 
 [[noreturn]] void fail(Work::State& work, const std::string& what) {
+  work.slice.end();
   const std::string message = work.op + " on " + work.group->describe() + " " + what;
   work.group->mark_broken(message);
   throw CommError(message);
@@ -111,6 +112,7 @@ void Work::wait(Duration timeout) {
   }
   if (work.finish) work.finish(work);
   work.done = true;
+  work.slice.end();
 }
 
 Work& Work::then(std::function<void(const at::Tensor&)> next) {

@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include "shoal/core/error.h"
+#include "shoal/core/timeline.h"
 #include "shoal/runtime/batch_share.h"
 #include "shoal/runtime/world.h"
 
@@ -19,6 +20,7 @@ struct Bucket {
   at::Tensor buffer;
   size_t pending = 0;  // parameters whose gradient has not arrived in this backward
   comm::Work work;
+  timeline::AsyncSlice slice;  // from its all-reduce's start until finalize() has waited for it
 };
 
 }  // namespace
@@ -186,6 +188,14 @@ void Reducer::State::start_ready_buckets() {
 }
 
 void Reducer::State::start(Bucket& bucket) {
+  if (timeline::enabled()) {
+    const auto index = static_cast<int64_t>(&bucket - buckets.data());
+    bucket.slice = timeline::AsyncSlice(
+        "bucket " + std::to_string(index), "dp",
+        {{"bucket", index},
+         {"params", static_cast<int64_t>(bucket.params.size())},
+         {"bytes", static_cast<int64_t>(bucket.buffer.nbytes())}});
+  }
   bucket.work = prescale ? group.all_reduce_async(bucket.buffer, {comm::ReduceOp::kSum})
                          : options.hook(group, bucket.buffer);
 }
@@ -211,7 +221,10 @@ void Reducer::State::finalize() {
     for (size_t i = 0; i < params.size(); ++i) used.data_ptr<float>()[i] = ready[i] ? 1.0f : 0.0f;
   }
   in_backward = false;
-  for (auto& bucket : buckets) bucket.work.wait();
+  for (auto& bucket : buckets) {
+    bucket.work.wait();
+    bucket.slice.end();
+  }
   if (used.defined()) group.all_reduce(used, {comm::ReduceOp::kMax});
   runtime::count_synchronized_backward();
   for (size_t index = 0; index < params.size(); ++index) {

@@ -6,11 +6,14 @@
 #include <atomic>
 #include <map>
 #include <memory>
+#include <optional>
+#include <random>
 #include <thread>
 
 #include <ATen/Parallel.h>
 
 #include "shoal/core/error.h"
+#include "shoal/core/timeline.h"
 #include "shoal/runtime/world.h"
 
 namespace shoal {
@@ -246,6 +249,20 @@ void tell_the_job(const env::Environment& env, const InitOptions& options,
   }
 }
 
+// What the timeline calls the job, to tell its file from an earlier run's: the launcher's id;
+// "" (a run of its own) for a job of one; nullopt when the workers must agree on a name, which
+// rank 0 then makes up and shares through the store.
+std::optional<std::string> timeline_job(const JobSpec& job) {
+  if (!job.job_id.empty()) return job.job_id;
+  if (job.world_size <= 1 && !job.elastic) return std::string();
+  return std::nullopt;
+}
+
+std::string unnamed_job_token() {
+  std::random_device random;
+  return "unnamed job " + std::to_string(random()) + "-" + std::to_string(random());
+}
+
 }  // namespace
 
 void init(const InitOptions& options) {
@@ -254,6 +271,7 @@ void init(const InitOptions& options) {
   auto state = std::make_unique<Runtime>();
   try {
     state->job = discover_job(env, options.master);
+    timeline::start(env, state->job.rank, timeline_job(state->job));
   } catch (const UsageError& e) {
     tell_the_job(env, options, e.what());
     throw;
@@ -297,8 +315,14 @@ void init(const InitOptions& options) {
     if (auto ifname = env::get(env, "SHOAL_SOCKET_IFNAME")) group.interface = *ifname;
     else if (auto gloo_ifname = env::get(env, "GLOO_SOCKET_IFNAME")) group.interface = *gloo_ifname;
     group.bind_address = comm::local_address_towards(job.master_addr, job.master_port);
+    if (timeline::enabled() && !timeline_job(job) && job.rank == 0) {
+      comm::put(state->store, init_key(env, "timeline"), unnamed_job_token());
+    }
     state->world = comm::Group::create(state->store, job.rank, job.world_size, group);
     state->world.set_timeout(timeout);
+    // Group::create ends with a barrier: the name is in the store by now.
+    if (timeline::enabled() && !timeline_job(job))
+      timeline::set_job(comm::try_get(state->store, init_key(env, "timeline")));
   }
   the_runtime = state.release();
 }
@@ -319,6 +343,7 @@ void replace_world(World world) {
   Runtime& state = current();
   state.job = std::move(world.job);
   state.world = std::move(world.group);
+  timeline::set_rank(state.job.rank);
   world_listeners().call_all();
 }
 

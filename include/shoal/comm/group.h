@@ -144,7 +144,9 @@ class Group {
 
  private:
   explicit Group(std::shared_ptr<State> state) : state_(std::move(state)) {}
-  Work launch(const char* op, const std::function<void(Work::State&)>& start, Duration timeout);
+  // `bytes` (this worker's tensor) and `peer` (-1: none) are what the timeline records.
+  Work launch(const char* op, const std::function<void(Work::State&)>& start, Duration timeout,
+              int64_t bytes, int peer = -1);
   std::shared_ptr<State> state_;
 };
 
