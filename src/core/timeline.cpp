@@ -26,15 +26,17 @@ std::atomic<bool> recording{false};
 namespace {
 
 // Note [One timeline file for the whole job]
-// Every worker of the job writes the same file. Each one appends its events in chunks (every
-// kChunk events or kFlushPeriod, and at its end) under an exclusive flock, each event on a line
-// of its own that starts with ",", so the file is always a JSON array missing only its closing
-// "]" (which the trace-event format allows). Its second line is a header naming the job: a
-// worker that finds another job's header (an earlier run) or none truncates the file and writes
-// its own, one that finds its own job's appends. Chunks, rather than one write at exit, keep
-// memory bounded and lose at most the last chunk of a worker that is killed.
+// Every worker of the job writes the same file. Each one appends its events in chunks (when
+// kChunk events wait, from the recording thread; every kFlushPeriod, from a thread of its own;
+// and at its end) under an exclusive flock, each event on a line of its own that starts with
+// ",", so the file is always a JSON array missing only its closing "]" (which the trace-event
+// format allows). Its second line is a header naming the job: a worker that finds another job's
+// header (an earlier run) or none truncates the file and writes its own, one that finds its own
+// job's appends. Chunks, rather than one write at exit, keep memory bounded, and a worker that is
+// killed (a launcher stopping the job with SIGTERM, which no handler of ours could safely write
+// from) loses only its last period: the moments before a failure are what a trace is read for.
 constexpr size_t kChunk = 4096;
-constexpr auto kFlushPeriod = std::chrono::seconds(1);
+constexpr auto kFlushPeriod = std::chrono::milliseconds(250);
 constexpr int64_t kDefaultMaxEvents = 200000;
 constexpr auto kLockTimeout = std::chrono::seconds(10);
 // Async slices are drawn on pseudo-threads with these ids, above any Linux thread id (pid_max is
@@ -153,12 +155,19 @@ class Recorder {
       std::lock_guard<std::mutex> lock(mutex_);
       path_ = *path;
       rank_ = rank;
+      metadata_changed_ = true;
       max_events_ = cap.value_or(kDefaultMaxEvents);
       host_ = host_name();
       if (job) set_job_locked(*job);
     }
     static std::once_flag hooks;
     std::call_once(hooks, [] {
+      std::thread([] {
+        for (;;) {
+          std::this_thread::sleep_for(kFlushPeriod);
+          timeline::flush();
+        }
+      }).detach();
       std::atexit([] { timeline::flush(); });
       previous_terminate_ = std::set_terminate([] {
         timeline::flush();
@@ -177,6 +186,7 @@ class Recorder {
   void set_rank(int rank) {
     std::lock_guard<std::mutex> lock(mutex_);
     rank_ = rank;
+    metadata_changed_ = true;
   }
 
   int thread_id() {
@@ -194,6 +204,7 @@ class Recorder {
       }
       std::lock_guard<std::mutex> lock(mutex_);
       threads_[this_thread.tid] = label;
+      metadata_changed_ = true;
     }
     return this_thread.tid;
   }
@@ -207,6 +218,7 @@ class Recorder {
       }
     }
     lanes_.push_back(true);
+    metadata_changed_ = true;
     return static_cast<int>(lanes_.size() - 1);
   }
 
@@ -225,8 +237,7 @@ class Recorder {
         return;
       }
       buffer_.push_back(std::move(event));
-      const auto now = std::chrono::steady_clock::now();
-      flush_now = job_known_ && (buffer_.size() >= kChunk || now - last_flush_ >= kFlushPeriod);
+      flush_now = job_known_ && buffer_.size() >= kChunk;
     }
     if (flush_now) flush();
   }
@@ -242,7 +253,6 @@ class Recorder {
     int rank = 0;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      last_flush_ = std::chrono::steady_clock::now();
       if (path_.empty() || !job_known_ || (buffer_.empty() && dropped_ == written_dropped_)) {
         in_flush = false;
         return;
@@ -251,18 +261,23 @@ class Recorder {
       rank = rank_;
       job = job_;
       check_header = !header_checked_;
-      text = metadata_locked();
+      // Names and sort order only when they changed (a new thread or comm track, a new rank),
+      // and with the first chunk; a failed write sends them again.
+      if (metadata_changed_ || check_header) text = metadata_locked();
+      metadata_changed_ = false;
       for (const Event& event : buffer_) append_event(text, event);
       written_ += static_cast<int64_t>(buffer_.size());
       buffer_.clear();
       if (dropped_ != written_dropped_) {
-        Event notice{"timeline full: " + std::to_string(dropped_) + " events dropped",
+        // Each notice counts the events dropped since the previous one.
+        const int64_t dropped = dropped_ - written_dropped_;
+        Event notice{"timeline full: " + std::to_string(dropped) + " events dropped",
                      "shoal",
                      'i',
                      pid_,
                      now_ns(),
                      0,
-                     {{"dropped", dropped_}}};
+                     {{"dropped", dropped}}};
         append_event(text, notice);
         written_dropped_ = dropped_;
       }
@@ -271,7 +286,11 @@ class Recorder {
     if (error.empty()) {
       std::lock_guard<std::mutex> lock(mutex_);
       header_checked_ = true;
-    } else if (!warned_write_) {
+    } else {
+      std::lock_guard<std::mutex> lock(mutex_);
+      metadata_changed_ = true;
+    }
+    if (!error.empty() && !warned_write_) {
       warned_write_ = true;
       std::fprintf(stderr, "shoal timeline: %s; events of worker %d are lost\n", error.c_str(),
                    rank);
@@ -399,6 +418,7 @@ class Recorder {
   std::string job_;
   bool job_known_ = false;
   bool header_checked_ = false;
+  bool metadata_changed_ = false;
   int64_t max_events_ = kDefaultMaxEvents;
   int64_t written_ = 0;
   int64_t dropped_ = 0;
@@ -406,8 +426,7 @@ class Recorder {
   std::vector<Event> buffer_;
   std::map<int, std::string> threads_;
   std::vector<bool> lanes_;  // true while an AsyncSlice is drawn on it
-  std::chrono::steady_clock::time_point last_flush_ = std::chrono::steady_clock::now();
-  std::mutex write_mutex_;  // one writer at a time in this process
+  std::mutex write_mutex_;   // one writer at a time in this process
   bool warned_write_ = false;
   static std::terminate_handler previous_terminate_;
 };

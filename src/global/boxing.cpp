@@ -4,10 +4,12 @@
 // steps (slices, zero padding) are plain torch ops. See docs/global.md, "Boxing".
 #include <algorithm>
 #include <atomic>
+#include <optional>
 #include <set>
 
 #include "layout.h"
 #include "shoal/core/error.h"
+#include "shoal/core/timeline.h"
 #include "shoal/runtime/init.h"
 
 namespace shoal::global::detail {
@@ -353,6 +355,14 @@ at::Tensor box(const at::Tensor& local, at::IntArrayRef shape, const Placement& 
   const int me = my_rank();
   const bool in_from = from_placement.contains(me);
   const bool in_to = to_placement.contains(me);
+  std::optional<timeline::Slice> slice;
+  if (timeline::enabled() && (in_from || in_to) &&
+      !(from_placement == to_placement && from == to)) {
+    const bool moves = !(from_placement == to_placement);
+    slice.emplace("boxing " + from.describe() + " -> " + to.describe() +
+                      (moves ? " to " + to_placement.describe() : ""),
+                  "boxing", timeline::Args{{"bytes", bytes_of(local)}});
+  }
   if (from_placement == to_placement) {
     if (!in_from || from == to) return local;
     return box_within(local, shape, from_placement, from, to);
