@@ -1,22 +1,25 @@
 #!/usr/bin/env bash
 # Pipeline parallelism (issue "pipeline parallelism", bench/RESULTS.md "pipeline"): a stack of
-# equal blocks, Linear(512, 512) + Tanh x 16, batch 256, forward and backward of the mean MSE loss,
+# equal blocks, Linear(512, 512) + Tanh x 8, batch 1024, forward and backward of the mean MSE loss,
 # one intra-op thread per process (bench/pipeline.cpp), trained by
 #   gpipe 1f1b interleaved zb   shoal::pipeline::Pipeline under that schedule (interleaved: v = 2),
 #                               the stack cut into equal stages,
 #   hand                        the same GPipe by hand in plain LibTorch with c10d send/recv,
 #   local                       one process running the whole stack on the whole batch,
+#   local-mb                    one process running the whole stack on the m micro-batches in turn
+#                               (what the smaller matrix products alone cost),
 # on p = 2 workers (one core each) and p = 4 (oversubscribed: 4 processes on 2 cores), for m in
 # 2 4 8 16. Every shoal run records SHOAL_TIMELINE; bench/pipeline_trace.py reads from it the
 # bubble, the compute costs and the stashed micro-batches, and shoal::pipeline::simulate() gives
 # the theory at unit costs (f = 1, b = 2, i = w = 1) and at the costs the trace measured.
 # Contenders take turns within each round in an order that rotates from round to round; the
 # tables give medians over rounds. The load average is recorded before and after each round.
+# One process (local, local-mb) runs only in the rounds of the first p.
 #
 #   bench/pipeline.sh [BUILD_DIR]      (default: build; needs its targets shoal_cli and pipeline)
 #
 # Environment: ROUNDS=3 STEPS=5 WARMUP=2 WORKERS="2 4" MICRO_BATCHES="2 4 8 16"
-#   CONTENDERS="gpipe 1f1b interleaved zb hand local" RUN_TIMEOUT=120
+#   CONTENDERS="gpipe 1f1b interleaved zb hand local local-mb" RUN_TIMEOUT=120
 #   RAW=FILE   raw lines (default: bench/results/pipeline-DATE.txt, kept beside RESULTS.md)
 set -euo pipefail
 
@@ -29,7 +32,7 @@ steps=${STEPS:-5}
 warmup=${WARMUP:-2}
 workers_list=${WORKERS:-2 4}
 micro_batches_list=${MICRO_BATCHES:-2 4 8 16}
-read -r -a contenders <<<"${CONTENDERS:-gpipe 1f1b interleaved zb hand local}"
+read -r -a contenders <<<"${CONTENDERS:-gpipe 1f1b interleaved zb hand local local-mb}"
 run_timeout=${RUN_TIMEOUT:-120}
 trace_py=$here/pipeline_trace.py
 
@@ -38,8 +41,8 @@ for tool in "$shoal" "$bench"; do
 done
 for contender in "${contenders[@]}"; do
   case $contender in
-    gpipe | 1f1b | interleaved | zb | hand | local) ;;
-    *) echo "pipeline.sh: unknown contender $contender; expected gpipe, 1f1b, interleaved, zb, hand or local" >&2; exit 2 ;;
+    gpipe | 1f1b | interleaved | zb | hand | local | local-mb) ;;
+    *) echo "pipeline.sh: unknown contender $contender; expected gpipe, 1f1b, interleaved, zb, hand, local or local-mb" >&2; exit 2 ;;
   esac
 done
 
@@ -74,8 +77,8 @@ run_one() {
   local args=(--micro-batches "$m" --warmup "$warmup" --steps "$steps")
   rm -f "$trace"
   case $contender in
-    local)
-      SHOAL_NUM_THREADS=1 timeout "$run_timeout" "$bench" --impl local "${args[@]}" >"$log" 2>&1 || status=$? ;;
+    local | local-mb)
+      SHOAL_NUM_THREADS=1 timeout "$run_timeout" "$bench" --impl "$contender" "${args[@]}" >"$log" 2>&1 || status=$? ;;
     hand)
       SHOAL_NUM_THREADS=1 timeout "$run_timeout" "$shoal" run -n "$p" --no-tag-output \
         "$bench" --impl hand "${args[@]}" >"$log" 2>&1 || status=$? ;;
@@ -90,7 +93,7 @@ run_one() {
     return 0
   fi
   line="round=$round contender=$contender p=$p m=$m ${line#pipeline }"
-  if [[ $contender != local && $contender != hand ]]; then
+  if [[ $contender != local* && $contender != hand ]]; then
     local t v costs
     t=$(python3 "$trace_py" trace "$trace" --warmup "$warmup")
     v=$([[ $contender == interleaved ]] && echo 2 || echo 1)
@@ -112,7 +115,10 @@ for ((round = 0; round < rounds; round++)); do
   for p in $workers_list; do
     for m in $micro_batches_list; do
       for ((i = 0; i < n; i++)); do
-        run_one "${contenders[(round + i) % n]}" "$p" "$m" "$round"
+        contender=${contenders[(round + i) % n]}
+        # One process does not depend on p: measured beside the first p only.
+        [[ $contender == local* && $p != "${workers_list%% *}" ]] && continue
+        run_one "$contender" "$p" "$m" "$round"
       done
     done
   done

@@ -98,7 +98,10 @@ def analyse(path, warmup):
 
 
 def fields(line):
-    return dict(t.split("=", 1) for t in line.split() if "=" in t)
+    out = {}
+    for key, value in (t.split("=", 1) for t in line.split() if "=" in t):
+        out.setdefault(key, value)  # the script's round, contender, p, m come first
+    return out
 
 
 def closed_form(schedule, p, v, m):
@@ -128,38 +131,45 @@ def summarize(path):
     local_rate = med(local, "samples_per_s") if local else float("nan")
     print(f"one process, whole stack, whole batch: {local_rate:.1f} samples/s "
           f"(median of {len(local)} runs)")
-    for p in sorted({k[1] for k in runs if k[0] != "local"}, key=int):
+    local_mb = {m: rows for (c, _, m), rows in runs.items() if c == "local-mb"}
+    for p in sorted({k[1] for k in runs if not k[0].startswith("local")}, key=int):
         print()
         print(f"### p = {p}" + (" (oversubscribed: 4 workers on 2 cores)" if int(p) > 2 else ""))
         print()
         print("| schedule | m | step ms | samples/s | x one process | x hand GPipe | bubble "
               "measured | closed form | simulate() unit | simulate() measured costs | peak "
-              "stash/stage | theory | MiB/stage | runs |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-        for schedule in ("hand", "gpipe", "1f1b", "interleaved", "zb"):
+              "stash/stage | peak stash/worker | simulate() peak/worker | MiB/stage | runs |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for schedule in ("local-mb", "hand", "gpipe", "1f1b", "interleaved", "zb"):
             for m in sorted({k[2] for k in runs if k[1] == p}, key=int):
-                rows = runs.get((schedule, p, m))
+                rows = local_mb.get(m) if schedule == "local-mb" else runs.get((schedule, p, m))
                 if not rows:
                     continue
                 hand = runs.get(("hand", p, m))
                 rate = med(rows, "samples_per_s")
                 x_hand = f"{rate / med(hand, 'samples_per_s'):.2f}" if hand else "-"
-                if schedule == "hand":
-                    print(f"| hand GPipe (c10d) | {m} | {med(rows, 'step_ms'):.1f} | {rate:.1f} | "
-                          f"{rate / local_rate:.2f} | 1.00 | - | - | - | - | - | - | - | "
+                if schedule in ("hand", "local-mb"):
+                    name = "hand GPipe (c10d)" if schedule == "hand" else "one process, m in turn"
+                    x_hand = "-" if schedule == "local-mb" else x_hand
+                    print(f"| {name} | {m} | {med(rows, 'step_ms'):.1f} | {rate:.1f} | "
+                          f"{rate / local_rate:.2f} | {x_hand} | - | - | - | - | - | - | - | - | "
                           f"{len(rows)} |")
                     continue
                 v = int(rows[0]["v"])
                 st = stash.get((p, str(v), m))
                 peak = int(max(float(r["peak_stage"]) for r in rows))
                 theory_peak = rows[0]["sim_peak_in_flight"]
+                worker_peak = ",".join(
+                    str(max(int(r["peak_worker"].split(",")[w]) for r in rows))
+                    for w in range(int(p)))
                 mib = f"{peak * float(st['bytes']) / 2**20:.2f}" if st else "-"
                 name = f"interleaved v={v}" if schedule == "interleaved" else schedule
                 print(f"| {name} | {m} | {med(rows, 'step_ms'):.1f} | {rate:.1f} | "
                       f"{rate / local_rate:.2f} | {x_hand} | {med(rows, 'bubble'):.3f} | "
                       f"{closed_form(schedule, int(p), v, int(m)):.3f} | "
                       f"{float(rows[0]['sim_unit_bubble']):.3f} | "
-                      f"{med(rows, 'sim_measured_bubble'):.3f} | {peak} | {theory_peak} | {mib} | "
+                      f"{med(rows, 'sim_measured_bubble'):.3f} | {peak} | {worker_peak} | {theory_peak} | "
+                      f"{mib} | "
                       f"{len(rows)} |")
     if stash:
         print()
