@@ -52,6 +52,7 @@ struct Options {
   int threads = 1;
   int workers = 2;            // theory, stash: p
   std::vector<double> costs;  // theory: f, b, i, w
+  bool describe = false;      // theory: print the schedule's lists instead
 };
 
 double median(std::vector<double> values) {
@@ -266,6 +267,10 @@ int run_theory(const Options& o) {
     c.backward_input = o.costs[2];
     c.backward_weight = o.costs[3];
   }
+  if (o.describe) {
+    std::printf("%s", s.describe().c_str());
+    return 0;
+  }
   const auto sim = pp::simulate(s, c);
   std::printf("theory schedule=%s p=%d v=%d m=%d bubble=%.4f makespan=%.4f peak_in_flight=%s\n",
               o.schedule.c_str(), o.workers, stages_per_worker(o), o.micro_batches, sim.bubble,
@@ -328,6 +333,7 @@ int main(int argc, char** argv) {
   app.add_option("--threads", o.threads, "intra-op threads")->check(CLI::PositiveNumber);
   app.add_option("--workers", o.workers, "p, for theory and stash")->check(CLI::PositiveNumber);
   app.add_option("--costs", o.costs, "theory: f b i w")->delimiter(',');
+  app.add_flag("--describe", o.describe, "theory: print the schedule's action lists");
   CLI11_PARSE(app, argc, argv);
   torch::set_num_threads(o.threads);
   try {

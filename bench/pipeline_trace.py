@@ -8,6 +8,10 @@
       (F, B, I, W) inside its step; the median cost in ms of F, B, I and W; the peak number of
       micro-batches stashed by one stage (forwarded, and not yet through B, or W when the backward
       is split) and by one worker (over its stages).
+  pipeline_trace.py replay TRACE LISTS --warmup N
+      The bubble the schedule's lists (LISTS: bench/pipeline --impl theory --describe) would have
+      with each stage's own median F, B, I, W from the trace, transfers taking no time: the theory
+      for stages whose costs differ, which simulate()'s one cost per kind cannot give.
   pipeline_trace.py summarize RAW
       The tables of bench/pipeline.sh from its raw lines (medians over rounds).
 """
@@ -97,6 +101,57 @@ def analyse(path, warmup):
           f"peak_worker={','.join(map(str, peak_worker))}")
 
 
+def stage_costs(path, warmup):
+    """Median ms of each compute kind on each stage, over the timed steps."""
+    events = load(path)
+    rank_of = {e["pid"]: e["args"]["sort_index"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "process_sort_index"}
+    steps, costs = defaultdict(list), defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "pipeline" and e["name"] == "step":
+            steps[rank_of[e["pid"]]].append((e["ts"], e["ts"] + e["dur"]))
+    timed = {r: sorted(s)[warmup:] for r, s in steps.items()}
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") != "pipeline":
+            continue
+        match = COMPUTE.match(e["name"])
+        if match and any(a <= e["ts"] <= b for a, b in timed[rank_of[e["pid"]]]):
+            costs[match[1], int(match[2])].append(e["dur"] / 1000)
+    return {k: statistics.median(v) for k, v in costs.items()}
+
+
+def replay(lists, costs):
+    """Runs the schedule's lists (bench/pipeline --impl theory --describe) as simulate() does, a
+    send never blocking and a receive waiting for its send, transfers taking no time, but with
+    each stage's own cost of each kind. Returns the bubble."""
+    workers = [line.split(":", 1)[1].split() for line in lists if line.startswith("worker ")]
+    clock, pos, sent = [0.0] * len(workers), [0] * len(workers), {}
+    busy = 0.0
+    progress = True
+    while progress:
+        progress = False
+        for w, actions in enumerate(workers):
+            while pos[w] < len(actions):
+                name = actions[pos[w]]
+                kind, rest = re.match(r"([A-Z]+)(.*)", name).groups()
+                stage, mb = map(int, rest.split("."))
+                if kind in ("SA", "SG"):
+                    sent[kind, stage, mb] = clock[w]
+                elif kind in ("RA", "RG"):
+                    key = ("SA", stage - 1, mb) if kind == "RA" else ("SG", stage + 1, mb)
+                    if key not in sent:
+                        break
+                    clock[w] = max(clock[w], sent[key])
+                else:
+                    cost = costs.get((kind, stage), 0.0)
+                    clock[w] += cost
+                    busy += cost
+                pos[w] += 1
+                progress = True
+    assert all(pos[w] == len(a) for w, a in enumerate(workers)), "the lists deadlock"
+    return 1 - busy / (len(workers) * max(clock))
+
+
 def fields(line):
     out = {}
     for key, value in (t.split("=", 1) for t in line.split() if "=" in t):
@@ -184,7 +239,15 @@ if __name__ == "__main__":
     if len(sys.argv) >= 3 and sys.argv[1] == "trace":
         warmup = int(sys.argv[sys.argv.index("--warmup") + 1]) if "--warmup" in sys.argv else 0
         analyse(sys.argv[2], warmup)
+    elif len(sys.argv) >= 4 and sys.argv[1] == "replay":
+        # replay TRACE LISTS [--warmup N]: the bubble of the lists at the trace's per-stage costs.
+        warmup = int(sys.argv[sys.argv.index("--warmup") + 1]) if "--warmup" in sys.argv else 0
+        costs = stage_costs(sys.argv[2], warmup)
+        with open(sys.argv[3]) as f:
+            bubble = replay(f.read().splitlines(), costs)
+        print("stage_costs_ms=" + ",".join(f"{k}{s}:{v:.2f}" for (k, s), v in sorted(costs.items(),
+              key=lambda kv: (kv[0][1], kv[0][0]))) + f" replay_bubble={bubble:.4f}")
     elif len(sys.argv) == 3 and sys.argv[1] == "summarize":
         summarize(sys.argv[2])
     else:
-        raise SystemExit("usage: pipeline_trace.py trace TRACE [--warmup N] | summarize RAW")
+        raise SystemExit("usage: pipeline_trace.py trace TRACE [--warmup N] | replay TRACE LISTS [--warmup N] | summarize RAW")
