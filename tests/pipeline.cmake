@@ -7,3 +7,11 @@ gtest_discover_tests(pipeline_schedule_test DISCOVERY_TIMEOUT 60 PROPERTIES TIME
 # The backward split into I and W against one backward (white-box: the class is private).
 shoal_add_test(pipeline_split_test pipeline_split_test.cpp)
 target_include_directories(pipeline_split_test PRIVATE ${PROJECT_SOURCE_DIR}/src)
+# The pipeline runtime (docs/pipeline.md): every schedule on real workers against one process,
+# uneven stages, tied weights, and its errors (a wrong activation shape, a killed stage).
+shoal_add_test(pipeline_test pipeline_test.cpp PROPERTIES RESOURCE_LOCK timing)
+if(TARGET pipeline_mlp)
+  # examples/pipeline_mlp.cpp under `shoal run -n 2` in each schedule, against one process.
+  shoal_add_test(pipeline_example_test pipeline_example_test.cpp)
+  add_dependencies(pipeline_example_test pipeline_mlp shoal_cli)
+endif()

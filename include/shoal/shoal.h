@@ -20,5 +20,6 @@
 #include "shoal/global/ops.h"
 #include "shoal/global/placement.h"
 #include "shoal/global/tensor.h"
+#include "shoal/pipeline/pipeline.h"
 #include "shoal/runtime/init.h"
 #include "shoal/runtime/job.h"

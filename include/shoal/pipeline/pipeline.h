@@ -1,0 +1,112 @@
+// Pipeline parallelism: a torch::nn::Sequential cut into stages that sit on different workers and
+// work at the same time on different micro-batches, under a schedule (schedule.h) picked by name.
+//
+//   namespace pp = shoal::pipeline;
+//   torch::manual_seed(0);                         // the same whole model on every worker
+//   auto net = torch::nn::Sequential(...);
+//   pp::PipelineOptions opts;
+//   opts.micro_batches = 8;
+//   opts.schedule = "1f1b";                        // "gpipe", "1f1b", "interleaved", "zb"
+//   pp::Pipeline pipe(net, opts);                  // stage s on worker s, split by parameter count
+//   torch::optim::SGD opt(pipe.parameters(), 0.1); // this worker's stages' parameters
+//   for (...) {
+//     opt.zero_grad();
+//     auto loss = pipe.step(x, y, [](auto& out, auto& y) { return torch::mse_loss(out, y); });
+//     opt.step();                                  // loss: the batch's mean loss, on every worker
+//   }
+//
+// Contract: every worker of the job builds the same whole model (same seed) and calls step() with
+// the same global batch, in the same order, as every worker of a global-tensor program does. A
+// worker keeps only its stages' layers. The gradients step() leaves in .grad are those of the
+// mean loss over the whole batch, whatever the number of micro-batches. See docs/pipeline.md.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/types.h>
+
+#include "shoal/core/timeout.h"
+#include "shoal/global/placement.h"
+#include "shoal/pipeline/schedule.h"
+
+namespace shoal::pipeline {
+
+// The loss of one micro-batch: the mean over its rows (a mean-reduced torch loss, as
+// torch::mse_loss or torch::nn::functional::cross_entropy give by default). The pipeline weighs
+// each micro-batch's loss by its share of the batch's rows, which gives the batch's mean loss.
+using LossFunction =
+    std::function<torch::Tensor(const torch::Tensor& output, const torch::Tensor& target)>;
+
+struct PipelineOptions {
+  // The batch is cut along dim 0 into this many micro-batches (the first ones a row more when it
+  // does not divide, as comm::split_sizes cuts).
+  int micro_batches = 1;
+  // "gpipe", "1f1b", "interleaved" or "zb" (parse_schedule_kind).
+  std::string schedule = "1f1b";
+  // Stages per worker (v). 0: 2 for "interleaved", 1 for the others.
+  int stages_per_worker = 0;
+  // Layers per stage, in order (their sum is the number of layers). Empty: as many stages as
+  // workers times stages_per_worker (or placements), balanced by parameter count.
+  std::vector<int> split;
+  // Each stage's placement: a line of workers. One worker, or d that each run the stage on
+  // their share of every micro-batch (a data axis: every stage needs d, and the stage's
+  // gradients are summed among them). Empty: stage s on worker s % p, p the job's world size.
+  // The schedule fixes which stages share a placement: stage s on the (s % p)-th of the
+  // distinct placements named here; another placement is a UsageError.
+  std::vector<global::Placement> placements;
+  // Deadline of every transfer between stages; kUnsetTimeout: the world group's.
+  Duration timeout = kUnsetTimeout;
+  // A hand-written schedule instead of `schedule` (its workers, stages and micro_batches must
+  // agree with the pipeline's). It is validated (validate()) when the pipeline is made, as the
+  // generated ones are.
+  std::shared_ptr<const Schedule> custom_schedule;
+};
+
+class Pipeline {
+ public:
+  // Cuts `net` into stages and keeps this worker's. Raises UsageError for options that don't fit
+  // (a split that doesn't sum to the layers, a stage with no layer, placements the schedule
+  // forbids, a schedule validate() refuses). Needs shoal::init(). Does no communication.
+  Pipeline(torch::nn::Sequential net, PipelineOptions options = {});
+  ~Pipeline();
+  Pipeline(const Pipeline&) = delete;
+  Pipeline& operator=(const Pipeline&) = delete;
+
+  // Forward and backward of the batch (`input`, `target`, cut along dim 0 into micro-batches)
+  // under the schedule. Accumulates into the .grad of this worker's parameters the gradient of
+  // the batch's mean loss (call the optimizer's zero_grad() between steps, as usual), with the
+  // gradients of tied weights summed over their stages, and a replicated stage's over its
+  // replicas. Returns the batch's mean loss (a float64 scalar) on every worker. Every worker must
+  // call it. Raises CommError when a stage's worker is lost or a transfer passes its deadline,
+  // UsageError when an activation's shape differs from the one learned at the first step with this
+  // batch size (on both sides of the transfer). After an error the pipeline is unusable.
+  torch::Tensor step(const torch::Tensor& input, const torch::Tensor& target,
+                     const LossFunction& loss);
+
+  // This worker's stages' parameters (each tied weight once): what its optimizer steps.
+  std::vector<torch::Tensor> parameters() const;
+  // Layers per stage, and the stages this worker holds (in order).
+  const std::vector<int>& split() const;
+  std::vector<int> local_stages() const;
+  int stages() const;
+  // The workers that run `stage`.
+  global::Placement placement(int stage) const;
+  const Schedule& schedule() const;
+
+  struct State;
+
+ private:
+  std::unique_ptr<State> state_;
+};
+
+// How `weights` (e.g. the parameter counts of a model's layers) are cut into `parts` contiguous,
+// non-empty groups so that the largest group's sum is as small as possible; returns each group's
+// length. Each weight counts at least 1, so that layers without parameters are spread too.
+// UsageError when there are fewer weights than parts.
+std::vector<int> balanced_split(const std::vector<int64_t>& weights, int parts);
+
+}  // namespace shoal::pipeline

@@ -1,0 +1,122 @@
+// The pipeline's state and wire format, shared by its construction (pipeline.cpp) and its step
+// (step.cpp). Private to src/pipeline.
+#pragma once
+
+#include <map>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <torch/nn/modules/container/any.h>
+#include <torch/types.h>
+
+#include "shoal/comm/group.h"
+#include "shoal/pipeline/pipeline.h"
+
+namespace shoal::pipeline {
+namespace detail {
+
+// Note [Pipeline tags]
+// Every transfer has its own tag: (channel, stage, micro-batch), from kTagBase up, so that a
+// receive can only match the send meant for it. Gloo takes any 32-bit tag; shoal keeps tags from
+// 2^24 up for DataParallel's communication hooks (docs/comm.md) and global tensors' boxing uses
+// tag 0, so the pipeline's tags lie in [2^20, 2^24).
+constexpr int kTagBase = 1 << 20;
+constexpr int kTagLimit = 1 << 24;
+enum Channel { kShapeHeader = 0, kActivation = 1, kGradient = 2, kChannels = 3 };
+
+// Note [Shape headers]
+// Each activation is preceded by a small header with its dtype and shape, so that a stage whose
+// output shape changes fails on both sides of the transfer with the same UsageError instead of
+// the receiver waiting for bytes that never fit. Gradients need none: a gradient's shape is its
+// activation's, already checked. Header: {dtype, ndim, sizes..., 0...}; ndim -1 means more
+// dimensions than a header holds.
+constexpr int kMaxDims = 16;
+constexpr int kHeaderLength = 2 + kMaxDims;
+
+inline std::string join(const std::vector<int>& values) {
+  std::string text = "[";
+  for (size_t i = 0; i < values.size(); ++i) text += (i ? ", " : "") + std::to_string(values[i]);
+  return text + "]";
+}
+
+inline std::string shape_of(c10::IntArrayRef sizes) {
+  std::ostringstream text;
+  text << sizes;
+  return text.str();
+}
+
+struct Shape {
+  int64_t dtype = -1;
+  std::vector<int64_t> sizes;
+  bool operator==(const Shape& other) const { return dtype == other.dtype && sizes == other.sizes; }
+  std::string describe() const {
+    return shape_of(sizes) + " " + std::string(c10::toString(static_cast<c10::ScalarType>(dtype)));
+  }
+};
+
+inline torch::Tensor header_of(const torch::Tensor& tensor) {
+  auto header = torch::zeros({kHeaderLength}, torch::kInt64);
+  auto* data = header.data_ptr<int64_t>();
+  data[0] = static_cast<int64_t>(tensor.scalar_type());
+  if (tensor.dim() > kMaxDims) {
+    data[1] = -1;
+    return header;
+  }
+  data[1] = tensor.dim();
+  for (int64_t d = 0; d < tensor.dim(); ++d) data[2 + d] = tensor.size(d);
+  return header;
+}
+
+inline int64_t parameter_count(const torch::nn::Module& module) {
+  int64_t count = 0;
+  for (const auto& p : module.parameters()) count += p.numel();
+  return count;
+}
+
+}  // namespace detail
+
+struct Pipeline::State {
+  using Channel = detail::Channel;
+  using Shape = detail::Shape;
+  PipelineOptions options;
+  Schedule schedule;
+  std::vector<int> split;  // layers per stage
+  // Schedule worker -> its replicas' ranks (one each without a data axis).
+  std::vector<std::vector<int>> ranks;
+  int replicas = 1;                          // d: the workers of each stage's placement
+  int replica = 0;                           // which of them this worker is
+  std::optional<comm::Group> replica_group;  // this stage's replicas, made at the first step
+  std::vector<std::vector<torch::nn::AnyModule>> layers;  // per stage; empty unless held here
+  int me = -1;  // this worker's index in the schedule, -1 when it holds no stage
+  int world_size = 1;
+  std::vector<torch::Tensor> parameters;
+  // Weights used by stages on several workers: their gradients are summed across workers.
+  std::vector<torch::Tensor> tied;  // this worker's copies, undefined where it holds none
+  std::vector<int64_t> tied_numel;
+  // This worker's other parameters: summed among the stage's replicas (with a data axis).
+  std::vector<torch::Tensor> replicated;
+  std::vector<int64_t> replicated_numel;
+  // Shapes and receive buffers, by (batch rows, stage, micro-batch): learned at the first step
+  // with that batch size (Note [Shape headers]).
+  std::map<std::tuple<int64_t, int, int>, Shape> learned;
+  std::map<std::tuple<int64_t, int, int>, torch::Tensor> activation_buffers, gradient_buffers;
+  std::string broken;  // why an earlier step failed
+
+  int stages() const { return schedule.stages; }
+  // The rank of `stage` in this worker's replica of the pipeline.
+  int rank_of(int stage) const { return ranks[schedule.worker_of(stage)][replica]; }
+  int tag(Channel channel, int stage, int micro_batch) const {
+    return detail::kTagBase + (channel * stages() + stage) * schedule.micro_batches + micro_batch;
+  }
+  comm::PointToPointOptions p2p(Channel channel, int stage, int micro_batch) const {
+    comm::PointToPointOptions o;
+    o.tag = tag(channel, stage, micro_batch);
+    o.timeout = options.timeout;
+    return o;
+  }
+};
+
+}  // namespace shoal::pipeline

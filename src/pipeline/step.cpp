@@ -1,0 +1,425 @@
+// Pipeline::step(): one worker's actions of the schedule, in order.
+#include <optional>
+
+#include <torch/autograd.h>
+
+#include "pipeline_state.h"
+#include "shoal/core/error.h"
+#include "shoal/core/timeline.h"
+#include "shoal/runtime/init.h"
+#include "split_backward.h"
+
+namespace shoal::pipeline {
+
+using namespace detail;
+
+namespace {
+
+// One stage's work on one micro-batch, from its forward to its backward.
+struct Slot {
+  torch::Tensor input;        // the stage's input, a leaf (its .grad is what SG sends)
+  torch::Tensor output;       // the stage's output; on the last stage, the weighted loss
+  torch::Tensor grad_output;  // the gradient of the output, received (RG)
+  torch::Tensor grad_input;   // the gradient of the input, after B or I
+  bool has_grad_input = false;
+  std::unique_ptr<detail::SplitBackward> split;  // between I and W
+};
+
+// A transfer in flight, waited on before the step ends.
+struct PendingSend {
+  comm::Work work;
+  std::string what;
+};
+
+class StepRun {
+ public:
+  StepRun(Pipeline::State& state, const torch::Tensor& input, const torch::Tensor& target,
+          const LossFunction& loss)
+      : state_(state), loss_(loss), group_(shoal::world()) {
+    // With a data axis, replica j runs the j-th share of the batch's rows through its own copy
+    // of the pipeline; each micro-batch's loss is weighed by its rows over the whole batch's.
+    rows_ = input.size(0);
+    const auto shares = comm::split_sizes(rows_, state.replicas);
+    int64_t offset = 0;
+    for (int j = 0; j < state.replica; ++j) offset += shares[j];
+    sizes_ = comm::split_sizes(shares[state.replica], state.schedule.micro_batches);
+    const int last = state.stages() - 1;
+    if (state.schedule.worker_of(0) == state.me) {
+      inputs_ = input.narrow(0, offset, shares[state.replica]).split_with_sizes(sizes_);
+    }
+    if (state.schedule.worker_of(last) == state.me) {
+      targets_ = target.narrow(0, offset, shares[state.replica]).split_with_sizes(sizes_);
+    }
+  }
+
+  // Runs this worker's actions; returns this worker's part of the loss (0 unless it holds the
+  // last stage).
+  double run() {
+    if (state_.me < 0) return 0;
+    for (const Action& action : state_.schedule.actions[state_.me]) execute(action);
+    for (auto& send : sends_) wait(send.work, send.what);
+    return loss_sum_;
+  }
+
+  // After a UsageError on this worker: give the peer the header that tells it the same (Note
+  // [Shape headers]), within the deadline, whatever becomes of it.
+  void flush_header() {
+    if (!header_send_) return;
+    try {
+      header_send_->wait();
+    } catch (const std::exception&) {
+    }
+  }
+
+ private:
+  Slot& slot(int stage, int micro_batch) { return slots_[{stage, micro_batch}]; }
+  bool here(int stage) const { return state_.schedule.worker_of(stage) == state_.me; }
+  std::string where(int stage) const {
+    return "stage " + std::to_string(stage) + " (worker " + std::to_string(state_.rank_of(stage)) +
+           ")";
+  }
+
+  void wait(comm::Work& work, const std::string& what) {
+    try {
+      work.wait();
+    } catch (const CommError& e) {
+      throw CommError("pipeline: " + what + ": " + e.what());
+    }
+  }
+
+  void execute(const Action& a) {
+    std::optional<timeline::Slice> slice;
+    if (timeline::enabled()) {
+      slice.emplace(a.short_name(), "pipeline",
+                    timeline::Args{{"stage", a.stage}, {"micro_batch", a.micro_batch}});
+    }
+    switch (a.kind) {
+      case ActionKind::kForward:
+        return forward(a.stage, a.micro_batch);
+      case ActionKind::kBackward:
+        return backward(a.stage, a.micro_batch);
+      case ActionKind::kBackwardInput:
+        return backward_input(a.stage, a.micro_batch);
+      case ActionKind::kBackwardWeight:
+        return backward_weight(a.stage, a.micro_batch);
+      case ActionKind::kSendActivation:
+        return send_activation(a.stage, a.micro_batch);
+      case ActionKind::kRecvActivation:
+        return recv_activation(a.stage, a.micro_batch);
+      case ActionKind::kSendGradient:
+        return send_gradient(a.stage, a.micro_batch);
+      case ActionKind::kRecvGradient:
+        return recv_gradient(a.stage, a.micro_batch);
+    }
+  }
+
+  void forward(int stage, int mb) {
+    Slot& own = slot(stage, mb);
+    torch::Tensor source;
+    if (stage == 0) {
+      source = inputs_[mb];
+    } else if (here(stage - 1)) {
+      source = slot(stage - 1, mb).output;
+    } else {
+      source = own.input;  // received (RA)
+    }
+    SHOAL_CHECK(source.defined()) << "forward of stage " << stage << ", micro-batch " << mb
+                                  << " has no input";
+    own.input = source.detach();
+    // The first stage's input (the batch) needs no gradient: nobody receives it.
+    if (stage > 0 && own.input.is_floating_point()) own.input.requires_grad_(true);
+    torch::Tensor x = own.input;
+    for (auto& layer : state_.layers[stage]) x = layer.forward(x);
+    if (stage == state_.stages() - 1) {
+      torch::Tensor loss = loss_(x, targets_[mb]);
+      if (loss.dim() != 0) {
+        throw UsageError("pipeline: the loss function returned shape " + shape_of(loss.sizes()) +
+                         "; expected a scalar (the micro-batch's mean loss)");
+      }
+      // The micro-batch's share of the batch's mean loss (docs/pipeline.md, "Micro-batches").
+      const double share = static_cast<double>(sizes_[mb]) / static_cast<double>(rows_);
+      x = loss * share;
+      loss_sum_ += x.item<double>();
+    }
+    own.output = x;
+  }
+
+  // The gradient of the stage's output: 1 for the last stage's weighted loss, else what the
+  // next stage computed (here, or received by RG).
+  torch::Tensor output_gradient(int stage, int mb) {
+    Slot& own = slot(stage, mb);
+    torch::Tensor grad;
+    if (stage == state_.stages() - 1) {
+      grad = torch::ones_like(own.output);
+    } else if (here(stage + 1)) {
+      Slot& next = slot(stage + 1, mb);
+      SHOAL_CHECK(next.has_grad_input) << "stage " << stage + 1 << " has no input gradient";
+      grad = next.grad_input;
+      next.grad_input = torch::Tensor();
+      next.has_grad_input = false;
+    } else {
+      grad = own.grad_output;
+    }
+    SHOAL_CHECK(grad.defined()) << "backward of stage " << stage << ", micro-batch " << mb
+                                << " has no output gradient";
+    return grad;
+  }
+
+  // B: the whole backward, input and weight gradients at once.
+  void backward(int stage, int mb) {
+    Slot& own = slot(stage, mb);
+    const torch::Tensor grad = output_gradient(stage, mb);
+    if (own.output.requires_grad()) torch::autograd::backward({own.output}, {grad});
+    if (own.input.requires_grad()) {
+      own.grad_input = own.input.grad();
+      if (!own.grad_input.defined()) own.grad_input = torch::zeros_like(own.input);
+      own.has_grad_input = true;
+    }
+    release(own);
+  }
+
+  // I: the input's gradient only; the weights' wait for W (detail::SplitBackward).
+  void backward_input(int stage, int mb) {
+    Slot& own = slot(stage, mb);
+    const torch::Tensor grad = output_gradient(stage, mb);
+    if (own.output.requires_grad()) {
+      own.split = std::make_unique<detail::SplitBackward>(
+          own.output, own.input.requires_grad() ? own.input : torch::Tensor());
+      own.grad_input = own.split->input_gradient(grad);
+    }
+    if (own.input.requires_grad()) {
+      if (!own.grad_input.defined()) own.grad_input = torch::zeros_like(own.input);
+      own.has_grad_input = true;
+    }
+    release(own);
+  }
+
+  // W: the weights' gradients of a backward whose I ran.
+  void backward_weight(int stage, int mb) {
+    Slot& own = slot(stage, mb);
+    if (own.split) own.split->weight_gradient();
+    own.split.reset();
+  }
+
+  // The micro-batch's stash goes once its backward (or I) has run.
+  static void release(Slot& own) {
+    own.output = torch::Tensor();
+    own.grad_output = torch::Tensor();
+    own.input = torch::Tensor();
+  }
+
+  void send_activation(int stage, int mb) {
+    const torch::Tensor out = slot(stage, mb).output.detach();
+    const int dst = state_.rank_of(stage + 1);
+    const std::string what = "sending " + where(stage) + "'s activation for micro-batch " +
+                             std::to_string(mb) + " to " + where(stage + 1);
+    torch::Tensor header = header_of(out);
+    header_send_ = group_.send_async(header, dst, state_.p2p(kShapeHeader, stage, mb));
+    sends_.push_back({*header_send_, what + " (its shape)"});
+    check_shape(stage, mb, header);
+    sends_.push_back({group_.send_async(out, dst, state_.p2p(kActivation, stage, mb)), what});
+    header_send_.reset();
+  }
+
+  void recv_activation(int stage, int mb) {
+    const int src = state_.rank_of(stage - 1);
+    const std::string what = where(stage) + " receiving the activation for micro-batch " +
+                             std::to_string(mb) + " from " + where(stage - 1);
+    auto header = torch::empty({kHeaderLength}, torch::kInt64);
+    wait_recv(header, src, state_.p2p(kShapeHeader, stage - 1, mb), what + " (its shape)");
+    const Shape& shape = check_shape(stage - 1, mb, header);
+    auto& buffer = state_.activation_buffers[{rows_, stage - 1, mb}];
+    if (!buffer.defined()) {
+      buffer = torch::empty(
+          shape.sizes, torch::TensorOptions().dtype(static_cast<c10::ScalarType>(shape.dtype)));
+    }
+    wait_recv(buffer, src, state_.p2p(kActivation, stage - 1, mb), what);
+    slot(stage, mb).input = buffer;
+  }
+
+  void send_gradient(int stage, int mb) {
+    Slot& own = slot(stage, mb);
+    SHOAL_CHECK(own.has_grad_input)
+        << "stage " << stage << " micro-batch " << mb << " sends a gradient it has not computed";
+    sends_.push_back({group_.send_async(own.grad_input, state_.rank_of(stage - 1),
+                                        state_.p2p(kGradient, stage, mb)),
+                      "sending " + where(stage) + "'s input gradient for micro-batch " +
+                          std::to_string(mb) + " to " + where(stage - 1)});
+    own.grad_input = torch::Tensor();
+  }
+
+  void recv_gradient(int stage, int mb) {
+    // The gradient has the shape of the activation this worker sent (already checked).
+    const Shape& shape = state_.learned.at({rows_, stage, mb});
+    auto& buffer = state_.gradient_buffers[{rows_, stage, mb}];
+    if (!buffer.defined()) {
+      buffer = torch::empty(
+          shape.sizes, torch::TensorOptions().dtype(static_cast<c10::ScalarType>(shape.dtype)));
+    }
+    wait_recv(buffer, state_.rank_of(stage + 1), state_.p2p(kGradient, stage + 1, mb),
+              where(stage) + " receiving its output's gradient for micro-batch " +
+                  std::to_string(mb) + " from " + where(stage + 1));
+    slot(stage, mb).grad_output = buffer;
+  }
+
+  void wait_recv(torch::Tensor& buffer, int src, const comm::PointToPointOptions& options,
+                 const std::string& what) {
+    auto work = group_.recv_async(buffer, src, options);
+    wait(work, what);
+  }
+
+  // The shape crossing the boundary after `stage`, against what the first step with this batch
+  // size sent (Note [Shape headers]). Raised the same on both sides.
+  const Shape& check_shape(int stage, int mb, const torch::Tensor& header) {
+    const auto* data = header.data_ptr<int64_t>();
+    const std::string crossing = "the activation from " + where(stage) + " to " + where(stage + 1) +
+                                 " for micro-batch " + std::to_string(mb);
+    if (data[1] < 0 || data[1] > kMaxDims) {
+      throw UsageError("pipeline: " + crossing + " has more than " + std::to_string(kMaxDims) +
+                       " dimensions");
+    }
+    Shape shape;
+    shape.dtype = data[0];
+    shape.sizes.assign(data + 2, data + 2 + data[1]);
+    auto [known, added] = state_.learned.emplace(std::make_tuple(rows_, stage, mb), shape);
+    if (!added && !(known->second == shape)) {
+      throw UsageError("pipeline: " + crossing + " has shape " + shape.describe() +
+                       ", but the first step with a batch of " + std::to_string(rows_) +
+                       " rows sent " + known->second.describe() +
+                       " (a stage's output shape may depend only on its input's)");
+    }
+    return known->second;
+  }
+
+  Pipeline::State& state_;
+  const LossFunction& loss_;
+  comm::Group& group_;
+  int64_t rows_ = 0;
+  comm::Sizes sizes_;
+  std::vector<torch::Tensor> inputs_, targets_;
+  std::map<std::pair<int, int>, Slot> slots_;
+  std::vector<PendingSend> sends_;
+  std::optional<comm::Work> header_send_;
+  double loss_sum_ = 0;
+};
+
+}  // namespace
+
+namespace {
+
+// Sums over `group` what this step added to the .grad of `params` (undefined: a weight this
+// worker doesn't hold, which adds zeros), in one flat all-reduce. What .grad held before the
+// step (`before`) is kept as it was, so that gradients accumulated over steps are not summed
+// again.
+void sum_step_gradients(comm::Group& group, const std::vector<torch::Tensor>& params,
+                        const std::vector<int64_t>& numel, const std::vector<torch::Tensor>& before,
+                        Duration timeout) {
+  int64_t total = 0;
+  for (auto n : numel) total += n;
+  auto flat = torch::zeros({total}, torch::kFloat64);
+  int64_t offset = 0;
+  for (size_t t = 0; t < params.size(); ++t) {
+    const auto& p = params[t];
+    if (p.defined() && p.grad().defined()) {
+      auto delta = before[t].defined() ? p.grad() - before[t] : p.grad();
+      flat.narrow(0, offset, numel[t]).copy_(delta.reshape(-1));
+    }
+    offset += numel[t];
+  }
+  comm::AllReduceOptions options;
+  options.timeout = timeout;
+  group.all_reduce(flat, options);
+  offset = 0;
+  for (size_t t = 0; t < params.size(); ++t) {
+    const auto& p = params[t];
+    if (p.defined()) {
+      auto sum = flat.narrow(0, offset, numel[t]).view(p.sizes()).to(p.dtype());
+      p.mutable_grad() = before[t].defined() ? before[t] + sum : sum;
+    }
+    offset += numel[t];
+  }
+}
+
+std::vector<torch::Tensor> gradients_of(const std::vector<torch::Tensor>& params) {
+  std::vector<torch::Tensor> grads;
+  for (const auto& p : params) {
+    grads.push_back(p.defined() && p.grad().defined() ? p.grad().clone() : torch::Tensor());
+  }
+  return grads;
+}
+
+}  // namespace
+
+torch::Tensor Pipeline::step(const torch::Tensor& input, const torch::Tensor& target,
+                             const LossFunction& loss) {
+  State& state = *state_;
+  if (!state.broken.empty()) {
+    throw UsageError("pipeline: an earlier step failed (" + state.broken +
+                     "); the pipeline cannot go on");
+  }
+  if (!input.defined() || input.dim() == 0 || !target.defined() || target.dim() == 0) {
+    throw UsageError("pipeline: step() expects an input and a target with a batch dimension");
+  }
+  if (input.size(0) != target.size(0)) {
+    throw UsageError("pipeline: the input has " + std::to_string(input.size(0)) +
+                     " rows and the target " + std::to_string(target.size(0)) +
+                     "; expected the same batch");
+  }
+  const int m = state.schedule.micro_batches;
+  if (input.size(0) < int64_t{m} * state.replicas) {
+    throw UsageError("pipeline: a batch of " + std::to_string(input.size(0)) +
+                     " rows cannot be cut into " + std::to_string(m) + " micro-batches" +
+                     (state.replicas > 1
+                          ? " for each of " + std::to_string(state.replicas) + " replicas"
+                          : std::string()) +
+                     "; expected at least one row each");
+  }
+  if (!loss) throw UsageError("pipeline: step() needs a loss function");
+
+  // Only this step's part of the gradients is summed across workers.
+  const auto tied_before = gradients_of(state.tied);
+  const auto replicated_before =
+      state.replicas > 1 ? gradients_of(state.replicated) : std::vector<torch::Tensor>();
+
+  // The whole step as one slice, around its actions' (docs/pipeline.md, "Timeline").
+  std::optional<timeline::Slice> step_slice;
+  if (timeline::enabled()) step_slice.emplace("step", "pipeline");
+
+  double loss_part = 0;
+  StepRun run(state, input, target, loss);
+  try {
+    loss_part = run.run();
+  } catch (const UsageError& e) {
+    state.broken = e.what();
+    run.flush_header();
+    throw;
+  } catch (const std::exception& e) {
+    state.broken = e.what();
+    throw;
+  }
+
+  auto& world = shoal::world();
+  try {
+    // A tied weight's gradient: the sum over every worker that uses it (all replicas too).
+    if (!state.tied.empty()) {
+      sum_step_gradients(world, state.tied, state.tied_numel, tied_before, state.options.timeout);
+    }
+    // A stage's other gradients: the sum over its replicas.
+    if (state.replicas > 1 && state.me >= 0) {
+      if (!state.replica_group) state.replica_group = world.subgroup(state.ranks[state.me]);
+      sum_step_gradients(*state.replica_group, state.replicated, state.replicated_numel,
+                         replicated_before, state.options.timeout);
+    }
+    // The loss: the parts of the last stage's workers (one per replica); every worker returns it.
+    auto value = torch::full({}, loss_part, torch::kFloat64);
+    comm::AllReduceOptions options;
+    options.timeout = state.options.timeout;
+    world.all_reduce(value, options);
+    return value;
+  } catch (const CommError& e) {
+    state.broken = e.what();
+    throw CommError(std::string("pipeline: ending the step: ") + e.what());
+  }
+}
+
+}  // namespace shoal::pipeline
