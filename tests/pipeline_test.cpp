@@ -564,8 +564,10 @@ TEST(PipelineErrors, StoppedStageIsACommErrorAtTheDeadline) {
           const double waited = seconds_since(start);
           const std::string message = e.what();
           std::printf("worker %d: %.2f s: %s\n", shoal::rank(), waited, e.what());
+          // A failure bound, as fault_test's for a stopped peer: the deadline, plus room for a
+          // machine loaded by other work (docs/testing.md).
           EXPECT_GE(waited, 2.0);
-          EXPECT_LT(waited, 2 * 2.0);
+          EXPECT_LT(waited, 3 * 2.0);
           EXPECT_EQ(message.rfind("pipeline: stage 0 (worker 0) receiving its output's gradient "
                                   "for micro-batch ",
                                   0),
