@@ -392,6 +392,66 @@ TEST(PipelineScheduleValidate, Shape) {
             "invalid pipeline schedule '1F1B': actions has 1 lists; expected one per worker (2)");
 }
 
+TEST(PipelineSchedule, PerStageCostsThatAreEqualGiveTheSharedCostsResult) {
+  for (const pp::Costs& c : {pp::Costs{1, 2, 1, 1}, pp::Costs{0.7, 1.3, 0.4, 0.9}}) {
+    for (int p = 1; p <= 4; ++p) {
+      for (int m = 1; m <= 2 * p; ++m) {
+        for (int v = 1; v <= 2; ++v) {
+          for (ScheduleKind kind : kAllKinds) {
+            if (v > 1 && kind != ScheduleKind::kInterleaved1F1B) continue;
+            SCOPED_TRACE(label(kind, p, v, m));
+            const pp::Schedule s = pp::make_schedule(kind, p, v, m);
+            const pp::Simulation shared = pp::simulate(s, c);
+            const pp::Simulation each =
+                pp::simulate(s, std::vector<pp::Costs>(static_cast<size_t>(s.stages), c));
+            EXPECT_EQ(each.makespan, shared.makespan);
+            EXPECT_EQ(each.bubble, shared.bubble);
+            EXPECT_EQ(each.start, shared.start);
+            EXPECT_EQ(each.peak_in_flight, shared.peak_in_flight);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(PipelineSchedule, PerStageCostsWithASlowerLastStage) {
+  // p = 2, stage 0: f0 = 1, b0 = 2; stage 1 (the loss): f1 = 2, b1 = 3. Stage 1 is the
+  // bottleneck and never waits after its first input: GPipe and 1F1B both take
+  // f0 + m (f1 + b1) + b0 (stage 0's first forward, stage 1's work, stage 0's last backward).
+  const std::vector<pp::Costs> costs = {pp::Costs{1, 2, 1, 1}, pp::Costs{2, 3, 1, 1}};
+  for (ScheduleKind kind : {ScheduleKind::kGPipe, ScheduleKind::k1F1B}) {
+    for (int m = 1; m <= 6; ++m) {
+      SCOPED_TRACE(label(kind, 2, 1, m));
+      const pp::Simulation sim = pp::simulate(pp::make_schedule(kind, 2, 1, m), costs);
+      EXPECT_EQ(sim.makespan, 1 + m * (2 + 3) + 2);
+      EXPECT_NEAR(sim.bubble, 1 - m * (1 + 2 + 2 + 3) / (2.0 * sim.makespan), 1e-12);
+    }
+  }
+  // 1F1B, m = 2, worked by hand (the lists as in SimulationStartsEachActionAsEarlyAsItsWaitsAllow):
+  //   worker 0: F0.0 SA0.0 F0.1 SA0.1 RG0.0 B0.0 RG0.1 B0.1
+  //   worker 1: RA1.0 F1.0 B1.0 SG1.0 RA1.1 F1.1 B1.1 SG1.1
+  const pp::Simulation sim = pp::simulate(pp::one_f_one_b(2, 2), costs);
+  EXPECT_EQ(sim.start[0], (std::vector<double>{0, 1, 1, 2, 6, 6, 11, 11}));
+  EXPECT_EQ(sim.start[1], (std::vector<double>{1, 1, 3, 6, 6, 6, 8, 11}));
+  EXPECT_EQ(sim.makespan, 13);
+  EXPECT_NEAR(sim.bubble, 1 - 16.0 / 26, 1e-12);
+  EXPECT_EQ(sim.peak_in_flight, (std::vector<int>{2, 1}));
+}
+
+TEST(PipelineSchedule, PerStageCostsNeedOnePerStage) {
+  EXPECT_EQ(usage_error([] { pp::simulate(pp::one_f_one_b(2, 2), std::vector<pp::Costs>(1)); }),
+            "simulate: 1 per-stage costs for 2 stages; expected one Costs per stage");
+  EXPECT_EQ(usage_error([] {
+              pp::simulate(pp::interleaved_one_f_one_b(2, 2, 2), std::vector<pp::Costs>(2));
+            }),
+            "simulate: 2 per-stage costs for 4 stages; expected one Costs per stage");
+  EXPECT_EQ(usage_error([] {
+              pp::simulate(pp::one_f_one_b(2, 2), {pp::Costs{}, pp::Costs{1, 2, -1, 1}});
+            }),
+            "simulate: costs[1].backward_input = -1; expected a finite cost of at least 0");
+}
+
 TEST(PipelineSchedule, SimulateNeedsAValidScheduleAndCosts) {
   pp::Schedule s = pp::gpipe(1, 1);
   std::swap(s.actions[0][0], s.actions[0][1]);

@@ -326,7 +326,8 @@ struct Replay {
   std::vector<std::vector<double>> end;
 };
 
-Replay replay(const Schedule& s, const ActionIndex& index, const Costs& costs) {
+// costs[stage]; empty for validate()'s replay, where only the order matters.
+Replay replay(const Schedule& s, const ActionIndex& index, const std::vector<Costs>& costs) {
   Replay r;
   r.next.assign(static_cast<size_t>(s.workers), 0);
   for (const auto& list : s.actions) {
@@ -348,7 +349,8 @@ Replay replay(const Schedule& s, const ActionIndex& index, const Costs& costs) {
           ready = std::max(ready, r.end[sender][j]);
         }
         r.start[w][k] = ready;
-        r.end[w][k] = ready + cost_of(a.kind, costs);
+        r.end[w][k] =
+            ready + (costs.empty() ? 0.0 : cost_of(a.kind, costs[static_cast<size_t>(a.stage)]));
         progress = true;
       }
     }
@@ -357,7 +359,7 @@ Replay replay(const Schedule& s, const ActionIndex& index, const Costs& costs) {
 }
 
 void check_deadlock(const Schedule& s, const Checker& check, const ActionIndex& index) {
-  const Replay r = replay(s, index, Costs{});
+  const Replay r = replay(s, index, {});
   std::string blocked;
   for (int w = 0; w < s.workers; ++w) {
     const auto k = r.next[static_cast<size_t>(w)];
@@ -384,20 +386,41 @@ void validate(const Schedule& schedule) {
   check_deadlock(schedule, check, index);
 }
 
-Simulation simulate(const Schedule& schedule, const Costs& costs) {
-  const std::pair<const char*, double> named[] = {{"forward", costs.forward},
-                                                  {"backward", costs.backward},
-                                                  {"backward_input", costs.backward_input},
-                                                  {"backward_weight", costs.backward_weight}};
-  for (const auto& [name, cost] : named) {
+namespace {
+
+// UsageError naming the cost ("costs.backward", "costs[1].forward") unless it is finite and >= 0.
+void check_costs(const Costs& c, const std::string& name) {
+  const std::pair<const char*, double> named[] = {{"forward", c.forward},
+                                                  {"backward", c.backward},
+                                                  {"backward_input", c.backward_input},
+                                                  {"backward_weight", c.backward_weight}};
+  for (const auto& [field, cost] : named) {
     if (!(cost >= 0) || std::isinf(cost)) {
       std::ostringstream what;
-      what << "simulate: costs." << name << " = " << cost
+      what << "simulate: " << name << "." << field << " = " << cost
            << "; expected a finite cost of at least 0";
       throw UsageError(what.str());
     }
   }
+}
+
+}  // namespace
+
+Simulation simulate(const Schedule& schedule, const Costs& costs) {
+  check_costs(costs, "costs");
+  const size_t stages = schedule.stages > 0 ? static_cast<size_t>(schedule.stages) : 0;
+  return simulate(schedule, std::vector<Costs>(stages, costs));
+}
+
+Simulation simulate(const Schedule& schedule, const std::vector<Costs>& costs) {
+  for (size_t stage = 0; stage < costs.size(); ++stage) {
+    check_costs(costs[stage], "costs[" + std::to_string(stage) + "]");
+  }
   validate(schedule);
+  if (costs.size() != static_cast<size_t>(schedule.stages)) {
+    throw UsageError("simulate: " + std::to_string(costs.size()) + " per-stage costs for " +
+                     std::to_string(schedule.stages) + " stages; expected one Costs per stage");
+  }
   ActionIndex index(schedule);
   for (const auto& list : schedule.actions) {
     for (int k = 0; k < static_cast<int>(list.size()); ++k) index[list[static_cast<size_t>(k)]] = k;

@@ -31,7 +31,7 @@ enum class ActionKind {
 
 struct Action {
   ActionKind kind = ActionKind::kForward;
-  int stage = 0;        // the stage this worker acts for (the sender's or the receiver's own)
+  int stage = 0;  // the stage this worker acts for (the sender's or the receiver's own)
   int micro_batch = 0;
 
   // "F2.5" (kind, stage, micro-batch); transfers are SA, RA, SG, RG.
@@ -53,10 +53,10 @@ ScheduleKind parse_schedule_kind(const std::string& name);
 std::string schedule_kind_name(ScheduleKind kind);
 
 struct Schedule {
-  std::string name;        // "1F1B", "interleaved 1F1B (v = 2)", ...
-  int workers = 1;         // p
-  int stages = 1;          // p * v: every worker holds v stages
-  int micro_batches = 1;   // m
+  std::string name;       // "1F1B", "interleaved 1F1B (v = 2)", ...
+  int workers = 1;        // p
+  int stages = 1;         // p * v: every worker holds v stages
+  int micro_batches = 1;  // m
   // stage_worker[s]: the worker (0 .. p - 1) that runs stage s. Megatron's interleaving:
   // s % p, so that worker w holds stages w, w + p, w + 2p, ...
   std::vector<int> stage_worker;
@@ -105,17 +105,22 @@ void validate(const Schedule& schedule);
 // theory column and docs/pipeline.md's pictures. Needs a valid schedule.
 struct Costs {
   double forward = 1;
-  double backward = 2;        // B
-  double backward_input = 1;  // I
-  double backward_weight = 1; // W
+  double backward = 2;         // B
+  double backward_input = 1;   // I
+  double backward_weight = 1;  // W
 };
 struct Simulation {
-  double makespan = 0;                         // the step's length
-  double bubble = 0;                           // 1 - busy / (p * makespan)
-  std::vector<std::vector<double>> start;      // start[w][k]: when worker w's action k starts
-  std::vector<int> peak_in_flight;             // per worker: most micro-batches forwarded and
-                                               // not yet fully backwarded (stashed activations)
+  double makespan = 0;                     // the step's length
+  double bubble = 0;                       // 1 - busy / (p * makespan)
+  std::vector<std::vector<double>> start;  // start[w][k]: when worker w's action k starts
+  std::vector<int> peak_in_flight;         // per worker: most micro-batches forwarded and
+                                           // not yet fully backwarded (stashed activations)
 };
 Simulation simulate(const Schedule& schedule, const Costs& costs = {});
+// The same with each stage's own costs: costs[s] for stage s (one entry per stage, p * v), for
+// pipelines whose stages are not equal (the first stage's backward computes no input gradient;
+// the last carries the loss). Equal entries give exactly the result of the overload above.
+// UsageError when the size is not the number of stages or a cost is negative or not finite.
+Simulation simulate(const Schedule& schedule, const std::vector<Costs>& costs);
 
 }  // namespace shoal::pipeline
