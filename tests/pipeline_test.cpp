@@ -265,6 +265,50 @@ TEST(Pipeline, FiveLayersOnTwoAndThreeWorkersBalancedAndExplicit) {
   }
 }
 
+// One Linear per stage, widths 4 -> 6 -> 5 (-> 3): each stage's input and output differ.
+torch::nn::Sequential linears(int p) {
+  torch::manual_seed(3);
+  if (p == 2) return torch::nn::Sequential(torch::nn::Linear(4, 6), torch::nn::Linear(6, 3));
+  return torch::nn::Sequential(torch::nn::Linear(4, 6), torch::nn::Linear(6, 5),
+                               torch::nn::Linear(5, 3));
+}
+
+TEST(Pipeline, StashedMicroBatchesAreWhatTheSimulationCountsAndGrowWithRows) {
+  for (int p : {2, 3}) {
+    run_workers(p, [p] {
+      const std::vector<int64_t> width =
+          p == 2 ? std::vector<int64_t>{4, 6, 3} : std::vector<int64_t>{4, 6, 5, 3};
+      for (const std::string& schedule : {"gpipe", "1f1b", "zb"}) {
+        pp::PipelineOptions options;
+        options.schedule = schedule;
+        options.micro_batches = 2 * p;
+        options.split = std::vector<int>(static_cast<size_t>(p), 1);
+        pp::Pipeline pipe(linears(p), options);
+        EXPECT_TRUE(pipe.last_step_stats().empty());
+        const auto simulated = pp::simulate(pipe.schedule()).peak_in_flight;
+        for (int64_t rows : {2, 4}) {
+          const std::string what =
+              schedule + " p=" + std::to_string(p) + " rows=" + std::to_string(rows);
+          auto [x, y] = batch(rows * options.micro_batches, 4, 3, rows);
+          pipe.step(x, y, mse);
+          const auto& stats = pipe.last_step_stats();
+          ASSERT_EQ(stats.size(), 1u) << what;
+          const int stage = stats[0].stage;
+          ASSERT_EQ(pipe.local_stages(), std::vector<int>{stage}) << what;
+          const int peak = simulated[static_cast<size_t>(pipe.schedule().worker_of(stage))];
+          EXPECT_EQ(stats[0].peak_stashed, peak) << what << " stage " << stage;
+          // Each stashed micro-batch keeps its float input and output: rows x (in + out) x 4
+          // bytes, the last stage's output being the scalar loss.
+          const auto s = static_cast<size_t>(stage);
+          const int64_t each =
+              stage == p - 1 ? rows * width[s] * 4 + 4 : rows * (width[s] + width[s + 1]) * 4;
+          EXPECT_EQ(stats[0].peak_stashed_bytes, peak * each) << what << " stage " << stage;
+        }
+      }
+    });
+  }
+}
+
 TEST(BalancedSplit, MinimisesTheLargestStage) {
   EXPECT_EQ(pp::balanced_split({10, 10, 10, 10}, 2), (std::vector<int>{2, 2}));
   EXPECT_EQ(pp::balanced_split({30, 10, 10, 10}, 2), (std::vector<int>{1, 3}));

@@ -285,6 +285,10 @@ global::Placement Pipeline::placement(int stage) const {
   }
   return global::Placement(state_->ranks[state_->schedule.worker_of(stage)]);
 }
+const std::vector<StageStepStats>& Pipeline::last_step_stats() const {
+  return state_->last_stats;
+}
+
 const Schedule& Pipeline::schedule() const {
   return state_->schedule;
 }

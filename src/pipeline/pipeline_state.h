@@ -104,6 +104,8 @@ struct Pipeline::State {
   std::map<std::tuple<int64_t, int, int>, Shape> learned;
   std::map<std::tuple<int64_t, int, int>, torch::Tensor> activation_buffers, gradient_buffers;
   std::string broken;  // why an earlier step failed
+  // What the last successful step stashed, per stage of this worker (last_step_stats()).
+  std::vector<StageStepStats> last_stats;
 
   int stages() const { return schedule.stages; }
   // The rank of `stage` in this worker's replica of the pipeline.

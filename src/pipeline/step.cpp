@@ -1,4 +1,6 @@
 // Pipeline::step(): one worker's actions of the schedule, in order.
+#include <algorithm>
+#include <map>
 #include <optional>
 
 #include <torch/autograd.h>
@@ -56,9 +58,19 @@ class StepRun {
   // last stage).
   double run() {
     if (state_.me < 0) return 0;
-    for (const Action& action : state_.schedule.actions[state_.me]) execute(action);
+    for (const Action& action : state_.schedule.actions[state_.me]) {
+      execute(action);
+      count_stash(action);
+    }
     for (auto& send : sends_) wait(send.work, send.what);
     return loss_sum_;
+  }
+
+  // Per local stage, in order: the peaks count_stash() saw.
+  std::vector<StageStepStats> stats() const {
+    std::vector<StageStepStats> out;
+    for (const auto& [stage, stash] : stash_) out.push_back(stash.peak);
+    return out;
   }
 
   // After a UsageError on this worker: give the peer the header that tells it the same (Note
@@ -85,6 +97,28 @@ class StepRun {
     } catch (const CommError& e) {
       throw CommError("pipeline: " + what + ": " + e.what());
     }
+  }
+
+  // A micro-batch is stashed on its stage from its forward until its B, or W when split
+  // (simulate()'s peak_in_flight); its bytes are the stage's input and output after the forward.
+  void count_stash(const Action& a) {
+    Stash& stash = stash_[a.stage];
+    stash.peak.stage = a.stage;
+    if (a.kind == ActionKind::kForward) {
+      const Slot& own = slot(a.stage, a.micro_batch);
+      const int64_t bytes = nbytes(own.input) + nbytes(own.output);
+      stash.bytes[a.micro_batch] = bytes;
+      ++stash.count;
+      stash.total += bytes;
+      stash.peak.peak_stashed = std::max(stash.peak.peak_stashed, stash.count);
+      stash.peak.peak_stashed_bytes = std::max(stash.peak.peak_stashed_bytes, stash.total);
+    } else if (a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardWeight) {
+      --stash.count;
+      stash.total -= stash.bytes.at(a.micro_batch);
+    }
+  }
+  static int64_t nbytes(const torch::Tensor& t) {
+    return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
   }
 
   void execute(const Action& a) {
@@ -298,6 +332,14 @@ class StepRun {
   comm::Sizes sizes_;
   std::vector<torch::Tensor> inputs_, targets_;
   std::map<std::pair<int, int>, Slot> slots_;
+  // Per local stage: the micro-batches stashed now, their bytes, and the step's peaks.
+  struct Stash {
+    int count = 0;
+    int64_t total = 0;
+    std::map<int, int64_t> bytes;  // by micro-batch
+    StageStepStats peak;
+  };
+  std::map<int, Stash> stash_;
   std::vector<PendingSend> sends_;
   std::optional<comm::Work> header_send_;
   double loss_sum_ = 0;
@@ -415,6 +457,7 @@ torch::Tensor Pipeline::step(const torch::Tensor& input, const torch::Tensor& ta
     comm::AllReduceOptions options;
     options.timeout = state.options.timeout;
     world.all_reduce(value, options);
+    state.last_stats = run.stats();
     return value;
   } catch (const CommError& e) {
     state.broken = e.what();

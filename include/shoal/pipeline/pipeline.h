@@ -66,6 +66,18 @@ struct PipelineOptions {
   std::shared_ptr<const Schedule> custom_schedule;
 };
 
+// What one step stashed on one of this worker's stages (Pipeline::last_step_stats()).
+struct StageStepStats {
+  int stage = 0;
+  // The most micro-batches forwarded and not yet fully backwarded (their B ended, or their W
+  // when the backward is split): simulate()'s peak_in_flight, counted by the runtime.
+  int peak_stashed = 0;
+  // The most bytes of the stage's boundary tensors kept for those micro-batches: for each, the
+  // stage's input and output as the forward left them (numel x element size; the last stage's
+  // output is its weighted loss). The autograd graph's inner saved tensors are not counted.
+  int64_t peak_stashed_bytes = 0;
+};
+
 class Pipeline {
  public:
   // Cuts `net` into stages and keeps this worker's. Raises UsageError for options that don't fit
@@ -96,6 +108,9 @@ class Pipeline {
   // The workers that run `stage`.
   global::Placement placement(int stage) const;
   const Schedule& schedule() const;
+  // Per stage of this worker (in order), what the last successful step() stashed; empty before
+  // the first.
+  const std::vector<StageStepStats>& last_step_stats() const;
 
   struct State;
 
