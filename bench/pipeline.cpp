@@ -171,6 +171,14 @@ int run_shoal(const Options& o) {
       },
       [&] { world.barrier(); });
   if (world.rank() == 0) print_line(o, world.size(), v, ms);
+  // What the last step stashed on each of this worker's stages (docs/pipeline.md, "What a step
+  // stashed"): bytes of the stages' inputs and outputs only, not the graphs' inner tensors.
+  for (const auto& st : pipe.last_step_stats()) {
+    std::printf("runtime_stash rank=%d stage=%d peak_stashed=%d peak_stashed_bytes=%lld\n",
+                world.rank(), st.stage, st.peak_stashed,
+                static_cast<long long>(st.peak_stashed_bytes));
+  }
+  std::fflush(stdout);
   return 0;
 }
 
@@ -256,16 +264,20 @@ std::string join(const std::vector<int>& values) {
 int run_theory(const Options& o) {
   const auto kind = pp::parse_schedule_kind(o.schedule);
   const auto s = pp::make_schedule(kind, o.workers, stages_per_worker(o), o.micro_batches);
-  pp::Costs c;
-  if (!o.costs.empty()) {
-    if (o.costs.size() != 4) {
-      throw shoal::UsageError("pipeline bench: --costs takes 4 numbers (f, b, i, w); got " +
-                              std::to_string(o.costs.size()));
-    }
-    c.forward = o.costs[0];
-    c.backward = o.costs[1];
-    c.backward_input = o.costs[2];
-    c.backward_weight = o.costs[3];
+  // --costs: f, b, i, w for every stage, or for each stage in turn (4 x stages numbers).
+  const size_t stages = static_cast<size_t>(s.stages);
+  if (!o.costs.empty() && o.costs.size() != 4 && o.costs.size() != 4 * stages) {
+    throw shoal::UsageError(
+        "pipeline bench: --costs takes 4 numbers (f, b, i, w) or 4 per stage (" +
+        std::to_string(4 * stages) + "); got " + std::to_string(o.costs.size()));
+  }
+  std::vector<pp::Costs> c(stages);
+  for (size_t st = 0; st < stages && !o.costs.empty(); ++st) {
+    const size_t at = o.costs.size() == 4 ? 0 : 4 * st;
+    c[st].forward = o.costs[at];
+    c[st].backward = o.costs[at + 1];
+    c[st].backward_input = o.costs[at + 2];
+    c[st].backward_weight = o.costs[at + 3];
   }
   if (o.describe) {
     std::printf("%s", s.describe().c_str());
@@ -332,7 +344,8 @@ int main(int argc, char** argv) {
   app.add_option("--steps", o.steps, "timed steps")->check(CLI::PositiveNumber);
   app.add_option("--threads", o.threads, "intra-op threads")->check(CLI::PositiveNumber);
   app.add_option("--workers", o.workers, "p, for theory and stash")->check(CLI::PositiveNumber);
-  app.add_option("--costs", o.costs, "theory: f b i w")->delimiter(',');
+  app.add_option("--costs", o.costs, "theory: f,b,i,w, or f,b,i,w of each stage in turn")
+      ->delimiter(',');
   app.add_flag("--describe", o.describe, "theory: print the schedule's action lists");
   CLI11_PARSE(app, argc, argv);
   torch::set_num_threads(o.threads);
