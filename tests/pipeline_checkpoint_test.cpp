@@ -1,8 +1,8 @@
 // A pipeline's checkpoint is the whole model's: saved from a pipeline on real workers, it is the
 // file shoal::save writes for the plain Sequential on one process, it loads into the plain
-// Sequential and into a pipeline of another split, worker count and schedule, and training
-// resumed from it equals, to 1e-5, a one-process run that never stopped on the same batches.
-// A file that does not fit is a UsageError on every worker with nothing changed.
+// Sequential and into a pipeline of another split, worker count and schedule (or with a data axis),
+// and training resumed from it equals, to 1e-5, a one-process run that never stopped on the same
+// batches. A file that does not fit is a UsageError on every worker with nothing changed.
 #include <unistd.h>
 
 #include <cstdlib>
@@ -143,7 +143,21 @@ TEST_F(PipelineCheckpoint, ResumesUnderAnotherPlan) {
         shoal::save((dir() / "step5.pt").string(), pipe);
       },
       options_);
-  // The test process's checks come after both calls: a worker runs the test's body up to its
+  // On 4 workers: 2 stages, each replicated over a data axis of 2, gpipe.
+  run_workers(
+      4,
+      [] {
+        pp::PipelineOptions o;
+        o.micro_batches = 4;
+        o.schedule = "gpipe";
+        o.placements = {{0, 1}, {2, 3}};
+        pp::Pipeline pipe(mlp(8), o);
+        shoal::load((dir() / "step3.pt").string(), pipe);
+        train(pipe, 3, 5);
+        shoal::save((dir() / "step5_data_axis.pt").string(), pipe);
+      },
+      options_);
+  // The test process's checks come after the calls: a worker runs the test's body up to its
   // own call, and only the test process has the files' directory's name.
   auto reference = mlp(0);
   train(reference, 0, 3);
@@ -159,6 +173,9 @@ TEST_F(PipelineCheckpoint, ResumesUnderAnotherPlan) {
   auto resumed = mlp(9);
   shoal::load((dir_ / "step5.pt").string(), *resumed, alone());
   expect_same_model(resumed, reference);
+  auto replicated = mlp(10);
+  shoal::load((dir_ / "step5_data_axis.pt").string(), *replicated, alone());
+  expect_same_model(replicated, reference);
 }
 
 TEST_F(PipelineCheckpoint, MismatchIsAUsageErrorOnEveryWorkerWithNothingChanged) {
