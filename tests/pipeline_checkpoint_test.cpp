@@ -36,6 +36,27 @@ torch::nn::Sequential mlp(int64_t seed, int64_t first_width = 6) {
                                torch::nn::Linear(6, 6), torch::nn::Tanh(), torch::nn::Linear(6, 3));
 }
 
+// x W and x W^T with one W, as in tests/pipeline_test.cpp: a tie across stages.
+struct TiedInImpl : torch::nn::Module {
+  explicit TiedInImpl(torch::Tensor w) { weight = register_parameter("weight", w); }
+  torch::Tensor forward(torch::Tensor x) { return x.matmul(weight); }
+  torch::Tensor weight;
+};
+TORCH_MODULE(TiedIn);
+struct TiedOutImpl : torch::nn::Module {
+  explicit TiedOutImpl(torch::Tensor w) { weight = register_parameter("weight", w); }
+  torch::Tensor forward(torch::Tensor x) { return x.matmul(weight.t()); }
+  torch::Tensor weight;
+};
+TORCH_MODULE(TiedOut);
+
+torch::nn::Sequential tied_model(int64_t seed) {
+  torch::manual_seed(seed);
+  auto w = torch::randn({5, 6}) * 0.5;
+  return torch::nn::Sequential(TiedIn(w), torch::nn::Tanh(), torch::nn::Linear(6, 6),
+                               torch::nn::Tanh(), TiedOut(w));
+}
+
 std::pair<torch::Tensor, torch::Tensor> batch(int64_t step) {
   torch::manual_seed(1000 + step);
   return {torch::randn({8, 5}), torch::randn({8, 3})};
@@ -176,6 +197,51 @@ TEST_F(PipelineCheckpoint, ResumesUnderAnotherPlan) {
   auto replicated = mlp(10);
   shoal::load((dir_ / "step5_data_axis.pt").string(), *replicated, alone());
   expect_same_model(replicated, reference);
+}
+
+TEST_F(PipelineCheckpoint, TiedWeightsStayTiedAcrossStages) {
+  if (!shoal::testing::is_worker()) {
+    shoal::SaveOptions single;
+    single.group = shoal::comm::Group::single();
+    shoal::save((dir_ / "tied.pt").string(), *tied_model(11), single);
+  }
+  run_workers(
+      3,
+      [] {
+        pp::PipelineOptions o;
+        o.micro_batches = 2;
+        o.split = {1, 3, 1};  // the tie between the first and the last worker
+        auto net = tied_model(3);
+        pp::Pipeline pipe(net, o);
+        shoal::load((dir() / "tied.pt").string(), pipe);
+        // One process: the file's model, one step with the tied weight stepped once.
+        auto reference = tied_model(11);
+        torch::optim::SGD ref_opt(
+            std::vector<torch::Tensor>{reference[0]->as<TiedIn>()->weight,
+                                       reference[2]->as<torch::nn::Linear>()->weight,
+                                       reference[2]->as<torch::nn::Linear>()->bias},
+            0.1);
+        auto [x, y] = batch(0);
+        x = x.narrow(1, 0, 5);
+        y = torch::randn({8, 5});
+        ref_opt.zero_grad();
+        mse(reference->forward(x), y).backward();
+        ref_opt.step();
+        torch::optim::SGD opt(pipe.parameters(), 0.1);
+        opt.zero_grad();
+        pipe.step(x, y, mse);
+        opt.step();
+        const auto want = reference[0]->as<TiedIn>()->weight.detach();
+        if (shoal::rank() == 0) {
+          EXPECT_LE((net[0]->as<TiedIn>()->weight.detach() - want).abs().max().item<double>(),
+                    1e-5);
+        }
+        if (shoal::rank() == 2) {
+          EXPECT_LE((net[4]->as<TiedOut>()->weight.detach() - want).abs().max().item<double>(),
+                    1e-5);
+        }
+      },
+      options_);
 }
 
 TEST_F(PipelineCheckpoint, MismatchIsAUsageErrorOnEveryWorkerWithNothingChanged) {
