@@ -15,3 +15,5 @@ if(TARGET pipeline_mlp)
   shoal_add_test(pipeline_example_test pipeline_example_test.cpp)
   add_dependencies(pipeline_example_test pipeline_mlp shoal_cli)
 endif()
+# A pipeline's checkpoint (docs/checkpoint.md): the whole model's file, resumed under another plan.
+shoal_add_test(pipeline_checkpoint_test pipeline_checkpoint_test.cpp)

@@ -5,11 +5,13 @@
 
 #include <algorithm>
 #include <exception>
+#include <functional>
 #include <string_view>
 
 #include <c10/util/Exception.h>
 
 #include "atomic_file.h"
+#include "collective.h"
 #include "container.h"
 #include "contents.h"
 #include "shoal/core/error.h"
@@ -76,17 +78,19 @@ void share_outcome(comm::Group& group, bool& ok, std::string& bytes, const std::
   }
 }
 
-void save_checkpoint(const std::string& path, const torch::nn::Module& module, const torch::optim::Optimizer* optimizer,
-                     const data::SamplerState* loader_state, const SaveOptions& options) {
-  check_path(path, "shoal::save");
-  comm::Group group = group_of(options.group, "shoal::save");
+}  // namespace
+
+namespace checkpoint {
+
+void save_payload(const std::string& path, comm::Group& group, const std::function<std::string()>& make_payload,
+                  Duration timeout) {
   bool ok = true;
   std::string error;
   // Kept to rethrow on the root as it was, when it is not shoal's or LibTorch's (bad_alloc).
   std::exception_ptr unexpected;
   if (group.rank() == kRoot) {
     try {
-      const std::string payload = checkpoint::serialize_contents(module, optimizer, loader_state, options.extras);
+      const std::string payload = make_payload();
       const std::string header = checkpoint::encode_header(payload);
       checkpoint::write_file_atomically(path, {header, payload});
     } catch (const UsageError& e) {
@@ -101,15 +105,12 @@ void save_checkpoint(const std::string& path, const torch::nn::Module& module, c
       unexpected = std::current_exception();
     }
   }
-  if (group.size() > 1) share_outcome(group, ok, error, path, "to write it", options.timeout);
+  if (group.size() > 1) share_outcome(group, ok, error, path, "to write it", timeout);
   if (unexpected) std::rethrow_exception(unexpected);
   if (!ok) throw UsageError(error);
 }
 
-std::optional<data::SamplerState> load_checkpoint(const std::string& path, torch::nn::Module& module,
-                                                  torch::optim::Optimizer* optimizer, const LoadOptions& options) {
-  check_path(path, "shoal::load");
-  comm::Group group = group_of(options.group, "shoal::load");
+std::string read_payload(const std::string& path, comm::Group& group, Duration timeout) {
   bool ok = true;
   std::string bytes;  // the file, or the root's error message when !ok
   std::string_view payload;
@@ -123,10 +124,35 @@ std::optional<data::SamplerState> load_checkpoint(const std::string& path, torch
       bytes = e.what();
     }
   }
-  if (group.size() > 1) share_outcome(group, ok, bytes, path, "to read it", options.timeout);
+  if (group.size() > 1) share_outcome(group, ok, bytes, path, "to read it", timeout);
   if (!ok) throw UsageError(bytes);
   // The others check their copy too: the checksum is cheap next to deserializing.
   if (group.rank() != kRoot) payload = checkpoint::open_container(path, bytes);
+  return std::string(payload);
+}
+
+comm::Group checkpoint_group(const std::optional<comm::Group>& group, const std::string& path, const char* operation) {
+  check_path(path, operation);
+  return group_of(group, operation);
+}
+
+}  // namespace checkpoint
+
+namespace {
+
+void save_checkpoint(const std::string& path, const torch::nn::Module& module, const torch::optim::Optimizer* optimizer,
+                     const data::SamplerState* loader_state, const SaveOptions& options) {
+  comm::Group group = checkpoint::checkpoint_group(options.group, path, "shoal::save");
+  checkpoint::save_payload(
+      path, group,
+      [&] { return checkpoint::serialize_contents(module, optimizer, loader_state, options.extras); },
+      options.timeout);
+}
+
+std::optional<data::SamplerState> load_checkpoint(const std::string& path, torch::nn::Module& module,
+                                                  torch::optim::Optimizer* optimizer, const LoadOptions& options) {
+  comm::Group group = checkpoint::checkpoint_group(options.group, path, "shoal::load");
+  const std::string payload = checkpoint::read_payload(path, group, options.timeout);
   return checkpoint::restore_contents(path, payload, module, optimizer, options.extras);
 }
 

@@ -201,11 +201,13 @@ CheckpointExtras read_extras(InputArchive& archive) {
 
 }  // namespace
 
-std::string serialize_contents(const torch::nn::Module& module, const torch::optim::Optimizer* optimizer,
-                               const data::SamplerState* loader_state, const CheckpointExtras& extras) {
+namespace {
+
+std::string serialize(const std::function<void(OutputArchive&)>& write_module, const torch::optim::Optimizer* optimizer,
+                      const data::SamplerState* loader_state, const CheckpointExtras& extras) {
   OutputArchive archive(std::make_shared<torch::jit::CompilationUnit>());
   OutputArchive module_archive(archive.compilation_unit());
-  module.save(module_archive);
+  write_module(module_archive);
   archive.write(kModuleKey, module_archive);
   if (optimizer != nullptr) {
     OutputArchive optimizer_archive(archive.compilation_unit());
@@ -244,6 +246,64 @@ std::string serialize_contents(const torch::nn::Module& module, const torch::opt
     return size;
   });
   return payload;
+}
+
+}  // namespace
+
+std::string serialize_contents(const torch::nn::Module& module, const torch::optim::Optimizer* optimizer,
+                               const data::SamplerState* loader_state, const CheckpointExtras& extras) {
+  return serialize([&module](OutputArchive& archive) { module.save(archive); }, optimizer, loader_state, extras);
+}
+
+std::string serialize_contents(const std::function<void(OutputArchive&)>& write_module,
+                               const CheckpointExtras& extras) {
+  return serialize(write_module, nullptr, nullptr, extras);
+}
+
+std::function<void()> plan_layers(const std::string& path, std::string_view payload,
+                                  const std::map<int, torch::nn::Module*>& layers, int layer_count,
+                                  CheckpointExtras* extras) {
+  InputArchive archive, module_archive;
+  std::vector<Copy> copies;
+  CheckpointExtras saved_extras;
+  try {
+    archive.load_from(payload.data(), payload.size());
+    if (!archive.try_read(kModuleKey, module_archive)) {
+      throw UsageError(where(path) + " holds no module; expected a file written by shoal::save");
+    }
+    const auto keys = module_archive.keys();
+    std::set<std::string> expected;
+    for (int i = 0; i < layer_count; ++i) expected.insert(std::to_string(i));
+    for (const auto& key : keys) {
+      if (!expected.count(key)) {
+        throw UsageError(where(path) + ": the file has '" + key + "', which the model of " +
+                         std::to_string(layer_count) + " layers does not" + expected_this_model());
+      }
+    }
+    if (keys.size() != expected.size()) {
+      throw UsageError(where(path) + ": the file has " + std::to_string(keys.size()) + " layers; the model has " +
+                       std::to_string(layer_count) + expected_this_model());
+    }
+    for (const auto& [index, layer] : layers) {
+      InputArchive layer_archive;
+      module_archive.read(std::to_string(index), layer_archive);
+      plan_module(path, layer_archive, *layer, std::to_string(index) + ".", copies);
+    }
+    InputArchive extras_archive;
+    if (extras != nullptr && archive.try_read(kExtrasKey, extras_archive)) saved_extras = read_extras(extras_archive);
+  } catch (const UsageError&) {
+    throw;
+  } catch (const std::exception& error) {
+    throw UsageError(where(path) + ": its content can't be read (" + first_line(error) +
+                     "); expected a file written by shoal::save");
+  }
+  return [copies = std::move(copies), saved_extras = std::move(saved_extras), extras]() mutable {
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& copy : copies) copy.target.copy_(copy.value);
+    }
+    if (extras != nullptr) *extras = std::move(saved_extras);
+  };
 }
 
 std::optional<data::SamplerState> restore_contents(const std::string& path, std::string_view payload,

@@ -2,12 +2,15 @@
 // Private to src/checkpoint; the payload's layout is described in docs/checkpoint.md.
 #pragma once
 
+#include <functional>
+#include <map>
 #include <optional>
 #include <string>
 #include <string_view>
 
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
+#include <torch/serialize/output-archive.h>
 
 #include "shoal/checkpoint/checkpoint.h"
 #include "shoal/data/sampler.h"
@@ -19,6 +22,19 @@ namespace shoal::checkpoint {
 // UsageError for an undefined extra.
 std::string serialize_contents(const torch::nn::Module& module, const torch::optim::Optimizer* optimizer,
                                const data::SamplerState* loader_state, const CheckpointExtras& extras);
+
+// The same payload with the module's archive written by `write_module` (a module gathered from
+// pieces that no one process holds whole, as a pipeline's).
+std::string serialize_contents(const std::function<void(torch::serialize::OutputArchive&)>& write_module,
+                               const CheckpointExtras& extras);
+
+// Checks `payload` against the layers of a Sequential of `layer_count` layers of which only
+// `layers` (by index) are here: the file's module must have exactly those layers, and each given
+// layer must match it as restore_contents checks. Changes nothing; returns what makes the change
+// (copies the values, and sets `extras` when not null), which cannot fail.
+std::function<void()> plan_layers(const std::string& path, std::string_view payload,
+                                  const std::map<int, torch::nn::Module*>& layers, int layer_count,
+                                  CheckpointExtras* extras);
 
 // Restores `module`, and `optimizer` and `extras` when not null, from `payload`, a verified
 // payload of the checkpoint at `path`; returns the loader state when the payload has one.

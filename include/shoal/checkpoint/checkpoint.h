@@ -28,6 +28,9 @@
 #include "shoal/data/sampler.h"
 
 namespace shoal {
+namespace pipeline {
+class Pipeline;
+}
 
 // The program's own values, saved alongside: a step count, a learning rate, an RNG state.
 // Tensors of any dtype and shape, e.g. extras["lr"] = torch::tensor(0.01).
@@ -72,5 +75,18 @@ data::SamplerState load(const std::string& path, torch::nn::Module& module, torc
 // Restores the module only (for evaluation, or a new optimizer); the file's optimizer and
 // loader state are not used.
 void load(const std::string& path, torch::nn::Module& module, const LoadOptions& options = {});
+
+// A pipeline's model, whole: every worker of the job calls it. Each stage's layers travel from
+// the worker that holds them (the first replica's, with a data axis) to the first worker, which
+// writes what shoal::save(path, net) of the whole Sequential writes on one process ("0.weight",
+// ...), with options.extras. The optimizer is not saved: its state follows the order of a
+// worker's parameters, which changes with the split (docs/checkpoint.md). options.group must be
+// empty (the pipeline's workers are the world).
+void save(const std::string& path, const pipeline::Pipeline& pipe, const SaveOptions& options = {});
+// Loads a checkpoint of the whole Sequential (saved from a pipeline of any split, workers,
+// schedule or data axis, or from the plain module) into the layers this worker holds. Every
+// worker checks the file against its layers before any changes: a missing name or a wrong shape
+// anywhere is a UsageError on every worker, naming it, with nothing changed.
+void load(const std::string& path, pipeline::Pipeline& pipe, const LoadOptions& options = {});
 
 }  // namespace shoal

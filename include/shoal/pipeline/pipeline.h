@@ -115,6 +115,7 @@ class Pipeline {
   struct State;
 
  private:
+  friend struct Access;  // its checkpoint's (src/pipeline/checkpoint.cpp) view of the state
   std::unique_ptr<State> state_;
 };
 
