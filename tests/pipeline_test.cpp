@@ -278,7 +278,7 @@ TEST(Pipeline, StashedMicroBatchesAreWhatTheSimulationCountsAndGrowWithRows) {
     run_workers(p, [p] {
       const std::vector<int64_t> width =
           p == 2 ? std::vector<int64_t>{4, 6, 3} : std::vector<int64_t>{4, 6, 5, 3};
-      for (const std::string& schedule : {"gpipe", "1f1b", "zb"}) {
+      for (const char* schedule : {"gpipe", "1f1b", "zb"}) {
         pp::PipelineOptions options;
         options.schedule = schedule;
         options.micro_batches = 2 * p;
@@ -288,7 +288,7 @@ TEST(Pipeline, StashedMicroBatchesAreWhatTheSimulationCountsAndGrowWithRows) {
         const auto simulated = pp::simulate(pipe.schedule()).peak_in_flight;
         for (int64_t rows : {2, 4}) {
           const std::string what =
-              schedule + " p=" + std::to_string(p) + " rows=" + std::to_string(rows);
+              std::string(schedule) + " p=" + std::to_string(p) + " rows=" + std::to_string(rows);
           auto [x, y] = batch(rows * options.micro_batches, 4, 3, rows);
           pipe.step(x, y, mse);
           const auto& stats = pipe.last_step_stats();
