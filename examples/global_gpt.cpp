@@ -1,14 +1,19 @@
 // A character-level GPT on global tensors, trained on the GNU GPL's text (which Debian's
-// base-files installs). The four plans differ only in placement and SBP; on the same seed they
-// train the same model to the same losses:
+// base-files installs). The plans differ only in placement and SBP; on the same seed they train
+// the same model to the same losses:
 //
 //   build/examples/global_gpt --plan one                               # one process
 //   build/bin/shoal run -n 4 build/examples/global_gpt --plan data     # batch split(0)
 //   build/bin/shoal run -n 4 build/examples/global_gpt --plan tensor   # Megatron: heads split
 //   build/bin/shoal run -n 4 build/examples/global_gpt --plan hybrid   # 2 x 2: data x tensor
+//   build/bin/shoal run -n 4 build/examples/global_gpt --plan pipeline # a stage per worker
+//   build/bin/shoal run -n 8 build/examples/global_gpt --plan 3d       # 2 stages x 2 data x 2 tensor
 //
-// --steps N (default 20), --save FILE writes the final parameters (whole values, by name) from
-// the first worker, --text FILE trains on another text.
+// The pipeline plans take --schedule gpipe|1f1b|interleaved|zb (default 1f1b) and
+// --micro-batches M (default 4). --steps N (default 20), --save FILE writes the final parameters
+// (whole values, by name) from the first worker, --text FILE trains on another text, --layers
+// and --dropout change the model. A pipeline draws each micro-batch's dropout mask on its own,
+// so its losses equal one process's at --dropout 0 (docs/pipeline.md, "Global layers").
 #include <fstream>
 #include <iomanip>
 #include <iostream>
@@ -20,83 +25,153 @@
 #include "cli.h"
 
 namespace g = shoal::global;
+namespace pp = shoal::pipeline;
 
 struct Config {
   int64_t vocabulary = 0, time = 32, batch = 8, dim = 64, heads = 4, layers = 2;
   double dropout = 0.1;
 };
 
-// How the plan lays out the model (Layout) and a batch of character ids.
-struct Plan {
-  g::nn::Layout layout;
-  g::NdSbp batch{g::broadcast()};
-};
-
-Plan make_plan(const std::string& name) {
-  const int n = shoal::world_size();
-  if (name == "one") return {{g::Placement({0}), {}}, g::broadcast()};
-  if (name == "data") return {{g::Placement::all(), {}}, g::split(0)};
-  if (name == "tensor") return {{g::Placement::all(), {0}}, g::broadcast()};
-  if (name == "hybrid") {
-    if (n % 2 != 0)
-      throw shoal::UsageError("--plan hybrid: expected an even number of workers, got " +
-                              std::to_string(n));
-    return {{g::Placement::mesh({2, n / 2}), {1}}, g::NdSbp{g::split(0), g::broadcast()}};
-  }
-  throw shoal::UsageError("--plan: expected one, data, tensor or hybrid, got '" + name + "'");
-}
-
-class GptImpl : public g::nn::Module {
+// The first layer: token and position embeddings. ids [batch, time] -> [batch, time, dim]
+class EmbedImpl : public g::nn::Module {
  public:
-  GptImpl(const Config& config, const g::nn::Layout& layout) : config_(config), layout_(layout) {
+  EmbedImpl(const Config& config, const g::nn::Layout& layout)
+      : dropout_(config.dropout), layout_(layout) {
     const auto& p = layout.placement;
     tokens_ = register_module("tokens",
                               g::nn::Embedding(config.vocabulary, config.dim, p, layout.column()));
     positions_ = register_module("positions",
                                  g::nn::Embedding(config.time, config.dim, p, layout.replicated()));
-    for (int64_t i = 0; i < config.layers; ++i) {
-      blocks_.push_back(register_module(
-          "block" + std::to_string(i),
-          g::nn::TransformerBlock(
-              g::nn::TransformerBlockOptions{config.dim, config.heads, 0, config.dropout},
-              layout)));
-    }
-    norm_ = register_module("norm", g::nn::LayerNorm(config.dim, p));
-    head_ = register_module(
-        "head", g::nn::Linear(config.dim, config.vocabulary, p, layout.column(), false));
   }
-
-  // ids [batch, time] -> logits [batch, time, vocabulary]
   g::GlobalTensor forward(const g::GlobalTensor& ids) {
     const auto where = g::arange(ids.shape()[1], layout_.placement, layout_.replicated());
-    g::GlobalTensor x =
-        g::dropout(tokens_(ids) + positions_(where), config_.dropout, is_training());
-    for (auto& block : blocks_) x = block(x);
-    return head_(norm_(x));
+    return g::dropout(tokens_(ids) + positions_(where), dropout_, is_training());
   }
 
  private:
-  Config config_;
+  double dropout_;
   g::nn::Layout layout_;
   g::nn::Embedding tokens_{nullptr}, positions_{nullptr};
-  std::vector<g::nn::TransformerBlock> blocks_;
+};
+TORCH_MODULE(Embed);
+
+// The last layer: the final norm and the output head. -> logits [batch, time, vocabulary]
+class HeadImpl : public g::nn::Module {
+ public:
+  HeadImpl(const Config& config, const g::nn::Layout& layout) {
+    norm_ = register_module("norm", g::nn::LayerNorm(config.dim, layout.placement));
+    head_ = register_module("head", g::nn::Linear(config.dim, config.vocabulary, layout.placement,
+                                                  layout.column(), false));
+  }
+  g::GlobalTensor forward(const g::GlobalTensor& x) { return head_(norm_(x)); }
+
+ private:
   g::nn::LayerNorm norm_{nullptr};
   g::nn::Linear head_{nullptr};
+};
+TORCH_MODULE(Head);
+
+// How a plan lays out each layer (layouts[i] for layer i), the batch's SBP, and for the pipeline
+// plans their stages.
+struct Plan {
+  std::vector<g::nn::Layout> layouts;
+  g::NdSbp batch{g::broadcast()};
+  bool pipeline = false;
+};
+
+Plan make_plan(const std::string& name, int layers, int stages_per_worker) {
+  const int n = shoal::world_size();
+  auto same = [&](g::nn::Layout layout, g::NdSbp batch) {
+    return Plan{std::vector<g::nn::Layout>(layers, layout), batch, false};
+  };
+  if (name == "one") return same({g::Placement({0}), {}}, g::broadcast());
+  if (name == "data") return same({g::Placement::all(), {}}, g::split(0));
+  if (name == "tensor") return same({g::Placement::all(), {0}}, g::broadcast());
+  if (name == "hybrid") {
+    if (n % 2 != 0)
+      throw shoal::UsageError("--plan hybrid: expected an even number of workers, got " +
+                              std::to_string(n));
+    return same({g::Placement::mesh({2, n / 2}), {1}}, g::NdSbp{g::split(0), g::broadcast()});
+  }
+  // A pipeline: the layers cut into stages (balanced by parameter count, as pp::Pipeline does
+  // for plain layers), stage s on the placement of worker group s % groups.
+  std::vector<g::nn::Layout> groups;
+  Plan plan;
+  plan.pipeline = true;
+  if (name == "pipeline") {
+    for (int w = 0; w < n; ++w) groups.push_back({g::Placement({w}), {}});
+  } else if (name == "3d") {
+    if (n % 4 != 0)
+      throw shoal::UsageError("--plan 3d: expected a multiple of 4 workers (2 stages x 2 data x "
+                              "tensor), got " + std::to_string(n));
+    for (int w = 0; w < 2; ++w) {
+      std::vector<int> ranks;
+      for (int r = w * n / 2; r < (w + 1) * n / 2; ++r) ranks.push_back(r);
+      groups.push_back({g::Placement::mesh({2, n / 4}, ranks), {1}});
+    }
+    plan.batch = g::NdSbp{g::split(0), g::broadcast()};
+  } else {
+    throw shoal::UsageError(
+        "--plan: expected one, data, tensor, hybrid, pipeline or 3d, got '" + name + "'");
+  }
+  const int stages = static_cast<int>(groups.size()) * stages_per_worker;
+  std::vector<int64_t> weights(layers, 12);  // a block's 12 dim^2, about; the ends 2 dim^2
+  weights.front() = weights.back() = 2;
+  int layer = 0, stage = 0;
+  for (int length : pp::balanced_split(weights, stages)) {
+    for (int i = 0; i < length; ++i, ++layer)
+      plan.layouts.push_back(groups[stage % groups.size()]);
+    ++stage;
+  }
+  return plan;
+}
+
+// The model, as one Sequential of layers in every plan, so that its parameters have the same
+// names everywhere ("layers.0.tokens.weight", ...).
+class GptImpl : public g::nn::Module {
+ public:
+  GptImpl(const Config& config, const Plan& plan) {
+    layers = register_module("layers", torch::nn::Sequential());
+    const int count = static_cast<int>(plan.layouts.size());
+    layers->push_back(Embed(config, plan.layouts[0]));
+    for (int i = 1; i + 1 < count; ++i) {
+      layers->push_back(g::nn::TransformerBlock(
+          g::nn::TransformerBlockOptions{config.dim, config.heads, 0, config.dropout},
+          plan.layouts[i]));
+    }
+    layers->push_back(Head(config, plan.layouts[count - 1]));
+  }
+  // ids [batch, time] -> logits [batch, time, vocabulary]
+  g::GlobalTensor forward(const g::GlobalTensor& ids) {
+    return layers->forward<g::GlobalTensor>(ids);
+  }
+  torch::nn::Sequential layers{nullptr};
 };
 TORCH_MODULE(Gpt);
 
 int main(int argc, char** argv) {
-  CLI::App app{"A character-level GPT on global tensors, in one of four plans.", "global_gpt"};
+  CLI::App app{"A character-level GPT on global tensors, in one of six plans.", "global_gpt"};
   std::string plan_name = "one", save, text_path = "/usr/share/common-licenses/GPL-3";
-  int steps = 20;
-  app.add_option("--plan", plan_name, "one, data, tensor or hybrid");
+  std::string schedule = "1f1b";
+  int steps = 20, micro_batches = 4;
+  Config config;
+  app.add_option("--plan", plan_name, "one, data, tensor, hybrid, pipeline or 3d");
   app.add_option("--steps", steps, "training steps")->check(examples::positive());
   app.add_option("--save", save, "write the final parameters here");
   app.add_option("--text", text_path, "the text to train on");
+  app.add_option("--schedule", schedule, "pipeline plans: gpipe, 1f1b, interleaved or zb");
+  app.add_option("--micro-batches", micro_batches, "pipeline plans: micro-batches per batch")
+      ->check(examples::positive());
+  app.add_option("--layers", config.layers, "transformer blocks")->check(examples::positive());
+  app.add_option("--dropout", config.dropout, "dropout probability")
+      ->check(CLI::Range(0.0, 1.0));
   if (const int code = examples::parse(app, argc, argv); code >= 0) return code;
   try {
     shoal::init();
-    const Plan plan = make_plan(plan_name);
+    const int stages_per_worker = schedule == "interleaved" ? 2 : 1;
+    const Plan plan = make_plan(plan_name, static_cast<int>(config.layers) + 2, stages_per_worker);
+    const g::Placement& first = plan.layouts.front().placement;
+    const g::Placement& last = plan.layouts.back().placement;
 
     std::ifstream file(text_path, std::ios::binary);
     if (!file) throw shoal::UsageError("--text: cannot read " + text_path);
@@ -111,35 +186,57 @@ int main(int argc, char** argv) {
     for (unsigned char c : text) ids.push_back(id_of[c]);
     const torch::Tensor corpus = torch::tensor(ids);
 
-    Config config;
     config.vocabulary = next;
     if (static_cast<int64_t>(ids.size()) <= config.time + 1)
       throw shoal::UsageError("--text: too short to train on");
     torch::manual_seed(0);
-    Gpt model(config, plan.layout);
-    g::nn::GradientSync sync(model);
-    torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-3));
+    Gpt model(config, plan);
+    // The batches have their own random stream: a pipeline's stages draw different dropout
+    // masks from the default one, and every worker must still draw the same batches.
+    auto batches = at::make_generator<at::CPUGeneratorImpl>(1);
 
-    const int64_t rows = config.batch * config.time;
+    // A pipeline plan runs the layers in stages, and sums the gradients itself (GradientSync
+    // would sum them at every micro-batch's backward); the other plans run the model whole.
+    std::unique_ptr<pp::Pipeline> pipe;
+    std::unique_ptr<g::nn::GradientSync> sync;
+    if (plan.pipeline) {
+      pp::PipelineOptions options;
+      options.micro_batches = micro_batches;
+      options.schedule = schedule;
+      options.batch = plan.batch.axes();
+      pipe = std::make_unique<pp::Pipeline>(model->layers, options);
+    } else {
+      sync = std::make_unique<g::nn::GradientSync>(model);
+    }
+    torch::optim::AdamW optimizer(pipe ? pipe->parameters() : model->parameters(),
+                                  torch::optim::AdamWOptions(1e-3));
+    const int64_t vocabulary = config.vocabulary;
+    auto loss_of = [vocabulary](const g::GlobalTensor& logits, const g::GlobalTensor& y) {
+      const int64_t rows = logits.size(0) * logits.size(1);
+      return g::cross_entropy(g::reshape(logits, {rows, vocabulary}), g::reshape(y, {rows}));
+    };
+
     for (int step = 1; step <= steps; ++step) {
       // Every worker draws the whole batch (the same, after the same seed) and keeps its piece.
-      const torch::Tensor starts = torch::randint(corpus.size(0) - config.time - 1, {config.batch});
+      const torch::Tensor starts =
+          torch::randint(corpus.size(0) - config.time - 1, {config.batch}, batches);
       std::vector<torch::Tensor> inputs, targets;
       for (int64_t b = 0; b < config.batch; ++b) {
         inputs.push_back(corpus.narrow(0, starts[b].item<int64_t>(), config.time));
         targets.push_back(corpus.narrow(0, starts[b].item<int64_t>() + 1, config.time));
       }
-      const auto x =
-          g::GlobalTensor::from_full(torch::stack(inputs), plan.layout.placement, plan.batch);
-      const auto y =
-          g::GlobalTensor::from_full(torch::stack(targets), plan.layout.placement, plan.batch);
       optimizer.zero_grad();
-      const auto logits = model->forward(x);
-      const auto loss =
-          g::cross_entropy(g::reshape(logits, {rows, config.vocabulary}), g::reshape(y, {rows}));
-      loss.backward();
+      double value = 0;
+      if (pipe) {
+        value = pipe->step(torch::stack(inputs), torch::stack(targets), loss_of).item<double>();
+      } else {
+        const auto x = g::GlobalTensor::from_full(torch::stack(inputs), first, plan.batch);
+        const auto y = g::GlobalTensor::from_full(torch::stack(targets), last, plan.batch);
+        const auto loss = loss_of(model->forward(x), y);
+        loss.backward();
+        value = loss.detach().full().item<double>();
+      }
       optimizer.step();
-      const double value = loss.detach().full().item<double>();
       if (shoal::is_main())
         std::cout << "step " << step << " loss " << std::setprecision(9) << value << std::endl;
     }

@@ -2,11 +2,14 @@
 
 #include <algorithm>
 #include <limits>
+#include <map>
+#include <optional>
 #include <set>
 #include <unordered_map>
 
 #include "pipeline_state.h"
 #include "shoal/core/error.h"
+#include "shoal/global/nn.h"
 #include "shoal/runtime/init.h"
 
 namespace shoal::pipeline {
@@ -51,7 +54,8 @@ std::vector<int> balanced_split(const std::vector<int64_t>& weights, int parts) 
 namespace {
 
 // How the stages sit on workers: the schedule (generated or the user's) and each stage's rank.
-void place_stages(Pipeline::State& state) {
+// `placements`: the user's (plain layers) or the layers' (global ones), or empty.
+void place_stages(Pipeline::State& state, const std::vector<global::Placement>& placements) {
   const PipelineOptions& o = state.options;
   if (o.micro_batches < 1) {
     throw UsageError("pipeline: expected micro_batches >= 1, got " +
@@ -75,8 +79,7 @@ void place_stages(Pipeline::State& state) {
   }
 
   // The stages' placements; each distinct one is a worker of the schedule (a line of d
-  // replicas), numbered in order of first use.
-  const auto& placements = o.placements;
+  // replicas, or a mesh of global layers), numbered in order of first use.
   int stages = 0;
   if (!placements.empty()) {
     stages = static_cast<int>(placements.size());
@@ -94,7 +97,7 @@ void place_stages(Pipeline::State& state) {
   std::vector<std::vector<int>> groups;
   for (int s = 0; s < stages && !placements.empty(); ++s) {
     const global::Placement& placement = placements[s];
-    if (placement.ndim() != 1) {
+    if (placement.ndim() != 1 && !state.global) {
       throw UsageError("pipeline: stage " + std::to_string(s) + "'s placement " +
                        placement.describe() +
                        " is a mesh; a stage's placement is a line of workers (its data axis)");
@@ -123,6 +126,13 @@ void place_stages(Pipeline::State& state) {
                          placement.describe() + " has " + std::to_string(placement.size()) +
                          " workers, stage 0's " + std::to_string(groups.front().size()) +
                          "; every stage needs as many replicas");
+      }
+      if (state.global && placement.shape() != placements.front().shape()) {
+        throw UsageError("pipeline: stage " + std::to_string(s) + "'s placement " +
+                         placement.describe() + " is not shaped as stage 0's " +
+                         placements.front().describe() +
+                         "; member i of each stage sends to member i of the next, so every "
+                         "stage's mesh must have the same shape");
       }
       groups.push_back(placement.ranks());
     }
@@ -205,7 +215,133 @@ void place_stages(Pipeline::State& state) {
   }
 }
 
+// Global layers (global::nn::Module) sit on the placement of their global parameters. Returns
+// each layer's placement (a layer without parameters takes its neighbour's), or nothing for a
+// model of plain layers. UsageError for a mix, or a layer whose parameters lie on several.
+std::vector<global::Placement> placements_of_layers(torch::nn::Sequential& net) {
+  const int n = static_cast<int>(net->size());
+  std::vector<std::optional<global::Placement>> found(n);
+  bool any_global = false;
+  int plain_with_parameters = -1;
+  for (int l = 0; l < n; ++l) {
+    auto module = std::dynamic_pointer_cast<global::nn::Module>(net->ptr(l));
+    if (!module) {
+      if (!net->ptr(l)->parameters().empty()) plain_with_parameters = l;
+      continue;
+    }
+    any_global = true;
+    for (const auto& [name, parameter] : module->named_global_parameters()) {
+      if (!found[l]) {
+        found[l] = parameter.placement();
+      } else if (*found[l] != parameter.placement()) {
+        throw UsageError("pipeline: layer " + std::to_string(l) + " has parameters on " +
+                         found[l]->describe() + " and on " + parameter.placement().describe() +
+                         " ('" + name + "'); a stage's layers sit on one placement");
+      }
+    }
+  }
+  if (!any_global) return {};
+  if (plain_with_parameters >= 0) {
+    throw UsageError("pipeline: layer " + std::to_string(plain_with_parameters) +
+                     " is a plain torch module with parameters among global layers; its "
+                     "parameters need a placement (build it from shoal::global::nn layers)");
+  }
+  for (int l = 1; l < n; ++l) {
+    if (!found[l]) found[l] = found[l - 1];
+  }
+  for (int l = n - 2; l >= 0; --l) {
+    if (!found[l]) found[l] = found[l + 1];
+  }
+  if (!found[0]) throw UsageError("pipeline: none of the global layers has a parameter");
+  std::vector<global::Placement> placements;
+  for (const auto& p : found) placements.push_back(*p);
+  return placements;
+}
+
+// The stages of global layers: each run of layers on one placement. A split the user gave must
+// agree.
+std::vector<int> global_split(const PipelineOptions& o,
+                              const std::vector<global::Placement>& layer_placements) {
+  if (!o.placements.empty()) {
+    throw UsageError(
+        "pipeline: options.placements is for plain layers; global layers are placed by their "
+        "parameters (build each stage's layers on its placement)");
+  }
+  std::vector<int> split;
+  for (size_t l = 0; l < layer_placements.size(); ++l) {
+    if (l == 0 || layer_placements[l] != layer_placements[l - 1]) {
+      split.push_back(1);
+    } else {
+      ++split.back();
+    }
+  }
+  if (!o.split.empty() && o.split != split) {
+    throw UsageError("pipeline: split " + join(o.split) + " does not match the layers' placements, " +
+                     "which make the stages " + join(split));
+  }
+  return split;
+}
+
+// options.batch, checked against the stages' mesh: split(0) or broadcast per axis.
+std::vector<global::Sbp> batch_layout(const std::vector<global::Sbp>& batch,
+                                      const global::Placement& placement) {
+  if (batch.empty()) return std::vector<global::Sbp>(placement.ndim(), global::broadcast());
+  const global::NdSbp given(batch);
+  if (given.size() != placement.ndim()) {
+    throw UsageError("pipeline: options.batch " + given.describe() + " has " +
+                     std::to_string(given.size()) + " axes; the stages' placement " +
+                     placement.describe() + " has " + std::to_string(placement.ndim()));
+  }
+  for (const auto& sbp : batch) {
+    if (!(sbp.is_broadcast() || (sbp.is_split() && sbp.dim() == 0))) {
+      throw UsageError("pipeline: options.batch " + given.describe() +
+                       ": expected split(0) (a data axis) or broadcast on each axis");
+    }
+  }
+  return batch;
+}
+
+// Global layers: this worker keeps its stages' layers; each parameter's gradient is summed over
+// the workers holding the same piece (the data axes' members, and the tensor axes' for a
+// broadcast weight), as GradientSync sums it, but once per step.
+void keep_global_layers(Pipeline::State& state, torch::nn::Sequential& net) {
+  const int stages = state.stages();
+  state.layers.resize(stages);
+  std::map<std::vector<int>, std::vector<torch::Tensor>> by_holders;
+  std::set<const void*> seen;
+  int layer_index = 0;
+  for (int s = 0; s < stages; ++s) {
+    for (int i = 0; i < state.split[s]; ++i, ++layer_index) {
+      if (state.schedule.worker_of(s) != state.me) continue;
+      state.layers[s].push_back(*(net->begin() + layer_index));
+      auto module = std::dynamic_pointer_cast<global::nn::Module>(net->ptr(layer_index));
+      if (!module) continue;
+      for (const auto& named : module->named_global_parameters()) {
+        const global::GlobalTensor& parameter = named.second;
+        if (!seen.insert(parameter.to_local().unsafeGetTensorImpl()).second) continue;
+        if (!parameter.requires_grad()) continue;
+        state.parameters.push_back(parameter.to_local());
+        const auto holders = global::nn::piece_holders(parameter);
+        if (holders.size() > 1) by_holders[holders].push_back(parameter.to_local());
+      }
+    }
+  }
+  // In sorted order (std::map's), so that workers sharing two sets make their groups alike.
+  for (auto& [holders, parameters] : by_holders) state.holders.emplace_back(holders, parameters);
+}
+
+
 }  // namespace
+
+int64_t Pipeline::State::rows_per_micro_batch() const {
+  if (!global) return replicas;
+  const global::Placement& placement = stage_placements.front();
+  int64_t rows = 1;
+  for (int a = 0; a < placement.ndim(); ++a) {
+    if (batch[a].is_split()) rows *= placement.shape()[a];
+  }
+  return rows;
+}
 
 Pipeline::Pipeline(torch::nn::Sequential net, PipelineOptions options)
     : state_(std::make_unique<State>()) {
@@ -214,7 +350,22 @@ Pipeline::Pipeline(torch::nn::Sequential net, PipelineOptions options)
   state.options = std::move(options);
   state.world_size = shoal::world_size();
   const int layer_count = static_cast<int>(net->size());
-  place_stages(state);
+  const std::vector<global::Placement> layer_placements = placements_of_layers(net);
+  state.global = !layer_placements.empty();
+  if (state.global) {
+    state.options.split = global_split(state.options, layer_placements);
+    for (size_t l = 0, s = 0; s < state.options.split.size(); l += state.options.split[s++])
+      state.stage_placements.push_back(layer_placements[l]);
+    place_stages(state, state.stage_placements);
+    state.batch = batch_layout(state.options.batch, state.stage_placements.front());
+  } else {
+    if (!state.options.batch.empty()) {
+      throw UsageError(
+          "pipeline: options.batch lays out the micro-batches of global layers, but this "
+          "model's layers are plain torch modules");
+    }
+    place_stages(state, state.options.placements);
+  }
   const int stages = state.stages();
 
   if (state.options.split.empty()) {
@@ -237,6 +388,10 @@ Pipeline::Pipeline(torch::nn::Sequential net, PipelineOptions options)
     }
   }
 
+  if (state.global) {
+    keep_global_layers(state, net);
+    return;
+  }
   // Keep this worker's layers; find the weights that stages on different workers share.
   state.layers.resize(stages);
   std::vector<int> stage_of_layer;
@@ -269,6 +424,7 @@ Pipeline::Pipeline(torch::nn::Sequential net, PipelineOptions options)
 
 Pipeline::~Pipeline() = default;
 
+
 std::vector<torch::Tensor> Pipeline::parameters() const {
   return state_->parameters;
 }
@@ -283,7 +439,11 @@ global::Placement Pipeline::placement(int stage) const {
     throw UsageError("pipeline: stage " + std::to_string(stage) + " is not one of the " +
                      std::to_string(stages()) + " stages");
   }
+  if (state_->global) return state_->stage_placements[stage];
   return global::Placement(state_->ranks[state_->schedule.worker_of(stage)]);
+}
+bool Pipeline::is_global() const {
+  return state_->global;
 }
 const std::vector<StageStepStats>& Pipeline::last_step_stats() const {
   return state_->last_stats;

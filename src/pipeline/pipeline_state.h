@@ -13,6 +13,8 @@
 #include <torch/types.h>
 
 #include "shoal/comm/group.h"
+#include "shoal/global/placement.h"
+#include "shoal/global/tensor.h"
 #include "shoal/pipeline/pipeline.h"
 
 namespace shoal::pipeline {
@@ -32,9 +34,14 @@ enum Channel { kShapeHeader = 0, kActivation = 1, kGradient = 2, kChannels = 3 }
 // output shape changes fails on both sides of the transfer with the same UsageError instead of
 // the receiver waiting for bytes that never fit. Gradients need none: a gradient's shape is its
 // activation's, already checked. Header: {dtype, ndim, sizes..., 0...}; ndim -1 means more
-// dimensions than a header holds.
+// dimensions than a header holds. Between stages of global layers the header also carries what
+// makes the receiver's piece a global tensor: {mesh axes, an Sbp code per axis..., the global
+// sizes...} (a plain layer's header has 0 axes).
 constexpr int kMaxDims = 16;
-constexpr int kHeaderLength = 2 + kMaxDims;
+constexpr int kMaxAxes = 8;
+constexpr int kGlobalAt = 2 + kMaxDims;                    // mesh axes, then their Sbp codes
+constexpr int kGlobalSizesAt = kGlobalAt + 1 + kMaxAxes;   // the global sizes
+constexpr int kHeaderLength = kGlobalSizesAt + kMaxDims;
 
 inline std::string join(const std::vector<int>& values) {
   std::string text = "[";
@@ -48,26 +55,69 @@ inline std::string shape_of(c10::IntArrayRef sizes) {
   return text.str();
 }
 
+// An Sbp on the wire: split(d) is d, broadcast -1, partial_sum -2.
+inline int64_t sbp_code(const global::Sbp& sbp) {
+  return sbp.is_split() ? sbp.dim() : sbp.is_broadcast() ? -1 : -2;
+}
+inline global::Sbp sbp_of_code(int64_t code) {
+  return code >= 0 ? global::split(code) : code == -1 ? global::broadcast() : global::partial_sum();
+}
+
 struct Shape {
   int64_t dtype = -1;
-  std::vector<int64_t> sizes;
-  bool operator==(const Shape& other) const { return dtype == other.dtype && sizes == other.sizes; }
+  std::vector<int64_t> sizes;  // of the tensor sent: a global tensor's piece
+  // Global layers: the activation's layout and global shape.
+  std::vector<global::Sbp> sbp;
+  std::vector<int64_t> global_sizes;
+  bool operator==(const Shape& other) const {
+    return dtype == other.dtype && sizes == other.sizes && sbp == other.sbp &&
+           global_sizes == other.global_sizes;
+  }
   std::string describe() const {
-    return shape_of(sizes) + " " + std::string(c10::toString(static_cast<c10::ScalarType>(dtype)));
+    std::string text =
+        shape_of(sizes) + " " + std::string(c10::toString(static_cast<c10::ScalarType>(dtype)));
+    if (sbp.empty()) return text;
+    return text + " (a piece of " + shape_of(global_sizes) + " as " +
+           global::NdSbp(sbp).describe() + ")";
   }
 };
 
-inline torch::Tensor header_of(const torch::Tensor& tensor) {
+// The header of `tensor`; with `global`, of the piece `tensor` of it.
+inline torch::Tensor header_of(const torch::Tensor& tensor,
+                               const global::GlobalTensor* global = nullptr) {
   auto header = torch::zeros({kHeaderLength}, torch::kInt64);
   auto* data = header.data_ptr<int64_t>();
   data[0] = static_cast<int64_t>(tensor.scalar_type());
-  if (tensor.dim() > kMaxDims) {
+  if (tensor.dim() > kMaxDims || (global && (global->dim() > kMaxDims ||
+                                             global->placement().ndim() > kMaxAxes))) {
     data[1] = -1;
     return header;
   }
   data[1] = tensor.dim();
   for (int64_t d = 0; d < tensor.dim(); ++d) data[2 + d] = tensor.size(d);
+  if (global) {
+    const int axes = global->placement().ndim();
+    data[kGlobalAt] = axes;
+    for (int a = 0; a < axes; ++a) data[kGlobalAt + 1 + a] = sbp_code(global->sbp()[a]);
+    for (int64_t d = 0; d < global->dim(); ++d) data[kGlobalSizesAt + d] = global->size(d);
+  }
   return header;
+}
+
+// What header_of() wrote; nothing when it holds more dimensions or axes than a header can.
+inline std::optional<Shape> shape_of_header(const torch::Tensor& header) {
+  const auto* data = header.data_ptr<int64_t>();
+  const int64_t axes = data[kGlobalAt];
+  if (data[1] < 0 || data[1] > kMaxDims || axes < 0 || axes > kMaxAxes) return std::nullopt;
+  Shape shape;
+  shape.dtype = data[0];
+  shape.sizes.assign(data + 2, data + 2 + data[1]);
+  if (axes > 0) {
+    for (int a = 0; a < axes; ++a) shape.sbp.push_back(sbp_of_code(data[kGlobalAt + 1 + a]));
+    // The global tensor has as many dimensions as its piece.
+    shape.global_sizes.assign(data + kGlobalSizesAt, data + kGlobalSizesAt + data[1]);
+  }
+  return shape;
 }
 
 inline int64_t parameter_count(const torch::nn::Module& module) {
@@ -91,6 +141,15 @@ struct Pipeline::State {
   std::optional<comm::Group> replica_group;  // this stage's replicas, made at the first step
   std::vector<std::vector<torch::nn::AnyModule>> layers;  // per stage; empty unless held here
   int me = -1;  // this worker's index in the schedule, -1 when it holds no stage
+  // Global layers (Pipeline::is_global()): each stage's placement (a mesh of the same shape for
+  // every stage; `replica` is then this worker's member index in it), the micro-batches' layout,
+  // and this worker's parameters by the workers holding the same piece (global::nn::
+  // piece_holders, sorted), whose gradients are summed over those workers after the step.
+  bool global = false;
+  std::vector<global::Placement> stage_placements;
+  std::vector<global::Sbp> batch;
+  std::vector<std::pair<std::vector<int>, std::vector<torch::Tensor>>> holders;
+  std::map<std::vector<int>, comm::Group> holder_groups;  // made at the first step
   int world_size = 1;
   std::vector<torch::Tensor> parameters;
   // Weights used by stages on several workers: their gradients are summed across workers.
@@ -110,6 +169,8 @@ struct Pipeline::State {
   int stages() const { return schedule.stages; }
   // The rank of `stage` in this worker's replica of the pipeline.
   int rank_of(int stage) const { return ranks[schedule.worker_of(stage)][replica]; }
+  // Rows of each micro-batch a worker needs: one per data replica (a split(0) axis's members).
+  int64_t rows_per_micro_batch() const;
   int tag(Channel channel, int stage, int micro_batch) const {
     return detail::kTagBase + (channel * stages() + stage) * schedule.micro_batches + micro_batch;
   }

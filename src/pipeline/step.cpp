@@ -8,6 +8,7 @@
 #include "pipeline_state.h"
 #include "shoal/core/error.h"
 #include "shoal/core/timeline.h"
+#include "shoal/global/tensor.h"
 #include "shoal/runtime/init.h"
 #include "split_backward.h"
 
@@ -25,6 +26,11 @@ struct Slot {
   torch::Tensor grad_input;   // the gradient of the input, after B or I
   bool has_grad_input = false;
   std::unique_ptr<detail::SplitBackward> split;  // between I and W
+  // Global layers: the layout and global shape of the input (received) and of the output, whose
+  // pieces `input` and `output` are; and the last stage's backward seed (GlobalTensor::backward's).
+  std::vector<global::Sbp> input_sbp, output_sbp;
+  std::vector<int64_t> input_shape, output_shape;
+  torch::Tensor seed;
 };
 
 // A transfer in flight, waited on before the step ends.
@@ -36,8 +42,18 @@ struct PendingSend {
 class StepRun {
  public:
   StepRun(Pipeline::State& state, const torch::Tensor& input, const torch::Tensor& target,
-          const LossFunction& loss)
-      : state_(state), loss_(loss), group_(shoal::world()) {
+          const LossFunction& loss, const GlobalLossFunction& global_loss)
+      : state_(state), loss_(loss), global_loss_(global_loss), group_(shoal::world()) {
+    const int last = state.stages() - 1;
+    if (state.global) {
+      // Every member of a stage makes each micro-batch a global tensor from the whole of it, as
+      // from_full does (Note [Member-wise transfers]).
+      rows_ = input.size(0);
+      sizes_ = comm::split_sizes(rows_, state.schedule.micro_batches);
+      if (state.schedule.worker_of(0) == state.me) inputs_ = input.split_with_sizes(sizes_);
+      if (state.schedule.worker_of(last) == state.me) targets_ = target.split_with_sizes(sizes_);
+      return;
+    }
     // With a data axis, replica j runs the j-th share of the batch's rows through its own copy
     // of the pipeline; each micro-batch's loss is weighed by its rows over the whole batch's.
     rows_ = input.size(0);
@@ -45,7 +61,6 @@ class StepRun {
     int64_t offset = 0;
     for (int j = 0; j < state.replica; ++j) offset += shares[j];
     sizes_ = comm::split_sizes(shares[state.replica], state.schedule.micro_batches);
-    const int last = state.stages() - 1;
     if (state.schedule.worker_of(0) == state.me) {
       inputs_ = input.narrow(0, offset, shares[state.replica]).split_with_sizes(sizes_);
     }
@@ -148,6 +163,7 @@ class StepRun {
   }
 
   void forward(int stage, int mb) {
+    if (state_.global) return forward_global(stage, mb);
     Slot& own = slot(stage, mb);
     torch::Tensor source;
     if (stage == 0) {
@@ -178,13 +194,82 @@ class StepRun {
     own.output = x;
   }
 
-  // The gradient of the stage's output: 1 for the last stage's weighted loss, else what the
-  // next stage computed (here, or received by RG).
+  // Note [Member-wise transfers]
+  // Every stage of global layers sits on a mesh of one shape. Member i of a stage runs the
+  // stage's actions on its pieces, and its collectives (the tensor axes' all-reduces, boxing)
+  // involve only that stage's members, which run the same actions in the same order. Between
+  // stages, member i sends its piece of the activation to member i of the next stage, with its
+  // SBP and global shape in the header; the receiver makes it a global tensor on its own
+  // placement with that SBP, and sends back the gradient of its piece. The transfer is the
+  // identity on each piece, so the pieces' autograd stays exact: it is to_global() between two
+  // placements of the same shape and SBP, done by the schedule's sends instead of boxing (which
+  // every worker of the job would call).
+  void forward_global(int stage, int mb) {
+    Slot& own = slot(stage, mb);
+    const int last = state_.stages() - 1;
+    const global::NdSbp batch(state_.batch);
+    global::GlobalTensor x;
+    if (stage == 0) {
+      x = global::GlobalTensor::from_full(inputs_[mb], state_.stage_placements[0], batch);
+      own.input = x.to_local();
+    } else {
+      const bool local = here(stage - 1);
+      Slot& source = local ? slot(stage - 1, mb) : own;
+      const torch::Tensor piece = local ? source.output : own.input;
+      SHOAL_CHECK(piece.defined()) << "forward of stage " << stage << ", micro-batch " << mb
+                                   << " has no input";
+      own.input = piece.detach();
+      if (own.input.is_floating_point()) own.input.requires_grad_(true);
+      x = global::GlobalTensor(own.input, state_.stage_placements[stage],
+                               global::NdSbp(local ? source.output_sbp : own.input_sbp),
+                               local ? source.output_shape : own.input_shape);
+    }
+    int index = 0;
+    for (auto& layer : state_.layers[stage]) {
+      try {
+        x = layer.forward<global::GlobalTensor>(x);
+      } catch (const c10::Error& e) {
+        throw UsageError("pipeline: layer " + std::to_string(index) + " of stage " +
+                         std::to_string(stage) + " (" + layer.ptr()->name() +
+                         ") does not map a GlobalTensor to a GlobalTensor: " +
+                         e.what_without_backtrace());
+      }
+      ++index;
+    }
+    if (stage != last) {
+      own.output = x.to_local();
+      own.output_sbp = x.sbp().axes();
+      own.output_shape = x.shape();
+      return;
+    }
+    const auto target = global::GlobalTensor::from_full(
+        targets_[mb], state_.stage_placements[last], batch);
+    const global::GlobalTensor loss = global_loss_(x, target);
+    if (!loss.defined() || loss.numel() != 1 || loss.placement() != state_.stage_placements[last]) {
+      throw UsageError("pipeline: the loss function returned " + loss.describe() +
+                       "; expected a scalar on the last stage's placement " +
+                       state_.stage_placements[last].describe() + " (the micro-batch's mean loss)");
+    }
+    // The weighted loss's piece; seeded as GlobalTensor::backward() seeds, so that the pieces'
+    // seeded sum is the global value (docs/pipeline.md, "Micro-batches").
+    const double share = static_cast<double>(sizes_[mb]) / static_cast<double>(rows_);
+    own.output = loss.to_local() * share;
+    const global::Placement& placement = loss.placement();
+    const auto coordinate = placement.coordinate(shoal::rank());
+    bool first = true;
+    for (int a = 0; a < placement.ndim(); ++a)
+      first = first && (!loss.sbp()[a].is_broadcast() || coordinate[a] == 0);
+    own.seed = first ? torch::ones_like(own.output) : torch::zeros_like(own.output);
+    loss_sum_ += (own.output.detach() * own.seed).sum().item<double>();
+  }
+
+  // The gradient of the stage's output: 1 for the last stage's weighted loss (its seed, with
+  // global layers), else what the next stage computed (here, or received by RG).
   torch::Tensor output_gradient(int stage, int mb) {
     Slot& own = slot(stage, mb);
     torch::Tensor grad;
     if (stage == state_.stages() - 1) {
-      grad = torch::ones_like(own.output);
+      grad = own.seed.defined() ? own.seed : torch::ones_like(own.output);
     } else if (here(stage + 1)) {
       Slot& next = slot(stage + 1, mb);
       SHOAL_CHECK(next.has_grad_input) << "stage " << stage + 1 << " has no input gradient";
@@ -240,14 +325,21 @@ class StepRun {
     own.output = torch::Tensor();
     own.grad_output = torch::Tensor();
     own.input = torch::Tensor();
+    own.seed = torch::Tensor();
   }
 
   void send_activation(int stage, int mb) {
-    const torch::Tensor out = slot(stage, mb).output.detach();
+    const Slot& own = slot(stage, mb);
+    const torch::Tensor out = own.output.detach();
     const int dst = state_.rank_of(stage + 1);
     const std::string what = "sending " + where(stage) + "'s activation for micro-batch " +
                              std::to_string(mb) + " to " + where(stage + 1);
-    torch::Tensor header = header_of(out);
+    std::optional<global::GlobalTensor> global;
+    if (state_.global) {
+      global.emplace(out, state_.stage_placements[stage], global::NdSbp(own.output_sbp),
+                     own.output_shape);
+    }
+    torch::Tensor header = header_of(out, global ? &*global : nullptr);
     header_send_ = group_.send_async(header, dst, state_.p2p(kShapeHeader, stage, mb));
     sends_.push_back({*header_send_, what + " (its shape)"});
     check_shape(stage, mb, header);
@@ -268,7 +360,10 @@ class StepRun {
           shape.sizes, torch::TensorOptions().dtype(static_cast<c10::ScalarType>(shape.dtype)));
     }
     wait_recv(buffer, src, state_.p2p(kActivation, stage - 1, mb), what);
-    slot(stage, mb).input = buffer;
+    Slot& own = slot(stage, mb);
+    own.input = buffer;
+    own.input_sbp = shape.sbp;
+    own.input_shape = shape.global_sizes;
   }
 
   void send_gradient(int stage, int mb) {
@@ -305,16 +400,15 @@ class StepRun {
   // The shape crossing the boundary after `stage`, against what the first step with this batch
   // size sent (Note [Shape headers]). Raised the same on both sides.
   const Shape& check_shape(int stage, int mb, const torch::Tensor& header) {
-    const auto* data = header.data_ptr<int64_t>();
     const std::string crossing = "the activation from " + where(stage) + " to " + where(stage + 1) +
                                  " for micro-batch " + std::to_string(mb);
-    if (data[1] < 0 || data[1] > kMaxDims) {
+    const std::optional<Shape> read = shape_of_header(header);
+    if (!read) {
       throw UsageError("pipeline: " + crossing + " has more than " + std::to_string(kMaxDims) +
-                       " dimensions");
+                       " dimensions (or its placement more than " + std::to_string(kMaxAxes) +
+                       " axes)");
     }
-    Shape shape;
-    shape.dtype = data[0];
-    shape.sizes.assign(data + 2, data + 2 + data[1]);
+    const Shape& shape = *read;
     auto [known, added] = state_.learned.emplace(std::make_tuple(rows_, stage, mb), shape);
     if (!added && !(known->second == shape)) {
       throw UsageError("pipeline: " + crossing + " has shape " + shape.describe() +
@@ -327,6 +421,7 @@ class StepRun {
 
   Pipeline::State& state_;
   const LossFunction& loss_;
+  const GlobalLossFunction& global_loss_;
   comm::Group& group_;
   int64_t rows_ = 0;
   comm::Sizes sizes_;
@@ -392,8 +487,8 @@ std::vector<torch::Tensor> gradients_of(const std::vector<torch::Tensor>& params
 
 }  // namespace
 
-torch::Tensor Pipeline::step(const torch::Tensor& input, const torch::Tensor& target,
-                             const LossFunction& loss) {
+torch::Tensor Pipeline::run_step(const torch::Tensor& input, const torch::Tensor& target,
+                                 const LossFunction& loss, const GlobalLossFunction& global_loss) {
   State& state = *state_;
   if (!state.broken.empty()) {
     throw UsageError("pipeline: an earlier step failed (" + state.broken +
@@ -408,27 +503,35 @@ torch::Tensor Pipeline::step(const torch::Tensor& input, const torch::Tensor& ta
                      "; expected the same batch");
   }
   const int m = state.schedule.micro_batches;
-  if (input.size(0) < int64_t{m} * state.replicas) {
+  const int64_t replicas = state.rows_per_micro_batch();
+  if (input.size(0) < int64_t{m} * replicas) {
     throw UsageError("pipeline: a batch of " + std::to_string(input.size(0)) +
                      " rows cannot be cut into " + std::to_string(m) + " micro-batches" +
-                     (state.replicas > 1
-                          ? " for each of " + std::to_string(state.replicas) + " replicas"
-                          : std::string()) +
+                     (replicas > 1 ? " for each of " + std::to_string(replicas) + " replicas"
+                                   : std::string()) +
                      "; expected at least one row each");
   }
-  if (!loss) throw UsageError("pipeline: step() needs a loss function");
+  if (state.global ? !global_loss : !loss) {
+    throw UsageError(state.global
+                         ? "pipeline: the layers are global; step() needs a loss function of "
+                           "GlobalTensors (GlobalLossFunction)"
+                         : "pipeline: step() needs a loss function of torch tensors");
+  }
 
   // Only this step's part of the gradients is summed across workers.
   const auto tied_before = gradients_of(state.tied);
   const auto replicated_before =
       state.replicas > 1 ? gradients_of(state.replicated) : std::vector<torch::Tensor>();
+  std::vector<std::vector<torch::Tensor>> holders_before;
+  for (const auto& [holders, parameters] : state.holders)
+    holders_before.push_back(gradients_of(parameters));
 
   // The whole step as one slice, around its actions' (docs/pipeline.md, "Timeline").
   std::optional<timeline::Slice> step_slice;
   if (timeline::enabled()) step_slice.emplace("step", "pipeline");
 
   double loss_part = 0;
-  StepRun run(state, input, target, loss);
+  StepRun run(state, input, target, loss, global_loss);
   try {
     loss_part = run.run();
   } catch (const UsageError& e) {
@@ -446,8 +549,26 @@ torch::Tensor Pipeline::step(const torch::Tensor& input, const torch::Tensor& ta
     if (!state.tied.empty()) {
       sum_step_gradients(world, state.tied, state.tied_numel, tied_before, state.options.timeout);
     }
+    // Global layers: each parameter's over the workers holding the same piece, in the sorted
+    // order of those sets, so that two workers sharing two sets make and use them alike.
+    for (size_t h = 0; h < state.holders.size(); ++h) {
+      const auto& [holders, parameters] = state.holders[h];
+      auto it = state.holder_groups.find(holders);
+      if (it == state.holder_groups.end()) {
+        std::vector<int> positions;
+        const auto& members = world.members();
+        for (int r : holders) {
+          positions.push_back(
+              static_cast<int>(std::find(members.begin(), members.end(), r) - members.begin()));
+        }
+        it = state.holder_groups.emplace(holders, world.subgroup(positions)).first;
+      }
+      std::vector<int64_t> numel;
+      for (const auto& p : parameters) numel.push_back(p.numel());
+      sum_step_gradients(it->second, parameters, numel, holders_before[h], state.options.timeout);
+    }
     // A stage's other gradients: the sum over its replicas.
-    if (state.replicas > 1 && state.me >= 0) {
+    if (!state.global && state.replicas > 1 && state.me >= 0) {
       if (!state.replica_group) state.replica_group = world.subgroup(state.ranks[state.me]);
       sum_step_gradients(*state.replica_group, state.replicated, state.replicated_numel,
                          replicated_before, state.options.timeout);

@@ -19,11 +19,27 @@
 // the same global batch, in the same order, as every worker of a global-tensor program does. A
 // worker keeps only its stages' layers. The gradients step() leaves in .grad are those of the
 // mean loss over the whole batch, whatever the number of micro-batches. See docs/pipeline.md.
+//
+// Stages of global layers (3-D parallelism): when the Sequential's layers are global-tensor
+// modules (shoal::global::nn, forward(GlobalTensor) -> GlobalTensor), each layer already sits on
+// a placement, and the placements make the stages, as OneFlow's placement does: consecutive
+// layers on one placement form a stage. A stage's placement may be a mesh whose axes are data
+// and tensor parallel; every stage's mesh has the same shape, and member i of one stage sends its
+// piece of the activation to member i of the next (Note [Member-wise transfers] in step.cpp).
+//
+//   auto net = torch::nn::Sequential(Embed(..., first), Block(..., first),   // first: 2x2 mesh
+//                                    Block(..., second), Head(..., second)); // second: 2x2 mesh
+//   opts.batch = g::NdSbp{g::split(0), g::broadcast()};  // the data axis, then the tensor axis
+//   pp::Pipeline pipe(net, opts);
+//   auto loss = pipe.step(ids, targets, [](const g::GlobalTensor& logits, const g::GlobalTensor& y) {
+//     return g::cross_entropy(logits, y);
+//   });
 #pragma once
 
 #include <functional>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <torch/nn/modules/container/sequential.h>
@@ -31,6 +47,7 @@
 
 #include "shoal/core/timeout.h"
 #include "shoal/global/placement.h"
+#include "shoal/global/tensor.h"
 #include "shoal/pipeline/schedule.h"
 
 namespace shoal::pipeline {
@@ -40,6 +57,10 @@ namespace shoal::pipeline {
 // each micro-batch's loss by its share of the batch's rows, which gives the batch's mean loss.
 using LossFunction =
     std::function<torch::Tensor(const torch::Tensor& output, const torch::Tensor& target)>;
+// The same for stages of global layers: the last stage's output and the micro-batch's target as
+// global tensors on the last stage's placement; returns a global scalar (g::cross_entropy's).
+using GlobalLossFunction = std::function<global::GlobalTensor(const global::GlobalTensor& output,
+                                                              const global::GlobalTensor& target)>;
 
 struct PipelineOptions {
   // The batch is cut along dim 0 into this many micro-batches (the first ones a row more when it
@@ -52,7 +73,11 @@ struct PipelineOptions {
   // Layers per stage, in order (their sum is the number of layers). Empty: as many stages as
   // workers times stages_per_worker (or placements), balanced by parameter count.
   std::vector<int> split;
-  // Each stage's placement: a line of workers. One worker, or d that each run the stage on
+  // Global layers only: how each micro-batch's input (on the first stage's placement) and target
+  // (on the last's) are laid out, one Sbp per mesh axis: split(0) on the data axes, broadcast on
+  // the others. Empty: broadcast on every axis.
+  std::vector<global::Sbp> batch;
+  // Plain layers only. Each stage's placement: a line of workers. One worker, or d that each run the stage on
   // their share of every micro-batch (a data axis: every stage needs d, and the stage's
   // gradients are summed among them). Empty: stage s on worker s % p, p the job's world size.
   // The schedule fixes which stages share a placement: stage s on the (s % p)-th of the
@@ -96,8 +121,18 @@ class Pipeline {
   // call it. Raises CommError when a stage's worker is lost or a transfer passes its deadline,
   // UsageError when an activation's shape differs from the one learned at the first step with this
   // batch size (on both sides of the transfer). After an error the pipeline is unusable.
-  torch::Tensor step(const torch::Tensor& input, const torch::Tensor& target,
-                     const LossFunction& loss);
+  //
+  // `loss` is a LossFunction for plain layers and a GlobalLossFunction for global ones (write its
+  // parameters' types, const g::GlobalTensor&, rather than auto).
+  template <typename Loss>
+  torch::Tensor step(const torch::Tensor& input, const torch::Tensor& target, const Loss& loss) {
+    if constexpr (std::is_invocable_r_v<torch::Tensor, const Loss&, const torch::Tensor&,
+                                        const torch::Tensor&>) {
+      return run_step(input, target, LossFunction(loss), nullptr);
+    } else {
+      return run_step(input, target, nullptr, GlobalLossFunction(loss));
+    }
+  }
 
   // This worker's stages' parameters (each tied weight once): what its optimizer steps.
   std::vector<torch::Tensor> parameters() const;
@@ -107,6 +142,8 @@ class Pipeline {
   int stages() const;
   // The workers that run `stage`.
   global::Placement placement(int stage) const;
+  // Whether the layers are global-tensor modules (stages by their placements).
+  bool is_global() const;
   const Schedule& schedule() const;
   // Per stage of this worker (in order), what the last successful step() stashed; empty before
   // the first.
@@ -116,6 +153,8 @@ class Pipeline {
 
  private:
   friend struct Access;  // its checkpoint's (src/pipeline/checkpoint.cpp) view of the state
+  torch::Tensor run_step(const torch::Tensor& input, const torch::Tensor& target,
+                         const LossFunction& loss, const GlobalLossFunction& global_loss);
   std::unique_ptr<State> state_;
 };
 
