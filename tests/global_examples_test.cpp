@@ -1,7 +1,7 @@
 // The global-tensor examples end to end under the real `shoal run`: OneFlow's three matmul
 // programs give the one-process values on 2 and 3 workers with the SBP the guide shows, and the
 // character-level GPT trains 20 steps to the one-process loss curve and parameters in each of
-// its plans (relative 1e-4).
+// its plans, the pipeline and 3-D ones included (relative 1e-4).
 #include <filesystem>
 #include <regex>
 
@@ -76,6 +76,25 @@ class GlobalGpt : public ::testing::Test {
   fs::path dir_;
 };
 
+// `result`'s losses and saved parameters (`file`) against one process's.
+void expect_as_one_process(const RunResult& result, const std::string& file,
+                           const std::vector<double>& expected,
+                           const std::vector<torch::Tensor>& reference, const std::string& plan) {
+  const auto got = losses(result);
+  ASSERT_EQ(got.size(), expected.size()) << plan << ":\n" << result.out << result.err;
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_NEAR(got[i], expected[i], 1e-4 * std::abs(expected[i])) << plan << ", step " << i + 1;
+  }
+  std::vector<torch::Tensor> parameters;
+  torch::load(parameters, file);
+  ASSERT_EQ(parameters.size(), reference.size()) << plan;
+  for (size_t i = 0; i < parameters.size(); ++i) {
+    const double error = (parameters[i] - reference[i]).norm().item<double>();
+    EXPECT_LE(error, 1e-4 * reference[i].norm().item<double>()) << plan << ", parameter " << i;
+    EXPECT_TRUE(parameters[i].allclose(reference[i], 1e-4, 1e-5)) << plan << ", parameter " << i;
+  }
+}
+
 TEST_F(GlobalGpt, EveryPlanTrainsAsOneProcess) {
   const std::string gpt = example("global_gpt");
   const auto one = run({"-n", "1", gpt, "--plan", "one", "--save", dir_ / "one.pt"});
@@ -87,19 +106,39 @@ TEST_F(GlobalGpt, EveryPlanTrainsAsOneProcess) {
   for (const std::string plan : {"data", "tensor", "hybrid"}) {
     const std::string file = dir_ / (plan + ".pt");
     const auto result = run({"-n", "4", gpt, "--plan", plan, "--save", file}, 240s);
-    const auto got = losses(result);
-    ASSERT_EQ(got.size(), expected.size()) << plan << ":\n" << result.out << result.err;
-    for (size_t i = 0; i < got.size(); ++i) {
-      EXPECT_NEAR(got[i], expected[i], 1e-4 * std::abs(expected[i])) << plan << ", step " << i + 1;
-    }
-    std::vector<torch::Tensor> parameters;
-    torch::load(parameters, file);
-    ASSERT_EQ(parameters.size(), reference.size()) << plan;
-    for (size_t i = 0; i < parameters.size(); ++i) {
-      const double error = (parameters[i] - reference[i]).norm().item<double>();
-      EXPECT_LE(error, 1e-4 * reference[i].norm().item<double>()) << plan << ", parameter " << i;
-      EXPECT_TRUE(parameters[i].allclose(reference[i], 1e-4, 1e-5)) << plan << ", parameter " << i;
-    }
+    expect_as_one_process(result, file, expected, reference, plan);
+  }
+}
+
+// The pipeline plans, with each schedule, micro-batches that don't divide the batch of 8 and
+// fewer micro-batches than stages. Without dropout: a pipeline draws each micro-batch's mask on
+// its own (docs/pipeline.md, "Global layers").
+TEST_F(GlobalGpt, PipelinePlansTrainAsOneProcess) {
+  const std::string gpt = example("global_gpt");
+  const auto one =
+      run({"-n", "1", gpt, "--plan", "one", "--dropout", "0", "--save", dir_ / "one.pt"});
+  const auto expected = losses(one);
+  ASSERT_EQ(expected.size(), 20u) << one.out;
+  std::vector<torch::Tensor> reference;
+  torch::load(reference, dir_ / "one.pt");
+  struct Run {
+    std::string plan, workers, schedule, micro_batches;
+  };
+  const std::vector<Run> runs = {{"pipeline", "2", "1f1b", "4"},
+                                 {"pipeline", "2", "interleaved", "3"},
+                                 {"pipeline", "4", "gpipe", "3"},
+                                 {"pipeline", "4", "zb", "2"},
+                                 {"3d", "8", "1f1b", "4"},
+                                 {"3d", "8", "zb", "3"}};
+  for (const auto& r : runs) {
+    const std::string name =
+        r.plan + " on " + r.workers + ", " + r.schedule + ", " + r.micro_batches + " micro-batches";
+    const std::string file = dir_ / (r.plan + r.workers + r.schedule + ".pt");
+    const auto result = run({"-n", r.workers, gpt, "--plan", r.plan, "--dropout", "0",
+                             "--schedule", r.schedule, "--micro-batches", r.micro_batches,
+                             "--save", file},
+                            240s);
+    expect_as_one_process(result, file, expected, reference, name);
   }
 }
 
