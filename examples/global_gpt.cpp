@@ -7,7 +7,8 @@
 //   build/bin/shoal run -n 4 build/examples/global_gpt --plan tensor   # Megatron: heads split
 //   build/bin/shoal run -n 4 build/examples/global_gpt --plan hybrid   # 2 x 2: data x tensor
 //   build/bin/shoal run -n 4 build/examples/global_gpt --plan pipeline # a stage per worker
-//   build/bin/shoal run -n 8 build/examples/global_gpt --plan 3d       # 2 stages x 2 data x 2 tensor
+//   build/bin/shoal run -n 8 build/examples/global_gpt --plan 3d       # 2 stages x 2 data x 2
+//   tensor
 //
 // The pipeline plans take --schedule gpipe|1f1b|interleaved|zb (default 1f1b) and
 // --micro-batches M (default 4). --steps N (default 20), --save FILE writes the final parameters
@@ -102,8 +103,10 @@ Plan make_plan(const std::string& name, int layers, int stages_per_worker) {
     for (int w = 0; w < n; ++w) groups.push_back({g::Placement({w}), {}});
   } else if (name == "3d") {
     if (n % 4 != 0)
-      throw shoal::UsageError("--plan 3d: expected a multiple of 4 workers (2 stages x 2 data x "
-                              "tensor), got " + std::to_string(n));
+      throw shoal::UsageError(
+          "--plan 3d: expected a multiple of 4 workers (2 stages x 2 data x "
+          "tensor), got " +
+          std::to_string(n));
     for (int w = 0; w < 2; ++w) {
       std::vector<int> ranks;
       for (int r = w * n / 2; r < (w + 1) * n / 2; ++r) ranks.push_back(r);
@@ -111,16 +114,15 @@ Plan make_plan(const std::string& name, int layers, int stages_per_worker) {
     }
     plan.batch = g::NdSbp{g::split(0), g::broadcast()};
   } else {
-    throw shoal::UsageError(
-        "--plan: expected one, data, tensor, hybrid, pipeline or 3d, got '" + name + "'");
+    throw shoal::UsageError("--plan: expected one, data, tensor, hybrid, pipeline or 3d, got '" +
+                            name + "'");
   }
   const int stages = static_cast<int>(groups.size()) * stages_per_worker;
   std::vector<int64_t> weights(layers, 12);  // a block's 12 dim^2, about; the ends 2 dim^2
   weights.front() = weights.back() = 2;
   int layer = 0, stage = 0;
   for (int length : pp::balanced_split(weights, stages)) {
-    for (int i = 0; i < length; ++i, ++layer)
-      plan.layouts.push_back(groups[stage % groups.size()]);
+    for (int i = 0; i < length; ++i, ++layer) plan.layouts.push_back(groups[stage % groups.size()]);
     ++stage;
   }
   return plan;
@@ -163,8 +165,7 @@ int main(int argc, char** argv) {
   app.add_option("--micro-batches", micro_batches, "pipeline plans: micro-batches per batch")
       ->check(examples::positive());
   app.add_option("--layers", config.layers, "transformer blocks")->check(examples::positive());
-  app.add_option("--dropout", config.dropout, "dropout probability")
-      ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--dropout", config.dropout, "dropout probability")->check(CLI::Range(0.0, 1.0));
   if (const int code = examples::parse(app, argc, argv); code >= 0) return code;
   try {
     shoal::init();

@@ -124,19 +124,16 @@ TEST_F(GlobalGpt, PipelinePlansTrainAsOneProcess) {
   struct Run {
     std::string plan, workers, schedule, micro_batches;
   };
-  const std::vector<Run> runs = {{"pipeline", "2", "1f1b", "4"},
-                                 {"pipeline", "2", "interleaved", "3"},
-                                 {"pipeline", "4", "gpipe", "3"},
-                                 {"pipeline", "4", "zb", "2"},
-                                 {"3d", "8", "1f1b", "4"},
-                                 {"3d", "8", "zb", "3"}};
+  const std::vector<Run> runs = {
+      {"pipeline", "2", "1f1b", "4"},  {"pipeline", "2", "interleaved", "3"},
+      {"pipeline", "4", "gpipe", "3"}, {"pipeline", "4", "zb", "2"},
+      {"3d", "8", "1f1b", "4"},        {"3d", "8", "zb", "3"}};
   for (const auto& r : runs) {
     const std::string name =
         r.plan + " on " + r.workers + ", " + r.schedule + ", " + r.micro_batches + " micro-batches";
     const std::string file = dir_ / (r.plan + r.workers + r.schedule + ".pt");
-    const auto result = run({"-n", r.workers, gpt, "--plan", r.plan, "--dropout", "0",
-                             "--schedule", r.schedule, "--micro-batches", r.micro_batches,
-                             "--save", file},
+    const auto result = run({"-n", r.workers, gpt, "--plan", r.plan, "--dropout", "0", "--schedule",
+                             r.schedule, "--micro-batches", r.micro_batches, "--save", file},
                             240s);
     expect_as_one_process(result, file, expected, reference, name);
   }

@@ -17,3 +17,5 @@ if(TARGET pipeline_mlp)
 endif()
 # A pipeline's checkpoint (docs/checkpoint.md): the whole model's file, resumed under another plan.
 shoal_add_test(pipeline_checkpoint_test pipeline_checkpoint_test.cpp)
+# Stages of global layers (3-D): placed by their layers, member-wise transfers, against one process.
+shoal_add_test(pipeline_global_test pipeline_global_test.cpp)

@@ -121,7 +121,7 @@ void place_stages(Pipeline::State& state, const std::vector<global::Placement>& 
           }
         }
       }
-      if (!groups.empty() && groups.front().size() != placement.ranks().size()) {
+      if (!state.global && !groups.empty() && groups.front().size() != placement.ranks().size()) {
         throw UsageError("pipeline: stage " + std::to_string(s) + "'s placement " +
                          placement.describe() + " has " + std::to_string(placement.size()) +
                          " workers, stage 0's " + std::to_string(groups.front().size()) +
@@ -276,8 +276,9 @@ std::vector<int> global_split(const PipelineOptions& o,
     }
   }
   if (!o.split.empty() && o.split != split) {
-    throw UsageError("pipeline: split " + join(o.split) + " does not match the layers' placements, " +
-                     "which make the stages " + join(split));
+    throw UsageError("pipeline: split " + join(o.split) +
+                     " does not match the layers' placements, " + "which make the stages " +
+                     join(split));
   }
   return split;
 }
@@ -329,7 +330,6 @@ void keep_global_layers(Pipeline::State& state, torch::nn::Sequential& net) {
   // In sorted order (std::map's), so that workers sharing two sets make their groups alike.
   for (auto& [holders, parameters] : by_holders) state.holders.emplace_back(holders, parameters);
 }
-
 
 }  // namespace
 
@@ -423,7 +423,6 @@ Pipeline::Pipeline(torch::nn::Sequential net, PipelineOptions options)
 }
 
 Pipeline::~Pipeline() = default;
-
 
 std::vector<torch::Tensor> Pipeline::parameters() const {
   return state_->parameters;

@@ -39,8 +39,8 @@ enum Channel { kShapeHeader = 0, kActivation = 1, kGradient = 2, kChannels = 3 }
 // sizes...} (a plain layer's header has 0 axes).
 constexpr int kMaxDims = 16;
 constexpr int kMaxAxes = 8;
-constexpr int kGlobalAt = 2 + kMaxDims;                    // mesh axes, then their Sbp codes
-constexpr int kGlobalSizesAt = kGlobalAt + 1 + kMaxAxes;   // the global sizes
+constexpr int kGlobalAt = 2 + kMaxDims;                   // mesh axes, then their Sbp codes
+constexpr int kGlobalSizesAt = kGlobalAt + 1 + kMaxAxes;  // the global sizes
 constexpr int kHeaderLength = kGlobalSizesAt + kMaxDims;
 
 inline std::string join(const std::vector<int>& values) {
@@ -88,8 +88,8 @@ inline torch::Tensor header_of(const torch::Tensor& tensor,
   auto header = torch::zeros({kHeaderLength}, torch::kInt64);
   auto* data = header.data_ptr<int64_t>();
   data[0] = static_cast<int64_t>(tensor.scalar_type());
-  if (tensor.dim() > kMaxDims || (global && (global->dim() > kMaxDims ||
-                                             global->placement().ndim() > kMaxAxes))) {
+  if (tensor.dim() > kMaxDims ||
+      (global && (global->dim() > kMaxDims || global->placement().ndim() > kMaxAxes))) {
     data[1] = -1;
     return header;
   }

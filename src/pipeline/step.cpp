@@ -216,8 +216,8 @@ class StepRun {
       const bool local = here(stage - 1);
       Slot& source = local ? slot(stage - 1, mb) : own;
       const torch::Tensor piece = local ? source.output : own.input;
-      SHOAL_CHECK(piece.defined()) << "forward of stage " << stage << ", micro-batch " << mb
-                                   << " has no input";
+      SHOAL_CHECK(piece.defined())
+          << "forward of stage " << stage << ", micro-batch " << mb << " has no input";
       own.input = piece.detach();
       if (own.input.is_floating_point()) own.input.requires_grad_(true);
       x = global::GlobalTensor(own.input, state_.stage_placements[stage],
@@ -229,10 +229,10 @@ class StepRun {
       try {
         x = layer.forward<global::GlobalTensor>(x);
       } catch (const c10::Error& e) {
-        throw UsageError("pipeline: layer " + std::to_string(index) + " of stage " +
-                         std::to_string(stage) + " (" + layer.ptr()->name() +
-                         ") does not map a GlobalTensor to a GlobalTensor: " +
-                         e.what_without_backtrace());
+        throw UsageError(
+            "pipeline: layer " + std::to_string(index) + " of stage " + std::to_string(stage) +
+            " (" + layer.ptr()->name() +
+            ") does not map a GlobalTensor to a GlobalTensor: " + e.what_without_backtrace());
       }
       ++index;
     }
@@ -242,8 +242,8 @@ class StepRun {
       own.output_shape = x.shape();
       return;
     }
-    const auto target = global::GlobalTensor::from_full(
-        targets_[mb], state_.stage_placements[last], batch);
+    const auto target =
+        global::GlobalTensor::from_full(targets_[mb], state_.stage_placements[last], batch);
     const global::GlobalTensor loss = global_loss_(x, target);
     if (!loss.defined() || loss.numel() != 1 || loss.placement() != state_.stage_placements[last]) {
       throw UsageError("pipeline: the loss function returned " + loss.describe() +
@@ -505,11 +505,11 @@ torch::Tensor Pipeline::run_step(const torch::Tensor& input, const torch::Tensor
   const int m = state.schedule.micro_batches;
   const int64_t replicas = state.rows_per_micro_batch();
   if (input.size(0) < int64_t{m} * replicas) {
-    throw UsageError("pipeline: a batch of " + std::to_string(input.size(0)) +
-                     " rows cannot be cut into " + std::to_string(m) + " micro-batches" +
-                     (replicas > 1 ? " for each of " + std::to_string(replicas) + " replicas"
-                                   : std::string()) +
-                     "; expected at least one row each");
+    throw UsageError(
+        "pipeline: a batch of " + std::to_string(input.size(0)) + " rows cannot be cut into " +
+        std::to_string(m) + " micro-batches" +
+        (replicas > 1 ? " for each of " + std::to_string(replicas) + " replicas" : std::string()) +
+        "; expected at least one row each");
   }
   if (state.global ? !global_loss : !loss) {
     throw UsageError(state.global

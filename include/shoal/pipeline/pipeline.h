@@ -31,7 +31,8 @@
 //                                    Block(..., second), Head(..., second)); // second: 2x2 mesh
 //   opts.batch = g::NdSbp{g::split(0), g::broadcast()};  // the data axis, then the tensor axis
 //   pp::Pipeline pipe(net, opts);
-//   auto loss = pipe.step(ids, targets, [](const g::GlobalTensor& logits, const g::GlobalTensor& y) {
+//   auto loss = pipe.step(ids, targets, [](const g::GlobalTensor& logits, const g::GlobalTensor& y)
+//   {
 //     return g::cross_entropy(logits, y);
 //   });
 #pragma once
@@ -77,10 +78,10 @@ struct PipelineOptions {
   // (on the last's) are laid out, one Sbp per mesh axis: split(0) on the data axes, broadcast on
   // the others. Empty: broadcast on every axis.
   std::vector<global::Sbp> batch;
-  // Plain layers only. Each stage's placement: a line of workers. One worker, or d that each run the stage on
-  // their share of every micro-batch (a data axis: every stage needs d, and the stage's
-  // gradients are summed among them). Empty: stage s on worker s % p, p the job's world size.
-  // The schedule fixes which stages share a placement: stage s on the (s % p)-th of the
+  // Plain layers only. Each stage's placement: a line of workers. One worker, or d that each run
+  // the stage on their share of every micro-batch (a data axis: every stage needs d, and the
+  // stage's gradients are summed among them). Empty: stage s on worker s % p, p the job's world
+  // size. The schedule fixes which stages share a placement: stage s on the (s % p)-th of the
   // distinct placements named here; another placement is a UsageError.
   std::vector<global::Placement> placements;
   // Deadline of every transfer between stages; kUnsetTimeout: the world group's.
