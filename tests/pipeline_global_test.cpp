@@ -4,6 +4,8 @@
 // every parameter's whole gradient (relative 1e-5). The GPT in the pipeline and 3d plans is
 // tests/global_examples_test.cpp's. Errors: layouts the pipeline refuses, a wrong activation
 // shape.
+#include <signal.h>
+
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -237,6 +239,55 @@ TEST(GlobalPipelineErrors, WrongActivationShapeIsAUsageErrorOnBothSides) {
       EXPECT_LT(waited, 10.0);  // not the transfer's deadline
     }
   });
+}
+
+// Passes its input on; SIGKILLs its worker when armed.
+std::atomic<bool> kill_armed{false};
+struct KillSwitchImpl : torch::nn::Module {
+  g::GlobalTensor forward(const g::GlobalTensor& x) {
+    if (kill_armed) raise(SIGKILL);
+    return x;
+  }
+};
+TORCH_MODULE(KillSwitch);
+
+// A member of a tensor-parallel stage dies in its forward: its stage's other member waits in
+// the row-parallel layer's all-reduce, the next stage's members in their receives; each raises
+// CommError naming the lost worker within twice the deadline.
+TEST(GlobalPipelineErrors, KilledStageMemberIsACommErrorNamingIt) {
+  constexpr auto kTimeout = std::chrono::seconds(5);
+  shoal::testing::WorkersOptions workers;
+  workers.may_fail = {1};
+  run_workers(
+      4,
+      [kTimeout] {
+        torch::manual_seed(0);
+        const g::Placement first({0, 1}), second({2, 3});
+        auto net = torch::nn::Sequential(g::nn::Linear(4, 8, first, g::split(0)), KillSwitch(),
+                                         g::nn::Linear(8, 4, first, g::split(1)),
+                                         g::nn::Linear(4, 3, second, g::split(0)));
+        pp::PipelineOptions options;
+        options.micro_batches = 2;
+        options.timeout = kTimeout;
+        pp::Pipeline pipe(net, options);
+        torch::manual_seed(1);
+        const auto x = torch::randn({6, 4}), y = torch::randn({6, 3});
+        pipe.step(x, y, mse);
+        kill_armed = shoal::rank() == 1;
+        const auto start = Clock::now();
+        try {
+          pipe.step(x, y, mse);
+          ADD_FAILURE() << "expected CommError";
+        } catch (const shoal::CommError& e) {
+          const double waited = std::chrono::duration<double>(Clock::now() - start).count();
+          std::printf("worker %d: %.2f s: %s\n", shoal::rank(), waited, e.what());
+          EXPECT_LT(waited, 2 * 5.0);
+          EXPECT_NE(std::string(e.what()).find("worker 1, which was killed by signal 9 (SIGKILL)"),
+                    std::string::npos)
+              << e.what();
+        }
+      },
+      workers);
 }
 
 }  // namespace

@@ -135,7 +135,24 @@ std::string Group::State::lost_members() const {
     list +=
         (list.empty() ? "" : "; ") + ("worker " + std::to_string(members[i]) + ", which " + how);
   }
-  return failed + (failed.empty() || clean.empty() ? "" : "; ") + clean;
+  std::string lost = failed + (failed.empty() || clean.empty() ? "" : "; ") + clean;
+  if (lost.empty()) return lost;
+  // Those members may have left after a failure elsewhere in the job (a pipeline stage's members
+  // see another stage's worker die first, and leave with its error): name that one too.
+  std::string elsewhere;
+  for (int r : job) {
+    if (std::find(members.begin(), members.end(), r) != members.end()) continue;
+    std::string how;
+    try {
+      how = try_get(store, worker_exit_key(r));
+    } catch (const std::exception&) {
+      continue;
+    }
+    if (how.empty() || how == "exited with code 0") continue;
+    elsewhere +=
+        (elsewhere.empty() ? "" : "; ") + ("worker " + std::to_string(r) + ", which " + how);
+  }
+  return elsewhere.empty() ? lost : lost + " (outside this group, the job lost " + elsewhere + ")";
 }
 
 Group::State::~State() {
@@ -278,8 +295,10 @@ Group Group::subgroup(std::vector<int> ranks) const {
     count = state_->subgroup_counts[join(members)]++;
   }
   std::string prefix = state_->prefix + "/sub[" + join(members) + "]#" + std::to_string(count);
-  return Group(connect(state_->store, prefix, static_cast<int>(me - ranks.begin()), members,
-                       state_->options));
+  auto child = connect(state_->store, prefix, static_cast<int>(me - ranks.begin()), members,
+                       state_->options);
+  child->job = state_->job.empty() ? state_->members : state_->job;
+  return Group(std::move(child));
 }
 
 // ----- accessors -----

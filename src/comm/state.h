@@ -23,6 +23,9 @@ struct Group::State {
   GroupOptions options;
   int rank = 0;
   std::vector<int> members;  // job ranks, in group order
+  // The ranks of the group this one descends from by subgroup() (empty: members): where a lost
+  // member that left cleanly sends lost_members() looking for the failure it left after.
+  std::vector<int> job;
 
   std::atomic<bool> broken{false};
   std::mutex mutex;

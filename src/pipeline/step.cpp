@@ -142,15 +142,24 @@ class StepRun {
       slice.emplace(a.short_name(), "pipeline",
                     timeline::Args{{"stage", a.stage}, {"micro_batch", a.micro_batch}});
     }
+    try {
+      switch (a.kind) {
+        case ActionKind::kForward:
+          return forward(a.stage, a.micro_batch);
+        case ActionKind::kBackward:
+          return backward(a.stage, a.micro_batch);
+        case ActionKind::kBackwardInput:
+          return backward_input(a.stage, a.micro_batch);
+        case ActionKind::kBackwardWeight:
+          return backward_weight(a.stage, a.micro_batch);
+        default:
+          break;
+      }
+    } catch (const CommError& e) {
+      // A stage's own collectives (global layers' boxing, a tensor axis's all-reduces).
+      throw CommError("pipeline: " + where(a.stage) + " in " + a.short_name() + ": " + e.what());
+    }
     switch (a.kind) {
-      case ActionKind::kForward:
-        return forward(a.stage, a.micro_batch);
-      case ActionKind::kBackward:
-        return backward(a.stage, a.micro_batch);
-      case ActionKind::kBackwardInput:
-        return backward_input(a.stage, a.micro_batch);
-      case ActionKind::kBackwardWeight:
-        return backward_weight(a.stage, a.micro_batch);
       case ActionKind::kSendActivation:
         return send_activation(a.stage, a.micro_batch);
       case ActionKind::kRecvActivation:
@@ -159,6 +168,8 @@ class StepRun {
         return send_gradient(a.stage, a.micro_batch);
       case ActionKind::kRecvGradient:
         return recv_gradient(a.stage, a.micro_batch);
+      default:
+        return;  // the computations, above
     }
   }
 
