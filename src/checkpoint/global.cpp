@@ -1,0 +1,469 @@
+// Checkpoints of global models: each parameter's whole value gathered from its pieces on save,
+// cut into this worker's piece again on load, so that a file crosses plans. See
+// docs/checkpoint.md, "Global models".
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <string>
+#include <typeinfo>
+#include <utility>
+#include <vector>
+
+#include <c10/util/Type.h>
+#include <torch/optim/adagrad.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/rmsprop.h>
+#include <torch/optim/sgd.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include "collective.h"
+#include "contents.h"
+#include "shoal/checkpoint/checkpoint.h"
+#include "shoal/core/error.h"
+#include "shoal/global/nn.h"
+#include "shoal/runtime/init.h"
+
+namespace shoal {
+namespace {
+
+namespace g = global;
+using torch::optim::OptimizerParamState;
+using torch::serialize::InputArchive;
+using torch::serialize::OutputArchive;
+using StateMap = ska::flat_hash_map<std::string, std::unique_ptr<OptimizerParamState>>;
+
+// Note [Optimizer state by name]
+// LibTorch's Optimizer::save keys the state by each parameter's position in the param groups,
+// which changes with the plan (a pipeline worker's optimizer holds only its stages' pieces). A
+// global model's state is saved by parameter name instead, each tensor as the whole value
+// (gathered as its parameter is: same placement and SBP), with the step: "size", then for entry
+// i "name/i", "step/i" and "<field>/i" for each field the state has ("exp_avg", ...). Names are
+// values, not keys: a key with a '.' would nest.
+
+// Where a parameter's state lives in one optimizer type's state object.
+struct StateRefs {
+  int64_t* step = nullptr;  // null: the type counts no steps (SGD)
+  std::vector<at::Tensor*> fields;
+};
+
+// An optimizer type's per-parameter state: the fields shaped like the parameter, and how to reach
+// them in its state object.
+struct StateKind {
+  std::vector<std::string> fields;
+  std::function<std::unique_ptr<OptimizerParamState>()> make;
+  std::function<StateRefs(OptimizerParamState&)> refs;
+};
+
+template <typename State, typename Refs>
+StateKind state_kind(std::vector<std::string> fields, Refs refs) {
+  return {std::move(fields), [] { return std::make_unique<State>(); },
+          [refs](OptimizerParamState& state) { return refs(static_cast<State&>(state)); }};
+}
+
+// The state kinds shoal can save by name; null for another optimizer type.
+const StateKind* kind_of(const torch::optim::Optimizer& optimizer) {
+  using namespace torch::optim;  // NOLINT: the five optimizers' names read best unqualified
+  static const StateKind sgd = state_kind<SGDParamState>({"momentum_buffer"}, [](SGDParamState& s) {
+    return StateRefs{nullptr, {&s.momentum_buffer()}};
+  });
+  static const StateKind adam = state_kind<AdamParamState>(
+      {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}, [](AdamParamState& s) {
+        return StateRefs{&s.step(), {&s.exp_avg(), &s.exp_avg_sq(), &s.max_exp_avg_sq()}};
+      });
+  static const StateKind adamw = state_kind<AdamWParamState>(
+      {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}, [](AdamWParamState& s) {
+        return StateRefs{&s.step(), {&s.exp_avg(), &s.exp_avg_sq(), &s.max_exp_avg_sq()}};
+      });
+  static const StateKind adagrad = state_kind<AdagradParamState>({"sum"}, [](AdagradParamState& s) {
+    return StateRefs{&s.step(), {&s.sum()}};
+  });
+  static const StateKind rmsprop = state_kind<RMSpropParamState>(
+      {"square_avg", "momentum_buffer", "grad_avg"}, [](RMSpropParamState& s) {
+        return StateRefs{&s.step(), {&s.square_avg(), &s.momentum_buffer(), &s.grad_avg()}};
+      });
+  if (dynamic_cast<const SGD*>(&optimizer)) return &sgd;
+  if (dynamic_cast<const Adam*>(&optimizer)) return &adam;
+  if (dynamic_cast<const AdamW*>(&optimizer)) return &adamw;
+  if (dynamic_cast<const Adagrad*>(&optimizer)) return &adagrad;
+  if (dynamic_cast<const RMSprop*>(&optimizer)) return &rmsprop;
+  return nullptr;
+}
+
+std::string type_name(const torch::optim::Optimizer& optimizer) {
+  return c10::demangle(typeid(optimizer).name());
+}
+
+std::string state_key(const at::Tensor& parameter) {
+  return c10::guts::to_string(parameter.unsafeGetTensorImpl());
+}
+
+std::string where(const std::string& path) {
+  return "checkpoint " + path;
+}
+
+// One global parameter of the model, under its first name (a tied weight has several).
+struct Parameter {
+  std::string name;
+  g::GlobalTensor value;
+  const c10::TensorImpl* impl() const { return value.to_local().unsafeGetTensorImpl(); }
+};
+
+std::vector<Parameter> global_parameters(const g::nn::Module& module) {
+  std::vector<Parameter> parameters;
+  std::set<const c10::TensorImpl*> seen;
+  // named_global_parameters only reads; it is not const because it returns handles.
+  for (auto& [name, value] : const_cast<g::nn::Module&>(module).named_global_parameters()) {
+    if (seen.insert(value.to_local().unsafeGetTensorImpl()).second)
+      parameters.push_back({name, value});
+  }
+  return parameters;
+}
+
+// The group of a global model's save or load: the world.
+comm::Group world_group(const std::optional<comm::Group>& group, const std::string& path,
+                        const char* operation) {
+  comm::Group chosen = checkpoint::checkpoint_group(group, path, operation);
+  if (group && (!is_initialized() || chosen.members() != world().members())) {
+    throw UsageError(std::string(operation) +
+                     " of a global model: options.group is not the world; expected it empty (every "
+                     "worker of the job holds a part of every global tensor)");
+  }
+  return chosen;
+}
+
+// What this worker can tell is wrong with the model and optimizer alone; empty when nothing is.
+std::string check_model(const g::nn::Module& module, const torch::optim::Optimizer* optimizer,
+                        const std::vector<Parameter>& parameters, const char* operation) {
+  const std::string prefix = std::string(operation) + " of a global model: ";
+  std::set<const c10::TensorImpl*> pieces;
+  for (const auto& parameter : parameters) {
+    pieces.insert(parameter.impl());
+    const auto& sbp = parameter.value.sbp();
+    for (int axis = 0; axis < static_cast<int>(sbp.axes().size()); ++axis) {
+      if (sbp[axis].is_partial_sum()) {
+        return prefix + "parameter '" + parameter.name + "' is " + parameter.value.describe() +
+               ", partial_sum on mesh axis " + std::to_string(axis) +
+               "; expected split or broadcast on every axis (a saved value is whole)";
+      }
+    }
+  }
+  for (const auto& item : module.named_parameters()) {
+    if (!pieces.count(item.value().unsafeGetTensorImpl())) {
+      return prefix + "parameter '" + item.key() +
+             "' is a plain tensor; expected every parameter registered with "
+             "register_global_parameter, so that its placement says how to gather it";
+    }
+  }
+  if (optimizer == nullptr) return "";
+  if (kind_of(*optimizer) == nullptr) {
+    return prefix + "the optimizer is " + type_name(*optimizer) +
+           "; expected torch::optim::SGD, Adam, AdamW, Adagrad or RMSprop, whose state shoal "
+           "saves by parameter name";
+  }
+  for (const auto& group : optimizer->param_groups()) {
+    for (const auto& p : group.params()) {
+      if (!pieces.count(p.unsafeGetTensorImpl())) {
+        std::ostringstream shape;
+        shape << p.sizes();
+        return prefix + "the optimizer holds a tensor of shape " + shape.str() +
+               " that is not a parameter of the model; expected an optimizer over the model's "
+               "parameters";
+      }
+    }
+  }
+  return "";
+}
+
+std::set<const c10::TensorImpl*> held_by(const torch::optim::Optimizer& optimizer) {
+  std::set<const c10::TensorImpl*> held;
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) held.insert(p.unsafeGetTensorImpl());
+  }
+  return held;
+}
+
+// The whole value of `local` (this worker's piece of a tensor laid out as `parameter`; anything
+// outside its placement). Collective among all workers; only the first keeps the result.
+at::Tensor gather(const at::Tensor& local, const g::GlobalTensor& parameter) {
+  torch::NoGradGuard no_grad;
+  const at::Tensor piece = parameter.is_local() ? local.detach() : parameter.to_local().detach();
+  at::Tensor whole =
+      g::GlobalTensor(piece, parameter.placement(), parameter.sbp(), parameter.shape()).full();
+  return rank() == 0 ? whole : at::Tensor();
+}
+
+// One parameter's optimizer state, whole, on the first worker.
+struct SavedState {
+  std::string name;
+  int64_t step = 0;
+  std::vector<std::pair<std::string, at::Tensor>> fields;
+};
+
+// Gathers the optimizer's state of every parameter from the workers that hold its pieces (see
+// Note [Optimizer state by name]). Collective among all workers.
+std::vector<SavedState> gather_state(comm::Group& group, torch::optim::Optimizer& optimizer,
+                                     const std::vector<Parameter>& parameters, Duration timeout) {
+  const StateKind& kind = *kind_of(optimizer);
+  const auto held = held_by(optimizer);
+  const auto n = static_cast<int64_t>(parameters.size());
+  const auto k = static_cast<int64_t>(kind.fields.size());
+  // Per parameter: how many of its workers have state, how many have each field, and the step
+  // of its first worker.
+  at::Tensor table = at::zeros({n, k + 2}, at::kLong);
+  auto counts = table.accessor<int64_t, 2>();
+  std::vector<StateRefs> refs(parameters.size());
+  for (int64_t i = 0; i < n; ++i) {
+    const auto& parameter = parameters[static_cast<size_t>(i)];
+    if (!parameter.value.is_local() || !held.count(parameter.impl())) continue;
+    auto entry = optimizer.state().find(state_key(parameter.value.to_local()));
+    if (entry == optimizer.state().end()) continue;
+    refs[static_cast<size_t>(i)] = kind.refs(*entry->second);
+    const StateRefs& mine = refs[static_cast<size_t>(i)];
+    counts[i][0] = 1;
+    for (int64_t f = 0; f < k; ++f)
+      counts[i][f + 1] = mine.fields[static_cast<size_t>(f)]->defined();
+    if (mine.step != nullptr && parameter.value.placement().ranks().front() == rank())
+      counts[i][k + 1] = *mine.step;
+  }
+  comm::AllReduceOptions sum;
+  sum.timeout = timeout;
+  group.all_reduce(table, sum);
+  counts = table.accessor<int64_t, 2>();
+
+  std::vector<SavedState> saved;
+  for (int64_t i = 0; i < n; ++i) {
+    const auto& parameter = parameters[static_cast<size_t>(i)];
+    const int64_t holders = counts[i][0], members = parameter.value.placement().size();
+    if (holders == 0) continue;  // no step taken for it yet
+    auto uneven = [&](const std::string& what, int64_t count) {
+      return UsageError("shoal::save of a global model: the optimizer has " + what +
+                        " of parameter '" + parameter.name + "' on " + std::to_string(count) +
+                        " of the " + std::to_string(members) +
+                        " workers that hold it; expected every worker that holds a piece of a "
+                        "parameter to optimize it, with the same options");
+    };
+    if (holders != members) throw uneven("state", holders);
+    SavedState state{parameter.name, counts[i][k + 1], {}};
+    for (int64_t f = 0; f < k; ++f) {
+      const int64_t defined = counts[i][f + 1];
+      if (defined == 0) continue;
+      const std::string& field = kind.fields[static_cast<size_t>(f)];
+      if (defined != holders) throw uneven("'" + field + "'", defined);
+      const StateRefs& mine = refs[static_cast<size_t>(i)];
+      const at::Tensor local =
+          parameter.value.is_local() ? *mine.fields[static_cast<size_t>(f)] : at::Tensor();
+      state.fields.emplace_back(field, gather(local, parameter.value));
+    }
+    saved.push_back(std::move(state));
+  }
+  return saved;
+}
+
+void write_state(OutputArchive& archive, const std::vector<SavedState>& saved) {
+  archive.write("size", c10::IValue(static_cast<int64_t>(saved.size())));
+  for (size_t i = 0; i < saved.size(); ++i) {
+    const std::string index = std::to_string(i);
+    archive.write("name/" + index, c10::IValue(saved[i].name));
+    archive.write("step/" + index, c10::IValue(saved[i].step));
+    for (const auto& [field, value] : saved[i].fields) archive.write(field + "/" + index, value);
+  }
+}
+
+// The module's archive as Module::save writes it, with each global parameter's whole value.
+void write_whole(const torch::nn::Module& module, OutputArchive& archive,
+                 const std::map<const c10::TensorImpl*, at::Tensor>& whole) {
+  for (const auto& item : module.named_parameters(/*recurse=*/false)) {
+    auto value = whole.find(item.value().unsafeGetTensorImpl());
+    archive.write(item.key(), value != whole.end() ? value->second : item.value());
+  }
+  for (const auto& item : module.named_buffers(/*recurse=*/false))
+    archive.write(item.key(), item.value(), /*is_buffer=*/true);
+  for (const auto& child : module.named_children()) {
+    if (!child.value()->is_serializable()) continue;
+    OutputArchive child_archive(archive.compilation_unit());
+    write_whole(*child.value(), child_archive, whole);
+    archive.write(child.key(), child_archive);
+  }
+}
+
+void save_global(const std::string& path, const g::nn::Module& module,
+                 torch::optim::Optimizer* optimizer, const data::SamplerState* loader_state,
+                 const SaveOptions& options) {
+  comm::Group group = world_group(options.group, path, "shoal::save");
+  const auto parameters = global_parameters(module);
+  checkpoint::agree(group, check_model(module, optimizer, parameters, "shoal::save"),
+                    options.timeout);
+  std::map<const c10::TensorImpl*, at::Tensor> whole;  // on the first worker
+  for (const auto& parameter : parameters) {
+    at::Tensor value = gather(parameter.value.to_local(), parameter.value);
+    // As Module::save writes it: the flag is part of the file.
+    if (value.defined())
+      whole[parameter.impl()] = value.set_requires_grad(parameter.value.requires_grad());
+  }
+  std::vector<SavedState> state;
+  if (optimizer != nullptr) state = gather_state(group, *optimizer, parameters, options.timeout);
+  checkpoint::save_payload(
+      path, group,
+      [&] {
+        auto write_module = [&](OutputArchive& archive) { write_whole(module, archive, whole); };
+        if (optimizer == nullptr)
+          return checkpoint::serialize_contents(write_module, {}, "", loader_state, options.extras);
+        return checkpoint::serialize_contents(
+            write_module, [&](OutputArchive& archive) { write_state(archive, state); },
+            type_name(*optimizer), loader_state, options.extras);
+      },
+      options.timeout);
+}
+
+// This worker's piece of `whole`, a value laid out as `parameter`; undefined outside its placement.
+at::Tensor piece_of(const at::Tensor& whole, const g::GlobalTensor& parameter) {
+  if (!parameter.is_local()) return at::Tensor();
+  torch::NoGradGuard no_grad;
+  return g::GlobalTensor::from_full(whole.detach(), parameter.placement(), parameter.sbp())
+      .to_local()
+      .contiguous()
+      .clone();
+}
+
+// The optimizer's new state: the file's, for the parameters this worker's optimizer holds.
+// Checks everything first; UsageError naming the first mismatch.
+StateMap plan_state(const std::string& path, checkpoint::PlannedContents& planned,
+                    const torch::optim::Optimizer& optimizer,
+                    const std::vector<Parameter>& parameters) {
+  if (!planned.has_optimizer_by_name) {
+    if (!planned.optimizer_type.empty()) {
+      throw UsageError(
+          where(path) +
+          " holds optimizer state by parameter order (saved from a torch::nn::Module); "
+          "expected one saved from a global model, or load the module alone with "
+          "shoal::load(path, module)");
+    }
+    throw UsageError(where(path) +
+                     " holds no optimizer state: it was saved without an optimizer; expected one "
+                     "saved with shoal::save(path, module, optimizer, ...), or load it with "
+                     "shoal::load(path, module)");
+  }
+  if (planned.optimizer_type != type_name(optimizer)) {
+    throw UsageError(where(path) + ": its optimizer state is " + planned.optimizer_type +
+                     "'s; this optimizer is " + type_name(optimizer) +
+                     "; expected the same type of optimizer");
+  }
+  const StateKind& kind = *kind_of(optimizer);
+  std::map<std::string, const Parameter*> by_name;
+  for (const auto& parameter : parameters) by_name[parameter.name] = &parameter;
+  const auto held = held_by(optimizer);
+  StateMap state;
+  checkpoint::read_guarded(path, [&] {
+    InputArchive& archive = planned.optimizer_by_name;
+    c10::IValue size;
+    archive.read("size", size);
+    for (int64_t i = 0; i < size.toInt(); ++i) {
+      const std::string index = std::to_string(i);
+      c10::IValue name, step;
+      archive.read("name/" + index, name);
+      archive.read("step/" + index, step);
+      auto found = by_name.find(name.toStringRef());
+      if (found == by_name.end()) {
+        throw UsageError(where(path) + ": its optimizer has state for '" + name.toStringRef() +
+                         "', which is not a global parameter of the model; expected a checkpoint "
+                         "of this model");
+      }
+      const Parameter& parameter = *found->second;
+      auto made = kind.make();
+      StateRefs refs = kind.refs(*made);
+      if (refs.step != nullptr) *refs.step = step.toInt();
+      for (size_t f = 0; f < kind.fields.size(); ++f) {
+        at::Tensor value;
+        if (!archive.try_read(kind.fields[f] + "/" + index, value)) continue;
+        if (value.sizes() != at::IntArrayRef(parameter.value.shape())) {
+          std::ostringstream text;
+          text << ": the optimizer's '" << kind.fields[f] << "' for parameter '" << parameter.name
+               << "' has shape " << value.sizes() << " in the file but the parameter has shape "
+               << at::IntArrayRef(parameter.value.shape())
+               << "; expected a checkpoint of this model";
+          throw UsageError(where(path) + text.str());
+        }
+        *refs.fields[f] = piece_of(value, parameter.value);
+      }
+      if (parameter.value.is_local() && held.count(parameter.impl()))
+        state[state_key(parameter.value.to_local())] = std::move(made);
+    }
+  });
+  return state;
+}
+
+std::optional<data::SamplerState> load_global(const std::string& path, g::nn::Module& module,
+                                              torch::optim::Optimizer* optimizer,
+                                              const LoadOptions& options) {
+  comm::Group group = world_group(options.group, path, "shoal::load");
+  const auto parameters = global_parameters(module);
+  checkpoint::agree(group, check_model(module, optimizer, parameters, "shoal::load"),
+                    options.timeout);
+  const std::string payload = checkpoint::read_payload(path, group, options.timeout);
+  checkpoint::WholeValues whole;
+  for (const auto& parameter : parameters) {
+    const g::GlobalTensor value = parameter.value;
+    whole[parameter.impl()] = {value.shape(),
+                               [value](const at::Tensor& w) { return piece_of(w, value); }};
+  }
+  // Every worker checks the file against its model and optimizer before any worker changes
+  // anything.
+  std::string error;
+  checkpoint::PlannedContents planned;
+  StateMap state;
+  try {
+    planned = checkpoint::plan_contents(path, payload, module, whole, options.extras != nullptr);
+    if (optimizer != nullptr) state = plan_state(path, planned, *optimizer, parameters);
+  } catch (const UsageError& e) {
+    error = e.what();
+  }
+  checkpoint::agree(group, error, options.timeout);
+  // Exactly the file's state: a parameter without an entry starts afresh, as before a first step.
+  // The state of placeholders (an optimizer over all of parameters() holds them) stays: it is
+  // empty, and Adagrad expects an entry for every parameter it holds.
+  if (optimizer != nullptr) {
+    for (const auto& parameter : parameters) {
+      if (parameter.value.is_local()) continue;
+      auto entry = optimizer->state().find(state_key(parameter.value.to_local()));
+      if (entry != optimizer->state().end()) state[entry->first] = std::move(entry->second);
+    }
+    optimizer->state() = std::move(state);
+  }
+  planned.copy_module();
+  if (options.extras != nullptr) *options.extras = std::move(planned.extras);
+  return planned.loader_state;
+}
+
+}  // namespace
+
+void save(const std::string& path, const global::nn::Module& module,
+          const torch::optim::Optimizer& optimizer, const data::SamplerState& loader_state,
+          const SaveOptions& options) {
+  // Only read; the state map is reached through the non-const accessor.
+  save_global(path, module, const_cast<torch::optim::Optimizer*>(&optimizer), &loader_state,
+              options);
+}
+
+void save(const std::string& path, const global::nn::Module& module,
+          const torch::optim::Optimizer& optimizer, const SaveOptions& options) {
+  save_global(path, module, const_cast<torch::optim::Optimizer*>(&optimizer), nullptr, options);
+}
+
+void save(const std::string& path, const global::nn::Module& module, const SaveOptions& options) {
+  save_global(path, module, nullptr, nullptr, options);
+}
+
+data::SamplerState load(const std::string& path, global::nn::Module& module,
+                        torch::optim::Optimizer& optimizer, const LoadOptions& options) {
+  return load_global(path, module, &optimizer, options).value_or(data::SamplerState{});
+}
+
+void load(const std::string& path, global::nn::Module& module, const LoadOptions& options) {
+  load_global(path, module, nullptr, options);
+}
+
+}  // namespace shoal
