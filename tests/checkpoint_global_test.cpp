@@ -140,6 +140,15 @@ class ScratchDir {
   bool owner_ = false;
 };
 
+std::string read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+void write_bytes(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+}
+
 std::vector<torch::Tensor> read_tensors(const std::string& path) {
   std::vector<torch::Tensor> tensors;
   torch::load(tensors, path);
@@ -172,6 +181,8 @@ TEST(GlobalCheckpoint, HybridOnFourResumesInTheDataPlanOnTwoAndOnOneProcess) {
       [&] {
         torch::manual_seed(7);
         Tiny model(data_plan().layout);
+        // What LibTorch's Module::save writes of it, through the overload for any torch module.
+        shoal::save(dir.file("fresh_one.pt"), static_cast<const torch::nn::Module&>(*model));
         auto optimizer = make_adamw(model->parameters());
         train(model, optimizer, data_plan(), 0, kStepsBefore);
         write_tensors(whole_values(*model), dir.file("at_save.pt"));
@@ -186,6 +197,7 @@ TEST(GlobalCheckpoint, HybridOnFourResumesInTheDataPlanOnTwoAndOnOneProcess) {
       [&] {
         torch::manual_seed(7);
         Tiny model(hybrid_plan().layout);
+        shoal::save(dir.file("fresh_hybrid.pt"), *model);
         g::nn::GradientSync sync(model);
         auto optimizer = make_adamw(model->parameters());
         train(model, optimizer, hybrid_plan(), 0, kStepsBefore);
@@ -193,6 +205,8 @@ TEST(GlobalCheckpoint, HybridOnFourResumesInTheDataPlanOnTwoAndOnOneProcess) {
         expect_close(whole_values(*model), read_tensors(dir.file("at_save.pt")), "hybrid at save");
       },
       dir.workers());
+  // The untrained model's file from 4 workers is the one-process file, byte for byte.
+  EXPECT_EQ(read_bytes(dir.file("fresh_hybrid.pt")), read_bytes(dir.file("fresh_one.pt")));
 
   // 2 workers in the data plan, from another random model, load it and train on.
   run_workers(
@@ -395,15 +409,6 @@ void expect_usage_error(const std::function<void()>& f, const std::vector<std::s
     EXPECT_EQ(message.find('\n'), std::string::npos) << "not one line: " << message;
   }
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));  // a failure bound
-}
-
-std::string read_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
-void write_bytes(const std::string& path, const std::string& bytes) {
-  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
 }
 
 TEST(GlobalCheckpoint, BadFilesAndOtherModelsRaiseOnEveryWorkerAndChangeNothing) {
