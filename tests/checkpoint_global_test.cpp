@@ -235,9 +235,16 @@ TEST(GlobalCheckpoint, HybridOnFourResumesInTheDataPlanOnTwoAndOnOneProcess) {
         train(model, optimizer, data_plan(), kStepsBefore, kStepsAfter);
         expect_close(whole_values(*model), read_tensors(dir.file("at_end.pt")), "one, trained on");
 
+        // The overloads for any torch module read the same file, the optimizer's state by name.
         Tiny plain(data_plan().layout);
         shoal::load(path, static_cast<torch::nn::Module&>(*plain));
         expect_close(whole_values(*plain), read_tensors(dir.file("at_save.pt")), "one, plain load");
+        Tiny again(data_plan().layout);
+        auto again_optimizer = make_adamw(again->parameters());
+        shoal::load(path, static_cast<torch::nn::Module&>(*again), again_optimizer);
+        train(again, again_optimizer, data_plan(), kStepsBefore, kStepsAfter);
+        expect_close(whole_values(*again), read_tensors(dir.file("at_end.pt")),
+                     "one, plain, trained");
       },
       dir.workers());
 }

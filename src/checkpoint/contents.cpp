@@ -15,6 +15,7 @@
 #include <torch/serialize/output-archive.h>
 #include <torch/utils.h>
 
+#include "optimizer_state.h"
 #include "shoal/core/error.h"
 
 namespace shoal::checkpoint {
@@ -400,6 +401,7 @@ std::optional<data::SamplerState> restore_contents(const std::string& path, std:
   // not parse was written by something other than shoal::save (or a different LibTorch).
   InputArchive archive, module_archive, optimizer_archive;
   std::vector<Copy> copies;
+  std::optional<StateMap> state_by_name;
   std::optional<data::SamplerState> loader_state;
   CheckpointExtras saved_extras;
   try {
@@ -408,15 +410,29 @@ std::optional<data::SamplerState> restore_contents(const std::string& path, std:
       throw UsageError(where(path) + " holds no module; expected a file written by shoal::save");
     }
     plan_module(path, module_archive, module, "", copies);
-    if (optimizer != nullptr) {
-      InputArchive by_name;
-      if (archive.try_read(kOptimizerByNameKey, by_name)) {
-        throw UsageError(
-            where(path) +
-            " holds the optimizer state of a global model, by parameter name; expected "
-            "it loaded with shoal::load of a global::nn::Module, or the module alone with "
-            "shoal::load(path, module)");
+    InputArchive by_name;
+    if (optimizer != nullptr && archive.try_read(kOptimizerByNameKey, by_name)) {
+      // Saved by name (a global model's, a pipeline's): this module holds every parameter whole.
+      c10::IValue saved_type;
+      archive.read(kOptimizerTypeKey, saved_type);
+      if (const std::string unsupported = unsupported_optimizer(*optimizer); !unsupported.empty())
+        throw UsageError(where(path) + " holds optimizer state by parameter name, and " +
+                         unsupported);
+      std::set<std::string> names;
+      std::map<const c10::TensorImpl*, StateTarget> targets;
+      for (const auto& item : module.named_parameters()) {
+        names.insert(item.key());
+        StateTarget& target = targets[item.value().unsafeGetTensorImpl()];
+        target.names.push_back(item.key());
+        target.shape = item.value().sizes().vec();
+        target.tensor = item.value();
+        target.piece = [](const at::Tensor& whole) { return whole.detach().clone(); };
       }
+      std::vector<StateTarget> list;
+      for (auto& item : targets) list.push_back(std::move(item.second));
+      state_by_name =
+          plan_state_by_name(path, by_name, saved_type.toStringRef(), *optimizer, list, &names);
+    } else if (optimizer != nullptr) {
       if (!archive.try_read(kOptimizerKey, optimizer_archive)) {
         throw UsageError(where(path) + " holds no optimizer state: it was saved without an optimizer; expected "
                          "one saved with shoal::save(path, module, optimizer, ...), or load it with "
@@ -442,7 +458,9 @@ std::optional<data::SamplerState> restore_contents(const std::string& path, std:
   }
 
   // Changing: the optimizer first, since its load() is the one step that can still fail.
-  if (optimizer != nullptr) {
+  if (state_by_name) {
+    optimizer->state() = std::move(*state_by_name);
+  } else if (optimizer != nullptr) {
     // Optimizer::load adds the file's entries but keeps any other; starting empty makes the
     // state exactly the file's. On failure the old entries go back untouched.
     auto before = std::move(optimizer->state());

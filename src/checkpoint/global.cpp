@@ -7,21 +7,14 @@
 #include <set>
 #include <sstream>
 #include <string>
-#include <typeinfo>
 #include <utility>
 #include <vector>
 
-#include <c10/util/Type.h>
-#include <torch/optim/adagrad.h>
-#include <torch/optim/adam.h>
-#include <torch/optim/adamw.h>
-#include <torch/optim/rmsprop.h>
-#include <torch/optim/sgd.h>
-#include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
 #include "collective.h"
 #include "contents.h"
+#include "optimizer_state.h"
 #include "shoal/checkpoint/checkpoint.h"
 #include "shoal/core/error.h"
 #include "shoal/global/nn.h"
@@ -31,75 +24,10 @@ namespace shoal {
 namespace {
 
 namespace g = global;
-using torch::optim::OptimizerParamState;
-using torch::serialize::InputArchive;
+using checkpoint::NamedState;
+using checkpoint::state_key;
+using checkpoint::StateRefs;
 using torch::serialize::OutputArchive;
-using StateMap = ska::flat_hash_map<std::string, std::unique_ptr<OptimizerParamState>>;
-
-// Note [Optimizer state by name]
-// LibTorch's Optimizer::save keys the state by each parameter's position in the param groups,
-// which changes with the plan (a pipeline worker's optimizer holds only its stages' pieces). A
-// global model's state is saved by parameter name instead, each tensor as the whole value
-// (gathered as its parameter is: same placement and SBP), with the step: "size", then for entry
-// i "name/i", "step/i" and "<field>/i" for each field the state has ("exp_avg", ...). Names are
-// values, not keys: a key with a '.' would nest.
-
-// Where a parameter's state lives in one optimizer type's state object.
-struct StateRefs {
-  int64_t* step = nullptr;  // null: the type counts no steps (SGD)
-  std::vector<at::Tensor*> fields;
-};
-
-// An optimizer type's per-parameter state: the fields shaped like the parameter, and how to reach
-// them in its state object.
-struct StateKind {
-  std::vector<std::string> fields;
-  std::function<std::unique_ptr<OptimizerParamState>()> make;
-  std::function<StateRefs(OptimizerParamState&)> refs;
-};
-
-template <typename State, typename Refs>
-StateKind state_kind(std::vector<std::string> fields, Refs refs) {
-  return {std::move(fields), [] { return std::make_unique<State>(); },
-          [refs](OptimizerParamState& state) { return refs(static_cast<State&>(state)); }};
-}
-
-// The state kinds shoal can save by name; null for another optimizer type.
-const StateKind* kind_of(const torch::optim::Optimizer& optimizer) {
-  using namespace torch::optim;  // NOLINT: the five optimizers' names read best unqualified
-  static const StateKind sgd = state_kind<SGDParamState>({"momentum_buffer"}, [](SGDParamState& s) {
-    return StateRefs{nullptr, {&s.momentum_buffer()}};
-  });
-  static const StateKind adam = state_kind<AdamParamState>(
-      {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}, [](AdamParamState& s) {
-        return StateRefs{&s.step(), {&s.exp_avg(), &s.exp_avg_sq(), &s.max_exp_avg_sq()}};
-      });
-  static const StateKind adamw = state_kind<AdamWParamState>(
-      {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}, [](AdamWParamState& s) {
-        return StateRefs{&s.step(), {&s.exp_avg(), &s.exp_avg_sq(), &s.max_exp_avg_sq()}};
-      });
-  static const StateKind adagrad = state_kind<AdagradParamState>({"sum"}, [](AdagradParamState& s) {
-    return StateRefs{&s.step(), {&s.sum()}};
-  });
-  static const StateKind rmsprop = state_kind<RMSpropParamState>(
-      {"square_avg", "momentum_buffer", "grad_avg"}, [](RMSpropParamState& s) {
-        return StateRefs{&s.step(), {&s.square_avg(), &s.momentum_buffer(), &s.grad_avg()}};
-      });
-  if (dynamic_cast<const SGD*>(&optimizer)) return &sgd;
-  if (dynamic_cast<const Adam*>(&optimizer)) return &adam;
-  if (dynamic_cast<const AdamW*>(&optimizer)) return &adamw;
-  if (dynamic_cast<const Adagrad*>(&optimizer)) return &adagrad;
-  if (dynamic_cast<const RMSprop*>(&optimizer)) return &rmsprop;
-  return nullptr;
-}
-
-std::string type_name(const torch::optim::Optimizer& optimizer) {
-  return c10::demangle(typeid(optimizer).name());
-}
-
-std::string state_key(const at::Tensor& parameter) {
-  return c10::guts::to_string(parameter.unsafeGetTensorImpl());
-}
 
 std::string where(const std::string& path) {
   return "checkpoint " + path;
@@ -159,11 +87,9 @@ std::string check_model(const g::nn::Module& module, const torch::optim::Optimiz
     }
   }
   if (optimizer == nullptr) return "";
-  if (kind_of(*optimizer) == nullptr) {
-    return prefix + "the optimizer is " + type_name(*optimizer) +
-           "; expected torch::optim::SGD, Adam, AdamW, Adagrad or RMSprop, whose state shoal "
-           "saves by parameter name";
-  }
+  if (const std::string unsupported = checkpoint::unsupported_optimizer(*optimizer);
+      !unsupported.empty())
+    return prefix + unsupported;
   for (const auto& group : optimizer->param_groups()) {
     for (const auto& p : group.params()) {
       if (!pieces.count(p.unsafeGetTensorImpl())) {
@@ -196,18 +122,11 @@ at::Tensor gather(const at::Tensor& local, const g::GlobalTensor& parameter) {
   return rank() == 0 ? whole : at::Tensor();
 }
 
-// One parameter's optimizer state, whole, on the first worker.
-struct SavedState {
-  std::string name;
-  int64_t step = 0;
-  std::vector<std::pair<std::string, at::Tensor>> fields;
-};
-
 // Gathers the optimizer's state of every parameter from the workers that hold its pieces (see
 // Note [Optimizer state by name]). Collective among all workers.
-std::vector<SavedState> gather_state(comm::Group& group, torch::optim::Optimizer& optimizer,
+std::vector<NamedState> gather_state(comm::Group& group, torch::optim::Optimizer& optimizer,
                                      const std::vector<Parameter>& parameters, Duration timeout) {
-  const StateKind& kind = *kind_of(optimizer);
+  const checkpoint::StateKind& kind = *checkpoint::state_kind_of(optimizer);
   const auto held = held_by(optimizer);
   const auto n = static_cast<int64_t>(parameters.size());
   const auto k = static_cast<int64_t>(kind.fields.size());
@@ -234,7 +153,7 @@ std::vector<SavedState> gather_state(comm::Group& group, torch::optim::Optimizer
   group.all_reduce(table, sum);
   counts = table.accessor<int64_t, 2>();
 
-  std::vector<SavedState> saved;
+  std::vector<NamedState> saved;
   for (int64_t i = 0; i < n; ++i) {
     const auto& parameter = parameters[static_cast<size_t>(i)];
     const int64_t holders = counts[i][0], members = parameter.value.placement().size();
@@ -247,7 +166,7 @@ std::vector<SavedState> gather_state(comm::Group& group, torch::optim::Optimizer
                         "parameter to optimize it, with the same options");
     };
     if (holders != members) throw uneven("state", holders);
-    SavedState state{parameter.name, counts[i][k + 1], {}};
+    NamedState state{parameter.name, counts[i][k + 1], {}};
     for (int64_t f = 0; f < k; ++f) {
       const int64_t defined = counts[i][f + 1];
       if (defined == 0) continue;
@@ -261,16 +180,6 @@ std::vector<SavedState> gather_state(comm::Group& group, torch::optim::Optimizer
     saved.push_back(std::move(state));
   }
   return saved;
-}
-
-void write_state(OutputArchive& archive, const std::vector<SavedState>& saved) {
-  archive.write("size", c10::IValue(static_cast<int64_t>(saved.size())));
-  for (size_t i = 0; i < saved.size(); ++i) {
-    const std::string index = std::to_string(i);
-    archive.write("name/" + index, c10::IValue(saved[i].name));
-    archive.write("step/" + index, c10::IValue(saved[i].step));
-    for (const auto& [field, value] : saved[i].fields) archive.write(field + "/" + index, value);
-  }
 }
 
 // The module's archive as Module::save writes it, with each global parameter's whole value.
@@ -304,7 +213,7 @@ void save_global(const std::string& path, const g::nn::Module& module,
     if (value.defined())
       whole[parameter.impl()] = value.set_requires_grad(parameter.value.requires_grad());
   }
-  std::vector<SavedState> state;
+  std::vector<NamedState> state;
   if (optimizer != nullptr) state = gather_state(group, *optimizer, parameters, options.timeout);
   checkpoint::save_payload(
       path, group,
@@ -313,8 +222,9 @@ void save_global(const std::string& path, const g::nn::Module& module,
         if (optimizer == nullptr)
           return checkpoint::serialize_contents(write_module, {}, "", loader_state, options.extras);
         return checkpoint::serialize_contents(
-            write_module, [&](OutputArchive& archive) { write_state(archive, state); },
-            type_name(*optimizer), loader_state, options.extras);
+            write_module,
+            [&](OutputArchive& archive) { checkpoint::write_state_by_name(archive, state); },
+            checkpoint::optimizer_type(*optimizer), loader_state, options.extras);
       },
       options.timeout);
 }
@@ -329,11 +239,11 @@ at::Tensor piece_of(const at::Tensor& whole, const g::GlobalTensor& parameter) {
       .clone();
 }
 
-// The optimizer's new state: the file's, for the parameters this worker's optimizer holds.
-// Checks everything first; UsageError naming the first mismatch.
-StateMap plan_state(const std::string& path, checkpoint::PlannedContents& planned,
-                    const torch::optim::Optimizer& optimizer,
-                    const std::vector<Parameter>& parameters) {
+// The optimizer's new state: the file's, for the pieces this worker's optimizer holds. Checks
+// everything first; UsageError naming the first mismatch.
+checkpoint::StateMap plan_state(const std::string& path, checkpoint::PlannedContents& planned,
+                                const torch::optim::Optimizer& optimizer,
+                                const std::vector<Parameter>& parameters) {
   if (!planned.has_optimizer_by_name) {
     if (!planned.optimizer_type.empty()) {
       throw UsageError(
@@ -347,53 +257,19 @@ StateMap plan_state(const std::string& path, checkpoint::PlannedContents& planne
                      "saved with shoal::save(path, module, optimizer, ...), or load it with "
                      "shoal::load(path, module)");
   }
-  if (planned.optimizer_type != type_name(optimizer)) {
-    throw UsageError(where(path) + ": its optimizer state is " + planned.optimizer_type +
-                     "'s; this optimizer is " + type_name(optimizer) +
-                     "; expected the same type of optimizer");
+  std::set<std::string> names;
+  std::vector<checkpoint::StateTarget> targets;
+  for (const auto& parameter : parameters) {
+    names.insert(parameter.name);
+    if (!parameter.value.is_local()) continue;  // a placeholder has no state to take
+    const g::GlobalTensor value = parameter.value;
+    targets.push_back(
+        {{parameter.name}, value.shape(), value.to_local(), [value](const at::Tensor& whole) {
+           return piece_of(whole, value);
+         }});
   }
-  const StateKind& kind = *kind_of(optimizer);
-  std::map<std::string, const Parameter*> by_name;
-  for (const auto& parameter : parameters) by_name[parameter.name] = &parameter;
-  const auto held = held_by(optimizer);
-  StateMap state;
-  checkpoint::read_guarded(path, [&] {
-    InputArchive& archive = planned.optimizer_by_name;
-    c10::IValue size;
-    archive.read("size", size);
-    for (int64_t i = 0; i < size.toInt(); ++i) {
-      const std::string index = std::to_string(i);
-      c10::IValue name, step;
-      archive.read("name/" + index, name);
-      archive.read("step/" + index, step);
-      auto found = by_name.find(name.toStringRef());
-      if (found == by_name.end()) {
-        throw UsageError(where(path) + ": its optimizer has state for '" + name.toStringRef() +
-                         "', which is not a global parameter of the model; expected a checkpoint "
-                         "of this model");
-      }
-      const Parameter& parameter = *found->second;
-      auto made = kind.make();
-      StateRefs refs = kind.refs(*made);
-      if (refs.step != nullptr) *refs.step = step.toInt();
-      for (size_t f = 0; f < kind.fields.size(); ++f) {
-        at::Tensor value;
-        if (!archive.try_read(kind.fields[f] + "/" + index, value)) continue;
-        if (value.sizes() != at::IntArrayRef(parameter.value.shape())) {
-          std::ostringstream text;
-          text << ": the optimizer's '" << kind.fields[f] << "' for parameter '" << parameter.name
-               << "' has shape " << value.sizes() << " in the file but the parameter has shape "
-               << at::IntArrayRef(parameter.value.shape())
-               << "; expected a checkpoint of this model";
-          throw UsageError(where(path) + text.str());
-        }
-        *refs.fields[f] = piece_of(value, parameter.value);
-      }
-      if (parameter.value.is_local() && held.count(parameter.impl()))
-        state[state_key(parameter.value.to_local())] = std::move(made);
-    }
-  });
-  return state;
+  return checkpoint::plan_state_by_name(path, planned.optimizer_by_name, planned.optimizer_type,
+                                        optimizer, targets, &names);
 }
 
 std::optional<data::SamplerState> load_global(const std::string& path, g::nn::Module& module,
@@ -414,7 +290,7 @@ std::optional<data::SamplerState> load_global(const std::string& path, g::nn::Mo
   // anything.
   std::string error;
   checkpoint::PlannedContents planned;
-  StateMap state;
+  checkpoint::StateMap state;
   try {
     planned = checkpoint::plan_contents(path, payload, module, whole, options.extras != nullptr);
     if (optimizer != nullptr) state = plan_state(path, planned, *optimizer, parameters);
