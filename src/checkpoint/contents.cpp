@@ -314,18 +314,11 @@ void read_guarded(const std::string& path, const std::function<void()>& read) {
   }
 }
 
-PlannedContents plan_contents(const std::string& path, std::string_view payload,
-                              torch::nn::Module& module, const WholeValues& whole,
-                              bool with_extras) {
+PlannedContents read_parts(const std::string& path, std::string_view payload, bool with_extras) {
   PlannedContents planned;
-  std::vector<Copy> copies;
   read_guarded(path, [&] {
-    InputArchive archive, module_archive;
+    InputArchive archive;
     archive.load_from(payload.data(), payload.size());
-    if (!archive.try_read(kModuleKey, module_archive)) {
-      throw UsageError(where(path) + " holds no module; expected a file written by shoal::save");
-    }
-    plan_module(path, module_archive, module, "", copies, &whole);
     planned.has_optimizer_by_name =
         archive.try_read(kOptimizerByNameKey, planned.optimizer_by_name);
     InputArchive torch_optimizer;
@@ -341,6 +334,22 @@ PlannedContents plan_contents(const std::string& path, std::string_view payload,
     if (with_extras && archive.try_read(kExtrasKey, extras_archive))
       planned.extras = read_extras(extras_archive);
   });
+  return planned;
+}
+
+PlannedContents plan_contents(const std::string& path, std::string_view payload,
+                              torch::nn::Module& module, const WholeValues& whole,
+                              bool with_extras) {
+  std::vector<Copy> copies;
+  read_guarded(path, [&] {
+    InputArchive archive, module_archive;
+    archive.load_from(payload.data(), payload.size());
+    if (!archive.try_read(kModuleKey, module_archive)) {
+      throw UsageError(where(path) + " holds no module; expected a file written by shoal::save");
+    }
+    plan_module(path, module_archive, module, "", copies, &whole);
+  });
+  PlannedContents planned = read_parts(path, payload, with_extras);
   planned.copy_module = [copies = std::move(copies)]() mutable {
     torch::NoGradGuard no_grad;
     for (auto& copy : copies) copy.target.copy_(copy.value);

@@ -57,6 +57,10 @@ struct PlannedContents {
   CheckpointExtras extras;  // read only when asked for
 };
 
+// The parts of `payload` other than the module: the optimizer's state by name and its type (or
+// the type only, for LibTorch's format), the loader state, and the extras when asked for.
+PlannedContents read_parts(const std::string& path, std::string_view payload, bool with_extras);
+
 // Parses `payload` (of the checkpoint at `path`) and checks its module against `module` as
 // restore_contents does, except that a tensor in `whole` is checked against its whole value's
 // shape and receives its piece. UsageError naming the first mismatch; changes nothing.

@@ -29,10 +29,6 @@ using checkpoint::state_key;
 using checkpoint::StateRefs;
 using torch::serialize::OutputArchive;
 
-std::string where(const std::string& path) {
-  return "checkpoint " + path;
-}
-
 // One global parameter of the model, under its first name (a tied weight has several).
 struct Parameter {
   std::string name;
@@ -244,19 +240,7 @@ at::Tensor piece_of(const at::Tensor& whole, const g::GlobalTensor& parameter) {
 checkpoint::StateMap plan_state(const std::string& path, checkpoint::PlannedContents& planned,
                                 const torch::optim::Optimizer& optimizer,
                                 const std::vector<Parameter>& parameters) {
-  if (!planned.has_optimizer_by_name) {
-    if (!planned.optimizer_type.empty()) {
-      throw UsageError(
-          where(path) +
-          " holds optimizer state by parameter order (saved from a torch::nn::Module); "
-          "expected one saved from a global model, or load the module alone with "
-          "shoal::load(path, module)");
-    }
-    throw UsageError(where(path) +
-                     " holds no optimizer state: it was saved without an optimizer; expected one "
-                     "saved with shoal::save(path, module, optimizer, ...), or load it with "
-                     "shoal::load(path, module)");
-  }
+  checkpoint::require_state_by_name(path, planned.has_optimizer_by_name, planned.optimizer_type);
   std::set<std::string> names;
   std::vector<checkpoint::StateTarget> targets;
   for (const auto& parameter : parameters) {

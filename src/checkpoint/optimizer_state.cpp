@@ -104,6 +104,20 @@ void write_state_by_name(torch::serialize::OutputArchive& archive,
   }
 }
 
+void require_state_by_name(const std::string& path, bool has_by_name,
+                           const std::string& saved_type) {
+  if (has_by_name) return;
+  if (!saved_type.empty()) {
+    throw UsageError(where(path) +
+                     " holds optimizer state by parameter order (saved from a torch::nn::Module); "
+                     "expected it by name, as saved from a global model or a pipeline, or load the "
+                     "module alone");
+  }
+  throw UsageError(where(path) +
+                   " holds no optimizer state: it was saved without an optimizer; expected one "
+                   "saved with its optimizer, or load the module alone");
+}
+
 StateMap plan_state_by_name(const std::string& path, torch::serialize::InputArchive& archive,
                             const std::string& saved_type, const torch::optim::Optimizer& optimizer,
                             const std::vector<StateTarget>& targets,

@@ -59,6 +59,11 @@ struct NamedState {
 void write_state_by_name(torch::serialize::OutputArchive& archive,
                          const std::vector<NamedState>& states);
 
+// UsageError unless the file holds optimizer state by name (`has_by_name`); `saved_type` is the
+// type of the state it holds otherwise, empty for none.
+void require_state_by_name(const std::string& path, bool has_by_name,
+                           const std::string& saved_type);
+
 // A parameter whose state the file may hold: its names (a tied weight has several; the first with
 // an entry is taken), the whole value's shape, this worker's tensor (the optimizer's key) and its
 // piece of a whole value.

@@ -67,12 +67,13 @@ void save(const std::string& path, const torch::nn::Module& module, const torch:
 void save(const std::string& path, const torch::nn::Module& module, const SaveOptions& options = {});
 
 // Restores the module and the optimizer from `path` and returns the loader state saved with
-// them (SamplerState{}, whose dataset_size is 0, when the file has none). Values are copied
-// into the module's tensors, so references to them (the optimizer's, DataParallel's) stay
-// valid. Every parameter and buffer must be in the file with the module's shape, and nothing
-// else may be; the file must have been saved with an optimizer of the same type over as many
-// parameters. Param-group options (the learning rate) stay the program's, as in LibTorch's
-// Optimizer::load; save them as extras when they change.
+// them (SamplerState{}, whose dataset_size is 0, when the file has none). The optimizer's state
+// may also be one saved by parameter name (by a global model or a pipeline; docs/checkpoint.md).
+// Values are copied into the module's tensors, so references to them (the optimizer's,
+// DataParallel's) stay valid. Every parameter and buffer must be in the file with the module's
+// shape, and nothing else may be; the file must have been saved with an optimizer of the same type
+// over as many parameters. Param-group options (the learning rate) stay the program's, as in
+// LibTorch's Optimizer::load; save them as extras when they change.
 data::SamplerState load(const std::string& path, torch::nn::Module& module, torch::optim::Optimizer& optimizer,
                         const LoadOptions& options = {});
 // Restores the module only (for evaluation, or a new optimizer); the file's optimizer and
@@ -104,14 +105,22 @@ void load(const std::string& path, global::nn::Module& module, const LoadOptions
 // A pipeline's model, whole: every worker of the job calls it. Each stage's layers travel from
 // the worker that holds them (the first replica's, with a data axis) to the first worker, which
 // writes what shoal::save(path, net) of the whole Sequential writes on one process ("0.weight",
-// ...), with options.extras. The optimizer is not saved: its state follows the order of a
-// worker's parameters, which changes with the split (docs/checkpoint.md). options.group must be
-// empty (the pipeline's workers are the world).
+// ...), with options.extras. options.group must be empty (the pipeline's workers are the world).
 void save(const std::string& path, const pipeline::Pipeline& pipe, const SaveOptions& options = {});
+// The same with the optimizer's state (SGD, Adam, AdamW, Adagrad, RMSprop; over
+// pipe.parameters()) keyed by parameter name in the whole Sequential, from the workers that hold
+// each layer, so that it follows the layers to another split, or to the plain Sequential on one
+// process (shoal::load(path, *net, optimizer)).
+void save(const std::string& path, const pipeline::Pipeline& pipe,
+          const torch::optim::Optimizer& optimizer, const SaveOptions& options = {});
 // Loads a checkpoint of the whole Sequential (saved from a pipeline of any split, workers,
 // schedule or data axis, or from the plain module) into the layers this worker holds. Every
 // worker checks the file against its layers before any changes: a missing name or a wrong shape
 // anywhere is a UsageError on every worker, naming it, with nothing changed.
 void load(const std::string& path, pipeline::Pipeline& pipe, const LoadOptions& options = {});
+// The same with the optimizer's state, saved by name (by a pipeline or a global model): each
+// worker sets the state of the parameters its optimizer holds, exactly the file's.
+void load(const std::string& path, pipeline::Pipeline& pipe, torch::optim::Optimizer& optimizer,
+          const LoadOptions& options = {});
 
 }  // namespace shoal
