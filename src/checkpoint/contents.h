@@ -38,9 +38,9 @@ struct WholeValue {
 };
 using WholeValues = std::map<const c10::TensorImpl*, WholeValue>;
 
-// The payload of a model saved by name, whole (a global model's): the module's archive written by
-// `write_module`, and when `write_optimizer` is set the optimizer's state by parameter name
-// (see Note [Optimizer state by name] in global.cpp) with its type.
+// The payload of a model saved by name, whole (a global model's, a pipeline's): the module's
+// archive written by `write_module`, and when `write_optimizer` is set the optimizer's state by
+// parameter name (Note [Optimizer state by name], optimizer_state.cpp) with its type.
 std::string serialize_contents(
     const std::function<void(torch::serialize::OutputArchive&)>& write_module,
     const std::function<void(torch::serialize::OutputArchive&)>& write_optimizer,

@@ -37,7 +37,7 @@ using torch::serialize::OutputArchive;
 // child module, so that one without tensors still appears). The first worker rebuilds the nested
 // archive of the whole model from the pieces, which is what Module::save of the Sequential writes.
 // With an optimizer, each parameter's state follows as 't' (its step, a scalar) and 's:<field>'
-// entries under the parameter's name (Note [Optimizer state by name]).
+// entries under the parameter's name (see Note [Optimizer state by name], src/checkpoint).
 struct Piece {
   std::vector<std::string> kinds, names;
   std::vector<at::Tensor> tensors;  // undefined for 'm'
