@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -375,6 +376,137 @@ TEST(GlobalCheckpoint, DataPlanResumesOnStages) {
         train_stages(model, optimizer, {0}, {1}, g::broadcast(), kStepsBefore, kStepsAfter);
         expect_close(whole_values(*model), read_tensors(dir.file("at_end.pt")),
                      "stages, trained on");
+      },
+      dir.workers());
+}
+
+// Every supported optimizer's state crosses plans: saved in the tensor plan, loaded in the data
+// plan, two more steps equal the saving model's own two more steps (a run that never stopped).
+TEST(GlobalCheckpoint, EveryOptimizerTypeResumes) {
+  ScratchDir dir;
+  run_workers(
+      2,
+      [&] {
+        using namespace torch::optim;  // NOLINT
+        const Plan tensor{{g::Placement::all(), {0}}, g::broadcast()};
+        using Make = std::function<std::unique_ptr<Optimizer>(std::vector<torch::Tensor>)>;
+        const std::vector<std::pair<std::string, Make>> optimizers = {
+            {"SGD with momentum",
+             [](auto p) { return std::make_unique<SGD>(p, SGDOptions(0.05).momentum(0.9)); }},
+            {"Adam with amsgrad",
+             [](auto p) {
+               return std::make_unique<Adam>(p, AdamOptions(0.01).eps(1e-4).amsgrad(true));
+             }},
+            {"Adagrad, with lr decay",
+             [](auto p) {
+               return std::make_unique<Adagrad>(p, AdagradOptions(0.05).lr_decay(0.1));
+             }},
+            {"RMSprop, centered, with momentum", [](auto p) {
+               return std::make_unique<RMSprop>(
+                   p, RMSpropOptions(0.01).eps(1e-4).centered(true).momentum(0.5));
+             }}};
+        for (const auto& [name, make] : optimizers) {
+          const std::string path = dir.file("optimizer.pt");
+          torch::manual_seed(9);
+          Tiny saved(tensor.layout);
+          g::nn::GradientSync saved_sync(saved);
+          auto saved_optimizer = make(saved->parameters());
+          train(saved, *saved_optimizer, tensor, 0, 2);
+          shoal::save(path, *saved, *saved_optimizer);
+          train(saved, *saved_optimizer, tensor, 2, 2);
+
+          torch::manual_seed(10 + shoal::rank());
+          Tiny loaded(data_plan().layout);
+          g::nn::GradientSync loaded_sync(loaded);
+          auto loaded_optimizer = make(loaded->parameters());
+          shoal::load(path, *loaded, *loaded_optimizer);
+          train(loaded, *loaded_optimizer, data_plan(), 2, 2);
+
+          std::vector<torch::Tensor> reference;
+          for (const auto& item : whole_values(*saved)) reference.push_back(item.second);
+          expect_close(whole_values(*loaded), reference, name);
+        }
+      },
+      dir.workers());
+}
+
+// The file's state by name holds, under each field's name, what LibTorch's state object calls
+// by that name (read here without shoal's own table of fields).
+TEST(GlobalCheckpoint, StateFieldsAreNamedAsLibTorchNamesThem) {
+  ScratchDir dir;
+  run_workers(
+      1,
+      [&] {
+        using namespace torch::optim;  // NOLINT
+        using State = OptimizerParamState;
+        using Fields = std::vector<std::pair<std::string, std::function<torch::Tensor(State&)>>>;
+        struct Case {
+          std::string name;
+          std::function<std::unique_ptr<Optimizer>(std::vector<torch::Tensor>)> make;
+          std::function<int64_t(State&)> step;
+          Fields fields;
+        };
+        auto adam = [](State& s) -> AdamParamState& { return static_cast<AdamParamState&>(s); };
+        auto rms = [](State& s) -> RMSpropParamState& {
+          return static_cast<RMSpropParamState&>(s);
+        };
+        const std::vector<Case> cases = {
+            {"SGD",
+             [](auto p) { return std::make_unique<SGD>(p, SGDOptions(0.05).momentum(0.9)); },
+             [](State&) { return int64_t{0}; },
+             {{"momentum_buffer",
+               [](State& s) { return static_cast<SGDParamState&>(s).momentum_buffer(); }}}},
+            {"Adam",
+             [](auto p) { return std::make_unique<Adam>(p, AdamOptions(0.01).amsgrad(true)); },
+             [adam](State& s) { return adam(s).step(); },
+             {{"exp_avg", [adam](State& s) { return adam(s).exp_avg(); }},
+              {"exp_avg_sq", [adam](State& s) { return adam(s).exp_avg_sq(); }},
+              {"max_exp_avg_sq", [adam](State& s) { return adam(s).max_exp_avg_sq(); }}}},
+            {"Adagrad",
+             [](auto p) { return std::make_unique<Adagrad>(p, AdagradOptions(0.05)); },
+             [](State& s) { return static_cast<AdagradParamState&>(s).step(); },
+             {{"sum", [](State& s) { return static_cast<AdagradParamState&>(s).sum(); }}}},
+            {"RMSprop",
+             [](auto p) {
+               return std::make_unique<RMSprop>(p,
+                                                RMSpropOptions(0.01).centered(true).momentum(0.5));
+             },
+             [rms](State& s) { return rms(s).step(); },
+             {{"square_avg", [rms](State& s) { return rms(s).square_avg(); }},
+              {"momentum_buffer", [rms](State& s) { return rms(s).momentum_buffer(); }},
+              {"grad_avg", [rms](State& s) { return rms(s).grad_avg(); }}}}};
+        for (const auto& c : cases) {
+          const std::string path = dir.file("fields.pt");
+          torch::manual_seed(4);
+          Tiny model(data_plan().layout);
+          auto optimizer = c.make(model->parameters());
+          train(model, *optimizer, data_plan(), 0, 2);
+          shoal::save(path, *model, *optimizer);
+
+          const std::string payload = read_bytes(path).substr(32);  // after the header
+          torch::serialize::InputArchive archive, by_name;
+          archive.load_from(payload.data(), payload.size());
+          archive.read("optimizer_by_name", by_name);
+          c10::IValue size;
+          by_name.read("size", size);
+          auto parameters = model->named_parameters();
+          ASSERT_EQ(size.toInt(), static_cast<int64_t>(parameters.size())) << c.name;
+          for (int64_t i = 0; i < size.toInt(); ++i) {
+            const std::string index = std::to_string(i);
+            c10::IValue name, step;
+            by_name.read("name/" + index, name);
+            by_name.read("step/" + index, step);
+            const auto& parameter = parameters[name.toStringRef()];
+            auto& state =
+                *optimizer->state().at(c10::guts::to_string(parameter.unsafeGetTensorImpl()));
+            EXPECT_EQ(step.toInt(), c.step(state)) << c.name << ", " << name.toStringRef();
+            for (const auto& [field, get] : c.fields) {
+              torch::Tensor value;
+              ASSERT_TRUE(by_name.try_read(field + "/" + index, value)) << c.name << ", " << field;
+              EXPECT_TRUE(torch::equal(value, get(state))) << c.name << ", " << field;
+            }
+          }
+        }
       },
       dir.workers());
 }
