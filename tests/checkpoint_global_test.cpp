@@ -513,17 +513,21 @@ TEST(GlobalCheckpoint, StateFieldsAreNamedAsLibTorchNamesThem) {
 
 // --- Bad input -----------------------------------------------------------------------------
 
-// Everything load may change on this worker: its pieces and AdamW's state, copied.
+// Everything load may change on this worker: its pieces and AdamW's or SGD's state, copied.
 std::vector<torch::Tensor> snapshot(Tiny& model, torch::optim::Optimizer& optimizer) {
   std::vector<torch::Tensor> tensors;
   for (const auto& p : model->parameters()) {
     tensors.push_back(p.detach().clone());
     auto entry = optimizer.state().find(c10::guts::to_string(p.unsafeGetTensorImpl()));
     if (entry == optimizer.state().end()) continue;
-    auto& state = static_cast<torch::optim::AdamWParamState&>(*entry->second);
-    tensors.push_back(torch::tensor(state.step()));
-    tensors.push_back(state.exp_avg().clone());
-    tensors.push_back(state.exp_avg_sq().clone());
+    if (auto* adamw = dynamic_cast<torch::optim::AdamWParamState*>(entry->second.get())) {
+      tensors.push_back(torch::tensor(adamw->step()));
+      tensors.push_back(adamw->exp_avg().clone());
+      tensors.push_back(adamw->exp_avg_sq().clone());
+    } else {
+      auto& sgd = dynamic_cast<torch::optim::SGDParamState&>(*entry->second);
+      tensors.push_back(sgd.momentum_buffer().clone());
+    }
   }
   return tensors;
 }
@@ -608,6 +612,21 @@ TEST(GlobalCheckpoint, BadFilesAndOtherModelsRaiseOnEveryWorkerAndChangeNothing)
               {where + ": its optimizer state is torch::optim::AdamW's; this optimizer "
                        "is torch::optim::SGD"});
           EXPECT_TRUE(sgd.state().empty());
+        }
+        {
+          // Only worker 1's optimizer is of another type: worker 0, which could load, raises its
+          // message too and changes nothing.
+          Tiny model(tensor.layout);
+          g::nn::GradientSync sync(model);
+          auto adamw = make_adamw(model->parameters());
+          torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+          torch::optim::Optimizer& optimizer =
+              shoal::rank() == 0 ? static_cast<torch::optim::Optimizer&>(adamw) : sgd;
+          train(model, optimizer, tensor, 5, 1);
+          const auto before = snapshot(model, optimizer);
+          expect_usage_error([&] { shoal::load(path, *model, optimizer); },
+                             {"this optimizer is torch::optim::SGD"});
+          expect_same(snapshot(model, optimizer), before, "one worker's optimizer differs");
         }
         {
           // An optimizer whose state shoal can't save by name.
