@@ -118,7 +118,7 @@ void save(const std::string& path, const pipeline::Pipeline& pipe,
 // worker checks the file against its layers before any changes: a missing name or a wrong shape
 // anywhere is a UsageError on every worker, naming it, with nothing changed.
 void load(const std::string& path, pipeline::Pipeline& pipe, const LoadOptions& options = {});
-// The same with the optimizer's state, saved by name (by a pipeline or a global model): each
+// The same with the optimizer's state, saved by name (shoal::save(path, pipe, optimizer)): each
 // worker sets the state of the parameters its optimizer holds, exactly the file's.
 void load(const std::string& path, pipeline::Pipeline& pipe, torch::optim::Optimizer& optimizer,
           const LoadOptions& options = {});
