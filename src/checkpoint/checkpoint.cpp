@@ -131,6 +131,32 @@ std::string read_payload(const std::string& path, comm::Group& group, Duration t
   return std::string(payload);
 }
 
+void agree(comm::Group& group, std::string error, Duration timeout) {
+  if (group.size() == 1) {
+    if (!error.empty()) throw UsageError(error);
+    return;
+  }
+  auto failing =
+      at::tensor({static_cast<int64_t>(error.empty() ? group.size() : group.rank())}, at::kLong);
+  comm::AllReduceOptions reduce;
+  reduce.op = comm::ReduceOp::kMin;
+  reduce.timeout = timeout;
+  group.all_reduce(failing, reduce);
+  const int first_failing = static_cast<int>(failing.item<int64_t>());
+  if (first_failing == group.size()) return;
+  comm::BroadcastOptions options;
+  options.root = first_failing;
+  options.timeout = timeout;
+  auto size = at::tensor({static_cast<int64_t>(error.size())}, at::kLong);
+  group.broadcast(size, options);
+  if (group.rank() != first_failing) error.assign(static_cast<size_t>(size.item<int64_t>()), '\0');
+  if (!error.empty()) {
+    auto bytes = at::from_blob(error.data(), {static_cast<int64_t>(error.size())}, at::kByte);
+    group.broadcast(bytes, options);
+  }
+  throw UsageError(error);
+}
+
 comm::Group checkpoint_group(const std::optional<comm::Group>& group, const std::string& path, const char* operation) {
   check_path(path, operation);
   return group_of(group, operation);

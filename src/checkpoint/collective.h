@@ -1,5 +1,6 @@
 // save and load's collective halves, for the checkpoints of models that no one worker holds
-// whole (a pipeline's, src/pipeline/checkpoint.cpp). Private to shoal's sources.
+// whole (a pipeline's, src/pipeline/checkpoint.cpp; a
+// global model's, global.cpp). Private to shoal's sources.
 #pragma once
 
 #include <functional>
@@ -23,5 +24,9 @@ void save_payload(const std::string& path, comm::Group& group,
 // The verified payload of `path`, read by the first worker and sent to all; UsageError on every
 // worker when it can't be read or is truncated or corrupt.
 std::string read_payload(const std::string& path, comm::Group& group, Duration timeout);
+
+// Every worker learns whether all can go on before any changes anything: when some worker's
+// `error` is not empty, the first such worker's message is raised as a UsageError on every worker.
+void agree(comm::Group& group, std::string error, Duration timeout);
 
 }  // namespace shoal::checkpoint

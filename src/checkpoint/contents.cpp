@@ -15,6 +15,7 @@
 #include <torch/serialize/output-archive.h>
 #include <torch/utils.h>
 
+#include "optimizer_state.h"
 #include "shoal/core/error.h"
 
 namespace shoal::checkpoint {
@@ -27,6 +28,8 @@ using torch::serialize::OutputArchive;
 constexpr const char* kModuleKey = "module";
 constexpr const char* kOptimizerKey = "optimizer";
 constexpr const char* kOptimizerTypeKey = "optimizer_type";
+// A global model's optimizer state, by parameter name (global.cpp).
+constexpr const char* kOptimizerByNameKey = "optimizer_by_name";
 constexpr const char* kLoaderKey = "loader";
 constexpr const char* kExtrasKey = "extras";
 
@@ -34,10 +37,14 @@ std::string where(const std::string& path) { return "checkpoint " + path; }
 
 std::string expected_this_model() { return "; expected a checkpoint of this model"; }
 
-std::string shape_of(const at::Tensor& tensor) {
+std::string shape_of(at::IntArrayRef shape) {
   std::ostringstream text;
-  text << tensor.sizes();
+  text << shape;
   return text.str();
+}
+
+std::string shape_of(const at::Tensor& tensor) {
+  return shape_of(tensor.sizes());
 }
 
 std::string first_line(const std::exception& error) {
@@ -56,8 +63,11 @@ struct Copy {
 
 // Walks the module as Module::save does (own parameters, own buffers, then serializable
 // children as nested archives) and pairs each tensor with the file's, checking names and shapes.
-void plan_module(const std::string& path, InputArchive& archive, torch::nn::Module& module, const std::string& prefix,
-                 std::vector<Copy>& copies) {
+// A tensor in `whole` (when not null) is a piece: the file holds the whole value, of which it
+// receives its piece.
+void plan_module(const std::string& path, InputArchive& archive, torch::nn::Module& module,
+                 const std::string& prefix, std::vector<Copy>& copies,
+                 const WholeValues* whole = nullptr) {
   std::set<std::string> known;
   auto plan = [&](const char* kind, const torch::OrderedDict<std::string, at::Tensor>& tensors) {
     for (const auto& item : tensors) {
@@ -78,11 +88,21 @@ void plan_module(const std::string& path, InputArchive& archive, torch::nn::Modu
         throw UsageError(where(path) + ": the module has " + kind + " '" + name + "' of shape " + shape_of(target) +
                          ", which the file does not" + expected_this_model());
       }
-      if (stored.sizes() != target.sizes()) {
-        throw UsageError(where(path) + ": " + kind + " '" + name + "' has shape " + shape_of(stored) +
-                         " in the file but " + shape_of(target) + " in the module" + expected_this_model());
+      const auto piece = whole != nullptr ? whole->find(target.unsafeGetTensorImpl())
+                                          : WholeValues::const_iterator();
+      const bool is_piece = whole != nullptr && piece != whole->end();
+      const at::IntArrayRef shape =
+          is_piece ? at::IntArrayRef(piece->second.shape) : target.sizes();
+      if (stored.sizes() != shape) {
+        throw UsageError(where(path) + ": " + kind + " '" + name + "' has shape " +
+                         shape_of(stored) + " in the file but " + shape_of(shape) +
+                         " in the module" + expected_this_model());
       }
-      copies.push_back({target, stored});
+      if (!is_piece) {
+        copies.push_back({target, stored});
+      } else if (at::Tensor mine = piece->second.piece(stored); mine.defined()) {
+        copies.push_back({target, mine});
+      }
     }
   };
   plan("parameter", module.named_parameters(/*recurse=*/false));
@@ -95,7 +115,7 @@ void plan_module(const std::string& path, InputArchive& archive, torch::nn::Modu
       throw UsageError(where(path) + ": the module has submodule '" + prefix + child.key() +
                        "', which the file does not" + expected_this_model());
     }
-    plan_module(path, child_archive, *child.value(), prefix + child.key() + ".", copies);
+    plan_module(path, child_archive, *child.value(), prefix + child.key() + ".", copies, whole);
   }
   for (const auto& key : archive.keys()) {
     if (!known.count(key)) {
@@ -203,17 +223,31 @@ CheckpointExtras read_extras(InputArchive& archive) {
 
 namespace {
 
-std::string serialize(const std::function<void(OutputArchive&)>& write_module, const torch::optim::Optimizer* optimizer,
-                      const data::SamplerState* loader_state, const CheckpointExtras& extras) {
+// The optimizer's part: LibTorch's Optimizer::save of `optimizer`, or when `write_by_name` is set
+// the state by parameter name it writes, as `optimizer_type`.
+struct OptimizerPart {
+  const torch::optim::Optimizer* optimizer = nullptr;
+  std::function<void(OutputArchive&)> write_by_name;
+  std::string optimizer_type;
+};
+
+std::string serialize(const std::function<void(OutputArchive&)>& write_module,
+                      const OptimizerPart& optimizer, const data::SamplerState* loader_state,
+                      const CheckpointExtras& extras) {
   OutputArchive archive(std::make_shared<torch::jit::CompilationUnit>());
   OutputArchive module_archive(archive.compilation_unit());
   write_module(module_archive);
   archive.write(kModuleKey, module_archive);
-  if (optimizer != nullptr) {
+  if (optimizer.optimizer != nullptr) {
     OutputArchive optimizer_archive(archive.compilation_unit());
-    optimizer->save(optimizer_archive);
+    optimizer.optimizer->save(optimizer_archive);
     archive.write(kOptimizerKey, optimizer_archive);
-    archive.write(kOptimizerTypeKey, c10::IValue(type_name(*optimizer)));
+    archive.write(kOptimizerTypeKey, c10::IValue(type_name(*optimizer.optimizer)));
+  } else if (optimizer.write_by_name) {
+    OutputArchive optimizer_archive(archive.compilation_unit());
+    optimizer.write_by_name(optimizer_archive);
+    archive.write(kOptimizerByNameKey, optimizer_archive);
+    archive.write(kOptimizerTypeKey, c10::IValue(optimizer.optimizer_type));
   }
   if (loader_state != nullptr) {
     OutputArchive loader(archive.compilation_unit());
@@ -252,12 +286,75 @@ std::string serialize(const std::function<void(OutputArchive&)>& write_module, c
 
 std::string serialize_contents(const torch::nn::Module& module, const torch::optim::Optimizer* optimizer,
                                const data::SamplerState* loader_state, const CheckpointExtras& extras) {
-  return serialize([&module](OutputArchive& archive) { module.save(archive); }, optimizer, loader_state, extras);
+  return serialize([&module](OutputArchive& archive) { module.save(archive); }, {optimizer, {}, {}},
+                   loader_state, extras);
 }
 
 std::string serialize_contents(const std::function<void(OutputArchive&)>& write_module,
                                const CheckpointExtras& extras) {
-  return serialize(write_module, nullptr, nullptr, extras);
+  return serialize(write_module, {}, nullptr, extras);
+}
+
+std::string serialize_contents(const std::function<void(OutputArchive&)>& write_module,
+                               const std::function<void(OutputArchive&)>& write_optimizer,
+                               const std::string& optimizer_type,
+                               const data::SamplerState* loader_state,
+                               const CheckpointExtras& extras) {
+  return serialize(write_module, {nullptr, write_optimizer, optimizer_type}, loader_state, extras);
+}
+
+void read_guarded(const std::string& path, const std::function<void()>& read) {
+  try {
+    read();
+  } catch (const UsageError&) {
+    throw;
+  } catch (const std::exception& error) {
+    throw UsageError(where(path) + ": its content can't be read (" + first_line(error) +
+                     "); expected a file written by shoal::save");
+  }
+}
+
+PlannedContents read_parts(const std::string& path, std::string_view payload, bool with_extras) {
+  PlannedContents planned;
+  read_guarded(path, [&] {
+    InputArchive archive;
+    archive.load_from(payload.data(), payload.size());
+    planned.has_optimizer_by_name =
+        archive.try_read(kOptimizerByNameKey, planned.optimizer_by_name);
+    InputArchive torch_optimizer;
+    if (planned.has_optimizer_by_name || archive.try_read(kOptimizerKey, torch_optimizer)) {
+      c10::IValue saved_type;
+      archive.read(kOptimizerTypeKey, saved_type);
+      planned.optimizer_type = saved_type.toStringRef();
+    }
+    InputArchive loader_archive;
+    if (archive.try_read(kLoaderKey, loader_archive))
+      planned.loader_state = read_loader_state(loader_archive);
+    InputArchive extras_archive;
+    if (with_extras && archive.try_read(kExtrasKey, extras_archive))
+      planned.extras = read_extras(extras_archive);
+  });
+  return planned;
+}
+
+PlannedContents plan_contents(const std::string& path, std::string_view payload,
+                              torch::nn::Module& module, const WholeValues& whole,
+                              bool with_extras) {
+  std::vector<Copy> copies;
+  read_guarded(path, [&] {
+    InputArchive archive, module_archive;
+    archive.load_from(payload.data(), payload.size());
+    if (!archive.try_read(kModuleKey, module_archive)) {
+      throw UsageError(where(path) + " holds no module; expected a file written by shoal::save");
+    }
+    plan_module(path, module_archive, module, "", copies, &whole);
+  });
+  PlannedContents planned = read_parts(path, payload, with_extras);
+  planned.copy_module = [copies = std::move(copies)]() mutable {
+    torch::NoGradGuard no_grad;
+    for (auto& copy : copies) copy.target.copy_(copy.value);
+  };
+  return planned;
 }
 
 std::function<void()> plan_layers(const std::string& path, std::string_view payload,
@@ -313,6 +410,7 @@ std::optional<data::SamplerState> restore_contents(const std::string& path, std:
   // not parse was written by something other than shoal::save (or a different LibTorch).
   InputArchive archive, module_archive, optimizer_archive;
   std::vector<Copy> copies;
+  std::optional<StateMap> state_by_name;
   std::optional<data::SamplerState> loader_state;
   CheckpointExtras saved_extras;
   try {
@@ -321,7 +419,29 @@ std::optional<data::SamplerState> restore_contents(const std::string& path, std:
       throw UsageError(where(path) + " holds no module; expected a file written by shoal::save");
     }
     plan_module(path, module_archive, module, "", copies);
-    if (optimizer != nullptr) {
+    InputArchive by_name;
+    if (optimizer != nullptr && archive.try_read(kOptimizerByNameKey, by_name)) {
+      // Saved by name (a global model's, a pipeline's): this module holds every parameter whole.
+      c10::IValue saved_type;
+      archive.read(kOptimizerTypeKey, saved_type);
+      if (const std::string unsupported = unsupported_optimizer(*optimizer); !unsupported.empty())
+        throw UsageError(where(path) + " holds optimizer state by parameter name, and " +
+                         unsupported);
+      std::set<std::string> names;
+      std::map<const c10::TensorImpl*, StateTarget> targets;
+      for (const auto& item : module.named_parameters()) {
+        names.insert(item.key());
+        StateTarget& target = targets[item.value().unsafeGetTensorImpl()];
+        target.names.push_back(item.key());
+        target.shape = item.value().sizes().vec();
+        target.tensor = item.value();
+        target.piece = [](const at::Tensor& whole) { return whole.detach().clone(); };
+      }
+      std::vector<StateTarget> list;
+      for (auto& item : targets) list.push_back(std::move(item.second));
+      state_by_name =
+          plan_state_by_name(path, by_name, saved_type.toStringRef(), *optimizer, list, &names);
+    } else if (optimizer != nullptr) {
       if (!archive.try_read(kOptimizerKey, optimizer_archive)) {
         throw UsageError(where(path) + " holds no optimizer state: it was saved without an optimizer; expected "
                          "one saved with shoal::save(path, module, optimizer, ...), or load it with "
@@ -347,7 +467,9 @@ std::optional<data::SamplerState> restore_contents(const std::string& path, std:
   }
 
   // Changing: the optimizer first, since its load() is the one step that can still fail.
-  if (optimizer != nullptr) {
+  if (state_by_name) {
+    optimizer->state() = std::move(*state_by_name);
+  } else if (optimizer != nullptr) {
     // Optimizer::load adds the file's entries but keeps any other; starting empty makes the
     // state exactly the file's. On failure the old entries go back untouched.
     auto before = std::move(optimizer->state());

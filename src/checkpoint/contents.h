@@ -7,9 +7,11 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
+#include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
 #include "shoal/checkpoint/checkpoint.h"
@@ -27,6 +29,48 @@ std::string serialize_contents(const torch::nn::Module& module, const torch::opt
 // pieces that no one process holds whole, as a pipeline's).
 std::string serialize_contents(const std::function<void(torch::serialize::OutputArchive&)>& write_module,
                                const CheckpointExtras& extras);
+
+// For a model whose tensors are pieces of whole values (a global model's parameters): the whole
+// value's shape, and this worker's piece of a whole value (undefined: it holds none).
+struct WholeValue {
+  std::vector<int64_t> shape;
+  std::function<at::Tensor(const at::Tensor& whole)> piece;
+};
+using WholeValues = std::map<const c10::TensorImpl*, WholeValue>;
+
+// The payload of a model saved by name, whole (a global model's, a pipeline's): the module's
+// archive written by `write_module`, and when `write_optimizer` is set the optimizer's state by
+// parameter name (Note [Optimizer state by name], optimizer_state.cpp) with its type.
+std::string serialize_contents(
+    const std::function<void(torch::serialize::OutputArchive&)>& write_module,
+    const std::function<void(torch::serialize::OutputArchive&)>& write_optimizer,
+    const std::string& optimizer_type, const data::SamplerState* loader_state,
+    const CheckpointExtras& extras);
+
+// A payload read and checked against a model, with nothing of the caller's changed yet.
+struct PlannedContents {
+  std::function<void()> copy_module;  // copies the file's values (or this worker's pieces) in
+  bool has_optimizer_by_name = false;
+  torch::serialize::InputArchive optimizer_by_name;
+  std::string optimizer_type;
+  std::optional<data::SamplerState> loader_state;
+  CheckpointExtras extras;  // read only when asked for
+};
+
+// The parts of `payload` other than the module: the optimizer's state by name and its type (or
+// the type only, for LibTorch's format), the loader state, and the extras when asked for.
+PlannedContents read_parts(const std::string& path, std::string_view payload, bool with_extras);
+
+// Parses `payload` (of the checkpoint at `path`) and checks its module against `module` as
+// restore_contents does, except that a tensor in `whole` is checked against its whole value's
+// shape and receives its piece. UsageError naming the first mismatch; changes nothing.
+PlannedContents plan_contents(const std::string& path, std::string_view payload,
+                              torch::nn::Module& module, const WholeValues& whole,
+                              bool with_extras);
+
+// Runs `read` (parsing a payload's archive); an error of LibTorch's becomes the UsageError of a
+// file whose content can't be read.
+void read_guarded(const std::string& path, const std::function<void()>& read);
 
 // Checks `payload` against the layers of a Sequential of `layer_count` layers of which only
 // `layers` (by index) are here: the file's module must have exactly those layers, and each given

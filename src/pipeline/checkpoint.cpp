@@ -2,6 +2,8 @@
 // and taken apart by each worker on load. See docs/checkpoint.md, "Pipelines".
 #include <map>
 #include <memory>
+#include <set>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -11,6 +13,7 @@
 
 #include "../checkpoint/collective.h"
 #include "../checkpoint/contents.h"
+#include "../checkpoint/optimizer_state.h"
 #include "pipeline_state.h"
 #include "shoal/checkpoint/checkpoint.h"
 #include "shoal/core/error.h"
@@ -33,6 +36,8 @@ using torch::serialize::OutputArchive;
 // whole Sequential and marked 'p' (parameter; 'g' when it requires grad), 'b' (buffer) or 'm' (a
 // child module, so that one without tensors still appears). The first worker rebuilds the nested
 // archive of the whole model from the pieces, which is what Module::save of the Sequential writes.
+// With an optimizer, each parameter's state follows as 't' (its step, a scalar) and 's:<field>'
+// entries under the parameter's name (see Note [Optimizer state by name], src/checkpoint).
 struct Piece {
   std::vector<std::string> kinds, names;
   std::vector<at::Tensor> tensors;  // undefined for 'm'
@@ -143,18 +148,100 @@ int first_layer(const pipeline::Pipeline::State& state, int stage) {
   return first;
 }
 
+std::string shape_text(const at::Tensor& tensor) {
+  std::ostringstream text;
+  text << tensor.sizes();
+  return text.str();
+}
+
 int layer_count(const pipeline::Pipeline::State& state) {
   int count = 0;
   for (int layers : state.split) count += layers;
   return count;
 }
 
-}  // namespace
+// This worker's layers with their indices in the whole Sequential.
+std::map<int, torch::nn::Module*> held_layers(const pipeline::Pipeline::State& state) {
+  std::map<int, torch::nn::Module*> layers;
+  for (int s = 0; s < state.stages(); ++s) {
+    int index = first_layer(state, s);
+    for (const auto& layer : state.layers[s]) layers[index++] = layer.ptr().get();
+  }
+  return layers;
+}
 
-void save(const std::string& path, const pipeline::Pipeline& pipe, const SaveOptions& options) {
+// The held layers' parameters, each with its names in the whole Sequential (a weight tied
+// between two layers this worker holds has two).
+std::vector<checkpoint::StateTarget> held_parameters(const pipeline::Pipeline::State& state) {
+  std::map<const c10::TensorImpl*, checkpoint::StateTarget> by_tensor;
+  std::vector<const c10::TensorImpl*> order;
+  for (const auto& [index, layer] : held_layers(state)) {
+    for (const auto& item : layer->named_parameters()) {
+      const auto* impl = item.value().unsafeGetTensorImpl();
+      if (!by_tensor.count(impl)) order.push_back(impl);
+      auto& target = by_tensor[impl];
+      target.names.push_back(std::to_string(index) + "." + item.key());
+      target.shape = item.value().sizes().vec();
+      target.tensor = item.value();
+      target.piece = [](const at::Tensor& whole) { return whole.detach().clone(); };
+    }
+  }
+  std::vector<checkpoint::StateTarget> targets;
+  for (const auto* impl : order) targets.push_back(std::move(by_tensor[impl]));
+  return targets;
+}
+
+// What this worker can tell is wrong with the optimizer alone; empty when nothing is.
+std::string check_optimizer(const pipeline::Pipeline::State& state,
+                            const torch::optim::Optimizer& optimizer, const char* operation) {
+  const std::string prefix = std::string(operation) + " of a pipeline: ";
+  if (const std::string unsupported = checkpoint::unsupported_optimizer(optimizer);
+      !unsupported.empty())
+    return prefix + unsupported;
+  std::set<const c10::TensorImpl*> held;
+  for (const auto& target : held_parameters(state))
+    held.insert(target.tensor.unsafeGetTensorImpl());
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) {
+      if (!held.count(p.unsafeGetTensorImpl())) {
+        return prefix + "the optimizer holds a tensor of shape " + shape_text(p) +
+               " that is not a parameter of this worker's stages; expected an optimizer over "
+               "pipe.parameters()";
+      }
+    }
+  }
+  return "";
+}
+
+// This worker's optimizer state of its layers' parameters, as Piece entries.
+void add_state(const pipeline::Pipeline::State& state, torch::optim::Optimizer& optimizer,
+               Piece& piece) {
+  const checkpoint::StateKind& kind = *checkpoint::state_kind_of(optimizer);
+  for (const auto& target : held_parameters(state)) {
+    auto* saved = checkpoint::state_of(optimizer, target.tensor);
+    if (saved == nullptr) continue;
+    const checkpoint::StateRefs refs = kind.refs(*saved);
+    for (const auto& name : target.names) {
+      piece.kinds.emplace_back("t");
+      piece.names.push_back(name);
+      piece.tensors.push_back(at::tensor(refs.step != nullptr ? *refs.step : 0, at::kLong));
+      for (size_t f = 0; f < kind.fields.size(); ++f) {
+        if (!refs.fields[f]->defined()) continue;
+        piece.kinds.push_back("s:" + kind.fields[f]);
+        piece.names.push_back(name);
+        piece.tensors.push_back(refs.fields[f]->detach());
+      }
+    }
+  }
+}
+
+void save_pipeline(const std::string& path, const pipeline::Pipeline& pipe,
+                   torch::optim::Optimizer* optimizer, const SaveOptions& options) {
   check_world(options.group, "shoal::save");
   comm::Group group = checkpoint::checkpoint_group(std::nullopt, path, "shoal::save");
   const auto& state = pipeline::Access::state(pipe);
+  if (optimizer != nullptr)
+    checkpoint::agree(group, check_optimizer(state, *optimizer, "shoal::save"), options.timeout);
   // See Note [Pipeline checkpoint pieces]. A replicated stage is sent by its first replica.
   Piece mine;
   std::vector<int64_t> held;
@@ -167,6 +254,7 @@ void save(const std::string& path, const pipeline::Pipeline& pipe, const SaveOpt
         ++index;
       }
     }
+    if (optimizer != nullptr) add_state(state, *optimizer, mine);
   }
   // Layer markers come first, so that a layer without tensors is in the file too.
   Piece piece;
@@ -181,17 +269,31 @@ void save(const std::string& path, const pipeline::Pipeline& pipe, const SaveOpt
 
   const Duration timeout = options.timeout;
   std::map<int, Piece> by_layer;  // on the first worker: each layer's tensors
+  std::map<std::string, checkpoint::NamedState> states;  // and each parameter's state, by name
   for (int r = 0; r < group.size(); ++r) {
     std::string bytes = group.rank() == r ? encode(piece) : std::string();
     broadcast_bytes(group, bytes, r, timeout);
     if (group.rank() != 0) continue;
     Piece received;
     decode(bytes, received);
+    std::set<std::string> named_here;  // a name's state comes from one worker
     for (size_t i = 0; i < received.names.size(); ++i) {
       const std::string& name = received.names[i];
+      const std::string& kind = received.kinds[i];
+      if (kind == "t") {
+        if (states.count(name)) continue;
+        named_here.insert(name);
+        states[name] = {name, received.tensors[i].item<int64_t>(), {}};
+        continue;
+      }
+      if (kind.rfind("s:", 0) == 0) {
+        if (named_here.count(name))
+          states[name].fields.emplace_back(kind.substr(2), received.tensors[i]);
+        continue;
+      }
       const int layer = std::stoi(name.substr(0, name.find('.')));
       auto& target = by_layer[layer];
-      target.kinds.push_back(received.kinds[i]);
+      target.kinds.push_back(kind);
       target.names.push_back(name);
       target.tensors.push_back(received.tensors[i]);
     }
@@ -205,43 +307,70 @@ void save(const std::string& path, const pipeline::Pipeline& pipe, const SaveOpt
             insert(root, entries.kinds[i], entries.names[i], entries.tensors[i]);
           }
         }
+        auto write_module = [&root](OutputArchive& archive) { root.write(archive); };
+        if (optimizer == nullptr)
+          return checkpoint::serialize_contents(write_module, options.extras);
+        std::vector<checkpoint::NamedState> list;
+        for (auto& item : states) list.push_back(std::move(item.second));
         return checkpoint::serialize_contents(
-            [&root](OutputArchive& archive) { root.write(archive); }, options.extras);
+            write_module,
+            [&list](OutputArchive& archive) { checkpoint::write_state_by_name(archive, list); },
+            checkpoint::optimizer_type(*optimizer), nullptr, options.extras);
       },
       timeout);
 }
 
-void load(const std::string& path, pipeline::Pipeline& pipe, const LoadOptions& options) {
+void load_pipeline(const std::string& path, pipeline::Pipeline& pipe,
+                   torch::optim::Optimizer* optimizer, const LoadOptions& options) {
   check_world(options.group, "shoal::load");
   comm::Group group = checkpoint::checkpoint_group(std::nullopt, path, "shoal::load");
   auto& state = pipeline::Access::state(pipe);
+  if (optimizer != nullptr)
+    checkpoint::agree(group, check_optimizer(state, *optimizer, "shoal::load"), options.timeout);
   const std::string payload = checkpoint::read_payload(path, group, options.timeout);
-  std::map<int, torch::nn::Module*> layers;
-  for (int s = 0; s < state.stages(); ++s) {
-    int index = first_layer(state, s);
-    for (auto& layer : state.layers[s]) layers[index++] = layer.ptr().get();
-  }
   std::function<void()> apply;
+  checkpoint::StateMap optimizer_state;
   std::string error;
   try {
-    apply = checkpoint::plan_layers(path, payload, layers, layer_count(state), options.extras);
+    apply = checkpoint::plan_layers(path, payload, held_layers(state), layer_count(state),
+                                    options.extras);
+    if (optimizer != nullptr) {
+      auto parts = checkpoint::read_parts(path, payload, /*with_extras=*/false);
+      checkpoint::require_state_by_name(path, parts.has_optimizer_by_name, parts.optimizer_type);
+      // Entries for layers held elsewhere are those workers'.
+      optimizer_state =
+          checkpoint::plan_state_by_name(path, parts.optimizer_by_name, parts.optimizer_type,
+                                         *optimizer, held_parameters(state), nullptr);
+    }
   } catch (const UsageError& e) {
     error = e.what();
   }
   // Every worker learns whether all can load before any changes: the first failing worker's
   // message goes to all.
-  auto failing =
-      at::tensor({static_cast<int64_t>(error.empty() ? group.size() : group.rank())}, at::kLong);
-  comm::AllReduceOptions reduce;
-  reduce.op = comm::ReduceOp::kMin;
-  reduce.timeout = options.timeout;
-  group.all_reduce(failing, reduce);
-  const int first_failing = static_cast<int>(failing.item<int64_t>());
-  if (first_failing < group.size()) {
-    broadcast_bytes(group, error, first_failing, options.timeout);
-    throw UsageError(error);
-  }
+  checkpoint::agree(group, error, options.timeout);
+  if (optimizer != nullptr) optimizer->state() = std::move(optimizer_state);
   apply();
+}
+
+}  // namespace
+
+void save(const std::string& path, const pipeline::Pipeline& pipe, const SaveOptions& options) {
+  save_pipeline(path, pipe, nullptr, options);
+}
+
+void save(const std::string& path, const pipeline::Pipeline& pipe,
+          const torch::optim::Optimizer& optimizer, const SaveOptions& options) {
+  // Only read; the state map is reached through the non-const accessor.
+  save_pipeline(path, pipe, const_cast<torch::optim::Optimizer*>(&optimizer), options);
+}
+
+void load(const std::string& path, pipeline::Pipeline& pipe, const LoadOptions& options) {
+  load_pipeline(path, pipe, nullptr, options);
+}
+
+void load(const std::string& path, pipeline::Pipeline& pipe, torch::optim::Optimizer& optimizer,
+          const LoadOptions& options) {
+  load_pipeline(path, pipe, &optimizer, options);
 }
 
 }  // namespace shoal

@@ -31,6 +31,9 @@ namespace shoal {
 namespace pipeline {
 class Pipeline;
 }
+namespace global::nn {
+class Module;
+}
 
 // The program's own values, saved alongside: a step count, a learning rate, an RNG state.
 // Tensors of any dtype and shape, e.g. extras["lr"] = torch::tensor(0.01).
@@ -64,29 +67,60 @@ void save(const std::string& path, const torch::nn::Module& module, const torch:
 void save(const std::string& path, const torch::nn::Module& module, const SaveOptions& options = {});
 
 // Restores the module and the optimizer from `path` and returns the loader state saved with
-// them (SamplerState{}, whose dataset_size is 0, when the file has none). Values are copied
-// into the module's tensors, so references to them (the optimizer's, DataParallel's) stay
-// valid. Every parameter and buffer must be in the file with the module's shape, and nothing
-// else may be; the file must have been saved with an optimizer of the same type over as many
-// parameters. Param-group options (the learning rate) stay the program's, as in LibTorch's
-// Optimizer::load; save them as extras when they change.
+// them (SamplerState{}, whose dataset_size is 0, when the file has none). The optimizer's state
+// may also be one saved by parameter name (by a global model or a pipeline; docs/checkpoint.md).
+// Values are copied into the module's tensors, so references to them (the optimizer's,
+// DataParallel's) stay valid. Every parameter and buffer must be in the file with the module's
+// shape, and nothing else may be; the file must have been saved with an optimizer of the same type
+// over as many parameters. Param-group options (the learning rate) stay the program's, as in
+// LibTorch's Optimizer::load; save them as extras when they change.
 data::SamplerState load(const std::string& path, torch::nn::Module& module, torch::optim::Optimizer& optimizer,
                         const LoadOptions& options = {});
 // Restores the module only (for evaluation, or a new optimizer); the file's optimizer and
 // loader state are not used.
 void load(const std::string& path, torch::nn::Module& module, const LoadOptions& options = {});
 
+// A model of global layers (global::nn::Module), whole: every worker of the job calls these
+// (options.group must be empty or the world). save gathers each global parameter's whole value,
+// and the optimizer's per-parameter state (SGD, Adam, AdamW, Adagrad, RMSprop) keyed by the
+// parameter's name as a whole value too, from the workers that hold them; the first worker
+// writes what shoal::save(path, model) of the same model built on one process writes for the
+// module, so a one-process program loads it with either overload. load checks every name and
+// shape against the model on every worker before any change (UsageError on every worker, naming
+// the first mismatch, with nothing changed) and each worker keeps its piece of each value and
+// the state of the parameters its own optimizer holds. The plan (placements, SBP, worker count)
+// may differ between save and load. partial_sum parameters are refused. See docs/checkpoint.md,
+// "Global models". A global::nn::Module argument picks these overloads over the ones above.
+void save(const std::string& path, const global::nn::Module& module,
+          const torch::optim::Optimizer& optimizer, const data::SamplerState& loader_state,
+          const SaveOptions& options = {});
+void save(const std::string& path, const global::nn::Module& module,
+          const torch::optim::Optimizer& optimizer, const SaveOptions& options = {});
+void save(const std::string& path, const global::nn::Module& module,
+          const SaveOptions& options = {});
+data::SamplerState load(const std::string& path, global::nn::Module& module,
+                        torch::optim::Optimizer& optimizer, const LoadOptions& options = {});
+void load(const std::string& path, global::nn::Module& module, const LoadOptions& options = {});
+
 // A pipeline's model, whole: every worker of the job calls it. Each stage's layers travel from
 // the worker that holds them (the first replica's, with a data axis) to the first worker, which
 // writes what shoal::save(path, net) of the whole Sequential writes on one process ("0.weight",
-// ...), with options.extras. The optimizer is not saved: its state follows the order of a
-// worker's parameters, which changes with the split (docs/checkpoint.md). options.group must be
-// empty (the pipeline's workers are the world).
+// ...), with options.extras. options.group must be empty (the pipeline's workers are the world).
 void save(const std::string& path, const pipeline::Pipeline& pipe, const SaveOptions& options = {});
+// The same with the optimizer's state (SGD, Adam, AdamW, Adagrad, RMSprop; over
+// pipe.parameters()) keyed by parameter name in the whole Sequential, from the workers that hold
+// each layer, so that it follows the layers to another split, or to the plain Sequential on one
+// process (shoal::load(path, *net, optimizer)).
+void save(const std::string& path, const pipeline::Pipeline& pipe,
+          const torch::optim::Optimizer& optimizer, const SaveOptions& options = {});
 // Loads a checkpoint of the whole Sequential (saved from a pipeline of any split, workers,
 // schedule or data axis, or from the plain module) into the layers this worker holds. Every
 // worker checks the file against its layers before any changes: a missing name or a wrong shape
 // anywhere is a UsageError on every worker, naming it, with nothing changed.
 void load(const std::string& path, pipeline::Pipeline& pipe, const LoadOptions& options = {});
+// The same with the optimizer's state, saved by name (shoal::save(path, pipe, optimizer)): each
+// worker sets the state of the parameters its optimizer holds, exactly the file's.
+void load(const std::string& path, pipeline::Pipeline& pipe, torch::optim::Optimizer& optimizer,
+          const LoadOptions& options = {});
 
 }  // namespace shoal

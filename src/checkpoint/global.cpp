@@ -1,0 +1,329 @@
+// Checkpoints of global models: each parameter's whole value gathered from its pieces on save,
+// cut into this worker's piece again on load, so that a file crosses plans. See
+// docs/checkpoint.md, "Global models".
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/serialize/output-archive.h>
+
+#include "collective.h"
+#include "contents.h"
+#include "optimizer_state.h"
+#include "shoal/checkpoint/checkpoint.h"
+#include "shoal/core/error.h"
+#include "shoal/global/nn.h"
+#include "shoal/runtime/init.h"
+
+namespace shoal {
+namespace {
+
+namespace g = global;
+using checkpoint::NamedState;
+using checkpoint::state_key;
+using checkpoint::StateRefs;
+using torch::serialize::OutputArchive;
+
+// One global parameter of the model, under its first name (a tied weight has several).
+struct Parameter {
+  std::string name;
+  g::GlobalTensor value;
+  const c10::TensorImpl* impl() const { return value.to_local().unsafeGetTensorImpl(); }
+};
+
+std::vector<Parameter> global_parameters(const g::nn::Module& module) {
+  std::vector<Parameter> parameters;
+  std::set<const c10::TensorImpl*> seen;
+  // named_global_parameters only reads; it is not const because it returns handles.
+  for (auto& [name, value] : const_cast<g::nn::Module&>(module).named_global_parameters()) {
+    if (seen.insert(value.to_local().unsafeGetTensorImpl()).second)
+      parameters.push_back({name, value});
+  }
+  return parameters;
+}
+
+// The group of a global model's save or load: the world.
+comm::Group world_group(const std::optional<comm::Group>& group, const std::string& path,
+                        const char* operation) {
+  comm::Group chosen = checkpoint::checkpoint_group(group, path, operation);
+  if (group && (!is_initialized() || chosen.members() != world().members())) {
+    throw UsageError(std::string(operation) +
+                     " of a global model: options.group is not the world; expected it empty (every "
+                     "worker of the job holds a part of every global tensor)");
+  }
+  return chosen;
+}
+
+// What this worker can tell is wrong with the model and optimizer alone; empty when nothing is.
+std::string check_model(const g::nn::Module& module, const torch::optim::Optimizer* optimizer,
+                        const std::vector<Parameter>& parameters, const char* operation) {
+  const std::string prefix = std::string(operation) + " of a global model: ";
+  std::set<const c10::TensorImpl*> pieces;
+  for (const auto& parameter : parameters) {
+    pieces.insert(parameter.impl());
+    const auto& sbp = parameter.value.sbp();
+    for (int axis = 0; axis < static_cast<int>(sbp.axes().size()); ++axis) {
+      if (sbp[axis].is_partial_sum()) {
+        return prefix + "parameter '" + parameter.name + "' is " + parameter.value.describe() +
+               ", partial_sum on mesh axis " + std::to_string(axis) +
+               "; expected split or broadcast on every axis (a saved value is whole)";
+      }
+    }
+  }
+  for (const auto& item : module.named_parameters()) {
+    if (!pieces.count(item.value().unsafeGetTensorImpl())) {
+      return prefix + "parameter '" + item.key() +
+             "' is a plain tensor; expected every parameter registered with "
+             "register_global_parameter, so that its placement says how to gather it";
+    }
+  }
+  if (optimizer == nullptr) return "";
+  if (const std::string unsupported = checkpoint::unsupported_optimizer(*optimizer);
+      !unsupported.empty())
+    return prefix + unsupported;
+  for (const auto& group : optimizer->param_groups()) {
+    for (const auto& p : group.params()) {
+      if (!pieces.count(p.unsafeGetTensorImpl())) {
+        std::ostringstream shape;
+        shape << p.sizes();
+        return prefix + "the optimizer holds a tensor of shape " + shape.str() +
+               " that is not a parameter of the model; expected an optimizer over the model's "
+               "parameters";
+      }
+    }
+  }
+  return "";
+}
+
+std::set<const c10::TensorImpl*> held_by(const torch::optim::Optimizer& optimizer) {
+  std::set<const c10::TensorImpl*> held;
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) held.insert(p.unsafeGetTensorImpl());
+  }
+  return held;
+}
+
+// The whole value of `local` (this worker's piece of a tensor laid out as `parameter`; anything
+// outside its placement). Collective among all workers; only the first keeps the result.
+at::Tensor gather(const at::Tensor& local, const g::GlobalTensor& parameter) {
+  torch::NoGradGuard no_grad;
+  const at::Tensor piece = parameter.is_local() ? local.detach() : parameter.to_local().detach();
+  at::Tensor whole =
+      g::GlobalTensor(piece, parameter.placement(), parameter.sbp(), parameter.shape()).full();
+  return rank() == 0 ? whole : at::Tensor();
+}
+
+// Gathers the optimizer's state of every parameter from the workers that hold its pieces (see
+// Note [Optimizer state by name]). Collective among all workers.
+std::vector<NamedState> gather_state(comm::Group& group, torch::optim::Optimizer& optimizer,
+                                     const std::vector<Parameter>& parameters, Duration timeout) {
+  const checkpoint::StateKind& kind = *checkpoint::state_kind_of(optimizer);
+  const auto held = held_by(optimizer);
+  const auto n = static_cast<int64_t>(parameters.size());
+  const auto k = static_cast<int64_t>(kind.fields.size());
+  // Per parameter: how many of its workers have state, how many have each field, and the step
+  // of its first worker.
+  at::Tensor table = at::zeros({n, k + 2}, at::kLong);
+  auto counts = table.accessor<int64_t, 2>();
+  std::vector<StateRefs> refs(parameters.size());
+  for (int64_t i = 0; i < n; ++i) {
+    const auto& parameter = parameters[static_cast<size_t>(i)];
+    if (!parameter.value.is_local() || !held.count(parameter.impl())) continue;
+    auto entry = optimizer.state().find(state_key(parameter.value.to_local()));
+    if (entry == optimizer.state().end()) continue;
+    refs[static_cast<size_t>(i)] = kind.refs(*entry->second);
+    const StateRefs& mine = refs[static_cast<size_t>(i)];
+    counts[i][0] = 1;
+    for (int64_t f = 0; f < k; ++f)
+      counts[i][f + 1] = mine.fields[static_cast<size_t>(f)]->defined();
+    if (mine.step != nullptr && parameter.value.placement().ranks().front() == rank())
+      counts[i][k + 1] = *mine.step;
+  }
+  comm::AllReduceOptions sum;
+  sum.timeout = timeout;
+  group.all_reduce(table, sum);
+  counts = table.accessor<int64_t, 2>();
+
+  std::vector<NamedState> saved;
+  for (int64_t i = 0; i < n; ++i) {
+    const auto& parameter = parameters[static_cast<size_t>(i)];
+    const int64_t holders = counts[i][0], members = parameter.value.placement().size();
+    if (holders == 0) continue;  // no step taken for it yet
+    auto uneven = [&](const std::string& what, int64_t count) {
+      return UsageError("shoal::save of a global model: the optimizer has " + what +
+                        " of parameter '" + parameter.name + "' on " + std::to_string(count) +
+                        " of the " + std::to_string(members) +
+                        " workers that hold it; expected every worker that holds a piece of a "
+                        "parameter to optimize it, with the same options");
+    };
+    if (holders != members) throw uneven("state", holders);
+    NamedState state{parameter.name, counts[i][k + 1], {}};
+    for (int64_t f = 0; f < k; ++f) {
+      const int64_t defined = counts[i][f + 1];
+      if (defined == 0) continue;
+      const std::string& field = kind.fields[static_cast<size_t>(f)];
+      if (defined != holders) throw uneven("'" + field + "'", defined);
+      const StateRefs& mine = refs[static_cast<size_t>(i)];
+      const at::Tensor local =
+          parameter.value.is_local() ? *mine.fields[static_cast<size_t>(f)] : at::Tensor();
+      state.fields.emplace_back(field, gather(local, parameter.value));
+    }
+    saved.push_back(std::move(state));
+  }
+  return saved;
+}
+
+// The module's archive as Module::save writes it, with each global parameter's whole value.
+void write_whole(const torch::nn::Module& module, OutputArchive& archive,
+                 const std::map<const c10::TensorImpl*, at::Tensor>& whole) {
+  for (const auto& item : module.named_parameters(/*recurse=*/false)) {
+    auto value = whole.find(item.value().unsafeGetTensorImpl());
+    archive.write(item.key(), value != whole.end() ? value->second : item.value());
+  }
+  for (const auto& item : module.named_buffers(/*recurse=*/false))
+    archive.write(item.key(), item.value(), /*is_buffer=*/true);
+  for (const auto& child : module.named_children()) {
+    if (!child.value()->is_serializable()) continue;
+    OutputArchive child_archive(archive.compilation_unit());
+    write_whole(*child.value(), child_archive, whole);
+    archive.write(child.key(), child_archive);
+  }
+}
+
+void save_global(const std::string& path, const g::nn::Module& module,
+                 torch::optim::Optimizer* optimizer, const data::SamplerState* loader_state,
+                 const SaveOptions& options) {
+  comm::Group group = world_group(options.group, path, "shoal::save");
+  const auto parameters = global_parameters(module);
+  checkpoint::agree(group, check_model(module, optimizer, parameters, "shoal::save"),
+                    options.timeout);
+  std::map<const c10::TensorImpl*, at::Tensor> whole;  // on the first worker
+  for (const auto& parameter : parameters) {
+    at::Tensor value = gather(parameter.value.to_local(), parameter.value);
+    // As Module::save writes it: the flag is part of the file.
+    if (value.defined())
+      whole[parameter.impl()] = value.set_requires_grad(parameter.value.requires_grad());
+  }
+  std::vector<NamedState> state;
+  if (optimizer != nullptr) state = gather_state(group, *optimizer, parameters, options.timeout);
+  checkpoint::save_payload(
+      path, group,
+      [&] {
+        auto write_module = [&](OutputArchive& archive) { write_whole(module, archive, whole); };
+        if (optimizer == nullptr)
+          return checkpoint::serialize_contents(write_module, {}, "", loader_state, options.extras);
+        return checkpoint::serialize_contents(
+            write_module,
+            [&](OutputArchive& archive) { checkpoint::write_state_by_name(archive, state); },
+            checkpoint::optimizer_type(*optimizer), loader_state, options.extras);
+      },
+      options.timeout);
+}
+
+// This worker's piece of `whole`, a value laid out as `parameter`; undefined outside its placement.
+at::Tensor piece_of(const at::Tensor& whole, const g::GlobalTensor& parameter) {
+  if (!parameter.is_local()) return at::Tensor();
+  torch::NoGradGuard no_grad;
+  return g::GlobalTensor::from_full(whole.detach(), parameter.placement(), parameter.sbp())
+      .to_local()
+      .contiguous()
+      .clone();
+}
+
+// The optimizer's new state: the file's, for the pieces this worker's optimizer holds. Checks
+// everything first; UsageError naming the first mismatch.
+checkpoint::StateMap plan_state(const std::string& path, checkpoint::PlannedContents& planned,
+                                const torch::optim::Optimizer& optimizer,
+                                const std::vector<Parameter>& parameters) {
+  checkpoint::require_state_by_name(path, planned.has_optimizer_by_name, planned.optimizer_type);
+  std::set<std::string> names;
+  std::vector<checkpoint::StateTarget> targets;
+  for (const auto& parameter : parameters) {
+    names.insert(parameter.name);
+    if (!parameter.value.is_local()) continue;  // a placeholder has no state to take
+    const g::GlobalTensor value = parameter.value;
+    targets.push_back(
+        {{parameter.name}, value.shape(), value.to_local(), [value](const at::Tensor& whole) {
+           return piece_of(whole, value);
+         }});
+  }
+  return checkpoint::plan_state_by_name(path, planned.optimizer_by_name, planned.optimizer_type,
+                                        optimizer, targets, &names);
+}
+
+std::optional<data::SamplerState> load_global(const std::string& path, g::nn::Module& module,
+                                              torch::optim::Optimizer* optimizer,
+                                              const LoadOptions& options) {
+  comm::Group group = world_group(options.group, path, "shoal::load");
+  const auto parameters = global_parameters(module);
+  checkpoint::agree(group, check_model(module, optimizer, parameters, "shoal::load"),
+                    options.timeout);
+  const std::string payload = checkpoint::read_payload(path, group, options.timeout);
+  checkpoint::WholeValues whole;
+  for (const auto& parameter : parameters) {
+    const g::GlobalTensor value = parameter.value;
+    whole[parameter.impl()] = {value.shape(),
+                               [value](const at::Tensor& w) { return piece_of(w, value); }};
+  }
+  // Every worker checks the file against its model and optimizer before any worker changes
+  // anything.
+  std::string error;
+  checkpoint::PlannedContents planned;
+  checkpoint::StateMap state;
+  try {
+    planned = checkpoint::plan_contents(path, payload, module, whole, options.extras != nullptr);
+    if (optimizer != nullptr) state = plan_state(path, planned, *optimizer, parameters);
+  } catch (const UsageError& e) {
+    error = e.what();
+  }
+  checkpoint::agree(group, error, options.timeout);
+  // Exactly the file's state: a parameter without an entry starts afresh, as before a first step.
+  // The state of placeholders (an optimizer over all of parameters() holds them) stays: it is
+  // empty, and Adagrad expects an entry for every parameter it holds.
+  if (optimizer != nullptr) {
+    for (const auto& parameter : parameters) {
+      if (parameter.value.is_local()) continue;
+      auto entry = optimizer->state().find(state_key(parameter.value.to_local()));
+      if (entry != optimizer->state().end()) state[entry->first] = std::move(entry->second);
+    }
+    optimizer->state() = std::move(state);
+  }
+  planned.copy_module();
+  if (options.extras != nullptr) *options.extras = std::move(planned.extras);
+  return planned.loader_state;
+}
+
+}  // namespace
+
+void save(const std::string& path, const global::nn::Module& module,
+          const torch::optim::Optimizer& optimizer, const data::SamplerState& loader_state,
+          const SaveOptions& options) {
+  // Only read; the state map is reached through the non-const accessor.
+  save_global(path, module, const_cast<torch::optim::Optimizer*>(&optimizer), &loader_state,
+              options);
+}
+
+void save(const std::string& path, const global::nn::Module& module,
+          const torch::optim::Optimizer& optimizer, const SaveOptions& options) {
+  save_global(path, module, const_cast<torch::optim::Optimizer*>(&optimizer), nullptr, options);
+}
+
+void save(const std::string& path, const global::nn::Module& module, const SaveOptions& options) {
+  save_global(path, module, nullptr, nullptr, options);
+}
+
+data::SamplerState load(const std::string& path, global::nn::Module& module,
+                        torch::optim::Optimizer& optimizer, const LoadOptions& options) {
+  return load_global(path, module, &optimizer, options).value_or(data::SamplerState{});
+}
+
+void load(const std::string& path, global::nn::Module& module, const LoadOptions& options) {
+  load_global(path, module, nullptr, options);
+}
+
+}  // namespace shoal
