@@ -11,10 +11,12 @@
 //   tensor
 //
 // The pipeline plans take --schedule gpipe|1f1b|interleaved|zb (default 1f1b) and
-// --micro-batches M (default 4). --steps N (default 20), --save FILE writes the final parameters
-// (whole values, by name) from the first worker, --text FILE trains on another text, --layers
-// and --dropout change the model. A pipeline draws each micro-batch's dropout mask on its own,
-// so its losses equal one process's at --dropout 0 (docs/pipeline.md, "Global layers").
+// --micro-batches M (default 4). --checkpoint FILE saves the model, its optimizer and the
+// batches' stream after training, and --resume FILE goes on from such a file in any plan (train
+// in 3d on 8 workers, resume in data on 2). --steps N (default 20), --save FILE writes the final
+// parameters (whole values, by name) from the first worker, --text FILE trains on another text,
+// --layers and --dropout change the model. A pipeline draws each micro-batch's dropout mask on its
+// own, so its losses equal one process's at --dropout 0 (docs/pipeline.md, "Global layers").
 #include <fstream>
 #include <iomanip>
 #include <iostream>
@@ -154,7 +156,7 @@ TORCH_MODULE(Gpt);
 int main(int argc, char** argv) {
   CLI::App app{"A character-level GPT on global tensors, in one of six plans.", "global_gpt"};
   std::string plan_name = "one", save, text_path = "/usr/share/common-licenses/GPL-3";
-  std::string schedule = "1f1b";
+  std::string schedule = "1f1b", checkpoint, resume;
   int steps = 20, micro_batches = 4;
   Config config;
   app.add_option("--plan", plan_name, "one, data, tensor, hybrid, pipeline or 3d");
@@ -164,6 +166,9 @@ int main(int argc, char** argv) {
   app.add_option("--schedule", schedule, "pipeline plans: gpipe, 1f1b, interleaved or zb");
   app.add_option("--micro-batches", micro_batches, "pipeline plans: micro-batches per batch")
       ->check(examples::positive());
+  app.add_option("--checkpoint", checkpoint,
+                 "after training, save the model, its optimizer and where the batches stand");
+  app.add_option("--resume", resume, "go on from a --checkpoint file, saved in any plan");
   app.add_option("--layers", config.layers, "transformer blocks")->check(examples::positive());
   app.add_option("--dropout", config.dropout, "dropout probability")->check(CLI::Range(0.0, 1.0));
   if (const int code = examples::parse(app, argc, argv); code >= 0) return code;
@@ -217,7 +222,20 @@ int main(int argc, char** argv) {
       return g::cross_entropy(g::reshape(logits, {rows, vocabulary}), g::reshape(y, {rows}));
     };
 
-    for (int step = 1; step <= steps; ++step) {
+    int first_step = 1;
+    if (!resume.empty()) {
+      // The whole model and its optimizer's state, cut for this plan (docs/checkpoint.md).
+      shoal::CheckpointExtras extras;
+      shoal::LoadOptions load_options;
+      load_options.extras = &extras;
+      shoal::load(resume, *model, optimizer, load_options);
+      if (extras.count("step") == 0 || extras.count("batches") == 0)
+        throw shoal::UsageError("--resume: " + resume + " was not saved by --checkpoint");
+      first_step = static_cast<int>(extras.at("step").item<int64_t>()) + 1;
+      batches.set_state(extras.at("batches"));
+    }
+    const int last_step = first_step + steps - 1;
+    for (int step = first_step; step <= last_step; ++step) {
       // Every worker draws the whole batch (the same, after the same seed) and keeps its piece.
       const torch::Tensor starts =
           torch::randint(corpus.size(0) - config.time - 1, {config.batch}, batches);
@@ -240,6 +258,12 @@ int main(int argc, char** argv) {
       optimizer.step();
       if (shoal::is_main())
         std::cout << "step " << step << " loss " << std::setprecision(9) << value << std::endl;
+    }
+    if (!checkpoint.empty()) {
+      shoal::SaveOptions save_options;
+      save_options.extras["step"] = torch::tensor(int64_t{last_step});
+      save_options.extras["batches"] = batches.get_state();
+      shoal::save(checkpoint, *model, optimizer, save_options);
     }
     if (!save.empty()) {
       // In named_global_parameters() order, which every plan shares.

@@ -139,6 +139,34 @@ TEST_F(GlobalGpt, PipelinePlansTrainAsOneProcess) {
   }
 }
 
+// Checkpoints across plans: 10 steps in 3d on 8 workers, saved (model, AdamW's state, the
+// batches' stream), then 10 more in data on 2 workers, in a pipeline on 2 and on one process:
+// each ends as one process that never stopped (losses of steps 11-20 and parameters, 1e-4).
+TEST_F(GlobalGpt, CheckpointSavedIn3dResumesInOtherPlans) {
+  const std::string gpt = example("global_gpt");
+  const auto one =
+      run({"-n", "1", gpt, "--plan", "one", "--dropout", "0", "--save", dir_ / "one.pt"});
+  auto expected = losses(one);
+  ASSERT_EQ(expected.size(), 20u) << one.out;
+  expected.erase(expected.begin(), expected.begin() + 10);
+  std::vector<torch::Tensor> reference;
+  torch::load(reference, dir_ / "one.pt");
+  const std::string saved = dir_ / "3d.ckpt";
+  run({"-n", "8", gpt, "--plan", "3d", "--dropout", "0", "--steps", "10", "--checkpoint", saved},
+      240s);
+  ASSERT_TRUE(fs::exists(saved));
+  const std::vector<std::pair<std::string, std::string>> resumes = {
+      {"data", "2"}, {"pipeline", "2"}, {"one", "1"}};
+  for (const auto& [plan, workers] : resumes) {
+    const std::string file = dir_ / ("resumed-" + plan + ".pt");
+    const auto result = run({"-n", workers, gpt, "--plan", plan, "--dropout", "0", "--steps", "10",
+                             "--resume", saved, "--save", file},
+                            240s);
+    EXPECT_NE(result.out.find("step 11 loss"), std::string::npos) << result.out;
+    expect_as_one_process(result, file, expected, reference, "resumed in " + plan);
+  }
+}
+
 TEST_F(GlobalGpt, BadPlansAreUsageErrors) {
   const auto result = run_shoal({"-n", "3", example("global_gpt"), "--plan", "hybrid"}, 60s);
   EXPECT_EQ(result.exit_code, 2);

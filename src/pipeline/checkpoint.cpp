@@ -238,6 +238,11 @@ void add_state(const pipeline::Pipeline::State& state, torch::optim::Optimizer& 
 void save_pipeline(const std::string& path, const pipeline::Pipeline& pipe,
                    torch::optim::Optimizer* optimizer, const SaveOptions& options) {
   check_world(options.group, "shoal::save");
+  if (pipe.is_global()) {
+    // Its layers' parameters are global tensors: the global model saves and loads whole.
+    throw UsageError("shoal::save(path, pipeline): the pipeline's layers are global; save the global "
+                     "model itself (shoal::save(path, model), docs/checkpoint.md, \"Global models\")");
+  }
   comm::Group group = checkpoint::checkpoint_group(std::nullopt, path, "shoal::save");
   const auto& state = pipeline::Access::state(pipe);
   if (optimizer != nullptr)
@@ -323,6 +328,11 @@ void save_pipeline(const std::string& path, const pipeline::Pipeline& pipe,
 void load_pipeline(const std::string& path, pipeline::Pipeline& pipe,
                    torch::optim::Optimizer* optimizer, const LoadOptions& options) {
   check_world(options.group, "shoal::load");
+  if (pipe.is_global()) {
+    // Its layers' parameters are global tensors: the global model saves and loads whole.
+    throw UsageError("shoal::load(path, pipeline): the pipeline's layers are global; load the global "
+                     "model itself (shoal::load(path, model), docs/checkpoint.md, \"Global models\")");
+  }
   comm::Group group = checkpoint::checkpoint_group(std::nullopt, path, "shoal::load");
   auto& state = pipeline::Access::state(pipe);
   if (optimizer != nullptr)
