@@ -137,6 +137,23 @@ INSTANTIATE_TEST_SUITE_P(Pipeline, GlobalSchedules,
                                   std::to_string(info.param.micro_batches);
                          });
 
+// evaluate() on stages of global layers: the one-process loss, no gradient.
+TEST(GlobalPipeline, EvaluateGivesTheOneProcessLoss) {
+  run_workers(4, [] {
+    auto net = model(g::Placement({0, 1}), g::Placement({2, 3}));
+    const auto initial = wholes(net);
+    pp::PipelineOptions options;
+    options.micro_batches = 3;
+    options.batch = {g::split(0)};
+    pp::Pipeline pipe(net, options);
+    torch::manual_seed(7);
+    const auto x = torch::randn({11, 5}), y = torch::randn({11, 3});
+    const double want = one_process(initial, x, y).first;
+    EXPECT_NEAR(pipe.evaluate(x, y, mse).item<double>(), want, 1e-5 * std::abs(want));
+    for (const auto& p : pipe.parameters()) EXPECT_FALSE(p.grad().defined());
+  });
+}
+
 // Every layout the pipeline refuses, at construction, with the same message on every worker.
 TEST(GlobalPipelineErrors, LayoutsThePipelineRefusesAreUsageErrors) {
   run_workers(3, [] {

@@ -309,6 +309,29 @@ TEST(Pipeline, StashedMicroBatchesAreWhatTheSimulationCountsAndGrowWithRows) {
   }
 }
 
+// evaluate(): the batch's mean loss without backward, under every plan's stages (interleaved
+// included), equal to one process's; no gradient is left anywhere.
+TEST(Pipeline, EvaluateGivesTheOneProcessLossAndNoGradient) {
+  run_workers(2, [] {
+    for (const std::string schedule : {"1f1b", "interleaved"}) {
+      pp::PipelineOptions options;
+      options.micro_batches = 3;
+      options.schedule = schedule;
+      pp::Pipeline pipe(mlp(), options);
+      auto [x, y] = batch(7, 5, 3, 3);
+      const double want = torch::mse_loss(mlp()->forward(x), y).item<double>();
+      for (int round = 0; round < 2; ++round) {
+        const double got = pipe.evaluate(x, y, mse).item<double>();
+        EXPECT_NEAR(got, want, 1e-6 * std::abs(want)) << schedule << ", round " << round;
+      }
+      for (const auto& p : pipe.parameters()) EXPECT_FALSE(p.grad().defined()) << schedule;
+      // Training after evaluating works as usual.
+      const double trained = pipe.step(x, y, mse).item<double>();
+      EXPECT_NEAR(trained, want, 1e-6 * std::abs(want)) << schedule;
+    }
+  });
+}
+
 TEST(BalancedSplit, MinimisesTheLargestStage) {
   EXPECT_EQ(pp::balanced_split({10, 10, 10, 10}, 2), (std::vector<int>{2, 2}));
   EXPECT_EQ(pp::balanced_split({30, 10, 10, 10}, 2), (std::vector<int>{1, 3}));

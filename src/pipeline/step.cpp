@@ -81,6 +81,25 @@ class StepRun {
     return loss_sum_;
   }
 
+  // Forwards only (Pipeline::evaluate()): each micro-batch through this worker's stages in
+  // order, receiving before and sending after where the neighbouring stage is elsewhere. Every
+  // worker goes through the micro-batches in the same order and sends without waiting, so a
+  // receive always has its send coming. Returns this worker's part of the loss, as run().
+  double run_forward() {
+    if (state_.me < 0) return 0;
+    const int last = state_.stages() - 1;
+    for (int mb = 0; mb < state_.schedule.micro_batches; ++mb) {
+      for (int s = 0; s <= last; ++s) {
+        if (!here(s)) continue;
+        if (s > 0 && !here(s - 1)) execute({ActionKind::kRecvActivation, s, mb});
+        execute({ActionKind::kForward, s, mb});
+        if (s < last && !here(s + 1)) execute({ActionKind::kSendActivation, s, mb});
+      }
+    }
+    for (auto& send : sends_) wait(send.work, send.what);
+    return loss_sum_;
+  }
+
   // Per local stage, in order: the peaks count_stash() saw.
   std::vector<StageStepStats> stats() const {
     std::vector<StageStepStats> out;
@@ -496,10 +515,47 @@ std::vector<torch::Tensor> gradients_of(const std::vector<torch::Tensor>& params
   return grads;
 }
 
+// The sum of the loss parts over the world: the batch's mean loss, on every worker.
+torch::Tensor total_loss(const Pipeline::State& state, double part) {
+  auto value = torch::full({}, part, torch::kFloat64);
+  comm::AllReduceOptions options;
+  options.timeout = state.options.timeout;
+  shoal::world().all_reduce(value, options);
+  return value;
+}
+
+// Pipeline::evaluate(): forwards only, with no autograd graph.
+torch::Tensor evaluate_step(Pipeline::State& state, const torch::Tensor& input,
+                            const torch::Tensor& target, const LossFunction& loss,
+                            const GlobalLossFunction& global_loss) {
+  std::optional<timeline::Slice> slice;
+  if (timeline::enabled()) slice.emplace("evaluate", "pipeline");
+  double part = 0;
+  StepRun run(state, input, target, loss, global_loss);
+  try {
+    torch::NoGradGuard no_grad;
+    part = run.run_forward();
+  } catch (const UsageError& e) {
+    state.broken = e.what();
+    run.flush_header();
+    throw;
+  } catch (const std::exception& e) {
+    state.broken = e.what();
+    throw;
+  }
+  try {
+    return total_loss(state, part);
+  } catch (const CommError& e) {
+    state.broken = e.what();
+    throw CommError(std::string("pipeline: ending the evaluation: ") + e.what());
+  }
+}
+
 }  // namespace
 
 torch::Tensor Pipeline::run_step(const torch::Tensor& input, const torch::Tensor& target,
-                                 const LossFunction& loss, const GlobalLossFunction& global_loss) {
+                                 const LossFunction& loss, const GlobalLossFunction& global_loss,
+                                 bool train) {
   State& state = *state_;
   if (!state.broken.empty()) {
     throw UsageError("pipeline: an earlier step failed (" + state.broken +
@@ -529,6 +585,7 @@ torch::Tensor Pipeline::run_step(const torch::Tensor& input, const torch::Tensor
                          : "pipeline: step() needs a loss function of torch tensors");
   }
 
+  if (!train) return evaluate_step(state, input, target, loss, global_loss);
   // Only this step's part of the gradients is summed across workers.
   const auto tied_before = gradients_of(state.tied);
   const auto replicated_before =
@@ -585,10 +642,7 @@ torch::Tensor Pipeline::run_step(const torch::Tensor& input, const torch::Tensor
                          replicated_before, state.options.timeout);
     }
     // The loss: the parts of the last stage's workers (one per replica); every worker returns it.
-    auto value = torch::full({}, loss_part, torch::kFloat64);
-    comm::AllReduceOptions options;
-    options.timeout = state.options.timeout;
-    world.all_reduce(value, options);
+    auto value = total_loss(state, loss_part);
     state.last_stats = run.stats();
     return value;
   } catch (const CommError& e) {

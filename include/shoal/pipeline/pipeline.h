@@ -127,12 +127,17 @@ class Pipeline {
   // parameters' types, const g::GlobalTensor&, rather than auto).
   template <typename Loss>
   torch::Tensor step(const torch::Tensor& input, const torch::Tensor& target, const Loss& loss) {
-    if constexpr (std::is_invocable_r_v<torch::Tensor, const Loss&, const torch::Tensor&,
-                                        const torch::Tensor&>) {
-      return run_step(input, target, LossFunction(loss), nullptr);
-    } else {
-      return run_step(input, target, nullptr, GlobalLossFunction(loss));
-    }
+    return dispatch(input, target, loss, /*train=*/true);
+  }
+
+  // The batch's mean loss, as step() computes it, without backward: each micro-batch goes
+  // forward through the stages (no gradient is recorded, .grad is untouched), under no
+  // schedule but the micro-batches in order. Put the model in eval mode first (net->eval()) for
+  // layers that differ there (dropout). Same contract and errors as step().
+  template <typename Loss>
+  torch::Tensor evaluate(const torch::Tensor& input, const torch::Tensor& target,
+                         const Loss& loss) {
+    return dispatch(input, target, loss, /*train=*/false);
   }
 
   // This worker's stages' parameters (each tied weight once): what its optimizer steps.
@@ -154,8 +159,19 @@ class Pipeline {
 
  private:
   friend struct Access;  // its checkpoint's (src/pipeline/checkpoint.cpp) view of the state
+  template <typename Loss>
+  torch::Tensor dispatch(const torch::Tensor& input, const torch::Tensor& target, const Loss& loss,
+                         bool train) {
+    if constexpr (std::is_invocable_r_v<torch::Tensor, const Loss&, const torch::Tensor&,
+                                        const torch::Tensor&>) {
+      return run_step(input, target, LossFunction(loss), nullptr, train);
+    } else {
+      return run_step(input, target, nullptr, GlobalLossFunction(loss), train);
+    }
+  }
   torch::Tensor run_step(const torch::Tensor& input, const torch::Tensor& target,
-                         const LossFunction& loss, const GlobalLossFunction& global_loss);
+                         const LossFunction& loss, const GlobalLossFunction& global_loss,
+                         bool train);
   std::unique_ptr<State> state_;
 };
 
