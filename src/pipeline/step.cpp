@@ -171,24 +171,23 @@ class StepRun {
           return backward_input(a.stage, a.micro_batch);
         case ActionKind::kBackwardWeight:
           return backward_weight(a.stage, a.micro_batch);
-        default:
-          break;
+        case ActionKind::kSendActivation:
+          return send_activation(a.stage, a.micro_batch);
+        case ActionKind::kRecvActivation:
+          return recv_activation(a.stage, a.micro_batch);
+        case ActionKind::kSendGradient:
+          return send_gradient(a.stage, a.micro_batch);
+        case ActionKind::kRecvGradient:
+          return recv_gradient(a.stage, a.micro_batch);
       }
     } catch (const CommError& e) {
-      // A stage's own collectives (global layers' boxing, a tensor axis's all-reduces).
+      // A transfer's error names it already; a computation's comes from the stage's own
+      // collectives (global layers' boxing, a tensor axis's all-reduces).
+      const bool transfer =
+          a.kind == ActionKind::kSendActivation || a.kind == ActionKind::kRecvActivation ||
+          a.kind == ActionKind::kSendGradient || a.kind == ActionKind::kRecvGradient;
+      if (transfer) throw;
       throw CommError("pipeline: " + where(a.stage) + " in " + a.short_name() + ": " + e.what());
-    }
-    switch (a.kind) {
-      case ActionKind::kSendActivation:
-        return send_activation(a.stage, a.micro_batch);
-      case ActionKind::kRecvActivation:
-        return recv_activation(a.stage, a.micro_batch);
-      case ActionKind::kSendGradient:
-        return send_gradient(a.stage, a.micro_batch);
-      case ActionKind::kRecvGradient:
-        return recv_gradient(a.stage, a.micro_batch);
-      default:
-        return;  // the computations, above
     }
   }
 
