@@ -102,7 +102,7 @@ class Group {
 
   Group() = default;
 
-  int rank() const;  // this worker's index in the group
+  int rank() const;   // this worker's index in the group
   int size() const;
   // The members' ranks in the job's numbering, in group order.
   const std::vector<int>& members() const;
