@@ -3,7 +3,9 @@
 # each worker sends per step (shoal::comm::sent_bytes(): every group's traffic, counted as ring
 # algorithms send it; docs/comm.md). Each run trains 30 steps with --dropout 0 and --report;
 # the plans run in alternating order, --rounds times, and the table gives the medians over
-# rounds. The check column compares every run's last loss with the one-process run's
+# rounds. Every worker of a distributed plan has one intra-op thread (shoal's default on 2
+# cores); one process runs twice: with its default (all cores) and with one thread, the
+# reference of the speed column. The check column compares every run's last loss with the one-process run's
 # (relative 1e-4): every plan trains the same model.
 #
 #   bench/gpt_plans.sh [--rounds N] [--layers N] [--build DIR]
@@ -47,14 +49,14 @@ for program in "$gpt" "$shoal"; do
   fi
 done
 
-# plan workers schedule micro-batches
-configs=("one 1 - -" "data 4 - -" "tensor 4 - -" "hybrid 4 - -")
+# plan workers schedule micro-batches intra-op-threads (-: shoal's default)
+configs=("one 1 - - -" "one 1 - - 1" "data 4 - - -" "tensor 4 - - -" "hybrid 4 - - -")
 for workers in 2 4; do
   for schedule in gpipe 1f1b interleaved zb; do
-    for m in 4 8; do configs+=("pipeline $workers $schedule $m"); done
+    for m in 4 8; do configs+=("pipeline $workers $schedule $m -"); done
   done
 done
-for schedule in gpipe 1f1b interleaved zb; do configs+=("3d 8 $schedule 4"); done
+for schedule in gpipe 1f1b interleaved zb; do configs+=("3d 8 $schedule 4 -"); done
 
 mkdir -p "$root/bench/results"
 raw=$root/bench/results/gpt_plans-$(date -u +%Y%m%dT%H%MZ).txt
@@ -73,10 +75,13 @@ for ((round = 1; round <= rounds; ++round)); do
     for ((i = ${#configs[@]} - 1; i >= 0; --i)); do order+=("${configs[i]}"); done
   fi
   for config in "${order[@]}"; do
-    read -r plan workers schedule m <<<"$config"
+    read -r plan workers schedule m threads <<<"$config"
     args=(--plan "$plan" --report --dropout 0 --steps 30 --layers "$layers")
     [[ $schedule != - ]] && args+=(--schedule "$schedule" --micro-batches "$m")
-    if ! timeout 600 "$shoal" run -n "$workers" "$gpt" "${args[@]}" >"$log" 2>&1; then
+    environment=()
+    [[ $threads != - ]] && environment=(SHOAL_NUM_THREADS="$threads")
+    if ! env "${environment[@]}" timeout 600 "$shoal" run -n "$workers" "$gpt" "${args[@]}" \
+      >"$log" 2>&1; then
       echo "gpt_plans.sh: round $round, $plan on $workers ($schedule, m=$m) failed:" >&2
       tail -n 20 "$log" >&2
       exit 1
@@ -88,7 +93,7 @@ for ((round = 1; round <= rounds; ++round)); do
       tail -n 20 "$log" >&2
       exit 1
     fi
-    echo "round=$round $report loss=$loss" | tee -a "$raw"
+    echo "round=$round threads=$threads $report loss=$loss" | tee -a "$raw"
   done
 done
 echo "# load average after: $(cut -d' ' -f1-3 /proc/loadavg)" >>"$raw"
@@ -104,23 +109,24 @@ for line in open(path).read().splitlines():
     if line.startswith("#"):
         print(line)
         continue
-    fields = dict(item.split("=", 1) for item in line.split()[0:1] + line.split()[2:])
-    key = (fields["plan"], fields["workers"], fields["schedule"], fields["micro_batches"])
+    fields = dict(item.split("=", 1) for item in line.split() if "=" in item)
+    key = (fields["plan"], fields["workers"], fields["schedule"], fields["micro_batches"],
+           fields["threads"])
     runs.setdefault(key, []).append(fields)
 
-one = runs[("one", "1", "-", "-")]
+one = runs[("one", "1", "-", "-", "1")]
 one_ms = statistics.median(float(r["step_ms"]) for r in one)
 one_loss = statistics.median(float(r["loss"]) for r in one)
 print()
-print("| plan | workers | schedule | m | step ms | speed vs one | KiB sent per step | peak stash "
-      "| last loss vs one (1e-4) |")
-print("|---|---|---|---|---|---|---|---|---|")
+print("| plan | workers | schedule | m | threads | step ms | speed vs one (1 thread) "
+      "| KiB sent per step | peak stash | last loss vs one (1e-4) |")
+print("|---|---|---|---|---|---|---|---|---|---|")
 for key, rs in runs.items():
     ms = statistics.median(float(r["step_ms"]) for r in rs)
     kib = statistics.median(float(r["sent_kib_per_step"]) for r in rs)
     stash = rs[0]["peak_stash"]
     worst = max(abs(float(r["loss"]) - one_loss) / abs(one_loss) for r in rs)
     check = "ok" if worst <= 1e-4 else f"FAIL ({worst:.1e})"
-    print(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {ms:.1f} | {one_ms / ms:.2f} "
+    print(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {key[4]} | {ms:.1f} | {one_ms / ms:.2f} "
           f"| {kib:.1f} | {stash} | {check} |")
 EOF
