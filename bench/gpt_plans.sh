@@ -5,8 +5,8 @@
 # the plans run in alternating order, --rounds times, and the table gives the medians over
 # rounds. Every worker of a distributed plan has one intra-op thread (shoal's default on 2
 # cores); one process runs twice: with its default (all cores) and with one thread, the
-# reference of the speed column. The check column compares every run's last loss with the one-process run's
-# (relative 1e-4): every plan trains the same model.
+# reference of the speed column. The check column compares every run's last loss with that
+# run's (relative 1e-4): every plan trains the same model.
 #
 #   bench/gpt_plans.sh [--rounds N] [--layers N] [--build DIR]
 #
