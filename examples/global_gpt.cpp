@@ -17,6 +17,9 @@
 // parameters (whole values, by name) from the first worker, --text FILE trains on another text,
 // --layers and --dropout change the model. A pipeline draws each micro-batch's dropout mask on its
 // own, so its losses equal one process's at --dropout 0 (docs/pipeline.md, "Global layers").
+// --report prints one line of measurements after training (bench/gpt_plans.sh, "Report" below).
+#include <algorithm>
+#include <chrono>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
@@ -158,6 +161,7 @@ int main(int argc, char** argv) {
   std::string plan_name = "one", save, text_path = "/usr/share/common-licenses/GPL-3";
   std::string schedule = "1f1b", checkpoint, resume;
   int steps = 20, micro_batches = 4;
+  bool report = false;
   Config config;
   app.add_option("--plan", plan_name, "one, data, tensor, hybrid, pipeline or 3d");
   app.add_option("--steps", steps, "training steps")->check(examples::positive());
@@ -171,6 +175,7 @@ int main(int argc, char** argv) {
   app.add_option("--resume", resume, "go on from a --checkpoint file, saved in any plan");
   app.add_option("--layers", config.layers, "transformer blocks")->check(examples::positive());
   app.add_option("--dropout", config.dropout, "dropout probability")->check(CLI::Range(0.0, 1.0));
+  app.add_flag("--report", report, "print the step time and bytes sent per step at the end");
   if (const int code = examples::parse(app, argc, argv); code >= 0) return code;
   try {
     shoal::init();
@@ -235,7 +240,18 @@ int main(int argc, char** argv) {
       batches.set_state(extras.at("batches"));
     }
     const int last_step = first_step + steps - 1;
+    // Report: the steps after the first few (which allocate, learn the pipeline's shapes and
+    // warm the caches) are timed on each worker, from one step's start to the next's.
+    constexpr int kUntimedSteps = 3;
+    if (report && steps <= kUntimedSteps)
+      throw shoal::UsageError("--report: expected --steps above " + std::to_string(kUntimedSteps) +
+                              ", got " + std::to_string(steps));
+    std::vector<double> step_ms;
+    int64_t sent_before = 0, sent_after = 0;
     for (int step = first_step; step <= last_step; ++step) {
+      const auto started = std::chrono::steady_clock::now();
+      const bool timed = step - first_step >= kUntimedSteps;
+      if (step - first_step == kUntimedSteps) sent_before = shoal::comm::sent_bytes();
       // Every worker draws the whole batch (the same, after the same seed) and keeps its piece.
       const torch::Tensor starts =
           torch::randint(corpus.size(0) - config.time - 1, {config.batch}, batches);
@@ -258,7 +274,13 @@ int main(int argc, char** argv) {
       optimizer.step();
       if (shoal::is_main())
         std::cout << "step " << step << " loss " << std::setprecision(9) << value << std::endl;
+      if (timed) {
+        step_ms.push_back(
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started)
+                .count());
+      }
     }
+    sent_after = shoal::comm::sent_bytes();
     if (!checkpoint.empty()) {
       shoal::SaveOptions save_options;
       save_options.extras["step"] = torch::tensor(int64_t{last_step});
@@ -271,6 +293,32 @@ int main(int argc, char** argv) {
       for (const auto& named : model->named_global_parameters())
         wholes.push_back(named.second.detach().full());
       if (shoal::is_main()) torch::save(wholes, save);
+    }
+    if (report) {
+      // Gathered after the timed steps, so that gathering is not counted. The time is the first
+      // worker's median step; the bytes the mean over workers per timed step; the stash the
+      // most micro-batches any stage of any worker kept at once in the last step.
+      const int timed = steps - kUntimedSteps;
+      int peak_stash = -1;
+      if (pipe) {
+        for (const auto& stage : pipe->last_step_stats())
+          peak_stash = std::max(peak_stash, stage.peak_stashed);
+      }
+      const auto mine = torch::tensor(
+          {static_cast<double>(sent_after - sent_before) / timed, static_cast<double>(peak_stash)},
+          torch::kFloat64);
+      const auto all = shoal::world().all_gather(mine.view({1, 2}));
+      std::nth_element(step_ms.begin(), step_ms.begin() + step_ms.size() / 2, step_ms.end());
+      if (shoal::is_main()) {
+        std::cout << "report plan=" << plan_name << " workers=" << shoal::world_size()
+                  << " schedule=" << (pipe ? schedule : "-")
+                  << " micro_batches=" << (pipe ? std::to_string(micro_batches) : "-") << std::fixed
+                  << std::setprecision(2) << " step_ms=" << step_ms[step_ms.size() / 2]
+                  << " sent_kib_per_step=" << all.select(1, 0).mean().item<double>() / 1024
+                  << " peak_stash="
+                  << (pipe ? std::to_string(all.select(1, 1).max().item<int64_t>()) : "-")
+                  << std::endl;
+      }
     }
   } catch (const shoal::UsageError& e) {
     std::cerr << "global_gpt: " << e.what() << std::endl;

@@ -1,6 +1,7 @@
 #include "shoal/comm/group.h"
 
 #include <algorithm>
+#include <atomic>
 #include <numeric>
 #include <set>
 #include <thread>
@@ -93,7 +94,24 @@ at::Tensor reduce_rows(const at::Tensor& stacked, ReduceOp op) {
   SHOAL_CHECK(false) << "unknown ReduceOp " << static_cast<int>(op);
 }
 
+// Note [Bytes sent]
+// What this worker hands to the network in every group, counted when an operation that sends
+// anything is launched, as ring algorithms send them (docs/comm.md, "Bytes sent"): an all-reduce
+// of T bytes among n members sends 2T(n-1)/n; an all-gather (n-1) parts as Gloo sends them
+// (padded to the largest); an all-to-all, and so a reduce-scatter, the rows it sends to others;
+// a broadcast T(n-1)/n (its tree sends (n-1)T in all, here shared evenly); a send T; a receive,
+// a barrier and a group of one nothing.
+std::atomic<int64_t> sent{0};
+
+void count_sent(int64_t bytes) {
+  sent.fetch_add(bytes, std::memory_order_relaxed);
+}
+
 }  // namespace
+
+int64_t sent_bytes() {
+  return sent.load(std::memory_order_relaxed);
+}
 
 Sizes split_sizes(int64_t length, int parts) {
   SHOAL_CHECK(parts > 0) << "split into " << parts << " parts";
@@ -372,6 +390,7 @@ Work Group::all_reduce_async(at::Tensor& tensor, const AllReduceOptions& options
           c10d::AllreduceOptions backend_options;
           backend_options.reduceOp = to_backend(op);
           work.backend_work = state_->backend->allreduce(tensors, backend_options);
+          count_sent(2 * static_cast<int64_t>(buffer.nbytes()) * (n - 1) / n);
         }
         work.finish = [target, buffer, op, n](Work::State&) mutable {
           if (op == ReduceOp::kAvg && n > 1) buffer.div_(n);
@@ -400,6 +419,7 @@ Work Group::broadcast_async(at::Tensor& tensor, const BroadcastOptions& options)
           c10d::BroadcastOptions backend_options;
           backend_options.rootRank = options.root;
           work.backend_work = state_->backend->broadcast(tensors, backend_options);
+          count_sent(static_cast<int64_t>(buffer.nbytes()) * (size() - 1) / size());
         }
         work.finish = [target, buffer](Work::State&) mutable {
           if (!buffer.is_same(target)) target.copy_(buffer);
@@ -445,6 +465,7 @@ Work Group::all_gather_async(const at::Tensor& tensor, const AllGatherOptions& o
           for (int i = 0; i < n; ++i) outputs[0].push_back(at::empty_like(input));
           std::vector<at::Tensor> inputs{input};
           work.backend_work = state_->backend->allgather(outputs, inputs);
+          count_sent(static_cast<int64_t>(input.nbytes()) * (n - 1));
           parts = outputs[0];
         } else {
           for (int i = 0; i < n; ++i) parts.push_back(input);  // nothing to send: all empty
@@ -488,7 +509,12 @@ Work Group::all_to_all_async(const at::Tensor& input_tensor, const AllToAllOptio
         if (n == 1) {
           output.copy_(input);
         } else {
+          // Before the call: c10d moves the sizes away.
+          const int64_t row_bytes =
+              input.size(0) > 0 ? static_cast<int64_t>(input.nbytes()) / input.size(0) : 0;
+          const int64_t to_others = (input.size(0) - send[rank()]) * row_bytes;
           work.backend_work = state_->backend->alltoall_base(output, input, recv, send);
+          count_sent(to_others);
         }
         work.finish = [output](Work::State& done) { done.result = output; };
       },
@@ -554,6 +580,7 @@ Work Group::send_async(const at::Tensor& tensor, int dst, const PointToPointOpti
         std::vector<at::Tensor> tensors{buffer};
         work.point_to_point = true;
         work.backend_work = state_->backend->send(tensors, dst, options.tag);
+        count_sent(static_cast<int64_t>(buffer.nbytes()));
         work.finish = [buffer](Work::State&) {};  // keeps the buffer alive until sent
       },
       options.timeout, static_cast<int64_t>(buffer.nbytes()), state_->members[dst]);

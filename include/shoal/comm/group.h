@@ -81,6 +81,12 @@ struct BarrierOptions {
   Duration timeout = kUnsetTimeout;
 };
 
+// Bytes this worker has sent in every group's operations since the process started, counted as
+// ring algorithms send them (all-reduce of T bytes among n: 2T(n-1)/n; all-gather,
+// reduce-scatter, broadcast: T(n-1)/n of the whole; send: T; receive: 0; docs/comm.md). It covers
+// whatever uses groups: DataParallel, GradientSync, boxing, pipelines. For comparing plans.
+int64_t sent_bytes();
+
 // How `length` rows are cut into `parts`: the first (length % parts) parts get one row more.
 // The same rule everywhere in shoal (collectives, data sharding, split SBP).
 Sizes split_sizes(int64_t length, int parts);
