@@ -181,17 +181,16 @@ void GlobalTensor::backward() const {
     throw UsageError("backward() without a gradient needs a single value; this is " + describe() +
                      "; pass backward(gradient)");
   }
-  at::Tensor seed;
-  if (is_local()) {
-    const auto coordinate = placement_.coordinate(detail::my_rank());
-    bool first = true;
-    for (int a = 0; a < placement_.ndim(); ++a)
-      first = first && (!sbp_[a].is_broadcast() || coordinate[a] == 0);
-    seed = first ? at::ones_like(local_) : at::zeros_like(local_);
-  } else {
-    seed = at::zeros_like(local_);
-  }
-  torch::autograd::backward({local_}, {seed});
+  torch::autograd::backward({local_}, {backward_seed()});
+}
+
+at::Tensor GlobalTensor::backward_seed() const {
+  if (!is_local()) return at::zeros_like(local_);
+  const auto coordinate = placement_.coordinate(detail::my_rank());
+  bool first = true;
+  for (int a = 0; a < placement_.ndim(); ++a)
+    first = first && (!sbp_[a].is_broadcast() || coordinate[a] == 0);
+  return first ? at::ones_like(local_) : at::zeros_like(local_);
 }
 
 void GlobalTensor::backward(const GlobalTensor& gradient) const {

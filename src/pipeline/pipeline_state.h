@@ -14,7 +14,6 @@
 
 #include "shoal/comm/group.h"
 #include "shoal/global/placement.h"
-#include "shoal/global/tensor.h"
 #include "shoal/pipeline/pipeline.h"
 
 namespace shoal::pipeline {
@@ -82,25 +81,22 @@ struct Shape {
   }
 };
 
-// The header of `tensor`; with `global`, of the piece `tensor` of it.
-inline torch::Tensor header_of(const torch::Tensor& tensor,
-                               const global::GlobalTensor* global = nullptr) {
+// The header of `tensor`; for global layers, of the piece `tensor` of a global tensor laid out
+// as `sbp`, of shape `global_sizes` (as many dimensions as the piece). Plain layers: both empty.
+inline torch::Tensor header_of(const torch::Tensor& tensor, const std::vector<global::Sbp>& sbp,
+                               const std::vector<int64_t>& global_sizes) {
   auto header = torch::zeros({kHeaderLength}, torch::kInt64);
   auto* data = header.data_ptr<int64_t>();
   data[0] = static_cast<int64_t>(tensor.scalar_type());
-  if (tensor.dim() > kMaxDims ||
-      (global && (global->dim() > kMaxDims || global->placement().ndim() > kMaxAxes))) {
+  if (tensor.dim() > kMaxDims || sbp.size() > kMaxAxes) {
     data[1] = -1;
     return header;
   }
   data[1] = tensor.dim();
   for (int64_t d = 0; d < tensor.dim(); ++d) data[2 + d] = tensor.size(d);
-  if (global) {
-    const int axes = global->placement().ndim();
-    data[kGlobalAt] = axes;
-    for (int a = 0; a < axes; ++a) data[kGlobalAt + 1 + a] = sbp_code(global->sbp()[a]);
-    for (int64_t d = 0; d < global->dim(); ++d) data[kGlobalSizesAt + d] = global->size(d);
-  }
+  data[kGlobalAt] = static_cast<int64_t>(sbp.size());
+  for (size_t a = 0; a < sbp.size(); ++a) data[kGlobalAt + 1 + a] = sbp_code(sbp[a]);
+  for (size_t d = 0; d < global_sizes.size(); ++d) data[kGlobalSizesAt + d] = global_sizes[d];
   return header;
 }
 

@@ -283,12 +283,7 @@ class StepRun {
     // seeded sum is the global value (docs/pipeline.md, "Micro-batches").
     const double share = static_cast<double>(sizes_[mb]) / static_cast<double>(rows_);
     own.output = loss.to_local() * share;
-    const global::Placement& placement = loss.placement();
-    const auto coordinate = placement.coordinate(shoal::rank());
-    bool first = true;
-    for (int a = 0; a < placement.ndim(); ++a)
-      first = first && (!loss.sbp()[a].is_broadcast() || coordinate[a] == 0);
-    own.seed = first ? torch::ones_like(own.output) : torch::zeros_like(own.output);
+    own.seed = loss.backward_seed();
     loss_sum_ += (own.output.detach() * own.seed).sum().item<double>();
   }
 
@@ -363,12 +358,7 @@ class StepRun {
     const int dst = state_.rank_of(stage + 1);
     const std::string what = "sending " + where(stage) + "'s activation for micro-batch " +
                              std::to_string(mb) + " to " + where(stage + 1);
-    std::optional<global::GlobalTensor> global;
-    if (state_.global) {
-      global.emplace(out, state_.stage_placements[stage], global::NdSbp(own.output_sbp),
-                     own.output_shape);
-    }
-    torch::Tensor header = header_of(out, global ? &*global : nullptr);
+    torch::Tensor header = header_of(out, own.output_sbp, own.output_shape);
     header_send_ = group_.send_async(header, dst, state_.p2p(kShapeHeader, stage, mb));
     sends_.push_back({*header_send_, what + " (its shape)"});
     check_shape(stage, mb, header);

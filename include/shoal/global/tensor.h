@@ -67,6 +67,10 @@ class GlobalTensor {
   // partial_sum axes get 1 on every worker, broadcast axes 1 on the first worker along the
   // axis and 0 elsewhere. Every worker of the job calls it, members or not.
   void backward() const;
+  // The local gradient backward() starts this worker's piece from (its shape): ones where the
+  // piece counts once toward the global value, zeros elsewhere and outside the placement. For
+  // callers that run the pieces' backward themselves (a pipeline's last stage).
+  at::Tensor backward_seed() const;
   // Backward with a gradient of the same placement and the dual SBP.
   void backward(const GlobalTensor& gradient) const;
   GlobalTensor detach() const;
