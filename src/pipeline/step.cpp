@@ -73,6 +73,8 @@ class StepRun {
   // last stage).
   double run() {
     if (state_.me < 0) return 0;
+    training_ = true;
+    post_receives();
     for (const Action& action : state_.schedule.actions[state_.me]) {
       execute(action);
       count_stash(action);
@@ -361,26 +363,24 @@ class StepRun {
     torch::Tensor header = header_of(out, own.output_sbp, own.output_shape);
     header_send_ = group_.send_async(header, dst, state_.p2p(kShapeHeader, stage, mb));
     sends_.push_back({*header_send_, what + " (its shape)"});
-    check_shape(stage, mb, header);
+    const Shape& shape = check_shape(stage, mb, header);
     sends_.push_back({group_.send_async(out, dst, state_.p2p(kActivation, stage, mb)), what});
     header_send_.reset();
+    if (training_) post(kGradient, stage, mb, shape);
   }
 
   void recv_activation(int stage, int mb) {
-    const int src = state_.rank_of(stage - 1);
     const std::string what = where(stage) + " receiving the activation for micro-batch " +
                              std::to_string(mb) + " from " + where(stage - 1);
-    auto header = torch::empty({kHeaderLength}, torch::kInt64);
-    wait_recv(header, src, state_.p2p(kShapeHeader, stage - 1, mb), what + " (its shape)");
-    const Shape& shape = check_shape(stage - 1, mb, header);
-    auto& buffer = state_.activation_buffers[{rows_, stage - 1, mb}];
-    if (!buffer.defined()) {
-      buffer = torch::empty(
-          shape.sizes, torch::TensorOptions().dtype(static_cast<c10::ScalarType>(shape.dtype)));
-    }
-    wait_recv(buffer, src, state_.p2p(kActivation, stage - 1, mb), what);
+    if (!posted_.count({kShapeHeader, stage - 1, mb})) post_header(stage, mb);
+    Posted& header = posted_.at({kShapeHeader, stage - 1, mb});
+    wait(header.work, what + " (its shape)");
+    const Shape& shape = check_shape(stage - 1, mb, header.buffer);
+    if (!posted_.count({kActivation, stage - 1, mb})) post(kActivation, stage - 1, mb, shape);
+    Posted& payload = posted_.at({kActivation, stage - 1, mb});
+    wait(payload.work, what);
     Slot& own = slot(stage, mb);
-    own.input = buffer;
+    own.input = payload.buffer;
     own.input_sbp = shape.sbp;
     own.input_shape = shape.global_sizes;
   }
@@ -397,23 +397,55 @@ class StepRun {
   }
 
   void recv_gradient(int stage, int mb) {
-    // The gradient has the shape of the activation this worker sent (already checked).
-    const Shape& shape = state_.learned.at({rows_, stage, mb});
-    auto& buffer = state_.gradient_buffers[{rows_, stage, mb}];
+    // Posted when the activation went (send_activation).
+    Posted& gradient = posted_.at({kGradient, stage, mb});
+    wait(gradient.work, where(stage) + " receiving its output's gradient for micro-batch " +
+                            std::to_string(mb) + " from " + where(stage + 1));
+    slot(stage, mb).grad_output = gradient.buffer;
+  }
+
+  // Note [Receives posted early]
+  // Gloo moves a message only once its receive is posted: the receiver's notice wakes the
+  // sender's network thread, which on a core busy with the next micro-batch waits for a time
+  // slice (up to 3 ms here, against 0.01 ms when posted ahead; docs/pipeline.md, "Transfers and
+  // shapes"). So each
+  // receive is posted as soon as its size is known: every activation's header at the step's
+  // start, and its payload too once the first step with this batch size learned its shape; an
+  // output's gradient when its activation is sent (its shape is the activation's). A receive's
+  // deadline runs from its post, as a send's does. A header whose shape differs from the learned
+  // one fails both sides before the payload is sent (Note [Shape headers]), so a payload posted
+  // ahead never meets bytes of another size.
+  void post_receives() {
+    for (const Action& a : state_.schedule.actions[state_.me]) {
+      if (a.kind != ActionKind::kRecvActivation) continue;
+      post_header(a.stage, a.micro_batch);
+      const auto known = state_.learned.find({rows_, a.stage - 1, a.micro_batch});
+      if (known != state_.learned.end()) post(kActivation, a.stage - 1, a.micro_batch, known->second);
+    }
+  }
+
+  // The header of the activation `stage` receives for micro-batch `mb`.
+  void post_header(int stage, int mb) {
+    Posted& header = posted_[{kShapeHeader, stage - 1, mb}];
+    header.buffer = torch::empty({kHeaderLength}, torch::kInt64);
+    header.work = group_.recv_async(header.buffer, state_.rank_of(stage - 1),
+                                    state_.p2p(kShapeHeader, stage - 1, mb));
+  }
+
+  // The activation crossing from `stage` to the next (kActivation), or its gradient coming back
+  // (kGradient), for micro-batch `mb`, of `shape`: into a buffer kept from step to step.
+  void post(Channel channel, int stage, int mb, const Shape& shape) {
+    const bool activation = channel == kActivation;
+    auto& buffers = activation ? state_.activation_buffers : state_.gradient_buffers;
+    torch::Tensor& buffer = buffers[{rows_, stage, mb}];
     if (!buffer.defined()) {
       buffer = torch::empty(
           shape.sizes, torch::TensorOptions().dtype(static_cast<c10::ScalarType>(shape.dtype)));
     }
-    wait_recv(buffer, state_.rank_of(stage + 1), state_.p2p(kGradient, stage + 1, mb),
-              where(stage) + " receiving its output's gradient for micro-batch " +
-                  std::to_string(mb) + " from " + where(stage + 1));
-    slot(stage, mb).grad_output = buffer;
-  }
-
-  void wait_recv(torch::Tensor& buffer, int src, const comm::PointToPointOptions& options,
-                 const std::string& what) {
-    auto work = group_.recv_async(buffer, src, options);
-    wait(work, what);
+    const int sender = activation ? stage : stage + 1;
+    Posted& posted = posted_[{channel, stage, mb}];
+    posted.buffer = buffer;
+    posted.work = group_.recv_async(buffer, state_.rank_of(sender), state_.p2p(channel, sender, mb));
   }
 
   // The shape crossing the boundary after `stage`, against what the first step with this batch
@@ -456,6 +488,14 @@ class StepRun {
   std::map<int, Stash> stash_;
   std::vector<PendingSend> sends_;
   std::optional<comm::Work> header_send_;
+  // Receives posted ahead (Note [Receives posted early]), by (channel, the stage before the
+  // boundary, micro-batch); and whether gradients come back (a training step, not evaluate()).
+  struct Posted {
+    torch::Tensor buffer;
+    comm::Work work;
+  };
+  std::map<std::tuple<Channel, int, int>, Posted> posted_;
+  bool training_ = false;
   double loss_sum_ = 0;
 };
 
