@@ -1,0 +1,113 @@
+// The parameter server's requests and replies as C++ values (docs/ps.md, "Wire"): what a worker's
+// client sends and a server's core answers. src/ps/rpc.* carries them over gRPC (ps.proto mirrors
+// these structs field by field); src/ps/server_core.* answers them; neither knows of the other.
+// Tensors travel as float32 contiguous data with their sizes beside them; a reader checks every
+// size against the table before it touches a byte (a malformed request is refused, never obeyed).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace shoal::ps::detail {
+
+// How a server applies a table's gradients: the user's torch optimizer, mapped (docs/ps.md,
+// "Optimizers"). Dense tables follow torch::optim's update rules; sparse tables the lazy
+// row-wise versions (PyTorch's SparseAdam, sparse Adagrad): only touched rows change, and each
+// row keeps its own state (Adam: its own step count).
+struct OptimizerSpec {
+  enum class Kind : int32_t { kSgd = 0, kAdagrad = 1, kAdam = 2 };
+  Kind kind = Kind::kSgd;
+  double lr = 0.01;
+  double weight_decay = 0;
+  // SGD
+  double momentum = 0;
+  double dampening = 0;
+  bool nesterov = false;
+  // Adagrad
+  double lr_decay = 0;
+  double initial_accumulator_value = 0;
+  // Adagrad, Adam
+  double eps = 1e-10;
+  // Adam
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  bool amsgrad = false;
+};
+
+// A sparse row's first value: a pure function of (seed, table name, row id), so that a run does not
+// depend on the number of servers or on which worker touched the row first.
+struct InitSpec {
+  enum class Kind : int32_t { kZeros = 0, kUniform = 1, kNormal = 2 };
+  Kind kind = Kind::kZeros;
+  double a = 0;  // uniform: low; normal: mean
+  double b = 0;  // uniform: high; normal: standard deviation
+};
+
+struct TableSpec {
+  std::string name;            // unique in the job; the model's parameter name for dense tables
+  bool sparse = false;
+  std::vector<int64_t> shape;  // dense: the parameter's shape; sparse: {rows (0: unbounded), dim}
+  OptimizerSpec optimizer;
+  InitSpec init;               // sparse only; dense tables start from the values the first worker sends
+  uint64_t seed = 0;
+};
+
+// A worker's first call: the tables it trains, in the same order on every worker. The first
+// worker to register a table creates it (dense: with `initial`, its part of the values in chunk
+// order, see DenseSlice); later registrations must match it exactly or get a UsageError naming
+// the difference.
+struct RegisterRequest {
+  int32_t worker = 0;  // the worker's index in the job
+  std::vector<TableSpec> tables;
+};
+
+// Part of a dense table held by one server: the chunks `chunks` (indices in the table's chunk
+// order, docs/ps.md "Sharding"), their values concatenated.
+struct DenseSlice {
+  int32_t table = 0;            // index in the registration order
+  std::vector<int64_t> chunks;
+  std::vector<float> values;    // sum of the chunks' lengths
+};
+
+// Rows of a sparse table: ids and their values (ids.size() x dim), in the ids' order.
+struct SparseSlice {
+  int32_t table = 0;
+  std::vector<int64_t> ids;
+  std::vector<float> values;
+};
+
+// Read values for the step a worker is about to train (`clock`: its number of pushed steps).
+// Sync: answers once the step before has been applied; bounded staleness s: once the slowest
+// live worker's clock is at least clock - s; async: at once.
+struct PullRequest {
+  int32_t worker = 0;
+  int64_t clock = 0;
+  std::vector<DenseSlice> dense;    // values empty: which chunks are wanted
+  std::vector<SparseSlice> sparse;  // values empty: which rows are wanted
+};
+struct PullReply {
+  std::vector<DenseSlice> dense;
+  std::vector<SparseSlice> sparse;
+  int64_t clock = 0;      // the server's applied step count when it answered
+  int64_t staleness = 0;  // the fastest live worker's clock minus the slowest's
+};
+
+// A worker's gradients for its step `clock`, of the mean loss over its `rows` samples. In sync
+// the server applies, per step, sum_w rows_w * grad_w / sum_w rows_w over the live workers in
+// worker order: the gradient of the mean loss over the global batch.
+struct PushRequest {
+  int32_t worker = 0;
+  int64_t clock = 0;
+  int64_t rows = 0;
+  std::vector<DenseSlice> dense;    // gradients
+  std::vector<SparseSlice> sparse;  // gradients of the touched rows (ids unique per slice)
+};
+struct PushReply {
+  // Sync with backup workers (replicas_to_aggregate < live workers): false when the step was
+  // already full; the gradient was not applied and the worker puts its samples back.
+  bool counted = true;
+  int64_t clock = 0;
+};
+
+}  // namespace shoal::ps::detail
