@@ -1,3 +1,4 @@
 # The data part (docs/data.md): the sampler and the loader.
 # Included from tests/CMakeLists.txt with include(data.cmake OPTIONAL).
 shoal_add_test(sampler_test sampler_test.cpp)
+shoal_add_test(synthetic_ctr_test synthetic_ctr_test.cpp)

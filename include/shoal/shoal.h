@@ -13,6 +13,7 @@
 #include "shoal/core/timeout.h"
 #include "shoal/data/fashion_mnist.h"
 #include "shoal/data/loader.h"
+#include "shoal/data/synthetic_ctr.h"
 #include "shoal/data/torch_sampler.h"
 #include "shoal/dp/data_parallel.h"
 #include "shoal/elastic/state.h"

@@ -7,6 +7,7 @@
 #include <string>
 #include <utility>
 
+#include "../core/hash.h"
 #include "shoal/comm/group.h"
 #include "shoal/core/error.h"
 #include "shoal/data/torch_sampler.h"
@@ -16,32 +17,7 @@
 namespace shoal::data {
 namespace {
 
-// splitmix64 (Steele, Lea and Flood): a tiny generator of good quality whose output is fixed by
-// its definition, unlike std::uniform_int_distribution's or torch's, which vary by library.
-constexpr uint64_t kGoldenGamma = 0x9e3779b97f4a7c15ULL;
-
-uint64_t mix64(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
-
-class SplitMix64 {
- public:
-  explicit SplitMix64(uint64_t state) : state_(state) {}
-  uint64_t next() { return mix64(state_ += kGoldenGamma); }
-  // Uniform in [0, bound), without modulo bias: draws below 2^64 mod bound are rejected.
-  uint64_t below(uint64_t bound) {
-    const uint64_t threshold = (0 - bound) % bound;
-    for (;;) {
-      const uint64_t r = next();
-      if (r >= threshold) return r % bound;
-    }
-  }
-
- private:
-  uint64_t state_;
-};
+using ::shoal::detail::SplitMix64;  // fixed by its definition, unlike std::*_distribution's or torch's
 
 std::string out_of_range(const char* name, int64_t value, const std::string& expected) {
   return std::string("Sampler: ") + name + " = " + std::to_string(value) + " is out of range: expected " + expected;
@@ -76,7 +52,7 @@ std::vector<size_t> epoch_permutation(int64_t size, uint64_t seed, int64_t epoch
   std::vector<size_t> permutation(static_cast<size_t>(std::max<int64_t>(size, 0)));
   std::iota(permutation.begin(), permutation.end(), size_t{0});
   // mix64 is a bijection, so distinct epochs of one seed start distinct streams.
-  SplitMix64 random(mix64(mix64(seed) ^ static_cast<uint64_t>(epoch)));
+  SplitMix64 random(::shoal::detail::mix64(::shoal::detail::mix64(seed) ^ static_cast<uint64_t>(epoch)));
   for (size_t i = permutation.size(); i > 1; --i) {
     std::swap(permutation[i - 1], permutation[random.below(i)]);
   }

@@ -11,6 +11,7 @@
 #include <torch/serialize.h>
 
 #include "../checkpoint/contents.h"
+#include "../core/hash.h"
 #include "durable.h"
 #include "shoal/core/error.h"
 #include "shoal/global/nn.h"
@@ -34,15 +35,7 @@ extern "C" void on_sigterm(int) {
   leave_requested.store(true);
 }
 
-// FNV-1a: the same on every host, unlike what std::hash promises.
-uint64_t fnv1a(const std::string& text) {
-  uint64_t h = 1469598103934665603ULL;
-  for (unsigned char c : text) {
-    h ^= c;
-    h *= 1099511628211ULL;
-  }
-  return h;
-}
+using ::shoal::detail::fnv1a;  // the same on every host, unlike what std::hash promises
 
 constexpr const char* kEpochKey = "shoal.elastic.epoch";
 constexpr const char* kVersionKey = "shoal.elastic.version";
