@@ -53,15 +53,6 @@ struct TableSpec {
   uint64_t seed = 0;
 };
 
-// A worker's first call: the tables it trains, in the same order on every worker. The first
-// worker to register a table creates it (dense: with `initial`, its part of the values in chunk
-// order, see DenseSlice); later registrations must match it exactly or get a UsageError naming
-// the difference.
-struct RegisterRequest {
-  int32_t worker = 0;  // the worker's index in the job
-  std::vector<TableSpec> tables;
-};
-
 // Part of a dense table held by one server: the chunks `chunks` (indices in the table's chunk
 // order, docs/ps.md "Sharding"), their values concatenated.
 struct DenseSlice {
@@ -75,6 +66,18 @@ struct SparseSlice {
   int32_t table = 0;
   std::vector<int64_t> ids;
   std::vector<float> values;
+};
+
+// A worker's first call: the tables it trains, in the same order on every worker. The first
+// worker to register a table creates it (dense: with `initial`, its part of the values in chunk
+// order, see DenseSlice); later registrations must match it exactly or get a UsageError naming
+// the difference.
+struct RegisterRequest {
+  int32_t worker = 0;  // the worker's index in the job
+  std::vector<TableSpec> tables;
+  // Dense tables' first values: for each dense table, the chunks the server holds, each once.
+  // Only the registration that creates a table reads them; later ones may send them or not.
+  std::vector<DenseSlice> initial;
 };
 
 // Read values for the step a worker is about to train (`clock`: its number of pushed steps).

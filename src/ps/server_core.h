@@ -1,0 +1,104 @@
+// A parameter server's core (docs/ps.md, "Consistency"): the virtual shards one server holds and
+// how it answers the requests of messages.h, with no network. The transport (rpc.*) calls it from
+// many threads at once; every method is thread-safe. Every request is checked whole before any
+// of it is applied: a bad one raises UsageError and changes nothing.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "messages.h"
+#include "shard_map.h"
+#include "shoal/core/timeout.h"
+#include "table.h"
+
+namespace shoal::ps::detail {
+
+enum class Consistency {
+  // Step c is applied once every live worker's push for c has arrived (or the first
+  // replicas_to_aggregate of them): sum_w rows_w * grad_w / sum_w rows_w, in worker order.
+  kSync,
+  // Each push is applied as it arrives; a pull at clock c waits until the slowest live worker's
+  // clock is at least c - staleness. Staleness 0 is kSync.
+  kBoundedStaleness,
+  // Each push is applied as it arrives; pulls never wait.
+  kAsync,
+};
+
+struct ServerCoreOptions {
+  Consistency consistency = Consistency::kSync;
+  int64_t staleness = 0;              // kBoundedStaleness: the bound s
+  int32_t replicas_to_aggregate = 0;  // kSync: pushes a step takes (0: all live workers)
+  std::vector<int32_t> workers;       // the live workers at the start
+  std::vector<int32_t> shards;        // the virtual shards this server holds
+  int32_t virtual_shards = kVirtualShards;
+};
+
+// What a worker that leaves does to its push of a step not yet applied (sync): counted with the
+// step (its samples were trained on), or discarded (its samples go back into the epoch).
+enum class LeaverPush { kCount, kDiscard };
+
+class ServerCore {
+ public:
+  explicit ServerCore(ServerCoreOptions options);
+
+  // Creates the tables on the first registration; later ones must match it.
+  void register_tables(const RegisterRequest& request);
+
+  // Waits as the consistency mode says, at most `timeout`; CommError after it, naming the workers
+  // waited for and their clocks.
+  PullReply pull(const PullRequest& request, Duration timeout);
+
+  // Sync: buffers the push until its step is complete, then applies the step; with
+  // replicas_to_aggregate, a push to a step already full is answered counted = false and
+  // dropped. Bounded staleness and async: applies it at once. Never waits.
+  PushReply push(const PushRequest& request);
+
+  // Workers leave and join. A joiner's clock starts at the server's step (sync) or at the slowest
+  // staying worker's clock (the others), so it neither blocks steps already closed nor lags.
+  void set_live_workers(const std::vector<int32_t>& workers, LeaverPush leavers);
+
+  // The fastest live worker's clock minus the slowest's (a worker's clock: steps it pushed).
+  int64_t staleness() const;
+  // Steps applied (sync) or pushes applied (the others).
+  int64_t step() const;
+  int64_t clock_of(int32_t worker) const;
+  // Sparse rows held in memory (rows a push updated), over all shards.
+  size_t row_count() const;
+
+ private:
+  struct Table {
+    TableSpec spec;
+    int64_t numel = 0;  // dense
+    int64_t dim = 0;    // sparse
+  };
+
+  void check_slices(const char* what, const std::vector<DenseSlice>& dense,
+                    const std::vector<SparseSlice>& sparse, bool with_values) const;
+  const Table& table_at(const char* what, int32_t index) const;
+  VirtualShard* holder(int32_t shard);
+  void apply(const std::vector<DenseSlice>& dense, const std::vector<SparseSlice>& sparse);
+  void apply_ready_steps();  // sync: applies the open step while it is complete
+  bool step_complete(int64_t clock) const;
+  int64_t slowest_clock() const;
+  std::string describe_sync_wait(int64_t step) const;
+  std::string describe_staleness_wait(int64_t needed) const;
+
+  ServerCoreOptions options_;
+  std::map<int32_t, VirtualShard> shards_;
+  std::vector<Table> tables_;
+
+  mutable std::mutex mutex_;
+  std::condition_variable changed_;
+  std::set<int32_t> live_;
+  std::map<int32_t, int64_t> clock_;  // pushes received, per worker ever live
+  int64_t step_ = 0;
+  std::map<int64_t, std::map<int32_t, PushRequest>> pending_;  // sync: step -> worker -> push
+};
+
+}  // namespace shoal::ps::detail
