@@ -26,6 +26,7 @@ namespace {
 
 using namespace shoal::ps::detail;
 using shoal::CommError;
+using shoal::Duration;
 using shoal::UsageError;
 using Ms = std::chrono::milliseconds;
 
@@ -379,6 +380,732 @@ TEST(PsOptimizer, SparseTablesRefuseWhatPyTorchRefuses) {
   sgd.lr = -1;
   EXPECT_NE(error_of<UsageError>([&] { check_optimizer(sgd, false, "fc"); }).find("lr is -1"),
             std::string::npos);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The server core: several cores stand for several servers; the test routes each chunk and row
+// to its owner by the shard map, as the client does, and pushes to every server every step.
+
+TableSpec dense_spec(const std::string& name, std::vector<int64_t> shape, OptimizerSpec optimizer) {
+  TableSpec spec;
+  spec.name = name;
+  spec.shape = std::move(shape);
+  spec.optimizer = optimizer;
+  return spec;
+}
+
+int64_t numel_of(const TableSpec& spec) {
+  int64_t n = 1;
+  for (int64_t d : spec.shape) n *= d;
+  return n;
+}
+
+class Cluster {
+ public:
+  Cluster(int32_t servers, const ServerCoreOptions& base, std::vector<TableSpec> tables)
+      : map_(servers), tables_(std::move(tables)) {
+    for (int32_t s = 0; s < servers; ++s) {
+      auto options = base;
+      options.shards = map_.shards_of(s);
+      cores_.push_back(std::make_unique<ServerCore>(options));
+    }
+  }
+  ServerCore& core(int32_t s) { return *cores_[static_cast<size_t>(s)]; }
+  int32_t servers() const { return map_.servers(); }
+  int32_t owner_of_chunk(int32_t table, int64_t chunk) const {
+    return map_.owner(chunk_shard(tables_[static_cast<size_t>(table)].name, chunk));
+  }
+  int32_t owner_of_row(int32_t table, int64_t id) const {
+    return map_.owner(row_shard(tables_[static_cast<size_t>(table)].name, id));
+  }
+
+  // `initial`: every dense table's values, whole; each server gets its chunks.
+  void register_worker(int32_t worker, const std::map<int32_t, std::vector<float>>& initial) {
+    for (int32_t s = 0; s < servers(); ++s) {
+      RegisterRequest request;
+      request.worker = worker;
+      request.tables = tables_;
+      request.initial = dense_for(s, initial);
+      core(s).register_tables(request);
+    }
+  }
+
+  // Dense tables whole, and the rows `rows[table]` (in that order).
+  struct Values {
+    std::map<int32_t, std::vector<float>> dense;
+    std::map<int32_t, std::vector<float>> rows;
+  };
+  Values pull(int32_t worker, int64_t clock, const std::map<int32_t, std::vector<int64_t>>& rows,
+              Duration timeout) {
+    Values out;
+    std::map<int32_t, std::vector<float>> want_dense;
+    for (size_t t = 0; t < tables_.size(); ++t)
+      if (!tables_[t].sparse) want_dense[static_cast<int32_t>(t)] = {};
+    for (const auto& [t, ids] : rows)
+      out.rows[t].resize(ids.size() *
+                         static_cast<size_t>(tables_[static_cast<size_t>(t)].shape[1]));
+    for (const auto& [t, values] : want_dense)
+      out.dense[t].resize(static_cast<size_t>(numel_of(tables_[static_cast<size_t>(t)])));
+    for (int32_t s = 0; s < servers(); ++s) {
+      PullRequest request;
+      request.worker = worker;
+      request.clock = clock;
+      for (auto& slice : dense_for(s, want_dense)) request.dense.push_back(std::move(slice));
+      std::map<int32_t, std::vector<size_t>> positions;
+      for (const auto& [t, ids] : rows) {
+        SparseSlice slice{t, {}, {}};
+        for (size_t k = 0; k < ids.size(); ++k)
+          if (owner_of_row(t, ids[k]) == s) {
+            slice.ids.push_back(ids[k]);
+            positions[t].push_back(k);
+          }
+        request.sparse.push_back(std::move(slice));
+      }
+      const PullReply reply = core(s).pull(request, timeout);
+      for (const auto& slice : reply.dense) {
+        const int64_t numel = numel_of(tables_[static_cast<size_t>(slice.table)]);
+        const float* src = slice.values.data();
+        for (int64_t chunk : slice.chunks) {
+          std::copy(src, src + chunk_length(numel, chunk),
+                    out.dense[slice.table].begin() + chunk_begin(chunk));
+          src += chunk_length(numel, chunk);
+        }
+      }
+      for (const auto& slice : reply.sparse) {
+        const int64_t dim = tables_[static_cast<size_t>(slice.table)].shape[1];
+        for (size_t k = 0; k < slice.ids.size(); ++k)
+          std::copy(slice.values.begin() + static_cast<int64_t>(k) * dim,
+                    slice.values.begin() + static_cast<int64_t>(k + 1) * dim,
+                    out.rows[slice.table].begin() +
+                        static_cast<int64_t>(positions[slice.table][k]) * dim);
+      }
+    }
+    return out;
+  }
+
+  // Gradients: dense tables whole; rows[table] = (unique ids, their gradients).
+  std::vector<PushReply> push(
+      int32_t worker, int64_t clock, int64_t samples,
+      const std::map<int32_t, std::vector<float>>& dense,
+      const std::map<int32_t, std::pair<std::vector<int64_t>, std::vector<float>>>& rows) {
+    std::vector<PushReply> replies;
+    for (int32_t s = 0; s < servers(); ++s) {
+      PushRequest request;
+      request.worker = worker;
+      request.clock = clock;
+      request.rows = samples;
+      request.dense = dense_for(s, dense);
+      for (const auto& [t, slice_in] : rows) {
+        const int64_t dim = tables_[static_cast<size_t>(t)].shape[1];
+        SparseSlice slice{t, {}, {}};
+        for (size_t k = 0; k < slice_in.first.size(); ++k)
+          if (owner_of_row(t, slice_in.first[k]) == s) {
+            slice.ids.push_back(slice_in.first[k]);
+            slice.values.insert(slice.values.end(),
+                                slice_in.second.begin() + static_cast<int64_t>(k) * dim,
+                                slice_in.second.begin() + static_cast<int64_t>(k + 1) * dim);
+          }
+        request.sparse.push_back(std::move(slice));
+      }
+      replies.push_back(core(s).push(request));
+    }
+    return replies;
+  }
+
+  size_t row_count() {
+    size_t n = 0;
+    for (auto& c : cores_) n += c->row_count();
+    return n;
+  }
+
+ private:
+  // The chunks of each dense table in `whole` that server s holds, with their values if any.
+  std::vector<DenseSlice> dense_for(int32_t s,
+                                    const std::map<int32_t, std::vector<float>>& whole) const {
+    std::vector<DenseSlice> out;
+    for (const auto& [t, values] : whole) {
+      const int64_t numel = numel_of(tables_[static_cast<size_t>(t)]);
+      DenseSlice slice{t, {}, {}};
+      for (int64_t c = 0; c < chunk_count(numel); ++c) {
+        if (owner_of_chunk(t, c) != s) continue;
+        slice.chunks.push_back(c);
+        if (!values.empty())
+          slice.values.insert(slice.values.end(), values.begin() + chunk_begin(c),
+                              values.begin() + chunk_begin(c) + chunk_length(numel, c));
+      }
+      out.push_back(std::move(slice));
+    }
+    return out;
+  }
+
+  ShardMap map_;
+  std::vector<TableSpec> tables_;
+  std::vector<std::unique_ptr<ServerCore>> cores_;
+};
+
+// Runs body(worker) on `workers` threads; rethrows the first failure.
+void run_threads(int workers, const std::function<void(int32_t)>& body) {
+  std::vector<std::thread> threads;
+  std::mutex mutex;
+  std::exception_ptr failure;
+  for (int32_t w = 0; w < workers; ++w)
+    threads.emplace_back([&, w] {
+      try {
+        body(w);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (!failure) failure = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  if (failure) std::rethrow_exception(failure);
+}
+
+// The model of the sync test: out = fc2(tanh(fc1(x))) + sum of the embedding rows of ids, with a
+// fc1 of two chunks (300 x 256 > 64 Ki elements); tables 0-3 dense, table 4 sparse.
+constexpr int64_t kIn = 256, kHidden = 300, kOut = 4, kRows = 20, kTouchable = 15, kIds = 2;
+constexpr int kWorkers = 3, kSyncSteps = 4;
+const int64_t kBatch[kWorkers] = {3, 5, 4};
+constexpr auto kGenerous = Ms(60000);
+
+struct Batch {
+  torch::Tensor x, ids, y;
+};
+
+std::vector<TableSpec> model_tables(const OptimizerSpec& optimizer) {
+  std::vector<TableSpec> tables = {dense_spec("fc1.weight", {kHidden, kIn}, optimizer),
+                                   dense_spec("fc1.bias", {kHidden}, optimizer),
+                                   dense_spec("fc2.weight", {kOut, kHidden}, optimizer),
+                                   dense_spec("fc2.bias", {kOut}, optimizer)};
+  tables.push_back(sparse_spec("emb", kRows, kOut, {InitSpec::Kind::kNormal, 0, 0.1}, optimizer));
+  return tables;
+}
+
+// The mean loss of the model and its gradients with respect to `params` (dense tables in order,
+// then the rows of `rows`, looked up by `local_ids`).
+torch::Tensor model_loss(const std::vector<torch::Tensor>& p, const torch::Tensor& rows,
+                         const torch::Tensor& local_ids, const Batch& b) {
+  auto h = torch::tanh(torch::nn::functional::linear(b.x, p[0], p[1]));
+  auto out =
+      torch::nn::functional::linear(h, p[2], p[3]) + torch::embedding(rows, local_ids).sum(1);
+  return torch::mse_loss(out, b.y);
+}
+
+torch::Tensor from(const std::vector<float>& values, std::vector<int64_t> shape) {
+  return torch::tensor(values).reshape(shape).clone();
+}
+
+// Runs the model in sync on `servers` servers with 3 threads as workers; returns every dense
+// table and every row of the embedding, pulled at the end.
+std::vector<std::vector<float>> train_on_servers(
+    int32_t servers, const OptimizerSpec& optimizer, const std::vector<std::vector<Batch>>& data,
+    const std::map<int32_t, std::vector<float>>& initial, size_t* rows_in_memory) {
+  ServerCoreOptions options;
+  options.workers = {0, 1, 2};
+  const auto tables = model_tables(optimizer);
+  Cluster cluster(servers, options, tables);
+  for (int32_t w = 0; w < kWorkers; ++w)
+    cluster.register_worker(w, w == 0 ? initial : decltype(initial){});
+  run_threads(kWorkers, [&](int32_t w) {
+    for (int64_t step = 0; step < kSyncSteps; ++step) {
+      const Batch& b = data[static_cast<size_t>(step)][static_cast<size_t>(w)];
+      auto flat = b.ids.reshape({-1});
+      auto [unique, inverse] = torch::_unique(flat, /*sorted=*/true, /*return_inverse=*/true);
+      std::vector<int64_t> ids(unique.data_ptr<int64_t>(),
+                               unique.data_ptr<int64_t>() + unique.numel());
+      auto values = cluster.pull(w, step, {{4, ids}}, kGenerous);
+      std::vector<torch::Tensor> p;
+      for (int32_t t = 0; t < 4; ++t)
+        p.push_back(
+            from(values.dense[t], tables[static_cast<size_t>(t)].shape).requires_grad_(true));
+      auto rows =
+          from(values.rows[4], {static_cast<int64_t>(ids.size()), kOut}).requires_grad_(true);
+      model_loss(p, rows, inverse.reshape(b.ids.sizes()), b).backward();
+      std::map<int32_t, std::vector<float>> dense;
+      for (int32_t t = 0; t < 4; ++t) dense[t] = to_vector(p[static_cast<size_t>(t)].grad());
+      std::map<int32_t, std::pair<std::vector<int64_t>, std::vector<float>>> sparse;
+      sparse[4] = {ids, to_vector(rows.grad())};
+      cluster.push(w, step, b.x.size(0), dense, sparse);
+    }
+  });
+  std::vector<int64_t> all(kRows);
+  for (int64_t i = 0; i < kRows; ++i) all[static_cast<size_t>(i)] = i;
+  auto values = cluster.pull(0, kSyncSteps, {{4, all}}, kGenerous);
+  *rows_in_memory = cluster.row_count();
+  std::vector<std::vector<float>> out;
+  for (int32_t t = 0; t < 4; ++t) out.push_back(values.dense[t]);
+  out.push_back(values.rows[4]);
+  return out;
+}
+
+TEST(PsServerCore, SyncEqualsOneProcessOnTheConcatenatedBatch) {
+  using K = OptimizerSpec::Kind;
+  // Adam's and Adagrad's first steps divide a gradient by its own magnitude, which turns the
+  // rounding of a near-zero gradient element into a large change; eps and the initial
+  // accumulator keep those divisions smooth, so that 1e-5 compares the aggregation, not rounding.
+  OptimizerSpec sgd, adagrad, adam;
+  sgd.kind = K::kSgd, sgd.lr = 0.05, sgd.momentum = 0.9, sgd.weight_decay = 1e-3;
+  adagrad.kind = K::kAdagrad, adagrad.lr = 0.05, adagrad.lr_decay = 0.01;
+  adagrad.initial_accumulator_value = 0.1;
+  adam.kind = K::kAdam, adam.lr = 0.01, adam.eps = 1e-4;
+  torch::manual_seed(11);
+  std::vector<std::vector<Batch>> data(kSyncSteps);
+  for (auto& step : data)
+    for (int w = 0; w < kWorkers; ++w)
+      step.push_back({torch::randn({kBatch[w], kIn}),
+                      torch::randint(0, kTouchable, {kBatch[w], kIds}),
+                      torch::randn({kBatch[w], kOut})});
+  std::map<int32_t, std::vector<float>> initial;
+  std::vector<torch::Tensor> start = {
+      torch::randn({kHidden, kIn}) * 0.05, torch::randn({kHidden}) * 0.05,
+      torch::randn({kOut, kHidden}) * 0.05, torch::randn({kOut}) * 0.05};
+  for (int32_t t = 0; t < 4; ++t) initial[t] = to_vector(start[static_cast<size_t>(t)]);
+
+  for (const auto& [name, optimizer] :
+       {std::make_pair("sgd", sgd), std::make_pair("adagrad", adagrad),
+        std::make_pair("adam", adam)}) {
+    SCOPED_TRACE(name);
+    // The oracle: one process on the concatenated batches, torch::optim for the dense tables and
+    // the row-wise rule (checked against PyTorch above) on the rows the global batch touched.
+    std::vector<torch::Tensor> p;
+    for (auto& t : start) p.push_back(t.clone().requires_grad_(true));
+    const auto tables = model_tables(optimizer);
+    std::vector<float> emb(static_cast<size_t>(kRows * kOut));
+    for (int64_t i = 0; i < kRows; ++i) initial_row(tables[4], i, emb.data() + i * kOut, kOut);
+    std::vector<float> emb_state(static_cast<size_t>(kRows * kOut * state_width(optimizer)));
+    std::vector<int64_t> emb_steps(kRows, 0);
+    for (int64_t i = 0; i < kRows; ++i)
+      init_state(optimizer, emb_state.data() + i * kOut * state_width(optimizer), kOut);
+    std::unique_ptr<torch::optim::Optimizer> torch_optimizer;
+    if (optimizer.kind == K::kSgd)
+      torch_optimizer = std::make_unique<torch::optim::SGD>(
+          p,
+          torch::optim::SGDOptions(sgd.lr).momentum(sgd.momentum).weight_decay(sgd.weight_decay));
+    else if (optimizer.kind == K::kAdagrad)
+      torch_optimizer = std::make_unique<torch::optim::Adagrad>(
+          p, torch::optim::AdagradOptions(adagrad.lr)
+                 .lr_decay(adagrad.lr_decay)
+                 .initial_accumulator_value(adagrad.initial_accumulator_value)
+                 .eps(adagrad.eps));
+    else
+      torch_optimizer = std::make_unique<torch::optim::Adam>(
+          p, torch::optim::AdamOptions(adam.lr).betas({adam.beta1, adam.beta2}).eps(adam.eps));
+    for (int step = 0; step < kSyncSteps; ++step) {
+      std::vector<torch::Tensor> xs, ids, ys;
+      for (const auto& b : data[static_cast<size_t>(step)])
+        xs.push_back(b.x), ids.push_back(b.ids), ys.push_back(b.y);
+      const Batch global{torch::cat(xs), torch::cat(ids), torch::cat(ys)};
+      auto table = from(emb, {kRows, kOut}).requires_grad_(true);
+      torch_optimizer->zero_grad();
+      model_loss(p, table, global.ids, global).backward();
+      torch_optimizer->step();
+      const auto grad = to_vector(table.grad());
+      auto touched = std::get<0>(torch::_unique(global.ids.reshape({-1}), true));
+      for (int64_t k = 0; k < touched.numel(); ++k) {
+        const int64_t i = touched[k].item<int64_t>();
+        apply_row(optimizer, emb.data() + i * kOut,
+                  emb_state.data() + i * kOut * state_width(optimizer),
+                  emb_steps[static_cast<size_t>(i)], grad.data() + i * kOut, kOut);
+      }
+    }
+    std::vector<std::vector<float>> first;
+    for (int32_t servers : {1, 2, 3}) {
+      SCOPED_TRACE(std::to_string(servers) + " servers");
+      size_t rows_in_memory = 0;
+      auto got = train_on_servers(servers, optimizer, data, initial, &rows_in_memory);
+      for (int32_t t = 0; t < 4; ++t)
+        EXPECT_TRUE(
+            near_relative(got[static_cast<size_t>(t)], to_vector(p[static_cast<size_t>(t)]), 1e-5))
+            << tables[static_cast<size_t>(t)].name;
+      EXPECT_TRUE(near_relative(got[4], emb, 1e-5)) << "emb";
+      // Rows no batch touched are their initial values, bit for bit, and were never stored.
+      size_t touched_rows = 0;
+      for (int64_t i = 0; i < kRows; ++i) {
+        if (emb_steps[static_cast<size_t>(i)] > 0) {
+          ++touched_rows;
+          continue;
+        }
+        std::vector<float> expected(kOut);
+        initial_row(tables[4], i, expected.data(), kOut);
+        for (int64_t j = 0; j < kOut; ++j)
+          EXPECT_EQ(got[4][static_cast<size_t>(i * kOut + j)], expected[static_cast<size_t>(j)])
+              << "row " << i;
+      }
+      EXPECT_LT(touched_rows, static_cast<size_t>(kRows));
+      EXPECT_EQ(rows_in_memory, touched_rows);
+      if (first.empty())
+        first = got;
+      else
+        EXPECT_EQ(got, first) << "the result depends on the number of servers";
+    }
+  }
+}
+
+// A one-table server for the clock tests: "w" of 8 floats, SGD with lr 1, so a value is its
+// start minus the sum of the gradients applied.
+struct Small {
+  explicit Small(ServerCoreOptions options, int32_t workers = 3) {
+    for (int32_t w = 0; w < workers; ++w) options.workers.push_back(w);
+    options.shards = ShardMap(1).shards_of(0);
+    core = std::make_unique<ServerCore>(options);
+    OptimizerSpec sgd;
+    sgd.lr = 1;
+    RegisterRequest request;
+    request.tables = {dense_spec("w", {8}, sgd),
+                      sparse_spec("emb", 100, 4, {InitSpec::Kind::kUniform, -1, 1}, sgd)};
+    request.initial = {DenseSlice{0, {0}, std::vector<float>(8, 1.f)}};
+    core->register_tables(request);
+  }
+  PullReply pull(int32_t worker, int64_t clock, Duration timeout) {
+    PullRequest request;
+    request.worker = worker;
+    request.clock = clock;
+    request.dense = {DenseSlice{0, {0}, {}}};
+    return core->pull(request, timeout);
+  }
+  PushReply push(int32_t worker, int64_t clock, float grad, int64_t rows = 1) {
+    PushRequest request;
+    request.worker = worker;
+    request.clock = clock;
+    request.rows = rows;
+    request.dense = {DenseSlice{0, {0}, std::vector<float>(8, grad)}};
+    return core->push(request);
+  }
+  float value() { return pull(0, 0, Ms(0)).dense[0].values[0]; }
+  std::unique_ptr<ServerCore> core;
+};
+
+TEST(PsServerCore, BoundedStalenessKeepsTheGapWithinTheBound) {
+  for (int64_t bound : {1, 2}) {
+    SCOPED_TRACE("staleness " + std::to_string(bound));
+    ServerCoreOptions options;
+    options.consistency = Consistency::kBoundedStaleness;
+    options.staleness = bound;
+    Small server(options);
+    constexpr int64_t kSteps = 8;
+    std::mutex mutex;
+    std::vector<std::pair<int64_t, int64_t>> trace;  // (clock of the pull, slowest clock then)
+    run_threads(kWorkers, [&](int32_t w) {
+      for (int64_t c = 0; c < kSteps; ++c) {
+        if (w == 2) {
+          // The slow worker lets worker 0 run as far ahead as the bound allows before each step.
+          const int64_t ahead = std::min(c + bound + 1, kSteps);
+          shoal::Deadline deadline(kGenerous);
+          while (server.core->clock_of(0) < ahead && !deadline.expired())
+            std::this_thread::sleep_for(Ms(1));
+        }
+        server.pull(w, c, kGenerous);
+        int64_t slowest = INT64_MAX;
+        for (int32_t v = 0; v < kWorkers; ++v)
+          slowest = std::min(slowest, server.core->clock_of(v));
+        {
+          std::lock_guard<std::mutex> lock(mutex);
+          trace.emplace_back(c, slowest);
+        }
+        server.push(w, c, 0.01f);
+      }
+    });
+    int64_t widest = 0;
+    for (const auto& [clock, slowest] : trace) {
+      EXPECT_LE(clock - slowest, bound)
+          << "a pull at clock " << clock << " ran with the slowest at " << slowest;
+      widest = std::max(widest, clock - slowest);
+    }
+    EXPECT_EQ(widest, bound) << "the slow worker let the fast one reach the bound";
+    EXPECT_EQ(trace.size(), static_cast<size_t>(kWorkers * kSteps));
+    EXPECT_EQ(server.core->staleness(), 0);
+    EXPECT_NEAR(server.value(), 1 - kWorkers * kSteps * 0.01f, 1e-5);
+  }
+}
+
+TEST(PsServerCore, AStoppedWorkerBlocksTheOthersAfterTheBound) {
+  for (int64_t bound : {0, 1, 2}) {
+    SCOPED_TRACE("staleness " + std::to_string(bound));
+    ServerCoreOptions options;
+    options.consistency = Consistency::kBoundedStaleness;
+    options.staleness = bound;
+    Small server(options);
+    // Worker 2 never pushes; 0 and 1 run until their pull times out.
+    std::vector<int64_t> steps(2, 0);
+    std::vector<std::string> errors(2);
+    std::vector<double> waited(2, 0);
+    run_threads(2, [&](int32_t w) {
+      for (int64_t c = 0;; ++c) {
+        const auto start = std::chrono::steady_clock::now();
+        try {
+          server.pull(w, c, Ms(1000));
+        } catch (const CommError& e) {
+          waited[static_cast<size_t>(w)] =
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+          errors[static_cast<size_t>(w)] = e.what();
+          return;
+        }
+        server.push(w, c, 0.01f);
+        steps[static_cast<size_t>(w)] = c + 1;
+      }
+    });
+    for (int w = 0; w < 2; ++w) {
+      EXPECT_EQ(steps[static_cast<size_t>(w)], bound + 1);
+      EXPECT_GE(waited[static_cast<size_t>(w)], 0.99);
+      EXPECT_LT(waited[static_cast<size_t>(w)], 10.0);  // a generous failure bound
+      const std::string& e = errors[static_cast<size_t>(w)];
+      EXPECT_NE(e.find("pull of worker " + std::to_string(w) + " at clock " +
+                       std::to_string(bound + 1) + " timed out after 1"),
+                std::string::npos)
+          << e;
+      if (bound == 0)  // sync: waits for the step
+        EXPECT_NE(e.find("waiting for step 0 to be applied (pushed by workers 0, 1; waiting for "
+                         "workers 2 at clock 0)"),
+                  std::string::npos)
+            << e;
+      else
+        EXPECT_NE(e.find("every live worker to reach clock 1 (staleness bound " +
+                         std::to_string(bound) + "; waiting for workers 2 at clock 0)"),
+                  std::string::npos)
+            << e;
+    }
+    EXPECT_EQ(server.core->staleness(), bound == 0 ? 1 : bound + 1);
+  }
+}
+
+TEST(PsServerCore, AsyncNeverWaits) {
+  ServerCoreOptions options;
+  options.consistency = Consistency::kAsync;
+  Small server(options);
+  constexpr int64_t kSteps = 20;
+  // Worker 2 never pushes; a zero timeout would fail any pull that had to wait.
+  run_threads(2, [&](int32_t w) {
+    for (int64_t c = 0; c < kSteps; ++c) {
+      server.pull(w, c, Ms(0));
+      server.push(w, c, w == 0 ? 0.01f : 0.02f);
+    }
+  });
+  EXPECT_EQ(server.core->staleness(), kSteps);
+  EXPECT_EQ(server.core->step(), 2 * kSteps);
+  EXPECT_NEAR(server.value(), 1 - kSteps * 0.03f, 1e-5);
+}
+
+std::vector<float> everything(ServerCore& core, int32_t worker, int64_t clock) {
+  PullRequest request;
+  request.worker = worker;
+  request.clock = clock;
+  request.dense = {DenseSlice{0, {0}, {}}};
+  SparseSlice rows{1, {}, {}};
+  for (int64_t i = 0; i < 100; ++i) rows.ids.push_back(i);
+  request.sparse = {rows};
+  auto reply = core.pull(request, Ms(0));
+  auto out = reply.dense[0].values;
+  out.insert(out.end(), reply.sparse[0].values.begin(), reply.sparse[0].values.end());
+  return out;
+}
+
+TEST(PsServerCore, BackupWorkersApplyTheFirstPushesOfAStep) {
+  ServerCoreOptions options;
+  options.replicas_to_aggregate = 2;
+  Small server(options);
+  EXPECT_TRUE(server.push(0, 0, 1.f, 2).counted);
+  EXPECT_EQ(server.core->step(), 0);
+  EXPECT_TRUE(server.push(1, 0, 3.f, 6).counted);
+  EXPECT_EQ(server.core->step(), 1);
+  EXPECT_FLOAT_EQ(server.value(), 1 - (2 * 1.f + 6 * 3.f) / 8);
+  const auto before = everything(*server.core, 0, 0);
+  const auto late = server.push(2, 0, 100.f);
+  EXPECT_FALSE(late.counted);
+  EXPECT_EQ(late.clock, 1);
+  EXPECT_EQ(everything(*server.core, 0, 0), before);
+  // Step 1: workers 2 and 0 come first this time.
+  EXPECT_TRUE(server.push(2, 1, 1.f, 1).counted);
+  EXPECT_TRUE(server.push(0, 1, 2.f, 1).counted);
+  EXPECT_FALSE(server.push(1, 1, 100.f).counted);
+  EXPECT_FLOAT_EQ(server.value(), 1 - 2.5f - 1.5f);
+  EXPECT_EQ(server.core->step(), 2);
+}
+
+TEST(PsServerCore, ALeaversPushIsCountedOrDiscardedAsAsked) {
+  for (auto leavers : {LeaverPush::kCount, LeaverPush::kDiscard}) {
+    Small server({});
+    server.push(0, 0, 1.f, 1);
+    server.push(2, 0, 10.f, 2);
+    server.core->set_live_workers({0, 1}, leavers);
+    EXPECT_EQ(server.core->step(), 0);  // worker 1's push is still missing
+    server.push(1, 0, 4.f, 1);
+    EXPECT_EQ(server.core->step(), 1);
+    const float expected =
+        leavers == LeaverPush::kCount ? 1 - (1.f + 20.f + 4.f) / 4 : 1 - (1.f + 4.f) / 2;
+    EXPECT_FLOAT_EQ(server.value(), expected);
+    EXPECT_NE(error_of<UsageError>([&] {
+                server.push(2, 1, 1.f);
+              }).find("worker 2 is not live; expected one of 0, 1"),
+              std::string::npos);
+    // A joiner starts at the server's step, and the open step waits for it too.
+    server.core->set_live_workers({0, 1, 3}, LeaverPush::kDiscard);
+    EXPECT_EQ(server.core->clock_of(3), 1);
+    server.push(0, 1, 1.f);
+    server.push(1, 1, 1.f);
+    EXPECT_EQ(server.core->step(), 1);
+    server.push(3, 1, 1.f);
+    EXPECT_EQ(server.core->step(), 2);
+    // A leaver whose push was the last one missing: the step closes without waiting.
+    server.push(0, 2, 1.f);
+    server.push(1, 2, 1.f);
+    server.core->set_live_workers({0, 1}, LeaverPush::kDiscard);
+    EXPECT_EQ(server.core->step(), 3);
+  }
+}
+
+TEST(PsServerCore, BadRequestsAreRefusedAndChangeNothing) {
+  ServerCoreOptions async;  // pushes are applied at once, so that there is state to keep
+  async.consistency = Consistency::kAsync;
+  Small server(async);
+  server.push(0, 0, 1.f);
+  {
+    PushRequest request;
+    request.worker = 1;
+    request.rows = 1;
+    request.sparse = {SparseSlice{1, {3, 4}, std::vector<float>(8, 0.5f)}};
+    server.core->push(request);
+  }
+  const auto before = everything(*server.core, 0, 0);
+  EXPECT_EQ(server.core->row_count(), 2u) << "pulling rows does not store them";
+  auto expect_refused = [&](const std::string& message, const std::function<void()>& body) {
+    SCOPED_TRACE(message);
+    const std::string e = error_of<UsageError>(body);
+    EXPECT_NE(e.find(message), std::string::npos) << e;
+    EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+    EXPECT_EQ(everything(*server.core, 0, 0), before);
+    EXPECT_EQ(server.core->row_count(), 2u);
+    EXPECT_EQ(server.core->step(), 2);
+    EXPECT_EQ(server.core->clock_of(0), 1);
+    EXPECT_EQ(server.core->clock_of(1), 1);
+    EXPECT_EQ(server.core->clock_of(2), 0);
+  };
+  auto push = [&](std::vector<DenseSlice> dense, std::vector<SparseSlice> sparse,
+                  int32_t worker = 2, int64_t clock = 0) {
+    PushRequest request;
+    request.worker = worker;
+    request.clock = clock;
+    request.rows = 1;
+    request.dense = std::move(dense);
+    request.sparse = std::move(sparse);
+    server.core->push(request);
+  };
+  const DenseSlice good{0, {0}, std::vector<float>(8, 1.f)};
+  expect_refused("parameter server: push: unknown table index 7; expected 0 <= index < 2", [&] {
+    push({good, DenseSlice{7, {0}, {}}}, {});
+  });
+  expect_refused("table 'w': 9 values for 1 chunks; expected 8", [&] {
+    push({DenseSlice{0, {0}, std::vector<float>(9, 1.f)}}, {});
+  });
+  expect_refused("table 'w': chunk 1 is out of range; expected 0 <= chunk < 1", [&] {
+    push({DenseSlice{0, {1}, std::vector<float>(8, 1.f)}}, {});
+  });
+  expect_refused("table 'emb': 7 values for 2 rows of dim 4; expected 8", [&] {
+    push({good}, {SparseSlice{1, {1, 2}, std::vector<float>(7, 1.f)}});
+  });
+  expect_refused("table 'emb': row 3 is named twice; expected unique ids", [&] {
+    push({good}, {SparseSlice{1, {3, 3}, std::vector<float>(8, 1.f)}});
+  });
+  expect_refused("table 'emb': row 100 is out of range; expected 0 <= id < 100", [&] {
+    push({good}, {SparseSlice{1, {100}, std::vector<float>(4, 1.f)}});
+  });
+  expect_refused("table 'emb' is sparse; expected a dense table for chunks", [&] {
+    push({DenseSlice{1, {0}, {}}}, {});
+  });
+  expect_refused("table 'w' is dense; expected a sparse table for rows", [&] {
+    push({}, {SparseSlice{0, {0}, {}}});
+  });
+  expect_refused("worker 2 pushed step 5; expected its next step 0",
+                 [&] { push({good}, {}, 2, 5); });
+  expect_refused("worker 0 pushed step 0; expected its next step 1",
+                 [&] { push({good}, {}, 0, 0); });
+  expect_refused("worker 9 is not live; expected one of 0, 1, 2", [&] { push({good}, {}, 9); });
+  expect_refused("worker 2 pushed a gradient of 0 samples; expected rows >= 1", [&] {
+    PushRequest request;
+    request.worker = 2;
+    server.core->push(request);
+  });
+  expect_refused("parameter server: pull: table 'w': 8 values for 1 chunks; expected 0", [&] {
+    PullRequest request;
+    request.dense = {good};
+    server.core->pull(request, Ms(0));
+  });
+  expect_refused("worker 2 pulled at clock 1; expected 0 <= clock <= 0", [&] {
+    PullRequest request;
+    request.worker = 2;
+    request.clock = 1;
+    server.core->pull(request, Ms(0));
+  });
+  OptimizerSpec sgd;
+  sgd.lr = 1;
+  RegisterRequest again;
+  again.worker = 1;
+  again.tables = {dense_spec("w", {8}, sgd),
+                  sparse_spec("emb", 100, 4, {InitSpec::Kind::kUniform, -1, 1}, sgd)};
+  EXPECT_NO_THROW(server.core->register_tables(again));
+  again.tables[0].optimizer.lr = 0.5;
+  expect_refused(
+      "worker 1's table 0 ('w') differs from the first registration: lr 0.500000 (expected "
+      "1.000000)",
+      [&] { server.core->register_tables(again); });
+  again.tables[0].optimizer.lr = 1;
+  again.tables[1].shape = {100, 5};
+  expect_refused(
+      "table 1 ('emb') differs from the first registration: shape [100, 5] (expected [100, 4])",
+      [&] { server.core->register_tables(again); });
+  again.tables.pop_back();
+  expect_refused("worker 1 registers 1 tables; expected 2 as the first registration",
+                 [&] { server.core->register_tables(again); });
+}
+
+TEST(PsServerCore, AChunkOrRowOfAnotherServerIsRefused) {
+  ServerCoreOptions options;
+  options.workers = {0};
+  options.shards = ShardMap(2).shards_of(0);
+  ServerCore core(options);
+  const std::string name = "emb";
+  int64_t foreign = 0;
+  while (ShardMap(2).owner(row_shard(name, foreign)) == 0) ++foreign;
+  RegisterRequest request;
+  request.tables = {sparse_spec(name, 0, 2, {})};
+  core.register_tables(request);
+  PushRequest push;
+  push.rows = 1;
+  push.sparse = {SparseSlice{0, {foreign}, {1.f, 1.f}}};
+  const std::string e = error_of<UsageError>([&] { core.push(push); });
+  EXPECT_NE(e.find("table 'emb': row " + std::to_string(foreign) + " is in virtual shard " +
+                   std::to_string(row_shard(name, foreign)) + ", which this server does not hold"),
+            std::string::npos)
+      << e;
+  EXPECT_EQ(core.row_count(), 0u);
+  EXPECT_EQ(core.clock_of(0), 0);
+}
+
+TEST(PsServerCore, AFailedFirstRegistrationLeavesNoTables) {
+  ServerCoreOptions options;
+  options.workers = {0};
+  options.shards = ShardMap(1).shards_of(0);
+  ServerCore core(options);
+  OptimizerSpec sgd;
+  RegisterRequest request;
+  request.tables = {dense_spec("w", {70000}, sgd), sparse_spec("emb", 0, 0, {})};
+  EXPECT_NE(
+      error_of<UsageError>([&] {
+        core.register_tables(request);
+      }).find("sparse table 'emb' has shape [0, 0]; expected {rows (0: unbounded), dim >= 1}"),
+      std::string::npos);
+  request.tables[1].shape = {0, 3};
+  request.initial = {DenseSlice{0, {0}, std::vector<float>(kChunkElements, 1.f)}};
+  EXPECT_NE(error_of<UsageError>([&] {
+              core.register_tables(request);
+            }).find("table 'w': no initial values for chunk 1, which this server holds"),
+            std::string::npos);
+  request.initial[0].chunks.push_back(1);
+  request.initial[0].values.resize(70000, 2.f);
+  EXPECT_NO_THROW(core.register_tables(request));
+  PullRequest pull;
+  pull.dense = {DenseSlice{0, {1}, {}}};
+  EXPECT_EQ(core.pull(pull, Ms(0)).dense[0].values,
+            std::vector<float>(70000 - kChunkElements, 2.f));
 }
 
 }  // namespace
