@@ -1108,4 +1108,100 @@ TEST(PsServerCore, AFailedFirstRegistrationLeavesNoTables) {
             std::vector<float>(70000 - kChunkElements, 2.f));
 }
 
+TEST(PsServerCore, APullOfAWorkerThatLeavesEndsAtOnce) {
+  Small server({});
+  server.push(0, 0, 1.f);
+  std::string error;
+  std::thread waiter([&] { error = error_of<CommError>([&] { server.pull(0, 1, kGenerous); }); });
+  // The pull waits for step 0 (workers 1 and 2 have not pushed) until worker 0 leaves.
+  shoal::Deadline deadline(kGenerous);
+  while (server.core->pulls_waiting() != 1 && !deadline.expired())
+    std::this_thread::sleep_for(Ms(1));
+  server.core->set_live_workers({1, 2}, LeaverPush::kDiscard);
+  waiter.join();
+  EXPECT_NE(error.find("pull of worker 0 at clock 1 ended after"), std::string::npos) << error;
+  EXPECT_NE(error.find("the worker left the live set while it waited"), std::string::npos) << error;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Snapshots per virtual shard
+
+TEST(PsSnapshot, ACheckpointOfThreeServersLoadsOntoTwo) {
+  OptimizerSpec adam;
+  adam.kind = OptimizerSpec::Kind::kAdam;
+  adam.lr = 0.01;
+  adam.eps = 1e-8;
+  const std::vector<TableSpec> tables = {
+      dense_spec("w", {70000}, adam),
+      sparse_spec("emb", 0, 3, {InitSpec::Kind::kNormal, 0, 1}, adam)};
+  ServerCoreOptions options;
+  options.workers = {0};
+  std::mt19937_64 random(5);
+  std::normal_distribution<float> normal;
+  std::map<int32_t, std::vector<float>> initial;
+  for (int i = 0; i < 70000; ++i) initial[0].push_back(normal(random));
+  auto gradients = [&](int64_t step) {
+    std::map<int32_t, std::vector<float>> dense;
+    for (int i = 0; i < 70000; ++i) dense[0].push_back(normal(random));
+    std::map<int32_t, std::pair<std::vector<int64_t>, std::vector<float>>> rows;
+    std::set<int64_t> ids;
+    for (int i = 0; i < 200; ++i) ids.insert(static_cast<int64_t>(random() % 1000) * (step + 1));
+    rows[1].first.assign(ids.begin(), ids.end());
+    for (size_t i = 0; i < ids.size() * 3; ++i) rows[1].second.push_back(normal(random));
+    return std::make_pair(dense, rows);
+  };
+  std::vector<int64_t> all(4000);
+  for (int64_t i = 0; i < 4000; ++i) all[static_cast<size_t>(i)] = i;
+
+  Cluster three(3, options, tables);
+  three.register_worker(0, initial);
+  for (int64_t step = 0; step < 3; ++step) {
+    auto [dense, rows] = gradients(step);
+    three.push(0, step, 1, dense, rows);
+  }
+  std::map<int32_t, std::string> snapshots;
+  for (int32_t s = 0; s < 3; ++s)
+    for (int32_t v : ShardMap(3).shards_of(s)) snapshots[v] = three.core(s).save_shard(v);
+
+  Cluster two(2, options, tables);
+  std::map<int32_t, std::vector<float>> zeros;
+  zeros[0].assign(70000, 0.f);
+  two.register_worker(0, zeros);
+  for (int32_t s = 0; s < 2; ++s)
+    for (int32_t v : ShardMap(2).shards_of(s)) two.core(s).load_shard(v, snapshots[v]);
+  EXPECT_EQ(two.row_count(), three.row_count());
+  EXPECT_GT(two.row_count(), 400u);
+  auto before = three.pull(0, 3, {{1, all}}, kGenerous);
+  auto after = two.pull(0, 0, {{1, all}}, kGenerous);
+  EXPECT_EQ(after.dense, before.dense);
+  EXPECT_EQ(after.rows, before.rows);
+  // The optimizer state came along: one more step gives the same values on both.
+  auto [dense, rows] = gradients(3);
+  three.push(0, 3, 1, dense, rows);
+  two.push(0, 0, 1, dense, rows);
+  before = three.pull(0, 4, {{1, all}}, kGenerous);
+  after = two.pull(0, 1, {{1, all}}, kGenerous);
+  EXPECT_EQ(after.dense, before.dense);
+  EXPECT_EQ(after.rows, before.rows);
+  EXPECT_NE(after.dense, zeros);
+
+  // A bad snapshot changes nothing.
+  const int32_t v = ShardMap(2).shards_of(1)[0];
+  const std::string good = two.core(1).save_shard(v);
+  auto refused = [&](const std::string& bytes, const std::string& message) {
+    const std::string e = error_of<UsageError>([&] { two.core(1).load_shard(v, bytes); });
+    EXPECT_NE(e.find(message), std::string::npos) << e;
+    EXPECT_EQ(two.core(1).save_shard(v), good);
+  };
+  refused(good.substr(0, good.size() - 1),
+          "snapshot of virtual shard " + std::to_string(v) + ": truncated");
+  refused(good + "x", "unexpected bytes after the last row");
+  refused("not a snapshot at all", "not a shard snapshot");
+  const int32_t other = ShardMap(2).shards_of(1)[1];
+  refused(two.core(1).save_shard(other), "it holds virtual shard " + std::to_string(other));
+  EXPECT_NE(
+      error_of<UsageError>([&] { two.core(0).save_shard(v); }).find("is not held by this server"),
+      std::string::npos);
+}
+
 }  // namespace

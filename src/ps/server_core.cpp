@@ -429,6 +429,7 @@ PullReply ServerCore::pull(const PullRequest& request, Duration timeout) {
   check_slices(what, request.dense, request.sparse, false);
 
   auto ready = [&] {
+    if (live_.count(w) == 0) return true;  // it left while waiting: answered below
     switch (options_.consistency) {
       case Consistency::kSync:
         return step_ >= request.clock;
@@ -440,7 +441,10 @@ PullReply ServerCore::pull(const PullRequest& request, Duration timeout) {
     return true;
   };
   const auto until = std::chrono::steady_clock::now() + deadline.remaining();
-  if (!changed_.wait_until(lock, until, ready)) {
+  ++pulls_waiting_;
+  const bool woke = changed_.wait_until(lock, until, ready);
+  --pulls_waiting_;
+  if (!woke) {
     const std::string waited_for =
         options_.consistency == Consistency::kSync
             ? describe_sync_wait(step_)
@@ -449,6 +453,11 @@ PullReply ServerCore::pull(const PullRequest& request, Duration timeout) {
                     std::to_string(request.clock) + " timed out after " +
                     format_duration(deadline.elapsed()) + " waiting for " + waited_for);
   }
+  if (live_.count(w) == 0)
+    throw CommError("parameter server: pull of worker " + std::to_string(w) + " at clock " +
+                    std::to_string(request.clock) + " ended after " +
+                    format_duration(deadline.elapsed()) +
+                    ": the worker left the live set while it waited");
 
   PullReply reply;
   for (const auto& slice : request.dense) {
@@ -525,11 +534,49 @@ int64_t ServerCore::clock_of(int32_t worker) const {
   return it == clock_.end() ? 0 : it->second;
 }
 
+int64_t ServerCore::pulls_waiting() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return pulls_waiting_;
+}
+
 size_t ServerCore::row_count() const {
   std::lock_guard<std::mutex> lock(mutex_);
   size_t count = 0;
   for (const auto& [id, shard] : shards_) count += shard.row_count();
   return count;
+}
+
+std::vector<TableSpec> ServerCore::specs() const {
+  std::vector<TableSpec> specs;
+  for (const auto& table : tables_) specs.push_back(table.spec);
+  return specs;
+}
+
+std::string ServerCore::save_shard(int32_t shard) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = shards_.find(shard);
+  if (it == shards_.end())
+    bad("save_shard", "virtual shard " + std::to_string(shard) + " is not held by this server");
+  return it->second.save(specs());
+}
+
+void ServerCore::load_shard(int32_t shard, const std::string& bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = shards_.find(shard);
+  if (it == shards_.end())
+    bad("load_shard", "virtual shard " + std::to_string(shard) + " is not held by this server");
+  VirtualShard loaded = VirtualShard::load(shard, specs(), bytes, options_.virtual_shards);
+  // A dense chunk the snapshot lacks would leave the table with a hole.
+  for (size_t t = 0; t < tables_.size(); ++t) {
+    if (tables_[t].spec.sparse) continue;
+    for (int64_t c = 0; c < chunk_count(tables_[t].numel); ++c)
+      if (chunk_shard(tables_[t].spec.name, c, options_.virtual_shards) == shard &&
+          loaded.chunk(static_cast<int32_t>(t), c) == nullptr)
+        bad("load_shard", "the snapshot of virtual shard " + std::to_string(shard) +
+                              " has no chunk " + std::to_string(c) + " of table '" +
+                              tables_[t].spec.name + "'; expected every chunk of the shard");
+  }
+  it->second = std::move(loaded);
 }
 
 }  // namespace shoal::ps::detail

@@ -68,8 +68,17 @@ class ServerCore {
   // Steps applied (sync) or pushes applied (the others).
   int64_t step() const;
   int64_t clock_of(int32_t worker) const;
+  // Pulls waiting now (for a step or for the slowest worker).
+  int64_t pulls_waiting() const;
   // Sparse rows held in memory (rows a push updated), over all shards.
   size_t row_count() const;
+
+  // One virtual shard as bytes (its chunks and rows with their optimizer state, by table name),
+  // and back: a shard saved by any server loads onto whichever server holds it under another
+  // server count, once the same tables are registered there. load_shard replaces the shard's
+  // contents whole, after checking every byte (a bad snapshot is a UsageError and changes nothing).
+  std::string save_shard(int32_t shard) const;
+  void load_shard(int32_t shard, const std::string& bytes);
 
  private:
   struct Table {
@@ -81,6 +90,7 @@ class ServerCore {
   void check_slices(const char* what, const std::vector<DenseSlice>& dense,
                     const std::vector<SparseSlice>& sparse, bool with_values) const;
   const Table& table_at(const char* what, int32_t index) const;
+  std::vector<TableSpec> specs() const;
   VirtualShard* holder(int32_t shard);
   void apply(const std::vector<DenseSlice>& dense, const std::vector<SparseSlice>& sparse);
   void apply_ready_steps();  // sync: applies the open step while it is complete
@@ -98,6 +108,7 @@ class ServerCore {
   std::set<int32_t> live_;
   std::map<int32_t, int64_t> clock_;  // pushes received, per worker ever live
   int64_t step_ = 0;
+  int64_t pulls_waiting_ = 0;
   std::map<int64_t, std::map<int32_t, PushRequest>> pending_;  // sync: step -> worker -> push
 };
 

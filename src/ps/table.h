@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <map>
+#include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -46,13 +47,16 @@ class VirtualShard {
   // The row's current values, or its initial values if it was never updated.
   void read_row(int32_t table, int64_t id, const TableSpec& spec, int64_t dim, float* out) const;
   size_t row_count() const;
-  size_t chunk_count() const { return chunks_.size(); }
+  size_t chunks_held() const { return chunks_.size(); }
 
-  // Everything held, for snapshots.
-  const std::map<std::pair<int32_t, int64_t>, Slot>& chunks() const { return chunks_; }
-  const std::map<int32_t, std::unordered_map<int64_t, Slot>>& rows() const { return rows_; }
-  std::map<std::pair<int32_t, int64_t>, Slot>& chunks() { return chunks_; }
-  std::map<int32_t, std::unordered_map<int64_t, Slot>>& rows() { return rows_; }
+  // The shard as bytes: its chunks and rows with their optimizer state and step counts, by table
+  // name (docs/ps.md, "Snapshots"). `tables` are the server's, in registration order.
+  std::string save(const std::vector<TableSpec>& tables) const;
+  // The shard `id` read back from save()'s bytes, for a server whose tables are `tables` (the
+  // same names, kinds, shapes and optimizers as the saver's, in any order). Every byte is checked
+  // before the result exists: a truncated, foreign or mismatched snapshot is a UsageError.
+  static VirtualShard load(int32_t id, const std::vector<TableSpec>& tables,
+                           const std::string& bytes, int32_t virtual_shards);
 
  private:
   int32_t id_;
