@@ -2,28 +2,13 @@
 
 #include <algorithm>
 
+#include "../core/hash.h"
 #include "shoal/core/error.h"
 
 namespace shoal::ps::detail {
 
-uint64_t fnv1a(const void* data, size_t size, uint64_t hash) {
-  const auto* bytes = static_cast<const unsigned char*>(data);
-  for (size_t i = 0; i < size; ++i) {
-    hash ^= bytes[i];
-    hash *= 0x100000001b3ULL;
-  }
-  return hash;
-}
-
-uint64_t splitmix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
 uint64_t table_key(const std::string& table, int64_t index) {
-  return splitmix64(fnv1a(table.data(), table.size()) ^ splitmix64(static_cast<uint64_t>(index)));
+  return shoal::detail::hash_of(shoal::detail::fnv1a(table), static_cast<uint64_t>(index));
 }
 
 int64_t chunk_count(int64_t numel) {
@@ -42,7 +27,7 @@ int32_t chunk_shard(const std::string& table, int64_t chunk, int32_t shards) {
 
 int32_t row_shard(const std::string& table, int64_t id, int32_t shards) {
   // Rows and chunks of one table hash apart: a row id is not a chunk index.
-  return static_cast<int32_t>(splitmix64(table_key(table, id) ^ 0x726f77ULL) %
+  return static_cast<int32_t>(shoal::detail::hash_of(table_key(table, id), 0x726f77ULL) %
                               static_cast<uint64_t>(shards));
 }
 
@@ -62,7 +47,7 @@ ShardMap::ShardMap(int32_t servers, int32_t shards) : servers_(servers) {
         if (held[i].size() > held[from].size()) from = i;
       auto& list = held[from];
       auto score = [s](int32_t v) {
-        return splitmix64((static_cast<uint64_t>(s) << 32) ^ static_cast<uint64_t>(v));
+        return shoal::detail::hash_of(static_cast<uint64_t>(s), static_cast<uint64_t>(v));
       };
       auto best = std::max_element(list.begin(), list.end(),
                                    [&](int32_t a, int32_t b) { return score(a) < score(b); });

@@ -20,11 +20,8 @@ inline constexpr int32_t kVirtualShards = 1024;
 // large enough that per-chunk overhead (a hash-map entry, a header) is negligible.
 inline constexpr int64_t kChunkElements = 64 * 1024;
 
-// 64-bit FNV-1a over bytes and splitmix64's finalizer: fixed by their definitions, unlike
-// std::hash, so every build and every process agrees.
-uint64_t fnv1a(const void* data, size_t size, uint64_t hash = 0xcbf29ce484222325ULL);
-uint64_t splitmix64(uint64_t x);
-// A key for (table name, index): FNV-1a of the name, mixed with the index by splitmix64.
+// A key for (table name, index): hash_of(FNV-1a of the name, index) from core/hash.h, whose
+// values are fixed by their definitions (never std::hash, which differs across builds).
 uint64_t table_key(const std::string& table, int64_t index);
 
 // Number of chunks of a dense table of `numel` elements (the last one may be short) and the
@@ -40,7 +37,7 @@ int32_t row_shard(const std::string& table, int64_t id, int32_t shards = kVirtua
 // The map of `shards` virtual shards onto `servers` servers. Each server holds shards/servers
 // rounded down or up. Built server by server: server s (s >= 1) takes floor(shards / (s + 1))
 // shards, one at a time from whichever earlier server holds the most (the lowest index on a tie),
-// choosing that server's shard with the highest splitmix64 score for s. Hence the map for S
+// choosing that server's shard with the highest score hash_of(s, shard). Hence the map for S
 // servers is the map for S + 1 with server S's shards handed back: adding or removing the last
 // server moves only the shards it takes or gives, the fewest any balanced map can move.
 class ShardMap {

@@ -7,40 +7,31 @@
 
 #include "shoal/core/error.h"
 
+#include "../core/hash.h"
 #include "optimizer.h"
 #include "shard_map.h"
 
 namespace shoal::ps::detail {
 
-namespace {
-
-// Uniform in [0, 1) from the top 53 bits.
-double unit(uint64_t bits) {
-  return static_cast<double>(bits >> 11) * 0x1.0p-53;
-}
-
-}  // namespace
-
 void initial_row(const TableSpec& spec, int64_t id, float* out, int64_t dim) {
-  const uint64_t key = table_key(spec.name, id) ^ splitmix64(spec.seed ^ 0x5eedULL);
-  auto draw = [key](int64_t counter) {
-    return unit(splitmix64(key ^ splitmix64(static_cast<uint64_t>(counter))));
-  };
+  using shoal::detail::hash_of;
+  const uint64_t key = hash_of(spec.seed, table_key(spec.name, id));
   for (int64_t j = 0; j < dim; ++j) {
+    const auto element = static_cast<uint64_t>(j);
     switch (spec.init.kind) {
       case InitSpec::Kind::kZeros:
         out[j] = 0.f;
         break;
       case InitSpec::Kind::kUniform:
-        out[j] = static_cast<float>(spec.init.a + (spec.init.b - spec.init.a) * draw(j));
+        out[j] =
+            static_cast<float>(spec.init.a + (spec.init.b - spec.init.a) *
+                                                 shoal::detail::uniform_of(hash_of(key, element)));
         break;
-      case InitSpec::Kind::kNormal: {
-        const double u1 = 1.0 - draw(2 * j);  // (0, 1]: the logarithm stays finite
-        const double u2 = draw(2 * j + 1);
-        const double z = std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2);
-        out[j] = static_cast<float>(spec.init.a + spec.init.b * z);
+      case InitSpec::Kind::kNormal:
+        out[j] = static_cast<float>(
+            spec.init.a + spec.init.b * shoal::detail::normal_of(hash_of(key, element, 1),
+                                                                 hash_of(key, element, 2)));
         break;
-      }
     }
   }
 }

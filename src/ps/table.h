@@ -15,8 +15,8 @@
 namespace shoal::ps::detail {
 
 // The first value of row `id` of a sparse table: a pure function of (spec.seed, spec.name, id),
-// from a counter-based generator (splitmix64 of the key and the element's index; Box-Muller for
-// normal values), so it does not depend on which server holds the row, on what was touched
+// from counter-based hashes of (seed, table, id, element) (core/hash.h; Box-Muller for normal
+// values), so it does not depend on which server holds the row, on what was touched
 // before, or on LibTorch's generator.
 void initial_row(const TableSpec& spec, int64_t id, float* out, int64_t dim);
 
