@@ -31,6 +31,8 @@ using shoal::Duration;
 using shoal::UsageError;
 using Ms = std::chrono::milliseconds;
 
+constexpr auto kGenerous = Ms(60000);  // a failure bound for waits that should succeed
+
 // |a - b| <= rel * max(|a|, |b|, rms(b)) element by element, the worst offender in the message.
 // The RMS term: an element near zero is the difference of larger terms, whose float rounding
 // (LibTorch fuses multiply-adds in its vectorized loops and not in their tails) is relative to
@@ -440,7 +442,7 @@ class Cluster {
       request.worker = worker;
       request.tables = tables_;
       request.initial = dense_for(s, initial);
-      core(s).register_tables(request);
+      core(s).register_tables(request, kGenerous);
     }
   }
 
@@ -580,7 +582,6 @@ void run_threads(int workers, const std::function<void(int32_t)>& body) {
 constexpr int64_t kIn = 256, kHidden = 300, kOut = 4, kRows = 20, kTouchable = 15, kIds = 2;
 constexpr int kWorkers = 3, kSyncSteps = 4;
 const int64_t kBatch[kWorkers] = {3, 5, 4};
-constexpr auto kGenerous = Ms(60000);
 
 struct Batch {
   torch::Tensor x, ids, y;
@@ -769,7 +770,7 @@ struct Small {
     request.tables = {dense_spec("w", {8}, sgd),
                       sparse_spec("emb", 100, 4, {InitSpec::Kind::kUniform, -1, 1}, sgd)};
     request.initial = {DenseSlice{0, {0}, std::vector<float>(8, 1.f)}};
-    core->register_tables(request);
+    core->register_tables(request, Ms(0));
   }
   PullReply pull(int32_t worker, int64_t clock, Duration timeout) {
     PullRequest request;
@@ -1056,20 +1057,20 @@ TEST(PsServerCore, BadRequestsAreRefusedAndChangeNothing) {
   again.worker = 1;
   again.tables = {dense_spec("w", {8}, sgd),
                   sparse_spec("emb", 100, 4, {InitSpec::Kind::kUniform, -1, 1}, sgd)};
-  EXPECT_NO_THROW(server.core->register_tables(again));
+  EXPECT_NO_THROW(server.core->register_tables(again, Ms(0)));
   again.tables[0].optimizer.lr = 0.5;
   expect_refused(
       "worker 1's table 0 ('w') differs from the first registration: lr 0.500000 (expected "
       "1.000000)",
-      [&] { server.core->register_tables(again); });
+      [&] { server.core->register_tables(again, Ms(0)); });
   again.tables[0].optimizer.lr = 1;
   again.tables[1].shape = {100, 5};
   expect_refused(
       "table 1 ('emb') differs from the first registration: shape [100, 5] (expected [100, 4])",
-      [&] { server.core->register_tables(again); });
+      [&] { server.core->register_tables(again, Ms(0)); });
   again.tables.pop_back();
   expect_refused("worker 1 registers 1 tables; expected 2 as the first registration",
-                 [&] { server.core->register_tables(again); });
+                 [&] { server.core->register_tables(again, Ms(0)); });
 }
 
 TEST(PsServerCore, AChunkOrRowOfAnotherServerIsRefused) {
@@ -1082,7 +1083,7 @@ TEST(PsServerCore, AChunkOrRowOfAnotherServerIsRefused) {
   while (ShardMap(2).owner(row_shard(name, foreign)) == 0) ++foreign;
   RegisterRequest request;
   request.tables = {sparse_spec(name, 0, 2, {})};
-  core.register_tables(request);
+  core.register_tables(request, Ms(0));
   PushRequest push;
   push.rows = 1;
   push.sparse = {SparseSlice{0, {foreign}, {1.f, 1.f}}};
@@ -1105,18 +1106,18 @@ TEST(PsServerCore, AFailedFirstRegistrationLeavesNoTables) {
   request.tables = {dense_spec("w", {70000}, sgd), sparse_spec("emb", 0, 0, {})};
   EXPECT_NE(
       error_of<UsageError>([&] {
-        core.register_tables(request);
+        core.register_tables(request, Ms(0));
       }).find("sparse table 'emb' has shape [0, 0]; expected {rows (0: unbounded), dim >= 1}"),
       std::string::npos);
   request.tables[1].shape = {0, 3};
   request.initial = {DenseSlice{0, {0}, std::vector<float>(kChunkElements, 1.f)}};
   EXPECT_NE(error_of<UsageError>([&] {
-              core.register_tables(request);
+              core.register_tables(request, Ms(0));
             }).find("table 'w': no initial values for chunk 1, which this server holds"),
             std::string::npos);
   request.initial[0].chunks.push_back(1);
   request.initial[0].values.resize(70000, 2.f);
-  EXPECT_NO_THROW(core.register_tables(request));
+  EXPECT_NO_THROW(core.register_tables(request, Ms(0)));
   PullRequest pull;
   pull.dense = {DenseSlice{0, {1}, {}}};
   EXPECT_EQ(core.pull(pull, Ms(0)).dense[0].values,
@@ -1217,6 +1218,38 @@ TEST(PsSnapshot, ACheckpointOfThreeServersLoadsOntoTwo) {
   EXPECT_NE(
       error_of<UsageError>([&] { two.core(0).save_shard(v); }).find("is not held by this server"),
       std::string::npos);
+}
+
+TEST(PsServerCore, TheRegistrationWithValuesCreatesTheTables) {
+  ServerCoreOptions options;
+  options.workers = {0, 1};
+  options.shards = ShardMap(1).shards_of(0);
+  ServerCore core(options);
+  RegisterRequest first;
+  first.tables = {dense_spec("w", {4}, {})};
+  first.initial = {DenseSlice{0, {0}, {1, 2, 3, 4}}};
+  RegisterRequest other = first;
+  other.worker = 1;
+  other.initial.clear();
+  // Alone, a registration without values waits for the one with them, until its deadline.
+  const auto start = std::chrono::steady_clock::now();
+  const std::string e = error_of<CommError>([&] { core.register_tables(other, Ms(300)); });
+  const double waited =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_NE(e.find("parameter server: registration of worker 1 timed out after"), std::string::npos)
+      << e;
+  EXPECT_NE(e.find("waiting for the registration that carries the dense tables' first values"),
+            std::string::npos)
+      << e;
+  EXPECT_GE(waited, 0.29);
+  EXPECT_LT(waited, 10.0);  // a generous failure bound
+  std::thread late([&] { core.register_tables(other, kGenerous); });
+  core.register_tables(first, Ms(0));
+  late.join();
+  PullRequest pull;
+  pull.worker = 1;
+  pull.dense = {DenseSlice{0, {0}, {}}};
+  EXPECT_EQ(core.pull(pull, Ms(0)).dense[0].values, (std::vector<float>{1, 2, 3, 4}));
 }
 
 }  // namespace

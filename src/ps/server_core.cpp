@@ -187,10 +187,30 @@ void ServerCore::check_slices(const char* what, const std::vector<DenseSlice>& d
   }
 }
 
-void ServerCore::register_tables(const RegisterRequest& request) {
+bool ServerCore::holds_dense_chunks(const std::vector<TableSpec>& tables) const {
+  for (const auto& spec : tables) {
+    if (spec.sparse) continue;
+    for (int64_t c = 0; c < chunk_count(numel_of(spec.shape)); ++c)
+      if (shards_.count(chunk_shard(spec.name, c, options_.virtual_shards)) != 0) return true;
+  }
+  return false;
+}
+
+void ServerCore::register_tables(const RegisterRequest& request, Duration timeout) {
   const char* what = "register";
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (!tables_.empty()) {
+  Deadline deadline(timeout);
+  std::unique_lock<std::mutex> lock(mutex_);
+  for (const auto& spec : request.tables) check_spec(spec);
+  // See Note [Who creates the tables].
+  if (!registered_ && request.initial.empty() && holds_dense_chunks(request.tables)) {
+    const auto until = std::chrono::steady_clock::now() + deadline.remaining();
+    if (!changed_.wait_until(lock, until, [&] { return registered_; }))
+      throw CommError("parameter server: registration of worker " + std::to_string(request.worker) +
+                      " timed out after " + format_duration(deadline.elapsed()) +
+                      " waiting for the registration that carries the dense tables' first values"
+                      " (the first worker's)");
+  }
+  if (registered_) {
     if (request.tables.size() != tables_.size())
       bad(what, "worker " + std::to_string(request.worker) + " registers " +
                     std::to_string(request.tables.size()) + " tables; expected " +
@@ -206,7 +226,6 @@ void ServerCore::register_tables(const RegisterRequest& request) {
   }
   std::set<std::string> names;
   for (const auto& spec : request.tables) {
-    check_spec(spec);
     if (!names.insert(spec.name).second)
       bad(what, "table name '" + spec.name + "' is used twice; expected unique names");
   }
@@ -247,6 +266,8 @@ void ServerCore::register_tables(const RegisterRequest& request) {
       values += length;
     }
   }
+  registered_ = true;
+  changed_.notify_all();
 }
 
 void ServerCore::apply(const std::vector<DenseSlice>& dense,

@@ -47,8 +47,12 @@ class ServerCore {
  public:
   explicit ServerCore(ServerCoreOptions options);
 
-  // Creates the tables on the first registration; later ones must match it.
-  void register_tables(const RegisterRequest& request);
+  // Note [Who creates the tables]: the registration that carries `initial` creates the tables
+  // (the client sends it from the first worker only, as DDP broadcasts the first worker's
+  // parameters, so that every server starts from one worker's values); one without `initial`
+  // waits at most `timeout` for it (CommError after), unless this server holds no dense chunk.
+  // Later registrations must match the first exactly (UsageError naming the first difference).
+  void register_tables(const RegisterRequest& request, Duration timeout);
 
   // Waits as the consistency mode says, at most `timeout`; CommError after it, naming the workers
   // waited for and their clocks.
@@ -91,6 +95,7 @@ class ServerCore {
                     const std::vector<SparseSlice>& sparse, bool with_values) const;
   const Table& table_at(const char* what, int32_t index) const;
   std::vector<TableSpec> specs() const;
+  bool holds_dense_chunks(const std::vector<TableSpec>& tables) const;
   VirtualShard* holder(int32_t shard);
   void apply(const std::vector<DenseSlice>& dense, const std::vector<SparseSlice>& sparse);
   void apply_ready_steps();  // sync: applies the open step while it is complete
@@ -109,6 +114,7 @@ class ServerCore {
   std::map<int32_t, int64_t> clock_;  // pushes received, per worker ever live
   int64_t step_ = 0;
   int64_t pulls_waiting_ = 0;
+  bool registered_ = false;
   std::map<int64_t, std::map<int32_t, PushRequest>> pending_;  // sync: step -> worker -> push
 };
 
