@@ -76,7 +76,8 @@ struct RegisterRequest {
   int32_t worker = 0;  // the worker's index in the job
   std::vector<TableSpec> tables;
   // Dense tables' first values: for each dense table, the chunks the server holds, each once.
-  // Only the registration that creates a table reads them; later ones may send them or not.
+  // The registration that carries them creates the tables (the client sends them from the first
+  // worker only); one without them waits for it. Later registrations' values are not read.
   std::vector<DenseSlice> initial;
 };
 

@@ -50,7 +50,7 @@ class VirtualShard {
   size_t chunks_held() const { return chunks_.size(); }
 
   // The shard as bytes: its chunks and rows with their optimizer state and step counts, by table
-  // name (docs/ps.md, "Snapshots"). `tables` are the server's, in registration order.
+  // name (docs/ps.md, "Sharding"). `tables` are the server's, in registration order.
   std::string save(const std::vector<TableSpec>& tables) const;
   // The shard `id` read back from save()'s bytes, for a server whose tables are `tables` (the
   // same names, kinds, shapes and optimizers as the saver's, in any order). Every byte is checked
