@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <optional>
+#include <unordered_map>
 
 #include "optimizer.h"
 #include "shoal/core/error.h"
@@ -95,6 +97,15 @@ void check_spec(const TableSpec& spec) {
                   std::to_string(spec.init.b) + "; expected >= 0");
 }
 
+// A value that occurs twice in `values`, if any (a sorted copy: no allocation per element).
+std::optional<int64_t> repeated(const std::vector<int64_t>& values) {
+  std::vector<int64_t> sorted(values);
+  std::sort(sorted.begin(), sorted.end());
+  auto it = std::adjacent_find(sorted.begin(), sorted.end());
+  if (it == sorted.end()) return std::nullopt;
+  return *it;
+}
+
 }  // namespace
 
 ServerCore::ServerCore(ServerCoreOptions options) : options_(std::move(options)) {
@@ -113,6 +124,8 @@ ServerCore::ServerCore(ServerCoreOptions options) : options_(std::move(options))
       throw UsageError("parameter server: virtual shard " + std::to_string(shard) +
                        "; expected 0 <= shard < " + std::to_string(options_.virtual_shards));
     shards_.emplace(shard, VirtualShard(shard));
+    held_.resize(static_cast<size_t>(options_.virtual_shards), false);
+    held_[static_cast<size_t>(shard)] = true;
   }
   for (int32_t w : options_.workers) {
     if (w < 0)
@@ -141,21 +154,19 @@ void ServerCore::check_slices(const char* what, const std::vector<DenseSlice>& d
     const std::string name = "table '" + table.spec.name + "'";
     if (table.spec.sparse) bad(what, name + " is sparse; expected a dense table for chunks");
     const int64_t chunks = chunk_count(table.numel);
-    std::set<int64_t> seen;
     int64_t length = 0;
     for (int64_t chunk : slice.chunks) {
       if (chunk < 0 || chunk >= chunks)
         bad(what, name + ": chunk " + std::to_string(chunk) +
                       " is out of range; expected 0 <= chunk < " + std::to_string(chunks));
-      if (!seen.insert(chunk).second)
-        bad(what,
-            name + ": chunk " + std::to_string(chunk) + " is named twice; expected each once");
       const int32_t shard = chunk_shard(table.spec.name, chunk, options_.virtual_shards);
-      if (shards_.count(shard) == 0)
+      if (!holds(shard))
         bad(what, name + ": chunk " + std::to_string(chunk) + " is in virtual shard " +
                       std::to_string(shard) + ", which this server does not hold");
       length += chunk_length(table.numel, chunk);
     }
+    if (const auto twice = repeated(slice.chunks))
+      bad(what, name + ": chunk " + std::to_string(*twice) + " is named twice; expected each once");
     const int64_t expected = with_values ? length : 0;
     if (static_cast<int64_t>(slice.values.size()) != expected)
       bad(what, name + ": " + std::to_string(slice.values.size()) + " values for " +
@@ -167,18 +178,19 @@ void ServerCore::check_slices(const char* what, const std::vector<DenseSlice>& d
     const std::string name = "table '" + table.spec.name + "'";
     if (!table.spec.sparse) bad(what, name + " is dense; expected a sparse table for rows");
     const int64_t rows = table.spec.shape[0];
-    std::set<int64_t> seen;
     for (int64_t id : slice.ids) {
       if (id < 0 || (rows > 0 && id >= rows))
         bad(what, name + ": row " + std::to_string(id) + " is out of range; expected 0 <= id" +
                       (rows > 0 ? " < " + std::to_string(rows) : std::string()));
-      if (with_values && !seen.insert(id).second)
-        bad(what, name + ": row " + std::to_string(id) + " is named twice; expected unique ids");
       const int32_t shard = row_shard(table.spec.name, id, options_.virtual_shards);
-      if (shards_.count(shard) == 0)
+      if (!holds(shard))
         bad(what, name + ": row " + std::to_string(id) + " is in virtual shard " +
                       std::to_string(shard) + ", which this server does not hold");
     }
+    if (with_values)  // a pull may name a row twice; a push's gradients must be coalesced
+      if (const auto twice = repeated(slice.ids))
+        bad(what,
+            name + ": row " + std::to_string(*twice) + " is named twice; expected unique ids");
     const int64_t expected = with_values ? static_cast<int64_t>(slice.ids.size()) * table.dim : 0;
     if (static_cast<int64_t>(slice.values.size()) != expected)
       bad(what, name + ": " + std::to_string(slice.values.size()) + " values for " +
@@ -326,7 +338,13 @@ void ServerCore::apply_ready_steps() {
       double total = 0;
       for (const auto& [worker, push] : pushes) total += static_cast<double>(push.rows);
       std::map<std::pair<int32_t, int64_t>, std::vector<double>> chunks;
-      std::map<std::pair<int32_t, int64_t>, std::vector<double>> rows;
+      // Per sparse table: each row's place in `acc`, in the order rows first appear.
+      struct RowSums {
+        std::unordered_map<int64_t, size_t> at;
+        std::vector<int64_t> ids;
+        std::vector<double> acc;
+      };
+      std::map<int32_t, RowSums> rows;
       for (const auto& [worker, push] : pushes) {
         const auto weight = static_cast<double>(push.rows);
         for (const auto& slice : push.dense) {
@@ -343,24 +361,34 @@ void ServerCore::apply_ready_steps() {
         for (const auto& slice : push.sparse) {
           const Table& table = tables_[static_cast<size_t>(slice.table)];
           const float* grad = slice.values.data();
+          const auto dim = static_cast<size_t>(table.dim);
+          RowSums& sums = rows[slice.table];
+          sums.at.reserve(sums.at.size() + slice.ids.size());
           for (int64_t id : slice.ids) {
-            auto& acc = rows[{slice.table, id}];
-            acc.resize(static_cast<size_t>(table.dim), 0.0);
-            for (int64_t i = 0; i < table.dim; ++i) acc[static_cast<size_t>(i)] += weight * grad[i];
-            grad += table.dim;
+            auto [it, fresh] = sums.at.emplace(id, sums.ids.size());
+            if (fresh) {
+              sums.ids.push_back(id);
+              sums.acc.resize(sums.acc.size() + dim, 0.0);
+            }
+            double* acc = sums.acc.data() + it->second * dim;
+            for (size_t i = 0; i < dim; ++i) acc[i] += weight * grad[i];
+            grad += dim;
           }
         }
       }
       for (const auto& [key, acc] : chunks) {
         if (dense.empty() || dense.back().table != key.first) dense.push_back({key.first, {}, {}});
         dense.back().chunks.push_back(key.second);
-        for (double g : acc) dense.back().values.push_back(static_cast<float>(g / total));
+        auto& values = dense.back().values;
+        const size_t at = values.size();
+        values.resize(at + acc.size());
+        for (size_t i = 0; i < acc.size(); ++i) values[at + i] = static_cast<float>(acc[i] / total);
       }
-      for (const auto& [key, acc] : rows) {
-        if (sparse.empty() || sparse.back().table != key.first)
-          sparse.push_back({key.first, {}, {}});
-        sparse.back().ids.push_back(key.second);
-        for (double g : acc) sparse.back().values.push_back(static_cast<float>(g / total));
+      for (auto& [table, sums] : rows) {
+        SparseSlice slice{table, std::move(sums.ids), std::vector<float>(sums.acc.size())};
+        for (size_t i = 0; i < sums.acc.size(); ++i)
+          slice.values[i] = static_cast<float>(sums.acc[i] / total);
+        sparse.push_back(std::move(slice));
       }
     }
     apply(dense, sparse);
@@ -368,7 +396,7 @@ void ServerCore::apply_ready_steps() {
   }
 }
 
-PushReply ServerCore::push(const PushRequest& request) {
+PushReply ServerCore::push(PushRequest request) {
   const char* what = "push";
   std::lock_guard<std::mutex> lock(mutex_);
   const int32_t w = request.worker;
@@ -394,7 +422,8 @@ PushReply ServerCore::push(const PushRequest& request) {
                                            static_cast<size_t>(options_.replicas_to_aggregate))) {
     reply.counted = false;  // the step was full without it (backup workers)
   } else {
-    pending_[request.clock].emplace(w, request);
+    const int64_t clock = request.clock;
+    pending_[clock].emplace(w, std::move(request));
     apply_ready_steps();
   }
   reply.clock = step_;

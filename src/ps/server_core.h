@@ -61,7 +61,7 @@ class ServerCore {
   // Sync: buffers the push until its step is complete, then applies the step; with
   // replicas_to_aggregate, a push to a step already full is answered counted = false and
   // dropped. Bounded staleness and async: applies it at once. Never waits.
-  PushReply push(const PushRequest& request);
+  PushReply push(PushRequest request);
 
   // Workers leave and join. A joiner's clock starts at the server's step (sync) or at the slowest
   // staying worker's clock (the others), so it neither blocks steps already closed nor lags.
@@ -106,6 +106,11 @@ class ServerCore {
 
   ServerCoreOptions options_;
   std::map<int32_t, VirtualShard> shards_;
+  std::vector<bool> held_;  // by virtual shard: whether shards_ has it
+  bool holds(int32_t shard) const {
+    return shard >= 0 && static_cast<size_t>(shard) < held_.size() &&
+           held_[static_cast<size_t>(shard)];
+  }
   std::vector<Table> tables_;
 
   mutable std::mutex mutex_;
