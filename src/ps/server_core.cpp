@@ -119,12 +119,15 @@ ServerCore::ServerCore(ServerCoreOptions options) : options_(std::move(options))
     throw UsageError("parameter server: replicas_to_aggregate " +
                      std::to_string(options_.replicas_to_aggregate) +
                      "; expected 0, or > 0 with sync consistency");
+  if (options_.virtual_shards < 1)
+    throw UsageError("parameter server: " + std::to_string(options_.virtual_shards) +
+                     " virtual shards; expected at least 1");
+  held_.assign(static_cast<size_t>(options_.virtual_shards), false);
   for (int32_t shard : options_.shards) {
     if (shard < 0 || shard >= options_.virtual_shards)
       throw UsageError("parameter server: virtual shard " + std::to_string(shard) +
                        "; expected 0 <= shard < " + std::to_string(options_.virtual_shards));
     shards_.emplace(shard, VirtualShard(shard));
-    held_.resize(static_cast<size_t>(options_.virtual_shards), false);
     held_[static_cast<size_t>(shard)] = true;
   }
   for (int32_t w : options_.workers) {
