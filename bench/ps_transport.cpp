@@ -31,6 +31,11 @@
 #include <string>
 #include <vector>
 
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/impl/rpc_service_method.h>
+#include <grpcpp/support/method_handler.h>
+
 #include "ps/rpc.h"
 #include "ps/sum_handler.h"
 #include "shoal/comm/store.h"
@@ -42,7 +47,27 @@ using namespace shoal;
 using namespace shoal::ps::detail;
 
 const std::string kToken = "bench-token";
-const char* kNames[] = {"grpc", "gloo", "tcp"};
+// "echo": gRPC itself, without shoal's service: a unary call whose request is the payload's
+// bytes and whose reply is the same buffer sent back (no protobuf, no copy on the server), the
+// floor under the "grpc" column.
+const char* kNames[] = {"grpc", "gloo", "tcp", "echo"};
+constexpr int kTransports = 4;
+const std::string kEchoMethod = "/bench.Echo/Echo";
+
+class EchoService : public grpc::Service {
+ public:
+  EchoService() {
+    AddMethod(new grpc::internal::RpcServiceMethod(
+        kEchoMethod.c_str(), grpc::internal::RpcMethod::NORMAL_RPC,
+        new grpc::internal::RpcMethodHandler<EchoService, grpc::ByteBuffer, grpc::ByteBuffer>(
+            [](EchoService*, grpc::ServerContext*, const grpc::ByteBuffer* in,
+               grpc::ByteBuffer* out) {
+              *out = *in;
+              return grpc::Status::OK;
+            },
+            this)));
+  }
+};
 constexpr int kWarmup = 2;
 
 int64_t parse_size(const std::string& text) {
@@ -70,7 +95,7 @@ std::vector<Step> schedule(size_t sizes, int reps) {
   std::vector<Step> steps;
   for (size_t s = 0; s < sizes; ++s)
     for (int r = 0; r < reps; ++r)
-      for (int k = 0; k < 3; ++k) steps.push_back({s, (k + r) % 3});
+      for (int k = 0; k < kTransports; ++k) steps.push_back({s, (k + r) % kTransports});
   return steps;
 }
 
@@ -130,6 +155,15 @@ int serve(int store_port, const std::vector<int64_t>& sizes, int reps) {
   options.host = "127.0.0.1";
   options.token = kToken;
   RpcServer server(handler, options);
+  EchoService echo;
+  grpc::ServerBuilder echo_builder;
+  int echo_port = 0;
+  echo_builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &echo_port);
+  echo_builder.RegisterService(&echo);
+  echo_builder.SetMaxReceiveMessageSize(1 << 30);
+  echo_builder.SetMaxSendMessageSize(1 << 30);
+  const std::unique_ptr<grpc::Server> echo_server = echo_builder.BuildAndStart();
+  comm::put(store, "bench/echo", "127.0.0.1:" + std::to_string(echo_port));
   const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in address{};
   address.sin_family = AF_INET;
@@ -190,6 +224,13 @@ double median(std::vector<double> values) {
 int measure(const comm::StorePtr& store, const std::vector<int64_t>& sizes, int reps) {
   store->wait({"bench/grpc", "bench/tcp"}, std::chrono::seconds(120));
   RpcClient client(0, comm::try_get(store, "bench/grpc"), kToken);
+  store->wait({"bench/echo"}, std::chrono::seconds(120));
+  grpc::ChannelArguments echo_args;
+  echo_args.SetMaxReceiveMessageSize(1 << 30);
+  echo_args.SetMaxSendMessageSize(1 << 30);
+  echo_args.SetInt(GRPC_ARG_ENABLE_HTTP_PROXY, 0);
+  grpc::GenericStub echo(grpc::CreateCustomChannel(comm::try_get(store, "bench/echo"),
+                                                   grpc::InsecureChannelCredentials(), echo_args));
   client.register_tables(tables(sizes), std::chrono::seconds(30));
   const int tcp = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in address{};
@@ -203,8 +244,8 @@ int measure(const comm::StorePtr& store, const std::vector<int64_t>& sizes, int 
   auto group = make_group(store, 0);
 
   // rates[size][transport]: round trips per second, one per repetition.
-  std::vector<std::vector<std::vector<double>>> rates(sizes.size(),
-                                                      std::vector<std::vector<double>>(3));
+  std::vector<std::vector<std::vector<double>>> rates(
+      sizes.size(), std::vector<std::vector<double>>(kTransports));
   for (const Step& step : schedule(sizes.size(), reps)) {
     const int64_t bytes = sizes[step.size];
     const int64_t floats = bytes / 4;
@@ -231,6 +272,28 @@ int measure(const comm::StorePtr& store, const std::vector<int64_t>& sizes, int 
         group->send(out, 1, 0)->wait();
         group->recv(in, 1, 1)->wait();
       };
+    } else if (step.transport == 3) {
+      round_trip = [&] {
+        grpc::Slice slice(payload.data(), static_cast<size_t>(bytes));
+        const grpc::ByteBuffer request(&slice, 1);
+        grpc::ByteBuffer reply;
+        grpc::ClientContext context;
+        context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+        grpc::CompletionQueue queue;
+        auto call = echo.PrepareUnaryCall(&context, kEchoMethod, request, &queue);
+        call->StartCall();
+        grpc::Status status;
+        call->Finish(&reply, &status, reinterpret_cast<void*>(1));
+        void* tag = nullptr;
+        bool ok = false;
+        queue.Next(&tag, &ok);
+        queue.Shutdown();
+        while (queue.Next(&tag, &ok)) {
+        }
+        if (!status.ok() || static_cast<int64_t>(reply.Length()) != bytes) {
+          throw CommError("echo failed: " + status.error_message());
+        }
+      };
     } else {
       round_trip = [&] {
         const uint64_t frame = static_cast<uint64_t>(bytes);
@@ -253,7 +316,7 @@ int measure(const comm::StorePtr& store, const std::vector<int64_t>& sizes, int 
   std::printf("%-9s %-5s %14s %10s %8s %10s\n", "payload", "via", "round trips/s", "calls/s",
               "GB/s", "ms/rt");
   for (size_t s = 0; s < sizes.size(); ++s) {
-    for (int k = 0; k < 3; ++k) {
+    for (int k = 0; k < kTransports; ++k) {
       const double rt = median(rates[s][k]);
       const double calls = k == 0 ? 2 * rt : rt;
       const std::string size = sizes[s] >= (1 << 20) ? std::to_string(sizes[s] >> 20) + " MiB"
