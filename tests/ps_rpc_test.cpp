@@ -488,9 +488,20 @@ TEST(PsLaunch, AKilledServerFailsTheJobNamingIt) {
 }
 
 TEST(PsLaunch, ServersFlagIsCheckedAtOnce) {
-  const testing::RunResult run = testing::run_shoal({"--servers", "-1", kWorker}, 30s);
-  EXPECT_EQ(run.exit_code, 2);
-  EXPECT_NE(run.err.find("--servers"), std::string::npos) << run.err;
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--servers", "-1", kWorker},
+       "shoal run: --servers: expected a number of servers from 0 to 1024, got '-1'"},
+      {{"--servers", "2", "--min", "1", "--max", "2", kWorker},
+       "shoal run: --servers is not supported with elastic jobs (--min/--max, --join) yet; drop "
+       "one of them"},
+      {{"--servers", "1", "--nnodes", "2", "--master", "127.0.0.1:1", kWorker},
+       "shoal run: --servers is not supported with --nnodes > 1 yet; run the job on one node"},
+  };
+  for (const auto& [args, message] : cases) {
+    const testing::RunResult run = testing::run_shoal(args, 30s);
+    EXPECT_EQ(run.exit_code, 2);
+    EXPECT_EQ(run.err, message + "\n");
+  }
 }
 
 }  // namespace
