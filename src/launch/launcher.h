@@ -90,9 +90,9 @@ class Launcher {
   std::unique_ptr<NodeGroup> nodes_;
   std::vector<std::unique_ptr<Worker>> workers_;
   std::unique_ptr<ElasticAgent> agent_;
-  bool any_success_ = false;
+  bool any_success_ = false;  // a worker exited 0 (an elastic job's training finished)
   std::string ps_token_;           // the job's token for its parameter servers
-  bool servers_stopping_ = false;  // the workers are done and the servers were told to stop  // a worker exited 0 (an elastic job's training finished)
+  bool servers_stopping_ = false;  // the workers are done and the servers were told to stop
 
   bool stopping_ = false;
   int exit_code_ = 0;
