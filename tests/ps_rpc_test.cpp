@@ -417,6 +417,14 @@ TEST_F(PsRpcTest, AServerStopsOnSigtermWithCodeZero) {
   EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << *status;
 }
 
+TEST_F(PsRpcTest, AServerEndsWithItsJobsStore) {
+  start(1);
+  store_.reset();  // the launcher that hosts the store is gone: so is the job
+  const auto status = servers_[0]->stop(0, 10s);  // signal 0: nothing sent, only waited for
+  ASSERT_TRUE(status.has_value());
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << *status;
+}
+
 TEST(PsRpc, ConnectingWithoutServersTimesOutNamingTheFirstMissing) {
   comm::StoreOptions options;
   options.is_server = true;
