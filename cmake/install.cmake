@@ -71,8 +71,10 @@ set(CPACK_COMPONENTS_ALL runtime development)
 set(CPACK_DEBIAN_FILE_NAME DEB-DEFAULT)
 set(CPACK_DEBIAN_PACKAGE_SECTION science)
 set(CPACK_DEBIAN_RUNTIME_PACKAGE_NAME shoal)
+# The `shoal` command serves parameter servers over gRPC: libgrpc++1.51, libgrpc29 (libgpr),
+# libabsl20220623 and libprotobuf32.
 set(CPACK_DEBIAN_RUNTIME_PACKAGE_DEPENDS
-    "libtorch1.13, libssl3, zlib1g, libstdc++6, libgcc-s1, libc6")
+    "libtorch1.13, libssl3, zlib1g, libgrpc++1.51, libgrpc29, libabsl20220623, libprotobuf32, libstdc++6, libgcc-s1, libc6")
 set(CPACK_DEBIAN_RUNTIME_PACKAGE_RECOMMENDS "libopenblas0-openmp")
 set(CPACK_DEBIAN_DEVELOPMENT_PACKAGE_NAME shoal-dev)
 set(CPACK_DEBIAN_DEVELOPMENT_PACKAGE_SECTION libdevel)

@@ -18,6 +18,7 @@ packages=(
                                      # unchanged under shoal run; PyTorch's DDP for benchmarks
   munge slurmctld slurmd slurm-client  # a real Slurm (22.05) that the Slurm tests start
   openmpi-bin                        # a real mpirun for the Open MPI tests
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler  # the parameter server's gRPC service
 )
 
 missing=()

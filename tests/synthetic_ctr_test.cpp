@@ -93,7 +93,8 @@ TEST(SyntheticCtr, LabelsAreDrawnWithTheHiddenProbability) {
   const SyntheticCtr set(small());
   const int64_t n = 100'000;
   const CtrBatch batch = set.range(0, n);
-  const auto p = batch.probability.to(torch::kDouble);
+  // Clamped as logloss() clamps: a float probability can round to 0 or 1.
+  const auto p = batch.probability.to(torch::kDouble).clamp(1e-7, 1 - 1e-7);
   const auto y = batch.label.to(torch::kDouble);
   EXPECT_TRUE(((y == 0) | (y == 1)).all().item<bool>());
   // Calibrated in every decile of p: the label rate is the mean probability.

@@ -77,8 +77,9 @@ void SyntheticCtr::hidden(int field, int64_t id, double* out) const {
     return;
   }
   const uint64_t key = hash_of(o.seed, kWeight, field, id);
+  const double decay = std::pow(static_cast<double>(id) + 1.0, -o.id_decay);
   for (int k = 0; k <= o.factors; ++k) {
-    const double scale = k == 0 ? o.linear_scale : o.factor_scale;
+    const double scale = decay * (k == 0 ? o.linear_scale : o.factor_scale);
     out[k] = scale * normal_of(hash_of(key, k, 0), hash_of(key, k, 1));
   }
 }

@@ -70,6 +70,7 @@ int Launcher::run() {
   const std::string node = "node " + std::to_string(options_.node_rank);
   try {
     const std::string run_id = nodes_->join(own_run_id);
+    if (options_.servers > 0) start_servers(run_id, store_->port());
     start_workers(run_id, store_->port());
   } catch (const Interrupted& interrupted) {
     say("received " + signal_name(interrupted.signal()) + " before the workers started");
@@ -92,7 +93,8 @@ int Launcher::run() {
 }
 
 void Launcher::start_workers(const std::string& run_id, int port) {
-  const env::Environment base = env::current();
+  env::Environment base = env::current();
+  if (options_.servers > 0) add_ps_environment(base);
   for (int i = 0; i < options_.nproc_per_node; ++i) {
     WorkerPlace place;
     place.local_rank = i;
@@ -125,6 +127,10 @@ void Launcher::spawn(Worker& worker) {
   argv.insert(argv.end(), options_.program_args.begin(), options_.program_args.end());
   ProcessSpec spec;
   spec.path = options_.program_path;
+  if (worker.server) {
+    argv = {"shoal", "ps-server", "--index", std::to_string(worker.rank)};
+    spec.path = "/proc/self/exe";
+  }
   spec.argv = argv;
   spec.env = worker.envp;
   spec.signal_mask = signals_->original_mask();
@@ -271,6 +277,10 @@ void Launcher::close_output(Worker& worker) {
 }
 
 void Launcher::on_exit(Worker& worker, const ExitStatus& status) {
+  if (worker.server) {
+    on_server_exit(worker, status);
+    return;
+  }
   worker.exit = status;
   // Workers read this to name a lost peer, so it is written before anything slower.
   if (nodes_) nodes_->record_exit(worker.rank, status.describe());
@@ -280,6 +290,7 @@ void Launcher::on_exit(Worker& worker, const ExitStatus& status) {
   signal_group(worker.pid, SIGKILL);
   watchdog_->forget(worker.pid);
   if (!status.success() && !stopping_) on_failure(worker, status);
+  if (options_.servers > 0) stop_servers_after_workers();
 }
 
 void Launcher::on_failure(Worker& worker, const ExitStatus& status) {

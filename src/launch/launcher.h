@@ -14,6 +14,7 @@
 
 #include "options.h"
 #include "output.h"
+#include "shoal/core/env.h"
 
 namespace shoal::launch {
 
@@ -60,6 +61,14 @@ class Launcher {
   bool any_running() const;
   void say(const std::string& message);
 
+  // Parameter servers (ps_launch.cpp; docs/ps.md, "Processes"): started before the workers, kept
+  // in workers_ with Worker::server set, stopped once every worker has ended.
+  void start_servers(const std::string& run_id, int port);
+  // SHOAL_PS_SERVERS and SHOAL_JOB_TOKEN, for workers and servers alike.
+  void add_ps_environment(env::Environment& env) const;
+  void on_server_exit(Worker& server, const ExitStatus& status);
+  void stop_servers_after_workers();
+
   // Elastic jobs (elastic_launch.cpp).
   int run_elastic();
   // How this launcher finds the job: through its gossip membership, or its record in etcd.
@@ -82,6 +91,8 @@ class Launcher {
   std::vector<std::unique_ptr<Worker>> workers_;
   std::unique_ptr<ElasticAgent> agent_;
   bool any_success_ = false;  // a worker exited 0 (an elastic job's training finished)
+  std::string ps_token_;           // the job's token for its parameter servers
+  bool servers_stopping_ = false;  // the workers are done and the servers were told to stop
 
   bool stopping_ = false;
   int exit_code_ = 0;

@@ -9,6 +9,7 @@
 
 #include "launcher.h"
 #include "options.h"
+#include "ps_server.h"
 #include "shoal/core/error.h"
 
 namespace {
@@ -63,6 +64,10 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (args[0] == "run") return run_command({args.begin() + 1, args.end()});
+  // Internal: the parameter servers that `shoal run --servers` starts (docs/ps.md).
+  if (args[0] == "ps-server") {
+    return shoal::launch::ps_server_command({args.begin() + 1, args.end()});
+  }
   std::cerr << "shoal: unknown command '" << args[0] << "'; expected run (see shoal --help)"
             << std::endl;
   return 2;

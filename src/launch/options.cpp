@@ -33,6 +33,7 @@ struct RawFlags {
   std::string rendezvous_timeout = "600";
   std::string checkpoint;
   std::string checkpoint_every;
+  std::string servers = "0";
 };
 
 // The program and its arguments are split off before CLI11 parses, so CLI11 does not know them;
@@ -158,6 +159,23 @@ void add_flags(CLI::App& app, RawFlags& raw) {
   app.add_flag("--tag-output", "Prefix each output line with \"[RANK] \" (the default when the "
                "job has more than one worker)");
   app.add_flag("--no-tag-output", "Forward output lines as they are");
+  app.add_option("--servers", raw.servers,
+                 "Parameter servers to start before the workers (default 0; docs/ps.md)")
+      ->type_name("S");
+}
+
+// See docs/ps.md, "Processes".
+void validate_servers(const RawFlags& raw, LaunchOptions& options) {
+  options.servers =
+      parse_int("--servers", raw.servers, 0, 1024, "a number of servers from 0 to 1024");
+  if (options.servers == 0) return;
+  if (options.elastic) {
+    throw UsageError(
+        "--servers is not supported with elastic jobs (--min/--max, --join) yet; drop one of them");
+  }
+  if (options.nnodes > 1) {
+    throw UsageError("--servers is not supported with --nnodes > 1 yet; run the job on one node");
+  }
 }
 
 // See docs/elastic.md, "shoal run for elastic jobs".
@@ -265,6 +283,7 @@ LaunchOptions validate(const RawFlags& raw, const CLI::App& app) {
   if (tag && no_tag) throw UsageError("--tag-output and --no-tag-output contradict each other");
   if (tag || no_tag) options.tag_output = tag;
   validate_elastic(raw, app, options);
+  validate_servers(raw, options);
   return options;
 }
 

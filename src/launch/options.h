@@ -49,6 +49,10 @@ struct LaunchOptions {
   std::string checkpoint;
   int checkpoint_every = 0;
 
+  // --servers S: parameter servers (`shoal ps-server`) started before the workers and stopped
+  // after them (docs/ps.md, "Processes"). Single-node static jobs only, for now.
+  int servers = 0;
+
   std::string program;  // as given (for messages)
   std::string program_path;  // resolved against PATH; what is executed
   std::vector<std::string> program_args;

@@ -29,6 +29,7 @@ struct Launcher::Worker {
   std::optional<ExitStatus> exit;
   std::vector<std::string> envp;  // kept for restarts
   int restarts = 0;
+  bool server = false;  // a parameter server (`shoal ps-server --index <rank>`), not a worker
   std::optional<std::chrono::steady_clock::time_point> restart_at;
 
   bool running() const { return pid > 0 && !exit; }

@@ -27,10 +27,14 @@ struct SyntheticCtrOptions {
   // The hidden model: logit = bias + sum_f w(f, id_f) + sum_j u_j x_j
   //                           + sum_{f<g} <v(f, id_f), v(g, id_g)>,
   // with w, u and v's entries normal with these standard deviations.
+  // An id's w and v are further scaled by (id + 1)^-id_decay: rare ids carry less of the signal,
+  // as in real logs, so that what the frequent ids say can be learned from a feasible number of
+  // samples (at id_decay = 0 every id matters alike, and most are seen too rarely to be learned).
   double bias = -1.5;
-  double linear_scale = 0.2;
+  double linear_scale = 1.0;
   double dense_scale = 0.2;
-  double factor_scale = 0.14;
+  double factor_scale = 0.6;
+  double id_decay = 1.0;
 };
 
 // A batch of samples, rows in the order of the indices asked for.

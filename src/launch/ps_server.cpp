@@ -1,0 +1,111 @@
+#include "ps_server.h"
+
+#include <signal.h>
+
+#include <CLI/CLI.hpp>
+#include <iostream>
+
+#include "../ps/connect.h"
+#include "../ps/rpc.h"
+#include "../ps/sum_handler.h"
+#include "shoal/comm/store.h"
+#include "shoal/core/env.h"
+#include "shoal/core/error.h"
+
+namespace shoal::launch {
+namespace {
+
+// How often the server checks that its job's store is still there.
+constexpr Duration kStoreCheck{1000};
+
+std::string required(const env::Environment& env, const std::string& name, const char* what) {
+  auto value = env::get(env, name);
+  if (!value || value->empty()) {
+    throw UsageError(name + " is not set; expected " + what + " (shoal run --servers sets it)");
+  }
+  return *value;
+}
+
+int serve(int index, const std::string& host, int port) {
+  const env::Environment env = env::current();
+  comm::StoreOptions store_options;
+  store_options.host = required(env, "SHOAL_MASTER_ADDR", "the address of the job's store");
+  store_options.port =
+      static_cast<int>(env::get_int(env, "SHOAL_MASTER_PORT", 1, 65535).value_or(0));
+  if (store_options.port == 0) {
+    throw UsageError("SHOAL_MASTER_PORT is not set; expected the port of the job's store");
+  }
+  store_options.described_as = "SHOAL_MASTER_ADDR:SHOAL_MASTER_PORT";
+  if (auto id = env::get(env, "SHOAL_RUN_ID"); id && !id->empty()) {
+    store_options.job_id = "shoal run " + *id;
+  }
+  const std::string token = ps::detail::job_token(env);
+
+  // Signals are taken with sigtimedwait: block them before gRPC starts its threads.
+  sigset_t stop;
+  sigemptyset(&stop);
+  for (int signal : {SIGTERM, SIGINT, SIGHUP}) sigaddset(&stop, signal);
+  pthread_sigmask(SIG_BLOCK, &stop, nullptr);
+
+  const comm::StorePtr store = comm::open_store(store_options);
+  // The store-and-sum handler stands in for the server's core until the two are joined.
+  ps::detail::SumHandler handler;
+  ps::detail::ServerOptions options;
+  options.host = host;
+  options.port = port;
+  options.index = index;
+  options.token = token;
+  ps::detail::RpcServer server(handler, options);
+  const std::string address = comm::local_address_towards(store_options.host, store_options.port) +
+                              ":" + std::to_string(server.port());
+  comm::put(store, ps::detail::server_key(index), address);
+
+  for (;;) {
+    const timespec wait{kStoreCheck.count() / 1000, (kStoreCheck.count() % 1000) * 1000000L};
+    const int signal = ::sigtimedwait(&stop, nullptr, &wait);
+    if (signal > 0) break;
+    try {
+      comm::try_get(store, comm::kJobIdKey);
+    } catch (const std::exception&) {
+      break;  // the launcher, which hosts the store, is gone: so is the job
+    }
+  }
+  server.shutdown(Duration(1000));
+  return 0;
+}
+
+}  // namespace
+
+int ps_server_command(const std::vector<std::string>& args) {
+  int index = -1;
+  int port = 0;
+  std::string host = "0.0.0.0";
+  CLI::App app("Serves one parameter server of a job (started by shoal run --servers).",
+               "shoal ps-server");
+  app.add_option("--index", index, "The server's index in the job, 0 to S-1")->required();
+  app.add_option("--port", port, "The port to serve on (default 0: any free port)");
+  app.add_option("--host", host, "The interface to listen on (default 0.0.0.0)");
+  try {
+    std::vector<std::string> reversed(args.rbegin(), args.rend());
+    app.parse(reversed);
+    if (index < 0) throw UsageError("--index " + std::to_string(index) + "; expected 0 or more");
+    if (port < 0 || port > 65535) {
+      throw UsageError("--port " + std::to_string(port) + "; expected 0 to 65535");
+    }
+    return serve(index, host, port);
+  } catch (const CLI::CallForHelp&) {
+    std::cout << app.help();
+    return 0;
+  } catch (const CLI::ParseError& e) {
+    std::cerr << "shoal ps-server: " << e.what() << std::endl;
+    return 2;
+  } catch (const UsageError& e) {
+    std::cerr << "shoal ps-server: " << e.what() << std::endl;
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "shoal ps-server: " << e.what() << std::endl;
+    return 1;
+  }
+}
+
+}  // namespace shoal::launch

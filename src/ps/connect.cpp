@@ -1,0 +1,58 @@
+#include "connect.h"
+
+#include <thread>
+
+#include "../elastic/token.h"
+
+namespace shoal::ps::detail {
+
+std::string server_key(int index) {
+  return "ps/server/" + std::to_string(index);
+}
+
+std::string job_token(const env::Environment& env) {
+  if (auto token = env::get(env, "SHOAL_JOB_TOKEN"); token && !token->empty()) return *token;
+  if (auto path = env::get(env, "SHOAL_JOB_TOKEN_FILE"); path && !path->empty()) {
+    return elastic::read_token_file(*path, "SHOAL_JOB_TOKEN_FILE");
+  }
+  throw UsageError(
+      "the parameter servers need the job's token: set SHOAL_JOB_TOKEN or "
+      "SHOAL_JOB_TOKEN_FILE (shoal run --servers does)");
+}
+
+int server_count(const env::Environment& env) {
+  const auto count = env::get_int(env, "SHOAL_PS_SERVERS", 0, 1 << 16);
+  return count ? static_cast<int>(*count) : 0;
+}
+
+std::vector<std::unique_ptr<RpcClient>> connect_servers(const comm::StorePtr& store, int count,
+                                                        const std::string& token,
+                                                        Duration timeout) {
+  const Deadline deadline(timeout);
+  std::vector<std::unique_ptr<RpcClient>> clients;
+  for (int i = 0; i < count; ++i) {
+    const std::string key = server_key(i);
+    std::string address;
+    // The store's own wait would block past our deadline on a key that never comes: poll.
+    while ((address = comm::try_get(store, key)).empty()) {
+      if (deadline.expired()) {
+        throw CommError("parameter server " + std::to_string(i) + " did not publish its address (" +
+                        key + " in the job's store) within " + format_duration(timeout) +
+                        "; expected " + std::to_string(count) + " servers (SHOAL_PS_SERVERS)");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    clients.push_back(std::make_unique<RpcClient>(i, address, token));
+  }
+  for (auto& client : clients) {
+    const int index = client->ping(std::max(deadline.remaining(), Duration(1)));
+    if (index != client->index()) {
+      throw UsageError("parameter server " + std::to_string(client->index()) + " (" +
+                       client->address() + ") answers as server " + std::to_string(index) +
+                       "; two jobs share a store?");
+    }
+  }
+  return clients;
+}
+
+}  // namespace shoal::ps::detail

@@ -1,0 +1,31 @@
+// What a parameter server does with a request, as the transport (src/ps/rpc.h) sees it: the
+// server's core implements it; the transport validates each request, calls it, and maps what it
+// throws to a status the worker's client turns back into the same exception type.
+#pragma once
+
+#include "messages.h"
+#include "shoal/core/error.h"
+#include "shoal/core/timeout.h"
+
+namespace shoal::ps::detail {
+
+// A request names a table (or a row range, a chunk) the server does not hold. It is a
+// UsageError to the worker; on the wire it is NOT_FOUND rather than INVALID_ARGUMENT.
+class NotFoundError : public UsageError {
+ public:
+  using UsageError::UsageError;
+};
+
+// Contract: called concurrently from the transport's threads, one call per request; a call may
+// block (sync pulls wait for a step) but must return or throw by `deadline`. Throws
+// NotFoundError / UsageError for a request that cannot be obeyed (the server keeps serving) and
+// CommError for a wait that timed out or a peer (a replica) that was lost.
+class Handler {
+ public:
+  virtual ~Handler() = default;
+  virtual void register_tables(const RegisterRequest& request, const Deadline& deadline) = 0;
+  virtual PullReply pull(const PullRequest& request, const Deadline& deadline) = 0;
+  virtual PushReply push(const PushRequest& request, const Deadline& deadline) = 0;
+};
+
+}  // namespace shoal::ps::detail

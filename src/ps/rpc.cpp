@@ -1,0 +1,346 @@
+#include "rpc.h"
+
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/impl/rpc_service_method.h>
+#include <grpcpp/support/method_handler.h>
+#include <grpcpp/support/proto_buffer_reader.h>
+
+#include <algorithm>
+#include <chrono>
+
+#include "ps.grpc.pb.h"
+#include "wire.h"
+
+namespace shoal::ps::detail {
+namespace {
+
+namespace pb = ::shoal::ps::wire;
+using SystemClock = std::chrono::system_clock;
+using SteadyClock = std::chrono::steady_clock;
+
+// Well above any one request of a sane job (a dense push is cut into chunks per server) and
+// below what a hostile peer could make the server allocate in one message.
+constexpr int kMaxMessageBytes = 1 << 30;
+constexpr const char* kService = "/shoal.ps.wire.ParameterServer/";
+
+std::string one_line(std::string text) {
+  std::replace(text.begin(), text.end(), '\n', ' ');
+  std::replace(text.begin(), text.end(), '\r', ' ');
+  return text;
+}
+
+const char* code_name(grpc::StatusCode code) {
+  switch (code) {
+    case grpc::StatusCode::OK:
+      return "OK";
+    case grpc::StatusCode::CANCELLED:
+      return "CANCELLED";
+    case grpc::StatusCode::UNKNOWN:
+      return "UNKNOWN";
+    case grpc::StatusCode::INVALID_ARGUMENT:
+      return "INVALID_ARGUMENT";
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+      return "DEADLINE_EXCEEDED";
+    case grpc::StatusCode::NOT_FOUND:
+      return "NOT_FOUND";
+    case grpc::StatusCode::ALREADY_EXISTS:
+      return "ALREADY_EXISTS";
+    case grpc::StatusCode::PERMISSION_DENIED:
+      return "PERMISSION_DENIED";
+    case grpc::StatusCode::RESOURCE_EXHAUSTED:
+      return "RESOURCE_EXHAUSTED";
+    case grpc::StatusCode::FAILED_PRECONDITION:
+      return "FAILED_PRECONDITION";
+    case grpc::StatusCode::ABORTED:
+      return "ABORTED";
+    case grpc::StatusCode::OUT_OF_RANGE:
+      return "OUT_OF_RANGE";
+    case grpc::StatusCode::UNIMPLEMENTED:
+      return "UNIMPLEMENTED";
+    case grpc::StatusCode::INTERNAL:
+      return "INTERNAL";
+    case grpc::StatusCode::UNAVAILABLE:
+      return "UNAVAILABLE";
+    case grpc::StatusCode::DATA_LOSS:
+      return "DATA_LOSS";
+    case grpc::StatusCode::UNAUTHENTICATED:
+      return "UNAUTHENTICATED";
+    default:
+      return "an unknown status";
+  }
+}
+
+// Compares without stopping at the first difference, so the time taken says nothing about how
+// much of a guessed token was right.
+bool same_token(grpc::string_ref got, const std::string& expected) {
+  if (got.size() != expected.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < expected.size(); ++i) diff |= got.data()[i] ^ expected[i];
+  return diff == 0;
+}
+
+// Note [Raw requests]: the service's methods receive a request's raw bytes and parse them here,
+// not in gRPC's generated code, which answers a message that does not parse with INTERNAL and no
+// text. Here it is INVALID_ARGUMENT naming the call, and the token is checked before any parsing.
+class Service : public grpc::Service {
+ public:
+  Service(Handler& handler, const ServerOptions& options)
+      : handler_(handler), token_(options.token), index_(options.index) {
+    add("Register", &Service::register_tables);
+    add("Pull", &Service::pull);
+    add("Push", &Service::push);
+    add("Ping", &Service::ping);
+  }
+
+ private:
+  using Method = grpc::Status (Service::*)(grpc::ServerContext*, const grpc::ByteBuffer*,
+                                           grpc::ByteBuffer*);
+
+  void add(const std::string& name, Method method) {
+    names_.push_back(std::make_unique<std::string>(kService + name));
+    AddMethod(new grpc::internal::RpcServiceMethod(
+        names_.back()->c_str(), grpc::internal::RpcMethod::NORMAL_RPC,
+        new grpc::internal::RpcMethodHandler<Service, grpc::ByteBuffer, grpc::ByteBuffer>(
+            [method](Service* service, grpc::ServerContext* context, const grpc::ByteBuffer* in,
+                     grpc::ByteBuffer* out) { return (service->*method)(context, in, out); },
+            this)));
+  }
+
+  grpc::Status register_tables(grpc::ServerContext* context, const grpc::ByteBuffer* in,
+                               grpc::ByteBuffer* out) {
+    return serve<pb::RegisterRequest, pb::RegisterReply>(
+        "Register", context, in, out, [&](const pb::RegisterRequest& request, pb::RegisterReply&) {
+          handler_.register_tables(wire_format::from_wire(request), deadline_of(*context));
+        });
+  }
+  grpc::Status pull(grpc::ServerContext* context, const grpc::ByteBuffer* in,
+                    grpc::ByteBuffer* out) {
+    return serve<pb::PullRequest, pb::PullReply>(
+        "Pull", context, in, out, [&](const pb::PullRequest& request, pb::PullReply& reply) {
+          wire_format::to_wire(
+              handler_.pull(wire_format::from_wire(request), deadline_of(*context)), reply);
+        });
+  }
+  grpc::Status push(grpc::ServerContext* context, const grpc::ByteBuffer* in,
+                    grpc::ByteBuffer* out) {
+    return serve<pb::PushRequest, pb::PushReply>(
+        "Push", context, in, out, [&](const pb::PushRequest& request, pb::PushReply& reply) {
+          wire_format::to_wire(
+              handler_.push(wire_format::from_wire(request), deadline_of(*context)), reply);
+        });
+  }
+  grpc::Status ping(grpc::ServerContext* context, const grpc::ByteBuffer* in,
+                    grpc::ByteBuffer* out) {
+    return serve<pb::PingRequest, pb::PingReply>(
+        "Ping", context, in, out,
+        [&](const pb::PingRequest&, pb::PingReply& reply) { reply.set_server(index_); });
+  }
+
+  static Deadline deadline_of(const grpc::ServerContext& context) {
+    const auto left = context.deadline() - SystemClock::now();
+    const auto day = std::chrono::hours(24);
+    return Deadline(std::chrono::duration_cast<Duration>(
+        std::clamp<SystemClock::duration>(left, SystemClock::duration::zero(), day)));
+  }
+
+  template <typename Request, typename Reply, typename Body>
+  grpc::Status serve(const char* name, grpc::ServerContext* context, const grpc::ByteBuffer* in,
+                     grpc::ByteBuffer* out, Body&& body) {
+    const auto& metadata = context->client_metadata();
+    const auto token = metadata.find(kTokenMetadata);
+    if (token == metadata.end()) {
+      return {grpc::StatusCode::UNAUTHENTICATED,
+              std::string(name) + " carries no job token; expected the job's token in metadata " +
+                  kTokenMetadata + " (SHOAL_JOB_TOKEN)"};
+    }
+    if (!same_token(token->second, token_)) {
+      return {grpc::StatusCode::UNAUTHENTICATED,
+              std::string(name) + " carries a token that is not this job's"};
+    }
+    Request request;
+    grpc::ByteBuffer bytes(*in);
+    const size_t length = bytes.Length();
+    grpc::ProtoBufferReader reader(&bytes);
+    if (!request.ParseFromZeroCopyStream(&reader)) {
+      return {grpc::StatusCode::INVALID_ARGUMENT, "malformed " + std::string(name) + " request (" +
+                                                      std::to_string(length) + " bytes): not a " +
+                                                      Request::descriptor()->name() +
+                                                      " message (truncated or corrupt)"};
+    }
+    Reply reply;
+    try {
+      body(request, reply);
+    } catch (const NotFoundError& e) {
+      return {grpc::StatusCode::NOT_FOUND, one_line(name + std::string(": ") + e.what())};
+    } catch (const UsageError& e) {
+      return {grpc::StatusCode::INVALID_ARGUMENT, one_line(name + std::string(": ") + e.what())};
+    } catch (const CommError& e) {
+      const bool late = SystemClock::now() >= context->deadline();
+      return {late ? grpc::StatusCode::DEADLINE_EXCEEDED : grpc::StatusCode::UNAVAILABLE,
+              one_line(name + std::string(": ") + e.what())};
+    } catch (const std::exception& e) {
+      return {grpc::StatusCode::INTERNAL, one_line(name + std::string(" failed: ") + e.what())};
+    }
+    bool own = false;
+    return grpc::SerializationTraits<Reply>::Serialize(reply, out, &own);
+  }
+
+  Handler& handler_;
+  const std::string token_;
+  const int index_;
+  std::vector<std::unique_ptr<std::string>> names_;  // gRPC keeps the method names' pointers
+};
+
+}  // namespace
+
+struct RpcServer::State {
+  std::unique_ptr<Service> service;
+  std::unique_ptr<grpc::Server> server;
+  int port = 0;
+};
+
+RpcServer::RpcServer(Handler& handler, const ServerOptions& options)
+    : state_(std::make_unique<State>()) {
+  if (options.token.empty()) {
+    throw UsageError("a parameter server needs the job's token (SHOAL_JOB_TOKEN); it is empty");
+  }
+  state_->service = std::make_unique<Service>(handler, options);
+  const std::string address = options.host + ":" + std::to_string(options.port);
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &state_->port);
+  builder.RegisterService(state_->service.get());
+  builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
+  builder.SetMaxSendMessageSize(kMaxMessageBytes);
+  // gRPC sets SO_REUSEPORT by default: a second server would share a taken port silently.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  state_->server = builder.BuildAndStart();
+  if (!state_->server || state_->port == 0) {
+    throw UsageError("parameter server " + std::to_string(options.index) + " cannot listen on " +
+                     address + "; expected a free port on a local interface");
+  }
+}
+
+RpcServer::~RpcServer() {
+  shutdown(Duration(0));
+}
+
+int RpcServer::port() const {
+  return state_->port;
+}
+
+void RpcServer::shutdown(Duration grace) {
+  if (!state_->server) return;
+  state_->server->Shutdown(SystemClock::now() + grace);
+  state_->server->Wait();
+  state_->server.reset();
+}
+
+struct RpcClient::State {
+  int index = 0;
+  std::string address;
+  std::string token;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<pb::ParameterServer::Stub> stub;
+
+  std::string server() const {
+    return "parameter server " + std::to_string(index) + " (" + address + ")";
+  }
+
+  template <typename Request, typename Reply>
+  void call(const char* name, Duration timeout, const Request& request, Reply& reply,
+            grpc::Status (pb::ParameterServer::Stub::*method)(grpc::ClientContext*, const Request&,
+                                                              Reply*)) {
+    grpc::ClientContext context;
+    const auto start = SteadyClock::now();
+    context.set_deadline(SystemClock::now() + std::max(timeout, Duration(0)));
+    context.AddMetadata(kTokenMetadata, token);
+    const grpc::Status status = (stub.get()->*method)(&context, request, &reply);
+    if (status.ok()) return;
+    const auto waited = std::chrono::duration_cast<Duration>(SteadyClock::now() - start);
+    const std::string said = one_line(status.error_message());
+    switch (status.error_code()) {
+      case grpc::StatusCode::INVALID_ARGUMENT:
+      case grpc::StatusCode::NOT_FOUND:
+      case grpc::StatusCode::UNAUTHENTICATED:
+        throw UsageError(server() + " refused " + name + ": " + said);
+      case grpc::StatusCode::DEADLINE_EXCEEDED:
+        throw CommError(server() + " did not answer " + name + " within its deadline of " +
+                        format_duration(timeout) + " (waited " + format_duration(waited) + ")" +
+                        (said == "Deadline Exceeded" ? "" : ": " + said));
+      case grpc::StatusCode::UNAVAILABLE:
+        throw CommError(server() + " is unreachable: " + name + " failed after " +
+                        format_duration(waited) + " (" + said + ")");
+      default:
+        throw CommError(server() + " failed " + name + " after " + format_duration(waited) + ": " +
+                        code_name(status.error_code()) + ": " + said);
+    }
+  }
+
+  // A reply that does not convert is the server's fault, not the caller's.
+  template <typename Reply>
+  auto convert(const char* name, const Reply& reply) {
+    try {
+      return wire_format::from_wire(reply);
+    } catch (const UsageError& e) {
+      throw CommError(server() + " answered " + name + " with a malformed reply: " + e.what());
+    }
+  }
+};
+
+RpcClient::RpcClient(int index, const std::string& address, const std::string& token)
+    : state_(std::make_unique<State>()) {
+  state_->index = index;
+  state_->address = address;
+  state_->token = token;
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(kMaxMessageBytes);
+  args.SetMaxSendMessageSize(kMaxMessageBytes);
+  // Servers are the job's own processes: an http_proxy in the environment must not be used.
+  args.SetInt(GRPC_ARG_ENABLE_HTTP_PROXY, 0);
+  // A server that was unreachable is tried again soon (gRPC's default backoff grows to 2 min).
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  state_->channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  state_->stub = pb::ParameterServer::NewStub(state_->channel);
+}
+
+RpcClient::~RpcClient() = default;
+
+int RpcClient::index() const {
+  return state_->index;
+}
+const std::string& RpcClient::address() const {
+  return state_->address;
+}
+
+void RpcClient::register_tables(const RegisterRequest& request, Duration timeout) {
+  pb::RegisterRequest wire_request;
+  wire_format::to_wire(request, wire_request);
+  pb::RegisterReply reply;
+  state_->call("Register", timeout, wire_request, reply, &pb::ParameterServer::Stub::Register);
+}
+
+PullReply RpcClient::pull(const PullRequest& request, Duration timeout) {
+  pb::PullRequest wire_request;
+  wire_format::to_wire(request, wire_request);
+  pb::PullReply reply;
+  state_->call("Pull", timeout, wire_request, reply, &pb::ParameterServer::Stub::Pull);
+  return state_->convert("Pull", reply);
+}
+
+PushReply RpcClient::push(const PushRequest& request, Duration timeout) {
+  pb::PushRequest wire_request;
+  wire_format::to_wire(request, wire_request);
+  pb::PushReply reply;
+  state_->call("Push", timeout, wire_request, reply, &pb::ParameterServer::Stub::Push);
+  return state_->convert("Push", reply);
+}
+
+int RpcClient::ping(Duration timeout) {
+  pb::PingReply reply;
+  state_->call("Ping", timeout, pb::PingRequest(), reply, &pb::ParameterServer::Stub::Ping);
+  return reply.server();
+}
+
+}  // namespace shoal::ps::detail

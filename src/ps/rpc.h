@@ -1,0 +1,75 @@
+// The parameter server's transport (docs/ps.md, "Transport"): a gRPC service that carries the
+// structs of messages.h between a worker's RpcClient and a server's RpcServer, which hands them
+// to a Handler. gRPC stays behind these classes: this header includes none of it.
+//
+// Contract: every call carries the job's token (metadata "shoal-job-token") and a deadline. The
+// server validates a request before the handler sees it; a malformed one is refused with
+// INVALID_ARGUMENT and the server goes on serving. On the worker's side a refusal (bad request,
+// unknown table, wrong token) is a UsageError carrying the server's one-line message; a server
+// that cannot be reached, died or did not answer in time is a CommError naming the server (index
+// and address), the call and how long it waited.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "handler.h"
+#include "messages.h"
+#include "shoal/core/timeout.h"
+
+namespace shoal::ps::detail {
+
+// The gRPC metadata key that carries the job's token.
+inline constexpr const char* kTokenMetadata = "shoal-job-token";
+
+struct ServerOptions {
+  std::string host = "0.0.0.0";  // the interface to listen on
+  int port = 0;                  // 0: any free port (see RpcServer::port)
+  int index = 0;                 // the server's index in the job, answered by Ping
+  std::string token;             // the job's token; calls without it are refused
+};
+
+class RpcServer {
+ public:
+  // Listens and serves on gRPC's threads until shutdown(). UsageError (one line) when the
+  // address cannot be bound or the token is empty.
+  RpcServer(Handler& handler, const ServerOptions& options);
+  ~RpcServer();  // shutdown(0)
+  RpcServer(const RpcServer&) = delete;
+  RpcServer& operator=(const RpcServer&) = delete;
+
+  int port() const;
+  // Stops accepting calls, lets calls under way finish for up to `grace`, then cancels the rest.
+  void shutdown(Duration grace);
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+// One channel to one server. Thread-safe: calls from several threads share the channel.
+class RpcClient {
+ public:
+  // Connects lazily (the first call). `index` and `address` ("host:port") name the server in
+  // errors.
+  RpcClient(int index, const std::string& address, const std::string& token);
+  ~RpcClient();
+  RpcClient(const RpcClient&) = delete;
+  RpcClient& operator=(const RpcClient&) = delete;
+
+  int index() const;
+  const std::string& address() const;
+
+  // Each call ends within `timeout` (plus the time to convert its reply).
+  void register_tables(const RegisterRequest& request, Duration timeout);
+  PullReply pull(const PullRequest& request, Duration timeout);
+  PushReply push(const PushRequest& request, Duration timeout);
+  // Liveness: returns the index the server was started with.
+  int ping(Duration timeout);
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace shoal::ps::detail

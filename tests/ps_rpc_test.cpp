@@ -1,0 +1,516 @@
+// The parameter server's transport (docs/ps.md, "Transport" and "Processes"): real `shoal
+// ps-server` processes serving the store-and-sum handler, real clients over loopback. What is
+// checked is the transport: values arrive exactly, malformed and hostile requests are refused
+// with the right status and message while the server keeps serving, a dead or silent server is a
+// CommError naming it within the call's deadline, and `shoal run --servers` runs and stops them.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+
+#include <dirent.h>
+
+#include <chrono>
+#include <fstream>
+#include <optional>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include "ps.pb.h"
+#include "ps/connect.h"
+#include "shoal_run.h"
+#include "test_paths.h"
+
+extern char** environ;
+
+namespace shoal::ps::detail {
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+namespace pb = ::shoal::ps::wire;
+
+const std::string kToken = "0123456789abcdef0123456789abcdef";
+constexpr int64_t kChunk = 1024;  // the server's chunk length (SumHandler's default)
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// One `shoal ps-server --index I` process of a job whose store the test hosts.
+class ServerProcess {
+ public:
+  ServerProcess(int index, int store_port) {
+    std::vector<std::string> env;
+    for (char** e = environ; *e; ++e) env.push_back(*e);
+    env.push_back("SHOAL_MASTER_ADDR=127.0.0.1");
+    env.push_back("SHOAL_MASTER_PORT=" + std::to_string(store_port));
+    env.push_back("SHOAL_RUN_ID=ps-rpc-test");
+    env.push_back("SHOAL_JOB_TOKEN=" + kToken);
+    const std::string index_text = std::to_string(index);
+    std::vector<char*> envp;
+    for (auto& entry : env) envp.push_back(entry.data());
+    envp.push_back(nullptr);
+    const char* argv[] = {SHOAL_BIN, "ps-server", "--index", index_text.c_str(), nullptr};
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      ::execve(SHOAL_BIN, const_cast<char**>(argv), envp.data());
+      ::_exit(127);
+    }
+  }
+  ~ServerProcess() {
+    if (pid_ > 0 && !reaped_) {
+      ::kill(pid_, SIGKILL);
+      ::kill(pid_, SIGCONT);
+      ::waitpid(pid_, nullptr, 0);
+    }
+  }
+  pid_t pid() const { return pid_; }
+  // The exit status after `signal`, or nullopt if it did not exit within `timeout`.
+  std::optional<int> stop(int signal, std::chrono::milliseconds timeout) {
+    ::kill(pid_, signal);
+    const auto deadline = Clock::now() + timeout;
+    while (Clock::now() < deadline) {
+      int status = 0;
+      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+        reaped_ = true;
+        return status;
+      }
+      std::this_thread::sleep_for(10ms);
+    }
+    return std::nullopt;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  bool reaped_ = false;
+};
+
+// The state letter of /proc/PID/stat ('T' once stopped), or 0.
+char process_state(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  std::getline(stat, line);
+  const auto close = line.rfind(')');
+  return close == std::string::npos || line.size() < close + 3 ? 0 : line[close + 2];
+}
+
+// SIGSTOP is delivered after kill() returns: wait until every thread of `pid` has stopped.
+bool stop_process(pid_t pid, std::chrono::milliseconds timeout) {
+  ::kill(pid, SIGSTOP);
+  const auto deadline = Clock::now() + timeout;
+  for (;;) {
+    bool all = true;
+    DIR* tasks = ::opendir(("/proc/" + std::to_string(pid) + "/task").c_str());
+    if (tasks == nullptr) return false;
+    while (dirent* task = ::readdir(tasks)) {
+      const int tid = std::atoi(task->d_name);
+      if (tid <= 0) continue;
+      std::ifstream stat("/proc/" + std::to_string(pid) + "/task/" + std::to_string(tid) + "/stat");
+      std::string line;
+      std::getline(stat, line);
+      const auto close = line.rfind(')');
+      if (close != std::string::npos && line.size() > close + 2 && line[close + 2] != 'T')
+        all = false;
+    }
+    ::closedir(tasks);
+    if (all) return true;
+    if (Clock::now() > deadline) return false;
+    std::this_thread::sleep_for(5ms);
+  }
+}
+
+class PsRpcTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    comm::StoreOptions options;
+    options.is_server = true;
+    options.port = 0;
+    options.job_id = "shoal run ps-rpc-test";
+    store_ = comm::open_store(options);
+  }
+  // Starts `count` servers and connects to them.
+  void start(int count) {
+    for (int i = 0; i < count; ++i) {
+      servers_.push_back(std::make_unique<ServerProcess>(i, comm::hosted_port(store_)));
+    }
+    clients_ = connect_servers(store_, count, kToken, 60s);
+  }
+
+  comm::StorePtr store_;
+  std::vector<std::unique_ptr<ServerProcess>> servers_;
+  std::vector<std::unique_ptr<RpcClient>> clients_;
+};
+
+RegisterRequest tables(int worker) {
+  RegisterRequest request;
+  request.worker = worker;
+  TableSpec dense{"w", false, {2, 1250}, {}, {}, 7};  // 2500 values: chunks of 1024, 1024, 452
+  dense.optimizer.kind = OptimizerSpec::Kind::kAdam;
+  dense.optimizer.lr = 0.125;
+  TableSpec sparse{"emb", true, {0, 3}, {}, {}, 9};
+  sparse.init.kind = InitSpec::Kind::kNormal;
+  sparse.init.b = 0.5;
+  request.tables = {dense, sparse};
+  return request;
+}
+
+std::vector<float> ramp(int64_t n, float scale) {
+  std::vector<float> values(n);
+  for (int64_t i = 0; i < n; ++i) values[i] = scale * (static_cast<float>(i) - 1000.5f);
+  return values;
+}
+
+std::string error_of(const std::function<void()>& call, const char* expected_type) {
+  try {
+    call();
+  } catch (const UsageError& e) {
+    if (std::string(expected_type) != "UsageError") return std::string("UsageError: ") + e.what();
+    return e.what();
+  } catch (const CommError& e) {
+    if (std::string(expected_type) != "CommError") return std::string("CommError: ") + e.what();
+    return e.what();
+  }
+  return "no error";
+}
+
+TEST_F(PsRpcTest, EveryMessageKindRoundTripsExactly) {
+  start(1);
+  RpcClient& server = *clients_[0];
+  EXPECT_EQ(server.ping(5s), 0);
+  server.register_tables(tables(0), 5s);
+  server.register_tables(tables(1), 5s);  // the same tables again: accepted
+
+  const std::vector<float> a = ramp(2500, 0.75f), b = ramp(2500, -0.3f);
+  for (int worker : {0, 1}) {
+    PushRequest push;
+    push.worker = worker;
+    push.clock = 0;
+    push.rows = 64;
+    push.dense = {DenseSlice{0, {0, 1, 2}, worker == 0 ? a : b}};
+    push.sparse = {SparseSlice{1, {42, 7}, {1.5f, -2, 3, 0.25f, 8, -9}}};
+    const PushReply reply = server.push(push, 5s);
+    EXPECT_TRUE(reply.counted);
+    EXPECT_EQ(reply.clock, worker + 1);
+  }
+  PullRequest pull;
+  pull.worker = 1;
+  pull.clock = 1;
+  pull.dense = {DenseSlice{0, {2, 0}, {}}};        // out of order, on purpose
+  pull.sparse = {SparseSlice{1, {7, 5, 42}, {}}};  // row 5 was never pushed
+  const PullReply reply = server.pull(pull, 5s);
+  EXPECT_EQ(reply.clock, 2);
+  ASSERT_EQ(reply.dense.size(), 1u);
+  EXPECT_EQ(reply.dense[0].table, 0);
+  EXPECT_EQ(reply.dense[0].chunks, (std::vector<int64_t>{2, 0}));
+  std::vector<float> expected;
+  for (int64_t i = 2 * kChunk; i < 2500; ++i) expected.push_back(a[i] + b[i]);
+  for (int64_t i = 0; i < kChunk; ++i) expected.push_back(a[i] + b[i]);
+  EXPECT_EQ(reply.dense[0].values, expected);
+  ASSERT_EQ(reply.sparse.size(), 1u);
+  EXPECT_EQ(reply.sparse[0].ids, (std::vector<int64_t>{7, 5, 42}));
+  EXPECT_EQ(reply.sparse[0].values, (std::vector<float>{0.5f, 16, -18, 0, 0, 0, 3, -4, 6}));
+}
+
+TEST_F(PsRpcTest, RefusalsAreUsageErrorsWithTheServersMessage) {
+  start(1);
+  RpcClient& server = *clients_[0];
+  server.register_tables(tables(0), 5s);
+  const std::string at = "parameter server 0 (" + server.address() + ")";
+
+  RegisterRequest other = tables(1);
+  other.tables[0].shape = {2500};
+  EXPECT_EQ(error_of([&] { server.register_tables(other, 5s); }, "UsageError"),
+            at + " refused Register: Register: worker 1 registers table 0 as 'w' [2500]; the job "
+                 "has 'w' [2, 1250]");
+  PullRequest unknown;
+  unknown.dense = {DenseSlice{5, {0}, {}}};
+  EXPECT_EQ(error_of([&] { server.pull(unknown, 5s); }, "UsageError"),
+            at + " refused Pull: Pull: table 5 is not registered; the server has 2 tables");
+  PushRequest wrong;
+  wrong.dense = {DenseSlice{0, {1}, {1, 2, 3}}};
+  EXPECT_EQ(error_of([&] { server.push(wrong, 5s); }, "UsageError"),
+            at + " refused Push: Push: push to table 'w' carries 3 values for 1 chunks; expected "
+                 "1024");
+  RpcClient stranger(0, server.address(), "not-the-token");
+  EXPECT_EQ(error_of([&] { stranger.ping(5s); }, "UsageError"),
+            at + " refused Ping: Ping carries a token that is not this job's");
+}
+
+// Raw calls, as a hostile or broken peer would make them.
+class RawCaller {
+ public:
+  explicit RawCaller(const std::string& address)
+      : stub_(grpc::CreateChannel(address, grpc::InsecureChannelCredentials())) {}
+
+  grpc::Status call(const std::string& method, const std::string& bytes,
+                    std::optional<std::string> token = kToken) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + 10s);
+    if (token) context.AddMetadata(kTokenMetadata, *token);
+    grpc::Slice slice(bytes);
+    const grpc::ByteBuffer request(&slice, 1);
+    grpc::ByteBuffer reply;
+    grpc::CompletionQueue queue;
+    auto call = stub_.PrepareUnaryCall(&context, "/shoal.ps.wire.ParameterServer/" + method,
+                                       request, &queue);
+    call->StartCall();
+    grpc::Status status;
+    call->Finish(&reply, &status, reinterpret_cast<void*>(1));
+    void* tag = nullptr;
+    bool ok = false;
+    queue.Next(&tag, &ok);
+    queue.Shutdown();
+    while (queue.Next(&tag, &ok)) {
+    }
+    return status;
+  }
+
+ private:
+  grpc::GenericStub stub_;
+};
+
+std::string push_bytes(const std::function<void(pb::PushRequest&)>& edit) {
+  pb::PushRequest push;
+  push.set_worker(0);
+  push.set_rows(1);
+  pb::DenseSlice& slice = *push.add_dense();
+  slice.set_table(0);
+  slice.add_chunks(2);
+  const std::vector<float> values(452, 1.0f);
+  slice.set_values(std::string(reinterpret_cast<const char*>(values.data()), 452 * 4));
+  edit(push);
+  return push.SerializeAsString();
+}
+
+TEST_F(PsRpcTest, MalformedAndHostileRequestsAreRefusedAndTheServerGoesOn) {
+  start(1);
+  RpcClient& server = *clients_[0];
+  server.register_tables(tables(0), 5s);
+  RawCaller raw(server.address());
+  using grpc::StatusCode;
+  struct Case {
+    std::string what, method, bytes;
+    std::optional<std::string> token;
+    StatusCode code;
+    std::string message;
+  };
+  const std::string good = push_bytes([](pb::PushRequest&) {});
+  const std::vector<Case> cases = {
+      {"truncated", "Push", good.substr(0, good.size() / 2), kToken, StatusCode::INVALID_ARGUMENT,
+       "malformed Push request (" + std::to_string(good.size() / 2) +
+           " bytes): not a PushRequest message (truncated or corrupt)"},
+      {"garbage", "Pull", "\xff\xff\xff", kToken, StatusCode::INVALID_ARGUMENT,
+       "malformed Pull request (3 bytes): not a PullRequest message (truncated or corrupt)"},
+      {"values not whole floats", "Push",
+       push_bytes([](pb::PushRequest& p) { p.mutable_dense(0)->set_values("1234567"); }), kToken,
+       StatusCode::INVALID_ARGUMENT,
+       "Push: dense[0].values has 7 bytes; expected a multiple of 4 (little-endian float32)"},
+      {"values of the wrong length", "Push",
+       push_bytes([](pb::PushRequest& p) { p.mutable_dense(0)->set_values(std::string(400, 0)); }),
+       kToken, StatusCode::INVALID_ARGUMENT,
+       "Push: push to table 'w' carries 100 values for 1 chunks; expected 452"},
+      {"sparse values not whole rows", "Push", push_bytes([](pb::PushRequest& p) {
+         p.clear_dense();
+         pb::SparseSlice& s = *p.add_sparse();
+         s.set_table(1);
+         s.add_ids(1);
+         s.add_ids(2);
+         s.set_values(std::string(12, 0));
+       }),
+       kToken, StatusCode::INVALID_ARGUMENT,
+       "Push: sparse[0] carries 3 values for 2 rows; expected a whole number of rows of at least "
+       "one value"},
+      {"negative rows", "Push", push_bytes([](pb::PushRequest& p) { p.set_rows(-5); }), kToken,
+       StatusCode::INVALID_ARGUMENT, "Push: rows = -5; expected a non-negative number"},
+      {"negative chunk", "Push",
+       push_bytes([](pb::PushRequest& p) { p.mutable_dense(0)->set_chunks(0, -1); }), kToken,
+       StatusCode::INVALID_ARGUMENT,
+       "Push: dense[0].chunks[0] = -1; expected a non-negative number"},
+      {"chunk out of range", "Push",
+       push_bytes([](pb::PushRequest& p) { p.mutable_dense(0)->set_chunks(0, 3); }), kToken,
+       StatusCode::NOT_FOUND, "Push: table 'w' has no chunk 3; it has 3"},
+      {"negative shape", "Register",
+       [] {
+         pb::RegisterRequest r;
+         pb::TableSpec& t = *r.add_tables();
+         t.set_name("x");
+         t.add_shape(4);
+         t.add_shape(-3);
+         return r.SerializeAsString();
+       }(),
+       kToken, StatusCode::INVALID_ARGUMENT,
+       "Register: tables[0].shape[1] = -3; expected a non-negative number"},
+      {"no token", "Push", good, std::nullopt, StatusCode::UNAUTHENTICATED,
+       "Push carries no job token; expected the job's token in metadata shoal-job-token "
+       "(SHOAL_JOB_TOKEN)"},
+      {"wrong token", "Push", good, std::string("0123456789abcdef0123456789abcdeX"),
+       StatusCode::UNAUTHENTICATED, "Push carries a token that is not this job's"},
+      {"unknown method", "Drop", "", kToken, StatusCode::UNIMPLEMENTED, ""},
+  };
+  PullRequest pull;
+  pull.dense = {DenseSlice{0, {2}, {}}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    const grpc::Status status = raw.call(c.method, c.bytes, c.token);
+    EXPECT_EQ(status.error_code(), c.code) << status.error_message();
+    if (!c.message.empty()) {
+      EXPECT_EQ(status.error_message(), c.message);
+    }
+    // The server is still there, and nothing refused reached its tables.
+    const PullReply reply = server.pull(pull, 5s);
+    EXPECT_EQ(reply.clock, 0);
+    EXPECT_EQ(reply.dense.at(0).values, std::vector<float>(452, 0.0f));
+  }
+  // A good raw request is obeyed: the refusals above were for what they carried.
+  EXPECT_TRUE(raw.call("Push", good).ok());
+  EXPECT_EQ(server.pull(pull, 5s).dense.at(0).values, std::vector<float>(452, 1.0f));
+}
+
+TEST_F(PsRpcTest, AKilledServerIsACommErrorNamingIt) {
+  start(2);
+  clients_[1]->register_tables(tables(0), 5s);
+  ASSERT_TRUE(servers_[1]->stop(SIGKILL, 10s));
+  PullRequest pull;
+  pull.dense = {DenseSlice{0, {0}, {}}};
+  const auto start = Clock::now();
+  const std::string message = error_of([&] { clients_[1]->pull(pull, 5s); }, "CommError");
+  EXPECT_LT(seconds_since(start), 5 + 10);
+  EXPECT_EQ(message.rfind("parameter server 1 (" + clients_[1]->address() +
+                              ") is unreachable: Pull "
+                              "failed after ",
+                          0),
+            0u)
+      << message;
+  EXPECT_EQ(clients_[0]->ping(5s), 0);  // the other server is not affected
+}
+
+TEST_F(PsRpcTest, ASilentServerIsACommErrorAtTheDeadline) {
+  start(1);
+  clients_[0]->register_tables(tables(0), 5s);
+  ASSERT_TRUE(stop_process(servers_[0]->pid(), 10s)) << process_state(servers_[0]->pid());
+  PullRequest pull;
+  pull.dense = {DenseSlice{0, {0}, {}}};
+  const auto start = Clock::now();
+  const std::string message = error_of([&] { clients_[0]->pull(pull, 1500ms); }, "CommError");
+  const double waited = seconds_since(start);
+  ::kill(servers_[0]->pid(), SIGCONT);
+  EXPECT_GE(waited, 1.4);
+  EXPECT_LT(waited, 1.5 + 10);
+  EXPECT_EQ(message.rfind("parameter server 0 (" + clients_[0]->address() +
+                              ") did not answer Pull "
+                              "within its deadline of 1.50 s (waited ",
+                          0),
+            0u)
+      << message;
+  // Resumed, it serves again.
+  EXPECT_EQ(clients_[0]->ping(5s), 0);
+}
+
+TEST_F(PsRpcTest, AServerStopsOnSigtermWithCodeZero) {
+  start(1);
+  const auto status = servers_[0]->stop(SIGTERM, 10s);
+  ASSERT_TRUE(status.has_value());
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << *status;
+}
+
+TEST_F(PsRpcTest, AServerEndsWithItsJobsStore) {
+  start(1);
+  store_.reset();  // the launcher that hosts the store is gone: so is the job
+  const auto status = servers_[0]->stop(0, 10s);  // signal 0: nothing sent, only waited for
+  ASSERT_TRUE(status.has_value());
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << *status;
+}
+
+TEST(PsRpc, ConnectingWithoutServersTimesOutNamingTheFirstMissing) {
+  comm::StoreOptions options;
+  options.is_server = true;
+  const comm::StorePtr store = comm::open_store(options);
+  comm::put(store, server_key(0), "127.0.0.1:1");
+  const auto start = Clock::now();
+  EXPECT_EQ(error_of([&] { connect_servers(store, 2, kToken, 300ms); }, "CommError"),
+            "parameter server 1 did not publish its address (ps/server/1 in the job's store) "
+            "within 300 ms; expected 2 servers (SHOAL_PS_SERVERS)");
+  EXPECT_LT(seconds_since(start), 0.3 + 10);
+}
+
+const std::string kWorker = std::string(SHOAL_TEST_PROGRAMS_DIR) + "/ps_worker";
+
+TEST(PsLaunch, WorkersPushAndPullThroughTwoServers) {
+  const testing::RunResult run = testing::run_shoal({"--servers", "2", "-n", "2", kWorker}, 120s);
+  EXPECT_EQ(run.exit_code, 0) << run.out << run.err;
+  EXPECT_NE(run.out.find("[0] ps ok 2 servers"), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find("[1] ps ok 2 servers"), std::string::npos) << run.out;
+}
+
+// The pid of the launcher's child running `shoal ps-server --index <index>`.
+pid_t find_server(pid_t launcher, int index) {
+  DIR* proc = ::opendir("/proc");
+  pid_t found = -1;
+  while (dirent* entry = ::readdir(proc)) {
+    const pid_t pid = static_cast<pid_t>(std::atoi(entry->d_name));
+    if (pid <= 0) continue;
+    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+    std::string line;
+    std::getline(stat, line);
+    const auto close = line.rfind(')');
+    if (close == std::string::npos) continue;
+    int parent = 0;
+    char state = 0;
+    std::istringstream(line.substr(close + 2)) >> state >> parent;
+    if (parent != launcher) continue;
+    std::ifstream cmdline_file("/proc/" + std::to_string(pid) + "/cmdline");
+    const std::string cmdline((std::istreambuf_iterator<char>(cmdline_file)), {});
+    if (cmdline.find(std::string("ps-server") + '\0' + "--index" + '\0' + std::to_string(index) +
+                     '\0') != std::string::npos) {
+      found = pid;
+    }
+  }
+  ::closedir(proc);
+  return found;
+}
+
+TEST(PsLaunch, AKilledServerFailsTheJobNamingIt) {
+  testing::ShoalRun run({"--servers", "2", "-n", "2", kWorker, "--hold"});
+  ASSERT_TRUE(run.wait_until(
+      [](const testing::RunResult& r) {
+        return r.out.find("[0] ps ready") != std::string::npos &&
+               r.out.find("[1] ps ready") != std::string::npos;
+      },
+      60s))
+      << run.so_far().out << run.so_far().err;
+  const pid_t server = find_server(run.pid(), 1);
+  ASSERT_GT(server, 0);
+  const auto start = Clock::now();
+  ::kill(server, SIGKILL);
+  const testing::RunResult result = run.wait(30s);
+  EXPECT_LT(seconds_since(start), 20);
+  EXPECT_EQ(result.exit_code, 128 + SIGKILL) << result.err;
+  EXPECT_NE(result.err.find("shoal run: parameter server 1 was killed by signal 9 (SIGKILL); "
+                            "stopping the workers"),
+            std::string::npos)
+      << result.err;
+}
+
+TEST(PsLaunch, ServersFlagIsCheckedAtOnce) {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--servers", "-1", kWorker},
+       "shoal run: --servers: expected a number of servers from 0 to 1024, got '-1'"},
+      {{"--servers", "2", "--min", "1", "--max", "2", kWorker},
+       "shoal run: --servers is not supported with elastic jobs (--min/--max, --join) yet; drop "
+       "one of them"},
+      {{"--servers", "1", "--nnodes", "2", "--master", "127.0.0.1:1", kWorker},
+       "shoal run: --servers is not supported with --nnodes > 1 yet; run the job on one node"},
+  };
+  for (const auto& [args, message] : cases) {
+    const testing::RunResult run = testing::run_shoal(args, 30s);
+    EXPECT_EQ(run.exit_code, 2);
+    EXPECT_EQ(run.err, message + "\n");
+  }
+}
+
+}  // namespace
+}  // namespace shoal::ps::detail
