@@ -442,7 +442,7 @@ class Cluster {
       request.worker = worker;
       request.tables = tables_;
       request.initial = dense_for(s, initial);
-      core(s).register_tables(request, kGenerous);
+      core(s).register_tables(request, shoal::Deadline(kGenerous));
     }
   }
 
@@ -477,7 +477,7 @@ class Cluster {
           }
         request.sparse.push_back(std::move(slice));
       }
-      const PullReply reply = core(s).pull(request, timeout);
+      const PullReply reply = core(s).pull(request, shoal::Deadline(timeout));
       for (const auto& slice : reply.dense) {
         const int64_t numel = numel_of(tables_[static_cast<size_t>(slice.table)]);
         const float* src = slice.values.data();
@@ -523,7 +523,7 @@ class Cluster {
           }
         request.sparse.push_back(std::move(slice));
       }
-      replies.push_back(core(s).push(request));
+      replies.push_back(core(s).push(request, shoal::Deadline(Ms(0))));
     }
     return replies;
   }
@@ -770,14 +770,14 @@ struct Small {
     request.tables = {dense_spec("w", {8}, sgd),
                       sparse_spec("emb", 100, 4, {InitSpec::Kind::kUniform, -1, 1}, sgd)};
     request.initial = {DenseSlice{0, {0}, std::vector<float>(8, 1.f)}};
-    core->register_tables(request, Ms(0));
+    core->register_tables(request, shoal::Deadline(Ms(0)));
   }
   PullReply pull(int32_t worker, int64_t clock, Duration timeout) {
     PullRequest request;
     request.worker = worker;
     request.clock = clock;
     request.dense = {DenseSlice{0, {0}, {}}};
-    return core->pull(request, timeout);
+    return core->pull(request, shoal::Deadline(timeout));
   }
   PushReply push(int32_t worker, int64_t clock, float grad, int64_t rows = 1) {
     PushRequest request;
@@ -785,7 +785,7 @@ struct Small {
     request.clock = clock;
     request.rows = rows;
     request.dense = {DenseSlice{0, {0}, std::vector<float>(8, grad)}};
-    return core->push(request);
+    return core->push(request, shoal::Deadline(Ms(0)));
   }
   float value() { return pull(0, 0, Ms(0)).dense[0].values[0]; }
   std::unique_ptr<ServerCore> core;
@@ -909,7 +909,7 @@ std::vector<float> everything(ServerCore& core, int32_t worker, int64_t clock) {
   SparseSlice rows{1, {}, {}};
   for (int64_t i = 0; i < 100; ++i) rows.ids.push_back(i);
   request.sparse = {rows};
-  auto reply = core.pull(request, Ms(0));
+  auto reply = core.pull(request, shoal::Deadline(Ms(0)));
   auto out = reply.dense[0].values;
   out.insert(out.end(), reply.sparse[0].values.begin(), reply.sparse[0].values.end());
   return out;
@@ -979,7 +979,7 @@ TEST(PsServerCore, BadRequestsAreRefusedAndChangeNothing) {
     request.worker = 1;
     request.rows = 1;
     request.sparse = {SparseSlice{1, {3, 4}, std::vector<float>(8, 0.5f)}};
-    server.core->push(request);
+    server.core->push(request, shoal::Deadline(Ms(0)));
   }
   const auto before = everything(*server.core, 0, 0);
   EXPECT_EQ(server.core->row_count(), 2u) << "pulling rows does not store them";
@@ -1003,10 +1003,11 @@ TEST(PsServerCore, BadRequestsAreRefusedAndChangeNothing) {
     request.rows = 1;
     request.dense = std::move(dense);
     request.sparse = std::move(sparse);
-    server.core->push(request);
+    server.core->push(request, shoal::Deadline(Ms(0)));
   };
   const DenseSlice good{0, {0}, std::vector<float>(8, 1.f)};
   expect_refused("parameter server: push: unknown table index 7; expected 0 <= index < 2", [&] {
+    EXPECT_THROW(push({good, DenseSlice{7, {0}, {}}}, {}), NotFoundError);
     push({good, DenseSlice{7, {0}, {}}}, {});
   });
   expect_refused("table 'w': 9 values for 1 chunks; expected 8", [&] {
@@ -1038,18 +1039,18 @@ TEST(PsServerCore, BadRequestsAreRefusedAndChangeNothing) {
   expect_refused("worker 2 pushed a gradient of 0 samples; expected rows >= 1", [&] {
     PushRequest request;
     request.worker = 2;
-    server.core->push(request);
+    server.core->push(request, shoal::Deadline(Ms(0)));
   });
   expect_refused("parameter server: pull: table 'w': 8 values for 1 chunks; expected 0", [&] {
     PullRequest request;
     request.dense = {good};
-    server.core->pull(request, Ms(0));
+    server.core->pull(request, shoal::Deadline(Ms(0)));
   });
   expect_refused("worker 2 pulled at clock 1; expected 0 <= clock <= 0", [&] {
     PullRequest request;
     request.worker = 2;
     request.clock = 1;
-    server.core->pull(request, Ms(0));
+    server.core->pull(request, shoal::Deadline(Ms(0)));
   });
   OptimizerSpec sgd;
   sgd.lr = 1;
@@ -1057,20 +1058,20 @@ TEST(PsServerCore, BadRequestsAreRefusedAndChangeNothing) {
   again.worker = 1;
   again.tables = {dense_spec("w", {8}, sgd),
                   sparse_spec("emb", 100, 4, {InitSpec::Kind::kUniform, -1, 1}, sgd)};
-  EXPECT_NO_THROW(server.core->register_tables(again, Ms(0)));
+  EXPECT_NO_THROW(server.core->register_tables(again, shoal::Deadline(Ms(0))));
   again.tables[0].optimizer.lr = 0.5;
   expect_refused(
       "worker 1's table 0 ('w') differs from the first registration: lr 0.500000 (expected "
       "1.000000)",
-      [&] { server.core->register_tables(again, Ms(0)); });
+      [&] { server.core->register_tables(again, shoal::Deadline(Ms(0))); });
   again.tables[0].optimizer.lr = 1;
   again.tables[1].shape = {100, 5};
   expect_refused(
       "table 1 ('emb') differs from the first registration: shape [100, 5] (expected [100, 4])",
-      [&] { server.core->register_tables(again, Ms(0)); });
+      [&] { server.core->register_tables(again, shoal::Deadline(Ms(0))); });
   again.tables.pop_back();
   expect_refused("worker 1 registers 1 tables; expected 2 as the first registration",
-                 [&] { server.core->register_tables(again, Ms(0)); });
+                 [&] { server.core->register_tables(again, shoal::Deadline(Ms(0))); });
 }
 
 TEST(PsServerCore, AChunkOrRowOfAnotherServerIsRefused) {
@@ -1083,11 +1084,11 @@ TEST(PsServerCore, AChunkOrRowOfAnotherServerIsRefused) {
   while (ShardMap(2).owner(row_shard(name, foreign)) == 0) ++foreign;
   RegisterRequest request;
   request.tables = {sparse_spec(name, 0, 2, {})};
-  core.register_tables(request, Ms(0));
+  core.register_tables(request, shoal::Deadline(Ms(0)));
   PushRequest push;
   push.rows = 1;
   push.sparse = {SparseSlice{0, {foreign}, {1.f, 1.f}}};
-  const std::string e = error_of<UsageError>([&] { core.push(push); });
+  const std::string e = error_of<NotFoundError>([&] { core.push(push, shoal::Deadline(Ms(0))); });
   EXPECT_NE(e.find("table 'emb': row " + std::to_string(foreign) + " is in virtual shard " +
                    std::to_string(row_shard(name, foreign)) + ", which this server does not hold"),
             std::string::npos)
@@ -1106,21 +1107,21 @@ TEST(PsServerCore, AFailedFirstRegistrationLeavesNoTables) {
   request.tables = {dense_spec("w", {70000}, sgd), sparse_spec("emb", 0, 0, {})};
   EXPECT_NE(
       error_of<UsageError>([&] {
-        core.register_tables(request, Ms(0));
+        core.register_tables(request, shoal::Deadline(Ms(0)));
       }).find("sparse table 'emb' has shape [0, 0]; expected {rows (0: unbounded), dim >= 1}"),
       std::string::npos);
   request.tables[1].shape = {0, 3};
   request.initial = {DenseSlice{0, {0}, std::vector<float>(kChunkElements, 1.f)}};
   EXPECT_NE(error_of<UsageError>([&] {
-              core.register_tables(request, Ms(0));
+              core.register_tables(request, shoal::Deadline(Ms(0)));
             }).find("table 'w': no initial values for chunk 1, which this server holds"),
             std::string::npos);
   request.initial[0].chunks.push_back(1);
   request.initial[0].values.resize(70000, 2.f);
-  EXPECT_NO_THROW(core.register_tables(request, Ms(0)));
+  EXPECT_NO_THROW(core.register_tables(request, shoal::Deadline(Ms(0))));
   PullRequest pull;
   pull.dense = {DenseSlice{0, {1}, {}}};
-  EXPECT_EQ(core.pull(pull, Ms(0)).dense[0].values,
+  EXPECT_EQ(core.pull(pull, shoal::Deadline(Ms(0))).dense[0].values,
             std::vector<float>(70000 - kChunkElements, 2.f));
 }
 
@@ -1233,7 +1234,8 @@ TEST(PsServerCore, TheRegistrationWithValuesCreatesTheTables) {
   other.initial.clear();
   // Alone, a registration without values waits for the one with them, until its deadline.
   const auto start = std::chrono::steady_clock::now();
-  const std::string e = error_of<CommError>([&] { core.register_tables(other, Ms(300)); });
+  const std::string e =
+      error_of<CommError>([&] { core.register_tables(other, shoal::Deadline(Ms(300))); });
   const double waited =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_NE(e.find("parameter server: registration of worker 1 timed out after"), std::string::npos)
@@ -1243,13 +1245,14 @@ TEST(PsServerCore, TheRegistrationWithValuesCreatesTheTables) {
       << e;
   EXPECT_GE(waited, 0.29);
   EXPECT_LT(waited, 10.0);  // a generous failure bound
-  std::thread late([&] { core.register_tables(other, kGenerous); });
-  core.register_tables(first, Ms(0));
+  std::thread late([&] { core.register_tables(other, shoal::Deadline(kGenerous)); });
+  core.register_tables(first, shoal::Deadline(Ms(0)));
   late.join();
   PullRequest pull;
   pull.worker = 1;
   pull.dense = {DenseSlice{0, {0}, {}}};
-  EXPECT_EQ(core.pull(pull, Ms(0)).dense[0].values, (std::vector<float>{1, 2, 3, 4}));
+  EXPECT_EQ(core.pull(pull, shoal::Deadline(Ms(0))).dense[0].values,
+            (std::vector<float>{1, 2, 3, 4}));
 }
 
 }  // namespace

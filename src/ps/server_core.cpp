@@ -21,6 +21,11 @@ std::string prefix(const char* what) {
   throw UsageError(prefix(what) + text);
 }
 
+// A table, chunk or row this server does not hold (NOT_FOUND on the wire, handler.h).
+[[noreturn]] void not_here(const char* what, const std::string& text) {
+  throw NotFoundError(prefix(what) + text);
+}
+
 std::string list_workers(const std::vector<int32_t>& workers) {
   std::string out;
   for (int32_t w : workers) out += (out.empty() ? "" : ", ") + std::to_string(w);
@@ -140,8 +145,8 @@ ServerCore::ServerCore(ServerCoreOptions options) : options_(std::move(options))
 
 const ServerCore::Table& ServerCore::table_at(const char* what, int32_t index) const {
   if (index < 0 || static_cast<size_t>(index) >= tables_.size())
-    bad(what, "unknown table index " + std::to_string(index) + "; expected 0 <= index < " +
-                  std::to_string(tables_.size()) + " (the tables registered)");
+    not_here(what, "unknown table index " + std::to_string(index) + "; expected 0 <= index < " +
+                       std::to_string(tables_.size()) + " (the tables registered)");
   return tables_[static_cast<size_t>(index)];
 }
 
@@ -164,8 +169,8 @@ void ServerCore::check_slices(const char* what, const std::vector<DenseSlice>& d
                       " is out of range; expected 0 <= chunk < " + std::to_string(chunks));
       const int32_t shard = chunk_shard(table.spec.name, chunk, options_.virtual_shards);
       if (!holds(shard))
-        bad(what, name + ": chunk " + std::to_string(chunk) + " is in virtual shard " +
-                      std::to_string(shard) + ", which this server does not hold");
+        not_here(what, name + ": chunk " + std::to_string(chunk) + " is in virtual shard " +
+                           std::to_string(shard) + ", which this server does not hold");
       length += chunk_length(table.numel, chunk);
     }
     if (const auto twice = repeated(slice.chunks))
@@ -187,8 +192,8 @@ void ServerCore::check_slices(const char* what, const std::vector<DenseSlice>& d
                       (rows > 0 ? " < " + std::to_string(rows) : std::string()));
       const int32_t shard = row_shard(table.spec.name, id, options_.virtual_shards);
       if (!holds(shard))
-        bad(what, name + ": row " + std::to_string(id) + " is in virtual shard " +
-                      std::to_string(shard) + ", which this server does not hold");
+        not_here(what, name + ": row " + std::to_string(id) + " is in virtual shard " +
+                           std::to_string(shard) + ", which this server does not hold");
     }
     if (with_values)  // a pull may name a row twice; a push's gradients must be coalesced
       if (const auto twice = repeated(slice.ids))
@@ -211,9 +216,8 @@ bool ServerCore::holds_dense_chunks(const std::vector<TableSpec>& tables) const 
   return false;
 }
 
-void ServerCore::register_tables(const RegisterRequest& request, Duration timeout) {
+void ServerCore::register_tables(const RegisterRequest& request, const Deadline& deadline) {
   const char* what = "register";
-  Deadline deadline(timeout);
   std::unique_lock<std::mutex> lock(mutex_);
   for (const auto& spec : request.tables) check_spec(spec);
   // See Note [Who creates the tables].
@@ -399,7 +403,7 @@ void ServerCore::apply_ready_steps() {
   }
 }
 
-PushReply ServerCore::push(PushRequest request) {
+PushReply ServerCore::push(const PushRequest& request, const Deadline& /*deadline*/) {
   const char* what = "push";
   std::lock_guard<std::mutex> lock(mutex_);
   const int32_t w = request.worker;
@@ -426,7 +430,7 @@ PushReply ServerCore::push(PushRequest request) {
     reply.counted = false;  // the step was full without it (backup workers)
   } else {
     const int64_t clock = request.clock;
-    pending_[clock].emplace(w, std::move(request));
+    pending_[clock].emplace(w, request);  // copied: the transport keeps its request
     apply_ready_steps();
   }
   reply.clock = step_;
@@ -468,9 +472,8 @@ std::string ServerCore::describe_staleness_wait(int64_t needed) const {
          std::to_string(options_.staleness) + "; waiting for workers " + waiting + ")";
 }
 
-PullReply ServerCore::pull(const PullRequest& request, Duration timeout) {
+PullReply ServerCore::pull(const PullRequest& request, const Deadline& deadline) {
   const char* what = "pull";
-  Deadline deadline(timeout);
   std::unique_lock<std::mutex> lock(mutex_);
   const int32_t w = request.worker;
   if (live_.count(w) == 0)

@@ -1,7 +1,7 @@
 // A parameter server's core (docs/ps.md, "Consistency"): the virtual shards one server holds and
-// how it answers the requests of messages.h, with no network. The transport (rpc.*) calls it from
-// many threads at once; every method is thread-safe. Every request is checked whole before any
-// of it is applied: a bad one raises UsageError and changes nothing.
+// how it answers the requests of messages.h, with no network: the Handler (handler.h) the
+// transport (rpc.*) calls from many threads at once; every method is thread-safe. Every request is
+// checked whole before any of it is applied: a bad one raises UsageError and changes nothing.
 #pragma once
 
 #include <condition_variable>
@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "handler.h"
 #include "messages.h"
 #include "shard_map.h"
 #include "shoal/core/timeout.h"
@@ -43,25 +44,26 @@ struct ServerCoreOptions {
 // step (its samples were trained on), or discarded (its samples go back into the epoch).
 enum class LeaverPush { kCount, kDiscard };
 
-class ServerCore {
+class ServerCore : public Handler {
  public:
   explicit ServerCore(ServerCoreOptions options);
 
   // Note [Who creates the tables]: the registration that carries `initial` creates the tables
   // (the client sends it from the first worker only, as DDP broadcasts the first worker's
   // parameters, so that every server starts from one worker's values); one without `initial`
-  // waits at most `timeout` for it (CommError after), unless this server holds no dense chunk.
+  // waits for it until `deadline` (CommError after), unless this server holds no dense chunk.
   // Later registrations must match the first exactly (UsageError naming the first difference).
-  void register_tables(const RegisterRequest& request, Duration timeout);
+  void register_tables(const RegisterRequest& request, const Deadline& deadline) override;
 
-  // Waits as the consistency mode says, at most `timeout`; CommError after it, naming the workers
+  // Waits as the consistency mode says, until `deadline`; CommError after it, naming the workers
   // waited for and their clocks.
-  PullReply pull(const PullRequest& request, Duration timeout);
+  PullReply pull(const PullRequest& request, const Deadline& deadline) override;
 
   // Sync: buffers the push until its step is complete, then applies the step; with
   // replicas_to_aggregate, a push to a step already full is answered counted = false and
-  // dropped. Bounded staleness and async: applies it at once. Never waits.
-  PushReply push(PushRequest request);
+  // dropped. Bounded staleness and async: applies it at once. Never waits, so its deadline
+  // cannot pass.
+  PushReply push(const PushRequest& request, const Deadline& deadline) override;
 
   // Workers leave and join. A joiner's clock starts at the server's step (sync) or at the slowest
   // staying worker's clock (the others), so it neither blocks steps already closed nor lags.
