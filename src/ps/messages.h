@@ -53,15 +53,6 @@ struct TableSpec {
   uint64_t seed = 0;
 };
 
-// A worker's first call: the tables it trains, in the same order on every worker. The first
-// worker to register a table creates it (dense: with `initial`, its part of the values in chunk
-// order, see DenseSlice); later registrations must match it exactly or get a UsageError naming
-// the difference.
-struct RegisterRequest {
-  int32_t worker = 0;  // the worker's index in the job
-  std::vector<TableSpec> tables;
-};
-
 // Part of a dense table held by one server: the chunks `chunks` (indices in the table's chunk
 // order, docs/ps.md "Sharding"), their values concatenated.
 struct DenseSlice {
@@ -75,6 +66,19 @@ struct SparseSlice {
   int32_t table = 0;
   std::vector<int64_t> ids;
   std::vector<float> values;
+};
+
+// A worker's first call: the tables it trains, in the same order on every worker. The first
+// worker to register a table creates it (dense: with `initial`, its part of the values in chunk
+// order, see DenseSlice); later registrations must match it exactly or get a UsageError naming
+// the difference.
+struct RegisterRequest {
+  int32_t worker = 0;  // the worker's index in the job
+  std::vector<TableSpec> tables;
+  // Dense tables' first values: for each dense table, the chunks the server holds, each once.
+  // The registration that carries them creates the tables (the client sends them from the first
+  // worker only); one without them waits for it. Later registrations' values are not read.
+  std::vector<DenseSlice> initial;
 };
 
 // Read values for the step a worker is about to train (`clock`: its number of pushed steps).

@@ -1,0 +1,638 @@
+#include "server_core.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <optional>
+#include <unordered_map>
+
+#include "optimizer.h"
+#include "shoal/core/error.h"
+
+namespace shoal::ps::detail {
+
+namespace {
+
+std::string prefix(const char* what) {
+  return std::string("parameter server: ") + what + ": ";
+}
+
+[[noreturn]] void bad(const char* what, const std::string& text) {
+  throw UsageError(prefix(what) + text);
+}
+
+// A table, chunk or row this server does not hold (NOT_FOUND on the wire, handler.h).
+[[noreturn]] void not_here(const char* what, const std::string& text) {
+  throw NotFoundError(prefix(what) + text);
+}
+
+std::string list_workers(const std::vector<int32_t>& workers) {
+  std::string out;
+  for (int32_t w : workers) out += (out.empty() ? "" : ", ") + std::to_string(w);
+  return out.empty() ? "none" : out;
+}
+
+int64_t numel_of(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + "]";
+}
+
+// The first field in which two specs differ, or "" when they are equal.
+std::string difference(const TableSpec& a, const TableSpec& b) {
+  auto text = [](const auto& x) { return std::to_string(x); };
+  if (a.name != b.name) return "name '" + b.name + "' (expected '" + a.name + "')";
+  if (a.sparse != b.sparse) return std::string("sparse ") + (b.sparse ? "true" : "false");
+  if (a.shape != b.shape)
+    return "shape " + shape_text(b.shape) + " (expected " + shape_text(a.shape) + ")";
+  if (a.seed != b.seed) return "seed " + text(b.seed) + " (expected " + text(a.seed) + ")";
+  const auto &o = a.optimizer, &p = b.optimizer;
+  if (o.kind != p.kind)
+    return "optimizer kind " + text(static_cast<int>(p.kind)) + " (expected " +
+           text(static_cast<int>(o.kind)) + ")";
+  const std::pair<const char*, std::pair<double, double>> numbers[] = {
+      {"lr", {o.lr, p.lr}},
+      {"weight_decay", {o.weight_decay, p.weight_decay}},
+      {"momentum", {o.momentum, p.momentum}},
+      {"dampening", {o.dampening, p.dampening}},
+      {"lr_decay", {o.lr_decay, p.lr_decay}},
+      {"initial_accumulator_value", {o.initial_accumulator_value, p.initial_accumulator_value}},
+      {"eps", {o.eps, p.eps}},
+      {"beta1", {o.beta1, p.beta1}},
+      {"beta2", {o.beta2, p.beta2}},
+      {"init a", {a.init.a, b.init.a}},
+      {"init b", {a.init.b, b.init.b}}};
+  for (const auto& [name, values] : numbers)
+    if (values.first != values.second)
+      return std::string(name) + " " + text(values.second) + " (expected " + text(values.first) +
+             ")";
+  if (o.nesterov != p.nesterov) return "nesterov differs";
+  if (o.amsgrad != p.amsgrad) return "amsgrad differs";
+  if (a.init.kind != b.init.kind) return "init kind differs";
+  return "";
+}
+
+void check_spec(const TableSpec& spec) {
+  const char* what = "register";
+  if (spec.name.empty()) bad(what, "a table has an empty name; expected a unique name");
+  for (int64_t d : spec.shape)
+    if (d < 0)
+      bad(what, "table '" + spec.name + "' has shape " + shape_text(spec.shape) +
+                    "; expected sizes >= 0");
+  if (spec.sparse && (spec.shape.size() != 2 || spec.shape[1] < 1))
+    bad(what, "sparse table '" + spec.name + "' has shape " + shape_text(spec.shape) +
+                  "; expected {rows (0: unbounded), dim >= 1}");
+  check_optimizer(spec.optimizer, spec.sparse, spec.name);
+  const auto kind = spec.init.kind;
+  if (kind != InitSpec::Kind::kZeros && kind != InitSpec::Kind::kUniform &&
+      kind != InitSpec::Kind::kNormal)
+    bad(what, "table '" + spec.name + "' has init kind " + std::to_string(static_cast<int>(kind)) +
+                  "; expected zeros (0), uniform (1) or normal (2)");
+  if (kind == InitSpec::Kind::kUniform && !(spec.init.a <= spec.init.b))
+    bad(what, "table '" + spec.name + "' has uniform(" + std::to_string(spec.init.a) + ", " +
+                  std::to_string(spec.init.b) + "); expected low <= high");
+  if (kind == InitSpec::Kind::kNormal && !(spec.init.b >= 0))
+    bad(what, "table '" + spec.name + "' has normal standard deviation " +
+                  std::to_string(spec.init.b) + "; expected >= 0");
+}
+
+// A value that occurs twice in `values`, if any (a sorted copy: no allocation per element).
+std::optional<int64_t> repeated(const std::vector<int64_t>& values) {
+  std::vector<int64_t> sorted(values);
+  std::sort(sorted.begin(), sorted.end());
+  auto it = std::adjacent_find(sorted.begin(), sorted.end());
+  if (it == sorted.end()) return std::nullopt;
+  return *it;
+}
+
+}  // namespace
+
+ServerCore::ServerCore(ServerCoreOptions options) : options_(std::move(options)) {
+  if (options_.consistency == Consistency::kBoundedStaleness && options_.staleness == 0)
+    options_.consistency = Consistency::kSync;
+  if (options_.staleness < 0)
+    throw UsageError("parameter server: staleness bound " + std::to_string(options_.staleness) +
+                     "; expected >= 0");
+  if (options_.replicas_to_aggregate < 0 ||
+      (options_.replicas_to_aggregate > 0 && options_.consistency != Consistency::kSync))
+    throw UsageError("parameter server: replicas_to_aggregate " +
+                     std::to_string(options_.replicas_to_aggregate) +
+                     "; expected 0, or > 0 with sync consistency");
+  if (options_.virtual_shards < 1)
+    throw UsageError("parameter server: " + std::to_string(options_.virtual_shards) +
+                     " virtual shards; expected at least 1");
+  held_.assign(static_cast<size_t>(options_.virtual_shards), false);
+  for (int32_t shard : options_.shards) {
+    if (shard < 0 || shard >= options_.virtual_shards)
+      throw UsageError("parameter server: virtual shard " + std::to_string(shard) +
+                       "; expected 0 <= shard < " + std::to_string(options_.virtual_shards));
+    shards_.emplace(shard, VirtualShard(shard));
+    held_[static_cast<size_t>(shard)] = true;
+  }
+  for (int32_t w : options_.workers) {
+    if (w < 0)
+      throw UsageError("parameter server: worker " + std::to_string(w) + "; expected >= 0");
+    live_.insert(w);
+    clock_[w] = 0;
+  }
+}
+
+const ServerCore::Table& ServerCore::table_at(const char* what, int32_t index) const {
+  if (index < 0 || static_cast<size_t>(index) >= tables_.size())
+    not_here(what, "unknown table index " + std::to_string(index) + "; expected 0 <= index < " +
+                       std::to_string(tables_.size()) + " (the tables registered)");
+  return tables_[static_cast<size_t>(index)];
+}
+
+VirtualShard* ServerCore::holder(int32_t shard) {
+  auto it = shards_.find(shard);
+  return it == shards_.end() ? nullptr : &it->second;
+}
+
+void ServerCore::check_slices(const char* what, const std::vector<DenseSlice>& dense,
+                              const std::vector<SparseSlice>& sparse, bool with_values) const {
+  for (const auto& slice : dense) {
+    const Table& table = table_at(what, slice.table);
+    const std::string name = "table '" + table.spec.name + "'";
+    if (table.spec.sparse) bad(what, name + " is sparse; expected a dense table for chunks");
+    const int64_t chunks = chunk_count(table.numel);
+    int64_t length = 0;
+    for (int64_t chunk : slice.chunks) {
+      if (chunk < 0 || chunk >= chunks)
+        bad(what, name + ": chunk " + std::to_string(chunk) +
+                      " is out of range; expected 0 <= chunk < " + std::to_string(chunks));
+      const int32_t shard = chunk_shard(table.spec.name, chunk, options_.virtual_shards);
+      if (!holds(shard))
+        not_here(what, name + ": chunk " + std::to_string(chunk) + " is in virtual shard " +
+                           std::to_string(shard) + ", which this server does not hold");
+      length += chunk_length(table.numel, chunk);
+    }
+    if (const auto twice = repeated(slice.chunks))
+      bad(what, name + ": chunk " + std::to_string(*twice) + " is named twice; expected each once");
+    const int64_t expected = with_values ? length : 0;
+    if (static_cast<int64_t>(slice.values.size()) != expected)
+      bad(what, name + ": " + std::to_string(slice.values.size()) + " values for " +
+                    std::to_string(slice.chunks.size()) + " chunks; expected " +
+                    std::to_string(expected));
+  }
+  for (const auto& slice : sparse) {
+    const Table& table = table_at(what, slice.table);
+    const std::string name = "table '" + table.spec.name + "'";
+    if (!table.spec.sparse) bad(what, name + " is dense; expected a sparse table for rows");
+    const int64_t rows = table.spec.shape[0];
+    for (int64_t id : slice.ids) {
+      if (id < 0 || (rows > 0 && id >= rows))
+        bad(what, name + ": row " + std::to_string(id) + " is out of range; expected 0 <= id" +
+                      (rows > 0 ? " < " + std::to_string(rows) : std::string()));
+      const int32_t shard = row_shard(table.spec.name, id, options_.virtual_shards);
+      if (!holds(shard))
+        not_here(what, name + ": row " + std::to_string(id) + " is in virtual shard " +
+                           std::to_string(shard) + ", which this server does not hold");
+    }
+    if (with_values)  // a pull may name a row twice; a push's gradients must be coalesced
+      if (const auto twice = repeated(slice.ids))
+        bad(what,
+            name + ": row " + std::to_string(*twice) + " is named twice; expected unique ids");
+    const int64_t expected = with_values ? static_cast<int64_t>(slice.ids.size()) * table.dim : 0;
+    if (static_cast<int64_t>(slice.values.size()) != expected)
+      bad(what, name + ": " + std::to_string(slice.values.size()) + " values for " +
+                    std::to_string(slice.ids.size()) + " rows of dim " + std::to_string(table.dim) +
+                    "; expected " + std::to_string(expected));
+  }
+}
+
+bool ServerCore::holds_dense_chunks(const std::vector<TableSpec>& tables) const {
+  for (const auto& spec : tables) {
+    if (spec.sparse) continue;
+    for (int64_t c = 0; c < chunk_count(numel_of(spec.shape)); ++c)
+      if (shards_.count(chunk_shard(spec.name, c, options_.virtual_shards)) != 0) return true;
+  }
+  return false;
+}
+
+void ServerCore::register_tables(const RegisterRequest& request, const Deadline& deadline) {
+  const char* what = "register";
+  std::unique_lock<std::mutex> lock(mutex_);
+  for (const auto& spec : request.tables) check_spec(spec);
+  // See Note [Who creates the tables].
+  if (!registered_ && request.initial.empty() && holds_dense_chunks(request.tables)) {
+    const auto until = std::chrono::steady_clock::now() + deadline.remaining();
+    if (!changed_.wait_until(lock, until, [&] { return registered_; }))
+      throw CommError("parameter server: registration of worker " + std::to_string(request.worker) +
+                      " timed out after " + format_duration(deadline.elapsed()) +
+                      " waiting for the registration that carries the dense tables' first values"
+                      " (the first worker's)");
+  }
+  if (registered_) {
+    if (request.tables.size() != tables_.size())
+      bad(what, "worker " + std::to_string(request.worker) + " registers " +
+                    std::to_string(request.tables.size()) + " tables; expected " +
+                    std::to_string(tables_.size()) + " as the first registration");
+    for (size_t i = 0; i < tables_.size(); ++i) {
+      const std::string diff = difference(tables_[i].spec, request.tables[i]);
+      if (!diff.empty())
+        bad(what, "worker " + std::to_string(request.worker) + "'s table " + std::to_string(i) +
+                      " ('" + tables_[i].spec.name +
+                      "') differs from the first registration: " + diff);
+    }
+    return;  // the first registration's values stand
+  }
+  std::set<std::string> names;
+  for (const auto& spec : request.tables) {
+    if (!names.insert(spec.name).second)
+      bad(what, "table name '" + spec.name + "' is used twice; expected unique names");
+  }
+  // Check the initial values against the new tables before keeping anything.
+  std::vector<Table> tables;
+  for (const auto& spec : request.tables) {
+    Table table{spec, spec.sparse ? 0 : numel_of(spec.shape), spec.sparse ? spec.shape[1] : 0};
+    tables.push_back(std::move(table));
+  }
+  tables_.swap(tables);
+  try {
+    check_slices(what, request.initial, {}, true);
+    std::vector<std::set<int64_t>> given(tables_.size());
+    for (const auto& slice : request.initial)
+      for (int64_t chunk : slice.chunks)
+        if (!given[static_cast<size_t>(slice.table)].insert(chunk).second)
+          bad(what, "table '" + tables_[static_cast<size_t>(slice.table)].spec.name +
+                        "': initial chunk " + std::to_string(chunk) + " is given twice");
+    for (size_t t = 0; t < tables_.size(); ++t) {
+      if (tables_[t].spec.sparse) continue;
+      for (int64_t c = 0; c < chunk_count(tables_[t].numel); ++c)
+        if (shards_.count(chunk_shard(tables_[t].spec.name, c, options_.virtual_shards)) != 0 &&
+            given[t].count(c) == 0)
+          bad(what, "table '" + tables_[t].spec.name + "': no initial values for chunk " +
+                        std::to_string(c) + ", which this server holds; expected every held chunk");
+    }
+  } catch (...) {
+    tables_.clear();
+    throw;
+  }
+  for (const auto& slice : request.initial) {
+    const Table& table = tables_[static_cast<size_t>(slice.table)];
+    const float* values = slice.values.data();
+    for (int64_t chunk : slice.chunks) {
+      const int64_t length = chunk_length(table.numel, chunk);
+      holder(chunk_shard(table.spec.name, chunk, options_.virtual_shards))
+          ->add_chunk(slice.table, chunk, table.spec.optimizer, values, length);
+      values += length;
+    }
+  }
+  registered_ = true;
+  changed_.notify_all();
+}
+
+void ServerCore::apply(const std::vector<DenseSlice>& dense,
+                       const std::vector<SparseSlice>& sparse) {
+  for (const auto& slice : dense) {
+    const Table& table = tables_[static_cast<size_t>(slice.table)];
+    const float* grad = slice.values.data();
+    for (int64_t chunk : slice.chunks) {
+      const int64_t length = chunk_length(table.numel, chunk);
+      Slot* slot = holder(chunk_shard(table.spec.name, chunk, options_.virtual_shards))
+                       ->chunk(slice.table, chunk);
+      SHOAL_CHECK(slot != nullptr) << "chunk " << chunk << " of table " << table.spec.name;
+      apply_dense(table.spec.optimizer, slot->values(), slot->state(length), slot->step, grad,
+                  length);
+      grad += length;
+    }
+  }
+  for (const auto& slice : sparse) {
+    const Table& table = tables_[static_cast<size_t>(slice.table)];
+    const float* grad = slice.values.data();
+    for (int64_t id : slice.ids) {
+      Slot& row = holder(row_shard(table.spec.name, id, options_.virtual_shards))
+                      ->touch_row(slice.table, id, table.spec, table.dim);
+      apply_row(table.spec.optimizer, row.values(), row.state(table.dim), row.step, grad,
+                table.dim);
+      grad += table.dim;
+    }
+  }
+}
+
+bool ServerCore::step_complete(int64_t clock) const {
+  auto it = pending_.find(clock);
+  const size_t have = it == pending_.end() ? 0 : it->second.size();
+  if (options_.replicas_to_aggregate > 0) {
+    const size_t need = std::min(static_cast<size_t>(options_.replicas_to_aggregate),
+                                 std::max<size_t>(live_.size(), 1));
+    return have >= need;
+  }
+  if (live_.empty()) return have > 0;  // only leavers' counted pushes remain
+  for (int32_t w : live_)
+    if (it == pending_.end() || it->second.count(w) == 0) return false;
+  return true;
+}
+
+// Note [Sync sum]: step c applies sum_w rows_w * grad_w / sum_w rows_w over the pushes it took,
+// accumulated in double in worker order (std::map), then rounded once: deterministic, and the
+// gradient of the mean loss over the workers' concatenated batches. A chunk or row that no push
+// names is not stepped, as a parameter without a gradient in torch.
+void ServerCore::apply_ready_steps() {
+  while (step_complete(step_)) {
+    auto node = pending_.extract(step_);
+    std::vector<DenseSlice> dense;
+    std::vector<SparseSlice> sparse;
+    if (!node.empty()) {
+      const auto& pushes = node.mapped();
+      double total = 0;
+      for (const auto& [worker, push] : pushes) total += static_cast<double>(push.rows);
+      std::map<std::pair<int32_t, int64_t>, std::vector<double>> chunks;
+      // Per sparse table: each row's place in `acc`, in the order rows first appear.
+      struct RowSums {
+        std::unordered_map<int64_t, size_t> at;
+        std::vector<int64_t> ids;
+        std::vector<double> acc;
+      };
+      std::map<int32_t, RowSums> rows;
+      for (const auto& [worker, push] : pushes) {
+        const auto weight = static_cast<double>(push.rows);
+        for (const auto& slice : push.dense) {
+          const Table& table = tables_[static_cast<size_t>(slice.table)];
+          const float* grad = slice.values.data();
+          for (int64_t chunk : slice.chunks) {
+            const int64_t length = chunk_length(table.numel, chunk);
+            auto& acc = chunks[{slice.table, chunk}];
+            acc.resize(static_cast<size_t>(length), 0.0);
+            for (int64_t i = 0; i < length; ++i) acc[static_cast<size_t>(i)] += weight * grad[i];
+            grad += length;
+          }
+        }
+        for (const auto& slice : push.sparse) {
+          const Table& table = tables_[static_cast<size_t>(slice.table)];
+          const float* grad = slice.values.data();
+          const auto dim = static_cast<size_t>(table.dim);
+          RowSums& sums = rows[slice.table];
+          sums.at.reserve(sums.at.size() + slice.ids.size());
+          for (int64_t id : slice.ids) {
+            auto [it, fresh] = sums.at.emplace(id, sums.ids.size());
+            if (fresh) {
+              sums.ids.push_back(id);
+              sums.acc.resize(sums.acc.size() + dim, 0.0);
+            }
+            double* acc = sums.acc.data() + it->second * dim;
+            for (size_t i = 0; i < dim; ++i) acc[i] += weight * grad[i];
+            grad += dim;
+          }
+        }
+      }
+      for (const auto& [key, acc] : chunks) {
+        if (dense.empty() || dense.back().table != key.first) dense.push_back({key.first, {}, {}});
+        dense.back().chunks.push_back(key.second);
+        auto& values = dense.back().values;
+        const size_t at = values.size();
+        values.resize(at + acc.size());
+        for (size_t i = 0; i < acc.size(); ++i) values[at + i] = static_cast<float>(acc[i] / total);
+      }
+      for (auto& [table, sums] : rows) {
+        SparseSlice slice{table, std::move(sums.ids), std::vector<float>(sums.acc.size())};
+        for (size_t i = 0; i < sums.acc.size(); ++i)
+          slice.values[i] = static_cast<float>(sums.acc[i] / total);
+        sparse.push_back(std::move(slice));
+      }
+    }
+    apply(dense, sparse);
+    ++step_;
+  }
+}
+
+PushReply ServerCore::push(const PushRequest& request, const Deadline& /*deadline*/) {
+  const char* what = "push";
+  std::lock_guard<std::mutex> lock(mutex_);
+  const int32_t w = request.worker;
+  if (live_.count(w) == 0)
+    bad(what, "worker " + std::to_string(w) + " is not live; expected one of " +
+                  list_workers({live_.begin(), live_.end()}));
+  const int64_t next = clock_[w];
+  if (request.clock != next)
+    bad(what, "worker " + std::to_string(w) + " pushed step " + std::to_string(request.clock) +
+                  "; expected its next step " + std::to_string(next));
+  if (request.rows < 1)
+    bad(what, "worker " + std::to_string(w) + " pushed a gradient of " +
+                  std::to_string(request.rows) + " samples; expected rows >= 1");
+  check_slices(what, request.dense, request.sparse, true);
+
+  PushReply reply;
+  clock_[w] = next + 1;
+  if (options_.consistency != Consistency::kSync) {
+    apply(request.dense, request.sparse);
+    ++step_;
+  } else if (request.clock < step_ || (options_.replicas_to_aggregate > 0 &&
+                                       pending_[request.clock].size() >=
+                                           static_cast<size_t>(options_.replicas_to_aggregate))) {
+    reply.counted = false;  // the step was full without it (backup workers)
+  } else {
+    const int64_t clock = request.clock;
+    pending_[clock].emplace(w, request);  // copied: the transport keeps its request
+    apply_ready_steps();
+  }
+  reply.clock = step_;
+  changed_.notify_all();
+  return reply;
+}
+
+int64_t ServerCore::slowest_clock() const {
+  int64_t slowest = INT64_MAX;
+  for (int32_t w : live_) slowest = std::min(slowest, clock_.at(w));
+  return live_.empty() ? step_ : slowest;
+}
+
+std::string ServerCore::describe_sync_wait(int64_t step) const {
+  auto it = pending_.find(step);
+  std::vector<int32_t> have, missing;
+  for (int32_t w : live_) {
+    if (it != pending_.end() && it->second.count(w) != 0)
+      have.push_back(w);
+    else
+      missing.push_back(w);
+  }
+  std::string text = "step " + std::to_string(step) + " to be applied (pushed by workers " +
+                     list_workers(have) + "; waiting for workers ";
+  std::string waiting;
+  for (int32_t w : missing)
+    waiting += (waiting.empty() ? "" : ", ") + std::to_string(w) + " at clock " +
+               std::to_string(clock_.at(w));
+  return text + (waiting.empty() ? "none" : waiting) + ")";
+}
+
+std::string ServerCore::describe_staleness_wait(int64_t needed) const {
+  std::string waiting;
+  for (int32_t w : live_)
+    if (clock_.at(w) < needed)
+      waiting += (waiting.empty() ? "" : ", ") + std::to_string(w) + " at clock " +
+                 std::to_string(clock_.at(w));
+  return "every live worker to reach clock " + std::to_string(needed) + " (staleness bound " +
+         std::to_string(options_.staleness) + "; waiting for workers " + waiting + ")";
+}
+
+PullReply ServerCore::pull(const PullRequest& request, const Deadline& deadline) {
+  const char* what = "pull";
+  std::unique_lock<std::mutex> lock(mutex_);
+  const int32_t w = request.worker;
+  if (live_.count(w) == 0)
+    bad(what, "worker " + std::to_string(w) + " is not live; expected one of " +
+                  list_workers({live_.begin(), live_.end()}));
+  if (request.clock < 0 || request.clock > clock_[w])
+    bad(what, "worker " + std::to_string(w) + " pulled at clock " + std::to_string(request.clock) +
+                  "; expected 0 <= clock <= " + std::to_string(clock_[w]) + " (its pushed steps)");
+  check_slices(what, request.dense, request.sparse, false);
+
+  auto ready = [&] {
+    if (live_.count(w) == 0) return true;  // it left while waiting: answered below
+    switch (options_.consistency) {
+      case Consistency::kSync:
+        return step_ >= request.clock;
+      case Consistency::kBoundedStaleness:
+        return slowest_clock() >= request.clock - options_.staleness;
+      case Consistency::kAsync:
+        return true;
+    }
+    return true;
+  };
+  const auto until = std::chrono::steady_clock::now() + deadline.remaining();
+  ++pulls_waiting_;
+  const bool woke = changed_.wait_until(lock, until, ready);
+  --pulls_waiting_;
+  if (!woke) {
+    const std::string waited_for =
+        options_.consistency == Consistency::kSync
+            ? describe_sync_wait(step_)
+            : describe_staleness_wait(request.clock - options_.staleness);
+    throw CommError("parameter server: pull of worker " + std::to_string(w) + " at clock " +
+                    std::to_string(request.clock) + " timed out after " +
+                    format_duration(deadline.elapsed()) + " waiting for " + waited_for);
+  }
+  if (live_.count(w) == 0)
+    throw CommError("parameter server: pull of worker " + std::to_string(w) + " at clock " +
+                    std::to_string(request.clock) + " ended after " +
+                    format_duration(deadline.elapsed()) +
+                    ": the worker left the live set while it waited");
+
+  PullReply reply;
+  for (const auto& slice : request.dense) {
+    const Table& table = tables_[static_cast<size_t>(slice.table)];
+    DenseSlice out{slice.table, slice.chunks, {}};
+    for (int64_t chunk : slice.chunks) {
+      const int64_t length = chunk_length(table.numel, chunk);
+      const Slot* slot = holder(chunk_shard(table.spec.name, chunk, options_.virtual_shards))
+                             ->chunk(slice.table, chunk);
+      SHOAL_CHECK(slot != nullptr) << "chunk " << chunk << " of table " << table.spec.name;
+      out.values.insert(out.values.end(), slot->values(), slot->values() + length);
+    }
+    reply.dense.push_back(std::move(out));
+  }
+  for (const auto& slice : request.sparse) {
+    const Table& table = tables_[static_cast<size_t>(slice.table)];
+    SparseSlice out{slice.table, slice.ids,
+                    std::vector<float>(slice.ids.size() * static_cast<size_t>(table.dim))};
+    float* dst = out.values.data();
+    for (int64_t id : slice.ids) {
+      holder(row_shard(table.spec.name, id, options_.virtual_shards))
+          ->read_row(slice.table, id, table.spec, table.dim, dst);
+      dst += table.dim;
+    }
+    reply.sparse.push_back(std::move(out));
+  }
+  reply.clock = step_;
+  int64_t fastest = 0;
+  for (int32_t v : live_) fastest = std::max(fastest, clock_.at(v));
+  reply.staleness = live_.empty() ? 0 : fastest - slowest_clock();
+  return reply;
+}
+
+void ServerCore::set_live_workers(const std::vector<int32_t>& workers, LeaverPush leavers) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (int32_t w : workers)
+    if (w < 0) bad("set_live_workers", "worker " + std::to_string(w) + "; expected >= 0");
+  const std::set<int32_t> next(workers.begin(), workers.end());
+  std::set<int32_t> staying;
+  for (int32_t w : live_)
+    if (next.count(w) != 0) staying.insert(w);
+  int64_t start = step_;
+  if (options_.consistency != Consistency::kSync && !staying.empty()) {
+    start = INT64_MAX;
+    for (int32_t w : staying) start = std::min(start, clock_[w]);
+  }
+  if (leavers == LeaverPush::kDiscard)
+    for (auto& [step, pushes] : pending_)
+      for (int32_t w : live_)
+        if (next.count(w) == 0) pushes.erase(w);
+  for (int32_t w : next)
+    if (live_.count(w) == 0) clock_[w] = start;
+  live_ = next;
+  if (options_.consistency == Consistency::kSync) apply_ready_steps();
+  changed_.notify_all();
+}
+
+int64_t ServerCore::staleness() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (live_.empty()) return 0;
+  int64_t fastest = 0;
+  for (int32_t w : live_) fastest = std::max(fastest, clock_.at(w));
+  return fastest - slowest_clock();
+}
+
+int64_t ServerCore::step() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return step_;
+}
+
+int64_t ServerCore::clock_of(int32_t worker) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = clock_.find(worker);
+  return it == clock_.end() ? 0 : it->second;
+}
+
+int64_t ServerCore::pulls_waiting() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return pulls_waiting_;
+}
+
+size_t ServerCore::row_count() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  size_t count = 0;
+  for (const auto& [id, shard] : shards_) count += shard.row_count();
+  return count;
+}
+
+std::vector<TableSpec> ServerCore::specs() const {
+  std::vector<TableSpec> specs;
+  for (const auto& table : tables_) specs.push_back(table.spec);
+  return specs;
+}
+
+std::string ServerCore::save_shard(int32_t shard) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = shards_.find(shard);
+  if (it == shards_.end())
+    bad("save_shard", "virtual shard " + std::to_string(shard) + " is not held by this server");
+  return it->second.save(specs());
+}
+
+void ServerCore::load_shard(int32_t shard, const std::string& bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = shards_.find(shard);
+  if (it == shards_.end())
+    bad("load_shard", "virtual shard " + std::to_string(shard) + " is not held by this server");
+  VirtualShard loaded = VirtualShard::load(shard, specs(), bytes, options_.virtual_shards);
+  // A dense chunk the snapshot lacks would leave the table with a hole.
+  for (size_t t = 0; t < tables_.size(); ++t) {
+    if (tables_[t].spec.sparse) continue;
+    for (int64_t c = 0; c < chunk_count(tables_[t].numel); ++c)
+      if (chunk_shard(tables_[t].spec.name, c, options_.virtual_shards) == shard &&
+          loaded.chunk(static_cast<int32_t>(t), c) == nullptr)
+        bad("load_shard", "the snapshot of virtual shard " + std::to_string(shard) +
+                              " has no chunk " + std::to_string(c) + " of table '" +
+                              tables_[t].spec.name + "'; expected every chunk of the shard");
+  }
+  it->second = std::move(loaded);
+}
+
+}  // namespace shoal::ps::detail

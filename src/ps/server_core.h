@@ -1,0 +1,128 @@
+// A parameter server's core (docs/ps.md, "Consistency"): the virtual shards one server holds and
+// how it answers the requests of messages.h, with no network: the Handler (handler.h) the
+// transport (rpc.*) calls from many threads at once; every method is thread-safe. Every request is
+// checked whole before any of it is applied: a bad one raises UsageError and changes nothing.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "handler.h"
+#include "messages.h"
+#include "shard_map.h"
+#include "shoal/core/timeout.h"
+#include "table.h"
+
+namespace shoal::ps::detail {
+
+enum class Consistency {
+  // Step c is applied once every live worker's push for c has arrived (or the first
+  // replicas_to_aggregate of them): sum_w rows_w * grad_w / sum_w rows_w, in worker order.
+  kSync,
+  // Each push is applied as it arrives; a pull at clock c waits until the slowest live worker's
+  // clock is at least c - staleness. Staleness 0 is kSync.
+  kBoundedStaleness,
+  // Each push is applied as it arrives; pulls never wait.
+  kAsync,
+};
+
+struct ServerCoreOptions {
+  Consistency consistency = Consistency::kSync;
+  int64_t staleness = 0;              // kBoundedStaleness: the bound s
+  int32_t replicas_to_aggregate = 0;  // kSync: pushes a step takes (0: all live workers)
+  std::vector<int32_t> workers;       // the live workers at the start
+  std::vector<int32_t> shards;        // the virtual shards this server holds
+  int32_t virtual_shards = kVirtualShards;
+};
+
+// What a worker that leaves does to its push of a step not yet applied (sync): counted with the
+// step (its samples were trained on), or discarded (its samples go back into the epoch).
+enum class LeaverPush { kCount, kDiscard };
+
+class ServerCore : public Handler {
+ public:
+  explicit ServerCore(ServerCoreOptions options);
+
+  // Note [Who creates the tables]: the registration that carries `initial` creates the tables
+  // (the client sends it from the first worker only, as DDP broadcasts the first worker's
+  // parameters, so that every server starts from one worker's values); one without `initial`
+  // waits for it until `deadline` (CommError after), unless this server holds no dense chunk.
+  // Later registrations must match the first exactly (UsageError naming the first difference).
+  void register_tables(const RegisterRequest& request, const Deadline& deadline) override;
+
+  // Waits as the consistency mode says, until `deadline`; CommError after it, naming the workers
+  // waited for and their clocks.
+  PullReply pull(const PullRequest& request, const Deadline& deadline) override;
+
+  // Sync: buffers the push until its step is complete, then applies the step; with
+  // replicas_to_aggregate, a push to a step already full is answered counted = false and
+  // dropped. Bounded staleness and async: applies it at once. Never waits, so its deadline
+  // cannot pass.
+  PushReply push(const PushRequest& request, const Deadline& deadline) override;
+
+  // Workers leave and join. A joiner's clock starts at the server's step (sync) or at the slowest
+  // staying worker's clock (the others), so it neither blocks steps already closed nor lags.
+  void set_live_workers(const std::vector<int32_t>& workers, LeaverPush leavers);
+
+  // The fastest live worker's clock minus the slowest's (a worker's clock: steps it pushed).
+  int64_t staleness() const;
+  // Steps applied (sync) or pushes applied (the others).
+  int64_t step() const;
+  int64_t clock_of(int32_t worker) const;
+  // Pulls waiting now (for a step or for the slowest worker).
+  int64_t pulls_waiting() const;
+  // Sparse rows held in memory (rows a push updated), over all shards.
+  size_t row_count() const;
+
+  // One virtual shard as bytes (its chunks and rows with their optimizer state, by table name),
+  // and back: a shard saved by any server loads onto whichever server holds it under another
+  // server count, once the same tables are registered there. load_shard replaces the shard's
+  // contents whole, after checking every byte (a bad snapshot is a UsageError and changes nothing).
+  std::string save_shard(int32_t shard) const;
+  void load_shard(int32_t shard, const std::string& bytes);
+
+ private:
+  struct Table {
+    TableSpec spec;
+    int64_t numel = 0;  // dense
+    int64_t dim = 0;    // sparse
+  };
+
+  void check_slices(const char* what, const std::vector<DenseSlice>& dense,
+                    const std::vector<SparseSlice>& sparse, bool with_values) const;
+  const Table& table_at(const char* what, int32_t index) const;
+  std::vector<TableSpec> specs() const;
+  bool holds_dense_chunks(const std::vector<TableSpec>& tables) const;
+  VirtualShard* holder(int32_t shard);
+  void apply(const std::vector<DenseSlice>& dense, const std::vector<SparseSlice>& sparse);
+  void apply_ready_steps();  // sync: applies the open step while it is complete
+  bool step_complete(int64_t clock) const;
+  int64_t slowest_clock() const;
+  std::string describe_sync_wait(int64_t step) const;
+  std::string describe_staleness_wait(int64_t needed) const;
+
+  ServerCoreOptions options_;
+  std::map<int32_t, VirtualShard> shards_;
+  std::vector<bool> held_;  // by virtual shard: whether shards_ has it
+  bool holds(int32_t shard) const {
+    return shard >= 0 && static_cast<size_t>(shard) < held_.size() &&
+           held_[static_cast<size_t>(shard)];
+  }
+  std::vector<Table> tables_;
+
+  mutable std::mutex mutex_;
+  std::condition_variable changed_;
+  std::set<int32_t> live_;
+  std::map<int32_t, int64_t> clock_;  // pushes received, per worker ever live
+  int64_t step_ = 0;
+  int64_t pulls_waiting_ = 0;
+  bool registered_ = false;
+  std::map<int64_t, std::map<int32_t, PushRequest>> pending_;  // sync: step -> worker -> push
+};
+
+}  // namespace shoal::ps::detail

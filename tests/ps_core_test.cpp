@@ -1,0 +1,1258 @@
+// The parameter server's core without the network (docs/ps.md): the shard map, tables, the
+// optimizers against LibTorch's torch::optim and PyTorch's sparse optimizers, and the clocks of
+// sync / backup workers / bounded staleness / async with threads as workers, against one process.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <set>
+#include <thread>
+
+#include "core/hash.h"
+#include "ps/optimizer.h"
+#include "ps/server_core.h"
+#include "ps/shard_map.h"
+#include "ps/table.h"
+#include "shoal/core/error.h"
+
+namespace {
+
+using namespace shoal::ps::detail;
+using shoal::CommError;
+using shoal::Duration;
+using shoal::UsageError;
+using Ms = std::chrono::milliseconds;
+
+constexpr auto kGenerous = Ms(60000);  // a failure bound for waits that should succeed
+
+// |a - b| <= rel * max(|a|, |b|, rms(b)) element by element, the worst offender in the message.
+// The RMS term: an element near zero is the difference of larger terms, whose float rounding
+// (LibTorch fuses multiply-adds in its vectorized loops and not in their tails) is relative to
+// those terms, not to the small result.
+::testing::AssertionResult near_relative(const std::vector<float>& a, const std::vector<float>& b,
+                                         double rel) {
+  if (a.size() != b.size())
+    return ::testing::AssertionFailure() << "sizes " << a.size() << " and " << b.size();
+  double sum_sq = 0;
+  for (float y : b) sum_sq += double(y) * y;
+  const double rms = b.empty() ? 0 : std::sqrt(sum_sq / static_cast<double>(b.size()));
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double x = a[i], y = b[i];
+    if (!(std::abs(x - y) <= rel * std::max({std::abs(x), std::abs(y), rms})))
+      return ::testing::AssertionFailure()
+             << "element " << i << ": " << x << " vs " << y << " (relative tolerance " << rel
+             << ", rms " << rms << ")";
+  }
+  return ::testing::AssertionSuccess();
+}
+
+std::vector<float> to_vector(const torch::Tensor& t) {
+  auto c = t.detach().contiguous().to(torch::kFloat).reshape({-1});
+  return {c.data_ptr<float>(), c.data_ptr<float>() + c.numel()};
+}
+
+// The error of `body`, which must throw E; its message.
+template <typename E>
+std::string error_of(const std::function<void()>& body) {
+  try {
+    body();
+  } catch (const E& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no exception of the expected type";
+  return "";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sharding
+
+TEST(PsShardMap, HashesAreFixedByTheirDefinitions) {
+  // A published value of an ingredient: splitmix64's first output from state 0.
+  EXPECT_EQ(shoal::detail::hash_of(0), 0xe220a8397b1dcdafULL);
+  // Where chunks and rows live is part of the snapshot format: these values must never change.
+  TableSpec spec;
+  spec.name = "emb";
+  spec.seed = 42;
+  spec.init = {InitSpec::Kind::kNormal, 0, 1};
+  float row[2];
+  initial_row(spec, 7, row, 2);
+  EXPECT_EQ(chunk_shard("fc1.weight", 0), 803);
+  EXPECT_EQ(chunk_shard("fc1.weight", 1), 599);
+  EXPECT_EQ(row_shard("emb", 12345), 282);
+  EXPECT_EQ(ShardMap(3).shards_of(1)[0], 2);
+  EXPECT_EQ(ShardMap(3).shards_of(2)[0], 1);
+  EXPECT_EQ(row[0], -0x1.7ccb0cp-2f);
+  EXPECT_EQ(row[1], 0x1.ba949cp-1f);
+}
+
+TEST(PsShardMap, EveryServerHoldsItsShareWithinOne) {
+  for (int32_t servers : {1, 2, 3, 5, 7, 8, 32}) {
+    ShardMap map(servers);
+    const int32_t low = kVirtualShards / servers;
+    const int32_t high = low + (kVirtualShards % servers != 0 ? 1 : 0);
+    int64_t total = 0;
+    for (int32_t s = 0; s < servers; ++s) {
+      const auto held = static_cast<int32_t>(map.shards_of(s).size());
+      EXPECT_GE(held, low) << servers << " servers, server " << s;
+      EXPECT_LE(held, high) << servers << " servers, server " << s;
+      total += held;
+    }
+    EXPECT_EQ(total, kVirtualShards);
+  }
+}
+
+TEST(PsShardMap, IsAPureFunctionOfShardsAndServers) {
+  for (int32_t servers : {2, 3, 4}) {
+    ShardMap a(servers), b(servers);
+    for (int32_t v = 0; v < kVirtualShards; ++v) ASSERT_EQ(a.owner(v), b.owner(v));
+  }
+  EXPECT_EQ(chunk_shard("fc.weight", 3), chunk_shard(std::string("fc.") + "weight", 3));
+}
+
+TEST(PsShardMap, LosingTheLastServerMovesOnlyItsShards) {
+  for (int32_t servers : {2, 3, 4, 8}) {
+    ShardMap big(servers), small(servers - 1);
+    int32_t moved = 0;
+    for (int32_t v = 0; v < kVirtualShards; ++v) {
+      if (big.owner(v) == servers - 1)
+        ++moved;
+      else
+        EXPECT_EQ(big.owner(v), small.owner(v))
+            << "shard " << v << " moved from a server that stayed";
+    }
+    EXPECT_EQ(moved, static_cast<int32_t>(big.shards_of(servers - 1).size()));
+  }
+  EXPECT_THROW(ShardMap(0), UsageError);
+}
+
+TEST(PsShardMap, ChunksAndZipfRowsSpreadEvenly) {
+  ShardMap map(3);
+  // Rows: 1e6 draws from a Zipf-like (log-uniform) law over 1e8 ids; the distinct ids each
+  // server holds are within 5% of a third.
+  std::mt19937_64 random(7);
+  std::uniform_real_distribution<double> unit(0, 1);
+  std::set<int64_t> ids;
+  for (int i = 0; i < 1000000; ++i)
+    ids.insert(static_cast<int64_t>(std::exp(unit(random) * std::log(1e8))) - 1);
+  std::vector<double> rows(3, 0);
+  for (int64_t id : ids) rows[static_cast<size_t>(map.owner(row_shard("embedding", id)))] += 1;
+  for (int s = 0; s < 3; ++s)
+    EXPECT_NEAR(rows[static_cast<size_t>(s)] / static_cast<double>(ids.size()), 1.0 / 3, 0.05 / 3)
+        << "server " << s << " of " << ids.size() << " distinct rows";
+  // Chunks: a 1e9-element table (15259 chunks); within 5% of a third too.
+  const int64_t chunks = chunk_count(1000000000);
+  EXPECT_EQ(chunks, 15259);
+  std::vector<double> held(3, 0);
+  for (int64_t c = 0; c < chunks; ++c)
+    held[static_cast<size_t>(map.owner(chunk_shard("big", c)))] += 1;
+  for (int s = 0; s < 3; ++s)
+    EXPECT_NEAR(held[static_cast<size_t>(s)] / static_cast<double>(chunks), 1.0 / 3, 0.05 / 3);
+  EXPECT_EQ(chunk_length(1000000000, chunks - 1), 1000000000 - (chunks - 1) * kChunkElements);
+  EXPECT_EQ(chunk_length(1000000000, 0), kChunkElements);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tables
+
+TableSpec sparse_spec(const std::string& name, int64_t rows, int64_t dim, InitSpec init,
+                      OptimizerSpec optimizer = {}) {
+  TableSpec spec;
+  spec.name = name;
+  spec.sparse = true;
+  spec.shape = {rows, dim};
+  spec.init = init;
+  spec.optimizer = optimizer;
+  spec.seed = 42;
+  return spec;
+}
+
+TEST(PsTable, RowsStartFromAPureFunctionOfSeedTableAndId) {
+  const auto spec = sparse_spec("emb", 0, 5, {InitSpec::Kind::kNormal, 0.5, 2.0});
+  VirtualShard a(3), b(900);
+  // Different shards, different orders, other rows touched in between.
+  for (int64_t id : {10, 20, 30, 40}) a.touch_row(0, id, spec, 5);
+  for (int64_t id : {99, 40, 7, 30, 20, 10}) b.touch_row(0, id, spec, 5);
+  for (int64_t id : {10, 20, 30, 40}) {
+    std::vector<float> expected(5);
+    initial_row(spec, id, expected.data(), 5);
+    const Slot* x = a.find_row(0, id);
+    const Slot* y = b.find_row(0, id);
+    ASSERT_TRUE(x != nullptr && y != nullptr);
+    for (int j = 0; j < 5; ++j) {
+      EXPECT_EQ(x->values()[j], expected[static_cast<size_t>(j)]);
+      EXPECT_EQ(y->values()[j], expected[static_cast<size_t>(j)]);
+    }
+  }
+  // The seed and the table's name matter.
+  std::vector<float> one(5), other(5);
+  initial_row(spec, 10, one.data(), 5);
+  auto reseeded = spec;
+  reseeded.seed = 43;
+  initial_row(reseeded, 10, other.data(), 5);
+  EXPECT_NE(one, other);
+  auto renamed = spec;
+  renamed.name = "emb2";
+  initial_row(renamed, 10, other.data(), 5);
+  EXPECT_NE(one, other);
+}
+
+TEST(PsTable, InitialValuesFollowTheirLaw) {
+  const int64_t n = 20000, dim = 8;
+  std::vector<float> row(dim);
+  double sum = 0, sum_sq = 0, low = 1e9, high = -1e9;
+  const auto normal = sparse_spec("n", 0, dim, {InitSpec::Kind::kNormal, 1.0, 0.5});
+  const auto uniform = sparse_spec("u", 0, dim, {InitSpec::Kind::kUniform, -0.25, 0.75});
+  for (int64_t id = 0; id < n; ++id) {
+    initial_row(normal, id, row.data(), dim);
+    for (float v : row) sum += v, sum_sq += double(v) * v;
+    initial_row(uniform, id, row.data(), dim);
+    for (float v : row) low = std::min(low, double(v)), high = std::max(high, double(v));
+  }
+  const double count = n * dim, mean = sum / count;
+  EXPECT_NEAR(mean, 1.0, 0.01);  // 5 standard errors: 0.5 / sqrt(160000) = 0.00125
+  EXPECT_NEAR(std::sqrt(sum_sq / count - mean * mean), 0.5, 0.01);
+  EXPECT_GE(low, -0.25);
+  EXPECT_LT(high, 0.75);
+  EXPECT_LT(low, -0.24);
+  EXPECT_GT(high, 0.74);
+  const auto zeros = sparse_spec("z", 0, dim, {});
+  initial_row(zeros, 5, row.data(), dim);
+  EXPECT_EQ(row, std::vector<float>(dim, 0.f));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Optimizers against LibTorch (dense) and PyTorch (sparse fixtures)
+
+struct DenseCase {
+  std::string name;
+  OptimizerSpec spec;
+  std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::Tensor>)> make;
+};
+
+std::vector<DenseCase> dense_cases() {
+  using K = OptimizerSpec::Kind;
+  std::vector<DenseCase> cases;
+  auto sgd = [](double lr, double momentum, double dampening, bool nesterov, double wd) {
+    OptimizerSpec s;
+    s.kind = K::kSgd, s.lr = lr, s.momentum = momentum, s.dampening = dampening;
+    s.nesterov = nesterov, s.weight_decay = wd;
+    return DenseCase{"sgd", s, [=](std::vector<torch::Tensor> p) {
+                       return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(lr)
+                                                                         .momentum(momentum)
+                                                                         .dampening(dampening)
+                                                                         .nesterov(nesterov)
+                                                                         .weight_decay(wd));
+                     }};
+  };
+  cases.push_back(sgd(0.1, 0, 0, false, 0));
+  cases.push_back(sgd(0.05, 0.9, 0.1, false, 0.01));
+  cases.push_back(sgd(0.05, 0.9, 0, true, 1e-3));
+  auto adagrad = [](double lr, double lr_decay, double wd, double init, double eps) {
+    OptimizerSpec s;
+    s.kind = K::kAdagrad, s.lr = lr, s.lr_decay = lr_decay, s.weight_decay = wd;
+    s.initial_accumulator_value = init, s.eps = eps;
+    return DenseCase{"adagrad", s, [=](std::vector<torch::Tensor> p) {
+                       return std::make_unique<torch::optim::Adagrad>(
+                           p, torch::optim::AdagradOptions(lr)
+                                  .lr_decay(lr_decay)
+                                  .weight_decay(wd)
+                                  .initial_accumulator_value(init)
+                                  .eps(eps));
+                     }};
+  };
+  cases.push_back(adagrad(0.01, 0, 0, 0, 1e-10));
+  cases.push_back(adagrad(0.1, 0.05, 0.01, 0.2, 1e-6));
+  auto adam = [](double lr, double b1, double b2, double eps, double wd, bool amsgrad) {
+    OptimizerSpec s;
+    s.kind = K::kAdam, s.lr = lr, s.beta1 = b1, s.beta2 = b2, s.eps = eps, s.weight_decay = wd;
+    s.amsgrad = amsgrad;
+    return DenseCase{
+        "adam", s, [=](std::vector<torch::Tensor> p) {
+          return std::make_unique<torch::optim::Adam>(
+              p, torch::optim::AdamOptions(lr).betas({b1, b2}).eps(eps).weight_decay(wd).amsgrad(
+                     amsgrad));
+        }};
+  };
+  cases.push_back(adam(1e-3, 0.9, 0.999, 1e-8, 0, false));
+  cases.push_back(adam(0.02, 0.8, 0.99, 1e-6, 0.01, false));
+  cases.push_back(adam(0.02, 0.5, 0.9, 1e-6, 0, true));
+  return cases;
+}
+
+TEST(PsOptimizer, DenseChunksFollowTorchOptim) {
+  torch::manual_seed(3);
+  const int64_t n = 1000, first = 600;  // two "chunks" of 600 and 400 elements
+  for (const auto& c : dense_cases()) {
+    auto initial = torch::randn({n});
+    auto param = initial.clone().requires_grad_(true);
+    auto optimizer = c.make({param});
+    std::vector<float> values = to_vector(initial);
+    const int width = state_width(c.spec);
+    std::vector<float> state_a(static_cast<size_t>(width * first)),
+        state_b(static_cast<size_t>(width * (n - first)));
+    init_state(c.spec, state_a.data(), first);
+    init_state(c.spec, state_b.data(), n - first);
+    int64_t step_a = 0, step_b = 0;
+    for (int step = 0; step < 10; ++step) {
+      auto grad = torch::randn({n});
+      param.mutable_grad() = grad.clone();
+      optimizer->step();
+      const auto g = to_vector(grad);
+      apply_dense(c.spec, values.data(), state_a.data(), step_a, g.data(), first);
+      apply_dense(c.spec, values.data() + first, state_b.data(), step_b, g.data() + first,
+                  n - first);
+    }
+    EXPECT_EQ(step_a, 10);
+    EXPECT_TRUE(near_relative(values, to_vector(param), 1e-6))
+        << c.name << " lr " << c.spec.lr << " weight_decay " << c.spec.weight_decay;
+  }
+}
+
+nlohmann::json load_fixtures() {
+  const std::string path = SHOAL_PS_FIXTURES "/sparse_optimizers.json";
+  std::ifstream in(path);
+  if (!in) throw std::runtime_error("cannot read " + path);
+  return nlohmann::json::parse(in);
+}
+
+TEST(PsOptimizer, SparseRowsFollowPyTorchsSparseAdamAndAdagrad) {
+  const auto fixtures = load_fixtures();
+  const int64_t rows = fixtures["rows"], dim = fixtures["dim"];
+  ASSERT_EQ(fixtures["cases"].size(), 4u);
+  for (const auto& [name, c] : fixtures["cases"].items()) {
+    const auto& o = c["optimizer"];
+    OptimizerSpec spec;
+    spec.kind = o["kind"] == "adam" ? OptimizerSpec::Kind::kAdam : OptimizerSpec::Kind::kAdagrad;
+    spec.lr = o["lr"];
+    spec.eps = o["eps"];
+    if (spec.kind == OptimizerSpec::Kind::kAdam) {
+      spec.beta1 = o["beta1"];
+      spec.beta2 = o["beta2"];
+    } else {
+      spec.lr_decay = o["lr_decay"];
+      spec.initial_accumulator_value = o["initial_accumulator_value"];
+    }
+    EXPECT_NO_THROW(check_optimizer(spec, true, name));
+    std::vector<std::vector<float>> values, state;
+    std::vector<int64_t> steps(static_cast<size_t>(rows), 0);
+    for (const auto& row : c["initial"]) {
+      values.push_back(row.get<std::vector<float>>());
+      state.emplace_back(static_cast<size_t>(state_width(spec) * dim));
+      init_state(spec, state.back().data(), dim);
+    }
+    for (const auto& step : c["steps"]) {
+      // Coalesce: a row looked up twice gets the sum of its gradients, as Embedding's backward.
+      std::map<int64_t, std::vector<float>> grads;
+      const auto ids = step["ids"].get<std::vector<int64_t>>();
+      for (size_t k = 0; k < ids.size(); ++k) {
+        auto& g = grads[ids[k]];
+        g.resize(static_cast<size_t>(dim), 0.f);
+        const auto occurrence = step["grads"][k].get<std::vector<float>>();
+        for (int64_t j = 0; j < dim; ++j)
+          g[static_cast<size_t>(j)] += occurrence[static_cast<size_t>(j)];
+      }
+      for (const auto& [id, g] : grads) {
+        const auto r = static_cast<size_t>(id);
+        apply_row(spec, values[r].data(), state[r].data(), steps[r], g.data(), dim);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const auto expected = c["final"][static_cast<size_t>(r)].get<std::vector<float>>();
+      if (steps[static_cast<size_t>(r)] == 0)
+        EXPECT_EQ(values[static_cast<size_t>(r)], expected) << name << ": untouched row " << r;
+      else
+        EXPECT_TRUE(near_relative(values[static_cast<size_t>(r)], expected, 1e-6))
+            << name << ": row " << r << " after " << steps[static_cast<size_t>(r)] << " updates";
+    }
+    EXPECT_EQ(steps[7], 0) << "the fixture leaves row 7 untouched";
+  }
+}
+
+TEST(PsOptimizer, SparseTablesRefuseWhatPyTorchRefuses) {
+  OptimizerSpec adam;
+  adam.kind = OptimizerSpec::Kind::kAdam;
+  adam.amsgrad = true;
+  EXPECT_NO_THROW(check_optimizer(adam, false, "fc"));
+  EXPECT_NE(error_of<UsageError>([&] {
+              check_optimizer(adam, true, "emb");
+            }).find("table 'emb': a sparse table's Adam is PyTorch's SparseAdam"),
+            std::string::npos);
+  OptimizerSpec adagrad;
+  adagrad.kind = OptimizerSpec::Kind::kAdagrad;
+  adagrad.weight_decay = 0.1;
+  EXPECT_NE(error_of<UsageError>([&] {
+              check_optimizer(adagrad, true, "emb");
+            }).find("weight_decay 0.100000 is not compatible with sparse gradients"),
+            std::string::npos);
+  OptimizerSpec sgd;
+  sgd.lr = -1;
+  EXPECT_NE(error_of<UsageError>([&] { check_optimizer(sgd, false, "fc"); }).find("lr is -1"),
+            std::string::npos);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The server core: several cores stand for several servers; the test routes each chunk and row
+// to its owner by the shard map, as the client does, and pushes to every server every step.
+
+TableSpec dense_spec(const std::string& name, std::vector<int64_t> shape, OptimizerSpec optimizer) {
+  TableSpec spec;
+  spec.name = name;
+  spec.shape = std::move(shape);
+  spec.optimizer = optimizer;
+  return spec;
+}
+
+int64_t numel_of(const TableSpec& spec) {
+  int64_t n = 1;
+  for (int64_t d : spec.shape) n *= d;
+  return n;
+}
+
+class Cluster {
+ public:
+  Cluster(int32_t servers, const ServerCoreOptions& base, std::vector<TableSpec> tables)
+      : map_(servers), tables_(std::move(tables)) {
+    for (int32_t s = 0; s < servers; ++s) {
+      auto options = base;
+      options.shards = map_.shards_of(s);
+      cores_.push_back(std::make_unique<ServerCore>(options));
+    }
+  }
+  ServerCore& core(int32_t s) { return *cores_[static_cast<size_t>(s)]; }
+  int32_t servers() const { return map_.servers(); }
+  int32_t owner_of_chunk(int32_t table, int64_t chunk) const {
+    return map_.owner(chunk_shard(tables_[static_cast<size_t>(table)].name, chunk));
+  }
+  int32_t owner_of_row(int32_t table, int64_t id) const {
+    return map_.owner(row_shard(tables_[static_cast<size_t>(table)].name, id));
+  }
+
+  // `initial`: every dense table's values, whole; each server gets its chunks.
+  void register_worker(int32_t worker, const std::map<int32_t, std::vector<float>>& initial) {
+    for (int32_t s = 0; s < servers(); ++s) {
+      RegisterRequest request;
+      request.worker = worker;
+      request.tables = tables_;
+      request.initial = dense_for(s, initial);
+      core(s).register_tables(request, shoal::Deadline(kGenerous));
+    }
+  }
+
+  // Dense tables whole, and the rows `rows[table]` (in that order).
+  struct Values {
+    std::map<int32_t, std::vector<float>> dense;
+    std::map<int32_t, std::vector<float>> rows;
+  };
+  Values pull(int32_t worker, int64_t clock, const std::map<int32_t, std::vector<int64_t>>& rows,
+              Duration timeout) {
+    Values out;
+    std::map<int32_t, std::vector<float>> want_dense;
+    for (size_t t = 0; t < tables_.size(); ++t)
+      if (!tables_[t].sparse) want_dense[static_cast<int32_t>(t)] = {};
+    for (const auto& [t, ids] : rows)
+      out.rows[t].resize(ids.size() *
+                         static_cast<size_t>(tables_[static_cast<size_t>(t)].shape[1]));
+    for (const auto& [t, values] : want_dense)
+      out.dense[t].resize(static_cast<size_t>(numel_of(tables_[static_cast<size_t>(t)])));
+    for (int32_t s = 0; s < servers(); ++s) {
+      PullRequest request;
+      request.worker = worker;
+      request.clock = clock;
+      for (auto& slice : dense_for(s, want_dense)) request.dense.push_back(std::move(slice));
+      std::map<int32_t, std::vector<size_t>> positions;
+      for (const auto& [t, ids] : rows) {
+        SparseSlice slice{t, {}, {}};
+        for (size_t k = 0; k < ids.size(); ++k)
+          if (owner_of_row(t, ids[k]) == s) {
+            slice.ids.push_back(ids[k]);
+            positions[t].push_back(k);
+          }
+        request.sparse.push_back(std::move(slice));
+      }
+      const PullReply reply = core(s).pull(request, shoal::Deadline(timeout));
+      for (const auto& slice : reply.dense) {
+        const int64_t numel = numel_of(tables_[static_cast<size_t>(slice.table)]);
+        const float* src = slice.values.data();
+        for (int64_t chunk : slice.chunks) {
+          std::copy(src, src + chunk_length(numel, chunk),
+                    out.dense[slice.table].begin() + chunk_begin(chunk));
+          src += chunk_length(numel, chunk);
+        }
+      }
+      for (const auto& slice : reply.sparse) {
+        const int64_t dim = tables_[static_cast<size_t>(slice.table)].shape[1];
+        for (size_t k = 0; k < slice.ids.size(); ++k)
+          std::copy(slice.values.begin() + static_cast<int64_t>(k) * dim,
+                    slice.values.begin() + static_cast<int64_t>(k + 1) * dim,
+                    out.rows[slice.table].begin() +
+                        static_cast<int64_t>(positions[slice.table][k]) * dim);
+      }
+    }
+    return out;
+  }
+
+  // Gradients: dense tables whole; rows[table] = (unique ids, their gradients).
+  std::vector<PushReply> push(
+      int32_t worker, int64_t clock, int64_t samples,
+      const std::map<int32_t, std::vector<float>>& dense,
+      const std::map<int32_t, std::pair<std::vector<int64_t>, std::vector<float>>>& rows) {
+    std::vector<PushReply> replies;
+    for (int32_t s = 0; s < servers(); ++s) {
+      PushRequest request;
+      request.worker = worker;
+      request.clock = clock;
+      request.rows = samples;
+      request.dense = dense_for(s, dense);
+      for (const auto& [t, slice_in] : rows) {
+        const int64_t dim = tables_[static_cast<size_t>(t)].shape[1];
+        SparseSlice slice{t, {}, {}};
+        for (size_t k = 0; k < slice_in.first.size(); ++k)
+          if (owner_of_row(t, slice_in.first[k]) == s) {
+            slice.ids.push_back(slice_in.first[k]);
+            slice.values.insert(slice.values.end(),
+                                slice_in.second.begin() + static_cast<int64_t>(k) * dim,
+                                slice_in.second.begin() + static_cast<int64_t>(k + 1) * dim);
+          }
+        request.sparse.push_back(std::move(slice));
+      }
+      replies.push_back(core(s).push(request, shoal::Deadline(Ms(0))));
+    }
+    return replies;
+  }
+
+  size_t row_count() {
+    size_t n = 0;
+    for (auto& c : cores_) n += c->row_count();
+    return n;
+  }
+
+ private:
+  // The chunks of each dense table in `whole` that server s holds, with their values if any.
+  std::vector<DenseSlice> dense_for(int32_t s,
+                                    const std::map<int32_t, std::vector<float>>& whole) const {
+    std::vector<DenseSlice> out;
+    for (const auto& [t, values] : whole) {
+      const int64_t numel = numel_of(tables_[static_cast<size_t>(t)]);
+      DenseSlice slice{t, {}, {}};
+      for (int64_t c = 0; c < chunk_count(numel); ++c) {
+        if (owner_of_chunk(t, c) != s) continue;
+        slice.chunks.push_back(c);
+        if (!values.empty())
+          slice.values.insert(slice.values.end(), values.begin() + chunk_begin(c),
+                              values.begin() + chunk_begin(c) + chunk_length(numel, c));
+      }
+      out.push_back(std::move(slice));
+    }
+    return out;
+  }
+
+  ShardMap map_;
+  std::vector<TableSpec> tables_;
+  std::vector<std::unique_ptr<ServerCore>> cores_;
+};
+
+// Runs body(worker) on `workers` threads; rethrows the first failure.
+void run_threads(int workers, const std::function<void(int32_t)>& body) {
+  std::vector<std::thread> threads;
+  std::mutex mutex;
+  std::exception_ptr failure;
+  for (int32_t w = 0; w < workers; ++w)
+    threads.emplace_back([&, w] {
+      try {
+        body(w);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (!failure) failure = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  if (failure) std::rethrow_exception(failure);
+}
+
+// The model of the sync test: out = fc2(tanh(fc1(x))) + sum of the embedding rows of ids, with a
+// fc1 of two chunks (300 x 256 > 64 Ki elements); tables 0-3 dense, table 4 sparse.
+constexpr int64_t kIn = 256, kHidden = 300, kOut = 4, kRows = 20, kTouchable = 15, kIds = 2;
+constexpr int kWorkers = 3, kSyncSteps = 4;
+const int64_t kBatch[kWorkers] = {3, 5, 4};
+
+struct Batch {
+  torch::Tensor x, ids, y;
+};
+
+std::vector<TableSpec> model_tables(const OptimizerSpec& optimizer) {
+  std::vector<TableSpec> tables = {dense_spec("fc1.weight", {kHidden, kIn}, optimizer),
+                                   dense_spec("fc1.bias", {kHidden}, optimizer),
+                                   dense_spec("fc2.weight", {kOut, kHidden}, optimizer),
+                                   dense_spec("fc2.bias", {kOut}, optimizer)};
+  tables.push_back(sparse_spec("emb", kRows, kOut, {InitSpec::Kind::kNormal, 0, 0.1}, optimizer));
+  return tables;
+}
+
+// The mean loss of the model and its gradients with respect to `params` (dense tables in order,
+// then the rows of `rows`, looked up by `local_ids`).
+torch::Tensor model_loss(const std::vector<torch::Tensor>& p, const torch::Tensor& rows,
+                         const torch::Tensor& local_ids, const Batch& b) {
+  auto h = torch::tanh(torch::nn::functional::linear(b.x, p[0], p[1]));
+  auto out =
+      torch::nn::functional::linear(h, p[2], p[3]) + torch::embedding(rows, local_ids).sum(1);
+  return torch::mse_loss(out, b.y);
+}
+
+torch::Tensor from(const std::vector<float>& values, std::vector<int64_t> shape) {
+  return torch::tensor(values).reshape(shape).clone();
+}
+
+// Runs the model in sync on `servers` servers with 3 threads as workers; returns every dense
+// table and every row of the embedding, pulled at the end.
+std::vector<std::vector<float>> train_on_servers(
+    int32_t servers, const OptimizerSpec& optimizer, const std::vector<std::vector<Batch>>& data,
+    const std::map<int32_t, std::vector<float>>& initial, size_t* rows_in_memory) {
+  ServerCoreOptions options;
+  options.workers = {0, 1, 2};
+  const auto tables = model_tables(optimizer);
+  Cluster cluster(servers, options, tables);
+  for (int32_t w = 0; w < kWorkers; ++w)
+    cluster.register_worker(w, w == 0 ? initial : decltype(initial){});
+  run_threads(kWorkers, [&](int32_t w) {
+    for (int64_t step = 0; step < kSyncSteps; ++step) {
+      const Batch& b = data[static_cast<size_t>(step)][static_cast<size_t>(w)];
+      auto flat = b.ids.reshape({-1});
+      auto [unique, inverse] = torch::_unique(flat, /*sorted=*/true, /*return_inverse=*/true);
+      std::vector<int64_t> ids(unique.data_ptr<int64_t>(),
+                               unique.data_ptr<int64_t>() + unique.numel());
+      auto values = cluster.pull(w, step, {{4, ids}}, kGenerous);
+      std::vector<torch::Tensor> p;
+      for (int32_t t = 0; t < 4; ++t)
+        p.push_back(
+            from(values.dense[t], tables[static_cast<size_t>(t)].shape).requires_grad_(true));
+      auto rows =
+          from(values.rows[4], {static_cast<int64_t>(ids.size()), kOut}).requires_grad_(true);
+      model_loss(p, rows, inverse.reshape(b.ids.sizes()), b).backward();
+      std::map<int32_t, std::vector<float>> dense;
+      for (int32_t t = 0; t < 4; ++t) dense[t] = to_vector(p[static_cast<size_t>(t)].grad());
+      std::map<int32_t, std::pair<std::vector<int64_t>, std::vector<float>>> sparse;
+      sparse[4] = {ids, to_vector(rows.grad())};
+      cluster.push(w, step, b.x.size(0), dense, sparse);
+    }
+  });
+  std::vector<int64_t> all(kRows);
+  for (int64_t i = 0; i < kRows; ++i) all[static_cast<size_t>(i)] = i;
+  auto values = cluster.pull(0, kSyncSteps, {{4, all}}, kGenerous);
+  *rows_in_memory = cluster.row_count();
+  std::vector<std::vector<float>> out;
+  for (int32_t t = 0; t < 4; ++t) out.push_back(values.dense[t]);
+  out.push_back(values.rows[4]);
+  return out;
+}
+
+TEST(PsServerCore, SyncEqualsOneProcessOnTheConcatenatedBatch) {
+  using K = OptimizerSpec::Kind;
+  // Adam's and Adagrad's first steps divide a gradient by its own magnitude, so a near-zero
+  // gradient element's rounding (the oracle sums 12 samples in float, the servers 3 workers'
+  // sums in double) changes the update by up to lr / eps times that rounding. eps and the initial
+  // accumulator keep lr / eps near 1, so that 1e-5 compares the aggregation, not the rounding.
+  OptimizerSpec sgd, adagrad, adam;
+  sgd.kind = K::kSgd, sgd.lr = 0.05, sgd.momentum = 0.9, sgd.weight_decay = 1e-3;
+  adagrad.kind = K::kAdagrad, adagrad.lr = 0.05, adagrad.lr_decay = 0.01;
+  adagrad.initial_accumulator_value = 0.1;
+  adam.kind = K::kAdam, adam.lr = 0.01, adam.eps = 1e-2;
+  torch::manual_seed(11);
+  std::vector<std::vector<Batch>> data(kSyncSteps);
+  for (auto& step : data)
+    for (int w = 0; w < kWorkers; ++w)
+      step.push_back({torch::randn({kBatch[w], kIn}),
+                      torch::randint(0, kTouchable, {kBatch[w], kIds}),
+                      torch::randn({kBatch[w], kOut})});
+  std::map<int32_t, std::vector<float>> initial;
+  std::vector<torch::Tensor> start = {
+      torch::randn({kHidden, kIn}) * 0.05, torch::randn({kHidden}) * 0.05,
+      torch::randn({kOut, kHidden}) * 0.05, torch::randn({kOut}) * 0.05};
+  for (int32_t t = 0; t < 4; ++t) initial[t] = to_vector(start[static_cast<size_t>(t)]);
+
+  for (const auto& [name, optimizer] :
+       {std::make_pair("sgd", sgd), std::make_pair("adagrad", adagrad),
+        std::make_pair("adam", adam)}) {
+    SCOPED_TRACE(name);
+    // The oracle: one process on the concatenated batches, torch::optim for the dense tables and
+    // the row-wise rule (checked against PyTorch above) on the rows the global batch touched.
+    std::vector<torch::Tensor> p;
+    for (auto& t : start) p.push_back(t.clone().requires_grad_(true));
+    const auto tables = model_tables(optimizer);
+    std::vector<float> emb(static_cast<size_t>(kRows * kOut));
+    for (int64_t i = 0; i < kRows; ++i) initial_row(tables[4], i, emb.data() + i * kOut, kOut);
+    std::vector<float> emb_state(static_cast<size_t>(kRows * kOut * state_width(optimizer)));
+    std::vector<int64_t> emb_steps(kRows, 0);
+    for (int64_t i = 0; i < kRows; ++i)
+      init_state(optimizer, emb_state.data() + i * kOut * state_width(optimizer), kOut);
+    std::unique_ptr<torch::optim::Optimizer> torch_optimizer;
+    if (optimizer.kind == K::kSgd)
+      torch_optimizer = std::make_unique<torch::optim::SGD>(
+          p,
+          torch::optim::SGDOptions(sgd.lr).momentum(sgd.momentum).weight_decay(sgd.weight_decay));
+    else if (optimizer.kind == K::kAdagrad)
+      torch_optimizer = std::make_unique<torch::optim::Adagrad>(
+          p, torch::optim::AdagradOptions(adagrad.lr)
+                 .lr_decay(adagrad.lr_decay)
+                 .initial_accumulator_value(adagrad.initial_accumulator_value)
+                 .eps(adagrad.eps));
+    else
+      torch_optimizer = std::make_unique<torch::optim::Adam>(
+          p, torch::optim::AdamOptions(adam.lr).betas({adam.beta1, adam.beta2}).eps(adam.eps));
+    for (int step = 0; step < kSyncSteps; ++step) {
+      std::vector<torch::Tensor> xs, ids, ys;
+      for (const auto& b : data[static_cast<size_t>(step)])
+        xs.push_back(b.x), ids.push_back(b.ids), ys.push_back(b.y);
+      const Batch global{torch::cat(xs), torch::cat(ids), torch::cat(ys)};
+      auto table = from(emb, {kRows, kOut}).requires_grad_(true);
+      torch_optimizer->zero_grad();
+      model_loss(p, table, global.ids, global).backward();
+      torch_optimizer->step();
+      const auto grad = to_vector(table.grad());
+      auto touched = std::get<0>(torch::_unique(global.ids.reshape({-1}), true));
+      for (int64_t k = 0; k < touched.numel(); ++k) {
+        const int64_t i = touched[k].item<int64_t>();
+        apply_row(optimizer, emb.data() + i * kOut,
+                  emb_state.data() + i * kOut * state_width(optimizer),
+                  emb_steps[static_cast<size_t>(i)], grad.data() + i * kOut, kOut);
+      }
+    }
+    std::vector<std::vector<float>> first;
+    for (int32_t servers : {1, 2, 3}) {
+      SCOPED_TRACE(std::to_string(servers) + " servers");
+      size_t rows_in_memory = 0;
+      auto got = train_on_servers(servers, optimizer, data, initial, &rows_in_memory);
+      for (int32_t t = 0; t < 4; ++t)
+        EXPECT_TRUE(
+            near_relative(got[static_cast<size_t>(t)], to_vector(p[static_cast<size_t>(t)]), 1e-5))
+            << tables[static_cast<size_t>(t)].name;
+      EXPECT_TRUE(near_relative(got[4], emb, 1e-5)) << "emb";
+      // Rows no batch touched are their initial values, bit for bit, and were never stored.
+      size_t touched_rows = 0;
+      for (int64_t i = 0; i < kRows; ++i) {
+        if (emb_steps[static_cast<size_t>(i)] > 0) {
+          ++touched_rows;
+          continue;
+        }
+        std::vector<float> expected(kOut);
+        initial_row(tables[4], i, expected.data(), kOut);
+        for (int64_t j = 0; j < kOut; ++j)
+          EXPECT_EQ(got[4][static_cast<size_t>(i * kOut + j)], expected[static_cast<size_t>(j)])
+              << "row " << i;
+      }
+      EXPECT_LT(touched_rows, static_cast<size_t>(kRows));
+      EXPECT_EQ(rows_in_memory, touched_rows);
+      if (first.empty())
+        first = got;
+      else
+        EXPECT_EQ(got, first) << "the result depends on the number of servers";
+    }
+  }
+}
+
+// A one-table server for the clock tests: "w" of 8 floats, SGD with lr 1, so a value is its
+// start minus the sum of the gradients applied.
+struct Small {
+  explicit Small(ServerCoreOptions options, int32_t workers = 3) {
+    for (int32_t w = 0; w < workers; ++w) options.workers.push_back(w);
+    options.shards = ShardMap(1).shards_of(0);
+    core = std::make_unique<ServerCore>(options);
+    OptimizerSpec sgd;
+    sgd.lr = 1;
+    RegisterRequest request;
+    request.tables = {dense_spec("w", {8}, sgd),
+                      sparse_spec("emb", 100, 4, {InitSpec::Kind::kUniform, -1, 1}, sgd)};
+    request.initial = {DenseSlice{0, {0}, std::vector<float>(8, 1.f)}};
+    core->register_tables(request, shoal::Deadline(Ms(0)));
+  }
+  PullReply pull(int32_t worker, int64_t clock, Duration timeout) {
+    PullRequest request;
+    request.worker = worker;
+    request.clock = clock;
+    request.dense = {DenseSlice{0, {0}, {}}};
+    return core->pull(request, shoal::Deadline(timeout));
+  }
+  PushReply push(int32_t worker, int64_t clock, float grad, int64_t rows = 1) {
+    PushRequest request;
+    request.worker = worker;
+    request.clock = clock;
+    request.rows = rows;
+    request.dense = {DenseSlice{0, {0}, std::vector<float>(8, grad)}};
+    return core->push(request, shoal::Deadline(Ms(0)));
+  }
+  float value() { return pull(0, 0, Ms(0)).dense[0].values[0]; }
+  std::unique_ptr<ServerCore> core;
+};
+
+TEST(PsServerCore, BoundedStalenessKeepsTheGapWithinTheBound) {
+  for (int64_t bound : {1, 2}) {
+    SCOPED_TRACE("staleness " + std::to_string(bound));
+    ServerCoreOptions options;
+    options.consistency = Consistency::kBoundedStaleness;
+    options.staleness = bound;
+    Small server(options);
+    constexpr int64_t kSteps = 8;
+    std::mutex mutex;
+    std::vector<std::pair<int64_t, int64_t>> trace;  // (clock of the pull, slowest clock then)
+    run_threads(kWorkers, [&](int32_t w) {
+      for (int64_t c = 0; c < kSteps; ++c) {
+        if (w == 2) {
+          // The slow worker lets worker 0 run as far ahead as the bound allows before each step.
+          const int64_t ahead = std::min(c + bound + 1, kSteps);
+          shoal::Deadline deadline(kGenerous);
+          while (server.core->clock_of(0) < ahead && !deadline.expired())
+            std::this_thread::sleep_for(Ms(1));
+        }
+        server.pull(w, c, kGenerous);
+        int64_t slowest = INT64_MAX;
+        for (int32_t v = 0; v < kWorkers; ++v)
+          slowest = std::min(slowest, server.core->clock_of(v));
+        {
+          std::lock_guard<std::mutex> lock(mutex);
+          trace.emplace_back(c, slowest);
+        }
+        server.push(w, c, 0.01f);
+      }
+    });
+    int64_t widest = 0;
+    for (const auto& [clock, slowest] : trace) {
+      EXPECT_LE(clock - slowest, bound)
+          << "a pull at clock " << clock << " ran with the slowest at " << slowest;
+      widest = std::max(widest, clock - slowest);
+    }
+    EXPECT_EQ(widest, bound) << "the slow worker let the fast one reach the bound";
+    EXPECT_EQ(trace.size(), static_cast<size_t>(kWorkers * kSteps));
+    EXPECT_EQ(server.core->staleness(), 0);
+    EXPECT_NEAR(server.value(), 1 - kWorkers * kSteps * 0.01f, 1e-5);
+  }
+}
+
+TEST(PsServerCore, AStoppedWorkerBlocksTheOthersAfterTheBound) {
+  for (int64_t bound : {0, 1, 2}) {
+    SCOPED_TRACE("staleness " + std::to_string(bound));
+    ServerCoreOptions options;
+    options.consistency = Consistency::kBoundedStaleness;
+    options.staleness = bound;
+    Small server(options);
+    // Worker 2 never pushes; 0 and 1 run until their pull times out.
+    std::vector<int64_t> steps(2, 0);
+    std::vector<std::string> errors(2);
+    std::vector<double> waited(2, 0);
+    run_threads(2, [&](int32_t w) {
+      for (int64_t c = 0;; ++c) {
+        const auto start = std::chrono::steady_clock::now();
+        try {
+          server.pull(w, c, Ms(1000));
+        } catch (const CommError& e) {
+          waited[static_cast<size_t>(w)] =
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+          errors[static_cast<size_t>(w)] = e.what();
+          return;
+        }
+        server.push(w, c, 0.01f);
+        steps[static_cast<size_t>(w)] = c + 1;
+      }
+    });
+    for (int w = 0; w < 2; ++w) {
+      EXPECT_EQ(steps[static_cast<size_t>(w)], bound + 1);
+      EXPECT_GE(waited[static_cast<size_t>(w)], 0.99);
+      EXPECT_LT(waited[static_cast<size_t>(w)], 10.0);  // a generous failure bound
+      const std::string& e = errors[static_cast<size_t>(w)];
+      EXPECT_NE(e.find("pull of worker " + std::to_string(w) + " at clock " +
+                       std::to_string(bound + 1) + " timed out after 1"),
+                std::string::npos)
+          << e;
+      if (bound == 0)  // sync: waits for the step
+        EXPECT_NE(e.find("waiting for step 0 to be applied (pushed by workers 0, 1; waiting for "
+                         "workers 2 at clock 0)"),
+                  std::string::npos)
+            << e;
+      else
+        EXPECT_NE(e.find("every live worker to reach clock 1 (staleness bound " +
+                         std::to_string(bound) + "; waiting for workers 2 at clock 0)"),
+                  std::string::npos)
+            << e;
+    }
+    EXPECT_EQ(server.core->staleness(), bound == 0 ? 1 : bound + 1);
+  }
+}
+
+TEST(PsServerCore, AsyncNeverWaits) {
+  ServerCoreOptions options;
+  options.consistency = Consistency::kAsync;
+  Small server(options);
+  constexpr int64_t kSteps = 20;
+  // Worker 2 never pushes; a zero timeout would fail any pull that had to wait.
+  run_threads(2, [&](int32_t w) {
+    for (int64_t c = 0; c < kSteps; ++c) {
+      server.pull(w, c, Ms(0));
+      server.push(w, c, w == 0 ? 0.01f : 0.02f);
+    }
+  });
+  EXPECT_EQ(server.core->staleness(), kSteps);
+  EXPECT_EQ(server.core->step(), 2 * kSteps);
+  EXPECT_NEAR(server.value(), 1 - kSteps * 0.03f, 1e-5);
+}
+
+std::vector<float> everything(ServerCore& core, int32_t worker, int64_t clock) {
+  PullRequest request;
+  request.worker = worker;
+  request.clock = clock;
+  request.dense = {DenseSlice{0, {0}, {}}};
+  SparseSlice rows{1, {}, {}};
+  for (int64_t i = 0; i < 100; ++i) rows.ids.push_back(i);
+  request.sparse = {rows};
+  auto reply = core.pull(request, shoal::Deadline(Ms(0)));
+  auto out = reply.dense[0].values;
+  out.insert(out.end(), reply.sparse[0].values.begin(), reply.sparse[0].values.end());
+  return out;
+}
+
+TEST(PsServerCore, BackupWorkersApplyTheFirstPushesOfAStep) {
+  ServerCoreOptions options;
+  options.replicas_to_aggregate = 2;
+  Small server(options);
+  EXPECT_TRUE(server.push(0, 0, 1.f, 2).counted);
+  EXPECT_EQ(server.core->step(), 0);
+  EXPECT_TRUE(server.push(1, 0, 3.f, 6).counted);
+  EXPECT_EQ(server.core->step(), 1);
+  EXPECT_FLOAT_EQ(server.value(), 1 - (2 * 1.f + 6 * 3.f) / 8);
+  const auto before = everything(*server.core, 0, 0);
+  const auto late = server.push(2, 0, 100.f);
+  EXPECT_FALSE(late.counted);
+  EXPECT_EQ(late.clock, 1);
+  EXPECT_EQ(everything(*server.core, 0, 0), before);
+  // Step 1: workers 2 and 0 come first this time.
+  EXPECT_TRUE(server.push(2, 1, 1.f, 1).counted);
+  EXPECT_TRUE(server.push(0, 1, 2.f, 1).counted);
+  EXPECT_FALSE(server.push(1, 1, 100.f).counted);
+  EXPECT_FLOAT_EQ(server.value(), 1 - 2.5f - 1.5f);
+  EXPECT_EQ(server.core->step(), 2);
+}
+
+TEST(PsServerCore, ALeaversPushIsCountedOrDiscardedAsAsked) {
+  for (auto leavers : {LeaverPush::kCount, LeaverPush::kDiscard}) {
+    Small server({});
+    server.push(0, 0, 1.f, 1);
+    server.push(2, 0, 10.f, 2);
+    server.core->set_live_workers({0, 1}, leavers);
+    EXPECT_EQ(server.core->step(), 0);  // worker 1's push is still missing
+    server.push(1, 0, 4.f, 1);
+    EXPECT_EQ(server.core->step(), 1);
+    const float expected =
+        leavers == LeaverPush::kCount ? 1 - (1.f + 20.f + 4.f) / 4 : 1 - (1.f + 4.f) / 2;
+    EXPECT_FLOAT_EQ(server.value(), expected);
+    EXPECT_NE(error_of<UsageError>([&] {
+                server.push(2, 1, 1.f);
+              }).find("worker 2 is not live; expected one of 0, 1"),
+              std::string::npos);
+    // A joiner starts at the server's step, and the open step waits for it too.
+    server.core->set_live_workers({0, 1, 3}, LeaverPush::kDiscard);
+    EXPECT_EQ(server.core->clock_of(3), 1);
+    server.push(0, 1, 1.f);
+    server.push(1, 1, 1.f);
+    EXPECT_EQ(server.core->step(), 1);
+    server.push(3, 1, 1.f);
+    EXPECT_EQ(server.core->step(), 2);
+    // A leaver whose push was the last one missing: the step closes without waiting.
+    server.push(0, 2, 1.f);
+    server.push(1, 2, 1.f);
+    server.core->set_live_workers({0, 1}, LeaverPush::kDiscard);
+    EXPECT_EQ(server.core->step(), 3);
+  }
+}
+
+TEST(PsServerCore, BadRequestsAreRefusedAndChangeNothing) {
+  ServerCoreOptions async;  // pushes are applied at once, so that there is state to keep
+  async.consistency = Consistency::kAsync;
+  Small server(async);
+  server.push(0, 0, 1.f);
+  {
+    PushRequest request;
+    request.worker = 1;
+    request.rows = 1;
+    request.sparse = {SparseSlice{1, {3, 4}, std::vector<float>(8, 0.5f)}};
+    server.core->push(request, shoal::Deadline(Ms(0)));
+  }
+  const auto before = everything(*server.core, 0, 0);
+  EXPECT_EQ(server.core->row_count(), 2u) << "pulling rows does not store them";
+  auto expect_refused = [&](const std::string& message, const std::function<void()>& body) {
+    SCOPED_TRACE(message);
+    const std::string e = error_of<UsageError>(body);
+    EXPECT_NE(e.find(message), std::string::npos) << e;
+    EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+    EXPECT_EQ(everything(*server.core, 0, 0), before);
+    EXPECT_EQ(server.core->row_count(), 2u);
+    EXPECT_EQ(server.core->step(), 2);
+    EXPECT_EQ(server.core->clock_of(0), 1);
+    EXPECT_EQ(server.core->clock_of(1), 1);
+    EXPECT_EQ(server.core->clock_of(2), 0);
+  };
+  auto push = [&](std::vector<DenseSlice> dense, std::vector<SparseSlice> sparse,
+                  int32_t worker = 2, int64_t clock = 0) {
+    PushRequest request;
+    request.worker = worker;
+    request.clock = clock;
+    request.rows = 1;
+    request.dense = std::move(dense);
+    request.sparse = std::move(sparse);
+    server.core->push(request, shoal::Deadline(Ms(0)));
+  };
+  const DenseSlice good{0, {0}, std::vector<float>(8, 1.f)};
+  expect_refused("parameter server: push: unknown table index 7; expected 0 <= index < 2", [&] {
+    EXPECT_THROW(push({good, DenseSlice{7, {0}, {}}}, {}), NotFoundError);
+    push({good, DenseSlice{7, {0}, {}}}, {});
+  });
+  expect_refused("table 'w': 9 values for 1 chunks; expected 8", [&] {
+    push({DenseSlice{0, {0}, std::vector<float>(9, 1.f)}}, {});
+  });
+  expect_refused("table 'w': chunk 1 is out of range; expected 0 <= chunk < 1", [&] {
+    push({DenseSlice{0, {1}, std::vector<float>(8, 1.f)}}, {});
+  });
+  expect_refused("table 'emb': 7 values for 2 rows of dim 4; expected 8", [&] {
+    push({good}, {SparseSlice{1, {1, 2}, std::vector<float>(7, 1.f)}});
+  });
+  expect_refused("table 'emb': row 3 is named twice; expected unique ids", [&] {
+    push({good}, {SparseSlice{1, {3, 3}, std::vector<float>(8, 1.f)}});
+  });
+  expect_refused("table 'emb': row 100 is out of range; expected 0 <= id < 100", [&] {
+    push({good}, {SparseSlice{1, {100}, std::vector<float>(4, 1.f)}});
+  });
+  expect_refused("table 'emb' is sparse; expected a dense table for chunks", [&] {
+    push({DenseSlice{1, {0}, {}}}, {});
+  });
+  expect_refused("table 'w' is dense; expected a sparse table for rows", [&] {
+    push({}, {SparseSlice{0, {0}, {}}});
+  });
+  expect_refused("worker 2 pushed step 5; expected its next step 0",
+                 [&] { push({good}, {}, 2, 5); });
+  expect_refused("worker 0 pushed step 0; expected its next step 1",
+                 [&] { push({good}, {}, 0, 0); });
+  expect_refused("worker 9 is not live; expected one of 0, 1, 2", [&] { push({good}, {}, 9); });
+  expect_refused("worker 2 pushed a gradient of 0 samples; expected rows >= 1", [&] {
+    PushRequest request;
+    request.worker = 2;
+    server.core->push(request, shoal::Deadline(Ms(0)));
+  });
+  expect_refused("parameter server: pull: table 'w': 8 values for 1 chunks; expected 0", [&] {
+    PullRequest request;
+    request.dense = {good};
+    server.core->pull(request, shoal::Deadline(Ms(0)));
+  });
+  expect_refused("worker 2 pulled at clock 1; expected 0 <= clock <= 0", [&] {
+    PullRequest request;
+    request.worker = 2;
+    request.clock = 1;
+    server.core->pull(request, shoal::Deadline(Ms(0)));
+  });
+  OptimizerSpec sgd;
+  sgd.lr = 1;
+  RegisterRequest again;
+  again.worker = 1;
+  again.tables = {dense_spec("w", {8}, sgd),
+                  sparse_spec("emb", 100, 4, {InitSpec::Kind::kUniform, -1, 1}, sgd)};
+  EXPECT_NO_THROW(server.core->register_tables(again, shoal::Deadline(Ms(0))));
+  again.tables[0].optimizer.lr = 0.5;
+  expect_refused(
+      "worker 1's table 0 ('w') differs from the first registration: lr 0.500000 (expected "
+      "1.000000)",
+      [&] { server.core->register_tables(again, shoal::Deadline(Ms(0))); });
+  again.tables[0].optimizer.lr = 1;
+  again.tables[1].shape = {100, 5};
+  expect_refused(
+      "table 1 ('emb') differs from the first registration: shape [100, 5] (expected [100, 4])",
+      [&] { server.core->register_tables(again, shoal::Deadline(Ms(0))); });
+  again.tables.pop_back();
+  expect_refused("worker 1 registers 1 tables; expected 2 as the first registration",
+                 [&] { server.core->register_tables(again, shoal::Deadline(Ms(0))); });
+}
+
+TEST(PsServerCore, AChunkOrRowOfAnotherServerIsRefused) {
+  ServerCoreOptions options;
+  options.workers = {0};
+  options.shards = ShardMap(2).shards_of(0);
+  ServerCore core(options);
+  const std::string name = "emb";
+  int64_t foreign = 0;
+  while (ShardMap(2).owner(row_shard(name, foreign)) == 0) ++foreign;
+  RegisterRequest request;
+  request.tables = {sparse_spec(name, 0, 2, {})};
+  core.register_tables(request, shoal::Deadline(Ms(0)));
+  PushRequest push;
+  push.rows = 1;
+  push.sparse = {SparseSlice{0, {foreign}, {1.f, 1.f}}};
+  const std::string e = error_of<NotFoundError>([&] { core.push(push, shoal::Deadline(Ms(0))); });
+  EXPECT_NE(e.find("table 'emb': row " + std::to_string(foreign) + " is in virtual shard " +
+                   std::to_string(row_shard(name, foreign)) + ", which this server does not hold"),
+            std::string::npos)
+      << e;
+  EXPECT_EQ(core.row_count(), 0u);
+  EXPECT_EQ(core.clock_of(0), 0);
+}
+
+TEST(PsServerCore, AFailedFirstRegistrationLeavesNoTables) {
+  ServerCoreOptions options;
+  options.workers = {0};
+  options.shards = ShardMap(1).shards_of(0);
+  ServerCore core(options);
+  OptimizerSpec sgd;
+  RegisterRequest request;
+  request.tables = {dense_spec("w", {70000}, sgd), sparse_spec("emb", 0, 0, {})};
+  EXPECT_NE(
+      error_of<UsageError>([&] {
+        core.register_tables(request, shoal::Deadline(Ms(0)));
+      }).find("sparse table 'emb' has shape [0, 0]; expected {rows (0: unbounded), dim >= 1}"),
+      std::string::npos);
+  request.tables[1].shape = {0, 3};
+  request.initial = {DenseSlice{0, {0}, std::vector<float>(kChunkElements, 1.f)}};
+  EXPECT_NE(error_of<UsageError>([&] {
+              core.register_tables(request, shoal::Deadline(Ms(0)));
+            }).find("table 'w': no initial values for chunk 1, which this server holds"),
+            std::string::npos);
+  request.initial[0].chunks.push_back(1);
+  request.initial[0].values.resize(70000, 2.f);
+  EXPECT_NO_THROW(core.register_tables(request, shoal::Deadline(Ms(0))));
+  PullRequest pull;
+  pull.dense = {DenseSlice{0, {1}, {}}};
+  EXPECT_EQ(core.pull(pull, shoal::Deadline(Ms(0))).dense[0].values,
+            std::vector<float>(70000 - kChunkElements, 2.f));
+}
+
+TEST(PsServerCore, APullOfAWorkerThatLeavesEndsAtOnce) {
+  Small server({});
+  server.push(0, 0, 1.f);
+  std::string error;
+  std::thread waiter([&] { error = error_of<CommError>([&] { server.pull(0, 1, kGenerous); }); });
+  // The pull waits for step 0 (workers 1 and 2 have not pushed) until worker 0 leaves.
+  shoal::Deadline deadline(kGenerous);
+  while (server.core->pulls_waiting() != 1 && !deadline.expired())
+    std::this_thread::sleep_for(Ms(1));
+  server.core->set_live_workers({1, 2}, LeaverPush::kDiscard);
+  waiter.join();
+  EXPECT_NE(error.find("pull of worker 0 at clock 1 ended after"), std::string::npos) << error;
+  EXPECT_NE(error.find("the worker left the live set while it waited"), std::string::npos) << error;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Snapshots per virtual shard
+
+TEST(PsSnapshot, ACheckpointOfThreeServersLoadsOntoTwo) {
+  OptimizerSpec adam;
+  adam.kind = OptimizerSpec::Kind::kAdam;
+  adam.lr = 0.01;
+  adam.eps = 1e-8;
+  const std::vector<TableSpec> tables = {
+      dense_spec("w", {70000}, adam),
+      sparse_spec("emb", 0, 3, {InitSpec::Kind::kNormal, 0, 1}, adam)};
+  ServerCoreOptions options;
+  options.workers = {0};
+  std::mt19937_64 random(5);
+  std::normal_distribution<float> normal;
+  std::map<int32_t, std::vector<float>> initial;
+  for (int i = 0; i < 70000; ++i) initial[0].push_back(normal(random));
+  auto gradients = [&](int64_t step) {
+    std::map<int32_t, std::vector<float>> dense;
+    for (int i = 0; i < 70000; ++i) dense[0].push_back(normal(random));
+    std::map<int32_t, std::pair<std::vector<int64_t>, std::vector<float>>> rows;
+    std::set<int64_t> ids;
+    for (int i = 0; i < 200; ++i) ids.insert(static_cast<int64_t>(random() % 1000) * (step + 1));
+    rows[1].first.assign(ids.begin(), ids.end());
+    for (size_t i = 0; i < ids.size() * 3; ++i) rows[1].second.push_back(normal(random));
+    return std::make_pair(dense, rows);
+  };
+  std::vector<int64_t> all(4000);
+  for (int64_t i = 0; i < 4000; ++i) all[static_cast<size_t>(i)] = i;
+
+  Cluster three(3, options, tables);
+  three.register_worker(0, initial);
+  for (int64_t step = 0; step < 3; ++step) {
+    auto [dense, rows] = gradients(step);
+    three.push(0, step, 1, dense, rows);
+  }
+  std::map<int32_t, std::string> snapshots;
+  for (int32_t s = 0; s < 3; ++s)
+    for (int32_t v : ShardMap(3).shards_of(s)) snapshots[v] = three.core(s).save_shard(v);
+
+  Cluster two(2, options, tables);
+  std::map<int32_t, std::vector<float>> zeros;
+  zeros[0].assign(70000, 0.f);
+  two.register_worker(0, zeros);
+  for (int32_t s = 0; s < 2; ++s)
+    for (int32_t v : ShardMap(2).shards_of(s)) two.core(s).load_shard(v, snapshots[v]);
+  EXPECT_EQ(two.row_count(), three.row_count());
+  EXPECT_GT(two.row_count(), 400u);
+  auto before = three.pull(0, 3, {{1, all}}, kGenerous);
+  auto after = two.pull(0, 0, {{1, all}}, kGenerous);
+  EXPECT_EQ(after.dense, before.dense);
+  EXPECT_EQ(after.rows, before.rows);
+  // The optimizer state came along: one more step gives the same values on both.
+  auto [dense, rows] = gradients(3);
+  three.push(0, 3, 1, dense, rows);
+  two.push(0, 0, 1, dense, rows);
+  before = three.pull(0, 4, {{1, all}}, kGenerous);
+  after = two.pull(0, 1, {{1, all}}, kGenerous);
+  EXPECT_EQ(after.dense, before.dense);
+  EXPECT_EQ(after.rows, before.rows);
+  EXPECT_NE(after.dense, zeros);
+
+  // A bad snapshot changes nothing.
+  const int32_t v = ShardMap(2).shards_of(1)[0];
+  const std::string good = two.core(1).save_shard(v);
+  auto refused = [&](const std::string& bytes, const std::string& message) {
+    const std::string e = error_of<UsageError>([&] { two.core(1).load_shard(v, bytes); });
+    EXPECT_NE(e.find(message), std::string::npos) << e;
+    EXPECT_EQ(two.core(1).save_shard(v), good);
+  };
+  refused(good.substr(0, good.size() - 1),
+          "snapshot of virtual shard " + std::to_string(v) + ": truncated");
+  refused(good + "x", "unexpected bytes after the last row");
+  refused("not a snapshot at all", "not a shard snapshot");
+  const int32_t other = ShardMap(2).shards_of(1)[1];
+  refused(two.core(1).save_shard(other), "it holds virtual shard " + std::to_string(other));
+  EXPECT_NE(
+      error_of<UsageError>([&] { two.core(0).save_shard(v); }).find("is not held by this server"),
+      std::string::npos);
+}
+
+TEST(PsServerCore, TheRegistrationWithValuesCreatesTheTables) {
+  ServerCoreOptions options;
+  options.workers = {0, 1};
+  options.shards = ShardMap(1).shards_of(0);
+  ServerCore core(options);
+  RegisterRequest first;
+  first.tables = {dense_spec("w", {4}, {})};
+  first.initial = {DenseSlice{0, {0}, {1, 2, 3, 4}}};
+  RegisterRequest other = first;
+  other.worker = 1;
+  other.initial.clear();
+  // Alone, a registration without values waits for the one with them, until its deadline.
+  const auto start = std::chrono::steady_clock::now();
+  const std::string e =
+      error_of<CommError>([&] { core.register_tables(other, shoal::Deadline(Ms(300))); });
+  const double waited =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_NE(e.find("parameter server: registration of worker 1 timed out after"), std::string::npos)
+      << e;
+  EXPECT_NE(e.find("waiting for the registration that carries the dense tables' first values"),
+            std::string::npos)
+      << e;
+  EXPECT_GE(waited, 0.29);
+  EXPECT_LT(waited, 10.0);  // a generous failure bound
+  std::thread late([&] { core.register_tables(other, shoal::Deadline(kGenerous)); });
+  core.register_tables(first, shoal::Deadline(Ms(0)));
+  late.join();
+  PullRequest pull;
+  pull.worker = 1;
+  pull.dense = {DenseSlice{0, {0}, {}}};
+  EXPECT_EQ(core.pull(pull, shoal::Deadline(Ms(0))).dense[0].values,
+            (std::vector<float>{1, 2, 3, 4}));
+}
+
+}  // namespace
