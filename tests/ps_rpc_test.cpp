@@ -181,10 +181,16 @@ TEST_F(PsRpcTest, EveryMessageKindRoundTripsExactly) {
   start(1);
   RpcClient& server = *clients_[0];
   EXPECT_EQ(server.ping(5s), 0);
-  server.register_tables(tables(0), 5s);
+  const std::vector<float> a = ramp(2500, 0.75f), b = ramp(2500, -0.3f), first = ramp(2500, 2);
+  RegisterRequest creating = tables(0);
+  creating.initial = {DenseSlice{0, {1, 0, 2}, {}}};  // the first values cross in any chunk order
+  auto& initial = creating.initial[0].values;
+  initial.assign(first.begin() + kChunk, first.begin() + 2 * kChunk);
+  initial.insert(initial.end(), first.begin(), first.begin() + kChunk);
+  initial.insert(initial.end(), first.begin() + 2 * kChunk, first.end());
+  server.register_tables(creating, 5s);
   server.register_tables(tables(1), 5s);  // the same tables again: accepted
 
-  const std::vector<float> a = ramp(2500, 0.75f), b = ramp(2500, -0.3f);
   for (int worker : {0, 1}) {
     PushRequest push;
     push.worker = worker;
@@ -207,8 +213,8 @@ TEST_F(PsRpcTest, EveryMessageKindRoundTripsExactly) {
   EXPECT_EQ(reply.dense[0].table, 0);
   EXPECT_EQ(reply.dense[0].chunks, (std::vector<int64_t>{2, 0}));
   std::vector<float> expected;
-  for (int64_t i = 2 * kChunk; i < 2500; ++i) expected.push_back(a[i] + b[i]);
-  for (int64_t i = 0; i < kChunk; ++i) expected.push_back(a[i] + b[i]);
+  for (int64_t i = 2 * kChunk; i < 2500; ++i) expected.push_back(first[i] + a[i] + b[i]);
+  for (int64_t i = 0; i < kChunk; ++i) expected.push_back(first[i] + a[i] + b[i]);
   EXPECT_EQ(reply.dense[0].values, expected);
   ASSERT_EQ(reply.sparse.size(), 1u);
   EXPECT_EQ(reply.sparse[0].ids, (std::vector<int64_t>{7, 5, 42}));

@@ -23,7 +23,7 @@ inline uint64_t mix64(uint64_t z) {
 
 // FNV-1a over bytes.
 inline uint64_t fnv1a(std::string_view bytes) {
-  uint64_t h = 1469598103934665603ULL;
+  uint64_t h = 14695981039346656037ULL;  // the offset basis
   for (unsigned char c : bytes) {
     h ^= c;
     h *= 1099511628211ULL;

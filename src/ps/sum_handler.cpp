@@ -61,6 +61,22 @@ void SumHandler::register_tables(const RegisterRequest& request, const Deadline&
     tables.push_back(std::move(table));
   }
   tables_ = std::move(tables);
+  // Dense tables start from the registering worker's values, where it sends them.
+  for (const DenseSlice& slice : request.initial) {
+    Table& t = table(slice.table, false);
+    size_t at = 0;
+    for (int64_t chunk : slice.chunks) {
+      const auto [begin, end] = chunk_range(t, chunk);
+      if (at + static_cast<size_t>(end - begin) > slice.values.size()) {
+        tables_.clear();
+        throw UsageError("initial values of table '" + t.spec.name + "': " +
+                         std::to_string(slice.values.size()) + " values for its chunks; expected more");
+      }
+      std::copy(slice.values.begin() + at, slice.values.begin() + at + (end - begin),
+                t.dense.begin() + begin);
+      at += static_cast<size_t>(end - begin);
+    }
+  }
 }
 
 SumHandler::Table& SumHandler::table(int32_t index, bool sparse) {

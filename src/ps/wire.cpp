@@ -139,6 +139,7 @@ void to_wire(const RegisterRequest& in, pb::RegisterRequest& out) {
     init.set_b(spec.init.b);
     t.set_seed(spec.seed);
   }
+  for (const DenseSlice& slice : in.initial) dense_to_wire(slice, *out.add_initial());
 }
 
 RegisterRequest from_wire(const pb::RegisterRequest& in) {
@@ -178,6 +179,10 @@ RegisterRequest from_wire(const pb::RegisterRequest& in) {
     spec.init.b = t.init().b();
     spec.seed = t.seed();
     out.tables.push_back(std::move(spec));
+  }
+  for (int i = 0; i < in.initial_size(); ++i) {
+    out.initial.push_back(
+        dense_from_wire(in.initial(i), "initial[" + std::to_string(i) + "]", /*values=*/true));
   }
   return out;
 }
