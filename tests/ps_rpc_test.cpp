@@ -1,8 +1,9 @@
 // The parameter server's transport (docs/ps.md, "Transport" and "Processes"): real `shoal
-// ps-server` processes serving the store-and-sum handler, real clients over loopback. What is
+// ps-server --handler sum` processes (the transport's test handler), real clients over loopback. What is
 // checked is the transport: values arrive exactly, malformed and hostile requests are refused
 // with the right status and message while the server keeps serving, a dead or silent server is a
-// CommError naming it within the call's deadline, and `shoal run --servers` runs and stops them.
+// CommError naming it within the call's deadline, and `shoal run --servers` runs and stops them
+// (its servers serving the core: sync steps equal one process).
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -54,7 +55,8 @@ class ServerProcess {
     std::vector<char*> envp;
     for (auto& entry : env) envp.push_back(entry.data());
     envp.push_back(nullptr);
-    const char* argv[] = {SHOAL_BIN, "ps-server", "--index", index_text.c_str(), nullptr};
+    const char* argv[] = {SHOAL_BIN,           "ps-server", "--index", index_text.c_str(),
+                          "--handler", "sum", nullptr};
     pid_ = ::fork();
     if (pid_ == 0) {
       ::execve(SHOAL_BIN, const_cast<char**>(argv), envp.data());
@@ -445,11 +447,20 @@ TEST(PsRpc, ConnectingWithoutServersTimesOutNamingTheFirstMissing) {
 
 const std::string kWorker = std::string(SHOAL_TEST_PROGRAMS_DIR) + "/ps_worker";
 
-TEST(PsLaunch, WorkersPushAndPullThroughTwoServers) {
-  const testing::RunResult run = testing::run_shoal({"--servers", "2", "-n", "2", kWorker}, 120s);
-  EXPECT_EQ(run.exit_code, 0) << run.out << run.err;
-  EXPECT_NE(run.out.find("[0] ps ok 2 servers"), std::string::npos) << run.out;
-  EXPECT_NE(run.out.find("[1] ps ok 2 servers"), std::string::npos) << run.out;
+// The parameter server's core behind the real transport, in real processes: every worker checks
+// after each sync step that the servers hold what one process applying the mean gradient of all
+// workers' rows holds (tests/programs/ps_worker.cpp), whatever the number of servers.
+TEST(PsLaunch, SyncStepsOnServersEqualOneProcess) {
+  for (const auto& [servers, workers] : {std::pair{1, 3}, {2, 2}, {3, 3}}) {
+    const testing::RunResult run = testing::run_shoal(
+        {"--servers", std::to_string(servers), "-n", std::to_string(workers), kWorker}, 120s);
+    EXPECT_EQ(run.exit_code, 0) << run.out << run.err;
+    for (int r = 0; r < workers; ++r) {
+      const std::string ok = "[" + std::to_string(r) + "] ps ok " + std::to_string(servers) +
+                             " servers, 4 sync steps";
+      EXPECT_NE(run.out.find(ok), std::string::npos) << run.out;
+    }
+  }
 }
 
 // The pid of the launcher's child running `shoal ps-server --index <index>`.

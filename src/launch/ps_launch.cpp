@@ -17,6 +17,8 @@ namespace shoal::launch {
 
 void Launcher::add_ps_environment(env::Environment& env) const {
   env["SHOAL_PS_SERVERS"] = std::to_string(options_.servers);
+  // The servers' clocks start with every worker of the job live.
+  env["SHOAL_PS_WORKERS"] = std::to_string(options_.nproc_per_node * options_.nnodes);
   env["SHOAL_JOB_TOKEN"] = ps_token_;
 }
 

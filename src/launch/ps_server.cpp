@@ -7,6 +7,8 @@
 
 #include "../ps/connect.h"
 #include "../ps/rpc.h"
+#include "../ps/server_core.h"
+#include "../ps/shard_map.h"
 #include "../ps/sum_handler.h"
 #include "shoal/comm/store.h"
 #include "shoal/core/env.h"
@@ -26,7 +28,41 @@ std::string required(const env::Environment& env, const std::string& name, const
   return *value;
 }
 
-int serve(int index, const std::string& host, int port) {
+// The handler a server runs: the parameter server's core (docs/ps.md, "Consistency") over the
+// virtual shards the shard map gives server `index` of SHOAL_PS_SERVERS, with every worker of
+// SHOAL_PS_WORKERS live; or, with --handler sum, the transport's own test handler, which adds the
+// pushes up (the transport's tests use it to see exactly what crossed).
+std::unique_ptr<ps::detail::Handler> make_handler(const std::string& kind, const std::string& mode,
+                                                  int index, const env::Environment& env) {
+  if (kind == "sum") return std::make_unique<ps::detail::SumHandler>();
+  const int servers = ps::detail::server_count(env);
+  if (servers < 1 || index >= servers) {
+    throw UsageError("SHOAL_PS_SERVERS = " + std::to_string(servers) + " for server --index " +
+                     std::to_string(index) + "; expected more than the index");
+  }
+  const auto workers = env::get_int(env, "SHOAL_PS_WORKERS", 1, 1 << 20);
+  if (!workers) {
+    throw UsageError("SHOAL_PS_WORKERS is not set; expected the job's worker count");
+  }
+  ps::detail::ServerCoreOptions options;
+  if (mode == "sync") {
+    options.consistency = ps::detail::Consistency::kSync;
+  } else if (mode == "async") {
+    options.consistency = ps::detail::Consistency::kAsync;
+  } else if (mode.rfind("ssp:", 0) == 0 && mode.size() > 4 &&
+             mode.find_first_not_of("0123456789", 4) == std::string::npos) {
+    options.consistency = ps::detail::Consistency::kBoundedStaleness;
+    options.staleness = std::stoll(mode.substr(4));
+  } else {
+    throw UsageError("--mode " + mode + "; expected sync, async or ssp:S (S a step count)");
+  }
+  for (int w = 0; w < *workers; ++w) options.workers.push_back(w);
+  options.shards = ps::detail::ShardMap(servers).shards_of(index);
+  return std::make_unique<ps::detail::ServerCore>(std::move(options));
+}
+
+int serve(int index, const std::string& host, int port, const std::string& handler_kind,
+          const std::string& mode) {
   const env::Environment env = env::current();
   comm::StoreOptions store_options;
   store_options.host = required(env, "SHOAL_MASTER_ADDR", "the address of the job's store");
@@ -47,15 +83,14 @@ int serve(int index, const std::string& host, int port) {
   for (int signal : {SIGTERM, SIGINT, SIGHUP}) sigaddset(&stop, signal);
   pthread_sigmask(SIG_BLOCK, &stop, nullptr);
 
+  const auto handler = make_handler(handler_kind, mode, index, env);
   const comm::StorePtr store = comm::open_store(store_options);
-  // The store-and-sum handler stands in for the server's core until the two are joined.
-  ps::detail::SumHandler handler;
   ps::detail::ServerOptions options;
   options.host = host;
   options.port = port;
   options.index = index;
   options.token = token;
-  ps::detail::RpcServer server(handler, options);
+  ps::detail::RpcServer server(*handler, options);
   const std::string address = comm::local_address_towards(store_options.host, store_options.port) +
                               ":" + std::to_string(server.port());
   comm::put(store, ps::detail::server_key(index), address);
@@ -80,11 +115,17 @@ int ps_server_command(const std::vector<std::string>& args) {
   int index = -1;
   int port = 0;
   std::string host = "0.0.0.0";
+  std::string handler = "core";
+  std::string mode = env::get(env::current(), "SHOAL_PS_MODE").value_or("sync");
   CLI::App app("Serves one parameter server of a job (started by shoal run --servers).",
                "shoal ps-server");
   app.add_option("--index", index, "The server's index in the job, 0 to S-1")->required();
   app.add_option("--port", port, "The port to serve on (default 0: any free port)");
   app.add_option("--host", host, "The interface to listen on (default 0.0.0.0)");
+  app.add_option("--handler", handler, "core (the parameter server) or sum (the transport's test handler)")
+      ->check(CLI::IsMember({"core", "sum"}));
+  app.add_option("--mode", mode,
+                 "sync, async or ssp:S (bounded staleness S); default SHOAL_PS_MODE, else sync");
   try {
     std::vector<std::string> reversed(args.rbegin(), args.rend());
     app.parse(reversed);
@@ -92,7 +133,7 @@ int ps_server_command(const std::vector<std::string>& args) {
     if (port < 0 || port > 65535) {
       throw UsageError("--port " + std::to_string(port) + "; expected 0 to 65535");
     }
-    return serve(index, host, port);
+    return serve(index, host, port, handler, mode);
   } catch (const CLI::CallForHelp&) {
     std::cout << app.help();
     return 0;

@@ -1,17 +1,22 @@
-// A worker of `shoal run --servers S` for tests/ps_rpc_test.cpp: connects to every server through
-// the job's store, registers a dense and a sparse table on each, pushes values that are a
-// function of (rank, server), waits until every worker's push has arrived, pulls, and checks
-// that each server holds exactly the sum over the workers. Prints "ps ok" and exits 0, or says
-// what differed and exits 1. With --hold it prints "ps ready" after connecting and sleeps (the
-// test then kills a server).
+// A worker of `shoal run --servers S` for tests/ps_rpc_test.cpp: trains a dense table and a sparse
+// one on the job's parameter servers in sync mode, routing each chunk and row to its server by
+// the shard map, and checks that after every step the servers hold what one process applying
+// the mean gradient of all workers' rows would hold (SGD with momentum for the dense table, plain
+// SGD for the sparse one). Prints "ps ok" and exits 0, or says what differed and exits 1. With
+// --hold it prints "ps ready" after connecting and sleeps (the test then kills a server).
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <iostream>
+#include <map>
 #include <thread>
 
+#include <torch/torch.h>
+
 #include "ps/connect.h"
+#include "ps/shard_map.h"
 #include "shoal/comm/store.h"
 
 using namespace shoal;
@@ -19,14 +24,41 @@ using namespace shoal::ps::detail;
 
 namespace {
 
-constexpr int64_t kDense = 3000;  // three chunks of the server's 1024
+constexpr int64_t kDense = 2 * kChunkElements + 1000;  // three chunks, the last one short
 constexpr int64_t kDim = 4;
+constexpr int kSteps = 4;
 
-float dense_value(int rank, int server, int64_t i) {
-  return 0.25f * (rank + 1) + server + 0.001f * i;
+// Worker r's gradient at step t: a function of (r, t) and of the values it pulled, as a real
+// gradient is of the parameters; its loss is the mean over r + 1 rows.
+torch::Tensor dense_gradient(int r, int t, const torch::Tensor& w) {
+  return 0.1 * (r + 1) * w + 0.01 * (t + 1) * torch::arange(kDense, torch::kFloat).sin() - 0.05 * r;
 }
-float row_value(int rank, int server, int64_t id, int64_t j) {
-  return 0.5f * (rank + 1) - server + 0.01f * (id * kDim + j);
+std::vector<int64_t> rows_of(int r, int t) { return {r, 10, 1000 + t}; }
+torch::Tensor row_gradient(int r, int t, int64_t id) {
+  return torch::full({kDim}, 0.25f * (r + 1) - 0.1f * t + 0.001f * static_cast<float>(id)) +
+         torch::arange(kDim, torch::kFloat);
+}
+
+// Which server holds each chunk of "w" and each row of "emb".
+struct Route {
+  explicit Route(int servers) : map(servers) {}
+  int chunk(int64_t k) const { return map.owner(chunk_shard("w", k)); }
+  int row(int64_t id) const { return map.owner(row_shard("emb", id)); }
+  ShardMap map;
+};
+
+// The dense table's values of `server`'s chunks, in chunk order.
+DenseSlice dense_slice(const Route& route, int server, const torch::Tensor& values) {
+  DenseSlice slice{0, {}, {}};
+  for (int64_t k = 0; k < chunk_count(kDense); ++k) {
+    if (route.chunk(k) != server) continue;
+    slice.chunks.push_back(k);
+    if (values.defined()) {
+      const float* p = values.data_ptr<float>() + chunk_begin(k);
+      slice.values.insert(slice.values.end(), p, p + chunk_length(kDense, k));
+    }
+  }
+  return slice;
 }
 
 }  // namespace
@@ -49,70 +81,106 @@ int main(int argc, char** argv) {
       return 3;
     }
     const Duration timeout = std::chrono::seconds(30);
-    RegisterRequest registration;
-    registration.worker = rank;
-    registration.tables = {TableSpec{"w", false, {kDense}, {}, {}, 0},
-                           TableSpec{"emb", true, {0, kDim}, {}, {}, 0}};
-    // Every worker pushes to rows {rank, 10}: row 10 is shared, the others are the worker's own.
-    const std::vector<int64_t> ids{rank, 10};
+    const Route route(static_cast<int>(servers.size()));
+    TableSpec dense{"w", false, {kDense}, {}, {}, 0};
+    dense.optimizer.lr = 0.5;
+    dense.optimizer.momentum = 0.9;
+    TableSpec sparse{"emb", true, {0, kDim}, {}, {}, 11};
+    sparse.optimizer.lr = 0.25;
+    sparse.init = {InitSpec::Kind::kNormal, 0, 1};
+    const torch::Tensor first = torch::linspace(-1, 1, kDense);
     for (const auto& server : servers) {
-      const int s = server->index();
+      RegisterRequest registration{rank, {dense, sparse}, {}};
+      // The first worker creates the tables, with the dense one's first values.
+      if (rank == 0) registration.initial = {dense_slice(route, server->index(), first)};
       server->register_tables(registration, timeout);
-      PushRequest push;
-      push.worker = rank;
-      push.rows = 1;
-      DenseSlice dense{0, {0, 1, 2}, {}};
-      for (int64_t i = 0; i < kDense; ++i) dense.values.push_back(dense_value(rank, s, i));
-      SparseSlice sparse{1, ids, {}};
-      for (int64_t id : ids)
-        for (int64_t j = 0; j < kDim; ++j) sparse.values.push_back(row_value(rank, s, id, j));
-      push.dense.push_back(dense);
-      push.sparse.push_back(sparse);
-      server->push(push, timeout);
     }
-    for (const auto& server : servers) {
-      const int s = server->index();
-      PullRequest pull;
-      pull.worker = rank;
-      pull.dense.push_back(DenseSlice{0, {0, 1, 2}, {}});
-      std::vector<int64_t> all_ids;
-      for (int r = 0; r < world; ++r) all_ids.push_back(r);
-      all_ids.push_back(10);
-      pull.sparse.push_back(SparseSlice{1, all_ids, {}});
-      PullReply reply;
-      const Deadline deadline(timeout);
-      // The store-and-sum handler's clock counts pushes: all workers' are in at `world`.
-      while ((reply = server->pull(pull, timeout)).clock < world) {
-        if (deadline.expired())
-          throw CommError("server " + std::to_string(s) + " saw " + std::to_string(reply.clock) +
-                          " pushes");
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+
+    // The one-process reference: torch's SGD on the mean of every worker's gradient.
+    torch::Tensor w = first.clone().requires_grad_(false);
+    torch::optim::SGD reference({w}, torch::optim::SGDOptions(0.5).momentum(0.9));
+    std::map<int64_t, torch::Tensor> rows;  // the reference's rows, from their first pull
+
+    for (int t = 0; t <= kSteps; ++t) {
+      // Pull the values of step t: every chunk, and the rows any worker touches in it.
+      torch::Tensor pulled = torch::empty({kDense});
+      std::vector<int64_t> ids;
+      for (int r = 0; r < world; ++r)
+        for (int64_t id : rows_of(r, t)) ids.push_back(id);
+      std::sort(ids.begin(), ids.end());
+      ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+      std::map<int64_t, torch::Tensor> pulled_rows;
+      for (const auto& server : servers) {
+        PullRequest pull{rank, t, {dense_slice(route, server->index(), {})}, {}};
+        SparseSlice want{1, {}, {}};
+        for (int64_t id : ids)
+          if (route.row(id) == server->index()) want.ids.push_back(id);
+        pull.sparse.push_back(want);
+        const PullReply reply = server->pull(pull, timeout);
+        size_t at = 0;
+        for (int64_t k : reply.dense.at(0).chunks) {
+          std::copy_n(reply.dense[0].values.begin() + at, chunk_length(kDense, k),
+                      pulled.data_ptr<float>() + chunk_begin(k));
+          at += chunk_length(kDense, k);
+        }
+        const SparseSlice& got = reply.sparse.at(0);
+        for (size_t i = 0; i < got.ids.size(); ++i)
+          pulled_rows[got.ids[i]] = torch::tensor(std::vector<float>(
+              got.values.begin() + i * kDim, got.values.begin() + (i + 1) * kDim));
       }
-      for (int64_t i = 0; i < kDense; ++i) {
-        float sum = 0;
-        for (int r = 0; r < world; ++r) sum += dense_value(r, s, i);
-        if (reply.dense.at(0).values.at(i) != sum) {
-          std::cout << "server " << s << " dense[" << i << "] = " << reply.dense[0].values[i]
-                    << ", expected " << sum << std::endl;
+      // The servers hold what the reference holds.
+      const double dense_error = ((pulled - w).abs().max() / w.abs().max()).item<double>();
+      if (!(dense_error < 1e-5)) {
+        std::cout << "step " << t << ": dense values off by " << dense_error << " (relative)"
+                  << std::endl;
+        return 1;
+      }
+      for (const auto& [id, value] : pulled_rows) {
+        auto known = rows.find(id);
+        if (known == rows.end()) {
+          rows[id] = value.clone();  // first seen: its initial value
+        } else if (!torch::allclose(value, known->second, 1e-5, 1e-6)) {
+          std::cout << "step " << t << ": row " << id << " is " << value << ", expected "
+                    << known->second << std::endl;
           return 1;
         }
       }
-      const auto& rows = reply.sparse.at(0).values;
-      for (size_t k = 0; k < all_ids.size(); ++k) {
-        for (int64_t j = 0; j < kDim; ++j) {
-          const int64_t id = all_ids[k];
-          float sum = 0;
-          for (int r = 0; r < world; ++r)
-            if (id == r || id == 10) sum += row_value(r, s, id, j);
-          if (rows.at(k * kDim + j) != sum) {
-            std::cout << "server " << s << " row " << id << "[" << j << "] = " << rows[k * kDim + j]
-                      << ", expected " << sum << std::endl;
-            return 1;
-          }
+      if (t == kSteps) break;
+
+      // Push this worker's gradient of step t, computed from what it pulled.
+      const torch::Tensor g = dense_gradient(rank, t, pulled);
+      for (const auto& server : servers) {
+        PushRequest push{rank, t, rank + 1, {dense_slice(route, server->index(), g)}, {}};
+        SparseSlice grads{1, {}, {}};
+        for (int64_t id : rows_of(rank, t)) {
+          if (route.row(id) != server->index()) continue;
+          grads.ids.push_back(id);
+          const torch::Tensor gr = row_gradient(rank, t, id);
+          grads.values.insert(grads.values.end(), gr.data_ptr<float>(), gr.data_ptr<float>() + kDim);
+        }
+        push.sparse.push_back(grads);
+        server->push(push, timeout);
+      }
+
+      // The reference's step: the rows-weighted mean of every worker's gradient, in worker order.
+      double total = 0;
+      for (int r = 0; r < world; ++r) total += r + 1;
+      torch::Tensor mean = torch::zeros({kDense}, torch::kDouble);
+      std::map<int64_t, torch::Tensor> row_mean;
+      for (int r = 0; r < world; ++r) {
+        const double share = (r + 1) / total;
+        mean += share * dense_gradient(r, t, w).to(torch::kDouble);
+        for (int64_t id : rows_of(r, t)) {
+          auto& m = row_mean[id];
+          if (!m.defined()) m = torch::zeros({kDim}, torch::kDouble);
+          m += share * row_gradient(r, t, id).to(torch::kDouble);
         }
       }
+      w.mutable_grad() = mean.to(torch::kFloat);
+      reference.step();
+      for (const auto& [id, m] : row_mean) rows[id] -= 0.25 * m.to(torch::kFloat);
     }
-    std::cout << "ps ok " << servers.size() << " servers" << std::endl;
+    std::cout << "ps ok " << servers.size() << " servers, " << kSteps << " sync steps" << std::endl;
     return 0;
   } catch (const std::exception& e) {
     std::cout << "error: " << e.what() << std::endl;
