@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "error_of.h"
 #include "shoal/core/error.h"
 #include "shoal/data/fashion_mnist.h"
 
@@ -20,14 +21,7 @@ void write_gz(const fs::path& path, const std::vector<unsigned char>& bytes) {
   gzclose(file);
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const shoal::UsageError& e) {
-    return e.what();
-  }
-  return "(no UsageError)";
-}
+using shoal::testing::error_of;
 
 class IdxFiles : public ::testing::Test {
  protected:

@@ -18,6 +18,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "error_of.h"
 #include "harness.h"
 #include "pipeline/split_backward.h"
 #include "shoal/core/error.h"
@@ -660,16 +661,7 @@ TEST(SplitBackward, IdentityAndInputIgnoringStages) {
   expect_close(w.grad(), dy * 3, "input-ignoring weight");
 }
 
-template <typename E>
-std::string error_of(const std::function<void()>& body) {
-  try {
-    body();
-  } catch (const E& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "no error of the expected type";
-  return "";
-}
+using shoal::testing::error_of;
 
 TEST(SplitBackward, BadArgumentsAreNamed) {
   auto w = torch::randn({3, 4}, torch::requires_grad());

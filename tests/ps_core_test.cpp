@@ -16,6 +16,7 @@
 #include <set>
 #include <thread>
 
+#include "error_of.h"
 #include "core/hash.h"
 #include "ps/optimizer.h"
 #include "ps/server_core.h"
@@ -59,17 +60,7 @@ std::vector<float> to_vector(const torch::Tensor& t) {
   return {c.data_ptr<float>(), c.data_ptr<float>() + c.numel()};
 }
 
-// The error of `body`, which must throw E; its message.
-template <typename E>
-std::string error_of(const std::function<void()>& body) {
-  try {
-    body();
-  } catch (const E& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "no exception of the expected type";
-  return "";
-}
+using shoal::testing::error_of;
 
 // ---------------------------------------------------------------------------------------------
 // Sharding

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "error_of.h"
 #include "harness.h"
 #include "shoal/comm/group.h"
 #include "shoal/core/error.h"
@@ -23,14 +24,7 @@ using shoal::data::Sampler;
 using shoal::data::SamplerOptions;
 using Indices = std::vector<size_t>;
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const shoal::UsageError& e) {
-    return e.what();
-  }
-  return "(no UsageError)";
-}
+using shoal::testing::error_of;
 
 std::vector<Sampler> workers(int64_t n, const SamplerOptions& options, int world) {
   std::vector<Sampler> samplers;

@@ -11,6 +11,7 @@
 
 #include <torch/torch.h>
 
+#include "error_of.h"
 #include "shoal/core/error.h"
 #include "shoal/data/synthetic_ctr.h"
 
@@ -34,15 +35,7 @@ void expect_rows_equal(const CtrBatch& a, int64_t row_a, const CtrBatch& b, int6
   EXPECT_EQ(a.probability[row_a].item<float>(), b.probability[row_b].item<float>());
 }
 
-template <typename F>
-std::string error_of(F&& body) {
-  try {
-    body();
-  } catch (const shoal::UsageError& e) {
-    return e.what();
-  }
-  return "(no UsageError)";
-}
+using shoal::testing::error_of;
 
 TEST(SyntheticCtr, ASampleIsAPureFunctionOfSeedAndIndex) {
   const SyntheticCtr one(small()), other(small());
