@@ -10,7 +10,6 @@
 // it is the one-process reference.
 #include <chrono>
 #include <cstdio>
-#include <numeric>
 #include <vector>
 
 #include <torch/torch.h>
@@ -115,7 +114,6 @@ int main(int argc, char** argv) {
   std::vector<size_t> order(samples);
   for (int epoch = 0; epoch < epochs; ++epoch) {
     // A permutation per epoch, the same on every run.
-    std::iota(order.begin(), order.end(), size_t{0});
     const auto perm = torch::randperm(samples, torch::TensorOptions().dtype(torch::kLong));
     const int64_t* p = perm.data_ptr<int64_t>();
     for (int64_t i = 0; i < samples; ++i) order[i] = static_cast<size_t>(p[i]);

@@ -85,10 +85,14 @@ void SyntheticCtr::hidden(int field, int64_t id, double* out) const {
 }
 
 void SyntheticCtr::sample(int64_t index, int64_t* ids, float* dense, float* label,
-                          float* probability) const {
+                          float* probability, std::vector<double> (&scratch)[2]) const {
   const auto& o = options_;
   const uint64_t key = hash_of(o.seed, kSample, index);
-  std::vector<double> w(1 + o.factors), sum(o.factors, 0.0);
+  // w: one id's weight and factors; sum: the factors' sum over the fields.
+  std::vector<double>& w = scratch[0];
+  std::vector<double>& sum = scratch[1];
+  w.resize(1 + o.factors);
+  sum.assign(o.factors, 0.0);
   double logit = o.bias, squares = 0;
   for (int f = 0; f < o.fields; ++f) {
     ids[f] = power_law_id(uniform_of(hash_of(key, kField, f)), o.vocabulary, o.zipf);
@@ -116,6 +120,7 @@ CtrBatch SyntheticCtr::get_batch(c10::ArrayRef<size_t> indices) const {
   const auto rows = static_cast<int64_t>(indices.size());
   CtrBatch batch{at::empty({rows, o.fields}, at::kLong), at::empty({rows, o.dense}, at::kFloat),
                  at::empty({rows}, at::kFloat), at::empty({rows}, at::kFloat)};
+  std::vector<double> scratch[2];
   for (int64_t r = 0; r < rows; ++r) {
     const auto index = static_cast<int64_t>(indices[r]);
     if (index >= o.size) {
@@ -124,7 +129,7 @@ CtrBatch SyntheticCtr::get_batch(c10::ArrayRef<size_t> indices) const {
     }
     sample(index, batch.ids.data_ptr<int64_t>() + r * o.fields,
            batch.dense.data_ptr<float>() + r * o.dense, batch.label.data_ptr<float>() + r,
-           batch.probability.data_ptr<float>() + r);
+           batch.probability.data_ptr<float>() + r, scratch);
   }
   return batch;
 }

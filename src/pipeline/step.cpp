@@ -372,7 +372,7 @@ class StepRun {
   void recv_activation(int stage, int mb) {
     const std::string what = where(stage) + " receiving the activation for micro-batch " +
                              std::to_string(mb) + " from " + where(stage - 1);
-    if (!posted_.count({kShapeHeader, stage - 1, mb})) post_header(stage, mb);
+    if (!posted_.count({kShapeHeader, stage - 1, mb})) post_header(stage - 1, mb);
     Posted& header = posted_.at({kShapeHeader, stage - 1, mb});
     wait(header.work, what + " (its shape)");
     const Shape& shape = check_shape(stage - 1, mb, header.buffer);
@@ -408,28 +408,27 @@ class StepRun {
   // Gloo moves a message only once its receive is posted: the receiver's notice wakes the
   // sender's network thread, which on a core busy with the next micro-batch waits for a time
   // slice (up to 3 ms here, against 0.01 ms when posted ahead; docs/pipeline.md, "Transfers and
-  // shapes"). So each
-  // receive is posted as soon as its size is known: every activation's header at the step's
-  // start, and its payload too once the first step with this batch size learned its shape; an
-  // output's gradient when its activation is sent (its shape is the activation's). A receive's
-  // deadline runs from its post, as a send's does. A header whose shape differs from the learned
-  // one fails both sides before the payload is sent (Note [Shape headers]), so a payload posted
-  // ahead never meets bytes of another size.
+  // shapes"). So each receive is posted as soon as its size is known: every activation's header
+  // at the step's start, and its payload too once the first step with this batch size learned
+  // its shape; an output's gradient when its activation is sent (its shape is the activation's).
+  // A receive's deadline runs from its post, as a send's does. A header whose shape differs from
+  // the learned one fails both sides before the payload is sent (Note [Shape headers]), so a
+  // payload posted ahead never meets bytes of another size.
   void post_receives() {
     for (const Action& a : state_.schedule.actions[state_.me]) {
       if (a.kind != ActionKind::kRecvActivation) continue;
-      post_header(a.stage, a.micro_batch);
+      post_header(a.stage - 1, a.micro_batch);
       const auto known = state_.learned.find({rows_, a.stage - 1, a.micro_batch});
       if (known != state_.learned.end()) post(kActivation, a.stage - 1, a.micro_batch, known->second);
     }
   }
 
-  // The header of the activation `stage` receives for micro-batch `mb`.
+  // The header of the activation `stage` sends the next stage for micro-batch `mb`.
   void post_header(int stage, int mb) {
-    Posted& header = posted_[{kShapeHeader, stage - 1, mb}];
+    Posted& header = posted_[{kShapeHeader, stage, mb}];
     header.buffer = torch::empty({kHeaderLength}, torch::kInt64);
-    header.work = group_.recv_async(header.buffer, state_.rank_of(stage - 1),
-                                    state_.p2p(kShapeHeader, stage - 1, mb));
+    header.work =
+        group_.recv_async(header.buffer, state_.rank_of(stage), state_.p2p(kShapeHeader, stage, mb));
   }
 
   // The activation crossing from `stage` to the next (kActivation), or its gradient coming back

@@ -61,7 +61,9 @@ class SyntheticCtr {
  private:
   // The hidden weight w(field, id) and factors v(field, id) of one id, into out[0..factors].
   void hidden(int field, int64_t id, double* out) const;
-  void sample(int64_t index, int64_t* ids, float* dense, float* label, float* probability) const;
+  // One sample into the batch's rows; `scratch` is reused from sample to sample.
+  void sample(int64_t index, int64_t* ids, float* dense, float* label, float* probability,
+              std::vector<double> (&scratch)[2]) const;
 
   SyntheticCtrOptions options_;
   std::vector<double> dense_weights_;
