@@ -1,6 +1,8 @@
 #include "rpc.h"
 
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/impl/client_unary_call.h>
+#include <grpcpp/impl/codegen/proto_utils.h>
 #include <grpcpp/impl/rpc_service_method.h>
 #include <grpcpp/support/method_handler.h>
 #include <grpcpp/support/proto_buffer_reader.h>
@@ -8,7 +10,6 @@
 #include <algorithm>
 #include <chrono>
 
-#include "ps.grpc.pb.h"
 #include "wire.h"
 
 namespace shoal::ps::detail {
@@ -22,6 +23,10 @@ using SteadyClock = std::chrono::steady_clock;
 // below what a hostile peer could make the server allocate in one message.
 constexpr int kMaxMessageBytes = 1 << 30;
 constexpr const char* kService = "/shoal.ps.wire.ParameterServer/";
+constexpr const char* kRegisterMethod = "/shoal.ps.wire.ParameterServer/Register";
+constexpr const char* kPullMethod = "/shoal.ps.wire.ParameterServer/Pull";
+constexpr const char* kPushMethod = "/shoal.ps.wire.ParameterServer/Push";
+constexpr const char* kPingMethod = "/shoal.ps.wire.ParameterServer/Ping";
 
 std::string one_line(std::string text) {
   std::replace(text.begin(), text.end(), '\n', ' ');
@@ -108,32 +113,68 @@ class Service : public grpc::Service {
 
   grpc::Status register_tables(grpc::ServerContext* context, const grpc::ByteBuffer* in,
                                grpc::ByteBuffer* out) {
-    return serve<pb::RegisterRequest, pb::RegisterReply>(
-        "Register", context, in, out, [&](const pb::RegisterRequest& request, pb::RegisterReply&) {
-          handler_.register_tables(wire_format::from_wire(request), deadline_of(*context));
-        });
+    return serve("Register", context, [&] {
+      const auto request = parse_message<pb::RegisterRequest>("Register", *in);
+      handler_.register_tables(wire_format::from_wire(request), deadline_of(*context));
+      return serialize(pb::RegisterReply(), out);
+    });
   }
   grpc::Status pull(grpc::ServerContext* context, const grpc::ByteBuffer* in,
                     grpc::ByteBuffer* out) {
-    return serve<pb::PullRequest, pb::PullReply>(
-        "Pull", context, in, out, [&](const pb::PullRequest& request, pb::PullReply& reply) {
-          wire_format::to_wire(
-              handler_.pull(wire_format::from_wire(request), deadline_of(*context)), reply);
-        });
+    return serve("Pull", context, [&] {
+      const auto request = parse<PullRequest>("Pull", "PullRequest", *in);
+      *out = wire_format::encode(handler_.pull(request, deadline_of(*context)));
+      return grpc::Status::OK;
+    });
   }
   grpc::Status push(grpc::ServerContext* context, const grpc::ByteBuffer* in,
                     grpc::ByteBuffer* out) {
-    return serve<pb::PushRequest, pb::PushReply>(
-        "Push", context, in, out, [&](const pb::PushRequest& request, pb::PushReply& reply) {
-          wire_format::to_wire(
-              handler_.push(wire_format::from_wire(request), deadline_of(*context)), reply);
-        });
+    return serve("Push", context, [&] {
+      const auto request = parse<PushRequest>("Push", "PushRequest", *in);
+      *out = wire_format::encode(handler_.push(request, deadline_of(*context)));
+      return grpc::Status::OK;
+    });
   }
   grpc::Status ping(grpc::ServerContext* context, const grpc::ByteBuffer* in,
                     grpc::ByteBuffer* out) {
-    return serve<pb::PingRequest, pb::PingReply>(
-        "Ping", context, in, out,
-        [&](const pb::PingRequest&, pb::PingReply& reply) { reply.set_server(index_); });
+    return serve("Ping", context, [&] {
+      parse_message<pb::PingRequest>("Ping", *in);
+      pb::PingReply reply;
+      reply.set_server(index_);
+      return serialize(reply, out);
+    });
+  }
+
+  // A request that does not parse: INVALID_ARGUMENT with this text, before the handler sees it.
+  struct Malformed {
+    std::string message;
+  };
+  static Malformed malformed(const char* name, const char* type, const grpc::ByteBuffer& in) {
+    return {"malformed " + std::string(name) + " request (" + std::to_string(in.Length()) +
+            " bytes): not a " + type + " message (truncated or corrupt)"};
+  }
+  // Pulls and pushes: read straight into the structs (Note [Values without copies], wire.h).
+  template <typename Request>
+  static Request parse(const char* name, const char* type, const grpc::ByteBuffer& in) {
+    Request request;
+    if (!wire_format::decode(in, request)) throw malformed(name, type, in);
+    return request;
+  }
+  // Registrations and pings: through the generated classes.
+  template <typename Message>
+  static Message parse_message(const char* name, const grpc::ByteBuffer& in) {
+    Message message;
+    grpc::ByteBuffer bytes(in);
+    grpc::ProtoBufferReader reader(&bytes);
+    if (!message.ParseFromZeroCopyStream(&reader)) {
+      throw malformed(name, Message::descriptor()->name().c_str(), in);
+    }
+    return message;
+  }
+  template <typename Message>
+  static grpc::Status serialize(const Message& message, grpc::ByteBuffer* out) {
+    bool own = false;
+    return grpc::SerializationTraits<Message>::Serialize(message, out, &own);
   }
 
   static Deadline deadline_of(const grpc::ServerContext& context) {
@@ -143,9 +184,8 @@ class Service : public grpc::Service {
         std::clamp<SystemClock::duration>(left, SystemClock::duration::zero(), day)));
   }
 
-  template <typename Request, typename Reply, typename Body>
-  grpc::Status serve(const char* name, grpc::ServerContext* context, const grpc::ByteBuffer* in,
-                     grpc::ByteBuffer* out, Body&& body) {
+  template <typename Body>
+  grpc::Status serve(const char* name, grpc::ServerContext* context, Body&& body) {
     const auto& metadata = context->client_metadata();
     const auto token = metadata.find(kTokenMetadata);
     if (token == metadata.end()) {
@@ -157,19 +197,10 @@ class Service : public grpc::Service {
       return {grpc::StatusCode::UNAUTHENTICATED,
               std::string(name) + " carries a token that is not this job's"};
     }
-    Request request;
-    grpc::ByteBuffer bytes(*in);
-    const size_t length = bytes.Length();
-    grpc::ProtoBufferReader reader(&bytes);
-    if (!request.ParseFromZeroCopyStream(&reader)) {
-      return {grpc::StatusCode::INVALID_ARGUMENT, "malformed " + std::string(name) + " request (" +
-                                                      std::to_string(length) + " bytes): not a " +
-                                                      Request::descriptor()->name() +
-                                                      " message (truncated or corrupt)"};
-    }
-    Reply reply;
     try {
-      body(request, reply);
+      return body();
+    } catch (const Malformed& e) {
+      return {grpc::StatusCode::INVALID_ARGUMENT, e.message};
     } catch (const NotFoundError& e) {
       return {grpc::StatusCode::NOT_FOUND, one_line(name + std::string(": ") + e.what())};
     } catch (const UsageError& e) {
@@ -181,8 +212,6 @@ class Service : public grpc::Service {
     } catch (const std::exception& e) {
       return {grpc::StatusCode::INTERNAL, one_line(name + std::string(" failed: ") + e.what())};
     }
-    bool own = false;
-    return grpc::SerializationTraits<Reply>::Serialize(reply, out, &own);
   }
 
   Handler& handler_;
@@ -240,21 +269,31 @@ struct RpcClient::State {
   std::string address;
   std::string token;
   std::shared_ptr<grpc::Channel> channel;
-  std::unique_ptr<pb::ParameterServer::Stub> stub;
+  // The service's methods, registered with the channel once, as a generated stub does; calls
+  // send and receive raw bytes (Note [Values without copies], wire.h).
+  struct Methods {
+    explicit Methods(const std::shared_ptr<grpc::Channel>& channel)
+        : register_tables(kRegisterMethod, grpc::internal::RpcMethod::NORMAL_RPC, channel),
+          pull(kPullMethod, grpc::internal::RpcMethod::NORMAL_RPC, channel),
+          push(kPushMethod, grpc::internal::RpcMethod::NORMAL_RPC, channel),
+          ping(kPingMethod, grpc::internal::RpcMethod::NORMAL_RPC, channel) {}
+    grpc::internal::RpcMethod register_tables, pull, push, ping;
+  };
+  std::unique_ptr<Methods> methods;
 
   std::string server() const {
     return "parameter server " + std::to_string(index) + " (" + address + ")";
   }
 
-  template <typename Request, typename Reply>
-  void call(const char* name, Duration timeout, const Request& request, Reply& reply,
-            grpc::Status (pb::ParameterServer::Stub::*method)(grpc::ClientContext*, const Request&,
-                                                              Reply*)) {
+  void call(const char* name, const grpc::internal::RpcMethod& method, Duration timeout,
+            const grpc::ByteBuffer& request, grpc::ByteBuffer& reply) {
     grpc::ClientContext context;
     const auto start = SteadyClock::now();
     context.set_deadline(SystemClock::now() + std::max(timeout, Duration(0)));
     context.AddMetadata(kTokenMetadata, token);
-    const grpc::Status status = (stub.get()->*method)(&context, request, &reply);
+    const grpc::Status status =
+        grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
+            channel.get(), method, &context, request, &reply);
     if (status.ok()) return;
     const auto waited = std::chrono::duration_cast<Duration>(SteadyClock::now() - start);
     const std::string said = one_line(status.error_message());
@@ -278,12 +317,19 @@ struct RpcClient::State {
 
   // A reply that does not convert is the server's fault, not the caller's.
   template <typename Reply>
-  auto convert(const char* name, const Reply& reply) {
+  Reply convert(const char* name, const char* type, const grpc::ByteBuffer& bytes) {
+    Reply reply;
+    bool read = false;
     try {
-      return wire_format::from_wire(reply);
+      read = wire_format::decode(bytes, reply);
     } catch (const UsageError& e) {
       throw CommError(server() + " answered " + name + " with a malformed reply: " + e.what());
     }
+    if (!read) {
+      throw CommError(server() + " answered " + name + " with a malformed reply: not a " + type +
+                      " message (" + std::to_string(bytes.Length()) + " bytes)");
+    }
+    return reply;
   }
 };
 
@@ -302,7 +348,7 @@ RpcClient::RpcClient(int index, const std::string& address, const std::string& t
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   state_->channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
-  state_->stub = pb::ParameterServer::NewStub(state_->channel);
+  state_->methods = std::make_unique<State::Methods>(state_->channel);
 }
 
 RpcClient::~RpcClient() = default;
@@ -315,32 +361,37 @@ const std::string& RpcClient::address() const {
 }
 
 void RpcClient::register_tables(const RegisterRequest& request, Duration timeout) {
-  pb::RegisterRequest wire_request;
-  wire_format::to_wire(request, wire_request);
-  pb::RegisterReply reply;
-  state_->call("Register", timeout, wire_request, reply, &pb::ParameterServer::Stub::Register);
+  pb::RegisterRequest message;
+  wire_format::to_wire(request, message);
+  grpc::ByteBuffer bytes, reply;
+  bool own = false;
+  grpc::SerializationTraits<pb::RegisterRequest>::Serialize(message, &bytes, &own);
+  state_->call("Register", state_->methods->register_tables, timeout, bytes, reply);
 }
 
 PullReply RpcClient::pull(const PullRequest& request, Duration timeout) {
-  pb::PullRequest wire_request;
-  wire_format::to_wire(request, wire_request);
-  pb::PullReply reply;
-  state_->call("Pull", timeout, wire_request, reply, &pb::ParameterServer::Stub::Pull);
-  return state_->convert("Pull", reply);
+  grpc::ByteBuffer reply;
+  state_->call("Pull", state_->methods->pull, timeout, wire_format::encode(request), reply);
+  return state_->convert<PullReply>("Pull", "PullReply", reply);
 }
 
 PushReply RpcClient::push(const PushRequest& request, Duration timeout) {
-  pb::PushRequest wire_request;
-  wire_format::to_wire(request, wire_request);
-  pb::PushReply reply;
-  state_->call("Push", timeout, wire_request, reply, &pb::ParameterServer::Stub::Push);
-  return state_->convert("Push", reply);
+  grpc::ByteBuffer reply;
+  state_->call("Push", state_->methods->push, timeout, wire_format::encode(request), reply);
+  return state_->convert<PushReply>("Push", "PushReply", reply);
 }
 
 int RpcClient::ping(Duration timeout) {
-  pb::PingReply reply;
-  state_->call("Ping", timeout, pb::PingRequest(), reply, &pb::ParameterServer::Stub::Ping);
-  return reply.server();
+  grpc::ByteBuffer bytes, reply;
+  bool own = false;
+  grpc::SerializationTraits<pb::PingRequest>::Serialize(pb::PingRequest(), &bytes, &own);
+  state_->call("Ping", state_->methods->ping, timeout, bytes, reply);
+  pb::PingReply message;
+  if (!grpc::SerializationTraits<pb::PingReply>::Deserialize(&reply, &message).ok()) {
+    throw CommError(state_->server() + " answered Ping with a malformed reply (" +
+                    std::to_string(reply.Length()) + " bytes)");
+  }
+  return message.server();
 }
 
 }  // namespace shoal::ps::detail

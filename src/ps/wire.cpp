@@ -1,6 +1,14 @@
 #include "wire.h"
 
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/wire_format_lite.h>
+#include <grpc/slice.h>
+#include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/proto_buffer_reader.h>
+
 #include <cstring>
+#include <iterator>
+#include <memory>
 #include <string>
 
 #include "shoal/core/error.h"
@@ -13,22 +21,13 @@ static_assert(sizeof(float) == 4, "float32 values travel as 4 bytes");
 #error "values travel as little-endian float32; this build copies them as the host stores them"
 #endif
 
-std::string to_bytes(const std::vector<float>& values) {
-  return std::string(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(float));
-}
+using google::protobuf::io::CodedInputStream;
+using WireFormat = google::protobuf::internal::WireFormatLite;
 
-std::vector<float> from_bytes(const std::string& bytes, const std::string& where) {
-  if (bytes.size() % sizeof(float) != 0) {
-    throw UsageError(where + ".values has " + std::to_string(bytes.size()) +
-                     " bytes; expected a multiple of 4 (little-endian float32)");
-  }
-  std::vector<float> values(bytes.size() / sizeof(float));
-  if (!values.empty()) std::memcpy(values.data(), bytes.data(), bytes.size());
-  return values;
-}
+// ---- checks, shared by the generated classes' path (Register) and the hand-written one ----
 
-template <typename Repeated>
-std::vector<int64_t> all_non_negative(const Repeated& in, const std::string& where) {
+template <typename Values>
+std::vector<int64_t> all_non_negative(const Values& in, const std::string& where) {
   std::vector<int64_t> out(in.begin(), in.end());
   for (size_t i = 0; i < out.size(); ++i) {
     if (out[i] < 0) {
@@ -46,69 +45,431 @@ int64_t non_negative(int64_t value, const std::string& where) {
   return value;
 }
 
-void dense_to_wire(const DenseSlice& in, pb::DenseSlice& out) {
-  out.set_table(in.table);
-  out.mutable_chunks()->Add(in.chunks.begin(), in.chunks.end());
-  out.set_values(to_bytes(in.values));
-}
-
-void sparse_to_wire(const SparseSlice& in, pb::SparseSlice& out) {
-  out.set_table(in.table);
-  out.mutable_ids()->Add(in.ids.begin(), in.ids.end());
-  out.set_values(to_bytes(in.values));
+// `odd_bytes`: the length of a values field that was not a whole number of float32 (then not
+// read), or -1.
+void check_values_bytes(int64_t odd_bytes, const std::string& where) {
+  if (odd_bytes >= 0) {
+    throw UsageError(where + ".values has " + std::to_string(odd_bytes) +
+                     " bytes; expected a multiple of 4 (little-endian float32)");
+  }
 }
 
 // `values`: whether the slices carry values (pushes, pull replies) or must not (pull requests).
-DenseSlice dense_from_wire(const pb::DenseSlice& in, const std::string& where, bool values) {
-  DenseSlice out;
-  out.table = static_cast<int32_t>(non_negative(in.table(), where + ".table"));
-  out.chunks = all_non_negative(in.chunks(), where + ".chunks");
-  out.values = from_bytes(in.values(), where);
-  if (!values && !out.values.empty()) {
-    throw UsageError(where + " carries " + std::to_string(out.values.size()) +
+void check_dense(const DenseSlice& slice, int64_t odd_bytes, const std::string& where,
+                 bool values) {
+  non_negative(slice.table, where + ".table");
+  all_non_negative(slice.chunks, where + ".chunks");
+  check_values_bytes(odd_bytes, where);
+  if (!values && !slice.values.empty()) {
+    throw UsageError(where + " carries " + std::to_string(slice.values.size()) +
                      " values; a pull request names chunks only");
   }
-  if (values && !out.chunks.empty() && out.values.empty()) {
-    throw UsageError(where + " names " + std::to_string(out.chunks.size()) +
+  if (values && !slice.chunks.empty() && slice.values.empty()) {
+    throw UsageError(where + " names " + std::to_string(slice.chunks.size()) +
                      " chunks but carries no values");
   }
-  return out;
 }
 
-SparseSlice sparse_from_wire(const pb::SparseSlice& in, const std::string& where, bool values) {
-  SparseSlice out;
-  out.table = static_cast<int32_t>(non_negative(in.table(), where + ".table"));
-  out.ids.assign(in.ids().begin(), in.ids().end());
-  out.values = from_bytes(in.values(), where);
-  if (!values && !out.values.empty()) {
-    throw UsageError(where + " carries " + std::to_string(out.values.size()) +
+void check_sparse(const SparseSlice& slice, int64_t odd_bytes, const std::string& where,
+                  bool values) {
+  non_negative(slice.table, where + ".table");
+  check_values_bytes(odd_bytes, where);
+  if (!values && !slice.values.empty()) {
+    throw UsageError(where + " carries " + std::to_string(slice.values.size()) +
                      " values; a pull request names rows only");
   }
-  if (values && (out.ids.empty() ? !out.values.empty()
-                                 : out.values.empty() || out.values.size() % out.ids.size() != 0)) {
-    throw UsageError(where + " carries " + std::to_string(out.values.size()) + " values for " +
-                     std::to_string(out.ids.size()) +
+  const size_t rows = slice.ids.size(), count = slice.values.size();
+  if (values && (rows == 0 ? count != 0 : count == 0 || count % rows != 0)) {
+    throw UsageError(where + " carries " + std::to_string(count) + " values for " +
+                     std::to_string(rows) +
                      " rows; expected a whole number of rows of at least one value");
   }
+}
+
+// ---- writing ----
+
+size_t varint_size(uint64_t value) {
+  size_t size = 1;
+  for (; value >= 0x80; value >>= 7) ++size;
+  return size;
+}
+// int32 and int64 fields are written as protobuf does: negative numbers sign-extended to 64 bits.
+uint64_t as_varint(int64_t value) {
+  return static_cast<uint64_t>(value);
+}
+size_t packed_size(const std::vector<int64_t>& values) {
+  size_t size = 0;
+  for (int64_t value : values) size += varint_size(as_varint(value));
+  return size;
+}
+// A field's size with its tag (all field numbers here are below 16: one byte of tag).
+size_t varint_field_size(int64_t value) {
+  return value == 0 ? 0 : 1 + varint_size(as_varint(value));
+}
+size_t length_field_size(size_t length, bool always = false) {
+  return length == 0 && !always ? 0 : 1 + varint_size(length) + length;
+}
+size_t values_bytes(const std::vector<float>& values) {
+  return values.size() * sizeof(float);
+}
+
+// A slice (dense: chunks, sparse: ids) without its own tag and length.
+size_t slice_size(int32_t table, const std::vector<int64_t>& indices,
+                  const std::vector<float>& values) {
+  return varint_field_size(table) + length_field_size(packed_size(indices)) +
+         length_field_size(values_bytes(values));
+}
+
+// Values at most this long are copied beside the fields around them rather than lent to gRPC
+// as a slice of their own, whose bookkeeping costs more than the copy.
+constexpr size_t kLendAtLeast = 8 << 10;
+
+// Writes a message either into one slice of the size computed beforehand (values copied), or as
+// a list of slices in which values of at least kLendAtLeast bytes are lent from `owner`'s vectors.
+class Writer {
+ public:
+  explicit Writer(size_t size) : slice_(grpc_slice_malloc(size)) {
+    at_ = GRPC_SLICE_START_PTR(slice_);
+    end_ = at_ + size;
+  }
+  explicit Writer(std::shared_ptr<const void> owner) : owner_(std::move(owner)) {}
+  ~Writer() {
+    if (!owner_) grpc_slice_unref(slice_);
+  }
+  Writer(const Writer&) = delete;
+  Writer& operator=(const Writer&) = delete;
+
+  void varint(uint64_t value) {
+    uint8_t bytes[10];
+    size_t n = 0;
+    for (; value >= 0x80; value >>= 7) bytes[n++] = static_cast<uint8_t>(value | 0x80);
+    bytes[n++] = static_cast<uint8_t>(value);
+    raw(bytes, n);
+  }
+  void tag(int field, WireFormat::WireType type) { varint(WireFormat::MakeTag(field, type)); }
+  void varint_field(int field, int64_t value) {
+    if (value == 0) return;
+    tag(field, WireFormat::WIRETYPE_VARINT);
+    varint(as_varint(value));
+  }
+  void length(int field, size_t length) {
+    tag(field, WireFormat::WIRETYPE_LENGTH_DELIMITED);
+    varint(length);
+  }
+  void packed(int field, const std::vector<int64_t>& values) {
+    if (values.empty()) return;
+    length(field, packed_size(values));
+    for (int64_t value : values) varint(as_varint(value));
+  }
+  void values(int field, const std::vector<float>& values) {
+    if (values.empty()) return;
+    const size_t bytes = values_bytes(values);
+    length(field, bytes);
+    if (!owner_ || bytes < kLendAtLeast) {
+      raw(values.data(), bytes);
+      return;
+    }
+    flush();
+    // Each lent slice holds a reference to the owner, dropped when gRPC frees the slice.
+    auto* keep = new std::shared_ptr<const void>(owner_);
+    lent_.emplace_back(
+        const_cast<float*>(values.data()), bytes,
+        [](void* p) { delete static_cast<std::shared_ptr<const void>*>(p); }, keep);
+  }
+  void slice(int field, int32_t table, const std::vector<int64_t>& indices,
+             const std::vector<float>& values) {
+    length(field, slice_size(table, indices, values));
+    varint_field(1, table);
+    packed(2, indices);
+    this->values(3, values);
+  }
+
+  grpc::ByteBuffer finish() {
+    if (!owner_) {
+      SHOAL_CHECK(at_ == end_) << "a message was written " << (end_ - at_)
+                               << " bytes short of its computed size";
+      grpc::Slice whole(slice_, grpc::Slice::ADD_REF);
+      return grpc::ByteBuffer(&whole, 1);
+    }
+    flush();
+    return grpc::ByteBuffer(lent_.data(), lent_.size());
+  }
+
+ private:
+  void raw(const void* data, size_t size) {
+    if (owner_) {
+      head_.append(static_cast<const char*>(data), size);
+      return;
+    }
+    SHOAL_CHECK(size <= static_cast<size_t>(end_ - at_))
+        << "a message outgrew its computed size by " << size - (end_ - at_) << " bytes";
+    std::memcpy(at_, data, size);
+    at_ += size;
+  }
+  void flush() {
+    if (head_.empty()) return;
+    lent_.emplace_back(head_);
+    head_.clear();
+  }
+
+  // Copying: the one slice, and where the next byte goes.
+  grpc_slice slice_ = grpc_empty_slice();
+  uint8_t* at_ = nullptr;
+  uint8_t* end_ = nullptr;
+  // Lending: the slices so far, and the bytes written since the last lent values.
+  std::shared_ptr<const void> owner_;
+  std::vector<grpc::Slice> lent_;
+  std::string head_;
+};
+
+template <typename Slices>
+size_t slices_size(const Slices& slices) {
+  size_t size = 0;
+  for (const auto& s : slices) {
+    const auto& indices = [&]() -> const std::vector<int64_t>& {
+      if constexpr (std::is_same_v<typename Slices::value_type, DenseSlice>)
+        return s.chunks;
+      else
+        return s.ids;
+    }();
+    size += length_field_size(slice_size(s.table, indices, s.values), /*always=*/true);
+  }
+  return size;
+}
+
+// ---- reading ----
+
+// Reads a message from a ByteBuffer's slices. `left()` bounds every length a message claims by
+// what is really there, so a hostile length cannot make the reader reserve memory.
+class Reader {
+ public:
+  explicit Reader(const grpc::ByteBuffer& in)
+      : buffer_(in), stream_(&buffer_), in_(&stream_), size_(static_cast<int64_t>(in.Length())) {}
+
+  CodedInputStream& in() { return in_; }
+  int64_t left() const {
+    const int64_t to_end = size_ - in_.CurrentPosition();
+    const int limit = in_.BytesUntilLimit();
+    return limit >= 0 ? std::min<int64_t>(to_end, limit) : to_end;
+  }
+  bool length(uint32_t& out) {
+    return in_.ReadVarint32(&out) && static_cast<int64_t>(out) <= left();
+  }
+  bool varint(uint64_t& out) { return in_.ReadVarint64(&out); }
+  template <typename Int>
+  bool varint(Int& out) {
+    uint64_t value = 0;
+    if (!in_.ReadVarint64(&value)) return false;
+    out = static_cast<Int>(static_cast<int64_t>(value));  // protobuf's int32: truncated
+    return true;
+  }
+
+  // A repeated int64 field, one value (wire type 0) or packed (wire type 2).
+  bool int64s(WireFormat::WireType type, std::vector<int64_t>& out) {
+    if (type == WireFormat::WIRETYPE_VARINT) {
+      int64_t value = 0;
+      if (!varint(value)) return false;
+      out.push_back(value);
+      return true;
+    }
+    uint32_t size = 0;
+    if (!length(size)) return false;
+    const auto limit = in_.PushLimit(static_cast<int>(size));
+    while (in_.BytesUntilLimit() > 0) {
+      int64_t value = 0;
+      if (!varint(value)) return false;
+      out.push_back(value);
+    }
+    in_.PopLimit(limit);
+    return true;
+  }
+
+  // A `bytes` field of float32 values, read straight from the slices into `out`.
+  bool values(std::vector<float>& out, int64_t& odd_bytes) {
+    uint32_t size = 0;
+    if (!length(size)) return false;
+    out.clear();
+    odd_bytes = -1;
+    if (size % sizeof(float) != 0) {
+      odd_bytes = size;
+      return in_.Skip(static_cast<int>(size));
+    }
+    out.reserve(size / sizeof(float));
+    uint8_t carry[sizeof(float)];
+    size_t carried = 0;  // bytes of a value split across two slices
+    for (uint32_t left = size; left > 0;) {
+      const void* data = nullptr;
+      int available = 0;
+      if (!in_.GetDirectBufferPointer(&data, &available)) return false;
+      const size_t n = std::min<size_t>(left, static_cast<size_t>(available));
+      const uint8_t* at = static_cast<const uint8_t*>(data);
+      const uint8_t* const end = at + n;
+      if (carried > 0) {
+        const size_t take = std::min<size_t>(sizeof(float) - carried, n);
+        std::memcpy(carry + carried, at, take);
+        carried += take;
+        at += take;
+        if (carried == sizeof(float)) {
+          out.push_back(float_at(carry));
+          carried = 0;
+        }
+      }
+      const size_t whole = static_cast<size_t>(end - at) / sizeof(float);
+      out.insert(out.end(), Floats{at}, Floats{at + whole * sizeof(float)});
+      at += whole * sizeof(float);
+      std::memcpy(carry + carried, at, static_cast<size_t>(end - at));
+      carried += static_cast<size_t>(end - at);
+      in_.Skip(static_cast<int>(n));
+      left -= static_cast<uint32_t>(n);
+    }
+    return true;
+  }
+
+  // Calls `field(number, type)` for each field of the message (or of the submessage under the
+  // current limit); `field` returns false for a malformed one, or skips what it does not know.
+  template <typename Field>
+  bool fields(Field&& field) {
+    for (;;) {
+      const uint32_t tag = in_.ReadTag();
+      if (tag == 0) return in_.ConsumedEntireMessage();
+      if (WireFormat::GetTagFieldNumber(tag) == 0) return false;
+      if (!field(WireFormat::GetTagFieldNumber(tag), WireFormat::GetTagWireType(tag), tag)) {
+        return false;
+      }
+    }
+  }
+  bool skip(uint32_t tag) { return WireFormat::SkipField(&in_, tag); }
+
+  template <typename Body>
+  bool submessage(Body&& body) {
+    uint32_t size = 0;
+    if (!length(size)) return false;
+    const auto limit = in_.PushLimit(static_cast<int>(size));
+    if (!body()) return false;
+    in_.PopLimit(limit);
+    return true;
+  }
+
+ private:
+  // Unaligned float32 values in place, as an iterator: the vector's insert reserves once and
+  // copies each value once.
+  struct Floats {
+    using iterator_category = std::random_access_iterator_tag;
+    using value_type = float;
+    using difference_type = std::ptrdiff_t;
+    using pointer = const float*;
+    using reference = float;
+    const uint8_t* at;
+    float operator*() const { return float_at(at); }
+    Floats& operator++() {
+      at += sizeof(float);
+      return *this;
+    }
+    Floats operator++(int) {
+      Floats old = *this;
+      at += sizeof(float);
+      return old;
+    }
+    Floats& operator--() {
+      at -= sizeof(float);
+      return *this;
+    }
+    Floats operator+(difference_type n) const {
+      Floats moved = *this;
+      return moved += n;
+    }
+    float operator[](difference_type n) const { return *(*this + n); }
+    bool operator<(const Floats& other) const { return at < other.at; }
+    Floats& operator+=(difference_type n) {
+      at += n * static_cast<difference_type>(sizeof(float));
+      return *this;
+    }
+    difference_type operator-(const Floats& other) const {
+      return (at - other.at) / static_cast<difference_type>(sizeof(float));
+    }
+    bool operator==(const Floats& other) const { return at == other.at; }
+    bool operator!=(const Floats& other) const { return at != other.at; }
+  };
+  static float float_at(const uint8_t* at) {
+    float value;
+    std::memcpy(&value, at, sizeof(value));
+    return value;
+  }
+
+  grpc::ByteBuffer
+      buffer_;  // a reference to the caller's slices; ProtoBufferReader needs it mutable
+  grpc::ProtoBufferReader stream_;
+  CodedInputStream in_;
+  const int64_t size_;
+};
+
+using WireType = WireFormat::WireType;
+constexpr WireType kVarint = WireFormat::WIRETYPE_VARINT;
+constexpr WireType kLength = WireFormat::WIRETYPE_LENGTH_DELIMITED;
+
+// One DenseSlice or SparseSlice submessage; `indices` is its chunks or ids.
+bool read_slice(Reader& r, int32_t& table, std::vector<int64_t>& indices,
+                std::vector<float>& values, int64_t& odd_bytes) {
+  return r.submessage([&] {
+    return r.fields([&](int number, WireType type, uint32_t tag) {
+      if (number == 1 && type == kVarint) return r.varint(table);
+      if (number == 2 && (type == kVarint || type == kLength)) return r.int64s(type, indices);
+      if (number == 3 && type == kLength) return r.values(values, odd_bytes);
+      return r.skip(tag);
+    });
+  });
+}
+
+// The repeated slices of a pull or push (fields `dense` and `sparse`), checked once read.
+struct Slices {
+  std::vector<DenseSlice>& dense;
+  std::vector<SparseSlice>& sparse;
+  std::vector<int64_t> dense_odd, sparse_odd;
+
+  bool read_dense(Reader& r) {
+    DenseSlice& s = dense.emplace_back();
+    return read_slice(r, s.table, s.chunks, s.values, dense_odd.emplace_back(-1));
+  }
+  bool read_sparse(Reader& r) {
+    SparseSlice& s = sparse.emplace_back();
+    return read_slice(r, s.table, s.ids, s.values, sparse_odd.emplace_back(-1));
+  }
+  void check(bool values) const {
+    for (size_t i = 0; i < dense.size(); ++i) {
+      check_dense(dense[i], dense_odd[i], "dense[" + std::to_string(i) + "]", values);
+    }
+    for (size_t i = 0; i < sparse.size(); ++i) {
+      check_sparse(sparse[i], sparse_odd[i], "sparse[" + std::to_string(i) + "]", values);
+    }
+  }
+};
+
+template <typename Message>
+void write_slices(Writer& w, int dense_field, int sparse_field, const Message& in) {
+  for (const DenseSlice& s : in.dense) w.slice(dense_field, s.table, s.chunks, s.values);
+  for (const SparseSlice& s : in.sparse) w.slice(sparse_field, s.table, s.ids, s.values);
+}
+
+// Registrations' initial values, through the generated classes.
+void dense_to_pb(const DenseSlice& in, pb::DenseSlice& out) {
+  out.set_table(in.table);
+  out.mutable_chunks()->Add(in.chunks.begin(), in.chunks.end());
+  out.set_values(in.values.data(), values_bytes(in.values));
+}
+DenseSlice dense_from_pb(const pb::DenseSlice& in, const std::string& where) {
+  DenseSlice out;
+  out.table = in.table();
+  out.chunks.assign(in.chunks().begin(), in.chunks().end());
+  const std::string& bytes = in.values();
+  int64_t odd_bytes = -1;
+  if (bytes.size() % sizeof(float) != 0) {
+    odd_bytes = static_cast<int64_t>(bytes.size());
+  } else if (!bytes.empty()) {
+    out.values.resize(bytes.size() / sizeof(float));
+    std::memcpy(out.values.data(), bytes.data(), bytes.size());
+  }
+  check_dense(out, odd_bytes, where, /*values=*/true);
   return out;
-}
-
-template <typename In>
-void slices_from_wire(const In& in, std::vector<DenseSlice>& dense,
-                      std::vector<SparseSlice>& sparse, bool values) {
-  for (int i = 0; i < in.dense_size(); ++i) {
-    dense.push_back(dense_from_wire(in.dense(i), "dense[" + std::to_string(i) + "]", values));
-  }
-  for (int i = 0; i < in.sparse_size(); ++i) {
-    sparse.push_back(sparse_from_wire(in.sparse(i), "sparse[" + std::to_string(i) + "]", values));
-  }
-}
-
-template <typename Out>
-void slices_to_wire(const std::vector<DenseSlice>& dense, const std::vector<SparseSlice>& sparse,
-                    Out& out) {
-  for (const DenseSlice& slice : dense) dense_to_wire(slice, *out.add_dense());
-  for (const SparseSlice& slice : sparse) sparse_to_wire(slice, *out.add_sparse());
 }
 
 }  // namespace
@@ -139,7 +500,7 @@ void to_wire(const RegisterRequest& in, pb::RegisterRequest& out) {
     init.set_b(spec.init.b);
     t.set_seed(spec.seed);
   }
-  for (const DenseSlice& slice : in.initial) dense_to_wire(slice, *out.add_initial());
+  for (const DenseSlice& slice : in.initial) dense_to_pb(slice, *out.add_initial());
 }
 
 RegisterRequest from_wire(const pb::RegisterRequest& in) {
@@ -181,66 +542,111 @@ RegisterRequest from_wire(const pb::RegisterRequest& in) {
     out.tables.push_back(std::move(spec));
   }
   for (int i = 0; i < in.initial_size(); ++i) {
-    out.initial.push_back(
-        dense_from_wire(in.initial(i), "initial[" + std::to_string(i) + "]", /*values=*/true));
+    out.initial.push_back(dense_from_pb(in.initial(i), "initial[" + std::to_string(i) + "]"));
   }
   return out;
 }
 
-void to_wire(const PullRequest& in, pb::PullRequest& out) {
-  out.set_worker(in.worker);
-  out.set_clock(in.clock);
-  slices_to_wire(in.dense, in.sparse, out);
+grpc::ByteBuffer encode(const PullRequest& in) {
+  Writer w(varint_field_size(in.worker) + varint_field_size(in.clock) + slices_size(in.dense) +
+           slices_size(in.sparse));
+  w.varint_field(1, in.worker);
+  w.varint_field(2, in.clock);
+  write_slices(w, 3, 4, in);
+  return w.finish();
 }
 
-PullRequest from_wire(const pb::PullRequest& in) {
-  PullRequest out;
-  out.worker = static_cast<int32_t>(non_negative(in.worker(), "worker"));
-  out.clock = non_negative(in.clock(), "clock");
-  slices_from_wire(in, out.dense, out.sparse, /*values=*/false);
-  return out;
+grpc::ByteBuffer encode(const PushRequest& in) {
+  Writer w(varint_field_size(in.worker) + varint_field_size(in.clock) + varint_field_size(in.rows) +
+           slices_size(in.dense) + slices_size(in.sparse));
+  w.varint_field(1, in.worker);
+  w.varint_field(2, in.clock);
+  w.varint_field(3, in.rows);
+  write_slices(w, 4, 5, in);
+  return w.finish();
 }
 
-void to_wire(const PullReply& in, pb::PullReply& out) {
-  slices_to_wire(in.dense, in.sparse, out);
-  out.set_clock(in.clock);
-  out.set_staleness(in.staleness);
+grpc::ByteBuffer encode(const PushReply& in) {
+  Writer w(varint_field_size(in.counted ? 1 : 0) + varint_field_size(in.clock));
+  w.varint_field(1, in.counted ? 1 : 0);
+  w.varint_field(2, in.clock);
+  return w.finish();
 }
 
-PullReply from_wire(const pb::PullReply& in) {
-  PullReply out;
-  slices_from_wire(in, out.dense, out.sparse, /*values=*/true);
-  out.clock = non_negative(in.clock(), "clock");
-  out.staleness = non_negative(in.staleness(), "staleness");
-  return out;
+grpc::ByteBuffer encode(PullReply&& in) {
+  const auto owner = std::make_shared<const PullReply>(std::move(in));
+  Writer w(owner);
+  write_slices(w, 1, 2, *owner);
+  w.varint_field(3, owner->clock);
+  w.varint_field(4, owner->staleness);
+  return w.finish();
 }
 
-void to_wire(const PushRequest& in, pb::PushRequest& out) {
-  out.set_worker(in.worker);
-  out.set_clock(in.clock);
-  out.set_rows(in.rows);
-  slices_to_wire(in.dense, in.sparse, out);
+bool decode(const grpc::ByteBuffer& in, PullRequest& out) {
+  Reader r(in);
+  Slices slices{out.dense, out.sparse, {}, {}};
+  const bool read = r.fields([&](int number, WireType type, uint32_t tag) {
+    if (number == 1 && type == kVarint) return r.varint(out.worker);
+    if (number == 2 && type == kVarint) return r.varint(out.clock);
+    if (number == 3 && type == kLength) return slices.read_dense(r);
+    if (number == 4 && type == kLength) return slices.read_sparse(r);
+    return r.skip(tag);
+  });
+  if (!read) return false;
+  non_negative(out.worker, "worker");
+  non_negative(out.clock, "clock");
+  slices.check(/*values=*/false);
+  return true;
 }
 
-PushRequest from_wire(const pb::PushRequest& in) {
-  PushRequest out;
-  out.worker = static_cast<int32_t>(non_negative(in.worker(), "worker"));
-  out.clock = non_negative(in.clock(), "clock");
-  out.rows = non_negative(in.rows(), "rows");
-  slices_from_wire(in, out.dense, out.sparse, /*values=*/true);
-  return out;
+bool decode(const grpc::ByteBuffer& in, PullReply& out) {
+  Reader r(in);
+  Slices slices{out.dense, out.sparse, {}, {}};
+  const bool read = r.fields([&](int number, WireType type, uint32_t tag) {
+    if (number == 1 && type == kLength) return slices.read_dense(r);
+    if (number == 2 && type == kLength) return slices.read_sparse(r);
+    if (number == 3 && type == kVarint) return r.varint(out.clock);
+    if (number == 4 && type == kVarint) return r.varint(out.staleness);
+    return r.skip(tag);
+  });
+  if (!read) return false;
+  slices.check(/*values=*/true);
+  non_negative(out.clock, "clock");
+  non_negative(out.staleness, "staleness");
+  return true;
 }
 
-void to_wire(const PushReply& in, pb::PushReply& out) {
-  out.set_counted(in.counted);
-  out.set_clock(in.clock);
+bool decode(const grpc::ByteBuffer& in, PushRequest& out) {
+  Reader r(in);
+  Slices slices{out.dense, out.sparse, {}, {}};
+  const bool read = r.fields([&](int number, WireType type, uint32_t tag) {
+    if (number == 1 && type == kVarint) return r.varint(out.worker);
+    if (number == 2 && type == kVarint) return r.varint(out.clock);
+    if (number == 3 && type == kVarint) return r.varint(out.rows);
+    if (number == 4 && type == kLength) return slices.read_dense(r);
+    if (number == 5 && type == kLength) return slices.read_sparse(r);
+    return r.skip(tag);
+  });
+  if (!read) return false;
+  non_negative(out.worker, "worker");
+  non_negative(out.clock, "clock");
+  non_negative(out.rows, "rows");
+  slices.check(/*values=*/true);
+  return true;
 }
 
-PushReply from_wire(const pb::PushReply& in) {
-  PushReply out;
-  out.counted = in.counted();
-  out.clock = non_negative(in.clock(), "clock");
-  return out;
+bool decode(const grpc::ByteBuffer& in, PushReply& out) {
+  Reader r(in);
+  int64_t counted = 0;
+  const bool read = r.fields([&](int number, WireType type, uint32_t tag) {
+    if (number == 1 && type == kVarint) return r.varint(counted);
+    if (number == 2 && type == kVarint) return r.varint(out.clock);
+    return r.skip(tag);
+  });
+  if (!read) return false;
+  out.counted = counted != 0;
+  non_negative(out.clock, "clock");
+  return true;
 }
 
 }  // namespace shoal::ps::detail::wire_format

@@ -1,27 +1,47 @@
-// The structs of messages.h to and from their protobuf messages (ps.proto). Reading checks what
-// the transport can check without the tables: counts and indices not negative, enum values
-// known, float data a whole number of float32 values, pull requests without values, sparse
-// values a whole number of rows. A failed check is a UsageError with a one-line message naming
-// the field; nothing is read past a size it was not checked against. Private to src/ps.
+// The structs of messages.h on the wire, in the format of ps.proto. Reading checks what the
+// transport can check without the tables: counts and indices not negative, enum values known,
+// float data a whole number of float32 values, pull requests without values, sparse values a
+// whole number of rows. A failed check is a UsageError with a one-line message naming the field;
+// nothing is read past a size it was not checked against. Private to src/ps.
+//
+// Note [Values without copies]: pulls and pushes, which carry the values, are written and read
+// here field by field rather than through protobuf's generated classes, which would copy each
+// float twice on each side (the struct's vector to a `bytes` string to gRPC's slices, and back).
+// encode() of a request copies the values once, into the one slice it sends; encode() of a pull's
+// reply copies none: the reply's vectors become gRPC slices that free them when gRPC is done with
+// them. decode() copies each value once, from the received slices straight into the struct's
+// vector (a value may be split across slices; the vector is not cleared first). The bytes are
+// those protobuf writes for ps.proto, and anything protobuf would read is read alike (fields in
+// any order, unknown fields skipped, repeated integers packed or not, the last of a repeated
+// singular field winning), so other clients may use ps.proto's generated code. Registrations are
+// rare and small and stay on the generated classes.
 #pragma once
 
 #include "messages.h"
 #include "ps.pb.h"
+
+namespace grpc {
+class ByteBuffer;
+}
 
 namespace shoal::ps::detail::wire_format {
 
 namespace pb = ::shoal::ps::wire;
 
 void to_wire(const RegisterRequest& in, pb::RegisterRequest& out);
-void to_wire(const PullRequest& in, pb::PullRequest& out);
-void to_wire(const PullReply& in, pb::PullReply& out);
-void to_wire(const PushRequest& in, pb::PushRequest& out);
-void to_wire(const PushReply& in, pb::PushReply& out);
-
 RegisterRequest from_wire(const pb::RegisterRequest& in);
-PullRequest from_wire(const pb::PullRequest& in);
-PullReply from_wire(const pb::PullReply& in);
-PushRequest from_wire(const pb::PushRequest& in);
-PushReply from_wire(const pb::PushReply& in);
+
+grpc::ByteBuffer encode(const PullRequest& in);
+grpc::ByteBuffer encode(const PushRequest& in);
+grpc::ByteBuffer encode(const PushReply& in);
+// Takes the reply's values, which gRPC sends from where they are.
+grpc::ByteBuffer encode(PullReply&& in);
+
+// false when `in` is not a message of that type (truncated or corrupt); UsageError when it is
+// one whose fields fail a check. `out` is only meaningful after true.
+bool decode(const grpc::ByteBuffer& in, PullRequest& out);
+bool decode(const grpc::ByteBuffer& in, PullReply& out);
+bool decode(const grpc::ByteBuffer& in, PushRequest& out);
+bool decode(const grpc::ByteBuffer& in, PushReply& out);
 
 }  // namespace shoal::ps::detail::wire_format
