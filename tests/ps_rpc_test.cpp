@@ -1,9 +1,9 @@
 // The parameter server's transport (docs/ps.md, "Transport" and "Processes"): real `shoal
-// ps-server --handler sum` processes (the transport's test handler), real clients over loopback. What is
-// checked is the transport: values arrive exactly, malformed and hostile requests are refused
-// with the right status and message while the server keeps serving, a dead or silent server is a
-// CommError naming it within the call's deadline, and `shoal run --servers` runs and stops them
-// (its servers serving the core: sync steps equal one process).
+// ps-server --handler sum` processes (the transport's test handler), real clients over loopback.
+// What is checked is the transport: values arrive exactly, malformed and hostile requests are
+// refused with the right status and message while the server keeps serving, a dead or silent server
+// is a CommError naming it within the call's deadline, and `shoal run --servers` runs and stops
+// them (its servers serving the core: sync steps equal one process).
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -20,8 +20,12 @@
 
 #include <gtest/gtest.h>
 
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
+
 #include "ps.pb.h"
 #include "ps/connect.h"
+#include "ps/wire.h"
 #include "shoal_run.h"
 #include "test_paths.h"
 
@@ -55,8 +59,8 @@ class ServerProcess {
     std::vector<char*> envp;
     for (auto& entry : env) envp.push_back(entry.data());
     envp.push_back(nullptr);
-    const char* argv[] = {SHOAL_BIN,           "ps-server", "--index", index_text.c_str(),
-                          "--handler", "sum", nullptr};
+    const char* argv[] = {SHOAL_BIN,   "ps-server", "--index", index_text.c_str(),
+                          "--handler", "sum",       nullptr};
     pid_ = ::fork();
     if (pid_ == 0) {
       ::execve(SHOAL_BIN, const_cast<char**>(argv), envp.data());
@@ -358,6 +362,13 @@ TEST_F(PsRpcTest, MalformedAndHostileRequestsAreRefusedAndTheServerGoesOn) {
       {"wrong token", "Push", good, std::string("0123456789abcdef0123456789abcdeX"),
        StatusCode::UNAUTHENTICATED, "Push carries a token that is not this job's"},
       {"unknown method", "Drop", "", kToken, StatusCode::UNIMPLEMENTED, ""},
+      // dense[0] holds a values field that claims 1 GiB: refused before anything is reserved.
+      {"values longer than the message", "Push", std::string("\x22\x06\x1a\x80\x80\x80\x80\x04", 8),
+       kToken, StatusCode::INVALID_ARGUMENT,
+       "malformed Push request (8 bytes): not a PushRequest message (truncated or corrupt)"},
+      {"slice longer than the message", "Push", std::string("\x22\x7f\x08\x00", 4), kToken,
+       StatusCode::INVALID_ARGUMENT,
+       "malformed Push request (4 bytes): not a PushRequest message (truncated or corrupt)"},
   };
   PullRequest pull;
   pull.dense = {DenseSlice{0, {2}, {}}};
@@ -376,6 +387,54 @@ TEST_F(PsRpcTest, MalformedAndHostileRequestsAreRefusedAndTheServerGoesOn) {
   // A good raw request is obeyed: the refusals above were for what they carried.
   EXPECT_TRUE(raw.call("Push", good).ok());
   EXPECT_EQ(server.pull(pull, 5s).dense.at(0).values, std::vector<float>(452, 1.0f));
+}
+
+// The server reads a request as protobuf reads ps.proto (src/ps/wire.h): its chunks not packed,
+// fields unknown to the server among the known ones, rows after the slices, and a values field
+// given twice (the last one counts).
+TEST_F(PsRpcTest, ARequestIsReadAsProtobufReadsIt) {
+  start(1);
+  RpcClient& server = *clients_[0];
+  server.register_tables(tables(0), 5s);
+  std::vector<float> values(452);
+  for (size_t i = 0; i < values.size(); ++i) values[i] = 0.5f + static_cast<float>(i) * -1.25f;
+  const std::string floats(reinterpret_cast<const char*>(values.data()), values.size() * 4);
+  std::string slice;
+  {
+    google::protobuf::io::StringOutputStream out(&slice);
+    google::protobuf::io::CodedOutputStream coded(&out);
+    coded.WriteTag(3 << 3 | 2);  // values, first: 100 zeros that the second replaces
+    coded.WriteVarint32(400);
+    coded.WriteString(std::string(400, '\0'));
+    coded.WriteTag(9 << 3 | 0);  // unknown varint
+    coded.WriteVarint64(123456789);
+    coded.WriteTag(2 << 3 | 0);  // chunks, one value, not packed
+    coded.WriteVarint64(2);
+    coded.WriteTag(3 << 3 | 2);  // values
+    coded.WriteVarint32(static_cast<uint32_t>(floats.size()));
+    coded.WriteString(floats);
+  }
+  std::string push;
+  {
+    google::protobuf::io::StringOutputStream out(&push);
+    google::protobuf::io::CodedOutputStream coded(&out);
+    coded.WriteTag(15 << 3 | 2);  // unknown bytes
+    coded.WriteVarint32(5);
+    coded.WriteString("hello");
+    coded.WriteTag(4 << 3 | 2);  // dense
+    coded.WriteVarint32(static_cast<uint32_t>(slice.size()));
+    coded.WriteString(slice);
+    coded.WriteTag(3 << 3 | 0);  // rows, after the slice
+    coded.WriteVarint64(1);
+  }
+  RawCaller raw(server.address());
+  const grpc::Status status = raw.call("Push", push);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  PullRequest pull;
+  pull.dense = {DenseSlice{0, {2}, {}}};
+  const PullReply reply = server.pull(pull, 5s);
+  EXPECT_EQ(reply.clock, 1);
+  EXPECT_EQ(reply.dense.at(0).values, values);
 }
 
 TEST_F(PsRpcTest, AKilledServerIsACommErrorNamingIt) {
@@ -433,6 +492,71 @@ TEST_F(PsRpcTest, AServerEndsWithItsJobsStore) {
   EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << *status;
 }
 
+// A message's bytes cut into slices of `piece` bytes, as gRPC may hand them to the reader.
+grpc::ByteBuffer in_pieces(const grpc::ByteBuffer& message, size_t piece) {
+  std::vector<grpc::Slice> slices;
+  EXPECT_TRUE(message.Dump(&slices).ok());
+  std::string bytes;
+  for (const grpc::Slice& s : slices)
+    bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  std::vector<grpc::Slice> pieces;
+  for (size_t at = 0; at < bytes.size(); at += piece) pieces.emplace_back(bytes.substr(at, piece));
+  return grpc::ByteBuffer(pieces.data(), pieces.size());
+}
+
+// Values, tags and lengths split between slices at any byte are read exactly, for a request
+// (copied into one slice when written) and a pull's reply (its large values lent to gRPC).
+TEST(PsWire, MessagesCutIntoAnySlicesAreReadExactly) {
+  PushRequest push;
+  push.worker = 3;
+  push.clock = 17;
+  push.rows = 64;
+  push.dense = {DenseSlice{0, {2, 0, 1}, ramp(3000, 0.5f)}, DenseSlice{4, {}, {}}};
+  push.sparse = {SparseSlice{1, {42, int64_t{1} << 40, 7}, ramp(12, -2)}};
+  PullReply reply;
+  reply.clock = 9;
+  reply.staleness = 2;
+  reply.dense = {DenseSlice{0, {0, 1, 2, 3}, ramp(4096, 0.25f)}};  // 16 KiB: lent, not copied
+  reply.sparse = {SparseSlice{1, {5}, {1.5f, 2.5f}}};
+  const PullReply sent = reply;
+  const grpc::ByteBuffer push_bytes = wire_format::encode(push);
+  const grpc::ByteBuffer reply_bytes = wire_format::encode(std::move(reply));
+  for (size_t piece : {1, 3, 4, 7, 4093, 1 << 20}) {
+    SCOPED_TRACE("slices of " + std::to_string(piece) + " bytes");
+    PushRequest p;
+    ASSERT_TRUE(wire_format::decode(in_pieces(push_bytes, piece), p));
+    EXPECT_EQ(std::make_tuple(p.worker, p.clock, p.rows), std::make_tuple(3, 17, 64));
+    ASSERT_EQ(p.dense.size(), 2u);
+    for (size_t i = 0; i < 2; ++i) {
+      EXPECT_EQ(p.dense[i].table, push.dense[i].table);
+      EXPECT_EQ(p.dense[i].chunks, push.dense[i].chunks);
+      EXPECT_EQ(p.dense[i].values, push.dense[i].values);
+    }
+    ASSERT_EQ(p.sparse.size(), 1u);
+    EXPECT_EQ(p.sparse[0].table, 1);
+    EXPECT_EQ(p.sparse[0].ids, push.sparse[0].ids);
+    EXPECT_EQ(p.sparse[0].values, push.sparse[0].values);
+    PullReply r;
+    ASSERT_TRUE(wire_format::decode(in_pieces(reply_bytes, piece), r));
+    EXPECT_EQ(std::make_tuple(r.clock, r.staleness), std::make_tuple(9, 2));
+    ASSERT_EQ(r.dense.size(), 1u);
+    EXPECT_EQ(r.dense[0].chunks, sent.dense[0].chunks);
+    EXPECT_EQ(r.dense[0].values, sent.dense[0].values);
+    ASSERT_EQ(r.sparse.size(), 1u);
+    EXPECT_EQ(r.sparse[0].ids, sent.sparse[0].ids);
+    EXPECT_EQ(r.sparse[0].values, sent.sparse[0].values);
+  }
+  // Cut short anywhere inside the first values, the request is not a message.
+  std::vector<grpc::Slice> whole;
+  ASSERT_TRUE(push_bytes.Dump(&whole).ok());
+  ASSERT_EQ(whole.size(), 1u);
+  for (size_t end : {size_t{20}, size_t{21}, size_t{1000}, size_t{12001}}) {
+    grpc::Slice prefix(whole[0].begin(), end);
+    PushRequest p;
+    EXPECT_FALSE(wire_format::decode(grpc::ByteBuffer(&prefix, 1), p)) << end;
+  }
+}
+
 TEST(PsRpc, ConnectingWithoutServersTimesOutNamingTheFirstMissing) {
   comm::StoreOptions options;
   options.is_server = true;
@@ -456,8 +580,8 @@ TEST(PsLaunch, SyncStepsOnServersEqualOneProcess) {
         {"--servers", std::to_string(servers), "-n", std::to_string(workers), kWorker}, 120s);
     EXPECT_EQ(run.exit_code, 0) << run.out << run.err;
     for (int r = 0; r < workers; ++r) {
-      const std::string ok = "[" + std::to_string(r) + "] ps ok " + std::to_string(servers) +
-                             " servers, 4 sync steps";
+      const std::string ok =
+          "[" + std::to_string(r) + "] ps ok " + std::to_string(servers) + " servers, 4 sync steps";
       EXPECT_NE(run.out.find(ok), std::string::npos) << run.out;
     }
   }
