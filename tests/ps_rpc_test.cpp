@@ -521,6 +521,26 @@ TEST(PsWire, MessagesCutIntoAnySlicesAreReadExactly) {
   const PullReply sent = reply;
   const grpc::ByteBuffer push_bytes = wire_format::encode(push);
   const grpc::ByteBuffer reply_bytes = wire_format::encode(std::move(reply));
+  // The bytes are protobuf's for ps.proto.
+  pb::PushRequest message;
+  message.set_worker(push.worker);
+  message.set_clock(push.clock);
+  message.set_rows(push.rows);
+  for (const DenseSlice& d : push.dense) {
+    pb::DenseSlice& out = *message.add_dense();
+    out.set_table(d.table);
+    out.mutable_chunks()->Add(d.chunks.begin(), d.chunks.end());
+    out.set_values(d.values.data(), d.values.size() * 4);
+  }
+  pb::SparseSlice& sparse = *message.add_sparse();
+  sparse.set_table(1);
+  sparse.mutable_ids()->Add(push.sparse[0].ids.begin(), push.sparse[0].ids.end());
+  sparse.set_values(push.sparse[0].values.data(), push.sparse[0].values.size() * 4);
+  std::vector<grpc::Slice> written;
+  ASSERT_TRUE(push_bytes.Dump(&written).ok());
+  ASSERT_EQ(written.size(), 1u);
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(written[0].begin()), written[0].size()),
+            message.SerializeAsString());
   for (size_t piece : {1, 3, 4, 7, 4093, 1 << 20}) {
     SCOPED_TRACE("slices of " + std::to_string(piece) + " bytes");
     PushRequest p;
@@ -547,11 +567,8 @@ TEST(PsWire, MessagesCutIntoAnySlicesAreReadExactly) {
     EXPECT_EQ(r.sparse[0].values, sent.sparse[0].values);
   }
   // Cut short anywhere inside the first values, the request is not a message.
-  std::vector<grpc::Slice> whole;
-  ASSERT_TRUE(push_bytes.Dump(&whole).ok());
-  ASSERT_EQ(whole.size(), 1u);
   for (size_t end : {size_t{20}, size_t{21}, size_t{1000}, size_t{12001}}) {
-    grpc::Slice prefix(whole[0].begin(), end);
+    grpc::Slice prefix(written[0].begin(), end);
     PushRequest p;
     EXPECT_FALSE(wire_format::decode(grpc::ByteBuffer(&prefix, 1), p)) << end;
   }
