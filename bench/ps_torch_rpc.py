@@ -32,6 +32,7 @@ SGD with lr 0.01, as bench/ddp.
 """
 
 import argparse
+import queue
 import sys
 import threading
 import time
@@ -64,8 +65,11 @@ class ParameterServer:
         # trainers fail at once: "one of the variables needed for gradient computation has been
         # modified by an inplace operation", one trainer's optimizer step having changed weights
         # another's backward still needed (pytorch/tutorials#2095, pytorch/examples#877).
-        params = {name: p.clone() for name, p in self.model.named_parameters()}
-        return torch.nn.utils.stateless.functional_call(self.model, params, (inp,))
+        # torch.nn.utils.stateless.functional_call does not help: it swaps the module's
+        # parameters in place, and the server runs several trainers' forwards at once.
+        F = torch.nn.functional
+        w1, b1, w2, b2, w3, b3 = [p.clone() for p in self.model.parameters()]
+        return F.linear(F.relu(F.linear(F.relu(F.linear(inp, w1, b1)), w2, b2)), w3, b3)
 
     def get_param_rrefs(self):
         return [rpc.RRef(param) for param in self.model.parameters()]
@@ -290,9 +294,17 @@ def main():
                  for rank in range(args.servers + args.workers)]
     for p in processes:
         p.start()
-    times = [step_times.get(timeout=600) for _ in range(args.workers)]
+    times = []
+    while len(times) < args.workers and not any(p.exitcode for p in processes):
+        try:
+            times.append(step_times.get(timeout=1))
+        except queue.Empty:
+            pass
     for p in processes:
-        p.join(timeout=120)
+        p.join(timeout=120 if len(times) == args.workers else 1)
+        if p.exitcode is None:
+            p.kill()  # a failed peer left it waiting
+            p.join()
     failed = [p.exitcode for p in processes if p.exitcode != 0]
     if failed:
         print(f"ps_torch_rpc.py: processes exited with {failed}", file=sys.stderr)

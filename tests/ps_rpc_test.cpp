@@ -366,6 +366,10 @@ TEST_F(PsRpcTest, MalformedAndHostileRequestsAreRefusedAndTheServerGoesOn) {
       {"values longer than the message", "Push", std::string("\x22\x06\x1a\x80\x80\x80\x80\x04", 8),
        kToken, StatusCode::INVALID_ARGUMENT,
        "malformed Push request (8 bytes): not a PushRequest message (truncated or corrupt)"},
+      // A length of 2^32 + 2, which 32 bits would read as 2.
+      {"length of 33 bits", "Push", std::string("\x22\x82\x80\x80\x80\x10\x08\x00", 8), kToken,
+       StatusCode::INVALID_ARGUMENT,
+       "malformed Push request (8 bytes): not a PushRequest message (truncated or corrupt)"},
       {"slice longer than the message", "Push", std::string("\x22\x7f\x08\x00", 4), kToken,
        StatusCode::INVALID_ARGUMENT,
        "malformed Push request (4 bytes): not a PushRequest message (truncated or corrupt)"},

@@ -252,8 +252,12 @@ class Reader {
     const int limit = in_.BytesUntilLimit();
     return limit >= 0 ? std::min<int64_t>(to_end, limit) : to_end;
   }
+  // A length: read whole (ReadVarint32 would keep the low 32 bits of a longer varint).
   bool length(uint32_t& out) {
-    return in_.ReadVarint32(&out) && static_cast<int64_t>(out) <= left();
+    uint64_t value = 0;
+    if (!in_.ReadVarint64(&value) || value > static_cast<uint64_t>(left())) return false;
+    out = static_cast<uint32_t>(value);
+    return true;
   }
   bool varint(uint64_t& out) { return in_.ReadVarint64(&out); }
   template <typename Int>
