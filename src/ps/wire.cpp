@@ -6,6 +6,7 @@
 #include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/support/proto_buffer_reader.h>
 
+#include <algorithm>
 #include <cstring>
 #include <iterator>
 #include <memory>
@@ -120,8 +121,8 @@ size_t slice_size(int32_t table, const std::vector<int64_t>& indices,
          length_field_size(values_bytes(values));
 }
 
-// Values at most this long are copied beside the fields around them rather than lent to gRPC
-// as a slice of their own, whose bookkeeping costs more than the copy.
+// Values shorter than this are copied beside the fields around them rather than lent to gRPC as
+// a slice of their own, whose bookkeeping costs more than the copy.
 constexpr size_t kLendAtLeast = 8 << 10;
 
 // Writes a message either into one slice of the size computed beforehand (values copied), or as
@@ -222,17 +223,20 @@ class Writer {
   std::string head_;
 };
 
-template <typename Slices>
-size_t slices_size(const Slices& slices) {
+// A slice's indices: a dense slice's chunks, a sparse slice's row ids (both field 2).
+const std::vector<int64_t>& indices_of(const DenseSlice& slice) {
+  return slice.chunks;
+}
+const std::vector<int64_t>& indices_of(const SparseSlice& slice) {
+  return slice.ids;
+}
+
+// Repeated slices with their tags and lengths (a slice is written even when empty).
+template <typename Slice>
+size_t slices_size(const std::vector<Slice>& slices) {
   size_t size = 0;
-  for (const auto& s : slices) {
-    const auto& indices = [&]() -> const std::vector<int64_t>& {
-      if constexpr (std::is_same_v<typename Slices::value_type, DenseSlice>)
-        return s.chunks;
-      else
-        return s.ids;
-    }();
-    size += length_field_size(slice_size(s.table, indices, s.values), /*always=*/true);
+  for (const Slice& s : slices) {
+    size += length_field_size(slice_size(s.table, indices_of(s), s.values), /*always=*/true);
   }
   return size;
 }
@@ -450,8 +454,8 @@ struct Slices {
 
 template <typename Message>
 void write_slices(Writer& w, int dense_field, int sparse_field, const Message& in) {
-  for (const DenseSlice& s : in.dense) w.slice(dense_field, s.table, s.chunks, s.values);
-  for (const SparseSlice& s : in.sparse) w.slice(sparse_field, s.table, s.ids, s.values);
+  for (const DenseSlice& s : in.dense) w.slice(dense_field, s.table, indices_of(s), s.values);
+  for (const SparseSlice& s : in.sparse) w.slice(sparse_field, s.table, indices_of(s), s.values);
 }
 
 // Registrations' initial values, through the generated classes.
