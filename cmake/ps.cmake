@@ -1,6 +1,5 @@
 # The parameter server's transport (docs/ps.md, "Transport"): gRPC and protobuf from Debian
-# (libgrpc++-dev, protobuf-compiler-grpc). The generated code is a library of its own, so that a
-# change elsewhere never recompiles it, and gRPC's headers reach only src/ps/rpc.cpp and wire.cpp.
+# (libgrpc++-dev, protobuf-compiler-grpc). gRPC's headers reach only src/ps/rpc.cpp and wire.cpp.
 find_package(Protobuf REQUIRED)
 find_package(gRPC CONFIG REQUIRED)
 find_program(SHOAL_GRPC_CPP_PLUGIN grpc_cpp_plugin REQUIRED)
@@ -17,19 +16,35 @@ add_custom_command(
   DEPENDS ${shoal_ps_proto}
   COMMENT "Generating the parameter server's gRPC code from ps.proto")
 
-add_library(shoal_ps_proto STATIC ${shoal_ps_sources})
-set_target_properties(shoal_ps_proto PROPERTIES POSITION_INDEPENDENT_CODE ON)
-target_include_directories(shoal_ps_proto PUBLIC ${shoal_ps_generated})
-target_link_libraries(shoal_ps_proto PUBLIC gRPC::grpc++ protobuf::libprotobuf)
+# The transport's code is part of libshoal (shoal::ps::Optimizer's clients use it), compiled as
+# object libraries of their own: gRPC's flags (_REENTRANT) differ from the library's precompiled
+# header's, and a change elsewhere in the library never recompiles them.
+add_library(shoal_ps_proto_objects OBJECT ${shoal_ps_sources})
+set_target_properties(shoal_ps_proto_objects PROPERTIES POSITION_INDEPENDENT_CODE ON)
+target_include_directories(shoal_ps_proto_objects PUBLIC ${shoal_ps_generated})
+target_link_libraries(shoal_ps_proto_objects PUBLIC gRPC::grpc++ protobuf::libprotobuf)
 
 # Service, client, the wire checks, the store-and-sum handler and how workers find servers.
-add_library(shoal_ps_rpc STATIC
+add_library(shoal_ps_rpc_objects OBJECT
   src/ps/wire.cpp
   src/ps/rpc.cpp
   src/ps/sum_handler.cpp
   src/ps/connect.cpp
 )
-set_target_properties(shoal_ps_rpc PROPERTIES POSITION_INDEPENDENT_CODE ON)
-target_include_directories(shoal_ps_rpc PUBLIC ${PROJECT_SOURCE_DIR}/include ${PROJECT_SOURCE_DIR}/src)
-target_link_libraries(shoal_ps_rpc PUBLIC shoal PRIVATE shoal_ps_proto)
-target_compile_options(shoal_ps_rpc PRIVATE ${SHOAL_WARNINGS})
+set_target_properties(shoal_ps_rpc_objects PROPERTIES POSITION_INDEPENDENT_CODE ON)
+target_include_directories(shoal_ps_rpc_objects PRIVATE ${PROJECT_SOURCE_DIR}/include
+                           ${PROJECT_SOURCE_DIR}/src ${shoal_ps_generated})
+target_link_libraries(shoal_ps_rpc_objects PRIVATE shoal::torch Threads::Threads gRPC::grpc++
+                      protobuf::libprotobuf)
+target_compile_options(shoal_ps_rpc_objects PRIVATE ${SHOAL_WARNINGS})
+add_dependencies(shoal_ps_rpc_objects shoal_ps_proto_objects)  # the generated headers
+
+target_sources(shoal PRIVATE $<TARGET_OBJECTS:shoal_ps_proto_objects>
+                             $<TARGET_OBJECTS:shoal_ps_rpc_objects>)
+target_link_libraries(shoal PRIVATE gRPC::grpc++ protobuf::libprotobuf)
+
+# For shoal's own programs that reach into the transport (the command, tests, benchmarks): the
+# internal headers and the generated ones; the code itself is libshoal's.
+add_library(shoal_ps_rpc INTERFACE)
+target_include_directories(shoal_ps_rpc INTERFACE ${PROJECT_SOURCE_DIR}/src ${shoal_ps_generated})
+target_link_libraries(shoal_ps_rpc INTERFACE shoal gRPC::grpc++ protobuf::libprotobuf)

@@ -1,8 +1,8 @@
 // shoal: distributed training for LibTorch programs. This header brings in all of shoal's API,
 // as <torch/torch.h> does LibTorch's (and it includes <torch/torch.h>): init() and the world,
-// DataParallel, the data loader, checkpoints, elastic jobs, and global tensors (shoal::global,
-// with its ops and nn layers). A part's own header, e.g. <shoal/global/ops.h>, brings in only
-// that part. See docs/getting-started.md.
+// DataParallel, the data loader, checkpoints, elastic jobs, global tensors (shoal::global, with
+// its ops and nn layers), pipelines and parameter servers (shoal::ps). A part's own header, e.g.
+// <shoal/global/ops.h>, brings in only that part. See docs/getting-started.md.
 #pragma once
 
 #include "shoal/checkpoint/checkpoint.h"
@@ -22,5 +22,6 @@
 #include "shoal/global/placement.h"
 #include "shoal/global/tensor.h"
 #include "shoal/pipeline/pipeline.h"
+#include "shoal/ps/ps.h"
 #include "shoal/runtime/init.h"
 #include "shoal/runtime/job.h"

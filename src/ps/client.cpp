@@ -1,0 +1,486 @@
+#include "client.h"
+
+#include <cstring>
+#include <exception>
+#include <numeric>
+#include <sstream>
+#include <thread>
+
+#include "connect.h"
+#include "rpc.h"
+#include "server_core.h"
+#include "shoal/comm/group.h"
+#include "shoal/comm/store.h"
+#include "shoal/core/env.h"
+#include "shoal/core/error.h"
+#include "shoal/runtime/init.h"
+
+namespace shoal::ps {
+namespace detail {
+namespace {
+
+class RemoteEndpoint : public Client::Endpoint {
+ public:
+  explicit RemoteEndpoint(std::unique_ptr<RpcClient> client) : client_(std::move(client)) {}
+  void register_tables(const RegisterRequest& request, Duration timeout) override {
+    client_->register_tables(request, timeout);
+  }
+  PullReply pull(const PullRequest& request, Duration timeout) override {
+    return client_->pull(request, timeout);
+  }
+  PushReply push(const PushRequest& request, Duration timeout) override {
+    return client_->push(request, timeout);
+  }
+
+ private:
+  std::unique_ptr<RpcClient> client_;
+};
+
+// Note [A job of one without servers].
+class LocalEndpoint : public Client::Endpoint {
+ public:
+  LocalEndpoint() : core_(options()) {}
+  void register_tables(const RegisterRequest& request, Duration timeout) override {
+    core_.register_tables(request, Deadline(timeout));
+  }
+  PullReply pull(const PullRequest& request, Duration timeout) override {
+    return core_.pull(request, Deadline(timeout));
+  }
+  PushReply push(const PushRequest& request, Duration timeout) override {
+    return core_.push(request, Deadline(timeout));
+  }
+
+ private:
+  static ServerCoreOptions options() {
+    ServerCoreOptions options;
+    options.workers = {0};
+    options.shards.resize(kVirtualShards);
+    std::iota(options.shards.begin(), options.shards.end(), 0);
+    return options;
+  }
+  ServerCore core_;
+};
+
+std::vector<std::unique_ptr<Client::Endpoint>> open_servers(Duration timeout) {
+  std::vector<std::unique_ptr<Client::Endpoint>> servers;
+  const env::Environment env = env::current();
+  const int count = server_count(env);
+  if (count == 0) {
+    if (shoal::world_size() > 1) {
+      throw UsageError("shoal::ps::Optimizer: this job's " + std::to_string(shoal::world_size()) +
+                       " workers have no parameter servers (SHOAL_PS_SERVERS is not set); "
+                       "expected a job started with shoal run --servers S");
+    }
+    servers.push_back(std::make_unique<LocalEndpoint>());
+    return servers;
+  }
+  const JobSpec& job = shoal::job();
+  comm::StoreOptions options;
+  options.host = job.master_addr;
+  options.port = job.master_port;
+  options.described_as =
+      job.master_described_as.empty() ? options.described_as : job.master_described_as;
+  options.timeout = timeout;
+  const comm::StorePtr store = comm::open_store(options);
+  for (auto& client : connect_servers(store, count, job_token(env), timeout)) {
+    servers.push_back(std::make_unique<RemoteEndpoint>(std::move(client)));
+  }
+  return servers;
+}
+
+// The model's ps::Embedding modules with their paths, in named_modules' order.
+std::vector<std::pair<std::string, std::shared_ptr<EmbeddingImpl>>> tables_of(
+    torch::nn::Module& model) {
+  std::vector<std::pair<std::string, std::shared_ptr<EmbeddingImpl>>> tables;
+  for (const auto& item : model.named_modules("", /*include_self=*/true)) {
+    if (auto table = std::dynamic_pointer_cast<EmbeddingImpl>(item.value())) {
+      tables.emplace_back(item.key().empty() ? "embedding" : item.key(), table);
+    }
+  }
+  return tables;
+}
+
+InitSpec init_spec(const RowInit& init) {
+  switch (init.kind) {
+    case RowInit::Kind::kZeros:
+      return {InitSpec::Kind::kZeros, 0, 0};
+    case RowInit::Kind::kUniform:
+      return {InitSpec::Kind::kUniform, init.a, init.b};
+    case RowInit::Kind::kNormal:
+      return {InitSpec::Kind::kNormal, init.a, init.b};
+  }
+  throw InternalError("unknown RowInit kind");
+}
+
+}  // namespace
+
+Client::Client(torch::nn::Module& model, const OptimizerSpec& optimizer, const PsOptions& options)
+    : servers_(open_servers(options.timeout == kUnsetTimeout ? shoal::world().timeout()
+                                                             : options.timeout)),
+      map_(static_cast<int32_t>(servers_.size())),
+      timeout_(options.timeout == kUnsetTimeout ? shoal::world().timeout() : options.timeout),
+      worker_(shoal::rank()) {
+  const int32_t server_count = map_.servers();
+  std::vector<TableSpec> tables;
+  for (const auto& item : model.named_parameters(/*recurse=*/true)) {
+    const torch::Tensor& parameter = item.value();
+    if (parameter.scalar_type() != torch::kFloat || !parameter.device().is_cpu() ||
+        !parameter.is_contiguous()) {
+      throw UsageError("shoal::ps::Optimizer: parameter '" + item.key() + "' is " +
+                       std::string(parameter.dtype().name()) + " on " + parameter.device().str() +
+                       (parameter.is_contiguous() ? "" : ", not contiguous") +
+                       "; expected contiguous float32 on the CPU");
+    }
+    Dense dense{item.key(), parameter, std::vector<std::vector<int64_t>>(server_count)};
+    for (int64_t k = 0; k < chunk_count(parameter.numel()); ++k) {
+      dense.chunks[map_.owner(chunk_shard(dense.name, k))].push_back(k);
+    }
+    TableSpec spec;
+    spec.name = dense.name;
+    spec.shape = parameter.sizes().vec();
+    spec.optimizer = optimizer;
+    tables.push_back(spec);
+    dense_.push_back(std::move(dense));
+  }
+  for (auto& [name, module] : tables_of(model)) {
+    if (!module->client_.expired()) {
+      throw UsageError("shoal::ps::Optimizer: ps::Embedding '" + name +
+                       "' already belongs to another shoal::ps::Optimizer; expected one per model");
+    }
+    TableSpec spec;
+    spec.name = name;
+    spec.sparse = true;
+    spec.shape = {module->options_.num_embeddings(), module->options_.embedding_dim()};
+    spec.optimizer = optimizer;
+    spec.init = init_spec(module->options_.init());
+    spec.seed = module->options_.seed();
+    tables.push_back(spec);
+    sparse_.push_back({name, module});
+  }
+
+  for_each_server([&](int32_t s) {
+    RegisterRequest request{worker_, tables, {}};
+    // The first worker's values create the dense tables (docs/ps.md, "Sharding").
+    if (worker_ == 0) {
+      for (size_t t = 0; t < dense_.size(); ++t) {
+        DenseSlice slice{static_cast<int32_t>(t), dense_[t].chunks[s], {}};
+        const float* values = dense_[t].parameter.data_ptr<float>();
+        const int64_t numel = dense_[t].parameter.numel();
+        for (int64_t k : slice.chunks) {
+          slice.values.insert(slice.values.end(), values + chunk_begin(k),
+                              values + chunk_begin(k) + chunk_length(numel, k));
+        }
+        request.initial.push_back(std::move(slice));
+      }
+    }
+    servers_[s]->register_tables(request, timeout_);
+  });
+  pull_dense();
+}
+
+Client::~Client() = default;
+
+void Client::bind() {
+  for (size_t t = 0; t < sparse_.size(); ++t) {
+    sparse_[t].module->client_ = weak_from_this();
+    sparse_[t].module->table_ = static_cast<int32_t>(dense_.size() + t);
+  }
+}
+
+template <typename Call>
+void Client::for_each_server(const Call& call) {
+  const int32_t count = static_cast<int32_t>(servers_.size());
+  std::vector<std::exception_ptr> errors(count);
+  std::vector<std::thread> threads;
+  auto run = [&](int32_t s) {
+    try {
+      call(s);
+    } catch (...) {
+      errors[s] = std::current_exception();
+    }
+  };
+  for (int32_t s = 1; s < count; ++s) threads.emplace_back(run, s);
+  run(0);
+  for (auto& thread : threads) thread.join();
+  for (const auto& error : errors) {
+    if (error) std::rethrow_exception(error);
+  }
+}
+
+std::vector<std::vector<int64_t>> Client::route_rows(const std::string& table, const int64_t* ids,
+                                                     int64_t count,
+                                                     std::vector<std::vector<int64_t>>* at) const {
+  std::vector<std::vector<int64_t>> by_server(servers_.size());
+  at->assign(servers_.size(), {});
+  for (int64_t i = 0; i < count; ++i) {
+    const int32_t s = map_.owner(row_shard(table, ids[i]));
+    by_server[s].push_back(ids[i]);
+    (*at)[s].push_back(i);
+  }
+  return by_server;
+}
+
+void Client::pull_dense() {
+  if (dense_.empty()) return;
+  for_each_server([&](int32_t s) {
+    PullRequest request{worker_, clock_, {}, {}};
+    for (size_t t = 0; t < dense_.size(); ++t) {
+      if (!dense_[t].chunks[s].empty()) {
+        request.dense.push_back({static_cast<int32_t>(t), dense_[t].chunks[s], {}});
+      }
+    }
+    if (request.dense.empty()) return;
+    const PullReply reply = servers_[s]->pull(request, timeout_);
+    if (reply.dense.size() != request.dense.size()) {
+      throw CommError("parameter server " + std::to_string(s) + " answered a pull of " +
+                      std::to_string(request.dense.size()) + " dense tables with " +
+                      std::to_string(reply.dense.size()));
+    }
+    if (s == 0) staleness_ = reply.staleness;
+    for (const DenseSlice& slice : reply.dense) {
+      const Dense& dense = dense_.at(static_cast<size_t>(slice.table));
+      const int64_t numel = dense.parameter.numel();
+      float* values = dense.parameter.data_ptr<float>();
+      size_t at = 0;
+      for (int64_t k : slice.chunks) {
+        const int64_t length = chunk_length(numel, k);
+        if (at + static_cast<size_t>(length) > slice.values.size()) {
+          throw CommError("parameter server " + std::to_string(s) + " answered a pull of '" +
+                          dense.name + "' with " + std::to_string(slice.values.size()) +
+                          " values, fewer than its chunks hold");
+        }
+        std::memcpy(values + chunk_begin(k), slice.values.data() + at,
+                    static_cast<size_t>(length) * sizeof(float));
+        at += static_cast<size_t>(length);
+      }
+    }
+  });
+}
+
+torch::Tensor Client::lookup(EmbeddingImpl& table, const torch::Tensor& ids) {
+  const int64_t dim = table.options_.embedding_dim();
+  const std::string& name = sparse_of(table).name;
+  if (!c10::isIntegralType(ids.scalar_type(), /*includeBool=*/false)) {
+    throw UsageError("ps::Embedding '" + name + "': ids are " + std::string(ids.dtype().name()) +
+                     "; expected an integer tensor");
+  }
+  const auto [distinct, inverse] =
+      torch::_unique(ids.reshape({-1}).to(torch::kLong), /*sorted=*/true, /*return_inverse=*/true);
+  const int64_t count = distinct.numel();
+  const int64_t* id = distinct.data_ptr<int64_t>();
+  const int64_t rows = table.options_.num_embeddings();
+  if (count > 0 && (id[0] < 0 || (rows > 0 && id[count - 1] >= rows))) {
+    throw UsageError("ps::Embedding '" + name + "': id " +
+                     std::to_string(id[0] < 0 ? id[0] : id[count - 1]) +
+                     " is out of range; expected 0 <= id" +
+                     (rows > 0 ? " < " + std::to_string(rows) : std::string()));
+  }
+  torch::Tensor values = torch::empty({count, dim}, torch::kFloat);
+  std::vector<std::vector<int64_t>> at;
+  const auto by_server = route_rows(name, id, count, &at);
+  for_each_server([&](int32_t s) {
+    if (by_server[s].empty()) return;
+    PullRequest request{worker_, clock_, {}, {{table.table_, by_server[s], {}}}};
+    const PullReply reply = servers_[s]->pull(request, timeout_);
+    const size_t expected = by_server[s].size() * static_cast<size_t>(dim);
+    if (reply.sparse.size() != 1 || reply.sparse[0].values.size() != expected) {
+      throw CommError("parameter server " + std::to_string(s) + " answered a pull of " +
+                      std::to_string(by_server[s].size()) + " rows of '" + name +
+                      "' with another number of values");
+    }
+    float* out = values.data_ptr<float>();
+    const float* in = reply.sparse[0].values.data();
+    for (size_t i = 0; i < at[s].size(); ++i) {
+      std::memcpy(out + at[s][i] * dim, in + i * dim, static_cast<size_t>(dim) * sizeof(float));
+    }
+  });
+  if (torch::GradMode::is_enabled()) {
+    values.requires_grad_(true);
+    table.pieces_.push_back({distinct, values});
+  }
+  std::vector<int64_t> shape = ids.sizes().vec();
+  shape.push_back(dim);
+  return values.index_select(0, inverse.reshape({-1})).view(shape);
+}
+
+void Client::zero_grad() {
+  for (auto& dense : dense_) {
+    if (dense.parameter.grad().defined()) dense.parameter.mutable_grad().zero_();
+  }
+  for (auto& sparse : sparse_) sparse.module->pieces_.clear();
+}
+
+void Client::step() {
+  // Each table's gradient rows: the distinct ids its forwards pulled this step, their gradients
+  // summed over the forwards.
+  struct Rows {
+    torch::Tensor ids, grads;
+    std::vector<std::vector<int64_t>> by_server, at;
+  };
+  std::vector<Rows> rows(sparse_.size());
+  for (size_t t = 0; t < sparse_.size(); ++t) {
+    std::vector<torch::Tensor> ids, grads;
+    for (const auto& piece : sparse_[t].module->pieces_) {
+      if (!piece.rows.grad().defined()) continue;
+      ids.push_back(piece.ids);
+      grads.push_back(piece.rows.grad());
+    }
+    sparse_[t].module->pieces_.clear();
+    if (ids.empty()) continue;
+    Rows& r = rows[t];
+    if (ids.size() == 1) {
+      r.ids = ids[0];
+      r.grads = grads[0].contiguous();
+    } else {
+      const auto [distinct, inverse] =
+          torch::_unique(torch::cat(ids), /*sorted=*/true, /*return_inverse=*/true);
+      r.ids = distinct;
+      r.grads = torch::zeros({distinct.numel(), grads[0].size(1)}, torch::kFloat)
+                    .index_add_(0, inverse, torch::cat(grads));
+    }
+    r.by_server = route_rows(sparse_[t].name, r.ids.data_ptr<int64_t>(), r.ids.numel(), &r.at);
+  }
+
+  std::vector<torch::Tensor> grads(dense_.size());
+  for (size_t t = 0; t < dense_.size(); ++t) {
+    const torch::Tensor& grad = dense_[t].parameter.grad();
+    if (grad.defined()) grads[t] = grad.to(torch::kFloat).contiguous();
+  }
+
+  // Every server gets a push every step, empty where it holds nothing of this step, so that every
+  // server sees every worker's clock (docs/ps.md, "Consistency").
+  for_each_server([&](int32_t s) {
+    PushRequest request{worker_, clock_, 1, {}, {}};
+    for (size_t t = 0; t < dense_.size(); ++t) {
+      if (!grads[t].defined() || dense_[t].chunks[s].empty()) continue;
+      DenseSlice slice{static_cast<int32_t>(t), dense_[t].chunks[s], {}};
+      const float* g = grads[t].data_ptr<float>();
+      const int64_t numel = grads[t].numel();
+      for (int64_t k : slice.chunks) {
+        slice.values.insert(slice.values.end(), g + chunk_begin(k),
+                            g + chunk_begin(k) + chunk_length(numel, k));
+      }
+      request.dense.push_back(std::move(slice));
+    }
+    for (size_t t = 0; t < sparse_.size(); ++t) {
+      const Rows& r = rows[t];
+      if (!r.ids.defined() || r.by_server[s].empty()) continue;
+      const int64_t dim = r.grads.size(1);
+      SparseSlice slice{static_cast<int32_t>(dense_.size() + t), r.by_server[s], {}};
+      slice.values.resize(r.by_server[s].size() * static_cast<size_t>(dim));
+      const float* g = r.grads.data_ptr<float>();
+      for (size_t i = 0; i < r.at[s].size(); ++i) {
+        std::memcpy(slice.values.data() + i * dim, g + r.at[s][i] * dim,
+                    static_cast<size_t>(dim) * sizeof(float));
+      }
+      request.sparse.push_back(std::move(slice));
+    }
+    servers_[s]->push(request, timeout_);
+  });
+  ++clock_;
+  pull_dense();
+}
+
+}  // namespace detail
+
+EmbeddingImpl::EmbeddingImpl(EmbeddingOptions options) : options_(std::move(options)) {
+  if (options_.num_embeddings() < 0 || options_.embedding_dim() < 1) {
+    throw UsageError("ps::Embedding(" + std::to_string(options_.num_embeddings()) + ", " +
+                     std::to_string(options_.embedding_dim()) +
+                     "); expected num_embeddings >= 0 (0: any id) and embedding_dim >= 1");
+  }
+}
+
+torch::Tensor EmbeddingImpl::forward(const torch::Tensor& ids) {
+  const auto client = client_.lock();
+  if (!client) {
+    throw UsageError(
+        "ps::Embedding: forward before a shoal::ps::Optimizer took the model (or after it was "
+        "destroyed); expected the optimizer made first, as its rows live on the servers");
+  }
+  return client->lookup(*this, ids);
+}
+
+void EmbeddingImpl::pretty_print(std::ostream& stream) const {
+  stream << "shoal::ps::Embedding(num_embeddings=" << options_.num_embeddings()
+         << ", embedding_dim=" << options_.embedding_dim() << ")";
+}
+
+namespace {
+
+detail::OptimizerSpec spec_of(const torch::optim::SGDOptions& o) {
+  detail::OptimizerSpec spec;
+  spec.kind = detail::OptimizerSpec::Kind::kSgd;
+  spec.lr = o.lr();
+  spec.momentum = o.momentum();
+  spec.dampening = o.dampening();
+  spec.weight_decay = o.weight_decay();
+  spec.nesterov = o.nesterov();
+  return spec;
+}
+detail::OptimizerSpec spec_of(const torch::optim::AdagradOptions& o) {
+  detail::OptimizerSpec spec;
+  spec.kind = detail::OptimizerSpec::Kind::kAdagrad;
+  spec.lr = o.lr();
+  spec.lr_decay = o.lr_decay();
+  spec.weight_decay = o.weight_decay();
+  spec.initial_accumulator_value = o.initial_accumulator_value();
+  spec.eps = o.eps();
+  return spec;
+}
+detail::OptimizerSpec spec_of(const torch::optim::AdamOptions& o) {
+  detail::OptimizerSpec spec;
+  spec.kind = detail::OptimizerSpec::Kind::kAdam;
+  spec.lr = o.lr();
+  spec.beta1 = std::get<0>(o.betas());
+  spec.beta2 = std::get<1>(o.betas());
+  spec.eps = o.eps();
+  spec.weight_decay = o.weight_decay();
+  spec.amsgrad = o.amsgrad();
+  return spec;
+}
+
+std::shared_ptr<detail::Client> make_client(torch::nn::Module& model,
+                                            const detail::OptimizerSpec& spec,
+                                            const PsOptions& options) {
+  if (!shoal::is_initialized()) {
+    throw UsageError(
+        "shoal::ps::Optimizer before shoal::init(); expected shoal::init() first, as for "
+        "DataParallel");
+  }
+  return std::make_shared<detail::Client>(model, spec, options);
+}
+
+}  // namespace
+
+Optimizer::Optimizer(torch::nn::Module& model, const torch::optim::SGDOptions& options,
+                     PsOptions ps)
+    : client_(make_client(model, spec_of(options), ps)) {
+  client_->bind();
+}
+Optimizer::Optimizer(torch::nn::Module& model, const torch::optim::AdagradOptions& options,
+                     PsOptions ps)
+    : client_(make_client(model, spec_of(options), ps)) {
+  client_->bind();
+}
+Optimizer::Optimizer(torch::nn::Module& model, const torch::optim::AdamOptions& options,
+                     PsOptions ps)
+    : client_(make_client(model, spec_of(options), ps)) {
+  client_->bind();
+}
+Optimizer::~Optimizer() = default;
+
+void Optimizer::zero_grad() {
+  client_->zero_grad();
+}
+void Optimizer::step() {
+  client_->step();
+}
+int64_t Optimizer::steps() const {
+  return client_->clock();
+}
+int64_t Optimizer::staleness() const {
+  return client_->staleness();
+}
+
+}  // namespace shoal::ps

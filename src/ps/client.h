@@ -1,0 +1,88 @@
+// A worker's side of parameter-server training (docs/ps.md, "The program"): what
+// shoal::ps::Optimizer and shoal::ps::Embedding share. It names the model's tables, routes each
+// dense chunk and sparse row to the server the shard map gives it, and carries registrations,
+// pulls and pushes to the servers, one thread per server beyond the first.
+//
+// Note [A job of one without servers]
+// A program run without `shoal run --servers` (one process, no SHOAL_PS_SERVERS) trains on an
+// in-process ServerCore holding every virtual shard, in sync mode: the same update rules, the
+// same lazy rows, the same initial values as on servers, so a program tried on one process
+// behaves as it will on many.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "messages.h"
+#include "shard_map.h"
+#include "shoal/core/timeout.h"
+#include "shoal/ps/ps.h"
+
+namespace shoal::ps::detail {
+
+class Client : public std::enable_shared_from_this<Client> {
+ public:
+  // Takes the model's dense parameters and ps::Embedding tables, registers them on every
+  // server (the first worker's values create the dense tables) and loads the first pull.
+  Client(torch::nn::Module& model, const OptimizerSpec& optimizer, const PsOptions& options);
+  ~Client();
+  // Hands the model's ps::Embedding modules this client (called once, after construction).
+  void bind();
+
+  // The rows of `ids` (any shape) of `table`, pulled for this step: [ids..., dim]. Under grad
+  // mode the rows are remembered, and their gradient is pushed at step().
+  torch::Tensor lookup(EmbeddingImpl& table, const torch::Tensor& ids);
+
+  void zero_grad();
+  void step();
+  int64_t clock() const { return clock_; }
+  int64_t staleness() const { return staleness_; }
+
+  // One server as the client sees it: the gRPC client of a server process, or the in-process
+  // core (Note [A job of one without servers]).
+  class Endpoint {
+   public:
+    virtual ~Endpoint() = default;
+    virtual void register_tables(const RegisterRequest& request, Duration timeout) = 0;
+    virtual PullReply pull(const PullRequest& request, Duration timeout) = 0;
+    virtual PushReply push(const PushRequest& request, Duration timeout) = 0;
+  };
+
+ private:
+  struct Dense {
+    std::string name;
+    torch::Tensor parameter;
+    std::vector<std::vector<int64_t>> chunks;  // by server: the chunks it holds, ascending
+  };
+  struct Sparse {
+    std::string name;
+    std::shared_ptr<EmbeddingImpl> module;
+  };
+
+  // Runs call(s) for every server s, concurrently, and rethrows the lowest server's exception.
+  template <typename Call>
+  void for_each_server(const Call& call);
+  // Splits `ids` (distinct) by server; `at[s]` their positions in `ids`.
+  std::vector<std::vector<int64_t>> route_rows(const std::string& table, const int64_t* ids,
+                                               int64_t count,
+                                               std::vector<std::vector<int64_t>>* at) const;
+  void pull_dense();
+  const Sparse& sparse_of(const EmbeddingImpl& table) const {
+    return sparse_.at(static_cast<size_t>(table.table_) - dense_.size());
+  }
+
+  std::vector<std::unique_ptr<Endpoint>> servers_;
+  ShardMap map_;
+  Duration timeout_;
+  int32_t worker_ = 0;
+  std::vector<Dense> dense_;
+  std::vector<Sparse> sparse_;  // table index dense_.size() + i
+  int64_t clock_ = 0;
+  int64_t staleness_ = 0;
+};
+
+}  // namespace shoal::ps::detail

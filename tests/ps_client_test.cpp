@@ -1,0 +1,122 @@
+// shoal::ps::Optimizer and shoal::ps::Embedding (docs/ps.md, "The program"). Real jobs: `shoal run
+// --servers S -n 3` of tests/programs/ps_train.cpp, whose worker 0 checks the servers' values
+// against one process training the whole batches with torch::optim (each table row its own
+// parameter, so that torch keeps a state per row as the servers' lazy rules do). In-process: the
+// API's errors, on a job of one without servers.
+#include <cstdlib>
+
+#include <gtest/gtest.h>
+
+#include "error_of.h"
+#include "shoal/ps/ps.h"
+#include "shoal/runtime/init.h"
+#include "shoal_run.h"
+#include "test_paths.h"
+
+namespace shoal::testing {
+namespace {
+
+using namespace std::chrono_literals;
+
+const std::string kTrain = std::string(SHOAL_TEST_PROGRAMS_DIR) + "/ps_train";
+
+TEST(PsTrain, SyncOnServersEqualsOneProcessForEveryOptimizer) {
+  for (int servers : {1, 2, 3}) {
+    for (const std::string kind : {"sgd", "adagrad", "adam"}) {
+      const RunResult run =
+          run_shoal({"--servers", std::to_string(servers), "-n", "3", kTrain, kind}, 120s);
+      EXPECT_EQ(run.exit_code, 0) << servers << " servers, " << kind << "\n" << run.out << run.err;
+      EXPECT_NE(run.out.find("[0] ps train ok: " + kind + ", 3 workers, 5 sync steps"),
+                std::string::npos)
+          << run.out;
+    }
+  }
+}
+
+// Without servers a job of one trains on the servers' rules in-process (docs/ps.md).
+TEST(PsTrain, AJobOfOneTrainsWithoutServers) {
+  for (const std::string kind : {"sgd", "adagrad", "adam"}) {
+    const RunResult run = run_shoal({"-n", "1", kTrain, kind}, 60s);
+    EXPECT_EQ(run.exit_code, 0) << kind << "\n" << run.out << run.err;
+    EXPECT_NE(run.out.find("ps train ok: " + kind + ", 1 workers"), std::string::npos) << run.out;
+  }
+}
+
+// The oracle can fail: in async each push is applied alone, which is not the one process's step.
+TEST(PsTrain, AsyncIsNotTheOneProcessRun) {
+  ::setenv("SHOAL_PS_MODE", "async", 1);
+  const RunResult run = run_shoal({"--servers", "2", "-n", "3", kTrain, "sgd"}, 120s);
+  ::unsetenv("SHOAL_PS_MODE");
+  EXPECT_EQ(run.exit_code, 1) << run.out << run.err;
+  EXPECT_NE(run.out.find("[0] parameter "), std::string::npos) << run.out;
+}
+
+TEST(PsTrain, WorkersWithoutServersAreAUsageError) {
+  const RunResult run = run_shoal({"-n", "2", kTrain, "sgd"}, 60s);
+  EXPECT_EQ(run.exit_code, 1) << run.out << run.err;
+  EXPECT_NE(run.out.find("error: shoal::ps::Optimizer: this job's 2 workers have no parameter "
+                         "servers (SHOAL_PS_SERVERS is not set); expected a job started with "
+                         "shoal run --servers S"),
+            std::string::npos)
+      << run.out;
+}
+
+struct TwoTables : torch::nn::Module {
+  TwoTables() {
+    bounded = register_module("bounded", ps::Embedding(10, 3));
+    hashed = register_module("hashed", ps::Embedding(0, 2));
+    linear = register_module("linear", torch::nn::Linear(3, 1));
+  }
+  ps::Embedding bounded{nullptr}, hashed{nullptr};
+  torch::nn::Linear linear{nullptr};
+};
+
+TEST(PsClient, MisuseIsAUsageErrorSayingWhatWasExpected) {
+  auto model = std::make_shared<TwoTables>();
+  EXPECT_EQ(error_of([&] { ps::Optimizer again(*model, torch::optim::SGDOptions(0.1)); }),
+            "shoal::ps::Optimizer before shoal::init(); expected shoal::init() first, as for "
+            "DataParallel");
+  EXPECT_EQ(error_of([&] { model->bounded->forward(torch::tensor({1})); }),
+            "ps::Embedding: forward before a shoal::ps::Optimizer took the model (or after it was "
+            "destroyed); expected the optimizer made first, as its rows live on the servers");
+  EXPECT_EQ(
+      error_of([] { ps::Embedding table(-1, 3); }),
+      "ps::Embedding(-1, 3); expected num_embeddings >= 0 (0: any id) and embedding_dim >= 1");
+
+  shoal::init();
+  {
+    ps::Optimizer optimizer(*model, torch::optim::AdagradOptions(0.1));
+    EXPECT_EQ(error_of([&] {
+                model->bounded->forward(torch::tensor({3, 10}));
+              }),
+              "ps::Embedding 'bounded': id 10 is out of range; expected 0 <= id < 10");
+    EXPECT_EQ(error_of([&] {
+                model->hashed->forward(torch::tensor(std::vector<int64_t>{-4, int64_t{1} << 40}));
+              }),
+              "ps::Embedding 'hashed': id -4 is out of range; expected 0 <= id");
+    EXPECT_EQ(error_of([&] { model->bounded->forward(torch::tensor({1.5})); }),
+              "ps::Embedding 'bounded': ids are float; expected an integer tensor");
+    EXPECT_EQ(error_of([&] { ps::Optimizer again(*model, torch::optim::SGDOptions(0.1)); }),
+              "shoal::ps::Optimizer: ps::Embedding 'bounded' already belongs to another "
+              "shoal::ps::Optimizer; expected one per model");
+    // Hashed ids of any size are rows like any other; a forward of no ids is empty.
+    EXPECT_EQ(model->hashed
+                  ->forward(torch::tensor(std::vector<int64_t>{7, int64_t{1} << 40}).view({1, 2}))
+                  .sizes(),
+              (std::vector<int64_t>{1, 2, 2}));
+    EXPECT_EQ(model->hashed->forward(torch::empty({0}, torch::kLong)).sizes(),
+              (std::vector<int64_t>{0, 2}));
+  }
+  EXPECT_EQ(error_of([&] { model->bounded->forward(torch::tensor({1})); }),
+            "ps::Embedding: forward before a shoal::ps::Optimizer took the model (or after it was "
+            "destroyed); expected the optimizer made first, as its rows live on the servers");
+  auto doubles = std::make_shared<torch::nn::LinearImpl>(2, 2);
+  doubles->to(torch::kDouble);
+  EXPECT_EQ(error_of([&] { ps::Optimizer optimizer(*doubles, torch::optim::SGDOptions(0.1)); }),
+            "shoal::ps::Optimizer: parameter 'weight' is double on cpu; expected contiguous "
+            "float32 on the CPU");
+  shoal::shutdown();
+}
+
+}  // namespace
+}  // namespace shoal::testing
