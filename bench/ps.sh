@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Parameter-server training throughput on bench/ddp's dense MLP (784-2048-2048-10, batch 64 per
 # worker, SGD lr 0.01, one intra-op thread per process), side by side in one run on loopback:
-#   shoal-ps-sync, shoal-ps-async   shoal's parameter server (see "shoal's parameter server" below)
+#   shoal-ps-sync, shoal-ps-async   shoal's parameter server: bench/ps.cpp, shoal::ps::Optimizer under
+#                      `shoal run --servers S -n W`, SHOAL_PS_MODE=sync|async
 #   dp                 shoal's all-reduce DataParallel (bench/ddp.cpp --impl shoal; no servers)
 #   torch-tutorial     PyTorch's RPC parameter server as its tutorial writes it (bench/ps_torch_rpc.py
 #                      --variant tutorial: the model and its forward/backward on one server, async)
@@ -14,7 +15,7 @@
 # over rounds of samples/s (every worker's samples over the slowest worker's timed steps, warm-up
 # excluded, as bench/ddp).
 #
-#   bench/ps.sh [BUILD_DIR]      (default: build; needs its targets shoal_cli and ddp)
+#   bench/ps.sh [BUILD_DIR]      (default: build; needs its targets shoal_cli, ddp and ps)
 #
 # Environment:
 #   ROUNDS=3 WARMUP=3 STEPS=10    rounds; untimed and timed steps per run
@@ -50,22 +51,18 @@ for contender in "${contenders[@]}"; do
   esac
 done
 
-# ---- shoal's parameter server -------------------------------------------------------------------
-# The rows shoal-ps-sync and shoal-ps-async come from a C++ program that trains the same MLP with
-# the worker-side API (shoal::ps::Optimizer) under `shoal run --servers S -n W`, printing a line
+# shoal's parameter server: bench/ps.cpp trains the same MLP with shoal::ps::Optimizer and prints
 #   ps impl=shoal-ps mode=sync workers=W servers=S batch=64 steps=N samples_per_s=... step_ms=...
-# Until that program exists (bench/ps.cpp on include/shoal/ps/), these rows are reported as not
-# measured; nothing is printed in their place.
+# Without its build the rows are reported as not measured; nothing is printed in their place.
 shoal_ps_program=$build/bench/ps
 shoal_ps_run() {  # $1: sync|async, $2: workers, $3: servers
   if [[ ! -x $shoal_ps_program ]]; then
-    echo "not measured: $shoal_ps_program is missing (shoal's parameter-server worker API)"
+    echo "not measured: $shoal_ps_program is missing (build the target ps)"
     return 3
   fi
   SHOAL_NUM_THREADS=1 SHOAL_PS_MODE=$1 timeout "$run_timeout" "$shoal" run --servers "$3" -n "$2" \
     --no-tag-output "$shoal_ps_program" --warmup "$warmup" --steps "$steps"
 }
-# -------------------------------------------------------------------------------------------------
 
 results=$(mktemp -d /tmp/shoal-ps.XXXXXX)
 mkdir -p "$here/results"

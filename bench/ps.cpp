@@ -1,0 +1,103 @@
+// Parameter-server training throughput on bench/ddp's dense MLP (bench/ps.sh runs it beside
+// shoal's DataParallel and PyTorch's RPC parameter servers): the same model, batch, data and SGD
+// as bench/ddp.cpp, trained through shoal::ps::Optimizer on the job's servers.
+//
+//   SHOAL_PS_MODE=sync|async shoal run --servers S -n W ps [--batch 64] [--warmup 3] [--steps 10]
+//
+// Each worker uses one intra-op thread. After --warmup untimed steps, --steps steps are timed on
+// every worker between two barriers; the main worker prints one line in bench/ddp's format:
+//
+//   ps impl=shoal-ps mode=sync workers=2 servers=1 batch=64 steps=10 samples_per_s=... step_ms=...
+//
+// samples_per_s counts every worker's samples over the slowest worker's timed steps.
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include <CLI/CLI.hpp>
+
+#include "shoal/shoal.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct MlpImpl : torch::nn::Module {  // bench/ddp.cpp's
+  MlpImpl()
+      : fc1(register_module("fc1", torch::nn::Linear(784, 2048))),
+        fc2(register_module("fc2", torch::nn::Linear(2048, 2048))),
+        fc3(register_module("fc3", torch::nn::Linear(2048, 10))) {}
+  torch::Tensor forward(torch::Tensor x) { return fc3(torch::relu(fc2(torch::relu(fc1(x))))); }
+  torch::nn::Linear fc1, fc2, fc3;
+};
+TORCH_MODULE(Mlp);
+
+std::string env_or(const char* name, const char* otherwise) {
+  const char* value = std::getenv(name);
+  return value != nullptr && *value != '\0' ? value : otherwise;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app("Parameter-server training throughput on bench/ddp's MLP (bench/ps.sh)");
+  int64_t batch = 64;
+  int warmup = 3;
+  int steps = 10;
+  app.add_option("--batch", batch, "Samples per worker and step (default 64)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--warmup", warmup, "Untimed steps (default 3)")->check(CLI::NonNegativeNumber);
+  app.add_option("--steps", steps, "Timed steps (default 10)")->check(CLI::PositiveNumber);
+  CLI11_PARSE(app, argc, argv);
+
+  shoal::init();
+  torch::set_num_threads(1);
+  auto& world = shoal::world();
+  const int n = world.size();
+
+  // Different data on every worker, the same from run to run; made before anything is timed.
+  torch::manual_seed(1000 + shoal::job().rank);
+  constexpr int kBatches = 4;
+  std::vector<torch::Tensor> inputs, labels;
+  for (int b = 0; b < kBatches; ++b) {
+    inputs.push_back(torch::randn({batch, 784}));
+    labels.push_back(torch::randint(0, 10, {batch}, torch::kLong));
+  }
+  torch::manual_seed(0);
+  Mlp model;
+  shoal::ps::Optimizer optimizer(*model, torch::optim::SGDOptions(0.01));
+
+  auto step = [&](int i) {
+    optimizer.zero_grad();
+    torch::nn::functional::cross_entropy(model->forward(inputs[i % kBatches]), labels[i % kBatches])
+        .backward();
+    optimizer.step();
+  };
+  for (int i = 0; i < warmup; ++i) step(i);
+  world.barrier();
+  const auto start = Clock::now();
+  for (int i = 0; i < steps; ++i) step(warmup + i);
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  auto slowest = torch::tensor({seconds}, torch::kFloat64);
+  world.all_reduce(slowest,
+                   {shoal::comm::ReduceOp::kMax});  // the job is as fast as its slowest worker
+
+  double weight_sum = 0;
+  for (const auto& p : model->parameters())
+    weight_sum += p.detach().to(torch::kFloat64).abs().sum().item<double>();
+  if (shoal::is_main()) {
+    const double t = slowest.item<double>();
+    std::printf(
+        "ps impl=shoal-ps mode=%s workers=%d servers=%s batch=%lld steps=%d samples_per_s=%.2f "
+        "step_ms=%.3f staleness=%lld weight_abs_sum=%.6f\n",
+        env_or("SHOAL_PS_MODE", "sync").c_str(), n, env_or("SHOAL_PS_SERVERS", "0").c_str(),
+        static_cast<long long>(batch), steps, n * batch * steps / t, t * 1e3 / steps,
+        static_cast<long long>(optimizer.staleness()), weight_sum);
+    std::fflush(stdout);
+  }
+  world.barrier();
+  return 0;
+}
