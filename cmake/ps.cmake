@@ -28,6 +28,7 @@ add_library(shoal_ps_rpc STATIC
   src/ps/rpc.cpp
   src/ps/sum_handler.cpp
   src/ps/connect.cpp
+  src/ps/replica.cpp
 )
 set_target_properties(shoal_ps_rpc PROPERTIES POSITION_INDEPENDENT_CODE ON)
 target_include_directories(shoal_ps_rpc PUBLIC ${PROJECT_SOURCE_DIR}/include ${PROJECT_SOURCE_DIR}/src)

@@ -34,6 +34,7 @@ struct RawFlags {
   std::string checkpoint;
   std::string checkpoint_every;
   std::string servers = "0";
+  std::string ps_replicas = "1";
 };
 
 // The program and its arguments are split off before CLI11 parses, so CLI11 does not know them;
@@ -162,13 +163,22 @@ void add_flags(CLI::App& app, RawFlags& raw) {
   app.add_option("--servers", raw.servers,
                  "Parameter servers to start before the workers (default 0; docs/ps.md)")
       ->type_name("S");
+  app.add_option("--ps-replicas", raw.ps_replicas,
+                 "Processes per parameter server: 1 (default) or 2, a primary and a backup that "
+                 "takes over when it dies (docs/ps.md)")
+      ->type_name("R");
 }
 
 // See docs/ps.md, "Processes".
 void validate_servers(const RawFlags& raw, LaunchOptions& options) {
   options.servers =
       parse_int("--servers", raw.servers, 0, 1024, "a number of servers from 0 to 1024");
-  if (options.servers == 0) return;
+  options.ps_replicas = parse_int("--ps-replicas", raw.ps_replicas, 1, 2,
+                                  "1 or 2 processes per parameter server");
+  if (options.servers == 0) {
+    if (options.ps_replicas != 1) throw UsageError("--ps-replicas needs --servers S; add it");
+    return;
+  }
   if (options.elastic) {
     throw UsageError(
         "--servers is not supported with elastic jobs (--min/--max, --join) yet; drop one of them");

@@ -4,8 +4,10 @@
 
 #include <CLI/CLI.hpp>
 #include <iostream>
+#include <thread>
 
 #include "../ps/connect.h"
+#include "../ps/replica.h"
 #include "../ps/rpc.h"
 #include "../ps/server_core.h"
 #include "../ps/shard_map.h"
@@ -19,6 +21,8 @@ namespace {
 
 // How often the server checks that its job's store is still there.
 constexpr Duration kStoreCheck{1000};
+// How long a primary waits for its backup to publish its address and answer.
+constexpr Duration kBackupWait{60000};
 
 std::string required(const env::Environment& env, const std::string& name, const char* what) {
   auto value = env::get(env, name);
@@ -61,8 +65,32 @@ std::unique_ptr<ps::detail::Handler> make_handler(const std::string& kind, const
   return std::make_unique<ps::detail::ServerCore>(std::move(options));
 }
 
+// Waits (until `timeout`) for the address of server `index`'s backup and returns a client of
+// it that has answered a Ping.
+std::unique_ptr<ps::detail::RpcClient> connect_backup(const comm::StorePtr& store, int index,
+                                                      const std::string& token,
+                                                      Duration timeout) {
+  const Deadline deadline(timeout);
+  const std::string key = ps::detail::backup_key(index);
+  std::string address;
+  while ((address = comm::try_get(store, key)).empty()) {
+    if (deadline.expired()) {
+      throw CommError("the backup of parameter server " + std::to_string(index) +
+                      " did not publish its address (" + key + " in the job's store) within " +
+                      format_duration(timeout));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  auto backup = std::make_unique<ps::detail::RpcClient>(index, address, token);
+  backup->ping(std::max(deadline.remaining(), Duration(1)));
+  return backup;
+}
+
+// `role`: "primary" (the default; with `replicas` 2 it forwards every update to its backup) or
+// "backup" (publishes backup_key(index) instead, and is forwarded to). See docs/ps.md,
+// "Replicas and snapshots".
 int serve(int index, const std::string& host, int port, const std::string& handler_kind,
-          const std::string& mode) {
+          const std::string& mode, const std::string& role, int replicas) {
   const env::Environment env = env::current();
   comm::StoreOptions store_options;
   store_options.host = required(env, "SHOAL_MASTER_ADDR", "the address of the job's store");
@@ -83,17 +111,29 @@ int serve(int index, const std::string& host, int port, const std::string& handl
   for (int signal : {SIGTERM, SIGINT, SIGHUP}) sigaddset(&stop, signal);
   pthread_sigmask(SIG_BLOCK, &stop, nullptr);
 
-  const auto handler = make_handler(handler_kind, mode, index, env);
+  const auto core = make_handler(handler_kind, mode, index, env);
   const comm::StorePtr store = comm::open_store(store_options);
+  std::unique_ptr<ps::detail::Handler> replicated;
+  if (role == "primary" && replicas > 1) {
+    try {
+      replicated = std::make_unique<ps::detail::ReplicatedHandler>(
+          *core, connect_backup(store, index, token, kBackupWait));
+    } catch (const CommError& e) {
+      // Workers find no backup either (it never published), so they never fail over to it.
+      std::cerr << e.what() << "; serving alone" << std::endl;
+    }
+  }
   ps::detail::ServerOptions options;
   options.host = host;
   options.port = port;
   options.index = index;
   options.token = token;
-  ps::detail::RpcServer server(*handler, options);
+  ps::detail::RpcServer server(replicated ? *replicated : *core, options);
   const std::string address = comm::local_address_towards(store_options.host, store_options.port) +
                               ":" + std::to_string(server.port());
-  comm::put(store, ps::detail::server_key(index), address);
+  comm::put(store,
+            role == "backup" ? ps::detail::backup_key(index) : ps::detail::server_key(index),
+            address);
 
   for (;;) {
     const timespec wait{kStoreCheck.count() / 1000, (kStoreCheck.count() % 1000) * 1000000L};
@@ -116,6 +156,8 @@ int ps_server_command(const std::vector<std::string>& args) {
   int port = 0;
   std::string host = "0.0.0.0";
   std::string handler = "core";
+  std::string role = "primary";
+  int replicas = 1;
   std::string mode = env::get(env::current(), "SHOAL_PS_MODE").value_or("sync");
   CLI::App app("Serves one parameter server of a job (started by shoal run --servers).",
                "shoal ps-server");
@@ -124,6 +166,12 @@ int ps_server_command(const std::vector<std::string>& args) {
   app.add_option("--host", host, "The interface to listen on (default 0.0.0.0)");
   app.add_option("--handler", handler, "core (the parameter server) or sum (the transport's test handler)")
       ->check(CLI::IsMember({"core", "sum"}));
+  app.add_option("--role", role, "primary (the default) or backup (docs/ps.md, \"Replicas and snapshots\")")
+      ->check(CLI::IsMember({"primary", "backup"}));
+  app.add_option("--replicas", replicas,
+                 "Processes serving this index: 1 (the default) or 2 (a primary forwards every "
+                 "update to its backup)")
+      ->check(CLI::Range(1, 2));
   app.add_option("--mode", mode,
                  "sync, async or ssp:S (bounded staleness S); default SHOAL_PS_MODE, else sync");
   try {
@@ -133,7 +181,7 @@ int ps_server_command(const std::vector<std::string>& args) {
     if (port < 0 || port > 65535) {
       throw UsageError("--port " + std::to_string(port) + "; expected 0 to 65535");
     }
-    return serve(index, host, port, handler, mode);
+    return serve(index, host, port, handler, mode, role, replicas);
   } catch (const CLI::CallForHelp&) {
     std::cout << app.help();
     return 0;

@@ -10,6 +10,14 @@ std::string server_key(int index) {
   return "ps/server/" + std::to_string(index);
 }
 
+std::string backup_key(int index) {
+  return server_key(index) + "/backup";
+}
+
+std::string lost_primary_key(int index) {
+  return server_key(index) + "/lost";
+}
+
 std::string job_token(const env::Environment& env) {
   if (auto token = env::get(env, "SHOAL_JOB_TOKEN"); token && !token->empty()) return *token;
   if (auto path = env::get(env, "SHOAL_JOB_TOKEN_FILE"); path && !path->empty()) {
@@ -33,8 +41,15 @@ std::vector<std::unique_ptr<RpcClient>> connect_servers(const comm::StorePtr& st
   for (int i = 0; i < count; ++i) {
     const std::string key = server_key(i);
     std::string address;
-    // The store's own wait would block past our deadline on a key that never comes: poll.
+    bool primary_lost = false;
+    // The store's own wait would block past our deadline on a key that never comes: poll. A
+    // primary that died before it published its address is replaced by its backup.
     while ((address = comm::try_get(store, key)).empty()) {
+      if (!comm::try_get(store, lost_primary_key(i)).empty() &&
+          !(address = comm::try_get(store, backup_key(i))).empty()) {
+        primary_lost = true;
+        break;
+      }
       if (deadline.expired()) {
         throw CommError("parameter server " + std::to_string(i) + " did not publish its address (" +
                         key + " in the job's store) within " + format_duration(timeout) +
@@ -42,7 +57,14 @@ std::vector<std::unique_ptr<RpcClient>> connect_servers(const comm::StorePtr& st
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
-    clients.push_back(std::make_unique<RpcClient>(i, address, token));
+    // A primary publishes its address after its backup's (docs/ps.md, "Replicas and
+    // snapshots"): once server_key(i) is there, so is backup_key(i) if the index has a backup.
+    std::vector<std::string> addresses{address};
+    if (std::string backup = comm::try_get(store, backup_key(i));
+        !primary_lost && !backup.empty()) {
+      addresses.push_back(backup);
+    }
+    clients.push_back(std::make_unique<RpcClient>(i, std::move(addresses), token));
   }
   for (auto& client : clients) {
     const int index = client->ping(std::max(deadline.remaining(), Duration(1)));

@@ -411,6 +411,11 @@ PushReply ServerCore::push(const PushRequest& request, const Deadline& /*deadlin
     bad(what, "worker " + std::to_string(w) + " is not live; expected one of " +
                   list_workers({live_.begin(), live_.end()}));
   const int64_t next = clock_[w];
+  // See Note [Retried pushes] (server_core.h).
+  if (request.clock == next - 1) {
+    auto last = last_reply_.find(w);
+    if (last != last_reply_.end()) return last->second;
+  }
   if (request.clock != next)
     bad(what, "worker " + std::to_string(w) + " pushed step " + std::to_string(request.clock) +
                   "; expected its next step " + std::to_string(next));
@@ -434,6 +439,7 @@ PushReply ServerCore::push(const PushRequest& request, const Deadline& /*deadlin
     apply_ready_steps();
   }
   reply.clock = step_;
+  last_reply_[w] = reply;
   changed_.notify_all();
   return reply;
 }
@@ -564,8 +570,11 @@ void ServerCore::set_live_workers(const std::vector<int32_t>& workers, LeaverPus
     for (auto& [step, pushes] : pending_)
       for (int32_t w : live_)
         if (next.count(w) == 0) pushes.erase(w);
-  for (int32_t w : next)
-    if (live_.count(w) == 0) clock_[w] = start;
+  for (int32_t w : next) {
+    if (live_.count(w) != 0) continue;
+    clock_[w] = start;
+    last_reply_.erase(w);  // a joiner's clock starts anew: no step of it was pushed yet
+  }
   live_ = next;
   if (options_.consistency == Consistency::kSync) apply_ready_steps();
   changed_.notify_all();

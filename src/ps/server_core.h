@@ -63,6 +63,12 @@ class ServerCore : public Handler {
   // replicas_to_aggregate, a push to a step already full is answered counted = false and
   // dropped. Bounded staleness and async: applies it at once. Never waits, so its deadline
   // cannot pass.
+  //
+  // Note [Retried pushes]: a push is known by (worker, clock). The push of a worker's last step,
+  // sent again, is answered with the reply it got the first time and changes nothing: a client
+  // that lost a server's answer (the server died after applying or forwarding it, docs/ps.md
+  // "Replicas and snapshots") retries on its replica, which may already hold it. Any other step
+  // but the worker's next is refused.
   PushReply push(const PushRequest& request, const Deadline& deadline) override;
 
   // Workers leave and join. A joiner's clock starts at the server's step (sync) or at the slowest
@@ -123,6 +129,7 @@ class ServerCore : public Handler {
   int64_t pulls_waiting_ = 0;
   bool registered_ = false;
   std::map<int64_t, std::map<int32_t, PushRequest>> pending_;  // sync: step -> worker -> push
+  std::map<int32_t, PushReply> last_reply_;  // per worker: the reply to its last push
 };
 
 }  // namespace shoal::ps::detail

@@ -3,8 +3,13 @@
 // the shard map, and checks that after every step the servers hold what one process applying
 // the mean gradient of all workers' rows would hold (SGD with momentum for the dense table, plain
 // SGD for the sparse one). Prints "ps ok" and exits 0, or says what differed and exits 1. With
-// --hold it prints "ps ready" after connecting and sleeps (the test then kills a server).
+// --hold it prints "ps ready" after connecting and sleeps (the test then kills a server). With
+// --steps N it trains N steps (default 4) and prints "ps step T at NS" after each checked step
+// (NS: CLOCK_MONOTONIC in ns), sleeping --pause-ms P after it, so that a test can kill a server
+// mid-training and time the failover.
 #include <unistd.h>
+
+#include <time.h>
 
 #include <chrono>
 #include <cmath>
@@ -26,7 +31,6 @@ namespace {
 
 constexpr int64_t kDense = 2 * kChunkElements + 1000;  // three chunks, the last one short
 constexpr int64_t kDim = 4;
-constexpr int kSteps = 4;
 
 // Worker r's gradient at step t: a function of (r, t) and of the values it pulled, as a real
 // gradient is of the parameters; its loss is the mean over r + 1 rows.
@@ -64,7 +68,24 @@ DenseSlice dense_slice(const Route& route, int server, const torch::Tensor& valu
 }  // namespace
 
 int main(int argc, char** argv) {
-  const bool hold = argc > 1 && std::strcmp(argv[1], "--hold") == 0;
+  bool hold = false;
+  bool step_lines = false;
+  int steps = 4;
+  int pause_ms = 0;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--hold") == 0) {
+      hold = true;
+    } else if (std::strcmp(argv[i], "--steps") == 0 && i + 1 < argc) {
+      steps = std::atoi(argv[++i]);
+      step_lines = true;
+    } else if (std::strcmp(argv[i], "--pause-ms") == 0 && i + 1 < argc) {
+      pause_ms = std::atoi(argv[++i]);
+    } else {
+      std::cout << "error: unknown argument " << argv[i]
+                << "; expected --hold, --steps N or --pause-ms P" << std::endl;
+      return 2;
+    }
+  }
   try {
     const env::Environment env = env::current();
     const int rank = static_cast<int>(*env::get_int(env, "SHOAL_RANK"));
@@ -101,7 +122,7 @@ int main(int argc, char** argv) {
     torch::optim::SGD reference({w}, torch::optim::SGDOptions(0.5).momentum(0.9));
     std::map<int64_t, torch::Tensor> rows;  // the reference's rows, from their first pull
 
-    for (int t = 0; t <= kSteps; ++t) {
+    for (int t = 0; t <= steps; ++t) {
       // Pull the values of step t: every chunk, and the rows any worker touches in it.
       torch::Tensor pulled = torch::empty({kDense});
       std::vector<int64_t> ids;
@@ -145,7 +166,14 @@ int main(int argc, char** argv) {
           return 1;
         }
       }
-      if (t == kSteps) break;
+      if (step_lines && t > 0) {
+        timespec now{};
+        ::clock_gettime(CLOCK_MONOTONIC, &now);
+        std::cout << "ps step " << t << " at " << now.tv_sec * 1000000000LL + now.tv_nsec
+                  << std::endl;
+      }
+      if (t == steps) break;
+      if (pause_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
 
       // Push this worker's gradient of step t, computed from what it pulled.
       const torch::Tensor g = dense_gradient(rank, t, pulled);
@@ -180,7 +208,7 @@ int main(int argc, char** argv) {
       reference.step();
       for (const auto& [id, m] : row_mean) rows[id] -= 0.25 * m.to(torch::kFloat);
     }
-    std::cout << "ps ok " << servers.size() << " servers, " << kSteps << " sync steps" << std::endl;
+    std::cout << "ps ok " << servers.size() << " servers, " << steps << " sync steps" << std::endl;
     return 0;
   } catch (const std::exception& e) {
     std::cout << "error: " << e.what() << std::endl;
