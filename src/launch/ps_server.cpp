@@ -166,7 +166,7 @@ int ps_server_command(const std::vector<std::string>& args) {
   app.add_option("--host", host, "The interface to listen on (default 0.0.0.0)");
   app.add_option("--handler", handler, "core (the parameter server) or sum (the transport's test handler)")
       ->check(CLI::IsMember({"core", "sum"}));
-  app.add_option("--role", role, "primary (the default) or backup (docs/ps.md, \"Replicas and snapshots\")")
+  app.add_option("--role", role, "primary (the default) or backup (docs/ps.md, replicas)")
       ->check(CLI::IsMember({"primary", "backup"}));
   app.add_option("--replicas", replicas,
                  "Processes serving this index: 1 (the default) or 2 (a primary forwards every "
