@@ -6,10 +6,13 @@
 #include <dirent.h>
 #include <signal.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -21,6 +24,7 @@
 #include "ps/rpc.h"
 #include "ps/server_core.h"
 #include "ps/shard_map.h"
+#include "ps/snapshot.h"
 #include "ps_support.h"
 #include "shoal_run.h"
 #include "test_paths.h"
@@ -213,6 +217,72 @@ TEST(PsReplicaPair, ARefusalIsNotAFailover) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Snapshot files (src/ps/snapshot.h).
+
+std::string fresh_dir(const std::string& name) {
+  const std::string dir =
+      ::testing::TempDir() + "ps_replica_" + name + "_" + std::to_string(::getpid());
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+std::map<int32_t, std::string> fake_shards(const std::vector<int32_t>& shards, int64_t step) {
+  std::map<int32_t, std::string> out;
+  for (int32_t shard : shards)
+    out[shard] = "shard " + std::to_string(shard) + " at " + std::to_string(step);
+  return out;
+}
+
+TEST(PsSnapshotFiles, TheNewestCompleteStepIsReadAndDamagedFilesAreSkipped) {
+  const std::string dir = fresh_dir("files");
+  const ShardMap three(3);
+  for (int64_t step : {2, 4, 6}) {
+    for (int s = 0; s < 3; ++s) {
+      // Server 2's snapshot of step 6 never completes (a crash before the rename).
+      if (step == 6 && s == 2) continue;
+      write_snapshot(dir, s, 3, step, fake_shards(three.shards_of(s), step));
+    }
+  }
+  std::ofstream(dir + "/snapshot-000000000006-server-2-of-3.bin.tmp") << "half";
+  // Each server kept its two newest files.
+  EXPECT_FALSE(std::filesystem::exists(dir + "/snapshot-000000000002-server-0-of-3.bin"));
+  EXPECT_TRUE(std::filesystem::exists(dir + "/snapshot-000000000004-server-0-of-3.bin"));
+
+  // Server 0 of 3 has step 6; every shard of server 0 of 2 only step 4 (step 6 lacks server 2's).
+  auto own = read_newest_snapshot(dir, three.shards_of(0));
+  ASSERT_TRUE(own);
+  EXPECT_EQ(own->step, 6);
+  EXPECT_EQ(own->shards, fake_shards(three.shards_of(0), 6));
+  const ShardMap two(2);
+  for (int s = 0; s < 2; ++s) {
+    auto moved = read_newest_snapshot(dir, two.shards_of(s));
+    ASSERT_TRUE(moved);
+    EXPECT_EQ(moved->step, 4);
+    EXPECT_EQ(moved->shards, fake_shards(two.shards_of(s), 4));
+  }
+
+  // A flipped byte fails the checksum: that file is skipped and the older step is read.
+  const std::string path = dir + "/snapshot-000000000006-server-0-of-3.bin";
+  std::string bytes;
+  {
+    std::ifstream in(path, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  bytes[bytes.size() / 2] ^= 1;
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+  auto older = read_newest_snapshot(dir, three.shards_of(0));
+  ASSERT_TRUE(older);
+  EXPECT_EQ(older->step, 4);
+  // Truncated files too; and nothing at all is nullopt, not an error.
+  for (const auto& entry : std::filesystem::directory_iterator(dir))
+    std::filesystem::resize_file(entry.path(), 10);
+  EXPECT_FALSE(read_newest_snapshot(dir, three.shards_of(0)));
+  EXPECT_FALSE(read_newest_snapshot(dir + "/none", three.shards_of(0)));
+  std::filesystem::remove_all(dir);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Real processes: `shoal run --servers 2 --ps-replicas 2 -n 3 ps_worker`.
 
 const std::string kWorker = std::string(SHOAL_TEST_PROGRAMS_DIR) + "/ps_worker";
@@ -350,6 +420,71 @@ TEST(PsReplicaLaunch, ReplicasFlagIsCheckedAtOnce) {
     EXPECT_EQ(run.exit_code, 2);
     EXPECT_EQ(run.err, message + "\n");
   }
+}
+
+// `shoal run --servers 3 --ps-snapshot-dir`: the servers' snapshot of the last step, loaded onto
+// 1, 2 or 3 cores, holds what one process holds after it (tests/programs/ps_worker.cpp's
+// reference, dumped by worker 0), and the same bits whatever the count it was loaded onto.
+TEST(PsSnapshotLaunch, SnapshotsOfThreeServersLoadOntoAnyCountAndEqualOneProcess) {
+  const std::string dir = fresh_dir("launch");
+  const std::string snapshots = dir + "/snapshots";
+  const std::string dump = dir + "/reference.bin";
+  const shoal::testing::RunResult run = shoal::testing::run_shoal(
+      {"--servers", "3", "--ps-snapshot-dir", snapshots, "--ps-snapshot-every", "2", "-n", "2",
+       kWorker, "--steps", "4", "--dump-dense", dump},
+      120s);
+  ASSERT_EQ(run.exit_code, 0) << run.out << run.err;
+
+  // ps_worker.cpp's tables.
+  constexpr int64_t kDense = 2 * kChunkElements + 1000;
+  TableSpec dense{"w", false, {kDense}, {}, {}, 0};
+  dense.optimizer.lr = 0.5;
+  dense.optimizer.momentum = 0.9;
+  TableSpec sparse{"emb", true, {0, 4}, {}, {}, 11};
+  sparse.optimizer.lr = 0.25;
+  sparse.init = {InitSpec::Kind::kNormal, 0, 1};
+
+  std::vector<float> reference(kDense);
+  {
+    std::ifstream in(dump, std::ios::binary);
+    in.read(reinterpret_cast<char*>(reference.data()), kDense * sizeof(float));
+    ASSERT_EQ(in.gcount(), static_cast<std::streamsize>(kDense * sizeof(float)));
+  }
+  std::vector<float> first;
+  for (int servers : {1, 2, 3}) {
+    SCOPED_TRACE(std::to_string(servers) + " servers");
+    const ShardMap map(servers);
+    std::vector<float> values(kDense, NAN);
+    for (int s = 0; s < servers; ++s) {
+      const auto snapshot = read_newest_snapshot(snapshots, map.shards_of(s));
+      ASSERT_TRUE(snapshot);
+      EXPECT_EQ(snapshot->step, 4);
+      ServerCoreOptions options;
+      options.workers = {0};
+      options.shards = map.shards_of(s);
+      ServerCore core(options);
+      DenseSlice held{0, {}, {}};
+      for (int64_t k = 0; k < chunk_count(kDense); ++k) {
+        if (map.owner(chunk_shard("w", k)) != s) continue;
+        held.chunks.push_back(k);
+        held.values.resize(held.values.size() + chunk_length(kDense, k), 0.0f);
+      }
+      core.register_tables({0, {dense, sparse}, {held}}, Deadline(10s));
+      for (const auto& [shard, bytes] : snapshot->shards) core.load_shard(shard, bytes);
+      held.values.clear();
+      const PullReply pulled = core.pull({0, 0, {held}, {}}, Deadline(10s));
+      size_t at = 0;
+      for (int64_t k : pulled.dense.at(0).chunks) {
+        std::copy_n(pulled.dense[0].values.begin() + static_cast<std::ptrdiff_t>(at),
+                    chunk_length(kDense, k), values.begin() + chunk_begin(k));
+        at += static_cast<size_t>(chunk_length(kDense, k));
+      }
+    }
+    EXPECT_TRUE(shoal::testing::near_relative(values, reference, 1e-5));
+    if (first.empty()) first = values;
+    EXPECT_EQ(values, first);
+  }
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -55,6 +55,10 @@ struct LaunchOptions {
   // --ps-replicas R: processes per server index, 1 or 2 (a primary and its backup; docs/ps.md,
   // "Replicas and snapshots").
   int ps_replicas = 1;
+  // --ps-snapshot-dir DIR / --ps-snapshot-every K: the servers write their shards to DIR every K
+  // steps (docs/ps.md, "Replicas and snapshots"). Empty: no snapshots.
+  std::string ps_snapshot_dir;
+  int ps_snapshot_every = 100;
 
   std::string program;  // as given (for messages)
   std::string program_path;  // resolved against PATH; what is executed

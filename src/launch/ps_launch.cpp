@@ -45,6 +45,11 @@ void Launcher::start_servers(const std::string& run_id, int port) {
       server->backup = backup;
       if (backup) server->server_args = {"--role", "backup"};
       if (!backup && options_.ps_replicas > 1) server->server_args = {"--replicas", "2"};
+      if (!backup && !options_.ps_snapshot_dir.empty()) {
+        server->server_args.insert(server->server_args.end(),
+                                   {"--snapshot-dir", options_.ps_snapshot_dir, "--snapshot-every",
+                                    std::to_string(options_.ps_snapshot_every)});
+      }
       server->envp = to_envp(env);
       spawn(*server);
       workers_.push_back(std::move(server));

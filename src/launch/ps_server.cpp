@@ -1,6 +1,14 @@
 #include "ps_server.h"
 
 #include <signal.h>
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <condition_variable>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <optional>
 
 #include <CLI/CLI.hpp>
 #include <iostream>
@@ -10,6 +18,7 @@
 #include "../ps/replica.h"
 #include "../ps/rpc.h"
 #include "../ps/server_core.h"
+#include "../ps/snapshot.h"
 #include "../ps/shard_map.h"
 #include "../ps/sum_handler.h"
 #include "shoal/comm/store.h"
@@ -32,12 +41,76 @@ std::string required(const env::Environment& env, const std::string& name, const
   return *value;
 }
 
+// Writes the core's snapshots (docs/ps.md, "Replicas and snapshots") on a thread of its own, so
+// that the core, which hands them over under its lock, never waits for a disk. When the disk is
+// slower than the steps, a snapshot still waiting is replaced by the newer one.
+class SnapshotWriter {
+ public:
+  SnapshotWriter(std::string dir, int64_t every, int index, int servers)
+      : dir_(std::move(dir)), every_(every), index_(index), servers_(servers) {
+    if (::mkdir(dir_.c_str(), 0755) != 0 && errno != EEXIST) {
+      throw UsageError("--snapshot-dir " + dir_ + " cannot be created: " + std::strerror(errno) +
+                       "; expected a writable directory");
+    }
+    thread_ = std::thread([this] { run(); });
+  }
+  ~SnapshotWriter() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    ready_.notify_all();
+    thread_.join();
+  }
+  int64_t every() const { return every_; }
+  void hand(int64_t step, std::map<int32_t, std::string> shards) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      pending_ = Pending{step, std::move(shards)};
+    }
+    ready_.notify_all();
+  }
+
+ private:
+  struct Pending {
+    int64_t step;
+    std::map<int32_t, std::string> shards;
+  };
+  void run() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      ready_.wait(lock, [&] { return stop_ || pending_; });
+      if (!pending_) return;  // stopping with nothing left to write
+      Pending next = std::move(*pending_);
+      pending_.reset();
+      lock.unlock();
+      try {
+        ps::detail::write_snapshot(dir_, index_, servers_, next.step, next.shards);
+      } catch (const std::exception& e) {
+        std::cerr << e.what() << std::endl;
+      }
+      lock.lock();
+    }
+  }
+
+  const std::string dir_;
+  const int64_t every_;
+  const int index_;
+  const int servers_;
+  std::mutex mutex_;
+  std::condition_variable ready_;
+  std::optional<Pending> pending_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
 // The handler a server runs: the parameter server's core (docs/ps.md, "Consistency") over the
 // virtual shards the shard map gives server `index` of SHOAL_PS_SERVERS, with every worker of
 // SHOAL_PS_WORKERS live; or, with --handler sum, the transport's own test handler, which adds the
 // pushes up (the transport's tests use it to see exactly what crossed).
 std::unique_ptr<ps::detail::Handler> make_handler(const std::string& kind, const std::string& mode,
-                                                  int index, const env::Environment& env) {
+                                                  int index, const env::Environment& env,
+                                                  SnapshotWriter* snapshots) {
   if (kind == "sum") return std::make_unique<ps::detail::SumHandler>();
   const int servers = ps::detail::server_count(env);
   if (servers < 1 || index >= servers) {
@@ -62,6 +135,12 @@ std::unique_ptr<ps::detail::Handler> make_handler(const std::string& kind, const
   }
   for (int w = 0; w < *workers; ++w) options.workers.push_back(w);
   options.shards = ps::detail::ShardMap(servers).shards_of(index);
+  if (snapshots != nullptr) {
+    options.snapshot_every = snapshots->every();
+    options.on_snapshot = [snapshots](int64_t step, std::map<int32_t, std::string> shards) {
+      snapshots->hand(step, std::move(shards));
+    };
+  }
   return std::make_unique<ps::detail::ServerCore>(std::move(options));
 }
 
@@ -90,7 +169,8 @@ std::unique_ptr<ps::detail::RpcClient> connect_backup(const comm::StorePtr& stor
 // "backup" (publishes backup_key(index) instead, and is forwarded to). See docs/ps.md,
 // "Replicas and snapshots".
 int serve(int index, const std::string& host, int port, const std::string& handler_kind,
-          const std::string& mode, const std::string& role, int replicas) {
+          const std::string& mode, const std::string& role, int replicas,
+          const std::string& snapshot_dir, int64_t snapshot_every) {
   const env::Environment env = env::current();
   comm::StoreOptions store_options;
   store_options.host = required(env, "SHOAL_MASTER_ADDR", "the address of the job's store");
@@ -111,7 +191,13 @@ int serve(int index, const std::string& host, int port, const std::string& handl
   for (int signal : {SIGTERM, SIGINT, SIGHUP}) sigaddset(&stop, signal);
   pthread_sigmask(SIG_BLOCK, &stop, nullptr);
 
-  const auto core = make_handler(handler_kind, mode, index, env);
+  // A backup holds what its primary holds: the primary's snapshots are the index's.
+  std::unique_ptr<SnapshotWriter> snapshots;
+  if (!snapshot_dir.empty() && role == "primary") {
+    snapshots = std::make_unique<SnapshotWriter>(snapshot_dir, snapshot_every, index,
+                                                 ps::detail::server_count(env));
+  }
+  const auto core = make_handler(handler_kind, mode, index, env, snapshots.get());
   const comm::StorePtr store = comm::open_store(store_options);
   std::unique_ptr<ps::detail::Handler> replicated;
   if (role == "primary" && replicas > 1) {
@@ -158,6 +244,8 @@ int ps_server_command(const std::vector<std::string>& args) {
   std::string handler = "core";
   std::string role = "primary";
   int replicas = 1;
+  std::string snapshot_dir;
+  int64_t snapshot_every = 100;
   std::string mode = env::get(env::current(), "SHOAL_PS_MODE").value_or("sync");
   CLI::App app("Serves one parameter server of a job (started by shoal run --servers).",
                "shoal ps-server");
@@ -172,6 +260,10 @@ int ps_server_command(const std::vector<std::string>& args) {
                  "Processes serving this index: 1 (the default) or 2 (a primary forwards every "
                  "update to its backup)")
       ->check(CLI::Range(1, 2));
+  app.add_option("--snapshot-dir", snapshot_dir,
+                 "Write the server's shards to DIR every --snapshot-every steps (docs/ps.md)");
+  app.add_option("--snapshot-every", snapshot_every, "Steps between snapshots (default 100)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
   app.add_option("--mode", mode,
                  "sync, async or ssp:S (bounded staleness S); default SHOAL_PS_MODE, else sync");
   try {
@@ -181,7 +273,7 @@ int ps_server_command(const std::vector<std::string>& args) {
     if (port < 0 || port > 65535) {
       throw UsageError("--port " + std::to_string(port) + "; expected 0 to 65535");
     }
-    return serve(index, host, port, handler, mode, role, replicas);
+    return serve(index, host, port, handler, mode, role, replicas, snapshot_dir, snapshot_every);
   } catch (const CLI::CallForHelp&) {
     std::cout << app.help();
     return 0;

@@ -400,6 +400,7 @@ void ServerCore::apply_ready_steps() {
     }
     apply(dense, sparse);
     ++step_;
+    take_snapshot_when_due();
   }
 }
 
@@ -429,6 +430,7 @@ PushReply ServerCore::push(const PushRequest& request, const Deadline& /*deadlin
   if (options_.consistency != Consistency::kSync) {
     apply(request.dense, request.sparse);
     ++step_;
+    take_snapshot_when_due();
   } else if (request.clock < step_ || (options_.replicas_to_aggregate > 0 &&
                                        pending_[request.clock].size() >=
                                            static_cast<size_t>(options_.replicas_to_aggregate))) {
@@ -609,6 +611,15 @@ size_t ServerCore::row_count() const {
   size_t count = 0;
   for (const auto& [id, shard] : shards_) count += shard.row_count();
   return count;
+}
+
+void ServerCore::take_snapshot_when_due() {
+  if (options_.snapshot_every <= 0 || !options_.on_snapshot) return;
+  if (step_ % options_.snapshot_every != 0) return;
+  std::map<int32_t, std::string> shards;
+  const auto tables = specs();
+  for (const auto& [shard, contents] : shards_) shards.emplace(shard, contents.save(tables));
+  options_.on_snapshot(step_, std::move(shards));
 }
 
 std::vector<TableSpec> ServerCore::specs() const {

@@ -6,6 +6,7 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <set>
@@ -38,6 +39,12 @@ struct ServerCoreOptions {
   std::vector<int32_t> workers;       // the live workers at the start
   std::vector<int32_t> shards;        // the virtual shards this server holds
   int32_t virtual_shards = kVirtualShards;
+  // Snapshots (docs/ps.md, "Replicas and snapshots"): every `snapshot_every` steps applied (sync;
+  // pushes applied in the other modes), on_snapshot gets the step and every held shard's bytes
+  // (save_shard's), all taken under the core's lock so that they are one step's values. It is
+  // called with that lock held: it must only hand the bytes on (to a writer thread).
+  int64_t snapshot_every = 0;
+  std::function<void(int64_t step, std::map<int32_t, std::string> shards)> on_snapshot;
 };
 
 // What a worker that leaves does to its push of a step not yet applied (sync): counted with the
@@ -107,6 +114,7 @@ class ServerCore : public Handler {
   VirtualShard* holder(int32_t shard);
   void apply(const std::vector<DenseSlice>& dense, const std::vector<SparseSlice>& sparse);
   void apply_ready_steps();  // sync: applies the open step while it is complete
+  void take_snapshot_when_due();  // see ServerCoreOptions::snapshot_every
   bool step_complete(int64_t clock) const;
   int64_t slowest_clock() const;
   std::string describe_sync_wait(int64_t step) const;

@@ -6,7 +6,8 @@
 // --hold it prints "ps ready" after connecting and sleeps (the test then kills a server). With
 // --steps N it trains N steps (default 4) and prints "ps step T at NS" after each checked step
 // (NS: CLOCK_MONOTONIC in ns), sleeping --pause-ms P after it, so that a test can kill a server
-// mid-training and time the failover.
+// mid-training and time the failover. --dump-dense PATH: worker 0 writes the reference's dense
+// values after the last step to PATH (float32, native order).
 #include <unistd.h>
 
 #include <time.h>
@@ -14,6 +15,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <iostream>
 #include <map>
 #include <thread>
@@ -72,17 +74,20 @@ int main(int argc, char** argv) {
   bool step_lines = false;
   int steps = 4;
   int pause_ms = 0;
+  std::string dump;  // where worker 0 writes the reference's dense values at the end
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--hold") == 0) {
       hold = true;
     } else if (std::strcmp(argv[i], "--steps") == 0 && i + 1 < argc) {
       steps = std::atoi(argv[++i]);
       step_lines = true;
+    } else if (std::strcmp(argv[i], "--dump-dense") == 0 && i + 1 < argc) {
+      dump = argv[++i];
     } else if (std::strcmp(argv[i], "--pause-ms") == 0 && i + 1 < argc) {
       pause_ms = std::atoi(argv[++i]);
     } else {
       std::cout << "error: unknown argument " << argv[i]
-                << "; expected --hold, --steps N or --pause-ms P" << std::endl;
+                << "; expected --hold, --steps N, --pause-ms P or --dump-dense PATH" << std::endl;
       return 2;
     }
   }
@@ -207,6 +212,11 @@ int main(int argc, char** argv) {
       w.mutable_grad() = mean.to(torch::kFloat);
       reference.step();
       for (const auto& [id, m] : row_mean) rows[id] -= 0.25 * m.to(torch::kFloat);
+    }
+    if (!dump.empty() && rank == 0) {
+      std::ofstream out(dump, std::ios::binary);
+      out.write(reinterpret_cast<const char*>(w.data_ptr<float>()),
+                static_cast<std::streamsize>(w.numel() * sizeof(float)));
     }
     std::cout << "ps ok " << servers.size() << " servers, " << steps << " sync steps" << std::endl;
     return 0;
