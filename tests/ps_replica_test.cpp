@@ -13,6 +13,7 @@
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <regex>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -483,6 +484,97 @@ TEST(PsSnapshotLaunch, SnapshotsOfThreeServersLoadOntoAnyCountAndEqualOneProcess
     EXPECT_TRUE(shoal::testing::near_relative(values, reference, 1e-5));
     if (first.empty()) first = values;
     EXPECT_EQ(values, first);
+  }
+  std::filesystem::remove_all(dir);
+}
+
+// Without replicas: a SIGKILLed server is restarted once, reloads the newest snapshot of its
+// shards and adopts the workers' clocks; the job finishes, says how many steps the server lost,
+// and the values the workers pull right after the restart are the snapshot's (updates since the
+// snapshot are lost: they are not the one-process run's).
+TEST(PsSnapshotLaunch, AKilledServerIsRestartedFromItsSnapshotAndTheJobSaysWhatWasLost) {
+  const std::string dir = fresh_dir("restart");
+  const std::string snapshots = dir + "/snapshots";
+  const std::string rollback = dir + "/rollback.bin";
+  const std::string go = dir + "/go";  // the workers wait for it after pushing step 12
+  shoal::testing::ShoalRun run({"--servers", "2", "--ps-snapshot-dir", snapshots,
+                                "--ps-snapshot-every", "10", "-n", "2", kWorker, "--steps", "16",
+                                "--rollback", rollback, "--wait-after", "12", go});
+  const std::string file = snapshots + "/snapshot-000000000010-server-1-of-2.bin";
+  ASSERT_TRUE(run.wait_until(
+      [&](const shoal::testing::RunResult& r) {
+        return has_step(r, 0, 12) && has_step(r, 1, 12) && std::filesystem::exists(file);
+      },
+      120s))
+      << run.so_far().out << run.so_far().err;
+  const pid_t server = find_server(run.pid(), 1, "--snapshot-dir");
+  ASSERT_GT(server, 0);
+  ::kill(server, SIGKILL);
+  std::ofstream(go) << "go";
+  const shoal::testing::RunResult result = run.wait(120s);
+  EXPECT_EQ(result.exit_code, 0) << result.out << result.err;
+  EXPECT_NE(result.err.find("shoal run: parameter server 1 was killed by signal 9 (SIGKILL); "
+                            "restarting it from its newest snapshot (restart 1 of 1)"),
+            std::string::npos)
+      << result.err;
+  const std::regex lost(
+      R"(\[ps 1\] parameter server 1 restarted from step 10; (\d+) steps of its shards lost)");
+  std::smatch match;
+  ASSERT_TRUE(std::regex_search(result.err, match, lost)) << result.err;
+  // Killed with every worker's push of step 12 applied: steps 10, 11 and 12 are lost, and the
+  // restarted server's first step is 13.
+  EXPECT_EQ(match[1], "3");
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(result.out.find("[" + std::to_string(r) + "] ps rolled back at step "),
+              std::string::npos)
+        << result.out;
+    EXPECT_NE(result.out.find("[" + std::to_string(r) + "] ps ok 2 servers, 16 sync steps"),
+              std::string::npos)
+        << result.out;
+  }
+
+  // Server 1's chunks as pulled after the restart are the step-10 snapshot's, bit for bit.
+  constexpr int64_t kDense = 2 * kChunkElements + 1000;
+  std::vector<float> pulled(kDense);
+  {
+    std::ifstream in(rollback, std::ios::binary);
+    in.read(reinterpret_cast<char*>(pulled.data()), kDense * sizeof(float));
+    ASSERT_EQ(in.gcount(), static_cast<std::streamsize>(kDense * sizeof(float)));
+  }
+  const ShardMap map(2);
+  const auto snapshot = read_newest_snapshot(snapshots, map.shards_of(1));
+  ASSERT_TRUE(snapshot);
+  ASSERT_EQ(snapshot->step, 10);
+  TableSpec dense{"w", false, {kDense}, {}, {}, 0};
+  dense.optimizer.lr = 0.5;
+  dense.optimizer.momentum = 0.9;
+  TableSpec sparse{"emb", true, {0, 4}, {}, {}, 11};
+  sparse.optimizer.lr = 0.25;
+  sparse.init = {InitSpec::Kind::kNormal, 0, 1};
+  ServerCoreOptions options;
+  options.workers = {0};
+  options.shards = map.shards_of(1);
+  ServerCore core(options);
+  DenseSlice held{0, {}, {}};
+  for (int64_t k = 0; k < chunk_count(kDense); ++k) {
+    if (map.owner(chunk_shard("w", k)) != 1) continue;
+    held.chunks.push_back(k);
+    held.values.resize(held.values.size() + chunk_length(kDense, k), 0.0f);
+  }
+  ASSERT_FALSE(held.chunks.empty());
+  core.register_tables({0, {dense, sparse}, {held}}, Deadline(10s));
+  for (const auto& [shard, bytes] : snapshot->shards) core.load_shard(shard, bytes);
+  held.values.clear();
+  const PullReply loaded = core.pull({0, 0, {held}, {}}, Deadline(10s));
+  size_t at = 0;
+  for (int64_t k : loaded.dense.at(0).chunks) {
+    const std::vector<float> expected(
+        loaded.dense[0].values.begin() + static_cast<std::ptrdiff_t>(at),
+        loaded.dense[0].values.begin() + static_cast<std::ptrdiff_t>(at + chunk_length(kDense, k)));
+    const std::vector<float> got(pulled.begin() + chunk_begin(k),
+                                 pulled.begin() + chunk_begin(k) + chunk_length(kDense, k));
+    EXPECT_EQ(got, expected) << "chunk " << k;
+    at += static_cast<size_t>(chunk_length(kDense, k));
   }
   std::filesystem::remove_all(dir);
 }

@@ -4,6 +4,7 @@
 // they are told to stop when the last worker has ended, and one that dies before then fails the
 // job with its exit status named, unless the other process of its index (--ps-replicas 2: a
 // primary and its backup) still runs and serves the index alone.
+#include <algorithm>
 #include <csignal>
 
 #include "../elastic/token.h"
@@ -16,6 +17,9 @@
 #include "worker_env.h"
 
 namespace shoal::launch {
+
+// How often a server without a replica is restarted from its snapshot in one job.
+constexpr int kServerRestarts = 1;
 
 void Launcher::add_ps_environment(env::Environment& env) const {
   env["SHOAL_PS_SERVERS"] = std::to_string(options_.servers);
@@ -86,6 +90,25 @@ void Launcher::on_server_exit(Worker& server, const ExitStatus& status) {
       }
       say(what + "; " + server_name(*other) + " serves its shards alone");
       return;
+    }
+  }
+  // Without a replica but with snapshots, a server is restarted once from its newest snapshot;
+  // the workers' clients find it under the same key (docs/ps.md, "Replicas and snapshots").
+  if (!options_.ps_snapshot_dir.empty() && options_.ps_replicas < 2 &&
+      server.restarts < kServerRestarts) {
+    ++server.restarts;
+    say(what + "; restarting it from its newest snapshot (restart " +
+        std::to_string(server.restarts) + " of " + std::to_string(kServerRestarts) + ")");
+    if (std::find(server.server_args.begin(), server.server_args.end(), "--restore") ==
+        server.server_args.end()) {
+      server.server_args.push_back("--restore");
+    }
+    try {
+      spawn(server);
+      return;
+    } catch (const Error& e) {
+      say(std::string("cannot restart parameter server ") + std::to_string(server.rank) + ": " +
+          e.what());
     }
   }
   // The workers cannot train without it: the job fails.

@@ -46,8 +46,8 @@ std::string required(const env::Environment& env, const std::string& name, const
 // slower than the steps, a snapshot still waiting is replaced by the newer one.
 class SnapshotWriter {
  public:
-  SnapshotWriter(std::string dir, int64_t every, int index, int servers)
-      : dir_(std::move(dir)), every_(every), index_(index), servers_(servers) {
+  SnapshotWriter(std::string dir, int64_t every, int index, int servers, bool restore)
+      : dir_(std::move(dir)), every_(every), index_(index), servers_(servers), restore_(restore) {
     if (::mkdir(dir_.c_str(), 0755) != 0 && errno != EEXIST) {
       throw UsageError("--snapshot-dir " + dir_ + " cannot be created: " + std::strerror(errno) +
                        "; expected a writable directory");
@@ -63,6 +63,9 @@ class SnapshotWriter {
     thread_.join();
   }
   int64_t every() const { return every_; }
+  const std::string& dir() const { return dir_; }
+  // Whether the server was restarted and loads the newest snapshot once registered.
+  bool restore() const { return restore_; }
   void hand(int64_t step, std::map<int32_t, std::string> shards) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -97,6 +100,7 @@ class SnapshotWriter {
   const int64_t every_;
   const int index_;
   const int servers_;
+  const bool restore_;
   std::mutex mutex_;
   std::condition_variable ready_;
   std::optional<Pending> pending_;
@@ -141,6 +145,24 @@ std::unique_ptr<ps::detail::Handler> make_handler(const std::string& kind, const
       snapshots->hand(step, std::move(shards));
     };
   }
+  if (snapshots != nullptr && snapshots->restore()) {
+    // A restarted server: the newest complete snapshot of its shards, once the tables exist.
+    options.restore = [snapshots, shards = options.shards]()
+        -> std::optional<ps::detail::ServerCoreOptions::Restored> {
+      auto snapshot = ps::detail::read_newest_snapshot(snapshots->dir(), shards);
+      if (!snapshot) {
+        std::cerr << "no complete snapshot of this server's shards in " << snapshots->dir()
+                  << "; starting from the first registration's values" << std::endl;
+        return std::nullopt;
+      }
+      return ps::detail::ServerCoreOptions::Restored{snapshot->step, std::move(snapshot->shards)};
+    };
+    options.on_adopted = [index](int64_t snapshot_step, int64_t adopted_step) {
+      std::cerr << "parameter server " << index << " restarted from step " << snapshot_step
+                << "; " << std::max<int64_t>(adopted_step - snapshot_step, 0)
+                << " steps of its shards lost" << std::endl;
+    };
+  }
   return std::make_unique<ps::detail::ServerCore>(std::move(options));
 }
 
@@ -170,7 +192,7 @@ std::unique_ptr<ps::detail::RpcClient> connect_backup(const comm::StorePtr& stor
 // "Replicas and snapshots".
 int serve(int index, const std::string& host, int port, const std::string& handler_kind,
           const std::string& mode, const std::string& role, int replicas,
-          const std::string& snapshot_dir, int64_t snapshot_every) {
+          const std::string& snapshot_dir, int64_t snapshot_every, bool restore) {
   const env::Environment env = env::current();
   comm::StoreOptions store_options;
   store_options.host = required(env, "SHOAL_MASTER_ADDR", "the address of the job's store");
@@ -195,7 +217,7 @@ int serve(int index, const std::string& host, int port, const std::string& handl
   std::unique_ptr<SnapshotWriter> snapshots;
   if (!snapshot_dir.empty() && role == "primary") {
     snapshots = std::make_unique<SnapshotWriter>(snapshot_dir, snapshot_every, index,
-                                                 ps::detail::server_count(env));
+                                                 ps::detail::server_count(env), restore);
   }
   const auto core = make_handler(handler_kind, mode, index, env, snapshots.get());
   const comm::StorePtr store = comm::open_store(store_options);
@@ -246,6 +268,7 @@ int ps_server_command(const std::vector<std::string>& args) {
   int replicas = 1;
   std::string snapshot_dir;
   int64_t snapshot_every = 100;
+  bool restore = false;
   std::string mode = env::get(env::current(), "SHOAL_PS_MODE").value_or("sync");
   CLI::App app("Serves one parameter server of a job (started by shoal run --servers).",
                "shoal ps-server");
@@ -264,6 +287,8 @@ int ps_server_command(const std::vector<std::string>& args) {
                  "Write the server's shards to DIR every --snapshot-every steps (docs/ps.md)");
   app.add_option("--snapshot-every", snapshot_every, "Steps between snapshots (default 100)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
+  app.add_flag("--restore", restore,
+               "Restarted: load the newest snapshot of this server's shards from --snapshot-dir");
   app.add_option("--mode", mode,
                  "sync, async or ssp:S (bounded staleness S); default SHOAL_PS_MODE, else sync");
   try {
@@ -273,7 +298,8 @@ int ps_server_command(const std::vector<std::string>& args) {
     if (port < 0 || port > 65535) {
       throw UsageError("--port " + std::to_string(port) + "; expected 0 to 65535");
     }
-    return serve(index, host, port, handler, mode, role, replicas, snapshot_dir, snapshot_every);
+    return serve(index, host, port, handler, mode, role, replicas, snapshot_dir, snapshot_every,
+                 restore);
   } catch (const CLI::CallForHelp&) {
     std::cout << app.help();
     return 0;

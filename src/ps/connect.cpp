@@ -65,6 +65,8 @@ std::vector<std::unique_ptr<RpcClient>> connect_servers(const comm::StorePtr& st
       addresses.push_back(backup);
     }
     clients.push_back(std::make_unique<RpcClient>(i, std::move(addresses), token));
+    // A server restarted by the launcher publishes its new address under the same key.
+    clients.back()->set_resolver([store, key] { return comm::try_get(store, key); });
   }
   for (auto& client : clients) {
     const int index = client->ping(std::max(deadline.remaining(), Duration(1)));

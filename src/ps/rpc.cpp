@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <chrono>
 #include <mutex>
+#include <optional>
+#include <thread>
 
 #include "ps.grpc.pb.h"
 #include "wire.h"
@@ -283,6 +285,10 @@ struct RpcClient::State {
   mutable std::mutex mutex;
   size_t at = 0;  // addresses[at] is where calls go
   std::shared_ptr<Endpoint> endpoint;
+  int failovers = 0;
+  std::function<std::string()> resolve;
+  std::optional<pb::RegisterRequest> registration;  // the last one, for a restarted server
+  std::mutex reconnecting;  // one call at a time looks for a restarted server
 
   std::shared_ptr<Endpoint> current() const {
     std::lock_guard<std::mutex> lock(mutex);
@@ -296,7 +302,50 @@ struct RpcClient::State {
     if (endpoint != failed) return true;
     if (at + 1 >= addresses.size()) return false;
     endpoint = open_endpoint(addresses[++at]);
+    ++failovers;
     return true;
+  }
+
+  // Looks for a restarted server under the resolver's address until `deadline`, registers there
+  // again and makes it the endpoint. False when there is no resolver or no server answered.
+  bool reconnect(const std::shared_ptr<Endpoint>& failed, SystemClock::time_point deadline) {
+    std::function<std::string()> resolver;
+    std::optional<pb::RegisterRequest> registered;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (endpoint != failed) return true;
+      resolver = resolve;
+      registered = registration;
+    }
+    if (!resolver) return false;
+    std::lock_guard<std::mutex> one(reconnecting);
+    if (current() != failed) return true;  // another call found it meanwhile
+    while (SystemClock::now() < deadline) {
+      const std::string address = resolver();
+      if (!address.empty()) {
+        auto fresh = open_endpoint(address);
+        grpc::ClientContext context;
+        context.set_deadline(std::min(deadline, SystemClock::now() + std::chrono::seconds(1)));
+        context.AddMetadata(kTokenMetadata, token);
+        pb::PingReply pong;
+        if (fresh->stub->Ping(&context, pb::PingRequest(), &pong).ok()) {
+          if (registered) {
+            grpc::ClientContext again;
+            again.set_deadline(deadline);
+            again.AddMetadata(kTokenMetadata, token);
+            pb::RegisterReply reply;
+            const grpc::Status status = fresh->stub->Register(&again, *registered, &reply);
+            if (!status.ok()) return false;
+          }
+          std::lock_guard<std::mutex> lock(mutex);
+          endpoint = fresh;
+          ++failovers;
+          return true;
+        }
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return false;
   }
 
   std::string server(const Endpoint& endpoint) const {
@@ -317,7 +366,8 @@ struct RpcClient::State {
       const grpc::Status status = (endpoint->stub.get()->*method)(&context, request, &reply);
       if (status.ok()) return;
       // See Note [Which UNAVAILABLE fails over]; the retry keeps the call's deadline.
-      if (server_gone(status, name) && SystemClock::now() < deadline && fail_over(endpoint)) {
+      if (server_gone(status, name) && SystemClock::now() < deadline &&
+          (fail_over(endpoint) || reconnect(endpoint, deadline))) {
         reply.Clear();
         continue;
       }
@@ -380,7 +430,12 @@ std::string RpcClient::address() const {
 }
 int RpcClient::failovers() const {
   std::lock_guard<std::mutex> lock(state_->mutex);
-  return static_cast<int>(state_->at);
+  return state_->failovers;
+}
+
+void RpcClient::set_resolver(std::function<std::string()> resolve) {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  state_->resolve = std::move(resolve);
 }
 
 void RpcClient::register_tables(const RegisterRequest& request, Duration timeout) {
@@ -388,6 +443,8 @@ void RpcClient::register_tables(const RegisterRequest& request, Duration timeout
   wire_format::to_wire(request, wire_request);
   pb::RegisterReply reply;
   state_->call("Register", timeout, wire_request, reply, &pb::ParameterServer::Stub::Register);
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  state_->registration = std::move(wire_request);
 }
 
 PullReply RpcClient::pull(const PullRequest& request, Duration timeout) {

@@ -10,6 +10,7 @@
 // and address), the call and how long it waited.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -70,8 +71,14 @@ class RpcClient {
   int index() const;
   // The address calls go to now (the backup's after a failover).
   std::string address() const;
-  // How many times this client moved to the next address.
+  // How many times this client moved to the next address or reconnected to a restarted server.
   int failovers() const;
+
+  // Reconnection (docs/ps.md, "Replicas and snapshots"): when the server is gone and no backup is
+  // left, the client asks `resolve` for the index's address (the job's store, where a restarted
+  // server publishes its new one) until a server there answers, within the call's deadline; it
+  // registers there again with this client's last registration, and retries the call.
+  void set_resolver(std::function<std::string()> resolve);
 
   // Each call ends within `timeout` (plus the time to convert its reply).
   void register_tables(const RegisterRequest& request, Duration timeout);

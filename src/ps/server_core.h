@@ -9,6 +9,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -45,6 +46,16 @@ struct ServerCoreOptions {
   // called with that lock held: it must only hand the bytes on (to a writer thread).
   int64_t snapshot_every = 0;
   std::function<void(int64_t step, std::map<int32_t, std::string> shards)> on_snapshot;
+  // A restarted server (Note [Clocks after a reload]): called once, when the first registration
+  // has created the tables; returns the snapshot to load (its step and its shards' bytes) or
+  // nullopt. on_adopted(snapshot step, adopted step) is called once every live worker's clock is
+  // known, under the core's lock.
+  struct Restored {
+    int64_t step = 0;
+    std::map<int32_t, std::string> shards;
+  };
+  std::function<std::optional<Restored>()> restore;
+  std::function<void(int64_t snapshot_step, int64_t adopted_step)> on_adopted;
 };
 
 // What a worker that leaves does to its push of a step not yet applied (sync): counted with the
@@ -115,6 +126,10 @@ class ServerCore : public Handler {
   void apply(const std::vector<DenseSlice>& dense, const std::vector<SparseSlice>& sparse);
   void apply_ready_steps();  // sync: applies the open step while it is complete
   void take_snapshot_when_due();  // see ServerCoreOptions::snapshot_every
+  void load_shard_locked(int32_t shard, const std::string& bytes);
+  // Note [Clocks after a reload]: takes worker w's clock from its first request after a reload.
+  void adopt(int32_t w, int64_t clock);
+  bool lost_push(int32_t w, int64_t clock) const;
   bool step_complete(int64_t clock) const;
   int64_t slowest_clock() const;
   std::string describe_sync_wait(int64_t step) const;
@@ -138,6 +153,9 @@ class ServerCore : public Handler {
   bool registered_ = false;
   std::map<int64_t, std::map<int32_t, PushRequest>> pending_;  // sync: step -> worker -> push
   std::map<int32_t, PushReply> last_reply_;  // per worker: the reply to its last push
+  bool adopting_ = false;              // reloaded: the workers' clocks are not all known yet
+  int64_t restored_step_ = -1;         // the snapshot's step
+  std::map<int32_t, int64_t> adopted_;  // per worker: the clock it showed first after a reload
 };
 
 }  // namespace shoal::ps::detail

@@ -4,10 +4,13 @@
 // the mean gradient of all workers' rows would hold (SGD with momentum for the dense table, plain
 // SGD for the sparse one). Prints "ps ok" and exits 0, or says what differed and exits 1. With
 // --hold it prints "ps ready" after connecting and sleeps (the test then kills a server). With
-// --steps N it trains N steps (default 4) and prints "ps step T at NS" after each checked step
-// (NS: CLOCK_MONOTONIC in ns), sleeping --pause-ms P after it, so that a test can kill a server
-// mid-training and time the failover. --dump-dense PATH: worker 0 writes the reference's dense
-// values after the last step to PATH (float32, native order).
+// --steps N it trains N steps (default 4) and prints "ps step T at NS" once step T is checked and
+// pushed (NS: CLOCK_MONOTONIC in ns), then sleeps --pause-ms P, and after step T of --wait-after
+// T PATH waits until PATH exists: a test kills a server mid-training and times the failover. --dump-dense PATH: worker 0 writes the reference's dense
+// values after the last step to PATH (float32, native order). --rollback PATH: a server restarted
+// from its snapshot is expected; the first step whose values differ from one process is not an
+// error: its pulled dense values go to PATH, "ps rolled back at step T" is printed, and the
+// steps after it are trained without checks.
 #include <unistd.h>
 
 #include <time.h>
@@ -75,19 +78,28 @@ int main(int argc, char** argv) {
   int steps = 4;
   int pause_ms = 0;
   std::string dump;  // where worker 0 writes the reference's dense values at the end
+  std::string rollback;  // where to write the values of the first step that differs
+  bool rolled_back = false;
+  int wait_after = -1;    // after pushing this step, wait until wait_file exists
+  std::string wait_file;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--hold") == 0) {
       hold = true;
     } else if (std::strcmp(argv[i], "--steps") == 0 && i + 1 < argc) {
       steps = std::atoi(argv[++i]);
       step_lines = true;
+    } else if (std::strcmp(argv[i], "--wait-after") == 0 && i + 2 < argc) {
+      wait_after = std::atoi(argv[++i]);
+      wait_file = argv[++i];
+    } else if (std::strcmp(argv[i], "--rollback") == 0 && i + 1 < argc) {
+      rollback = argv[++i];
     } else if (std::strcmp(argv[i], "--dump-dense") == 0 && i + 1 < argc) {
       dump = argv[++i];
     } else if (std::strcmp(argv[i], "--pause-ms") == 0 && i + 1 < argc) {
       pause_ms = std::atoi(argv[++i]);
     } else {
       std::cout << "error: unknown argument " << argv[i]
-                << "; expected --hold, --steps N, --pause-ms P or --dump-dense PATH" << std::endl;
+                << "; expected --hold, --steps N, --pause-ms P, --dump-dense PATH, --rollback PATH or --wait-after T PATH" << std::endl;
       return 2;
     }
   }
@@ -156,7 +168,17 @@ int main(int argc, char** argv) {
       }
       // The servers hold what the reference holds.
       const double dense_error = ((pulled - w).abs().max() / w.abs().max()).item<double>();
-      if (!(dense_error < 1e-5)) {
+      if (!(dense_error < 1e-5) && !rollback.empty() && !rolled_back) {
+        // A server restarted from its snapshot: from here its values are the snapshot's.
+        std::ofstream out(rollback, std::ios::binary);
+        out.write(reinterpret_cast<const char*>(pulled.data_ptr<float>()),
+                  static_cast<std::streamsize>(pulled.numel() * sizeof(float)));
+        std::cout << "ps rolled back at step " << t << std::endl;
+        rolled_back = true;
+      }
+      if (rolled_back) {
+        w.copy_(pulled);  // no more checks: the reference's optimizer state is not the servers'
+      } else if (!(dense_error < 1e-5)) {
         std::cout << "step " << t << ": dense values off by " << dense_error << " (relative)"
                   << std::endl;
         return 1;
@@ -165,20 +187,13 @@ int main(int argc, char** argv) {
         auto known = rows.find(id);
         if (known == rows.end()) {
           rows[id] = value.clone();  // first seen: its initial value
-        } else if (!torch::allclose(value, known->second, 1e-5, 1e-6)) {
+        } else if (!rolled_back && !torch::allclose(value, known->second, 1e-5, 1e-6)) {
           std::cout << "step " << t << ": row " << id << " is " << value << ", expected "
                     << known->second << std::endl;
           return 1;
         }
       }
-      if (step_lines && t > 0) {
-        timespec now{};
-        ::clock_gettime(CLOCK_MONOTONIC, &now);
-        std::cout << "ps step " << t << " at " << now.tv_sec * 1000000000LL + now.tv_nsec
-                  << std::endl;
-      }
       if (t == steps) break;
-      if (pause_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
 
       // Push this worker's gradient of step t, computed from what it pulled.
       const torch::Tensor g = dense_gradient(rank, t, pulled);
@@ -193,6 +208,25 @@ int main(int argc, char** argv) {
         }
         push.sparse.push_back(grads);
         server->push(push, timeout);
+      }
+
+      // Pushed: a server killed now has this worker's push of step t (or its snapshot).
+      if (step_lines) {
+        timespec now{};
+        ::clock_gettime(CLOCK_MONOTONIC, &now);
+        std::cout << "ps step " << t << " at " << now.tv_sec * 1000000000LL + now.tv_nsec
+                  << std::endl;
+      }
+      if (pause_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
+      if (t == wait_after) {
+        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+        while (::access(wait_file.c_str(), F_OK) != 0) {
+          if (std::chrono::steady_clock::now() > until) {
+            std::cout << "error: " << wait_file << " did not appear within 60 s" << std::endl;
+            return 1;
+          }
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
       }
 
       // The reference's step: the rows-weighted mean of every worker's gradient, in worker order.
