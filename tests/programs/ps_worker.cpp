@@ -1,19 +1,20 @@
-// A worker of `shoal run --servers S` for tests/ps_rpc_test.cpp: trains a dense table and a sparse
-// one on the job's parameter servers in sync mode, routing each chunk and row to its server by
-// the shard map, and checks that after every step the servers hold what one process applying
-// the mean gradient of all workers' rows would hold (SGD with momentum for the dense table, plain
-// SGD for the sparse one). Prints "ps ok" and exits 0, or says what differed and exits 1. With
-// --hold it prints "ps ready" after connecting and sleeps (the test then kills a server). With
-// --steps N it trains N steps (default 4) and prints "ps step T at NS" once step T is checked and
-// pushed (NS: CLOCK_MONOTONIC in ns), then sleeps --pause-ms P, and after step T of --wait-after
-// T PATH waits until PATH exists: a test kills a server mid-training and times the failover. --dump-dense PATH: worker 0 writes the reference's dense
-// values after the last step to PATH (float32, native order). --rollback PATH: a server restarted
-// from its snapshot is expected; the first step whose values differ from one process is not an
-// error: its pulled dense values go to PATH, "ps rolled back at step T" is printed, and the
-// steps after it are trained without checks.
-#include <unistd.h>
-
+// A worker of `shoal run --servers S` for tests/ps_rpc_test.cpp and ps_replica_test.cpp: trains a
+// dense table and a sparse one on the job's parameter servers in sync mode, routing each chunk and
+// row to its server by the shard map, and checks that after every step the servers hold what one
+// process applying the mean gradient of all workers' rows would hold (SGD with momentum for the
+// dense table, plain SGD for the sparse one). Prints "ps ok" and exits 0, or says what differed
+// and exits 1. Options:
+//   --hold: prints "ps ready" after connecting and sleeps (the test then kills a server).
+//   --steps N: trains N steps (default 4) and prints "ps step T at NS" once step T is checked and
+//     pushed (NS: CLOCK_MONOTONIC in ns); --pause-ms P: then sleeps P ms; --wait-after T PATH:
+//     after step T, waits until PATH exists. A test kills a server mid-training with these.
+//   --dump-dense PATH: worker 0 writes the reference's dense values after the last step to PATH
+//     (float32, native order).
+//   --rollback PATH: a server restarted from its snapshot is expected; the first step whose values
+//     differ from one process is no error: its pulled dense values go to PATH, "ps rolled back at
+//     step T" is printed, and the steps after it are trained without checks.
 #include <time.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
@@ -99,7 +100,9 @@ int main(int argc, char** argv) {
       pause_ms = std::atoi(argv[++i]);
     } else {
       std::cout << "error: unknown argument " << argv[i]
-                << "; expected --hold, --steps N, --pause-ms P, --dump-dense PATH, --rollback PATH or --wait-after T PATH" << std::endl;
+                << "; expected --hold, --steps N, --pause-ms P, --wait-after T PATH, --dump-dense "
+                   "PATH or --rollback PATH"
+                << std::endl;
       return 2;
     }
   }
