@@ -11,6 +11,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <iostream>
 #include <map>
 #include <regex>
@@ -112,6 +113,55 @@ TEST(PsReplicaCore, OnlyTheLastStepIsRetriedAnyOtherIsRefused) {
   core->set_live_workers({0, 1, 2}, LeaverPush::kDiscard);
   EXPECT_EQ(error_of<UsageError>([&] { core->push(push_of(1, 1), Deadline(10s)); }),
             "parameter server: push: worker 1 pushed step 1; expected its next step 2");
+}
+
+// Note [Clocks after a reload]: a core restarted from the snapshot of step 2, whose workers are at
+// step 3 (worker 1, which had not pushed it) and 4 (workers 0 and 2, whose pushes of step 3 died
+// with the old server), takes step 3 with worker 1's push alone, on the snapshot's values.
+TEST(PsReplicaCore, AReloadedCoreAdoptsTheWorkersClocksAndLosesTheStepsSinceItsSnapshot) {
+  auto original = registered_core(Consistency::kSync);
+  for (int64_t t = 0; t < 2; ++t)
+    for (int32_t w = 0; w < 3; ++w) original->push(push_of(w, t), Deadline(10s));
+  std::map<int32_t, std::string> saved;
+  for (int32_t shard : ShardMap(1).shards_of(0)) saved[shard] = original->save_shard(shard);
+
+  ServerCoreOptions options;
+  options.workers = {0, 1, 2};
+  options.shards = ShardMap(1).shards_of(0);
+  options.restore = [&] { return std::optional<ServerCoreOptions::Restored>({2, saved}); };
+  std::vector<std::pair<int64_t, int64_t>> adopted;
+  options.on_adopted = [&](int64_t from, int64_t at) { adopted.emplace_back(from, at); };
+  ServerCore restarted(options);
+  OptimizerSpec sgd;
+  sgd.lr = 0.5;
+  sgd.momentum = 0.9;
+  RegisterRequest request{0, {shoal::testing::dense_spec("w", {kValues}, sgd)}, {}};
+  request.initial = {{0, {0}, std::vector<float>(kValues, 1.0f)}};
+  restarted.register_tables(request, Deadline(10s));
+
+  auto first = std::async(std::launch::async, [&] {
+    return restarted.pull({0, 4, {{0, {0}, {}}}, {}}, Deadline(30s));
+  });
+  EXPECT_TRUE(restarted.push(push_of(1, 3), Deadline(10s)).counted);
+  const PullReply last = restarted.pull({2, 4, {{0, {0}, {}}}, {}}, Deadline(30s));
+  EXPECT_EQ(adopted, (std::vector<std::pair<int64_t, int64_t>>{{2, 3}}));
+  EXPECT_EQ(restarted.step(), 4);
+
+  // The same step on the snapshot's values, with worker 1's gradient as the whole step's.
+  ServerCoreOptions alone;
+  alone.workers = {1};
+  alone.shards = ShardMap(1).shards_of(0);
+  ServerCore expected(alone);
+  request.worker = 1;
+  expected.register_tables(request, Deadline(10s));
+  for (const auto& [shard, bytes] : saved) expected.load_shard(shard, bytes);
+  PushRequest push = push_of(1, 3);
+  push.clock = 0;
+  expected.push(push, Deadline(10s));
+  const auto want = values_of(expected, 1, 1);
+  EXPECT_EQ(first.get().dense.at(0).values, want);
+  EXPECT_EQ(last.dense.at(0).values, want);
+  EXPECT_NE(want, values_of(*original, 0, 2));  // it did step, from the snapshot
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -410,11 +460,15 @@ TEST(PsReplicaLaunch, BothProcessesOfAnIndexGoneFailTheJob) {
       << result.err;
 }
 
-TEST(PsReplicaLaunch, ReplicasFlagIsCheckedAtOnce) {
+TEST(PsReplicaLaunch, ReplicaAndSnapshotFlagsAreCheckedAtOnce) {
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
       {{"--servers", "2", "--ps-replicas", "3", kWorker},
        "shoal run: --ps-replicas: expected 1 or 2 processes per parameter server, got '3'"},
       {{"--ps-replicas", "2", kWorker}, "shoal run: --ps-replicas needs --servers S; add it"},
+      {{"--ps-snapshot-dir", "/tmp", kWorker},
+       "shoal run: --ps-snapshot-dir needs --servers S; add it"},
+      {{"--servers", "1", "--ps-snapshot-dir", "/tmp", "--ps-snapshot-every", "0", kWorker},
+       "shoal run: --ps-snapshot-every: expected a number of steps from 1, got '0'"},
   };
   for (const auto& [args, message] : cases) {
     const shoal::testing::RunResult run = shoal::testing::run_shoal(args, 30s);
