@@ -1,13 +1,8 @@
 #include "ps_server.h"
 
 #include <signal.h>
-#include <sys/stat.h>
 
-#include <cerrno>
-#include <condition_variable>
-#include <cstring>
 #include <map>
-#include <mutex>
 #include <optional>
 
 #include <CLI/CLI.hpp>
@@ -41,80 +36,13 @@ std::string required(const env::Environment& env, const std::string& name, const
   return *value;
 }
 
-// Writes the core's snapshots (docs/ps.md, "Replicas and snapshots") on a thread of its own, so
-// that the core, which hands them over under its lock, never waits for a disk. When the disk is
-// slower than the steps, a snapshot still waiting is replaced by the newer one.
-class SnapshotWriter {
- public:
-  SnapshotWriter(std::string dir, int64_t every, int index, int servers, bool restore)
-      : dir_(std::move(dir)), every_(every), index_(index), servers_(servers), restore_(restore) {
-    if (::mkdir(dir_.c_str(), 0755) != 0 && errno != EEXIST) {
-      throw UsageError("--snapshot-dir " + dir_ + " cannot be created: " + std::strerror(errno) +
-                       "; expected a writable directory");
-    }
-    thread_ = std::thread([this] { run(); });
-  }
-  ~SnapshotWriter() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stop_ = true;
-    }
-    ready_.notify_all();
-    thread_.join();
-  }
-  int64_t every() const { return every_; }
-  const std::string& dir() const { return dir_; }
-  // Whether the server was restarted and loads the newest snapshot once registered.
-  bool restore() const { return restore_; }
-  void hand(int64_t step, std::map<int32_t, std::string> shards) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      pending_ = Pending{step, std::move(shards)};
-    }
-    ready_.notify_all();
-  }
-
- private:
-  struct Pending {
-    int64_t step;
-    std::map<int32_t, std::string> shards;
-  };
-  void run() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    for (;;) {
-      ready_.wait(lock, [&] { return stop_ || pending_; });
-      if (!pending_) return;  // stopping with nothing left to write
-      Pending next = std::move(*pending_);
-      pending_.reset();
-      lock.unlock();
-      try {
-        ps::detail::write_snapshot(dir_, index_, servers_, next.step, next.shards);
-      } catch (const std::exception& e) {
-        std::cerr << e.what() << std::endl;
-      }
-      lock.lock();
-    }
-  }
-
-  const std::string dir_;
-  const int64_t every_;
-  const int index_;
-  const int servers_;
-  const bool restore_;
-  std::mutex mutex_;
-  std::condition_variable ready_;
-  std::optional<Pending> pending_;
-  bool stop_ = false;
-  std::thread thread_;
-};
-
 // The handler a server runs: the parameter server's core (docs/ps.md, "Consistency") over the
 // virtual shards the shard map gives server `index` of SHOAL_PS_SERVERS, with every worker of
 // SHOAL_PS_WORKERS live; or, with --handler sum, the transport's own test handler, which adds the
 // pushes up (the transport's tests use it to see exactly what crossed).
 std::unique_ptr<ps::detail::Handler> make_handler(const std::string& kind, const std::string& mode,
                                                   int index, const env::Environment& env,
-                                                  SnapshotWriter* snapshots) {
+                                                  ps::detail::SnapshotWriter* snapshots) {
   if (kind == "sum") return std::make_unique<ps::detail::SumHandler>();
   const int servers = ps::detail::server_count(env);
   if (servers < 1 || index >= servers) {
@@ -214,9 +142,9 @@ int serve(int index, const std::string& host, int port, const std::string& handl
   pthread_sigmask(SIG_BLOCK, &stop, nullptr);
 
   // A backup holds what its primary holds: the primary's snapshots are the index's.
-  std::unique_ptr<SnapshotWriter> snapshots;
+  std::unique_ptr<ps::detail::SnapshotWriter> snapshots;
   if (!snapshot_dir.empty() && role == "primary") {
-    snapshots = std::make_unique<SnapshotWriter>(snapshot_dir, snapshot_every, index,
+    snapshots = std::make_unique<ps::detail::SnapshotWriter>(snapshot_dir, snapshot_every, index,
                                                  ps::detail::server_count(env), restore);
   }
   const auto core = make_handler(handler_kind, mode, index, env, snapshots.get());

@@ -2,12 +2,14 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <iostream>
 #include <set>
 #include <sstream>
 
@@ -205,6 +207,49 @@ std::optional<Snapshot> read_newest_snapshot(const std::string& dir,
     }
   }
   return std::nullopt;
+}
+
+SnapshotWriter::SnapshotWriter(std::string dir, int64_t every, int index, int servers, bool restore)
+    : dir_(std::move(dir)), every_(every), index_(index), servers_(servers), restore_(restore) {
+  if (::mkdir(dir_.c_str(), 0755) != 0 && errno != EEXIST) {
+    throw UsageError("--snapshot-dir " + dir_ + " cannot be created: " + std::strerror(errno) +
+                     "; expected a writable directory");
+  }
+  thread_ = std::thread([this] { run(); });
+}
+
+SnapshotWriter::~SnapshotWriter() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  ready_.notify_all();
+  thread_.join();
+}
+
+void SnapshotWriter::hand(int64_t step, std::map<int32_t, std::string> shards) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    pending_ = Pending{step, std::move(shards)};
+  }
+  ready_.notify_all();
+}
+
+void SnapshotWriter::run() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  for (;;) {
+    ready_.wait(lock, [&] { return stop_ || pending_; });
+    if (!pending_) return;  // stopping with nothing left to write
+    Pending next = std::move(*pending_);
+    pending_.reset();
+    lock.unlock();
+    try {
+      write_snapshot(dir_, index_, servers_, next.step, next.shards);
+    } catch (const std::exception& e) {
+      std::cerr << e.what() << std::endl;
+    }
+    lock.lock();
+  }
 }
 
 }  // namespace shoal::ps::detail
