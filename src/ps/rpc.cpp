@@ -288,7 +288,7 @@ struct RpcClient::State {
   int failovers = 0;
   std::function<std::string()> resolve;
   std::optional<pb::RegisterRequest> registration;  // the last one, for a restarted server
-  std::mutex reconnecting;  // one call at a time looks for a restarted server
+  std::timed_mutex reconnecting;  // one call at a time looks for a restarted server
 
   std::shared_ptr<Endpoint> current() const {
     std::lock_guard<std::mutex> lock(mutex);
@@ -318,7 +318,9 @@ struct RpcClient::State {
       registered = registration;
     }
     if (!resolver) return false;
-    std::lock_guard<std::mutex> one(reconnecting);
+    // A call that waits here for another's search still keeps its own deadline.
+    std::unique_lock<std::timed_mutex> one(reconnecting, deadline);
+    if (!one.owns_lock()) return false;
     if (current() != failed) return true;  // another call found it meanwhile
     while (SystemClock::now() < deadline) {
       const std::string address = resolver();
