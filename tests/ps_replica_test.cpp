@@ -22,12 +22,14 @@
 #include <gtest/gtest.h>
 
 #include "error_of.h"
+#include "ps/connect.h"
 #include "ps/replica.h"
 #include "ps/rpc.h"
 #include "ps/server_core.h"
 #include "ps/shard_map.h"
 #include "ps/snapshot.h"
 #include "ps_support.h"
+#include "shoal/comm/store.h"
 #include "shoal_run.h"
 #include "test_paths.h"
 
@@ -265,6 +267,29 @@ TEST(PsReplicaPair, ARefusalIsNotAFailover) {
                 ") refused Push: Push: parameter server: push: worker 0 pushed step 5; expected "
                 "its next step 0");
   EXPECT_EQ(client.failovers(), 0);
+}
+
+// A primary that died before it published its address: the launcher marks it lost, and a worker
+// still connecting takes its backup's address instead of waiting for it.
+TEST(PsReplicaPair, ConnectingTakesTheBackupOfAPrimaryThatDiedBeforePublishing) {
+  comm::StoreOptions options;
+  options.is_server = true;
+  const comm::StorePtr store = comm::open_store(options);
+  auto core = Pair::unregistered_core();
+  auto backup = Pair::serve(*core);
+  comm::put(store, backup_key(0), Pair::address(*backup));
+  const auto start = std::chrono::steady_clock::now();
+  auto waiting =
+      std::async(std::launch::async, [&] { return connect_servers(store, 1, kToken, 30s); });
+  EXPECT_EQ(waiting.wait_for(300ms), std::future_status::timeout);  // the primary may yet come
+  comm::put(store, lost_primary_key(0), "was killed by signal 9 (SIGKILL)");
+  const auto clients = waiting.get();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 20s);  // a failure bound
+  ASSERT_EQ(clients.size(), 1u);
+  EXPECT_EQ(clients[0]->address(), Pair::address(*backup));
+  clients[0]->register_tables(registration(), 10s);
+  EXPECT_TRUE(clients[0]->push(push_of(0, 0), 10s).counted);
+  EXPECT_EQ(core->clock_of(0), 1);
 }
 
 // ---------------------------------------------------------------------------------------------
