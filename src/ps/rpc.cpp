@@ -7,6 +7,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <mutex>
+#include <optional>
+#include <thread>
 
 #include "ps.grpc.pb.h"
 #include "wire.h"
@@ -235,63 +238,27 @@ void RpcServer::shutdown(Duration grace) {
   state_->server.reset();
 }
 
-struct RpcClient::State {
-  int index = 0;
+namespace {
+
+// Note [Which UNAVAILABLE fails over]: gRPC answers UNAVAILABLE when the connection to a server
+// is refused or breaks (a SIGKILLed server: at once), and the service answers it too when its
+// handler raised CommError before the call's deadline (a pull whose worker left the live set).
+// Only the first means the server is gone. The service's own statuses always begin with the
+// method's name and ": " (Service::serve above), gRPC's never do: that tells them apart without a
+// second round trip.
+bool server_gone(const grpc::Status& status, const char* name) {
+  return status.error_code() == grpc::StatusCode::UNAVAILABLE &&
+         status.error_message().rfind(std::string(name) + ": ", 0) != 0;
+}
+
+// One address's channel; replaced whole on failover, so a call in flight keeps its own.
+struct Endpoint {
   std::string address;
-  std::string token;
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<pb::ParameterServer::Stub> stub;
-
-  std::string server() const {
-    return "parameter server " + std::to_string(index) + " (" + address + ")";
-  }
-
-  template <typename Request, typename Reply>
-  void call(const char* name, Duration timeout, const Request& request, Reply& reply,
-            grpc::Status (pb::ParameterServer::Stub::*method)(grpc::ClientContext*, const Request&,
-                                                              Reply*)) {
-    grpc::ClientContext context;
-    const auto start = SteadyClock::now();
-    context.set_deadline(SystemClock::now() + std::max(timeout, Duration(0)));
-    context.AddMetadata(kTokenMetadata, token);
-    const grpc::Status status = (stub.get()->*method)(&context, request, &reply);
-    if (status.ok()) return;
-    const auto waited = std::chrono::duration_cast<Duration>(SteadyClock::now() - start);
-    const std::string said = one_line(status.error_message());
-    switch (status.error_code()) {
-      case grpc::StatusCode::INVALID_ARGUMENT:
-      case grpc::StatusCode::NOT_FOUND:
-      case grpc::StatusCode::UNAUTHENTICATED:
-        throw UsageError(server() + " refused " + name + ": " + said);
-      case grpc::StatusCode::DEADLINE_EXCEEDED:
-        throw CommError(server() + " did not answer " + name + " within its deadline of " +
-                        format_duration(timeout) + " (waited " + format_duration(waited) + ")" +
-                        (said == "Deadline Exceeded" ? "" : ": " + said));
-      case grpc::StatusCode::UNAVAILABLE:
-        throw CommError(server() + " is unreachable: " + name + " failed after " +
-                        format_duration(waited) + " (" + said + ")");
-      default:
-        throw CommError(server() + " failed " + name + " after " + format_duration(waited) + ": " +
-                        code_name(status.error_code()) + ": " + said);
-    }
-  }
-
-  // A reply that does not convert is the server's fault, not the caller's.
-  template <typename Reply>
-  auto convert(const char* name, const Reply& reply) {
-    try {
-      return wire_format::from_wire(reply);
-    } catch (const UsageError& e) {
-      throw CommError(server() + " answered " + name + " with a malformed reply: " + e.what());
-    }
-  }
 };
 
-RpcClient::RpcClient(int index, const std::string& address, const std::string& token)
-    : state_(std::make_unique<State>()) {
-  state_->index = index;
-  state_->address = address;
-  state_->token = token;
+std::shared_ptr<Endpoint> open_endpoint(const std::string& address) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(kMaxMessageBytes);
   args.SetMaxSendMessageSize(kMaxMessageBytes);
@@ -301,8 +268,158 @@ RpcClient::RpcClient(int index, const std::string& address, const std::string& t
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-  state_->channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
-  state_->stub = pb::ParameterServer::NewStub(state_->channel);
+  auto endpoint = std::make_shared<Endpoint>();
+  endpoint->address = address;
+  endpoint->channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  endpoint->stub = pb::ParameterServer::NewStub(endpoint->channel);
+  return endpoint;
+}
+
+}  // namespace
+
+struct RpcClient::State {
+  int index = 0;
+  std::string token;
+  std::vector<std::string> addresses;  // the primary's first, then its backups'
+
+  mutable std::mutex mutex;
+  size_t at = 0;  // addresses[at] is where calls go
+  std::shared_ptr<Endpoint> endpoint;
+  int failovers = 0;
+  std::function<std::string()> resolve;
+  std::optional<pb::RegisterRequest> registration;  // the last one, for a restarted server
+  std::timed_mutex reconnecting;  // one call at a time looks for a restarted server
+
+  std::shared_ptr<Endpoint> current() const {
+    std::lock_guard<std::mutex> lock(mutex);
+    return endpoint;
+  }
+
+  // Moves to the next address after `failed` was found gone. False when there is none. Calls
+  // that fail on the same endpoint at once move the client once.
+  bool fail_over(const std::shared_ptr<Endpoint>& failed) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (endpoint != failed) return true;
+    if (at + 1 >= addresses.size()) return false;
+    endpoint = open_endpoint(addresses[++at]);
+    ++failovers;
+    return true;
+  }
+
+  // Looks for a restarted server under the resolver's address until `deadline`, registers there
+  // again and makes it the endpoint. False when there is no resolver or no server answered.
+  bool reconnect(const std::shared_ptr<Endpoint>& failed, SystemClock::time_point deadline) {
+    std::function<std::string()> resolver;
+    std::optional<pb::RegisterRequest> registered;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (endpoint != failed) return true;
+      resolver = resolve;
+      registered = registration;
+    }
+    if (!resolver) return false;
+    // A call that waits here for another's search still keeps its own deadline.
+    std::unique_lock<std::timed_mutex> one(reconnecting, deadline);
+    if (!one.owns_lock()) return false;
+    if (current() != failed) return true;  // another call found it meanwhile
+    while (SystemClock::now() < deadline) {
+      const std::string address = resolver();
+      if (!address.empty()) {
+        auto fresh = open_endpoint(address);
+        grpc::ClientContext context;
+        context.set_deadline(std::min(deadline, SystemClock::now() + std::chrono::seconds(1)));
+        context.AddMetadata(kTokenMetadata, token);
+        pb::PingReply pong;
+        if (fresh->stub->Ping(&context, pb::PingRequest(), &pong).ok()) {
+          if (registered) {
+            grpc::ClientContext again;
+            again.set_deadline(deadline);
+            again.AddMetadata(kTokenMetadata, token);
+            pb::RegisterReply reply;
+            const grpc::Status status = fresh->stub->Register(&again, *registered, &reply);
+            if (!status.ok()) return false;
+          }
+          std::lock_guard<std::mutex> lock(mutex);
+          endpoint = fresh;
+          ++failovers;
+          return true;
+        }
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return false;
+  }
+
+  std::string server(const Endpoint& endpoint) const {
+    return "parameter server " + std::to_string(index) + " (" + endpoint.address + ")";
+  }
+
+  template <typename Request, typename Reply>
+  void call(const char* name, Duration timeout, const Request& request, Reply& reply,
+            grpc::Status (pb::ParameterServer::Stub::*method)(grpc::ClientContext*, const Request&,
+                                                              Reply*)) {
+    const auto start = SteadyClock::now();
+    const auto deadline = SystemClock::now() + std::max(timeout, Duration(0));
+    for (;;) {
+      const std::shared_ptr<Endpoint> endpoint = current();
+      grpc::ClientContext context;
+      context.set_deadline(deadline);
+      context.AddMetadata(kTokenMetadata, token);
+      const grpc::Status status = (endpoint->stub.get()->*method)(&context, request, &reply);
+      if (status.ok()) return;
+      // See Note [Which UNAVAILABLE fails over]; the retry keeps the call's deadline.
+      if (server_gone(status, name) && SystemClock::now() < deadline &&
+          (fail_over(endpoint) || reconnect(endpoint, deadline))) {
+        reply.Clear();
+        continue;
+      }
+      const auto waited = std::chrono::duration_cast<Duration>(SteadyClock::now() - start);
+      const std::string said = one_line(status.error_message());
+      const std::string server = this->server(*endpoint);
+      switch (status.error_code()) {
+        case grpc::StatusCode::INVALID_ARGUMENT:
+        case grpc::StatusCode::NOT_FOUND:
+        case grpc::StatusCode::UNAUTHENTICATED:
+          throw UsageError(server + " refused " + name + ": " + said);
+        case grpc::StatusCode::DEADLINE_EXCEEDED:
+          throw CommError(server + " did not answer " + name + " within its deadline of " +
+                          format_duration(timeout) + " (waited " + format_duration(waited) + ")" +
+                          (said == "Deadline Exceeded" ? "" : ": " + said));
+        case grpc::StatusCode::UNAVAILABLE:
+          throw CommError(server + " is unreachable: " + name + " failed after " +
+                          format_duration(waited) + " (" + said + ")");
+        default:
+          throw CommError(server + " failed " + name + " after " + format_duration(waited) +
+                          ": " + code_name(status.error_code()) + ": " + said);
+      }
+    }
+  }
+
+  // A reply that does not convert is the server's fault, not the caller's.
+  template <typename Reply>
+  auto convert(const char* name, const Reply& reply) {
+    try {
+      return wire_format::from_wire(reply);
+    } catch (const UsageError& e) {
+      throw CommError(server(*current()) + " answered " + name +
+                      " with a malformed reply: " + e.what());
+    }
+  }
+};
+
+RpcClient::RpcClient(int index, const std::string& address, const std::string& token)
+    : RpcClient(index, std::vector<std::string>{address}, token) {}
+
+RpcClient::RpcClient(int index, std::vector<std::string> addresses, const std::string& token)
+    : state_(std::make_unique<State>()) {
+  if (addresses.empty()) {
+    throw UsageError("a client of parameter server " + std::to_string(index) +
+                     " was given no address; expected at least one");
+  }
+  state_->index = index;
+  state_->addresses = std::move(addresses);
+  state_->token = token;
+  state_->endpoint = open_endpoint(state_->addresses.front());
 }
 
 RpcClient::~RpcClient() = default;
@@ -310,8 +427,17 @@ RpcClient::~RpcClient() = default;
 int RpcClient::index() const {
   return state_->index;
 }
-const std::string& RpcClient::address() const {
-  return state_->address;
+std::string RpcClient::address() const {
+  return state_->current()->address;
+}
+int RpcClient::failovers() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->failovers;
+}
+
+void RpcClient::set_resolver(std::function<std::string()> resolve) {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  state_->resolve = std::move(resolve);
 }
 
 void RpcClient::register_tables(const RegisterRequest& request, Duration timeout) {
@@ -319,6 +445,8 @@ void RpcClient::register_tables(const RegisterRequest& request, Duration timeout
   wire_format::to_wire(request, wire_request);
   pb::RegisterReply reply;
   state_->call("Register", timeout, wire_request, reply, &pb::ParameterServer::Stub::Register);
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  state_->registration = std::move(wire_request);
 }
 
 PullReply RpcClient::pull(const PullRequest& request, Duration timeout) {
