@@ -30,6 +30,7 @@ add_library(shoal_ps_rpc_objects OBJECT
   src/ps/rpc.cpp
   src/ps/sum_handler.cpp
   src/ps/connect.cpp
+  src/ps/replica.cpp
 )
 set_target_properties(shoal_ps_rpc_objects PROPERTIES POSITION_INDEPENDENT_CODE ON)
 target_include_directories(shoal_ps_rpc_objects PRIVATE ${PROJECT_SOURCE_DIR}/include
@@ -43,8 +44,13 @@ target_sources(shoal PRIVATE $<TARGET_OBJECTS:shoal_ps_proto_objects>
                              $<TARGET_OBJECTS:shoal_ps_rpc_objects>)
 target_link_libraries(shoal PRIVATE gRPC::grpc++ protobuf::libprotobuf)
 
-# For shoal's own programs that reach into the transport (the command, tests, benchmarks): the
-# internal headers and the generated ones; the code itself is libshoal's.
+# For shoal's own programs that reach into the transport (the command, tests, benchmarks): its
+# internal headers (src/ps/rpc.h and the rest, which include no gRPC); the code is libshoal's.
 add_library(shoal_ps_rpc INTERFACE)
-target_include_directories(shoal_ps_rpc INTERFACE ${PROJECT_SOURCE_DIR}/src ${shoal_ps_generated})
-target_link_libraries(shoal_ps_rpc INTERFACE shoal gRPC::grpc++ protobuf::libprotobuf)
+target_include_directories(shoal_ps_rpc INTERFACE ${PROJECT_SOURCE_DIR}/src)
+target_link_libraries(shoal_ps_rpc INTERFACE shoal)
+# For the few that call gRPC themselves (the transport's tests, its benchmark): the generated
+# headers and gRPC's flags, which the shared precompiled header was built without.
+add_library(shoal_ps_grpc INTERFACE)
+target_include_directories(shoal_ps_grpc INTERFACE ${shoal_ps_generated})
+target_link_libraries(shoal_ps_grpc INTERFACE shoal_ps_rpc gRPC::grpc++ protobuf::libprotobuf)

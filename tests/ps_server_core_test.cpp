@@ -665,8 +665,9 @@ TEST(PsServerCore, BadRequestsAreRefusedAndChangeNothing) {
   });
   expect_refused("worker 2 pushed step 5; expected its next step 0",
                  [&] { push({good}, {}, 2, 5); });
-  expect_refused("worker 0 pushed step 0; expected its next step 1",
-                 [&] { push({good}, {}, 0, 0); });
+  // (Its step 0 again would be a retry, answered as before: Note [Retried pushes].)
+  expect_refused("worker 0 pushed step 2; expected its next step 1",
+                 [&] { push({good}, {}, 0, 2); });
   expect_refused("worker 9 is not live; expected one of 0, 1, 2", [&] { push({good}, {}, 9); });
   expect_refused("worker 2 pushed a gradient of 0 samples; expected rows >= 1", [&] {
     PushRequest request;

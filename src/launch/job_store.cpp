@@ -163,6 +163,10 @@ void JobStore::report_failure(const std::string& reason) {
   });
 }
 
+void JobStore::put(const std::string& key, const std::string& value) {
+  state_->guarded([&] { comm::put(state_->store, key, value); });
+}
+
 std::string JobStore::failure() {
   return state_->guarded([&] { return comm::try_get(state_->store, kFailure); });
 }

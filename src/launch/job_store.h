@@ -48,6 +48,9 @@ class JobStore {
   void report_failure(const std::string& reason);
   std::string failure();
 
+  // Any other key of the job (the parameter servers' keys, ps_launch.cpp).
+  void put(const std::string& key, const std::string& value);
+
   // Signs of life and of completion, per node; node 0 hosts the store until the others are done.
   void heartbeat(int node_rank);
   int64_t heartbeats(int node_rank);

@@ -129,6 +129,7 @@ void Launcher::spawn(Worker& worker) {
   spec.path = options_.program_path;
   if (worker.server) {
     argv = {"shoal", "ps-server", "--index", std::to_string(worker.rank)};
+    argv.insert(argv.end(), worker.server_args.begin(), worker.server_args.end());
     spec.path = "/proc/self/exe";
   }
   spec.argv = argv;

@@ -67,6 +67,7 @@ class Launcher {
   // SHOAL_PS_SERVERS and SHOAL_JOB_TOKEN, for workers and servers alike.
   void add_ps_environment(env::Environment& env) const;
   void on_server_exit(Worker& server, const ExitStatus& status);
+  std::string server_name(const Worker& server) const;
   void stop_servers_after_workers();
 
   // Elastic jobs (elastic_launch.cpp).

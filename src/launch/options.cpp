@@ -34,6 +34,9 @@ struct RawFlags {
   std::string checkpoint;
   std::string checkpoint_every;
   std::string servers = "0";
+  std::string ps_replicas = "1";
+  std::string ps_snapshot_dir;
+  std::string ps_snapshot_every = "100";
 };
 
 // The program and its arguments are split off before CLI11 parses, so CLI11 does not know them;
@@ -162,13 +165,35 @@ void add_flags(CLI::App& app, RawFlags& raw) {
   app.add_option("--servers", raw.servers,
                  "Parameter servers to start before the workers (default 0; docs/ps.md)")
       ->type_name("S");
+  app.add_option("--ps-replicas", raw.ps_replicas,
+                 "Processes per parameter server: 1 (default) or 2, a primary and a backup that "
+                 "takes over when it dies (docs/ps.md)")
+      ->type_name("R");
+  app.add_option("--ps-snapshot-dir", raw.ps_snapshot_dir,
+                 "Parameter servers write their shards to DIR every --ps-snapshot-every steps "
+                 "(docs/ps.md)")
+      ->type_name("DIR");
+  app.add_option("--ps-snapshot-every", raw.ps_snapshot_every,
+                 "Steps between the parameter servers' snapshots (default 100)")
+      ->type_name("K");
 }
 
 // See docs/ps.md, "Processes".
 void validate_servers(const RawFlags& raw, LaunchOptions& options) {
   options.servers =
       parse_int("--servers", raw.servers, 0, 1024, "a number of servers from 0 to 1024");
-  if (options.servers == 0) return;
+  options.ps_replicas = parse_int("--ps-replicas", raw.ps_replicas, 1, 2,
+                                  "1 or 2 processes per parameter server");
+  options.ps_snapshot_every = parse_int("--ps-snapshot-every", raw.ps_snapshot_every, 1,
+                                        1 << 30, "a number of steps from 1");
+  options.ps_snapshot_dir = raw.ps_snapshot_dir;
+  if (options.servers == 0) {
+    if (options.ps_replicas != 1) throw UsageError("--ps-replicas needs --servers S; add it");
+    if (!raw.ps_snapshot_dir.empty()) {
+      throw UsageError("--ps-snapshot-dir needs --servers S; add it");
+    }
+    return;
+  }
   if (options.elastic) {
     throw UsageError(
         "--servers is not supported with elastic jobs (--min/--max, --join) yet; drop one of them");

@@ -52,6 +52,13 @@ struct LaunchOptions {
   // --servers S: parameter servers (`shoal ps-server`) started before the workers and stopped
   // after them (docs/ps.md, "Processes"). Single-node static jobs only, for now.
   int servers = 0;
+  // --ps-replicas R: processes per server index, 1 or 2 (a primary and its backup; docs/ps.md,
+  // "Replicas and snapshots").
+  int ps_replicas = 1;
+  // --ps-snapshot-dir DIR / --ps-snapshot-every K: the servers write their shards to DIR every K
+  // steps (docs/ps.md, "Replicas and snapshots"). Empty: no snapshots.
+  std::string ps_snapshot_dir;
+  int ps_snapshot_every = 100;
 
   std::string program;  // as given (for messages)
   std::string program_path;  // resolved against PATH; what is executed

@@ -2,12 +2,18 @@
 
 #include <signal.h>
 
+#include <map>
+#include <optional>
+
 #include <CLI/CLI.hpp>
 #include <iostream>
+#include <thread>
 
 #include "../ps/connect.h"
+#include "../ps/replica.h"
 #include "../ps/rpc.h"
 #include "../ps/server_core.h"
+#include "../ps/snapshot.h"
 #include "../ps/shard_map.h"
 #include "../ps/sum_handler.h"
 #include "shoal/comm/store.h"
@@ -19,6 +25,8 @@ namespace {
 
 // How often the server checks that its job's store is still there.
 constexpr Duration kStoreCheck{1000};
+// How long a primary waits for its backup to publish its address and answer.
+constexpr Duration kBackupWait{60000};
 
 std::string required(const env::Environment& env, const std::string& name, const char* what) {
   auto value = env::get(env, name);
@@ -33,7 +41,8 @@ std::string required(const env::Environment& env, const std::string& name, const
 // SHOAL_PS_WORKERS live; or, with --handler sum, the transport's own test handler, which adds the
 // pushes up (the transport's tests use it to see exactly what crossed).
 std::unique_ptr<ps::detail::Handler> make_handler(const std::string& kind, const std::string& mode,
-                                                  int index, const env::Environment& env) {
+                                                  int index, const env::Environment& env,
+                                                  ps::detail::SnapshotWriter* snapshots) {
   if (kind == "sum") return std::make_unique<ps::detail::SumHandler>();
   const int servers = ps::detail::server_count(env);
   if (servers < 1 || index >= servers) {
@@ -58,11 +67,60 @@ std::unique_ptr<ps::detail::Handler> make_handler(const std::string& kind, const
   }
   for (int w = 0; w < *workers; ++w) options.workers.push_back(w);
   options.shards = ps::detail::ShardMap(servers).shards_of(index);
+  if (snapshots != nullptr) {
+    options.snapshot_every = snapshots->every();
+    options.on_snapshot = [snapshots](int64_t step, std::map<int32_t, std::string> shards) {
+      snapshots->hand(step, std::move(shards));
+    };
+  }
+  if (snapshots != nullptr && snapshots->restore()) {
+    // A restarted server: the newest complete snapshot of its shards, once the tables exist.
+    options.restore = [snapshots, shards = options.shards]()
+        -> std::optional<ps::detail::ServerCoreOptions::Restored> {
+      auto snapshot = ps::detail::read_newest_snapshot(snapshots->dir(), shards);
+      if (!snapshot) {
+        std::cerr << "no complete snapshot of this server's shards in " << snapshots->dir()
+                  << "; starting from the first registration's values" << std::endl;
+        return std::nullopt;
+      }
+      return ps::detail::ServerCoreOptions::Restored{snapshot->step, std::move(snapshot->shards)};
+    };
+    options.on_adopted = [index](int64_t snapshot_step, int64_t adopted_step) {
+      std::cerr << "parameter server " << index << " restarted from step " << snapshot_step
+                << "; " << std::max<int64_t>(adopted_step - snapshot_step, 0)
+                << " steps of its shards lost" << std::endl;
+    };
+  }
   return std::make_unique<ps::detail::ServerCore>(std::move(options));
 }
 
+// Waits (until `timeout`) for the address of server `index`'s backup and returns a client of
+// it that has answered a Ping.
+std::unique_ptr<ps::detail::RpcClient> connect_backup(const comm::StorePtr& store, int index,
+                                                      const std::string& token,
+                                                      Duration timeout) {
+  const Deadline deadline(timeout);
+  const std::string key = ps::detail::backup_key(index);
+  std::string address;
+  while ((address = comm::try_get(store, key)).empty()) {
+    if (deadline.expired()) {
+      throw CommError("the backup of parameter server " + std::to_string(index) +
+                      " did not publish its address (" + key + " in the job's store) within " +
+                      format_duration(timeout));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  auto backup = std::make_unique<ps::detail::RpcClient>(index, address, token);
+  backup->ping(std::max(deadline.remaining(), Duration(1)));
+  return backup;
+}
+
+// `role`: "primary" (the default; with `replicas` 2 it forwards every update to its backup) or
+// "backup" (publishes backup_key(index) instead, and is forwarded to). See docs/ps.md,
+// "Replicas and snapshots".
 int serve(int index, const std::string& host, int port, const std::string& handler_kind,
-          const std::string& mode) {
+          const std::string& mode, const std::string& role, int replicas,
+          const std::string& snapshot_dir, int64_t snapshot_every, bool restore) {
   const env::Environment env = env::current();
   comm::StoreOptions store_options;
   store_options.host = required(env, "SHOAL_MASTER_ADDR", "the address of the job's store");
@@ -83,17 +141,35 @@ int serve(int index, const std::string& host, int port, const std::string& handl
   for (int signal : {SIGTERM, SIGINT, SIGHUP}) sigaddset(&stop, signal);
   pthread_sigmask(SIG_BLOCK, &stop, nullptr);
 
-  const auto handler = make_handler(handler_kind, mode, index, env);
+  // A backup holds what its primary holds: the primary's snapshots are the index's.
+  std::unique_ptr<ps::detail::SnapshotWriter> snapshots;
+  if (!snapshot_dir.empty() && role == "primary") {
+    snapshots = std::make_unique<ps::detail::SnapshotWriter>(snapshot_dir, snapshot_every, index,
+                                                 ps::detail::server_count(env), restore);
+  }
+  auto core = make_handler(handler_kind, mode, index, env, snapshots.get());
   const comm::StorePtr store = comm::open_store(store_options);
+  std::unique_ptr<ps::detail::Handler> replicated;
+  if (role == "primary" && replicas > 1) {
+    try {
+      replicated = std::make_unique<ps::detail::ReplicatedHandler>(
+          *core, connect_backup(store, index, token, kBackupWait));
+    } catch (const CommError& e) {
+      // Workers find no backup either (it never published), so they never fail over to it.
+      std::cerr << e.what() << "; serving alone" << std::endl;
+    }
+  }
   ps::detail::ServerOptions options;
   options.host = host;
   options.port = port;
   options.index = index;
   options.token = token;
-  ps::detail::RpcServer server(*handler, options);
+  ps::detail::RpcServer server(replicated ? *replicated : *core, options);
   const std::string address = comm::local_address_towards(store_options.host, store_options.port) +
                               ":" + std::to_string(server.port());
-  comm::put(store, ps::detail::server_key(index), address);
+  comm::put(store,
+            role == "backup" ? ps::detail::backup_key(index) : ps::detail::server_key(index),
+            address);
 
   for (;;) {
     const timespec wait{kStoreCheck.count() / 1000, (kStoreCheck.count() % 1000) * 1000000L};
@@ -106,6 +182,9 @@ int serve(int index, const std::string& host, int port, const std::string& handl
     }
   }
   server.shutdown(Duration(1000));
+  // The tables go back to the system with the process: freeing millions of rows one by one took
+  // longer than the launcher's stop grace (3 s) on a loaded machine, and the server was killed.
+  (void)core.release();
   return 0;
 }
 
@@ -116,6 +195,11 @@ int ps_server_command(const std::vector<std::string>& args) {
   int port = 0;
   std::string host = "0.0.0.0";
   std::string handler = "core";
+  std::string role = "primary";
+  int replicas = 1;
+  std::string snapshot_dir;
+  int64_t snapshot_every = 100;
+  bool restore = false;
   std::string mode = env::get(env::current(), "SHOAL_PS_MODE").value_or("sync");
   CLI::App app("Serves one parameter server of a job (started by shoal run --servers).",
                "shoal ps-server");
@@ -124,6 +208,18 @@ int ps_server_command(const std::vector<std::string>& args) {
   app.add_option("--host", host, "The interface to listen on (default 0.0.0.0)");
   app.add_option("--handler", handler, "core (the parameter server) or sum (the transport's test handler)")
       ->check(CLI::IsMember({"core", "sum"}));
+  app.add_option("--role", role, "primary (the default) or backup (docs/ps.md, replicas)")
+      ->check(CLI::IsMember({"primary", "backup"}));
+  app.add_option("--replicas", replicas,
+                 "Processes serving this index: 1 (the default) or 2 (a primary forwards every "
+                 "update to its backup)")
+      ->check(CLI::Range(1, 2));
+  app.add_option("--snapshot-dir", snapshot_dir,
+                 "Write the server's shards to DIR every --snapshot-every steps (docs/ps.md)");
+  app.add_option("--snapshot-every", snapshot_every, "Steps between snapshots (default 100)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
+  app.add_flag("--restore", restore,
+               "Restarted: load the newest snapshot of this server's shards from --snapshot-dir");
   app.add_option("--mode", mode,
                  "sync, async or ssp:S (bounded staleness S); default SHOAL_PS_MODE, else sync");
   try {
@@ -133,7 +229,8 @@ int ps_server_command(const std::vector<std::string>& args) {
     if (port < 0 || port > 65535) {
       throw UsageError("--port " + std::to_string(port) + "; expected 0 to 65535");
     }
-    return serve(index, host, port, handler, mode);
+    return serve(index, host, port, handler, mode, role, replicas, snapshot_dir, snapshot_every,
+                 restore);
   } catch (const CLI::CallForHelp&) {
     std::cout << app.help();
     return 0;

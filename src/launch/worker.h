@@ -30,6 +30,8 @@ struct Launcher::Worker {
   std::vector<std::string> envp;  // kept for restarts
   int restarts = 0;
   bool server = false;  // a parameter server (`shoal ps-server --index <rank>`), not a worker
+  std::vector<std::string> server_args;  // a server's further flags (--role backup, ...)
+  bool backup = false;                   // a server that is its index's backup
   std::optional<std::chrono::steady_clock::time_point> restart_at;
 
   bool running() const { return pid > 0 && !exit; }

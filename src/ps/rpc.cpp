@@ -9,7 +9,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <mutex>
+#include <optional>
+#include <thread>
 
+#include "ps.grpc.pb.h"
 #include "wire.h"
 
 namespace shoal::ps::detail {
@@ -264,54 +268,175 @@ void RpcServer::shutdown(Duration grace) {
   state_->server.reset();
 }
 
-struct RpcClient::State {
-  int index = 0;
+namespace {
+
+// Note [Which UNAVAILABLE fails over]: gRPC answers UNAVAILABLE when the connection to a server
+// is refused or breaks (a SIGKILLed server: at once), and the service answers it too when its
+// handler raised CommError before the call's deadline (a pull whose worker left the live set).
+// Only the first means the server is gone. The service's own statuses always begin with the
+// method's name and ": " (Service::serve above), gRPC's never do: that tells them apart without a
+// second round trip.
+bool server_gone(const grpc::Status& status, const char* name) {
+  return status.error_code() == grpc::StatusCode::UNAVAILABLE &&
+         status.error_message().rfind(std::string(name) + ": ", 0) != 0;
+}
+
+// The service's methods on one channel.
+struct Methods {
+  explicit Methods(const std::shared_ptr<grpc::Channel>& channel)
+      : register_tables(kRegisterMethod, grpc::internal::RpcMethod::NORMAL_RPC, channel),
+        pull(kPullMethod, grpc::internal::RpcMethod::NORMAL_RPC, channel),
+        push(kPushMethod, grpc::internal::RpcMethod::NORMAL_RPC, channel),
+        ping(kPingMethod, grpc::internal::RpcMethod::NORMAL_RPC, channel) {}
+  grpc::internal::RpcMethod register_tables, pull, push, ping;
+};
+
+// One address's channel; replaced whole on failover, so a call in flight keeps its own.
+struct Endpoint {
   std::string address;
-  std::string token;
   std::shared_ptr<grpc::Channel> channel;
+  // Ping and Register when looking for a restarted server (State::reconnect).
+  std::unique_ptr<pb::ParameterServer::Stub> stub;
   // The service's methods, registered with the channel once, as a generated stub does; calls
   // send and receive raw bytes (Note [Values without copies], wire.h).
-  struct Methods {
-    explicit Methods(const std::shared_ptr<grpc::Channel>& channel)
-        : register_tables(kRegisterMethod, grpc::internal::RpcMethod::NORMAL_RPC, channel),
-          pull(kPullMethod, grpc::internal::RpcMethod::NORMAL_RPC, channel),
-          push(kPushMethod, grpc::internal::RpcMethod::NORMAL_RPC, channel),
-          ping(kPingMethod, grpc::internal::RpcMethod::NORMAL_RPC, channel) {}
-    grpc::internal::RpcMethod register_tables, pull, push, ping;
-  };
   std::unique_ptr<Methods> methods;
+};
 
-  std::string server() const {
-    return "parameter server " + std::to_string(index) + " (" + address + ")";
+std::shared_ptr<Endpoint> open_endpoint(const std::string& address) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(kMaxMessageBytes);
+  args.SetMaxSendMessageSize(kMaxMessageBytes);
+  // Servers are the job's own processes: an http_proxy in the environment must not be used.
+  args.SetInt(GRPC_ARG_ENABLE_HTTP_PROXY, 0);
+  // A server that was unreachable is tried again soon (gRPC's default backoff grows to 2 min).
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  auto endpoint = std::make_shared<Endpoint>();
+  endpoint->address = address;
+  endpoint->channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  endpoint->stub = pb::ParameterServer::NewStub(endpoint->channel);
+  endpoint->methods = std::make_unique<Methods>(endpoint->channel);
+  return endpoint;
+}
+
+}  // namespace
+
+struct RpcClient::State {
+  int index = 0;
+  std::string token;
+  std::vector<std::string> addresses;  // the primary's first, then its backups'
+
+  mutable std::mutex mutex;
+  size_t at = 0;  // addresses[at] is where calls go
+  std::shared_ptr<Endpoint> endpoint;
+  int failovers = 0;
+  std::function<std::string()> resolve;
+  std::optional<pb::RegisterRequest> registration;  // the last one, for a restarted server
+  std::timed_mutex reconnecting;  // one call at a time looks for a restarted server
+
+  std::shared_ptr<Endpoint> current() const {
+    std::lock_guard<std::mutex> lock(mutex);
+    return endpoint;
   }
 
-  void call(const char* name, const grpc::internal::RpcMethod& method, Duration timeout,
+  // Moves to the next address after `failed` was found gone. False when there is none. Calls
+  // that fail on the same endpoint at once move the client once.
+  bool fail_over(const std::shared_ptr<Endpoint>& failed) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (endpoint != failed) return true;
+    if (at + 1 >= addresses.size()) return false;
+    endpoint = open_endpoint(addresses[++at]);
+    ++failovers;
+    return true;
+  }
+
+  // Looks for a restarted server under the resolver's address until `deadline`, registers there
+  // again and makes it the endpoint. False when there is no resolver or no server answered.
+  bool reconnect(const std::shared_ptr<Endpoint>& failed, SystemClock::time_point deadline) {
+    std::function<std::string()> resolver;
+    std::optional<pb::RegisterRequest> registered;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (endpoint != failed) return true;
+      resolver = resolve;
+      registered = registration;
+    }
+    if (!resolver) return false;
+    // A call that waits here for another's search still keeps its own deadline.
+    std::unique_lock<std::timed_mutex> one(reconnecting, deadline);
+    if (!one.owns_lock()) return false;
+    if (current() != failed) return true;  // another call found it meanwhile
+    while (SystemClock::now() < deadline) {
+      const std::string address = resolver();
+      if (!address.empty()) {
+        auto fresh = open_endpoint(address);
+        grpc::ClientContext context;
+        context.set_deadline(std::min(deadline, SystemClock::now() + std::chrono::seconds(1)));
+        context.AddMetadata(kTokenMetadata, token);
+        pb::PingReply pong;
+        if (fresh->stub->Ping(&context, pb::PingRequest(), &pong).ok()) {
+          if (registered) {
+            grpc::ClientContext again;
+            again.set_deadline(deadline);
+            again.AddMetadata(kTokenMetadata, token);
+            pb::RegisterReply reply;
+            const grpc::Status status = fresh->stub->Register(&again, *registered, &reply);
+            if (!status.ok()) return false;
+          }
+          std::lock_guard<std::mutex> lock(mutex);
+          endpoint = fresh;
+          ++failovers;
+          return true;
+        }
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return false;
+  }
+
+  std::string server(const Endpoint& endpoint) const {
+    return "parameter server " + std::to_string(index) + " (" + endpoint.address + ")";
+  }
+
+  void call(const char* name, grpc::internal::RpcMethod Methods::*method, Duration timeout,
             const grpc::ByteBuffer& request, grpc::ByteBuffer& reply) {
-    grpc::ClientContext context;
     const auto start = SteadyClock::now();
-    context.set_deadline(SystemClock::now() + std::max(timeout, Duration(0)));
-    context.AddMetadata(kTokenMetadata, token);
-    const grpc::Status status =
-        grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
-            channel.get(), method, &context, request, &reply);
-    if (status.ok()) return;
-    const auto waited = std::chrono::duration_cast<Duration>(SteadyClock::now() - start);
-    const std::string said = one_line(status.error_message());
-    switch (status.error_code()) {
-      case grpc::StatusCode::INVALID_ARGUMENT:
-      case grpc::StatusCode::NOT_FOUND:
-      case grpc::StatusCode::UNAUTHENTICATED:
-        throw UsageError(server() + " refused " + name + ": " + said);
-      case grpc::StatusCode::DEADLINE_EXCEEDED:
-        throw CommError(server() + " did not answer " + name + " within its deadline of " +
-                        format_duration(timeout) + " (waited " + format_duration(waited) + ")" +
-                        (said == "Deadline Exceeded" ? "" : ": " + said));
-      case grpc::StatusCode::UNAVAILABLE:
-        throw CommError(server() + " is unreachable: " + name + " failed after " +
-                        format_duration(waited) + " (" + said + ")");
-      default:
-        throw CommError(server() + " failed " + name + " after " + format_duration(waited) + ": " +
-                        code_name(status.error_code()) + ": " + said);
+    const auto deadline = SystemClock::now() + std::max(timeout, Duration(0));
+    for (;;) {
+      const std::shared_ptr<Endpoint> endpoint = current();
+      grpc::ClientContext context;
+      context.set_deadline(deadline);
+      context.AddMetadata(kTokenMetadata, token);
+      const grpc::Status status =
+          grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
+              endpoint->channel.get(), endpoint->methods.get()->*method, &context, request, &reply);
+      if (status.ok()) return;
+      // See Note [Which UNAVAILABLE fails over]; the retry keeps the call's deadline.
+      if (server_gone(status, name) && SystemClock::now() < deadline &&
+          (fail_over(endpoint) || reconnect(endpoint, deadline))) {
+        reply.Clear();
+        continue;
+      }
+      const auto waited = std::chrono::duration_cast<Duration>(SteadyClock::now() - start);
+      const std::string said = one_line(status.error_message());
+      const std::string server = this->server(*endpoint);
+      switch (status.error_code()) {
+        case grpc::StatusCode::INVALID_ARGUMENT:
+        case grpc::StatusCode::NOT_FOUND:
+        case grpc::StatusCode::UNAUTHENTICATED:
+          throw UsageError(server + " refused " + name + ": " + said);
+        case grpc::StatusCode::DEADLINE_EXCEEDED:
+          throw CommError(server + " did not answer " + name + " within its deadline of " +
+                          format_duration(timeout) + " (waited " + format_duration(waited) + ")" +
+                          (said == "Deadline Exceeded" ? "" : ": " + said));
+        case grpc::StatusCode::UNAVAILABLE:
+          throw CommError(server + " is unreachable: " + name + " failed after " +
+                          format_duration(waited) + " (" + said + ")");
+        default:
+          throw CommError(server + " failed " + name + " after " + format_duration(waited) + ": " +
+                          code_name(status.error_code()) + ": " + said);
+      }
     }
   }
 
@@ -323,32 +448,30 @@ struct RpcClient::State {
     try {
       read = wire_format::decode(bytes, reply);
     } catch (const UsageError& e) {
-      throw CommError(server() + " answered " + name + " with a malformed reply: " + e.what());
+      throw CommError(server(*current()) + " answered " + name +
+                      " with a malformed reply: " + e.what());
     }
     if (!read) {
-      throw CommError(server() + " answered " + name + " with a malformed reply: not a " + type +
-                      " message (" + std::to_string(bytes.Length()) + " bytes)");
+      throw CommError(server(*current()) + " answered " + name + " with a malformed reply: not a " +
+                      type + " message (" + std::to_string(bytes.Length()) + " bytes)");
     }
     return reply;
   }
 };
 
 RpcClient::RpcClient(int index, const std::string& address, const std::string& token)
+    : RpcClient(index, std::vector<std::string>{address}, token) {}
+
+RpcClient::RpcClient(int index, std::vector<std::string> addresses, const std::string& token)
     : state_(std::make_unique<State>()) {
+  if (addresses.empty()) {
+    throw UsageError("a client of parameter server " + std::to_string(index) +
+                     " was given no address; expected at least one");
+  }
   state_->index = index;
-  state_->address = address;
+  state_->addresses = std::move(addresses);
   state_->token = token;
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(kMaxMessageBytes);
-  args.SetMaxSendMessageSize(kMaxMessageBytes);
-  // Servers are the job's own processes: an http_proxy in the environment must not be used.
-  args.SetInt(GRPC_ARG_ENABLE_HTTP_PROXY, 0);
-  // A server that was unreachable is tried again soon (gRPC's default backoff grows to 2 min).
-  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-  state_->channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
-  state_->methods = std::make_unique<State::Methods>(state_->channel);
+  state_->endpoint = open_endpoint(state_->addresses.front());
 }
 
 RpcClient::~RpcClient() = default;
@@ -356,8 +479,17 @@ RpcClient::~RpcClient() = default;
 int RpcClient::index() const {
   return state_->index;
 }
-const std::string& RpcClient::address() const {
-  return state_->address;
+std::string RpcClient::address() const {
+  return state_->current()->address;
+}
+int RpcClient::failovers() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->failovers;
+}
+
+void RpcClient::set_resolver(std::function<std::string()> resolve) {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  state_->resolve = std::move(resolve);
 }
 
 void RpcClient::register_tables(const RegisterRequest& request, Duration timeout) {
@@ -366,18 +498,20 @@ void RpcClient::register_tables(const RegisterRequest& request, Duration timeout
   grpc::ByteBuffer bytes, reply;
   bool own = false;
   grpc::SerializationTraits<pb::RegisterRequest>::Serialize(message, &bytes, &own);
-  state_->call("Register", state_->methods->register_tables, timeout, bytes, reply);
+  state_->call("Register", &Methods::register_tables, timeout, bytes, reply);
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  state_->registration = std::move(message);
 }
 
 PullReply RpcClient::pull(const PullRequest& request, Duration timeout) {
   grpc::ByteBuffer reply;
-  state_->call("Pull", state_->methods->pull, timeout, wire_format::encode(request), reply);
+  state_->call("Pull", &Methods::pull, timeout, wire_format::encode(request), reply);
   return state_->convert<PullReply>("Pull", "PullReply", reply);
 }
 
 PushReply RpcClient::push(const PushRequest& request, Duration timeout) {
   grpc::ByteBuffer reply;
-  state_->call("Push", state_->methods->push, timeout, wire_format::encode(request), reply);
+  state_->call("Push", &Methods::push, timeout, wire_format::encode(request), reply);
   return state_->convert<PushReply>("Push", "PushReply", reply);
 }
 
@@ -385,10 +519,10 @@ int RpcClient::ping(Duration timeout) {
   grpc::ByteBuffer bytes, reply;
   bool own = false;
   grpc::SerializationTraits<pb::PingRequest>::Serialize(pb::PingRequest(), &bytes, &own);
-  state_->call("Ping", state_->methods->ping, timeout, bytes, reply);
+  state_->call("Ping", &Methods::ping, timeout, bytes, reply);
   pb::PingReply message;
   if (!grpc::SerializationTraits<pb::PingReply>::Deserialize(&reply, &message).ok()) {
-    throw CommError(state_->server() + " answered Ping with a malformed reply (" +
+    throw CommError(state_->server(*state_->current()) + " answered Ping with a malformed reply (" +
                     std::to_string(reply.Length()) + " bytes)");
   }
   return message.server();

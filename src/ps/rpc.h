@@ -10,8 +10,10 @@
 // and address), the call and how long it waited.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "handler.h"
 #include "messages.h"
@@ -47,18 +49,36 @@ class RpcServer {
   std::unique_ptr<State> state_;
 };
 
-// One channel to one server. Thread-safe: calls from several threads share the channel.
+// One channel to one server index. Thread-safe: calls from several threads share the channel.
+//
+// Failover (docs/ps.md, "Replicas and snapshots"): given the addresses of an index's primary and
+// its backup, a call the primary cannot take (its connection refused or reset: the process is
+// gone) is sent again to the backup within the same deadline, and every later call goes there.
+// A server that answers, even with an error, is never failed over from. The caller sees one
+// server that did not die; retried pushes are answered as before by the core (Note [Retried
+// pushes] in server_core.h).
 class RpcClient {
  public:
   // Connects lazily (the first call). `index` and `address` ("host:port") name the server in
   // errors.
   RpcClient(int index, const std::string& address, const std::string& token);
+  // `addresses`: the primary's first, then its backup's (one or more, tried in order).
+  RpcClient(int index, std::vector<std::string> addresses, const std::string& token);
   ~RpcClient();
   RpcClient(const RpcClient&) = delete;
   RpcClient& operator=(const RpcClient&) = delete;
 
   int index() const;
-  const std::string& address() const;
+  // The address calls go to now (the backup's after a failover).
+  std::string address() const;
+  // How many times this client moved to the next address or reconnected to a restarted server.
+  int failovers() const;
+
+  // Reconnection (docs/ps.md, "Replicas and snapshots"): when the server is gone and no backup is
+  // left, the client asks `resolve` for the index's address (the job's store, where a restarted
+  // server publishes its new one) until a server there answers, within the call's deadline; it
+  // registers there again with this client's last registration, and retries the call.
+  void set_resolver(std::function<std::string()> resolve);
 
   // Each call ends within `timeout` (plus the time to convert its reply).
   void register_tables(const RegisterRequest& request, Duration timeout);

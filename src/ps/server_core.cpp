@@ -286,7 +286,41 @@ void ServerCore::register_tables(const RegisterRequest& request, const Deadline&
     }
   }
   registered_ = true;
+  if (options_.restore) {
+    if (auto restored = options_.restore()) {
+      for (const auto& [shard, bytes] : restored->shards) load_shard_locked(shard, bytes);
+      restored_step_ = restored->step;
+      adopting_ = true;
+    }
+  }
   changed_.notify_all();
+}
+
+// Note [Clocks after a reload]: a server restarted from a snapshot of step S holds its shards as
+// they were at S, while the workers are at some step C >= S: their updates of steps S..C-1 to this
+// server's shards are lost. The server adopts the workers' clocks rather than make them go back:
+// each worker's first request tells its clock (a push of step c: c; a pull at clock p: p, and its
+// push of step p - 1, which the dead server had and this one has not, counts as lost). Once every
+// live worker is known, the server's step is the lowest of them (sync), and a step some workers'
+// lost pushes belong to completes with the pushes that did arrive (none: nothing is applied).
+void ServerCore::adopt(int32_t w, int64_t clock) {
+  if (!adopting_ || adopted_.count(w) != 0 || live_.count(w) == 0 || clock < 0) return;
+  adopted_[w] = clock;
+  clock_[w] = clock;
+  for (int32_t other : live_)
+    if (adopted_.count(other) == 0) return;
+  int64_t lowest = INT64_MAX;
+  for (int32_t other : live_) lowest = std::min(lowest, adopted_[other]);
+  adopting_ = false;
+  if (options_.consistency == Consistency::kSync) step_ = lowest;
+  if (options_.on_adopted) options_.on_adopted(restored_step_, lowest);
+  if (options_.consistency == Consistency::kSync) apply_ready_steps();
+  changed_.notify_all();
+}
+
+bool ServerCore::lost_push(int32_t w, int64_t clock) const {
+  auto it = adopted_.find(w);
+  return it != adopted_.end() && clock < it->second;
 }
 
 void ServerCore::apply(const std::vector<DenseSlice>& dense,
@@ -318,6 +352,7 @@ void ServerCore::apply(const std::vector<DenseSlice>& dense,
 }
 
 bool ServerCore::step_complete(int64_t clock) const {
+  if (adopting_) return false;  // the step is not known yet (Note [Clocks after a reload])
   auto it = pending_.find(clock);
   const size_t have = it == pending_.end() ? 0 : it->second.size();
   if (options_.replicas_to_aggregate > 0) {
@@ -327,7 +362,7 @@ bool ServerCore::step_complete(int64_t clock) const {
   }
   if (live_.empty()) return have > 0;  // only leavers' counted pushes remain
   for (int32_t w : live_)
-    if (it == pending_.end() || it->second.count(w) == 0) return false;
+    if ((it == pending_.end() || it->second.count(w) == 0) && !lost_push(w, clock)) return false;
   return true;
 }
 
@@ -400,6 +435,7 @@ void ServerCore::apply_ready_steps() {
     }
     apply(dense, sparse);
     ++step_;
+    take_snapshot_when_due();
   }
 }
 
@@ -410,7 +446,13 @@ PushReply ServerCore::push(const PushRequest& request, const Deadline& /*deadlin
   if (live_.count(w) == 0)
     bad(what, "worker " + std::to_string(w) + " is not live; expected one of " +
                   list_workers({live_.begin(), live_.end()}));
+  adopt(w, request.clock);
   const int64_t next = clock_[w];
+  // See Note [Retried pushes] (server_core.h).
+  if (request.clock == next - 1) {
+    auto last = last_reply_.find(w);
+    if (last != last_reply_.end()) return last->second;
+  }
   if (request.clock != next)
     bad(what, "worker " + std::to_string(w) + " pushed step " + std::to_string(request.clock) +
                   "; expected its next step " + std::to_string(next));
@@ -424,6 +466,7 @@ PushReply ServerCore::push(const PushRequest& request, const Deadline& /*deadlin
   if (options_.consistency != Consistency::kSync) {
     apply(request.dense, request.sparse);
     ++step_;
+    take_snapshot_when_due();
   } else if (request.clock < step_ || (options_.replicas_to_aggregate > 0 &&
                                        pending_[request.clock].size() >=
                                            static_cast<size_t>(options_.replicas_to_aggregate))) {
@@ -434,6 +477,7 @@ PushReply ServerCore::push(const PushRequest& request, const Deadline& /*deadlin
     apply_ready_steps();
   }
   reply.clock = step_;
+  last_reply_[w] = reply;
   changed_.notify_all();
   return reply;
 }
@@ -479,6 +523,7 @@ PullReply ServerCore::pull(const PullRequest& request, const Deadline& deadline)
   if (live_.count(w) == 0)
     bad(what, "worker " + std::to_string(w) + " is not live; expected one of " +
                   list_workers({live_.begin(), live_.end()}));
+  adopt(w, request.clock);
   if (request.clock < 0 || request.clock > clock_[w])
     bad(what, "worker " + std::to_string(w) + " pulled at clock " + std::to_string(request.clock) +
                   "; expected 0 <= clock <= " + std::to_string(clock_[w]) + " (its pushed steps)");
@@ -564,8 +609,11 @@ void ServerCore::set_live_workers(const std::vector<int32_t>& workers, LeaverPus
     for (auto& [step, pushes] : pending_)
       for (int32_t w : live_)
         if (next.count(w) == 0) pushes.erase(w);
-  for (int32_t w : next)
-    if (live_.count(w) == 0) clock_[w] = start;
+  for (int32_t w : next) {
+    if (live_.count(w) != 0) continue;
+    clock_[w] = start;
+    last_reply_.erase(w);  // a joiner's clock starts anew: no step of it was pushed yet
+  }
   live_ = next;
   if (options_.consistency == Consistency::kSync) apply_ready_steps();
   changed_.notify_all();
@@ -602,6 +650,15 @@ size_t ServerCore::row_count() const {
   return count;
 }
 
+void ServerCore::take_snapshot_when_due() {
+  if (options_.snapshot_every <= 0 || !options_.on_snapshot) return;
+  if (step_ % options_.snapshot_every != 0) return;
+  std::map<int32_t, std::string> shards;
+  const auto tables = specs();
+  for (const auto& [shard, contents] : shards_) shards.emplace(shard, contents.save(tables));
+  options_.on_snapshot(step_, std::move(shards));
+}
+
 std::vector<TableSpec> ServerCore::specs() const {
   std::vector<TableSpec> specs;
   for (const auto& table : tables_) specs.push_back(table.spec);
@@ -618,6 +675,10 @@ std::string ServerCore::save_shard(int32_t shard) const {
 
 void ServerCore::load_shard(int32_t shard, const std::string& bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
+  load_shard_locked(shard, bytes);
+}
+
+void ServerCore::load_shard_locked(int32_t shard, const std::string& bytes) {
   auto it = shards_.find(shard);
   if (it == shards_.end())
     bad("load_shard", "virtual shard " + std::to_string(shard) + " is not held by this server");

@@ -6,8 +6,10 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -38,6 +40,22 @@ struct ServerCoreOptions {
   std::vector<int32_t> workers;       // the live workers at the start
   std::vector<int32_t> shards;        // the virtual shards this server holds
   int32_t virtual_shards = kVirtualShards;
+  // Snapshots (docs/ps.md, "Replicas and snapshots"): every `snapshot_every` steps applied (sync;
+  // pushes applied in the other modes), on_snapshot gets the step and every held shard's bytes
+  // (save_shard's), all taken under the core's lock so that they are one step's values. It is
+  // called with that lock held: it must only hand the bytes on (to a writer thread).
+  int64_t snapshot_every = 0;
+  std::function<void(int64_t step, std::map<int32_t, std::string> shards)> on_snapshot;
+  // A restarted server (Note [Clocks after a reload]): called once, when the first registration
+  // has created the tables; returns the snapshot to load (its step and its shards' bytes) or
+  // nullopt. on_adopted(snapshot step, adopted step) is called once every live worker's clock is
+  // known, under the core's lock.
+  struct Restored {
+    int64_t step = 0;
+    std::map<int32_t, std::string> shards;
+  };
+  std::function<std::optional<Restored>()> restore;
+  std::function<void(int64_t snapshot_step, int64_t adopted_step)> on_adopted;
 };
 
 // What a worker that leaves does to its push of a step not yet applied (sync): counted with the
@@ -63,6 +81,12 @@ class ServerCore : public Handler {
   // replicas_to_aggregate, a push to a step already full is answered counted = false and
   // dropped. Bounded staleness and async: applies it at once. Never waits, so its deadline
   // cannot pass.
+  //
+  // Note [Retried pushes]: a push is known by (worker, clock). The push of a worker's last step,
+  // sent again, is answered with the reply it got the first time and changes nothing: a client
+  // that lost a server's answer (the server died after applying or forwarding it, docs/ps.md
+  // "Replicas and snapshots") retries on its replica, which may already hold it. Any other step
+  // but the worker's next is refused.
   PushReply push(const PushRequest& request, const Deadline& deadline) override;
 
   // Workers leave and join. A joiner's clock starts at the server's step (sync) or at the slowest
@@ -101,6 +125,11 @@ class ServerCore : public Handler {
   VirtualShard* holder(int32_t shard);
   void apply(const std::vector<DenseSlice>& dense, const std::vector<SparseSlice>& sparse);
   void apply_ready_steps();  // sync: applies the open step while it is complete
+  void take_snapshot_when_due();  // see ServerCoreOptions::snapshot_every
+  void load_shard_locked(int32_t shard, const std::string& bytes);
+  // Note [Clocks after a reload]: takes worker w's clock from its first request after a reload.
+  void adopt(int32_t w, int64_t clock);
+  bool lost_push(int32_t w, int64_t clock) const;
   bool step_complete(int64_t clock) const;
   int64_t slowest_clock() const;
   std::string describe_sync_wait(int64_t step) const;
@@ -123,6 +152,10 @@ class ServerCore : public Handler {
   int64_t pulls_waiting_ = 0;
   bool registered_ = false;
   std::map<int64_t, std::map<int32_t, PushRequest>> pending_;  // sync: step -> worker -> push
+  std::map<int32_t, PushReply> last_reply_;  // per worker: the reply to its last push
+  bool adopting_ = false;              // reloaded: the workers' clocks are not all known yet
+  int64_t restored_step_ = -1;         // the snapshot's step
+  std::map<int32_t, int64_t> adopted_;  // per worker: the clock it showed first after a reload
 };
 
 }  // namespace shoal::ps::detail

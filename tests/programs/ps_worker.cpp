@@ -1,14 +1,25 @@
-// A worker of `shoal run --servers S` for tests/ps_rpc_test.cpp: trains a dense table and a sparse
-// one on the job's parameter servers in sync mode, routing each chunk and row to its server by
-// the shard map, and checks that after every step the servers hold what one process applying
-// the mean gradient of all workers' rows would hold (SGD with momentum for the dense table, plain
-// SGD for the sparse one). Prints "ps ok" and exits 0, or says what differed and exits 1. With
-// --hold it prints "ps ready" after connecting and sleeps (the test then kills a server).
+// A worker of `shoal run --servers S` for tests/ps_rpc_test.cpp and ps_replica_test.cpp: trains a
+// dense table and a sparse one on the job's parameter servers in sync mode, routing each chunk and
+// row to its server by the shard map, and checks that after every step the servers hold what one
+// process applying the mean gradient of all workers' rows would hold (SGD with momentum for the
+// dense table, plain SGD for the sparse one). Prints "ps ok" and exits 0, or says what differed
+// and exits 1. Options:
+//   --hold: prints "ps ready" after connecting and sleeps (the test then kills a server).
+//   --steps N: trains N steps (default 4) and prints "ps step T at NS" once step T is checked and
+//     pushed (NS: CLOCK_MONOTONIC in ns); --pause-ms P: then sleeps P ms; --wait-after T PATH:
+//     after step T, waits until PATH exists. A test kills a server mid-training with these.
+//   --dump-dense PATH: worker 0 writes the reference's dense values after the last step to PATH
+//     (float32, native order).
+//   --rollback PATH: a server restarted from its snapshot is expected; the first step whose values
+//     differ from one process is no error: its pulled dense values go to PATH, "ps rolled back at
+//     step T" is printed, and the steps after it are trained without checks.
+#include <time.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <iostream>
 #include <map>
 #include <thread>
@@ -26,7 +37,6 @@ namespace {
 
 constexpr int64_t kDense = 2 * kChunkElements + 1000;  // three chunks, the last one short
 constexpr int64_t kDim = 4;
-constexpr int kSteps = 4;
 
 // Worker r's gradient at step t: a function of (r, t) and of the values it pulled, as a real
 // gradient is of the parameters; its loss is the mean over r + 1 rows.
@@ -64,7 +74,38 @@ DenseSlice dense_slice(const Route& route, int server, const torch::Tensor& valu
 }  // namespace
 
 int main(int argc, char** argv) {
-  const bool hold = argc > 1 && std::strcmp(argv[1], "--hold") == 0;
+  bool hold = false;
+  bool step_lines = false;
+  int steps = 4;
+  int pause_ms = 0;
+  std::string dump;  // where worker 0 writes the reference's dense values at the end
+  std::string rollback;  // where to write the values of the first step that differs
+  bool rolled_back = false;
+  int wait_after = -1;    // after pushing this step, wait until wait_file exists
+  std::string wait_file;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--hold") == 0) {
+      hold = true;
+    } else if (std::strcmp(argv[i], "--steps") == 0 && i + 1 < argc) {
+      steps = std::atoi(argv[++i]);
+      step_lines = true;
+    } else if (std::strcmp(argv[i], "--wait-after") == 0 && i + 2 < argc) {
+      wait_after = std::atoi(argv[++i]);
+      wait_file = argv[++i];
+    } else if (std::strcmp(argv[i], "--rollback") == 0 && i + 1 < argc) {
+      rollback = argv[++i];
+    } else if (std::strcmp(argv[i], "--dump-dense") == 0 && i + 1 < argc) {
+      dump = argv[++i];
+    } else if (std::strcmp(argv[i], "--pause-ms") == 0 && i + 1 < argc) {
+      pause_ms = std::atoi(argv[++i]);
+    } else {
+      std::cout << "error: unknown argument " << argv[i]
+                << "; expected --hold, --steps N, --pause-ms P, --wait-after T PATH, --dump-dense "
+                   "PATH or --rollback PATH"
+                << std::endl;
+      return 2;
+    }
+  }
   try {
     const env::Environment env = env::current();
     const int rank = static_cast<int>(*env::get_int(env, "SHOAL_RANK"));
@@ -101,7 +142,7 @@ int main(int argc, char** argv) {
     torch::optim::SGD reference({w}, torch::optim::SGDOptions(0.5).momentum(0.9));
     std::map<int64_t, torch::Tensor> rows;  // the reference's rows, from their first pull
 
-    for (int t = 0; t <= kSteps; ++t) {
+    for (int t = 0; t <= steps; ++t) {
       // Pull the values of step t: every chunk, and the rows any worker touches in it.
       torch::Tensor pulled = torch::empty({kDense});
       std::vector<int64_t> ids;
@@ -130,7 +171,17 @@ int main(int argc, char** argv) {
       }
       // The servers hold what the reference holds.
       const double dense_error = ((pulled - w).abs().max() / w.abs().max()).item<double>();
-      if (!(dense_error < 1e-5)) {
+      if (!(dense_error < 1e-5) && !rollback.empty() && !rolled_back) {
+        // A server restarted from its snapshot: from here its values are the snapshot's.
+        std::ofstream out(rollback, std::ios::binary);
+        out.write(reinterpret_cast<const char*>(pulled.data_ptr<float>()),
+                  static_cast<std::streamsize>(pulled.numel() * sizeof(float)));
+        std::cout << "ps rolled back at step " << t << std::endl;
+        rolled_back = true;
+      }
+      if (rolled_back) {
+        w.copy_(pulled);  // no more checks: the reference's optimizer state is not the servers'
+      } else if (!(dense_error < 1e-5)) {
         std::cout << "step " << t << ": dense values off by " << dense_error << " (relative)"
                   << std::endl;
         return 1;
@@ -139,13 +190,13 @@ int main(int argc, char** argv) {
         auto known = rows.find(id);
         if (known == rows.end()) {
           rows[id] = value.clone();  // first seen: its initial value
-        } else if (!torch::allclose(value, known->second, 1e-5, 1e-6)) {
+        } else if (!rolled_back && !torch::allclose(value, known->second, 1e-5, 1e-6)) {
           std::cout << "step " << t << ": row " << id << " is " << value << ", expected "
                     << known->second << std::endl;
           return 1;
         }
       }
-      if (t == kSteps) break;
+      if (t == steps) break;
 
       // Push this worker's gradient of step t, computed from what it pulled.
       const torch::Tensor g = dense_gradient(rank, t, pulled);
@@ -160,6 +211,25 @@ int main(int argc, char** argv) {
         }
         push.sparse.push_back(grads);
         server->push(push, timeout);
+      }
+
+      // Pushed: a server killed now has this worker's push of step t (or its snapshot).
+      if (step_lines) {
+        timespec now{};
+        ::clock_gettime(CLOCK_MONOTONIC, &now);
+        std::cout << "ps step " << t << " at " << now.tv_sec * 1000000000LL + now.tv_nsec
+                  << std::endl;
+      }
+      if (pause_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
+      if (t == wait_after) {
+        const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+        while (::access(wait_file.c_str(), F_OK) != 0) {
+          if (std::chrono::steady_clock::now() > until) {
+            std::cout << "error: " << wait_file << " did not appear within 60 s" << std::endl;
+            return 1;
+          }
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
       }
 
       // The reference's step: the rows-weighted mean of every worker's gradient, in worker order.
@@ -180,7 +250,12 @@ int main(int argc, char** argv) {
       reference.step();
       for (const auto& [id, m] : row_mean) rows[id] -= 0.25 * m.to(torch::kFloat);
     }
-    std::cout << "ps ok " << servers.size() << " servers, " << kSteps << " sync steps" << std::endl;
+    if (!dump.empty() && rank == 0) {
+      std::ofstream out(dump, std::ios::binary);
+      out.write(reinterpret_cast<const char*>(w.data_ptr<float>()),
+                static_cast<std::streamsize>(w.numel() * sizeof(float)));
+    }
+    std::cout << "ps ok " << servers.size() << " servers, " << steps << " sync steps" << std::endl;
     return 0;
   } catch (const std::exception& e) {
     std::cout << "error: " << e.what() << std::endl;
