@@ -1,6 +1,7 @@
 #include "ps_server.h"
 
 #include <signal.h>
+#include <cstdlib>
 
 #include <map>
 #include <optional>
@@ -13,8 +14,8 @@
 #include "../ps/replica.h"
 #include "../ps/rpc.h"
 #include "../ps/server_core.h"
-#include "../ps/snapshot.h"
 #include "../ps/shard_map.h"
+#include "../ps/snapshot.h"
 #include "../ps/sum_handler.h"
 #include "shoal/comm/store.h"
 #include "shoal/core/env.h"
@@ -75,8 +76,9 @@ std::unique_ptr<ps::detail::Handler> make_handler(const std::string& kind, const
   }
   if (snapshots != nullptr && snapshots->restore()) {
     // A restarted server: the newest complete snapshot of its shards, once the tables exist.
-    options.restore = [snapshots, shards = options.shards]()
-        -> std::optional<ps::detail::ServerCoreOptions::Restored> {
+    options.restore =
+        [snapshots,
+         shards = options.shards]() -> std::optional<ps::detail::ServerCoreOptions::Restored> {
       auto snapshot = ps::detail::read_newest_snapshot(snapshots->dir(), shards);
       if (!snapshot) {
         std::cerr << "no complete snapshot of this server's shards in " << snapshots->dir()
@@ -86,9 +88,9 @@ std::unique_ptr<ps::detail::Handler> make_handler(const std::string& kind, const
       return ps::detail::ServerCoreOptions::Restored{snapshot->step, std::move(snapshot->shards)};
     };
     options.on_adopted = [index](int64_t snapshot_step, int64_t adopted_step) {
-      std::cerr << "parameter server " << index << " restarted from step " << snapshot_step
-                << "; " << std::max<int64_t>(adopted_step - snapshot_step, 0)
-                << " steps of its shards lost" << std::endl;
+      std::cerr << "parameter server " << index << " restarted from step " << snapshot_step << "; "
+                << std::max<int64_t>(adopted_step - snapshot_step, 0) << " steps of its shards lost"
+                << std::endl;
     };
   }
   return std::make_unique<ps::detail::ServerCore>(std::move(options));
@@ -97,8 +99,7 @@ std::unique_ptr<ps::detail::Handler> make_handler(const std::string& kind, const
 // Waits (until `timeout`) for the address of server `index`'s backup and returns a client of
 // it that has answered a Ping.
 std::unique_ptr<ps::detail::RpcClient> connect_backup(const comm::StorePtr& store, int index,
-                                                      const std::string& token,
-                                                      Duration timeout) {
+                                                      const std::string& token, Duration timeout) {
   const Deadline deadline(timeout);
   const std::string key = ps::detail::backup_key(index);
   std::string address;
@@ -144,8 +145,8 @@ int serve(int index, const std::string& host, int port, const std::string& handl
   // A backup holds what its primary holds: the primary's snapshots are the index's.
   std::unique_ptr<ps::detail::SnapshotWriter> snapshots;
   if (!snapshot_dir.empty() && role == "primary") {
-    snapshots = std::make_unique<ps::detail::SnapshotWriter>(snapshot_dir, snapshot_every, index,
-                                                 ps::detail::server_count(env), restore);
+    snapshots = std::make_unique<ps::detail::SnapshotWriter>(
+        snapshot_dir, snapshot_every, index, ps::detail::server_count(env), restore);
   }
   auto core = make_handler(handler_kind, mode, index, env, snapshots.get());
   const comm::StorePtr store = comm::open_store(store_options);
@@ -167,8 +168,7 @@ int serve(int index, const std::string& host, int port, const std::string& handl
   ps::detail::RpcServer server(replicated ? *replicated : *core, options);
   const std::string address = comm::local_address_towards(store_options.host, store_options.port) +
                               ":" + std::to_string(server.port());
-  comm::put(store,
-            role == "backup" ? ps::detail::backup_key(index) : ps::detail::server_key(index),
+  comm::put(store, role == "backup" ? ps::detail::backup_key(index) : ps::detail::server_key(index),
             address);
 
   for (;;) {
@@ -182,10 +182,15 @@ int serve(int index, const std::string& host, int port, const std::string& handl
     }
   }
   server.shutdown(Duration(1000));
-  // The tables go back to the system with the process: freeing millions of rows one by one took
-  // longer than the launcher's stop grace (3 s) on a loaded machine, and the server was killed.
-  (void)core.release();
-  return 0;
+  // Every call has ended and the last snapshot is written (the writer joins): the process ends
+  // here, without destructors. The tables go back to the system with it (freeing millions of rows
+  // one by one took longer than the launcher's stop grace of 3 s on a loaded machine), and gRPC's
+  // global teardown in ~Server can wait ~10 s for an executor thread still polling, which got
+  // the server SIGKILLed at the job's end about every other time.
+  snapshots.reset();
+  std::cout.flush();
+  std::cerr.flush();
+  std::_Exit(0);
 }
 
 }  // namespace
@@ -206,7 +211,8 @@ int ps_server_command(const std::vector<std::string>& args) {
   app.add_option("--index", index, "The server's index in the job, 0 to S-1")->required();
   app.add_option("--port", port, "The port to serve on (default 0: any free port)");
   app.add_option("--host", host, "The interface to listen on (default 0.0.0.0)");
-  app.add_option("--handler", handler, "core (the parameter server) or sum (the transport's test handler)")
+  app.add_option("--handler", handler,
+                 "core (the parameter server) or sum (the transport's test handler)")
       ->check(CLI::IsMember({"core", "sum"}));
   app.add_option("--role", role, "primary (the default) or backup (docs/ps.md, replicas)")
       ->check(CLI::IsMember({"primary", "backup"}));

@@ -1,5 +1,6 @@
 #include "rpc.h"
 
+#include <grpc/grpc.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/impl/client_unary_call.h>
 #include <grpcpp/impl/codegen/proto_utils.h>
@@ -224,6 +225,17 @@ class Service : public grpc::Service {
   std::vector<std::unique_ptr<std::string>> names_;  // gRPC keeps the method names' pointers
 };
 
+// Note [gRPC stays initialized]
+// gRPC counts its users (grpc_init / grpc_shutdown); when the last server or channel goes, the
+// one destroying it tears gRPC down and joins gRPC's executor threads, one of which may sit in a
+// poll for up to ~10 s. A server that stopped at the end of its job then outlived the launcher's
+// stop grace (3 s) about every other time and was SIGKILLed. Holding one count for the process's
+// life makes that teardown never happen: the process's exit takes gRPC's threads with it.
+void keep_grpc_initialized() {
+  static const bool initialized = (grpc_init(), true);
+  (void)initialized;
+}
+
 }  // namespace
 
 struct RpcServer::State {
@@ -234,6 +246,7 @@ struct RpcServer::State {
 
 RpcServer::RpcServer(Handler& handler, const ServerOptions& options)
     : state_(std::make_unique<State>()) {
+  keep_grpc_initialized();
   if (options.token.empty()) {
     throw UsageError("a parameter server needs the job's token (SHOAL_JOB_TOKEN); it is empty");
   }
@@ -464,6 +477,7 @@ RpcClient::RpcClient(int index, const std::string& address, const std::string& t
 
 RpcClient::RpcClient(int index, std::vector<std::string> addresses, const std::string& token)
     : state_(std::make_unique<State>()) {
+  keep_grpc_initialized();
   if (addresses.empty()) {
     throw UsageError("a client of parameter server " + std::to_string(index) +
                      " was given no address; expected at least one");
