@@ -40,7 +40,7 @@ namespace {
 
 constexpr size_t kFirstIndexSize = 16;
 constexpr size_t kFirstBlockRows = 16;
-// Linear probing stays short below this fill (a probe reads 16-byte entries in order).
+// Linear probing stays short below this fill (a probe reads 24-byte entries in order).
 constexpr double kMaxLoad = 0.5;
 
 // Row ids are often small consecutive integers or already hashes; mix them so both spread.
@@ -59,25 +59,27 @@ uint64_t mix(int64_t id) {
 size_t RowStore::probe(int64_t id) const {
   const size_t mask = index_.size() - 1;
   size_t at = static_cast<size_t>(mix(id)) & mask;
-  while (index_[at].slot != nullptr && index_[at].id != id) at = (at + 1) & mask;
+  while (index_[at].slot.data != nullptr && index_[at].id != id) at = (at + 1) & mask;
   return at;
 }
 
 Slot* RowStore::find(int64_t id) {
   if (index_.empty()) return nullptr;
-  return index_[probe(id)].slot;
+  Entry& entry = index_[probe(id)];
+  return entry.slot.data == nullptr ? nullptr : &entry.slot;
 }
 
 const Slot* RowStore::find(int64_t id) const {
   if (index_.empty()) return nullptr;
-  return index_[probe(id)].slot;
+  const Entry& entry = index_[probe(id)];
+  return entry.slot.data == nullptr ? nullptr : &entry.slot;
 }
 
 void RowStore::grow_index() {
-  std::vector<Entry> old(index_.empty() ? kFirstIndexSize : index_.size() * 2, Entry{0, nullptr});
+  std::vector<Entry> old(index_.empty() ? kFirstIndexSize : index_.size() * 2, Entry{0, Slot{}});
   old.swap(index_);
   for (const Entry& e : old)
-    if (e.slot != nullptr) index_[probe(e.id)] = e;
+    if (e.slot.data != nullptr) index_[probe(e.id)] = e;
 }
 
 float* RowStore::new_floats() {
@@ -98,11 +100,11 @@ std::pair<Slot*, bool> RowStore::emplace(int64_t id, int64_t stride) {
   if (static_cast<double>(ids_.size() + 1) > kMaxLoad * static_cast<double>(index_.size()))
     grow_index();
   Entry& entry = index_[probe(id)];
-  if (entry.slot != nullptr) return {entry.slot, false};
-  slots_.push_back(Slot{new_floats(), 0});
+  if (entry.slot.data != nullptr) return {&entry.slot, false};
+  // new float[] never answers nullptr, even for a row of no floats, so the entry is now full.
+  entry = Entry{id, Slot{new_floats(), 0}};
   ids_.push_back(id);
-  entry = Entry{id, &slots_.back()};
-  return {entry.slot, true};
+  return {&entry.slot, true};
 }
 
 void VirtualShard::add_chunk(int32_t table, int64_t chunk, const OptimizerSpec& optimizer,
@@ -228,7 +230,7 @@ std::string VirtualShard::save(const std::vector<TableSpec>& tables) const {
   for (size_t table = 0; table < rows_.size(); ++table) {
     const RowStore& rows = rows_[table];
     for (size_t k = 0; k < rows.size(); ++k)
-      put_slot(out, tables.at(table).name, rows.id_at(k), rows.slot_at(k),
+      put_slot(out, tables.at(table).name, rows.id_at(k), *rows.find(rows.id_at(k)),
                static_cast<size_t>(rows.stride()));
   }
   return out;

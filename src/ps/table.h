@@ -4,7 +4,6 @@
 #pragma once
 
 #include <cstdint>
-#include <deque>
 #include <map>
 #include <memory>
 #include <string>
@@ -23,8 +22,7 @@ void initial_row(const TableSpec& spec, int64_t id, float* out, int64_t dim);
 
 // A chunk or a row: values, then state_width(optimizer) state vectors of the same length, in
 // storage the shard owns. A Slot* from chunk() stays valid while the shard lives; one from
-// find_row() or touch_row() until the shard is moved or assigned (the floats and the Slot itself
-// never move when other rows are added).
+// find_row() or touch_row() until the next touch_row() (a row's floats never move, its Slot may).
 struct Slot {
   float* data = nullptr;
   int64_t step = 0;  // how many updates it received (the optimizers' step count)
@@ -35,9 +33,9 @@ struct Slot {
 
 // Note [Sparse row storage]: the rows of one table in one virtual shard, with no allocation per
 // row. Their floats (values, then optimizer state: a fixed stride per table) live in blocks that
-// double in size and never move, their Slots in a deque (stable addresses too), and an
-// open-addressing hash table with linear probing maps a row id to its Slot. Rows are kept in the
-// order they were created, which is the order save() writes them in.
+// double in size and never move; an open-addressing hash table with linear probing holds each
+// row's Slot beside its id, so a lookup reads one entry, then the row. The ids are also kept in
+// the order the rows were created, which is the order save() writes them in.
 class RowStore {
  public:
   RowStore() = default;
@@ -52,12 +50,11 @@ class RowStore {
   size_t size() const { return ids_.size(); }
   int64_t stride() const { return stride_; }
   int64_t id_at(size_t k) const { return ids_[k]; }
-  const Slot& slot_at(size_t k) const { return slots_[k]; }
 
  private:
   struct Entry {
     int64_t id;
-    Slot* slot;  // nullptr: empty
+    Slot slot;  // slot.data == nullptr: empty
   };
   size_t probe(int64_t id) const;  // where id is, or the empty entry where it would go
   void grow_index();
@@ -66,7 +63,6 @@ class RowStore {
   int64_t stride_ = 0;
   std::vector<Entry> index_;                      // a power of two long, at most kMaxLoad full
   std::vector<int64_t> ids_;                      // by creation
-  std::deque<Slot> slots_;                        // by creation
   std::vector<std::unique_ptr<float[]>> blocks_;  // block b holds kFirstBlockRows << b rows
   size_t used_in_last_block_ = 0;                 // rows
 };
