@@ -127,13 +127,12 @@ ServerCore::ServerCore(ServerCoreOptions options) : options_(std::move(options))
   if (options_.virtual_shards < 1)
     throw UsageError("parameter server: " + std::to_string(options_.virtual_shards) +
                      " virtual shards; expected at least 1");
-  held_.assign(static_cast<size_t>(options_.virtual_shards), false);
+  held_.assign(static_cast<size_t>(options_.virtual_shards), nullptr);
   for (int32_t shard : options_.shards) {
     if (shard < 0 || shard >= options_.virtual_shards)
       throw UsageError("parameter server: virtual shard " + std::to_string(shard) +
                        "; expected 0 <= shard < " + std::to_string(options_.virtual_shards));
-    shards_.emplace(shard, VirtualShard(shard));
-    held_[static_cast<size_t>(shard)] = true;
+    held_[static_cast<size_t>(shard)] = &shards_.emplace(shard, VirtualShard(shard)).first->second;
   }
   for (int32_t w : options_.workers) {
     if (w < 0)
@@ -151,8 +150,7 @@ const ServerCore::Table& ServerCore::table_at(const char* what, int32_t index) c
 }
 
 VirtualShard* ServerCore::holder(int32_t shard) {
-  auto it = shards_.find(shard);
-  return it == shards_.end() ? nullptr : &it->second;
+  return held_[static_cast<size_t>(shard)];
 }
 
 void ServerCore::check_slices(const char* what, const std::vector<DenseSlice>& dense,

@@ -137,10 +137,11 @@ class ServerCore : public Handler {
 
   ServerCoreOptions options_;
   std::map<int32_t, VirtualShard> shards_;
-  std::vector<bool> held_;  // by virtual shard: whether shards_ has it
+  // By virtual shard: its entry in shards_ (map nodes do not move), or nullptr if not held here.
+  std::vector<VirtualShard*> held_;
   bool holds(int32_t shard) const {
     return shard >= 0 && static_cast<size_t>(shard) < held_.size() &&
-           held_[static_cast<size_t>(shard)];
+           held_[static_cast<size_t>(shard)] != nullptr;
   }
   std::vector<Table> tables_;
 

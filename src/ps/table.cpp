@@ -36,41 +36,121 @@ void initial_row(const TableSpec& spec, int64_t id, float* out, int64_t dim) {
   }
 }
 
+namespace {
+
+constexpr size_t kFirstIndexSize = 16;
+constexpr size_t kFirstBlockRows = 16;
+// Linear probing stays short below this fill (a probe reads 24-byte entries in order).
+constexpr double kMaxLoad = 0.5;
+
+// Row ids are often small consecutive integers or already hashes; mix them so both spread.
+uint64_t mix(int64_t id) {
+  auto x = static_cast<uint64_t>(id);
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdULL;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ULL;
+  x ^= x >> 33;
+  return x;
+}
+
+}  // namespace
+
+size_t RowStore::probe(int64_t id) const {
+  const size_t mask = index_.size() - 1;
+  size_t at = static_cast<size_t>(mix(id)) & mask;
+  while (index_[at].slot.data != nullptr && index_[at].id != id) at = (at + 1) & mask;
+  return at;
+}
+
+Slot* RowStore::find(int64_t id) {
+  if (index_.empty()) return nullptr;
+  Entry& entry = index_[probe(id)];
+  return entry.slot.data == nullptr ? nullptr : &entry.slot;
+}
+
+const Slot* RowStore::find(int64_t id) const {
+  if (index_.empty()) return nullptr;
+  const Entry& entry = index_[probe(id)];
+  return entry.slot.data == nullptr ? nullptr : &entry.slot;
+}
+
+void RowStore::grow_index() {
+  std::vector<Entry> old(index_.empty() ? kFirstIndexSize : index_.size() * 2, Entry{0, Slot{}});
+  old.swap(index_);
+  for (const Entry& e : old)
+    if (e.slot.data != nullptr) index_[probe(e.id)] = e;
+}
+
+float* RowStore::new_floats() {
+  const size_t capacity = blocks_.empty() ? 0 : kFirstBlockRows << (blocks_.size() - 1);
+  if (used_in_last_block_ == capacity) {
+    const size_t rows = kFirstBlockRows << blocks_.size();
+    // Uninitialised: insert()'s caller writes every float of the row.
+    blocks_.emplace_back(new float[rows * static_cast<size_t>(stride_)]);
+    used_in_last_block_ = 0;
+  }
+  return blocks_.back().get() + used_in_last_block_++ * static_cast<size_t>(stride_);
+}
+
+std::pair<Slot*, bool> RowStore::emplace(int64_t id, int64_t stride) {
+  if (ids_.empty()) stride_ = stride;
+  SHOAL_CHECK(stride == stride_) << "row " << id << " of " << stride
+                                 << " floats in a store of rows of " << stride_;
+  if (static_cast<double>(ids_.size() + 1) > kMaxLoad * static_cast<double>(index_.size()))
+    grow_index();
+  Entry& entry = index_[probe(id)];
+  if (entry.slot.data != nullptr) return {&entry.slot, false};
+  // new float[] never answers nullptr, even for a row of no floats, so the entry is now full.
+  entry = Entry{id, Slot{new_floats(), 0}};
+  ids_.push_back(id);
+  return {&entry.slot, true};
+}
+
 void VirtualShard::add_chunk(int32_t table, int64_t chunk, const OptimizerSpec& optimizer,
                              const float* values, int64_t length) {
-  Slot slot;
-  slot.data.resize(static_cast<size_t>(length * (1 + state_width(optimizer))));
-  std::copy(values, values + length, slot.data.begin());
-  init_state(optimizer, slot.state(length), length);
-  chunks_[{table, chunk}] = std::move(slot);
+  Chunk& entry = chunks_[{table, chunk}];
+  entry.floats.assign(static_cast<size_t>(length * (1 + state_width(optimizer))), 0.f);
+  entry.slot = Slot{entry.floats.data(), 0};
+  std::copy(values, values + length, entry.floats.begin());
+  init_state(optimizer, entry.slot.state(length), length);
 }
 
 Slot* VirtualShard::chunk(int32_t table, int64_t chunk) {
   auto it = chunks_.find({table, chunk});
-  return it == chunks_.end() ? nullptr : &it->second;
+  return it == chunks_.end() ? nullptr : &it->second.slot;
 }
 
 const Slot* VirtualShard::chunk(int32_t table, int64_t chunk) const {
   auto it = chunks_.find({table, chunk});
-  return it == chunks_.end() ? nullptr : &it->second;
+  return it == chunks_.end() ? nullptr : &it->second.slot;
+}
+
+RowStore* VirtualShard::rows_of(int32_t table) {
+  if (table < 0) return nullptr;
+  if (static_cast<size_t>(table) >= rows_.size()) rows_.resize(static_cast<size_t>(table) + 1);
+  return &rows_[static_cast<size_t>(table)];
+}
+
+const RowStore* VirtualShard::rows_of(int32_t table) const {
+  if (table < 0 || static_cast<size_t>(table) >= rows_.size()) return nullptr;
+  return &rows_[static_cast<size_t>(table)];
 }
 
 const Slot* VirtualShard::find_row(int32_t table, int64_t id) const {
-  auto t = rows_.find(table);
-  if (t == rows_.end()) return nullptr;
-  auto it = t->second.find(id);
-  return it == t->second.end() ? nullptr : &it->second;
+  const RowStore* rows = rows_of(table);
+  return rows == nullptr ? nullptr : rows->find(id);
 }
 
 Slot& VirtualShard::touch_row(int32_t table, int64_t id, const TableSpec& spec, int64_t dim) {
-  auto& rows = rows_[table];
-  auto it = rows.find(id);
-  if (it != rows.end()) return it->second;
-  Slot slot;
-  slot.data.resize(static_cast<size_t>(dim * (1 + state_width(spec.optimizer))));
-  initial_row(spec, id, slot.values(), dim);
-  init_state(spec.optimizer, slot.state(dim), dim);
-  return rows.emplace(id, std::move(slot)).first->second;
+  RowStore* rows = rows_of(table);
+  SHOAL_CHECK(rows != nullptr) << "table index " << table;
+  auto [row, fresh] = rows->emplace(id, dim * (1 + state_width(spec.optimizer)));
+  if (fresh) {
+    initial_row(spec, id, row->values(), dim);
+    init_state(spec.optimizer, row->state(dim), dim);
+  }
+  return *row;
 }
 
 void VirtualShard::read_row(int32_t table, int64_t id, const TableSpec& spec, int64_t dim,
@@ -83,7 +163,7 @@ void VirtualShard::read_row(int32_t table, int64_t id, const TableSpec& spec, in
 
 size_t VirtualShard::row_count() const {
   size_t count = 0;
-  for (const auto& [table, rows] : rows_) count += rows.size();
+  for (const RowStore& rows : rows_) count += rows.size();
   return count;
 }
 
@@ -100,13 +180,14 @@ void put(std::string& out, T value) {
   out.append(reinterpret_cast<const char*>(&value), sizeof(T));
 }
 
-void put_slot(std::string& out, const std::string& name, int64_t index, const Slot& slot) {
+void put_slot(std::string& out, const std::string& name, int64_t index, const Slot& slot,
+              size_t floats) {
   put(out, static_cast<uint32_t>(name.size()));
   out += name;
   put(out, index);
   put(out, slot.step);
-  put(out, static_cast<uint64_t>(slot.data.size()));
-  out.append(reinterpret_cast<const char*>(slot.data.data()), slot.data.size() * sizeof(float));
+  put(out, static_cast<uint64_t>(floats));
+  out.append(reinterpret_cast<const char*>(slot.data), floats * sizeof(float));
 }
 
 class Reader {
@@ -142,12 +223,16 @@ std::string VirtualShard::save(const std::vector<TableSpec>& tables) const {
   std::string out(kMagic, sizeof(kMagic) - 1);
   put(out, id_);
   put(out, static_cast<uint64_t>(chunks_.size()));
-  for (const auto& [key, slot] : chunks_)
-    put_slot(out, tables.at(static_cast<size_t>(key.first)).name, key.second, slot);
+  for (const auto& [key, entry] : chunks_)
+    put_slot(out, tables.at(static_cast<size_t>(key.first)).name, key.second, entry.slot,
+             entry.floats.size());
   put(out, static_cast<uint64_t>(row_count()));
-  for (const auto& [table, rows] : rows_)
-    for (const auto& [id, slot] : rows)
-      put_slot(out, tables.at(static_cast<size_t>(table)).name, id, slot);
+  for (size_t table = 0; table < rows_.size(); ++table) {
+    const RowStore& rows = rows_[table];
+    for (size_t k = 0; k < rows.size(); ++k)
+      put_slot(out, tables.at(table).name, rows.id_at(k), *rows.find(rows.id_at(k)),
+               static_cast<size_t>(rows.stride()));
+  }
   return out;
 }
 
@@ -176,8 +261,7 @@ VirtualShard VirtualShard::load(int32_t id, const std::vector<TableSpec>& tables
                 "' is not a registered table of that kind");
       const auto table = static_cast<int32_t>(it - tables.begin());
       const auto index = in.get<int64_t>();
-      Slot slot;
-      slot.step = in.get<int64_t>();
+      const auto step = in.get<int64_t>();
       const auto floats = in.get<uint64_t>();
       int64_t length_of_values = 0;
       if (sparse) {
@@ -201,13 +285,22 @@ VirtualShard VirtualShard::load(int32_t id, const std::vector<TableSpec>& tables
         in.fail(std::to_string(floats) + " floats for " + (sparse ? "row " : "chunk ") +
                 std::to_string(index) + " of table '" + name + "'; its table and optimizer need " +
                 std::to_string(expected));
-      slot.data.resize(static_cast<size_t>(floats));
-      in.read(slot.data.data(), slot.data.size() * sizeof(float));
-      const bool fresh =
-          sparse ? shard.rows_[table].emplace(index, std::move(slot)).second
-                 : shard.chunks_.emplace(std::make_pair(table, index), std::move(slot)).second;
-      if (!fresh)
+      Slot* slot = nullptr;
+      if (sparse) {
+        auto [row, fresh] = shard.rows_of(table)->emplace(index, static_cast<int64_t>(floats));
+        if (fresh) slot = row;
+      } else {
+        auto [entry, fresh] = shard.chunks_.try_emplace(std::make_pair(table, index));
+        if (fresh) {
+          entry->second.floats.resize(static_cast<size_t>(floats));
+          entry->second.slot.data = entry->second.floats.data();
+          slot = &entry->second.slot;
+        }
+      }
+      if (slot == nullptr)
         in.fail("entry " + std::to_string(index) + " of table '" + name + "' appears twice");
+      slot->step = step;
+      in.read(slot->data, static_cast<size_t>(floats) * sizeof(float));
     }
   }
   if (!in.done()) in.fail("unexpected bytes after the last row");

@@ -5,8 +5,8 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -20,13 +20,51 @@ namespace shoal::ps::detail {
 // before, or on LibTorch's generator.
 void initial_row(const TableSpec& spec, int64_t id, float* out, int64_t dim);
 
-// A chunk or a row: values, then state_width(optimizer) state vectors of the same length.
+// A chunk or a row: values, then state_width(optimizer) state vectors of the same length, in
+// storage the shard owns. A Slot* from chunk() stays valid while the shard lives; one from
+// find_row() or touch_row() until the next touch_row() (a row's floats never move, its Slot may).
 struct Slot {
-  std::vector<float> data;
+  float* data = nullptr;
   int64_t step = 0;  // how many updates it received (the optimizers' step count)
-  float* values() { return data.data(); }
-  const float* values() const { return data.data(); }
-  float* state(int64_t length) { return data.data() + length; }
+  float* values() { return data; }
+  const float* values() const { return data; }
+  float* state(int64_t length) { return data + length; }
+};
+
+// Note [Sparse row storage]: the rows of one table in one virtual shard, with no allocation per
+// row. Their floats (values, then optimizer state: a fixed stride per table) live in blocks that
+// double in size and never move; an open-addressing hash table with linear probing holds each
+// row's Slot beside its id, so a lookup reads one entry, then the row. The ids are also kept in
+// the order the rows were created, which is the order save() writes them in.
+class RowStore {
+ public:
+  RowStore() = default;
+  RowStore(RowStore&&) noexcept = default;
+  RowStore& operator=(RowStore&&) noexcept = default;
+
+  Slot* find(int64_t id);
+  const Slot* find(int64_t id) const;
+  // Row `id` and true if it is new (its `stride` floats uninitialised), or the existing row and
+  // false. Every row of a store has the same stride.
+  std::pair<Slot*, bool> emplace(int64_t id, int64_t stride);
+  size_t size() const { return ids_.size(); }
+  int64_t stride() const { return stride_; }
+  int64_t id_at(size_t k) const { return ids_[k]; }
+
+ private:
+  struct Entry {
+    int64_t id;
+    Slot slot;  // slot.data == nullptr: empty
+  };
+  size_t probe(int64_t id) const;  // where id is, or the empty entry where it would go
+  void grow_index();
+  float* new_floats();
+
+  int64_t stride_ = 0;
+  std::vector<Entry> index_;                      // a power of two long, at most kMaxLoad full
+  std::vector<int64_t> ids_;                      // by creation
+  std::vector<std::unique_ptr<float[]>> blocks_;  // block b holds kFirstBlockRows << b rows
+  size_t used_in_last_block_ = 0;                 // rows
 };
 
 class VirtualShard {
@@ -60,8 +98,15 @@ class VirtualShard {
 
  private:
   int32_t id_;
-  std::map<std::pair<int32_t, int64_t>, Slot> chunks_;
-  std::map<int32_t, std::unordered_map<int64_t, Slot>> rows_;
+  struct Chunk {
+    std::vector<float> floats;
+    Slot slot;  // slot.data is floats.data()
+  };
+  RowStore* rows_of(int32_t table);
+  const RowStore* rows_of(int32_t table) const;
+
+  std::map<std::pair<int32_t, int64_t>, Chunk> chunks_;
+  std::vector<RowStore> rows_;  // by table index; a table with no rows here has an empty store
 };
 
 }  // namespace shoal::ps::detail
