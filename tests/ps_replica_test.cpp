@@ -3,7 +3,6 @@
 // primary hands its shards to its backup and every worker's per-step check against one process
 // still passes across the kill (no acknowledged update lost); both processes of an index gone
 // fail the job.
-#include <dirent.h>
 #include <signal.h>
 #include <time.h>
 #include <unistd.h>
@@ -372,27 +371,8 @@ int64_t monotonic_ns() {
 // The pid of the launcher's child `shoal ps-server --index <index>` whose command line has
 // `role_flag` ("--replicas" for a primary, "--role" for a backup).
 pid_t find_server(pid_t launcher, int index, const std::string& role_flag) {
-  DIR* proc = ::opendir("/proc");
-  pid_t found = -1;
-  while (dirent* entry = ::readdir(proc)) {
-    const pid_t pid = static_cast<pid_t>(std::atoi(entry->d_name));
-    if (pid <= 0) continue;
-    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-    std::string line;
-    std::getline(stat, line);
-    const auto close = line.rfind(')');
-    if (close == std::string::npos) continue;
-    int parent = 0;
-    char state = 0;
-    std::istringstream(line.substr(close + 2)) >> state >> parent;
-    if (parent != launcher) continue;
-    std::ifstream cmdline_file("/proc/" + std::to_string(pid) + "/cmdline");
-    const std::string cmdline((std::istreambuf_iterator<char>(cmdline_file)), {});
-    const std::string index_flag = std::string("--index") + '\0' + std::to_string(index) + '\0';
-    if (cmdline.find(index_flag + role_flag + '\0') != std::string::npos) found = pid;
-  }
-  ::closedir(proc);
-  return found;
+  return shoal::testing::find_child(
+      launcher, std::string("--index") + '\0' + std::to_string(index) + '\0' + role_flag + '\0');
 }
 
 // The monotonic times of worker `rank`'s "ps step T at NS" lines.

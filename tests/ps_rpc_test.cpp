@@ -610,29 +610,8 @@ TEST(PsLaunch, SyncStepsOnServersEqualOneProcess) {
 
 // The pid of the launcher's child running `shoal ps-server --index <index>`.
 pid_t find_server(pid_t launcher, int index) {
-  DIR* proc = ::opendir("/proc");
-  pid_t found = -1;
-  while (dirent* entry = ::readdir(proc)) {
-    const pid_t pid = static_cast<pid_t>(std::atoi(entry->d_name));
-    if (pid <= 0) continue;
-    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-    std::string line;
-    std::getline(stat, line);
-    const auto close = line.rfind(')');
-    if (close == std::string::npos) continue;
-    int parent = 0;
-    char state = 0;
-    std::istringstream(line.substr(close + 2)) >> state >> parent;
-    if (parent != launcher) continue;
-    std::ifstream cmdline_file("/proc/" + std::to_string(pid) + "/cmdline");
-    const std::string cmdline((std::istreambuf_iterator<char>(cmdline_file)), {});
-    if (cmdline.find(std::string("ps-server") + '\0' + "--index" + '\0' + std::to_string(index) +
-                     '\0') != std::string::npos) {
-      found = pid;
-    }
-  }
-  ::closedir(proc);
-  return found;
+  return shoal::testing::find_child(
+      launcher, std::string("ps-server") + '\0' + "--index" + '\0' + std::to_string(index) + '\0');
 }
 
 TEST(PsLaunch, AKilledServerFailsTheJobNamingIt) {

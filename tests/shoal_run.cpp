@@ -1,11 +1,15 @@
 #include "shoal_run.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <sstream>
 
 #include <gtest/gtest.h>
@@ -25,7 +29,8 @@ std::vector<std::string> split_lines(const std::string& text) {
 
 ShoalRun::ShoalRun(const std::vector<std::string>& args) : ShoalRun(args, "") {}
 
-ShoalRun::ShoalRun(const std::vector<std::string>& args, const std::string& netns) : start_(Clock::now()) {
+ShoalRun::ShoalRun(const std::vector<std::string>& args, const std::string& netns)
+    : start_(Clock::now()) {
   std::vector<std::string> argv{"shoal", "run"};
   if (!netns.empty()) argv = {"ip", "netns", "exec", netns, SHOAL_BIN, "run"};
   argv.insert(argv.end(), args.begin(), args.end());
@@ -88,10 +93,12 @@ void ShoalRun::pump(int poll_ms) {
 }
 
 bool ShoalRun::wait_for_output(const std::string& text, std::chrono::milliseconds timeout) {
-  return wait_until([&](const RunResult& so_far) { return so_far.out.find(text) != std::string::npos; }, timeout);
+  return wait_until(
+      [&](const RunResult& so_far) { return so_far.out.find(text) != std::string::npos; }, timeout);
 }
 
-bool ShoalRun::wait_until(const std::function<bool(const RunResult&)>& ready, std::chrono::milliseconds timeout) {
+bool ShoalRun::wait_until(const std::function<bool(const RunResult&)>& ready,
+                          std::chrono::milliseconds timeout) {
   const auto deadline = Clock::now() + timeout;
   while (!ready(result_)) {
     if ((out_ < 0 && err_ < 0) || Clock::now() > deadline) return false;
@@ -117,6 +124,30 @@ RunResult ShoalRun::wait(std::chrono::milliseconds timeout) {
 
 RunResult run_shoal(const std::vector<std::string>& args, std::chrono::milliseconds timeout) {
   return ShoalRun(args).wait(timeout);
+}
+
+pid_t find_child(pid_t parent, const std::string& part) {
+  DIR* proc = ::opendir("/proc");
+  if (proc == nullptr) return -1;
+  pid_t found = -1;
+  while (dirent* entry = ::readdir(proc)) {
+    const pid_t pid = static_cast<pid_t>(std::atoi(entry->d_name));
+    if (pid <= 0) continue;
+    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+    std::string line;
+    std::getline(stat, line);
+    const auto close = line.rfind(')');
+    if (close == std::string::npos) continue;
+    int ppid = 0;
+    char state = 0;
+    std::istringstream(line.substr(close + 2)) >> state >> ppid;
+    if (ppid != parent) continue;
+    std::ifstream cmdline_file("/proc/" + std::to_string(pid) + "/cmdline");
+    const std::string cmdline((std::istreambuf_iterator<char>(cmdline_file)), {});
+    if (cmdline.find(part) != std::string::npos) found = pid;
+  }
+  ::closedir(proc);
+  return found;
 }
 
 }  // namespace shoal::testing

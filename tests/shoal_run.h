@@ -38,7 +38,8 @@ class ShoalRun {
   bool wait_for_output(const std::string& text, std::chrono::milliseconds timeout);
   // Reads output until `ready` holds for what was read so far (both streams). False when the
   // timeout passes first, or both streams close before.
-  bool wait_until(const std::function<bool(const RunResult&)>& ready, std::chrono::milliseconds timeout);
+  bool wait_until(const std::function<bool(const RunResult&)>& ready,
+                  std::chrono::milliseconds timeout);
   // What was read so far.
   const RunResult& so_far() const { return result_; }
 
@@ -57,6 +58,10 @@ class ShoalRun {
   bool reaped_ = false;
   RunResult result_;
 };
+
+// The pid of a child of `parent` (a launcher) whose command line, its arguments joined by NUL
+// bytes, contains `part`; -1 when none does.
+pid_t find_child(pid_t parent, const std::string& part);
 
 RunResult run_shoal(const std::vector<std::string>& args,
                     std::chrono::milliseconds timeout = std::chrono::seconds(30));
