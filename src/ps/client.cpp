@@ -115,10 +115,9 @@ InitSpec init_spec(const RowInit& init) {
 }  // namespace
 
 Client::Client(torch::nn::Module& model, const OptimizerSpec& optimizer, const PsOptions& options)
-    : servers_(open_servers(options.timeout == kUnsetTimeout ? shoal::world().timeout()
-                                                             : options.timeout)),
+    : timeout_(options.timeout == kUnsetTimeout ? shoal::world().timeout() : options.timeout),
+      servers_(open_servers(timeout_)),
       map_(static_cast<int32_t>(servers_.size())),
-      timeout_(options.timeout == kUnsetTimeout ? shoal::world().timeout() : options.timeout),
       worker_(shoal::rank()) {
   const int32_t server_count = map_.servers();
   std::vector<TableSpec> tables;

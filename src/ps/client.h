@@ -75,9 +75,9 @@ class Client : public std::enable_shared_from_this<Client> {
     return sparse_.at(static_cast<size_t>(table.table_) - dense_.size());
   }
 
+  Duration timeout_;  // before servers_: opening them takes it
   std::vector<std::unique_ptr<Endpoint>> servers_;
   ShardMap map_;
-  Duration timeout_;
   int32_t worker_ = 0;
   std::vector<Dense> dense_;
   std::vector<Sparse> sparse_;  // table index dense_.size() + i

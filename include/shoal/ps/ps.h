@@ -8,7 +8,7 @@
 //   shoal::ps::Optimizer optimizer(*net, torch::optim::AdagradOptions(0.02));
 //   ... optimizer.zero_grad(); loss.backward(); optimizer.step(); ...
 //
-// started with `shoal run --servers 2 -n 4 ./train` (`--ps-mode sync|async|ssp:S`). Nothing in
+// started with `shoal run --servers 2 -n 4 ./train` (SHOAL_PS_MODE=sync|async|ssp:S). Nothing in
 // the program names a server or a worker. Run without servers (one process), the same program
 // trains with the servers' update rules in-process.
 #pragma once
