@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "error_of.h"
+#include "ps/ledger.h"
 #include "ps/optimizer.h"
 #include "ps/server_core.h"
 #include "ps/shard_map.h"
@@ -886,6 +887,231 @@ TEST(PsServerCore, TheRegistrationWithValuesCreatesTheTables) {
   pull.dense = {DenseSlice{0, {0}, {}}};
   EXPECT_EQ(core.pull(pull, shoal::Deadline(Ms(0))).dense[0].values,
             (std::vector<float>{1, 2, 3, 4}));
+}
+
+// ---- Elastic workers: the epoch's ledger and sealed pushes (docs/ps.md, "Elastic workers") ----
+
+TEST(PsLedger, EverySampleOnceThroughDeathsAndJoins) {
+  std::mt19937 random(7);
+  for (int scenario = 0; scenario < 300; ++scenario) {
+    const int64_t size = std::uniform_int_distribution<int64_t>(0, 400)(random);
+    const int64_t batch = std::uniform_int_distribution<int64_t>(1, 37)(random);
+    const bool drop_last = random() % 2 == 0;
+    Ledger ledger({size, batch, drop_last});
+    const int64_t covered = drop_last ? size / batch * batch : size;
+    for (int64_t epoch = 0; epoch < 2; ++epoch) {
+      std::vector<int> trained(static_cast<size_t>(size), 0);
+      std::map<int32_t, std::vector<Ledger::Lease>> held;  // live workers and their leases
+      int32_t next_worker = 0;
+      for (int k = 0; k < 3; ++k) held[next_worker++];
+      for (int guard = 0;; ++guard) {
+        ASSERT_LT(guard, 100000) << "the epoch never ended";
+        const int action = static_cast<int>(random() % 10);
+        auto it = std::next(held.begin(), static_cast<long>(random() % held.size()));
+        const int32_t worker = it->first;
+        if (action < 5) {
+          const auto lease = ledger.lease(worker, epoch);
+          if (lease.kind == Ledger::Lease::Kind::kEpochDone) break;
+          if (lease.kind == Ledger::Lease::Kind::kBatch) {
+            ASSERT_EQ(lease.epoch, epoch);
+            ASSERT_LT(lease.begin, lease.end);
+            ASSERT_LE(lease.end, covered);
+            it->second.push_back(lease);
+          }
+        } else if (action < 8 && !it->second.empty()) {
+          const auto lease = it->second.back();
+          it->second.pop_back();
+          ledger.done(worker, lease.epoch, lease.batch);
+          for (int64_t i = lease.begin; i < lease.end; ++i) ++trained[static_cast<size_t>(i)];
+        } else if (action == 8 && held.size() > 1) {  // dies: its leases come back
+          EXPECT_EQ(ledger.release(worker), static_cast<int64_t>(it->second.size()));
+          held.erase(it);
+        } else if (action == 9 && held.size() < 6) {
+          held[next_worker++];
+        }
+      }
+      for (int64_t i = 0; i < size; ++i)
+        ASSERT_EQ(trained[static_cast<size_t>(i)], i < covered ? 1 : 0)
+            << "position " << i << " of epoch " << epoch << " (size " << size << ", batch " << batch
+            << (drop_last ? ", drop_last" : "") << ")";
+      EXPECT_TRUE(ledger.epoch_done());
+    }
+  }
+}
+
+TEST(PsLedger, OneEpochIsOpenAtATime) {
+  using Kind = Ledger::Lease::Kind;
+  Ledger ledger({10, 4, false});
+  EXPECT_EQ(ledger.batches_per_epoch(), 3);
+  const auto a = ledger.lease(0, 0), b = ledger.lease(1, 0), c = ledger.lease(0, 0);
+  EXPECT_EQ(c.begin, 8);
+  EXPECT_EQ(c.end, 10);                             // the short last batch
+  EXPECT_EQ(ledger.lease(2, 0).kind, Kind::kWait);  // nothing fresh, but batches are out
+  EXPECT_EQ(ledger.lease(2, 1).kind, Kind::kWait);  // the next epoch waits for them
+  EXPECT_EQ(ledger.release(1), 1);
+  const auto again = ledger.lease(2, 0);  // the returned batch goes out first
+  EXPECT_EQ(again.batch, b.batch);
+  EXPECT_NE(error_of<UsageError>([&] { ledger.done(1, 0, b.batch); })
+                .find("worker 1 reported batch 1 of epoch 0 trained; expected a batch of epoch 0 "
+                      "leased to it and not yet done"),
+            std::string::npos);
+  ledger.done(0, 0, a.batch);
+  ledger.done(2, 0, again.batch);
+  ledger.done(0, 0, c.batch);
+  EXPECT_NE(error_of<UsageError>([&] { ledger.done(0, 0, c.batch); }).find("not yet done"),
+            std::string::npos);
+  EXPECT_EQ(ledger.lease(1, 0).kind, Kind::kEpochDone);
+  EXPECT_EQ(ledger.lease(1, 1).kind, Kind::kBatch);  // opens epoch 1
+  EXPECT_EQ(ledger.lease(0, 0).kind, Kind::kEpochDone);
+  EXPECT_NE(error_of<UsageError>([&] {
+              ledger.lease(0, 3);
+            }).find("worker 0 asked for a batch of epoch 3; expected epoch 1 (the open one) or 2"),
+            std::string::npos);
+  EXPECT_EQ(Ledger({10, 4, true}).batches_per_epoch(), 2);
+  EXPECT_NE(error_of<UsageError>([] {
+              Ledger({10, 0, false});
+            }).find("batches of at least 1"),
+            std::string::npos);
+}
+
+// Waits until `condition` holds, at most kGenerous (a failure bound: it holds within
+// milliseconds when the code is right).
+void eventually(const std::function<bool()>& condition) {
+  const auto until = std::chrono::steady_clock::now() + kGenerous;
+  while (!condition()) {
+    ASSERT_LT(std::chrono::steady_clock::now(), until) << "a condition never came true";
+    std::this_thread::sleep_for(Ms(1));
+  }
+}
+
+// Two servers, each holding every shard of the Small model (so both hold the value checked), and
+// three workers; worker 2 dies in the middle of a step.
+struct TwoServers {
+  explicit TwoServers(Consistency consistency) {
+    ServerCoreOptions options;
+    options.consistency = consistency;
+    options.sealed_pushes = true;
+    servers.emplace_back(options);
+    servers.emplace_back(options);
+  }
+  // Pulls at `clock` on server s in a thread (a sync pull waits for its step).
+  void pull_later(int s, int32_t worker, int64_t clock) {
+    pulls.emplace_back([this, s, worker, clock] { servers[s].pull(worker, clock, kGenerous); });
+  }
+  void join() {
+    for (auto& t : pulls) t.join();
+    pulls.clear();
+  }
+  // What the coordinator does for a worker that died: the highest clock it sealed anywhere
+  // decides on every server.
+  void lost(int32_t worker) {
+    int64_t sealed = 0;
+    for (auto& s : servers) sealed = std::max(sealed, s.core->sealed_clock(worker));
+    for (auto& s : servers) s.core->leave(worker, sealed);
+  }
+  std::vector<Small> servers;
+  std::vector<std::thread> pulls;
+};
+
+TEST(PsServerCore, ALeaversPushCountsOnEveryServerOrOnNone) {
+  // Worker 2 dies after its push reached server 0 only: it sealed nothing, so no server applies
+  // it, and step 0 is workers 0 and 1's on both.
+  {
+    TwoServers job(Consistency::kSync);
+    job.servers[0].push(2, 0, 100.f);
+    for (int32_t w : {0, 1})
+      for (int s : {0, 1}) job.servers[s].push(w, 0, w == 0 ? 1.f : 3.f);
+    for (int32_t w : {0, 1})
+      for (int s : {0, 1}) job.pull_later(s, w, 1);
+    eventually([&] {
+      return job.servers[0].core->pulls_waiting() + job.servers[1].core->pulls_waiting() == 4;
+    });
+    EXPECT_EQ(job.servers[0].core->step(), 0);  // every push is there, worker 2's not sealed
+    job.lost(2);
+    job.join();
+    for (auto& server : job.servers) {
+      EXPECT_EQ(server.core->step(), 1);
+      EXPECT_FLOAT_EQ(server.value(), 1 - (1.f + 3.f) / 2);
+    }
+  }
+  // Worker 2 dies after sealing on server 0, not on server 1: its push reached both, server 0
+  // applied step 0 with it, and server 1 counts it too.
+  {
+    TwoServers job(Consistency::kSync);
+    for (int32_t w : {0, 1, 2})
+      for (int s : {0, 1}) job.servers[s].push(w, 0, w == 0 ? 1.f : w == 1 ? 3.f : 8.f);
+    for (int32_t w : {0, 1, 2}) job.pull_later(0, w, 1);
+    for (int32_t w : {0, 1}) job.pull_later(1, w, 1);
+    eventually([&] { return job.servers[1].core->pulls_waiting() == 2; });
+    EXPECT_EQ(job.servers[1].core->step(), 0);
+    job.lost(2);
+    job.join();
+    for (auto& server : job.servers) {
+      EXPECT_EQ(server.core->step(), 1);
+      EXPECT_FLOAT_EQ(server.value(), 1 - (1.f + 3.f + 8.f) / 3);
+    }
+  }
+  // Async: a push waits for its seal; the leaver's unsealed push is dropped on every server.
+  {
+    TwoServers job(Consistency::kAsync);
+    for (int s : {0, 1}) job.servers[s].push(0, 0, 1.f);
+    job.servers[0].push(2, 0, 100.f);
+    EXPECT_EQ(job.servers[0].core->step(), 0);
+    for (int s : {0, 1}) job.servers[s].pull(0, 1, Ms(0));  // worker 0 seals step 0
+    job.lost(2);
+    for (auto& server : job.servers) {
+      EXPECT_EQ(server.core->step(), 1);
+      EXPECT_FLOAT_EQ(server.value(), 1 - 1.f);
+    }
+  }
+}
+
+TEST(PsServerCore, ALeaversBatchesGoBackUnlessItsGradientCounts) {
+  ServerCoreOptions options;
+  options.sealed_pushes = true;
+  Small server(options);
+  const Ledger::Options data{100, 10, false};
+  auto push = [&](int32_t w, int64_t clock, const Ledger::Lease& lease) {
+    PushRequest request;
+    request.worker = w;
+    request.clock = clock;
+    request.rows = lease.end - lease.begin;
+    request.dense = {DenseSlice{0, {0}, std::vector<float>(8, 1.f)}};
+    request.epoch = lease.epoch;
+    request.batch = lease.batch;
+    return server.core->push(request, shoal::Deadline(Ms(0)));
+  };
+  std::vector<Ledger::Lease> leases;
+  for (int32_t w : {0, 1, 2}) leases.push_back(server.core->lease(w, data, 0));
+  // Worker 1 pushes the gradient of worker 0's batch: refused, nothing changes.
+  EXPECT_NE(error_of<UsageError>([&] { push(1, 0, leases[0]); })
+                .find("worker 1 pushed the gradient of batch 0 of epoch 0; expected a batch "
+                      "leased to it and not yet trained"),
+            std::string::npos);
+  for (int32_t w : {0, 1, 2}) push(w, 0, leases[static_cast<size_t>(w)]);
+  // Worker 2 sealed its push (it pulled at clock 1) and dies; worker 1 did not and dies.
+  std::string pull2_error;  // its pull ends when it leaves the live set
+  std::thread pull2(
+      [&] { pull2_error = error_of<CommError>([&] { server.pull(2, 1, kGenerous); }); });
+  eventually([&] { return server.core->pulls_waiting() == 1; });
+  server.core->leave(1, server.core->sealed_clock(1));
+  EXPECT_EQ((*server.core->ledger_counts())[2], 2);  // worker 1's batch came back
+  server.core->leave(2, server.core->sealed_clock(2));
+  pull2.join();
+  EXPECT_NE(pull2_error.find("the worker left the live set while it waited"), std::string::npos);
+  EXPECT_EQ(server.core->step(), 0);  // worker 0 has not sealed yet
+  server.pull(0, 1, kGenerous);
+  EXPECT_EQ(server.core->step(), 1);
+  const auto counts = *server.core->ledger_counts();
+  EXPECT_EQ(counts[1], 2);  // worker 0's and worker 2's batches are done
+  EXPECT_EQ(counts[2], 0);
+  EXPECT_EQ(server.core->lease(0, data, 0).batch, leases[1].batch);  // worker 1's, again
+  EXPECT_NE(error_of<UsageError>([&] {
+              server.core->lease(0, {100, 20, false}, 0);
+            })
+                .find("names a data set of 100 samples in batches of 20; expected the ledger's "
+                      "100 in batches of 10"),
+            std::string::npos);
 }
 
 }  // namespace

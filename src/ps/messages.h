@@ -106,6 +106,10 @@ struct PushRequest {
   int64_t rows = 0;
   std::vector<DenseSlice> dense;    // gradients
   std::vector<SparseSlice> sparse;  // gradients of the touched rows (ids unique per slice)
+  // The batch of the epoch's ledger these gradients are of (ledger.h; -1: none), for the server
+  // that keeps the ledger: it is done when this push is applied.
+  int64_t epoch = 0;
+  int64_t batch = -1;
 };
 struct PushReply {
   // Sync with backup workers (replicas_to_aggregate < live workers): false when the step was

@@ -124,6 +124,10 @@ ServerCore::ServerCore(ServerCoreOptions options) : options_(std::move(options))
     throw UsageError("parameter server: replicas_to_aggregate " +
                      std::to_string(options_.replicas_to_aggregate) +
                      "; expected 0, or > 0 with sync consistency");
+  if (options_.sealed_pushes && options_.replicas_to_aggregate > 0)
+    throw UsageError("parameter server: sealed pushes with replicas_to_aggregate " +
+                     std::to_string(options_.replicas_to_aggregate) +
+                     "; expected 0 (backup workers are not supported with elastic workers)");
   if (options_.virtual_shards < 1)
     throw UsageError("parameter server: " + std::to_string(options_.virtual_shards) +
                      " virtual shards; expected at least 1");
@@ -138,6 +142,7 @@ ServerCore::ServerCore(ServerCoreOptions options) : options_(std::move(options))
     if (w < 0)
       throw UsageError("parameter server: worker " + std::to_string(w) + "; expected >= 0");
     live_.insert(w);
+    sealed_[w] = 0;
     clock_[w] = 0;
   }
 }
@@ -305,6 +310,7 @@ void ServerCore::adopt(int32_t w, int64_t clock) {
   if (!adopting_ || adopted_.count(w) != 0 || live_.count(w) == 0 || clock < 0) return;
   adopted_[w] = clock;
   clock_[w] = clock;
+  sealed_[w] = std::max(sealed_[w], clock);  // it pushed step `clock`: it sealed those before
   for (int32_t other : live_)
     if (adopted_.count(other) == 0) return;
   int64_t lowest = INT64_MAX;
@@ -359,9 +365,47 @@ bool ServerCore::step_complete(int64_t clock) const {
     return have >= need;
   }
   if (live_.empty()) return have > 0;  // only leavers' counted pushes remain
-  for (int32_t w : live_)
+  for (int32_t w : live_) {
     if ((it == pending_.end() || it->second.count(w) == 0) && !lost_push(w, clock)) return false;
+    if (options_.sealed_pushes && sealed_.at(w) <= clock) return false;
+  }
   return true;
+}
+
+// Note [Sealed pushes]
+// A worker pushes its step to every server, concurrently, and pulls only once every server has
+// acknowledged its push. A pull at clock c therefore seals the worker's pushes of steps before c:
+// each of them is held by every server. With sealed_pushes (elastic jobs) a push counts only once
+// sealed: sync applies step c once every live worker has pushed it and sealed it, async and
+// bounded staleness apply a push when its seal arrives. A worker that dies between its pushes to
+// two servers has sealed that step nowhere, so no server applied it; one that dies after sealing
+// it anywhere had pushed it everywhere. When it leaves, the highest clock it sealed on any server
+// (sealed_clock, asked of every server) decides for all servers alike: its pushes before that
+// clock count, the rest are dropped and their batches go back into the epoch's ledger. So a
+// leaver's gradient counts or is discarded together with its samples, on every server.
+void ServerCore::seal(int32_t w, int64_t clock) {
+  int64_t& sealed = sealed_[w];
+  if (clock <= sealed) return;
+  sealed = clock;
+  if (options_.consistency == Consistency::kSync) {
+    apply_ready_steps();
+  } else {
+    auto& mine = unsealed_[w];
+    while (!mine.empty() && mine.begin()->first < clock) {
+      auto node = mine.extract(mine.begin());
+      apply(node.mapped().dense, node.mapped().sparse);
+      ++step_;
+      finish_batches({{w, node.mapped()}});
+      take_snapshot_when_due();
+    }
+  }
+  changed_.notify_all();
+}
+
+void ServerCore::finish_batches(const std::map<int32_t, PushRequest>& pushes) {
+  if (!ledger_) return;
+  for (const auto& [worker, push] : pushes)
+    if (push.batch >= 0) ledger_->done(worker, push.epoch, push.batch);
 }
 
 // Note [Sync sum]: step c applies sum_w rows_w * grad_w / sum_w rows_w over the pushes it took,
@@ -433,6 +477,7 @@ void ServerCore::apply_ready_steps() {
     }
     apply(dense, sparse);
     ++step_;
+    if (!node.empty()) finish_batches(node.mapped());
     take_snapshot_when_due();
   }
 }
@@ -458,12 +503,19 @@ PushReply ServerCore::push(const PushRequest& request, const Deadline& /*deadlin
     bad(what, "worker " + std::to_string(w) + " pushed a gradient of " +
                   std::to_string(request.rows) + " samples; expected rows >= 1");
   check_slices(what, request.dense, request.sparse, true);
+  if (ledger_ && request.batch >= 0 && !ledger_->is_out(w, request.epoch, request.batch))
+    bad(what, "worker " + std::to_string(w) + " pushed the gradient of batch " +
+                  std::to_string(request.batch) + " of epoch " + std::to_string(request.epoch) +
+                  "; expected a batch leased to it and not yet trained");
 
   PushReply reply;
   clock_[w] = next + 1;
-  if (options_.consistency != Consistency::kSync) {
+  if (options_.consistency != Consistency::kSync && options_.sealed_pushes) {
+    unsealed_[w].emplace(request.clock, request);  // applied when sealed
+  } else if (options_.consistency != Consistency::kSync) {
     apply(request.dense, request.sparse);
     ++step_;
+    finish_batches({{w, request}});
     take_snapshot_when_due();
   } else if (request.clock < step_ || (options_.replicas_to_aggregate > 0 &&
                                        pending_[request.clock].size() >=
@@ -489,8 +541,11 @@ int64_t ServerCore::slowest_clock() const {
 std::string ServerCore::describe_sync_wait(int64_t step) const {
   auto it = pending_.find(step);
   std::vector<int32_t> have, missing;
+  std::set<int32_t> unsealed;
   for (int32_t w : live_) {
-    if (it != pending_.end() && it->second.count(w) != 0)
+    const bool pushed = it != pending_.end() && it->second.count(w) != 0;
+    if (pushed && options_.sealed_pushes && sealed_.at(w) <= step) unsealed.insert(w);
+    if (pushed && unsealed.count(w) == 0)
       have.push_back(w);
     else
       missing.push_back(w);
@@ -500,7 +555,7 @@ std::string ServerCore::describe_sync_wait(int64_t step) const {
   std::string waiting;
   for (int32_t w : missing)
     waiting += (waiting.empty() ? "" : ", ") + std::to_string(w) + " at clock " +
-               std::to_string(clock_.at(w));
+               std::to_string(clock_.at(w)) + (unsealed.count(w) != 0 ? " (not sealed)" : "");
   return text + (waiting.empty() ? "none" : waiting) + ")";
 }
 
@@ -526,6 +581,7 @@ PullReply ServerCore::pull(const PullRequest& request, const Deadline& deadline)
     bad(what, "worker " + std::to_string(w) + " pulled at clock " + std::to_string(request.clock) +
                   "; expected 0 <= clock <= " + std::to_string(clock_[w]) + " (its pushed steps)");
   check_slices(what, request.dense, request.sparse, false);
+  if (options_.sealed_pushes) seal(w, request.clock);
 
   auto ready = [&] {
     if (live_.count(w) == 0) return true;  // it left while waiting: answered below
@@ -607,14 +663,88 @@ void ServerCore::set_live_workers(const std::vector<int32_t>& workers, LeaverPus
     for (auto& [step, pushes] : pending_)
       for (int32_t w : live_)
         if (next.count(w) == 0) pushes.erase(w);
+  for (int32_t w : live_)
+    if (next.count(w) == 0) release_batches(w);
   for (int32_t w : next) {
     if (live_.count(w) != 0) continue;
     clock_[w] = start;
+    sealed_[w] = start;
+    unsealed_.erase(w);
     last_reply_.erase(w);  // a joiner's clock starts anew: no step of it was pushed yet
   }
   live_ = next;
   if (options_.consistency == Consistency::kSync) apply_ready_steps();
   changed_.notify_all();
+}
+
+void ServerCore::release_batches(int32_t w) {
+  if (!ledger_) return;
+  std::set<int64_t> counted;  // batches of pushes still to be applied with their step
+  for (const auto& [step, pushes] : pending_) {
+    auto it = pushes.find(w);
+    if (it != pushes.end() && it->second.batch >= 0 && it->second.epoch == ledger_->epoch())
+      counted.insert(it->second.batch);
+  }
+  ledger_->release(w, counted);
+}
+
+int64_t ServerCore::sealed_clock(int32_t worker) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = sealed_.find(worker);
+  return it == sealed_.end() ? 0 : it->second;
+}
+
+void ServerCore::leave(int32_t w, int64_t sealed) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (live_.count(w) == 0)
+    bad("leave", "worker " + std::to_string(w) + " is not live; expected one of " +
+                     list_workers({live_.begin(), live_.end()}));
+  if (!options_.sealed_pushes)
+    bad("leave", "worker " + std::to_string(w) +
+                     " leaves by its sealed clock, but this server does not seal pushes; expected "
+                     "set_live_workers");
+  // Pushes before `sealed` reached every server and count here too; later ones are dropped.
+  if (options_.consistency == Consistency::kSync) {
+    for (auto& [step, pushes] : pending_)
+      if (step >= sealed) pushes.erase(w);
+  } else {
+    auto& mine = unsealed_[w];
+    for (auto it = mine.begin(); it != mine.end();)
+      it = it->first >= sealed ? mine.erase(it) : std::next(it);
+  }
+  seal(w, sealed);  // applies what it completes (not sync: its counted pushes, at once)
+  live_.erase(w);
+  unsealed_.erase(w);
+  release_batches(w);
+  if (options_.consistency == Consistency::kSync) apply_ready_steps();
+  changed_.notify_all();
+}
+
+Ledger::Lease ServerCore::lease(int32_t worker, const Ledger::Options& data, int64_t epoch) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (live_.count(worker) == 0)
+    bad("lease", "worker " + std::to_string(worker) + " is not live; expected one of " +
+                     list_workers({live_.begin(), live_.end()}));
+  if (!ledger_) {
+    ledger_.emplace(data);
+    ledger_data_ = data;
+  } else if (data.dataset_size != ledger_data_.dataset_size ||
+             data.batch_size != ledger_data_.batch_size ||
+             data.drop_last != ledger_data_.drop_last) {
+    bad("lease", "worker " + std::to_string(worker) + " names a data set of " +
+                     std::to_string(data.dataset_size) + " samples in batches of " +
+                     std::to_string(data.batch_size) + (data.drop_last ? " (drop_last)" : "") +
+                     "; expected the ledger's " + std::to_string(ledger_data_.dataset_size) +
+                     " in batches of " + std::to_string(ledger_data_.batch_size) +
+                     (ledger_data_.drop_last ? " (drop_last)" : ""));
+  }
+  return ledger_->lease(worker, epoch);
+}
+
+std::optional<std::array<int64_t, 3>> ServerCore::ledger_counts() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!ledger_) return std::nullopt;
+  return std::array<int64_t, 3>{ledger_->epoch(), ledger_->done_count(), ledger_->out_count()};
 }
 
 int64_t ServerCore::staleness() const {

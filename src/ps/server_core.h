@@ -4,6 +4,7 @@
 // checked whole before any of it is applied: a bad one raises UsageError and changes nothing.
 #pragma once
 
+#include <array>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "handler.h"
+#include "ledger.h"
 #include "messages.h"
 #include "shard_map.h"
 #include "shoal/core/timeout.h"
@@ -56,6 +58,9 @@ struct ServerCoreOptions {
   };
   std::function<std::optional<Restored>()> restore;
   std::function<void(int64_t snapshot_step, int64_t adopted_step)> on_adopted;
+  // Note [Sealed pushes] (server_core.cpp): a push counts only once its worker has sealed it.
+  // Elastic jobs set it: a worker may die between its pushes to two servers.
+  bool sealed_pushes = false;
 };
 
 // What a worker that leaves does to its push of a step not yet applied (sync): counted with the
@@ -92,6 +97,20 @@ class ServerCore : public Handler {
   // Workers leave and join. A joiner's clock starts at the server's step (sync) or at the slowest
   // staying worker's clock (the others), so it neither blocks steps already closed nor lags.
   void set_live_workers(const std::vector<int32_t>& workers, LeaverPush leavers);
+
+  // With sealed_pushes: the worker's sealed clock (its pushes of earlier steps are sealed here),
+  // and its leaving. `sealed` is the highest sealed clock any server reported for it: its pushes
+  // of steps before it count (they reached every server), later ones are dropped, and its
+  // ledger batches that no counted push carries go back to the ledger.
+  int64_t sealed_clock(int32_t worker) const;
+  void leave(int32_t worker, int64_t sealed);
+
+  // The epoch's ledger (ledger.h), on the server that keeps it: opened by the first worker that
+  // asks for a batch (later workers must name the same data set and batch size); a lease is for a
+  // live worker.
+  Ledger::Lease lease(int32_t worker, const Ledger::Options& data, int64_t epoch);
+  // The ledger's counts, for tests and the job's progress: (epoch, batches done, batches out).
+  std::optional<std::array<int64_t, 3>> ledger_counts() const;
 
   // The fastest live worker's clock minus the slowest's (a worker's clock: steps it pushed).
   int64_t staleness() const;
@@ -131,6 +150,12 @@ class ServerCore : public Handler {
   void adopt(int32_t w, int64_t clock);
   bool lost_push(int32_t w, int64_t clock) const;
   bool step_complete(int64_t clock) const;
+  // Sealed pushes: worker w's clock is sealed up to `clock`; applies what that completes.
+  void seal(int32_t w, int64_t clock);
+  // The ledger's batches of applied pushes are done.
+  void finish_batches(const std::map<int32_t, PushRequest>& pushes);
+  // A leaver's ledger batches come back, but for those of its pushes still counted.
+  void release_batches(int32_t w);
   int64_t slowest_clock() const;
   std::string describe_sync_wait(int64_t step) const;
   std::string describe_staleness_wait(int64_t needed) const;
@@ -157,6 +182,11 @@ class ServerCore : public Handler {
   bool adopting_ = false;              // reloaded: the workers' clocks are not all known yet
   int64_t restored_step_ = -1;         // the snapshot's step
   std::map<int32_t, int64_t> adopted_;  // per worker: the clock it showed first after a reload
+  std::map<int32_t, int64_t> sealed_;   // sealed_pushes: per worker, its sealed clock
+  // sealed_pushes, not sync: pushes received and not yet sealed, per worker by clock.
+  std::map<int32_t, std::map<int64_t, PushRequest>> unsealed_;
+  std::optional<Ledger> ledger_;
+  Ledger::Options ledger_data_;
 };
 
 }  // namespace shoal::ps::detail
