@@ -4,6 +4,9 @@
 // parameter, so that torch keeps a state per row as the servers' lazy rules do). In-process: the
 // API's errors, on a job of one without servers.
 #include <cstdlib>
+#include <filesystem>
+
+#include <unistd.h>
 
 #include <gtest/gtest.h>
 
@@ -49,6 +52,28 @@ TEST(PsTrain, AsyncIsNotTheOneProcessRun) {
   ::unsetenv("SHOAL_PS_MODE");
   EXPECT_EQ(run.exit_code, 1) << run.out << run.err;
   EXPECT_NE(run.out.find("[0] parameter "), std::string::npos) << run.out;
+}
+
+// ps::Optimizer::train_on (docs/ps.md, "Leased batches"): three workers (one slowed) lease the
+// batches of two epochs of 50 samples from the servers' ledger; worker 0 checks that every sample
+// was trained once per epoch, in every mode, and in sync that the servers' values equal one
+// process training each step's leased batches together (the last step's short batch weighs its
+// rows; workers without a batch take idle steps).
+TEST(PsTrain, LeasedBatchesTrainEverySampleOncePerEpochInEveryMode) {
+  for (const std::string mode : {"sync", "async", "ssp:1"}) {
+    const std::string dir =
+        ::testing::TempDir() + "ps_leased_" + std::to_string(::getpid()) + "_" + mode.substr(0, 3);
+    std::filesystem::create_directories(dir);
+    ::setenv("SHOAL_PS_MODE", mode.c_str(), 1);
+    const RunResult run =
+        run_shoal({"--servers", "2", "-n", "3", kTrain, "leased", "2", dir}, 120s);
+    ::unsetenv("SHOAL_PS_MODE");
+    std::filesystem::remove_all(dir);
+    EXPECT_EQ(run.exit_code, 0) << mode << "\n" << run.out << run.err;
+    EXPECT_NE(run.out.find("[0] ps leased ok: " + mode + ", 3 workers, 2 epochs of 50 samples"),
+              std::string::npos)
+        << run.out;
+  }
 }
 
 TEST(PsTrain, WorkersWithoutServersAreAUsageError) {

@@ -10,6 +10,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <set>
 #include <thread>
@@ -23,6 +24,7 @@
 #include "ps/table.h"
 #include "ps_support.h"
 #include "shoal/core/error.h"
+#include "shoal/data/loader.h"
 
 namespace {
 
@@ -670,9 +672,19 @@ TEST(PsServerCore, BadRequestsAreRefusedAndChangeNothing) {
   expect_refused("worker 0 pushed step 2; expected its next step 1",
                  [&] { push({good}, {}, 0, 2); });
   expect_refused("worker 9 is not live; expected one of 0, 1, 2", [&] { push({good}, {}, 9); });
-  expect_refused("worker 2 pushed a gradient of 0 samples; expected rows >= 1", [&] {
+  expect_refused(
+      "worker 2 pushed a gradient of 0 samples with values; expected rows >= 1, or 0 with no "
+      "values (an idle step)",
+      [&] {
+        PushRequest request;
+        request.worker = 2;
+        request.dense = {good};
+        server.core->push(request, shoal::Deadline(Ms(0)));
+      });
+  expect_refused("worker 2 pushed a gradient of -1 samples; expected rows >= 1", [&] {
     PushRequest request;
     request.worker = 2;
+    request.rows = -1;
     server.core->push(request, shoal::Deadline(Ms(0)));
   });
   expect_refused("parameter server: pull: table 'w': 8 values for 1 chunks; expected 0", [&] {
@@ -1043,6 +1055,7 @@ TEST(PsServerCore, ALeaversPushCountsOnEveryServerOrOnNone) {
     for (int32_t w : {0, 1, 2}) job.pull_later(0, w, 1);
     for (int32_t w : {0, 1}) job.pull_later(1, w, 1);
     eventually([&] { return job.servers[1].core->pulls_waiting() == 2; });
+    eventually([&] { return job.servers[0].core->step() == 1; });  // all three sealed there
     EXPECT_EQ(job.servers[1].core->step(), 0);
     job.lost(2);
     job.join();
@@ -1066,11 +1079,35 @@ TEST(PsServerCore, ALeaversPushCountsOnEveryServerOrOnNone) {
   }
 }
 
+TEST(PsServerCore, AnIdleStepWeighsNothing) {
+  // Worker 1 had no batch (the epoch's last ones were out): its push has no rows and no values,
+  // the step is the others' mean, and a step of idle pushes only changes nothing.
+  Small server({});
+  server.push(0, 0, 1.f, 2);
+  PushRequest idle;
+  idle.worker = 1;
+  server.core->push(idle, shoal::Deadline(Ms(0)));
+  server.push(2, 0, 4.f, 1);
+  EXPECT_EQ(server.core->step(), 1);
+  EXPECT_FLOAT_EQ(server.value(), 1 - (2 * 1.f + 4.f) / 3);
+  for (int32_t w : {0, 1, 2}) {
+    idle.worker = w;
+    idle.clock = 1;
+    server.core->push(idle, shoal::Deadline(Ms(0)));
+  }
+  EXPECT_EQ(server.core->step(), 2);
+  EXPECT_FLOAT_EQ(server.value(), 1 - (2 * 1.f + 4.f) / 3);
+}
+
 TEST(PsServerCore, ALeaversBatchesGoBackUnlessItsGradientCounts) {
   ServerCoreOptions options;
   options.sealed_pushes = true;
   Small server(options);
-  const Ledger::Options data{100, 10, false};
+  auto lease = [&](int32_t w, int64_t batch_size = 10) {
+    const auto reply = server.core->lease({w, 0, 100, batch_size, false}, shoal::Deadline(Ms(0)));
+    return Ledger::Lease{static_cast<Ledger::Lease::Kind>(reply.kind), reply.epoch, reply.batch,
+                         reply.begin, reply.end};
+  };
   auto push = [&](int32_t w, int64_t clock, const Ledger::Lease& lease) {
     PushRequest request;
     request.worker = w;
@@ -1082,7 +1119,7 @@ TEST(PsServerCore, ALeaversBatchesGoBackUnlessItsGradientCounts) {
     return server.core->push(request, shoal::Deadline(Ms(0)));
   };
   std::vector<Ledger::Lease> leases;
-  for (int32_t w : {0, 1, 2}) leases.push_back(server.core->lease(w, data, 0));
+  for (int32_t w : {0, 1, 2}) leases.push_back(lease(w));
   // Worker 1 pushes the gradient of worker 0's batch: refused, nothing changes.
   EXPECT_NE(error_of<UsageError>([&] { push(1, 0, leases[0]); })
                 .find("worker 1 pushed the gradient of batch 0 of epoch 0; expected a batch "
@@ -1105,12 +1142,99 @@ TEST(PsServerCore, ALeaversBatchesGoBackUnlessItsGradientCounts) {
   const auto counts = *server.core->ledger_counts();
   EXPECT_EQ(counts[1], 2);  // worker 0's and worker 2's batches are done
   EXPECT_EQ(counts[2], 0);
-  EXPECT_EQ(server.core->lease(0, data, 0).batch, leases[1].batch);  // worker 1's, again
-  EXPECT_NE(error_of<UsageError>([&] {
-              server.core->lease(0, {100, 20, false}, 0);
-            })
+  EXPECT_EQ(lease(0).batch, leases[1].batch);  // worker 1's, again
+  EXPECT_NE(error_of<UsageError>([&] { lease(0, 20); })
                 .find("names a data set of 100 samples in batches of 20; expected the ledger's "
                       "100 in batches of 10"),
+            std::string::npos);
+}
+
+// The loader's sampler leasing from the ledger (Sampler::lease_from), as workers of an elastic
+// job do: three workers take turns, one dies holding a batch, one joins mid-epoch; every sample
+// of each epoch is loaded and trained once, and workers with nothing left get empty batches.
+TEST(PsLedger, LoadersLeasingTheirBatchesTrainEverySampleOnce) {
+  using shoal::data::BatchLeases;
+  struct Leases : BatchLeases {
+    Leases(Ledger& ledger, int32_t worker) : ledger(ledger), worker(worker) {}
+    Lease next(int64_t epoch, int64_t dataset_size, int64_t batch_size, bool drop_last) override {
+      EXPECT_EQ(dataset_size, 103);
+      EXPECT_EQ(batch_size, 8);
+      EXPECT_FALSE(drop_last);
+      last = ledger.lease(worker, epoch);
+      switch (last.kind) {
+        case Ledger::Lease::Kind::kBatch:
+          return {Lease::Kind::kBatch, last.begin, last.end};
+        case Ledger::Lease::Kind::kWait:
+          return {Lease::Kind::kIdle, 0, 0};
+        case Ledger::Lease::Kind::kEpochDone:
+          break;
+      }
+      return {Lease::Kind::kEpochDone, 0, 0};
+    }
+    Ledger& ledger;
+    int32_t worker;
+    Ledger::Lease last;
+  };
+  const int64_t size = 103;
+  auto dataset = torch::data::datasets::TensorDataset(torch::arange(size).view({size, 1}));
+  Ledger ledger({size, 8, false});
+  shoal::data::LoaderOptions options;
+  options.batch_size = 8;
+  options.per_worker = true;
+  options.shuffle = true;
+  struct Worker {
+    std::shared_ptr<Leases> leases;
+    std::optional<shoal::data::Loader<decltype(dataset)>> loader;
+  };
+  std::map<int32_t, Worker> workers;
+  auto start = [&](int32_t w) {
+    Worker& worker = workers[w];
+    worker.leases = std::make_shared<Leases>(ledger, w);
+    worker.loader.emplace(shoal::data::make_loader(dataset, options, 0, 1));
+    worker.loader->sampler().lease_from(worker.leases);
+  };
+  for (int32_t w : {0, 1, 2}) start(w);
+  for (int64_t epoch = 0; epoch < 2; ++epoch) {
+    std::vector<int> trained(size, 0);
+    std::map<int32_t, shoal::data::Loader<decltype(dataset)>::Iterator> at;
+    for (auto& [w, worker] : workers) at.emplace(w, worker.loader->epoch(epoch).begin());
+    int idle = 0;
+    for (int turn = 0; !at.empty(); ++turn) {
+      ASSERT_LT(turn, 1000);
+      if (epoch == 0 && turn == 2) {  // worker 1 dies holding its third batch
+        ASSERT_EQ(workers[1].leases->last.kind, Ledger::Lease::Kind::kBatch);
+        EXPECT_EQ(ledger.release(1), 1);
+        workers.erase(1);
+        at.erase(1);
+      }
+      if (epoch == 0 && turn == 3) {  // worker 3 joins
+        start(3);
+        at.emplace(3, workers[3].loader->epoch(epoch).begin());
+      }
+      for (auto it = at.begin(); it != at.end();) {
+        auto& [w, batch] = *it;
+        if (batch == decltype(batch)()) {  // this worker's epoch is over
+          it = at.erase(it);
+          continue;
+        }
+        const auto rows = batch->data.size(0);
+        if (rows == 0) ++idle;
+        for (int64_t i = 0; i < rows; ++i) ++trained[batch->data[i][0].item<int64_t>()];
+        const auto& lease = workers[w].leases->last;
+        if (rows > 0) ledger.done(w, lease.epoch, lease.batch);
+        ++batch;
+        ++it;
+      }
+    }
+    for (int64_t i = 0; i < size; ++i) ASSERT_EQ(trained[i], 1) << "sample " << i;
+    EXPECT_GT(idle, 0);  // 13 batches over 3 workers: some wait for the last ones
+  }
+  // LastBatch::kPad cannot be leased.
+  options.last_batch = shoal::data::LastBatch::kPad;
+  auto padded = shoal::data::make_loader(dataset, options, 0, 1);
+  EXPECT_NE(error_of<UsageError>([&] {
+              padded.sampler().lease_from(workers[0].leases);
+            }).find("expected kKeep or kDrop"),
             std::string::npos);
 }
 

@@ -85,6 +85,27 @@ void Sampler::set_epoch(int64_t epoch) {
   }
   epoch_ = epoch;
   cursor_ = 0;
+  lease_.reset();
+}
+
+void Sampler::lease_from(std::shared_ptr<BatchLeases> leases) {
+  if (options_.last_batch == LastBatch::kPad) {
+    throw UsageError(
+        "Sampler: leased batches (an elastic parameter-server job) with LastBatch::kPad; expected "
+        "kKeep or kDrop");
+  }
+  leases_ = std::move(leases);
+  lease_size_ = options_.per_worker ? options_.batch_size
+                                    : (options_.batch_size + world_size_ - 1) / world_size_;
+  lease_.reset();
+}
+
+const BatchLeases::Lease& Sampler::current_lease() const {
+  if (!lease_) {
+    lease_ = leases_->next(epoch_, dataset_size_, lease_size_,
+                           options_.last_batch == LastBatch::kDrop);
+  }
+  return *lease_;
 }
 
 void Sampler::reshard(int rank, int world_size) {
@@ -106,15 +127,24 @@ int64_t Sampler::batches_from(int64_t position) const {
 
 int64_t Sampler::batches_per_epoch() const { return batches_from(0); }
 int64_t Sampler::batches_remaining() const { return batches_from(cursor_); }
-bool Sampler::epoch_done() const { return batches_remaining() == 0; }
+bool Sampler::epoch_done() const {
+  if (leases_) return current_lease().kind == BatchLeases::Lease::Kind::kEpochDone;
+  return batches_remaining() == 0;
+}
 
 int64_t Sampler::global_batch_at_cursor() const {
   if (epoch_done()) return 0;
+  if (leases_) return current_lease().end - current_lease().begin;  // this worker's, leased
   if (options_.last_batch == LastBatch::kKeep) return std::min(global_batch_size(), dataset_size_ - cursor_);
   return global_batch_size();  // kDrop: only full batches remain; kPad: filled up
 }
 
 std::vector<size_t> Sampler::batch() const {
+  if (leases_) {
+    const auto& lease = current_lease();
+    if (lease.kind != BatchLeases::Lease::Kind::kBatch) return {};
+    return {permutation_.begin() + lease.begin, permutation_.begin() + lease.end};
+  }
   const comm::Sizes shares = comm::split_sizes(global_batch_at_cursor(), world_size_);
   const int64_t offset = std::accumulate(shares.begin(), shares.begin() + rank_, int64_t{0});
   std::vector<size_t> indices(static_cast<size_t>(shares[rank_]));
@@ -127,6 +157,10 @@ std::vector<size_t> Sampler::batch() const {
 }
 
 void Sampler::advance() {
+  if (leases_) {
+    lease_.reset();  // the next epoch_done() leases the next batch
+    return;
+  }
   if (epoch_done()) return;
   cursor_ = std::min(dataset_size_, cursor_ + global_batch_size());
 }

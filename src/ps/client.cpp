@@ -1,5 +1,6 @@
 #include "client.h"
 
+#include <chrono>
 #include <cstring>
 #include <exception>
 #include <numeric>
@@ -31,6 +32,9 @@ class RemoteEndpoint : public Client::Endpoint {
   PushReply push(const PushRequest& request, Duration timeout) override {
     return client_->push(request, timeout);
   }
+  LeaseReply lease(const LeaseRequest& request, Duration timeout) override {
+    return client_->lease(request, timeout);
+  }
 
  private:
   std::unique_ptr<RpcClient> client_;
@@ -48,6 +52,9 @@ class LocalEndpoint : public Client::Endpoint {
   }
   PushReply push(const PushRequest& request, Duration timeout) override {
     return core_.push(request, Deadline(timeout));
+  }
+  LeaseReply lease(const LeaseRequest& request, Duration timeout) override {
+    return core_.lease(request, Deadline(timeout));
   }
 
  private:
@@ -178,6 +185,63 @@ Client::Client(torch::nn::Module& model, const OptimizerSpec& optimizer, const P
 }
 
 Client::~Client() = default;
+
+class Client::Leases : public data::BatchLeases {
+ public:
+  explicit Leases(std::weak_ptr<Client> client) : client_(std::move(client)) {}
+  Lease next(int64_t epoch, int64_t dataset_size, int64_t batch_size, bool drop_last) override {
+    const auto client = client_.lock();
+    if (!client) {
+      throw UsageError(
+          "shoal::ps::Optimizer::train_on: the loader asked for a batch after its optimizer was "
+          "destroyed; expected the optimizer to outlive the loop");
+    }
+    return client->lease(epoch, dataset_size, batch_size, drop_last);
+  }
+
+ private:
+  std::weak_ptr<Client> client_;
+};
+
+void Client::train_on(data::Sampler& sampler) {
+  if (leasing_) {
+    throw UsageError(
+        "shoal::ps::Optimizer::train_on: called twice; expected one loader per optimizer (the "
+        "servers keep one ledger of batches)");
+  }
+  const std::string mode = env::get(env::current(), "SHOAL_PS_MODE").value_or("sync");
+  async_ = mode == "async";
+  sampler.lease_from(std::make_shared<Leases>(weak_from_this()));
+  leasing_ = true;
+}
+
+data::BatchLeases::Lease Client::lease(int64_t epoch, int64_t dataset_size, int64_t batch_size,
+                                       bool drop_last) {
+  using Kind = data::BatchLeases::Lease::Kind;
+  if (leased_) {
+    throw UsageError("shoal::ps::Optimizer::train_on: the loader handed out batch " +
+                     std::to_string(leased_->batch) + " of epoch " +
+                     std::to_string(leased_->epoch) +
+                     " and no step() pushed its gradient; expected one step() per batch");
+  }
+  const LeaseReply reply = servers_[0]->lease(
+      LeaseRequest{worker_, epoch, dataset_size, batch_size, drop_last}, timeout_);
+  leased_.reset();
+  switch (reply.kind) {
+    case LeaseReply::Kind::kBatch:
+      leased_ = reply;
+      return {Kind::kBatch, reply.begin, reply.end};
+    case LeaseReply::Kind::kWait:
+      // The epoch's last batches are out with other workers: an idle step. In async nothing
+      // paces it (no pull waits), so it waits a moment before it asks again.
+      if (async_) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      return {Kind::kIdle, 0, 0};
+    case LeaseReply::Kind::kEpochDone:
+      return {Kind::kEpochDone, 0, 0};
+  }
+  throw CommError("parameter server 0 answered a lease with an unknown kind " +
+                  std::to_string(static_cast<int32_t>(reply.kind)));
+}
 
 void Client::bind() {
   for (size_t t = 0; t < sparse_.size(); ++t) {
@@ -346,10 +410,27 @@ void Client::step() {
     if (grad.defined()) grads[t] = grad.to(torch::kFloat).contiguous();
   }
 
+  // With leased batches (train_on) the push carries its batch and weighs as many as its rows; a
+  // step without a batch is idle: no rows, no gradients (docs/ps.md, "Leased batches").
+  int64_t samples = 1, epoch = 0, batch = -1;
+  if (leasing_) {
+    samples = leased_ ? leased_->end - leased_->begin : 0;
+    if (leased_) {
+      epoch = leased_->epoch;
+      batch = leased_->batch;
+    }
+    leased_.reset();
+  }
   // Every server gets a push every step, empty where it holds nothing of this step, so that every
   // server sees every worker's clock (docs/ps.md, "Consistency").
   for_each_server([&](int32_t s) {
-    PushRequest request{worker_, clock_, 1, {}, {}};
+    PushRequest request{worker_, clock_, samples, {}, {}};
+    request.epoch = epoch;
+    request.batch = batch;
+    if (samples == 0) {
+      servers_[s]->push(request, timeout_);
+      return;
+    }
     for (size_t t = 0; t < dense_.size(); ++t) {
       if (!grads[t].defined() || dense_[t].chunks[s].empty()) continue;
       DenseSlice slice{static_cast<int32_t>(t), dense_[t].chunks[s], {}};
@@ -474,6 +555,9 @@ void Optimizer::zero_grad() {
 }
 void Optimizer::step() {
   client_->step();
+}
+void Optimizer::train_on(data::Sampler& sampler) {
+  client_->train_on(sampler);
 }
 int64_t Optimizer::steps() const {
   return client_->clock();

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -20,6 +21,7 @@
 #include "messages.h"
 #include "shard_map.h"
 #include "shoal/core/timeout.h"
+#include "shoal/data/sampler.h"
 #include "shoal/ps/ps.h"
 
 namespace shoal::ps::detail {
@@ -39,6 +41,8 @@ class Client : public std::enable_shared_from_this<Client> {
 
   void zero_grad();
   void step();
+  // ps::Optimizer::train_on: the sampler leases its batches from server 0's ledger.
+  void train_on(data::Sampler& sampler);
   int64_t clock() const { return clock_; }
   int64_t staleness() const { return staleness_; }
 
@@ -50,6 +54,7 @@ class Client : public std::enable_shared_from_this<Client> {
     virtual void register_tables(const RegisterRequest& request, Duration timeout) = 0;
     virtual PullReply pull(const PullRequest& request, Duration timeout) = 0;
     virtual PushReply push(const PushRequest& request, Duration timeout) = 0;
+    virtual LeaseReply lease(const LeaseRequest& request, Duration timeout) = 0;
   };
 
  private:
@@ -75,7 +80,16 @@ class Client : public std::enable_shared_from_this<Client> {
     return sparse_.at(static_cast<size_t>(table.table_) - dense_.size());
   }
 
+  // The sampler's leases (train_on): the next batch of `epoch` from server 0's ledger, and the
+  // lease the loader handed out last, which the next step() pushes the gradient of.
+  class Leases;
+  data::BatchLeases::Lease lease(int64_t epoch, int64_t dataset_size, int64_t batch_size,
+                                 bool drop_last);
+
   Duration timeout_;  // before servers_: opening them takes it
+  bool leasing_ = false;
+  bool async_ = false;  // SHOAL_PS_MODE=async: an idle step waits a moment, nothing paces it
+  std::optional<LeaseReply> leased_;
   std::vector<std::unique_ptr<Endpoint>> servers_;
   ShardMap map_;
   int32_t worker_ = 0;

@@ -3,6 +3,8 @@
 // throws to a status the worker's client turns back into the same exception type.
 #pragma once
 
+#include <string>
+
 #include "messages.h"
 #include "shoal/core/error.h"
 #include "shoal/core/timeout.h"
@@ -26,6 +28,13 @@ class Handler {
   virtual void register_tables(const RegisterRequest& request, const Deadline& deadline) = 0;
   virtual PullReply pull(const PullRequest& request, const Deadline& deadline) = 0;
   virtual PushReply push(const PushRequest& request, const Deadline& deadline) = 0;
+  // The epoch's ledger (docs/ps.md, "Leased batches"), kept by server 0. A handler that keeps
+  // none refuses.
+  virtual LeaseReply lease(const LeaseRequest& request, const Deadline& /*deadline*/) {
+    throw UsageError("parameter server: worker " + std::to_string(request.worker) +
+                     " asked for a batch; this server keeps no ledger of batches (expected "
+                     "server 0 of a job without --ps-replicas)");
+  }
 };
 
 }  // namespace shoal::ps::detail

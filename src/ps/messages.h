@@ -97,7 +97,8 @@ struct PullReply {
   int64_t staleness = 0;  // the fastest live worker's clock minus the slowest's
 };
 
-// A worker's gradients for its step `clock`, of the mean loss over its `rows` samples. In sync
+// A worker's gradients for its step `clock`, of the mean loss over its `rows` samples (0: an idle
+// step, with no gradients: the worker had no batch). In sync
 // the server applies, per step, sum_w rows_w * grad_w / sum_w rows_w over the live workers in
 // worker order: the gradient of the mean loss over the global batch.
 struct PushRequest {
@@ -111,6 +112,24 @@ struct PushRequest {
   int64_t epoch = 0;
   int64_t batch = -1;
 };
+// A batch of the epoch's ledger for `worker` (ledger.h, docs/ps.md "Leased batches"): the data
+// set's size and the batch size name the ledger, and every worker must name the same.
+struct LeaseRequest {
+  int32_t worker = 0;
+  int64_t epoch = 0;
+  int64_t dataset_size = 0;
+  int64_t batch_size = 1;
+  bool drop_last = false;
+};
+struct LeaseReply {
+  enum class Kind : int32_t { kBatch = 0, kWait = 1, kEpochDone = 2 };  // as Ledger::Lease::Kind
+  Kind kind = Kind::kWait;
+  int64_t epoch = 0;
+  int64_t batch = -1;
+  int64_t begin = 0;  // positions [begin, end) of the epoch's permutation
+  int64_t end = 0;
+};
+
 struct PushReply {
   // Sync with backup workers (replicas_to_aggregate < live workers): false when the step was
   // already full; the gradient was not applied and the worker puts its samples back.

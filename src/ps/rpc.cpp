@@ -32,6 +32,7 @@ constexpr const char* kRegisterMethod = "/shoal.ps.wire.ParameterServer/Register
 constexpr const char* kPullMethod = "/shoal.ps.wire.ParameterServer/Pull";
 constexpr const char* kPushMethod = "/shoal.ps.wire.ParameterServer/Push";
 constexpr const char* kPingMethod = "/shoal.ps.wire.ParameterServer/Ping";
+constexpr const char* kLeaseMethod = "/shoal.ps.wire.ParameterServer/Lease";
 
 std::string one_line(std::string text) {
   std::replace(text.begin(), text.end(), '\n', ' ');
@@ -100,6 +101,7 @@ class Service : public grpc::Service {
     add("Pull", &Service::pull);
     add("Push", &Service::push);
     add("Ping", &Service::ping);
+    add("Lease", &Service::lease);
   }
 
  private:
@@ -138,6 +140,16 @@ class Service : public grpc::Service {
       const auto request = parse<PushRequest>("Push", "PushRequest", *in);
       *out = wire_format::encode(handler_.push(request, deadline_of(*context)));
       return grpc::Status::OK;
+    });
+  }
+  grpc::Status lease(grpc::ServerContext* context, const grpc::ByteBuffer* in,
+                     grpc::ByteBuffer* out) {
+    return serve("Lease", context, [&] {
+      const auto request = parse_message<pb::LeaseRequest>("Lease", *in);
+      pb::LeaseReply reply;
+      wire_format::to_wire(
+          handler_.lease(wire_format::from_wire(request), deadline_of(*context)), reply);
+      return serialize(reply, out);
     });
   }
   grpc::Status ping(grpc::ServerContext* context, const grpc::ByteBuffer* in,
@@ -300,8 +312,9 @@ struct Methods {
       : register_tables(kRegisterMethod, grpc::internal::RpcMethod::NORMAL_RPC, channel),
         pull(kPullMethod, grpc::internal::RpcMethod::NORMAL_RPC, channel),
         push(kPushMethod, grpc::internal::RpcMethod::NORMAL_RPC, channel),
-        ping(kPingMethod, grpc::internal::RpcMethod::NORMAL_RPC, channel) {}
-  grpc::internal::RpcMethod register_tables, pull, push, ping;
+        ping(kPingMethod, grpc::internal::RpcMethod::NORMAL_RPC, channel),
+        lease(kLeaseMethod, grpc::internal::RpcMethod::NORMAL_RPC, channel) {}
+  grpc::internal::RpcMethod register_tables, pull, push, ping, lease;
 };
 
 // One address's channel; replaced whole on failover, so a call in flight keeps its own.
@@ -527,6 +540,26 @@ PushReply RpcClient::push(const PushRequest& request, Duration timeout) {
   grpc::ByteBuffer reply;
   state_->call("Push", &Methods::push, timeout, wire_format::encode(request), reply);
   return state_->convert<PushReply>("Push", "PushReply", reply);
+}
+
+LeaseReply RpcClient::lease(const LeaseRequest& request, Duration timeout) {
+  pb::LeaseRequest message;
+  wire_format::to_wire(request, message);
+  grpc::ByteBuffer bytes, reply;
+  bool own = false;
+  grpc::SerializationTraits<pb::LeaseRequest>::Serialize(message, &bytes, &own);
+  state_->call("Lease", &Methods::lease, timeout, bytes, reply);
+  pb::LeaseReply answer;
+  if (!grpc::SerializationTraits<pb::LeaseReply>::Deserialize(&reply, &answer).ok()) {
+    throw CommError(state_->server(*state_->current()) +
+                    " answered Lease with a malformed reply (" + std::to_string(reply.Length()) +
+                    " bytes)");
+  }
+  try {
+    return wire_format::from_wire(answer);
+  } catch (const UsageError& e) {
+    throw CommError(state_->server(*state_->current()) + " answered Lease with " + e.what());
+  }
 }
 
 int RpcClient::ping(Duration timeout) {

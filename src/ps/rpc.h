@@ -86,6 +86,8 @@ class RpcClient {
   PushReply push(const PushRequest& request, Duration timeout);
   // Liveness: returns the index the server was started with.
   int ping(Duration timeout);
+  // A batch of the epoch's ledger (server 0).
+  LeaseReply lease(const LeaseRequest& request, Duration timeout);
 
  private:
   struct State;

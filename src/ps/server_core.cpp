@@ -499,9 +499,11 @@ PushReply ServerCore::push(const PushRequest& request, const Deadline& /*deadlin
   if (request.clock != next)
     bad(what, "worker " + std::to_string(w) + " pushed step " + std::to_string(request.clock) +
                   "; expected its next step " + std::to_string(next));
-  if (request.rows < 1)
+  if (request.rows < 0 || (request.rows == 0 && (!request.dense.empty() || !request.sparse.empty())))
     bad(what, "worker " + std::to_string(w) + " pushed a gradient of " +
-                  std::to_string(request.rows) + " samples; expected rows >= 1");
+                  std::to_string(request.rows) + " samples" +
+                  (request.rows == 0 ? " with values" : "") +
+                  "; expected rows >= 1, or 0 with no values (an idle step)");
   check_slices(what, request.dense, request.sparse, true);
   if (ledger_ && request.batch >= 0 && !ledger_->is_out(w, request.epoch, request.batch))
     bad(what, "worker " + std::to_string(w) + " pushed the gradient of batch " +
@@ -720,8 +722,15 @@ void ServerCore::leave(int32_t w, int64_t sealed) {
   changed_.notify_all();
 }
 
-Ledger::Lease ServerCore::lease(int32_t worker, const Ledger::Options& data, int64_t epoch) {
+LeaseReply ServerCore::lease(const LeaseRequest& request, const Deadline& /*deadline*/) {
+  const int32_t worker = request.worker;
+  const Ledger::Options data{request.dataset_size, request.batch_size, request.drop_last};
   std::lock_guard<std::mutex> lock(mutex_);
+  if (options_.snapshot_every > 0)
+    bad("lease", "worker " + std::to_string(worker) +
+                     " asked for a batch, but this server writes snapshots, which do not hold the "
+                     "ledger yet (a restarted server would start the epoch again); expected a job "
+                     "without --ps-snapshot-dir to lease batches");
   if (live_.count(worker) == 0)
     bad("lease", "worker " + std::to_string(worker) + " is not live; expected one of " +
                      list_workers({live_.begin(), live_.end()}));
@@ -738,7 +747,9 @@ Ledger::Lease ServerCore::lease(int32_t worker, const Ledger::Options& data, int
                      " in batches of " + std::to_string(ledger_data_.batch_size) +
                      (ledger_data_.drop_last ? " (drop_last)" : ""));
   }
-  return ledger_->lease(worker, epoch);
+  const Ledger::Lease lease = ledger_->lease(worker, request.epoch);
+  return {static_cast<LeaseReply::Kind>(lease.kind), lease.epoch, lease.batch, lease.begin,
+          lease.end};
 }
 
 std::optional<std::array<int64_t, 3>> ServerCore::ledger_counts() const {

@@ -107,8 +107,8 @@ class ServerCore : public Handler {
 
   // The epoch's ledger (ledger.h), on the server that keeps it: opened by the first worker that
   // asks for a batch (later workers must name the same data set and batch size); a lease is for a
-  // live worker.
-  Ledger::Lease lease(int32_t worker, const Ledger::Options& data, int64_t epoch);
+  // live worker. Never waits.
+  LeaseReply lease(const LeaseRequest& request, const Deadline& deadline) override;
   // The ledger's counts, for tests and the job's progress: (epoch, batches done, batches out).
   std::optional<std::array<int64_t, 3>> ledger_counts() const;
 

@@ -555,6 +555,35 @@ RegisterRequest from_wire(const pb::RegisterRequest& in) {
   return out;
 }
 
+void to_wire(const LeaseRequest& in, pb::LeaseRequest& out) {
+  out.set_worker(in.worker);
+  out.set_epoch(in.epoch);
+  out.set_dataset_size(in.dataset_size);
+  out.set_batch_size(in.batch_size);
+  out.set_drop_last(in.drop_last);
+}
+
+LeaseRequest from_wire(const pb::LeaseRequest& in) {
+  LeaseRequest out{in.worker(), in.epoch(), in.dataset_size(), in.batch_size(), in.drop_last()};
+  non_negative(out.worker, "worker");
+  non_negative(out.epoch, "epoch");
+  return out;  // the ledger checks the sizes
+}
+
+void to_wire(const LeaseReply& in, pb::LeaseReply& out) {
+  out.set_kind(static_cast<int32_t>(in.kind));
+  out.set_epoch(in.epoch);
+  out.set_batch(in.batch);
+  out.set_begin(in.begin);
+  out.set_end(in.end);
+}
+
+LeaseReply from_wire(const pb::LeaseReply& in) {
+  if (in.kind() < 0 || in.kind() > 2)
+    throw UsageError("kind = " + std::to_string(in.kind()) + "; expected 0, 1 or 2");
+  return {static_cast<LeaseReply::Kind>(in.kind()), in.epoch(), in.batch(), in.begin(), in.end()};
+}
+
 grpc::ByteBuffer encode(const PullRequest& in) {
   Writer w(varint_field_size(in.worker) + varint_field_size(in.clock) + slices_size(in.dense) +
            slices_size(in.sparse));
@@ -566,11 +595,14 @@ grpc::ByteBuffer encode(const PullRequest& in) {
 
 grpc::ByteBuffer encode(const PushRequest& in) {
   Writer w(varint_field_size(in.worker) + varint_field_size(in.clock) + varint_field_size(in.rows) +
-           slices_size(in.dense) + slices_size(in.sparse));
+           slices_size(in.dense) + slices_size(in.sparse) + varint_field_size(in.epoch) +
+           varint_field_size(in.batch + 1));
   w.varint_field(1, in.worker);
   w.varint_field(2, in.clock);
   w.varint_field(3, in.rows);
   write_slices(w, 4, 5, in);
+  w.varint_field(6, in.epoch);
+  w.varint_field(7, in.batch + 1);  // 0, the field's default: no batch
   return w.finish();
 }
 
@@ -626,6 +658,7 @@ bool decode(const grpc::ByteBuffer& in, PullReply& out) {
 
 bool decode(const grpc::ByteBuffer& in, PushRequest& out) {
   Reader r(in);
+  int64_t batch = 0;
   Slices slices{out.dense, out.sparse, {}, {}};
   const bool read = r.fields([&](int number, WireType type, uint32_t tag) {
     if (number == 1 && type == kVarint) return r.varint(out.worker);
@@ -633,12 +666,18 @@ bool decode(const grpc::ByteBuffer& in, PushRequest& out) {
     if (number == 3 && type == kVarint) return r.varint(out.rows);
     if (number == 4 && type == kLength) return slices.read_dense(r);
     if (number == 5 && type == kLength) return slices.read_sparse(r);
+    if (number == 6 && type == kVarint) return r.varint(out.epoch);
+    if (number == 7 && type == kVarint) return r.varint(batch);
     return r.skip(tag);
   });
   if (!read) return false;
+  out.batch = batch - 1;
   non_negative(out.worker, "worker");
   non_negative(out.clock, "clock");
   non_negative(out.rows, "rows");
+  non_negative(out.epoch, "epoch");
+  if (batch < 0)
+    throw UsageError("batch = " + std::to_string(batch) + "; expected 0 (none) or the batch + 1");
   slices.check(/*values=*/true);
   return true;
 }

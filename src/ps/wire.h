@@ -30,6 +30,10 @@ namespace pb = ::shoal::ps::wire;
 
 void to_wire(const RegisterRequest& in, pb::RegisterRequest& out);
 RegisterRequest from_wire(const pb::RegisterRequest& in);
+void to_wire(const LeaseRequest& in, pb::LeaseRequest& out);
+LeaseRequest from_wire(const pb::LeaseRequest& in);
+void to_wire(const LeaseReply& in, pb::LeaseReply& out);
+LeaseReply from_wire(const pb::LeaseReply& in);
 
 grpc::ByteBuffer encode(const PullRequest& in);
 grpc::ByteBuffer encode(const PushRequest& in);

@@ -6,10 +6,15 @@
 // initial values. Prints "ps train ok" and exits 0, or says what differed and exits 1.
 //
 //   ps_train sgd|adagrad|adam [STEPS]
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <fstream>
 #include <iostream>
+#include <map>
+#include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <torch/torch.h>
@@ -17,6 +22,8 @@
 #include "core/hash.h"
 #include "ps/messages.h"
 #include "ps/table.h"
+#include "shoal/comm/group.h"
+#include "shoal/data/loader.h"
 #include "shoal/ps/ps.h"
 #include "shoal/runtime/init.h"
 
@@ -118,9 +125,158 @@ double relative_error(const torch::Tensor& got, const torch::Tensor& expected) {
   return ((got - expected).abs().max() / expected.abs().max().clamp_min(1e-12)).item<double>();
 }
 
+
+// ---- leased batches (ps::Optimizer::train_on; docs/ps.md, "Leased batches") ----
+
+constexpr int64_t kSamples = 50, kLeasedBatch = 4;  // 13 batches, the last of 2 samples
+
+// The features of data set samples `ids`: sample i is batch(0, i, i + 1).
+Batch samples(const torch::Tensor& ids) {
+  Batch out{torch::empty({ids.size(0), kIdsPerSample}, torch::kLong),
+            torch::empty({ids.size(0), kFeatures}), torch::empty({ids.size(0), 1})};
+  for (int64_t k = 0; k < ids.size(0); ++k) {
+    const int64_t i = ids[k].item<int64_t>();
+    const Batch one = batch(0, i, i + 1);
+    out.ids[k] = one.ids[0];
+    out.x[k] = one.x[0];
+    out.y[k] = one.y[0];
+  }
+  return out;
+}
+
+// Every worker trains EPOCHS epochs of a loader whose batches it leases, and writes each step it
+// trained a batch in to DIR/worker-R: "epoch clock id id ...". Worker 1 is slowed (async shows
+// the others taking more batches). Then worker 0 reads every worker's lines and checks that each
+// epoch trained every sample once; in sync, also that the servers' values equal one process
+// training each step's batches together with torch::optim. Prints "ps leased ok".
+int leased(const std::string& mode, int epochs, const std::string& dir) {
+  shoal::init();
+  torch::manual_seed(shoal::rank());
+  Net net;
+  shoal::ps::Optimizer optimizer(*net, torch::optim::SGDOptions(0.1).momentum(0.9));
+  torch::manual_seed(0);
+  Net first;  // worker 0's initial values, which every worker now holds
+  const int64_t rank = shoal::rank();
+  shoal::data::LoaderOptions options;
+  options.batch_size = kLeasedBatch;
+  options.per_worker = true;
+  options.shuffle = true;
+  auto loader = shoal::data::make_loader(
+      torch::data::datasets::TensorDataset(torch::arange(kSamples).view({kSamples, 1})), options);
+  optimizer.train_on(loader);
+  {
+    std::ofstream log(dir + "/worker-" + std::to_string(rank));
+    for (int64_t epoch = 0; epoch < epochs; ++epoch) {
+      for (auto& b : loader.epoch(epoch)) {
+        const auto ids = b.data.reshape({-1});
+        const Batch in = samples(ids);
+        optimizer.zero_grad();
+        torch::mse_loss(net->forward(in.ids, in.x), in.y).backward();  // NaN when idle: not pushed
+        const int64_t clock = optimizer.steps();
+        optimizer.step();
+        if (ids.size(0) == 0) continue;
+        log << epoch << " " << clock;
+        for (int64_t k = 0; k < ids.size(0); ++k) log << " " << ids[k].item<int64_t>();
+        log << "\n";
+        if (rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    }
+  }
+  shoal::world().barrier();
+  if (!shoal::is_main()) return 0;
+
+  // step clock -> the samples of every worker's batch in it, in worker order
+  std::map<int64_t, std::vector<int64_t>> steps;
+  std::vector<std::vector<int>> seen(static_cast<size_t>(epochs), std::vector<int>(kSamples, 0));
+  std::string counts;
+  for (int r = 0; r < shoal::world_size(); ++r) {
+    std::ifstream log(dir + "/worker-" + std::to_string(r));
+    std::string line;
+    int lines = 0;
+    while (std::getline(log, line)) {
+      std::istringstream fields(line);
+      int64_t epoch = 0, clock = 0, id = 0;
+      fields >> epoch >> clock;
+      while (fields >> id) {
+        ++seen.at(static_cast<size_t>(epoch)).at(static_cast<size_t>(id));
+        steps[clock].push_back(id);
+      }
+      ++lines;
+    }
+    counts += (r == 0 ? "" : ", ") + std::to_string(lines);
+  }
+  for (int64_t epoch = 0; epoch < epochs; ++epoch)
+    for (int64_t id = 0; id < kSamples; ++id)
+      if (seen[epoch][id] != 1) {
+        std::cout << "epoch " << epoch << " trained sample " << id << " " << seen[epoch][id]
+                  << " times; expected once" << std::endl;
+        return 1;
+      }
+  if (mode == "sync") {
+    shoal::ps::detail::TableSpec spec;
+    spec.name = "table";
+    spec.sparse = true;
+    spec.shape = {kRows, kDim};
+    spec.init = {shoal::ps::detail::InitSpec::Kind::kNormal, 0, 0.5};
+    spec.seed = kSeed;
+    std::vector<torch::Tensor> rows;
+    for (int64_t id = 0; id < kRows; ++id) {
+      rows.push_back(torch::empty({kDim}));
+      shoal::ps::detail::initial_row(spec, id, rows.back().data_ptr<float>(), kDim);
+      rows.back().requires_grad_(true);
+    }
+    std::vector<torch::Tensor> parameters = first->parameters();
+    parameters.insert(parameters.end(), rows.begin(), rows.end());
+    auto reference = make("sgd", parameters);
+    for (const auto& [clock, ids] : steps) {
+      const Batch in = samples(torch::tensor(ids, torch::kLong));
+      for (auto& p : parameters) p.mutable_grad() = torch::Tensor();
+      std::vector<torch::Tensor> picked;
+      for (int64_t i = 0; i < in.ids.size(0); ++i)
+        for (int64_t j = 0; j < kIdsPerSample; ++j)
+          picked.push_back(rows[in.ids[i][j].item<int64_t>()]);
+      const auto looked_up = torch::stack(picked).view({in.ids.size(0), kIdsPerSample, kDim});
+      torch::mse_loss(first->head(looked_up, in.x), in.y).backward();
+      reference->step();
+    }
+    const auto dense = net->named_parameters();
+    for (const auto& p : first->named_parameters()) {
+      const double error = relative_error(dense[p.key()], p.value());
+      if (!(error < 1e-5)) {
+        std::cout << "parameter " << p.key() << " off by " << error << " (relative)" << std::endl;
+        return 1;
+      }
+    }
+    torch::NoGradGuard no_grad;
+    const auto held = net->table->forward(torch::arange(kRows, torch::kLong));
+    for (int64_t id = 0; id < kRows; ++id)
+      if (!(relative_error(held[id], rows[id]) < 1e-5)) {
+        std::cout << "row " << id << " is " << held[id] << ", expected " << rows[id] << std::endl;
+        return 1;
+      }
+  }
+  std::cout << "ps leased ok: " << mode << ", " << shoal::world_size() << " workers, " << epochs
+            << " epochs of " << kSamples << " samples, " << steps.size()
+            << " steps with a batch; batches per worker " << counts << std::endl;
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "leased") {
+    if (argc != 4) {
+      std::cerr << "usage: ps_train leased EPOCHS DIR" << std::endl;
+      return 2;
+    }
+    try {
+      const std::string mode = std::getenv("SHOAL_PS_MODE") ? std::getenv("SHOAL_PS_MODE") : "sync";
+      return leased(mode, std::atoi(argv[2]), argv[3]);
+    } catch (const std::exception& e) {
+      std::cout << "error: " << e.what() << std::endl;
+      return 1;
+    }
+  }
   const std::string kind = argc > 1 ? argv[1] : "";
   const int kSteps = argc > 2 ? std::atoi(argv[2]) : 5;
   if (kind != "sgd" && kind != "adagrad" && kind != "adam") {

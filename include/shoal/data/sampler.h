@@ -13,6 +13,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <optional>
 #include <vector>
 
 namespace shoal::data {
@@ -47,6 +49,26 @@ struct SamplerState {
   int64_t cursor = 0;
 };
 
+// Batches leased from elsewhere instead of cut from the epoch by the cursor: in an elastic
+// parameter-server job, from the servers' ledger (docs/ps.md, "Elastic workers"), so that workers
+// may come and go at any step and every sample of an epoch is still trained once.
+class BatchLeases {
+ public:
+  struct Lease {
+    enum class Kind {
+      kBatch,      // positions [begin, end) of the epoch's permutation
+      kIdle,       // nothing for this worker this step (the epoch's last batches are out)
+      kEpochDone,  // every batch of the epoch is trained
+    };
+    Kind kind = Kind::kEpochDone;
+    int64_t begin = 0;
+    int64_t end = 0;
+  };
+  virtual ~BatchLeases() = default;
+  // This worker's next batch of `epoch`, of at most `batch_size` positions of `dataset_size`.
+  virtual Lease next(int64_t epoch, int64_t dataset_size, int64_t batch_size, bool drop_last) = 0;
+};
+
 class Sampler {
  public:
   // This worker's sampler in a job of `world_size` workers, as worker `rank`. UsageError for a
@@ -74,6 +96,12 @@ class Sampler {
   // Moves the cursor past the global batch at the cursor (no-op when the epoch is done).
   // The loader calls it when it hands a batch out. See docs/data.md, "When the cursor moves".
   void advance();
+
+  // From now on, the batches are leased from `leases`, each of batch_size positions (per_worker)
+  // or batch_size / world_size (rounded up); a kIdle lease is an empty batch. UsageError for
+  // LastBatch::kPad, which leases cannot express.
+  void lease_from(std::shared_ptr<BatchLeases> leases);
+  bool leased() const { return leases_ != nullptr; }
 
   SamplerState state() const;
   // Restores epoch and cursor. UsageError, changing nothing, when the state was saved for
@@ -107,6 +135,11 @@ class Sampler {
   // Set by load_state(), cleared by the next set_epoch(): see set_epoch.
   bool restored_ = false;
   std::vector<size_t> permutation_;
+  std::shared_ptr<BatchLeases> leases_;
+  int64_t lease_size_ = 0;
+  // The lease the next batch() hands out, taken by epoch_done() (see lease_from).
+  mutable std::optional<BatchLeases::Lease> lease_;
+  const BatchLeases::Lease& current_lease() const;
 };
 
 // The permutation of 0..size-1 for (seed, epoch): a Fisher-Yates shuffle driven by splitmix64,

@@ -21,6 +21,7 @@
 #include <torch/torch.h>
 
 #include "shoal/core/timeout.h"
+#include "shoal/data/sampler.h"
 
 namespace shoal::ps {
 
@@ -102,7 +103,8 @@ struct PsOptions {
 // step() pushes this worker's gradients (dense: the parameters' .grad(); sparse: the rows this
 // step's forwards pulled) and pulls the values of the next step into the parameters. In sync mode
 // every step applies the mean of all workers' gradients, so the parameters equal one process
-// training on the workers' concatenated batches (equal batches per worker, as DataParallel).
+// training on the workers' concatenated batches (equal batches per worker, as DataParallel; with
+// train_on, each worker's gradient weighs as many as its batch's rows).
 // Needs shoal::init(); without servers (a job of one) the update runs in this process.
 class Optimizer {
  public:
@@ -119,6 +121,18 @@ class Optimizer {
   // Pushes this step's gradients and pulls the next step's values (sync: after every worker's
   // push of this step is applied). CommError when a server does not answer within the timeout.
   void step();
+
+  // From now on the loader's batches are leased from the servers' ledger (docs/ps.md, "Leased
+  // batches"): each epoch's samples are trained once over all workers together, whatever their
+  // speed or consistency mode; a fast worker takes more batches than a slow one, and a worker with
+  // nothing left gets an empty batch (its step is idle) until the epoch's last batches are done.
+  // Each step() carries the gradient of the batch the loader handed out last, weighed by its rows.
+  // Call before iterating the loader; one loader per optimizer.
+  void train_on(data::Sampler& sampler);
+  template <typename Loader>
+  void train_on(Loader& loader) {
+    train_on(loader.sampler());
+  }
 
   // Steps this worker has pushed.
   int64_t steps() const;
