@@ -110,7 +110,7 @@ for (w, s, c), rs in sorted(runs.items(), key=lambda kv: (kv[0][0], kv[0][2] != 
     dp = runs.get((w, "-", "dp"))
     sps, mb = med(rs, "samples_per_s"), med(rs, "bytes_per_step") / 1e6
     r1 = f"{sps / med(dp, 'samples_per_s'):.2f}" if dp and c != "dp" else ""
-    r2 = f"{mb / (med(dp, 'bytes_per_step') / 1e6):.4f}" if dp and c != "dp" else ""
+    r2 = f"{mb / (med(dp, 'bytes_per_step') / 1e6):.4f}" if dp and c != "dp" and w > 1 else ""
     d = f"{med(rs, 'distinct_ids'):.0f}" if c != "dp" else ""
     print(f"| {w} | {s} | {c} | {sps:.0f} | {r1} | {med(rs, 'step_ms'):.1f} | {d} | {mb:.2f} | {r2} |")
 PY
