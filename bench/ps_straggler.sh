@@ -114,7 +114,7 @@ if [[ -z $slow_ms ]]; then
   echo "calibration (async, no straggler): per-worker step $((slow_ms / 2)) ms; SLOW_MS=$slow_ms"
 fi
 {
-  echo "# bench/ps_straggler.sh raw lines: one per worker and run (round, mode, straggler, slow_ms, then the worker's line)"
+  echo "# bench/ps_straggler.sh raw lines: two per worker and run (round, mode, straggler, slow_ms, then the worker's ps-worker and ps-steps lines)"
   echo "# date: $(date -u); cores: $(nproc); load before: $(cut -d' ' -f1-3 /proc/loadavg)"
   echo "# ROUNDS=$rounds WARMUP=$warmup STEPS=$steps WORKERS=$workers SERVERS=$servers MODES=\"${modes[*]}\" STRAGGLERS=\"${stragglers[*]}\" SLOW_MS=$slow_ms STOP_AFTER=$stop_after STOP_S=$stop_s"
 } >"$raw"
@@ -139,8 +139,9 @@ for ((round = 0; round < rounds; round++)); do
     [[ $straggler == sleep ]] && ms=$slow_ms
     log=$results/${mode/:/}-$straggler-$round.log
     run "$mode" "$straggler" "$log"
-    grep '^ps-worker ' "$log" |
-      sed "s/^/round=$round mode=$mode straggler=$straggler slow_ms=$ms /" | tee -a "$raw"
+    grep -E '^ps-(worker|steps) ' "$log" |
+      sed "s/^/round=$round mode=$mode straggler=$straggler slow_ms=$ms /" >>"$raw"
+    grep '^ps-worker ' "$log" | sed "s/^/round=$round mode=$mode straggler=$straggler /"
   done
   echo "# round $round done; load $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$raw"
 done
@@ -150,12 +151,20 @@ python3 - "$raw" "$workers" <<'PY'
 import statistics, sys
 raw, w = sys.argv[1], int(sys.argv[2])
 runs = {}  # (mode, straggler, round) -> {rank: samples/s}
+longest = {}  # (mode, straggler, round) -> [(a healthy worker's longest step, its median step)]
 modes, kinds = [], []
 for line in open(raw):
     if line.startswith("#"):
         continue
     f = dict(t.split("=", 1) for t in line.split() if "=" in t)
-    runs.setdefault((f["mode"], f["straggler"], f["round"]), {})[int(f["rank"])] = float(f["samples_per_s"])
+    key = (f["mode"], f["straggler"], f["round"])
+    if "end_ns" in f:  # a healthy worker's steps: the longest, and the median
+        if int(f["rank"]) != 0:
+            e = [int(t) for t in f["end_ns"].split(",")]
+            gaps = sorted(b - a for a, b in zip(e, e[1:]))
+            longest.setdefault(key, []).append((gaps[-1] / 1e6, statistics.median(gaps) / 1e6))
+        continue
+    runs.setdefault(key, {})[int(f["rank"])] = float(f["samples_per_s"])
     if f["mode"] not in modes:
         modes.append(f["mode"])
     if f["straggler"] != "none" and f["straggler"] not in kinds:
@@ -171,14 +180,18 @@ def ratio(mode, kind, pick):
 def median(mode, kind, pick):
     return statistics.median(pick(runs[(mode, kind, r)]) for r in rounds)
 print(f"\n## W={w}, worker 0 the straggler; medians over {len(rounds)} rounds")
-print("Ratios with the straggler / without it, each within a round; the last column within one run:")
-print("the healthy workers' mean samples/s over the straggler's own.\n")
+print("Ratios with the straggler / without it, each within a round; the last two columns within one")
+print("run: the healthy workers' mean samples/s over the straggler's own, and their longest step")
+print("beside their median step.\n")
 print("| mode | straggler | healthy samples/s, without | with | healthy with/without | job with/without"
-      f" ((W-1)/W = {(w - 1) / w:.2f}) | straggler's own with/without | healthy / straggler, same run |")
-print("|---|---|---:|---:|---:|---:|---:|---:|")
+      f" ((W-1)/W = {(w - 1) / w:.2f}) | straggler's own with/without | healthy / straggler, same run |"
+      " healthy's longest step, ms (median step) |")
+print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
 for m in modes:
     for k in kinds:
         in_run = statistics.median(healthy(runs[(m, k, r)]) / (w - 1) / slow(runs[(m, k, r)]) for r in rounds)
         print(f"| {m} | {k} | {median(m, 'none', healthy):.1f} | {median(m, k, healthy):.1f} | "
-              f"{ratio(m, k, healthy):.2f} | {ratio(m, k, job):.2f} | {ratio(m, k, slow):.2f} | {in_run:.2f} |")
+              f"{ratio(m, k, healthy):.2f} | {ratio(m, k, job):.2f} | {ratio(m, k, slow):.2f} | {in_run:.2f} | "
+              f"{statistics.median(a for r in rounds for a, _ in longest[(m, k, r)]):.0f} "
+              f"({statistics.median(b for r in rounds for _, b in longest[(m, k, r)]):.0f}) |")
 PY
