@@ -2,17 +2,31 @@
 // shoal's DataParallel and PyTorch's RPC parameter servers): the same model, batch, data and SGD
 // as bench/ddp.cpp, trained through shoal::ps::Optimizer on the job's servers.
 //
-//   SHOAL_PS_MODE=sync|async shoal run --servers S -n W ps [--batch 64] [--warmup 3] [--steps 10]
+//   SHOAL_PS_MODE=sync|async|ssp:S shoal run --servers S -n W ps [--batch 64] [--warmup 3]
+//       [--steps 10] [--slow-worker R --slow-ms X] [--step-times]
 //
 // Each worker uses one intra-op thread. After --warmup untimed steps, --steps steps are timed on
 // every worker between two barriers; the main worker prints one line in bench/ddp's format:
 //
 //   ps impl=shoal-ps mode=sync workers=2 servers=1 batch=64 steps=10 samples_per_s=... step_ms=...
 //
-// samples_per_s counts every worker's samples over the slowest worker's timed steps.
+// samples_per_s counts every worker's samples over the slowest worker's timed steps. Beside it,
+// one line per worker with that worker's own rate over its own timed steps (in async a worker
+// does not wait for the others, so the job's rate is the sum of the workers' rates):
+//
+//   ps-worker rank=1 slow=0 samples_per_s=... step_ms=...
+//
+// --slow-worker R --slow-ms X makes worker R a straggler: it sleeps X ms in every step, before
+// its push (bench/ps_straggler.sh). --step-times prints, per worker, the wall-clock time
+// (CLOCK_REALTIME, ns) at which each timed step's pull returned, for bench/ps_failover.sh to set
+// beside the time it killed a server, and the main worker says when the timed steps begin:
+//
+//   ps-timed-start
+//   ps-steps rank=0 end_ns=T0,T1,...
 #include <chrono>
 #include <cstdio>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <torch/torch.h>
@@ -51,12 +65,28 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--warmup", warmup, "Untimed steps (default 3)")->check(CLI::NonNegativeNumber);
   app.add_option("--steps", steps, "Timed steps (default 10)")->check(CLI::PositiveNumber);
+  int slow_worker = -1;
+  int slow_ms = 0;
+  bool step_times = false;
+  app.add_option("--slow-worker", slow_worker, "The worker that sleeps --slow-ms in every step")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--slow-ms", slow_ms, "The straggler's added sleep per step, in ms (default 0)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("--step-times", step_times,
+               "Print each worker's wall-clock time at the end of every timed step");
   CLI11_PARSE(app, argc, argv);
 
   shoal::init();
   torch::set_num_threads(1);
   auto& world = shoal::world();
   const int n = world.size();
+  const int rank = static_cast<int>(shoal::job().rank);
+  if (slow_worker >= n) {
+    std::fprintf(stderr, "ps: --slow-worker %d is not a worker; expected 0..%d\n", slow_worker,
+                 n - 1);
+    return 2;
+  }
+  const bool slow = rank == slow_worker && slow_ms > 0;
 
   // Different data on every worker, the same from run to run; made before anything is timed.
   torch::manual_seed(1000 + shoal::job().rank);
@@ -74,13 +104,28 @@ int main(int argc, char** argv) {
     optimizer.zero_grad();
     torch::nn::functional::cross_entropy(model->forward(inputs[i % kBatches]), labels[i % kBatches])
         .backward();
+    if (slow) std::this_thread::sleep_for(std::chrono::milliseconds(slow_ms));
     optimizer.step();
   };
   for (int i = 0; i < warmup; ++i) step(i);
   world.barrier();
+  if (step_times && shoal::is_main()) {
+    std::printf("ps-timed-start\n");  // bench/ps_failover.sh kills a server after this line
+    std::fflush(stdout);
+  }
+  std::vector<int64_t> end_ns;
+  end_ns.reserve(steps);
   const auto start = Clock::now();
-  for (int i = 0; i < steps; ++i) step(warmup + i);
+  for (int i = 0; i < steps; ++i) {
+    step(warmup + i);
+    if (step_times)
+      end_ns.push_back(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                           std::chrono::system_clock::now().time_since_epoch())
+                           .count());
+  }
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  // Each worker's own rate, gathered so that the main worker prints them in rank order.
+  const auto own = world.all_gather(torch::tensor({seconds}, torch::kFloat64));
   auto slowest = torch::tensor({seconds}, torch::kFloat64);
   world.all_reduce(slowest,
                    {shoal::comm::ReduceOp::kMax});  // the job is as fast as its slowest worker
@@ -96,6 +141,18 @@ int main(int argc, char** argv) {
         env_or("SHOAL_PS_MODE", "sync").c_str(), n, env_or("SHOAL_PS_SERVERS", "0").c_str(),
         static_cast<long long>(batch), steps, n * batch * steps / t, t * 1e3 / steps,
         static_cast<long long>(optimizer.staleness()), weight_sum);
+    for (int r = 0; r < n; ++r) {
+      const double tr = own[r].item<double>();
+      std::printf("ps-worker rank=%d slow=%d samples_per_s=%.2f step_ms=%.3f\n", r,
+                  r == slow_worker && slow_ms > 0 ? 1 : 0, batch * steps / tr, tr * 1e3 / steps);
+    }
+    std::fflush(stdout);
+  }
+  if (step_times) {
+    std::string line = "ps-steps rank=" + std::to_string(rank) + " end_ns=";
+    for (size_t i = 0; i < end_ns.size(); ++i)
+      line += (i == 0 ? "" : ",") + std::to_string(end_ns[i]);
+    std::printf("%s\n", line.c_str());
     std::fflush(stdout);
   }
   world.barrier();

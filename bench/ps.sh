@@ -17,6 +17,11 @@
 #
 #   bench/ps.sh [BUILD_DIR]      (default: build; needs its targets shoal_cli, ddp and ps)
 #
+# Its siblings, each one command with its own table (docs/ps.md, "All-reduce or parameter
+# server?"): bench/ps_ctr.sh (the CTR model's large tables on servers against all-reduced dense
+# gradients), bench/ps_straggler.sh (one slow or stopped worker in sync, async and ssp:S) and
+# bench/ps_failover.sh (a primary server SIGKILLed under --ps-replicas 2).
+#
 # Environment:
 #   ROUNDS=3 WARMUP=3 STEPS=10    rounds; untimed and timed steps per run
 #   WORKERS="2 4" SERVERS="1 2"   the grid (dp runs once per W: it has no servers; the tutorial
