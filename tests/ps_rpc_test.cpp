@@ -578,6 +578,68 @@ TEST(PsWire, MessagesCutIntoAnySlicesAreReadExactly) {
   }
 }
 
+// A struct decoded into again (a worker's pull reply, a server thread's push, kept from step to
+// step) reads exactly what a fresh one reads: nothing of the message before remains, not its
+// scalars, its extra slices, its chunks nor its values; and a message of the same sizes reuses
+// the storage instead of allocating it.
+TEST(PsWire, AStructReadIntoAgainHoldsOnlyTheNewMessage) {
+  PushRequest big;
+  big.worker = 2, big.clock = 5, big.rows = 7;
+  big.dense = {DenseSlice{0, {0, 1, 2}, ramp(3000, 1)}, DenseSlice{1, {4}, ramp(10, 3)},
+               DenseSlice{2, {5}, ramp(4, 4)}};
+  big.sparse = {SparseSlice{3, {9, 8}, ramp(4, -1)}};
+  PushRequest small;
+  small.dense = {DenseSlice{1, {3}, ramp(20, 0.5f)}};  // worker, clock, rows 0: not written
+  PullReply reply_big;
+  reply_big.clock = 4, reply_big.staleness = 1;
+  reply_big.dense = {DenseSlice{0, {0, 1}, ramp(5000, 2)}, DenseSlice{1, {2}, ramp(7, 1)}};
+  reply_big.sparse = {SparseSlice{3, {1}, {1.0f, 2.0f}}};
+  PullReply reply_small;
+  reply_small.dense = {DenseSlice{0, {1}, ramp(5, 2)}};
+  const PullReply sent_big = reply_big, sent_small = reply_small;
+  const grpc::ByteBuffer big_bytes = wire_format::encode(big);
+  const grpc::ByteBuffer small_bytes = wire_format::encode(small);
+  const grpc::ByteBuffer reply_big_bytes = wire_format::encode(std::move(reply_big));
+  const grpc::ByteBuffer reply_small_bytes = wire_format::encode(std::move(reply_small));
+  auto same = [](const auto& a, const auto& b) {
+    EXPECT_EQ(a.dense.size(), b.dense.size());
+    for (size_t i = 0; i < std::min(a.dense.size(), b.dense.size()); ++i) {
+      EXPECT_EQ(a.dense[i].table, b.dense[i].table) << i;
+      EXPECT_EQ(a.dense[i].chunks, b.dense[i].chunks) << i;
+      EXPECT_EQ(a.dense[i].values, b.dense[i].values) << i;
+    }
+    EXPECT_EQ(a.sparse.size(), b.sparse.size());
+    for (size_t i = 0; i < std::min(a.sparse.size(), b.sparse.size()); ++i) {
+      EXPECT_EQ(a.sparse[i].table, b.sparse[i].table) << i;
+      EXPECT_EQ(a.sparse[i].ids, b.sparse[i].ids) << i;
+      EXPECT_EQ(a.sparse[i].values, b.sparse[i].values) << i;
+    }
+  };
+  PushRequest push;
+  ASSERT_TRUE(wire_format::decode(big_bytes, push));
+  same(push, big);
+  const float* storage = push.dense[0].values.data();
+  ASSERT_TRUE(wire_format::decode(small_bytes, push));
+  EXPECT_EQ(std::make_tuple(push.worker, push.clock, push.rows), std::make_tuple(0, 0, 0));
+  same(push, small);
+  ASSERT_TRUE(wire_format::decode(big_bytes, push));
+  EXPECT_EQ(std::make_tuple(push.worker, push.clock, push.rows), std::make_tuple(2, 5, 7));
+  same(push, big);
+  ASSERT_TRUE(wire_format::decode(big_bytes, push));
+  same(push, big);
+  EXPECT_EQ(push.dense[0].values.data(), storage) << "the values' storage was not reused";
+
+  PullReply reply;
+  ASSERT_TRUE(wire_format::decode(reply_big_bytes, reply));
+  same(reply, sent_big);
+  ASSERT_TRUE(wire_format::decode(reply_small_bytes, reply));
+  EXPECT_EQ(std::make_tuple(reply.clock, reply.staleness), std::make_tuple(0, 0));
+  same(reply, sent_small);
+  ASSERT_TRUE(wire_format::decode(reply_big_bytes, reply));
+  EXPECT_EQ(std::make_tuple(reply.clock, reply.staleness), std::make_tuple(4, 1));
+  same(reply, sent_big);
+}
+
 TEST(PsRpc, ConnectingWithoutServersTimesOutNamingTheFirstMissing) {
   comm::StoreOptions options;
   options.is_server = true;

@@ -26,7 +26,7 @@ class RemoteEndpoint : public Client::Endpoint {
     client_->register_tables(request, timeout);
   }
   void pull(const PullRequest& request, Duration timeout, PullReply& reply) override {
-    reply = client_->pull(request, timeout);
+    client_->pull(request, timeout, reply);
   }
   PushReply push(const PushRequest& request, Duration timeout) override {
     return client_->push(request, timeout);

@@ -135,7 +135,10 @@ class Service : public grpc::Service {
   grpc::Status push(grpc::ServerContext* context, const grpc::ByteBuffer* in,
                     grpc::ByteBuffer* out) {
     return serve("Push", context, [&] {
-      const auto request = parse<PushRequest>("Push", "PushRequest", *in);
+      // Read into storage this gRPC thread kept from its last push: a dense push is the model's
+      // size, and the handler copies what it keeps (Note [Values without copies], wire.h).
+      thread_local PushRequest request;
+      if (!wire_format::decode(*in, request)) throw malformed("Push", "PushRequest", *in);
       *out = wire_format::encode(handler_.push(request, deadline_of(*context)));
       return grpc::Status::OK;
     });
@@ -457,6 +460,12 @@ struct RpcClient::State {
   template <typename Reply>
   Reply convert(const char* name, const char* type, const grpc::ByteBuffer& bytes) {
     Reply reply;
+    convert(name, type, bytes, reply);
+    return reply;
+  }
+  // The same into `reply`, whose storage is reused.
+  template <typename Reply>
+  void convert(const char* name, const char* type, const grpc::ByteBuffer& bytes, Reply& reply) {
     bool read = false;
     try {
       read = wire_format::decode(bytes, reply);
@@ -468,7 +477,6 @@ struct RpcClient::State {
       throw CommError(server(*current()) + " answered " + name + " with a malformed reply: not a " +
                       type + " message (" + std::to_string(bytes.Length()) + " bytes)");
     }
-    return reply;
   }
 };
 
@@ -518,9 +526,15 @@ void RpcClient::register_tables(const RegisterRequest& request, Duration timeout
 }
 
 PullReply RpcClient::pull(const PullRequest& request, Duration timeout) {
-  grpc::ByteBuffer reply;
-  state_->call("Pull", &Methods::pull, timeout, wire_format::encode(request), reply);
-  return state_->convert<PullReply>("Pull", "PullReply", reply);
+  PullReply reply;
+  pull(request, timeout, reply);
+  return reply;
+}
+
+void RpcClient::pull(const PullRequest& request, Duration timeout, PullReply& reply) {
+  grpc::ByteBuffer bytes;
+  state_->call("Pull", &Methods::pull, timeout, wire_format::encode(request), bytes);
+  state_->convert("Pull", "PullReply", bytes, reply);
 }
 
 PushReply RpcClient::push(const PushRequest& request, Duration timeout) {

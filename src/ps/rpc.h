@@ -83,6 +83,8 @@ class RpcClient {
   // Each call ends within `timeout` (plus the time to convert its reply).
   void register_tables(const RegisterRequest& request, Duration timeout);
   PullReply pull(const PullRequest& request, Duration timeout);
+  // The same into `reply`, whose vectors keep their storage (a worker's pull of each step).
+  void pull(const PullRequest& request, Duration timeout, PullReply& reply);
   PushReply push(const PushRequest& request, Duration timeout);
   // Liveness: returns the index the server was started with.
   int ping(Duration timeout);

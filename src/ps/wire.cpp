@@ -429,18 +429,37 @@ bool read_slice(Reader& r, int32_t& table, std::vector<int64_t>& indices,
 }
 
 // The repeated slices of a pull or push (fields `dense` and `sparse`), checked once read.
+// A struct read before is read into again with its vectors' storage (Note [Values without
+// copies]): slice i reuses the struct's slice i, and slices it had beyond those read are dropped.
 struct Slices {
   std::vector<DenseSlice>& dense;
   std::vector<SparseSlice>& sparse;
   std::vector<int64_t> dense_odd, sparse_odd;
 
+  template <typename Slice>
+  static Slice& next(std::vector<Slice>& slices, size_t used) {
+    if (used == slices.size()) return slices.emplace_back();
+    Slice& s = slices[used];
+    s.table = 0;
+    indices_of_mutable(s).clear();
+    s.values.clear();
+    return s;
+  }
+  static std::vector<int64_t>& indices_of_mutable(DenseSlice& s) { return s.chunks; }
+  static std::vector<int64_t>& indices_of_mutable(SparseSlice& s) { return s.ids; }
+
   bool read_dense(Reader& r) {
-    DenseSlice& s = dense.emplace_back();
+    DenseSlice& s = next(dense, dense_odd.size());
     return read_slice(r, s.table, s.chunks, s.values, dense_odd.emplace_back(-1));
   }
   bool read_sparse(Reader& r) {
-    SparseSlice& s = sparse.emplace_back();
+    SparseSlice& s = next(sparse, sparse_odd.size());
     return read_slice(r, s.table, s.ids, s.values, sparse_odd.emplace_back(-1));
+  }
+  // After reading: the slices read, no more.
+  void trim() {
+    dense.resize(dense_odd.size());
+    sparse.resize(sparse_odd.size());
   }
   void check(bool values) const {
     for (size_t i = 0; i < dense.size(); ++i) {
@@ -591,6 +610,8 @@ grpc::ByteBuffer encode(PullReply&& in) {
 }
 
 bool decode(const grpc::ByteBuffer& in, PullRequest& out) {
+  out.worker = 0;
+  out.clock = 0;
   Reader r(in);
   Slices slices{out.dense, out.sparse, {}, {}};
   const bool read = r.fields([&](int number, WireType type, uint32_t tag) {
@@ -601,6 +622,7 @@ bool decode(const grpc::ByteBuffer& in, PullRequest& out) {
     return r.skip(tag);
   });
   if (!read) return false;
+  slices.trim();
   non_negative(out.worker, "worker");
   non_negative(out.clock, "clock");
   slices.check(/*values=*/false);
@@ -608,6 +630,8 @@ bool decode(const grpc::ByteBuffer& in, PullRequest& out) {
 }
 
 bool decode(const grpc::ByteBuffer& in, PullReply& out) {
+  out.clock = 0;
+  out.staleness = 0;
   Reader r(in);
   Slices slices{out.dense, out.sparse, {}, {}};
   const bool read = r.fields([&](int number, WireType type, uint32_t tag) {
@@ -618,6 +642,7 @@ bool decode(const grpc::ByteBuffer& in, PullReply& out) {
     return r.skip(tag);
   });
   if (!read) return false;
+  slices.trim();
   slices.check(/*values=*/true);
   non_negative(out.clock, "clock");
   non_negative(out.staleness, "staleness");
@@ -625,6 +650,9 @@ bool decode(const grpc::ByteBuffer& in, PullReply& out) {
 }
 
 bool decode(const grpc::ByteBuffer& in, PushRequest& out) {
+  out.worker = 0;
+  out.clock = 0;
+  out.rows = 0;
   Reader r(in);
   Slices slices{out.dense, out.sparse, {}, {}};
   const bool read = r.fields([&](int number, WireType type, uint32_t tag) {
@@ -636,6 +664,7 @@ bool decode(const grpc::ByteBuffer& in, PushRequest& out) {
     return r.skip(tag);
   });
   if (!read) return false;
+  slices.trim();
   non_negative(out.worker, "worker");
   non_negative(out.clock, "clock");
   non_negative(out.rows, "rows");

@@ -10,7 +10,9 @@
 // encode() of a request copies the values once, into the one slice it sends; encode() of a pull's
 // reply copies none: the reply's vectors become gRPC slices that free them when gRPC is done with
 // them. decode() copies each value once, from the received slices straight into the struct's
-// vector (a value may be split across slices; the vector is not cleared first). The bytes are
+// vector (a value may be split across slices). A struct decoded into again keeps its vectors'
+// storage: a client or server that reads each step's pull or push into the same struct allocates
+// nothing of the values' size after the first (docs/ps.md, "Transport"). The bytes are
 // those protobuf writes for ps.proto, and anything protobuf would read is read alike (fields in
 // any order, unknown fields skipped, repeated integers packed or not, the last of a repeated
 // singular field winning), so other clients may use ps.proto's generated code. Registrations are
