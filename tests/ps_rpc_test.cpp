@@ -25,6 +25,7 @@
 
 #include "ps.pb.h"
 #include "ps/connect.h"
+#include "ps/shm.h"
 #include "ps/wire.h"
 #include "shoal_run.h"
 #include "test_paths.h"
@@ -259,10 +260,12 @@ class RawCaller {
       : stub_(grpc::CreateChannel(address, grpc::InsecureChannelCredentials())) {}
 
   grpc::Status call(const std::string& method, const std::string& bytes,
-                    std::optional<std::string> token = kToken) {
+                    std::optional<std::string> token = kToken,
+                    std::optional<std::string> segment = std::nullopt) {
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() + 10s);
     if (token) context.AddMetadata(kTokenMetadata, *token);
+    if (segment) context.AddMetadata(kSegmentMetadata, *segment);
     grpc::Slice slice(bytes);
     const grpc::ByteBuffer request(&slice, 1);
     grpc::ByteBuffer reply;
@@ -390,6 +393,128 @@ TEST_F(PsRpcTest, MalformedAndHostileRequestsAreRefusedAndTheServerGoesOn) {
   }
   // A good raw request is obeyed: the refusals above were for what they carried.
   EXPECT_TRUE(raw.call("Push", good).ok());
+  EXPECT_EQ(server.pull(pull, 5s).dense.at(0).values, std::vector<float>(452, 1.0f));
+}
+
+// Note [Values in shared memory] (wire.h): a client whose server shares its host sends a dense
+// push's values and receives a dense pull's through its shared segment; they arrive exactly as
+// inline ones do, and small pushes stay inline.
+TEST_F(PsRpcTest, DenseValuesCrossThroughSharedMemoryOnOneHost) {
+  start(1);
+  RpcClient& server = *clients_[0];
+  constexpr int64_t kValues = 40 * kChunk + 100;  // 41 chunks, the last one short
+  RegisterRequest request;
+  request.tables = {TableSpec{"big", false, {kValues}, {}, {}, 1}};
+  const std::vector<float> first = ramp(kValues, 2), a = ramp(kValues, 0.75f);
+  std::vector<int64_t> chunks;
+  for (int64_t c = 0; c <= kValues / kChunk; ++c) chunks.push_back(c);
+  request.initial = {DenseSlice{0, chunks, first}};
+  server.register_tables(request, 5s);
+  EXPECT_EQ(server.shared_calls(), 0);
+
+  PushRequest push{0, 0, 1, {DenseSlice{0, chunks, a}}, {}};
+  EXPECT_TRUE(server.push(push, 5s).counted);
+  EXPECT_EQ(server.shared_calls(), 1) << "the push's values did not go through the segment";
+  const std::vector<int64_t> backwards(chunks.rbegin(), chunks.rend());
+  PullReply reply;
+  server.pull({0, 1, {DenseSlice{0, backwards, {}}}, {}}, 5s, reply);
+  EXPECT_EQ(server.shared_calls(), 2) << "the pull's values did not go through the segment";
+  EXPECT_TRUE(server.sharing());
+  std::vector<float> expected;
+  for (int64_t c : backwards)
+    for (int64_t i = c * kChunk; i < std::min(kValues, (c + 1) * kChunk); ++i)
+      expected.push_back(first[i] + a[i]);
+  ASSERT_EQ(reply.dense.size(), 1u);
+  EXPECT_EQ(reply.dense[0].chunks, backwards);
+  EXPECT_EQ(reply.dense[0].values, expected);
+
+  // A push of one chunk is below the size worth a segment: inline, and summed all the same.
+  PushRequest small{0, 1, 1, {DenseSlice{0, {3}, ramp(kChunk, 1)}}, {}};
+  server.push(small, 5s);
+  EXPECT_EQ(server.shared_calls(), 2);
+  const PullReply after = server.pull({0, 2, {DenseSlice{0, {3}, {}}}, {}}, 5s);
+  for (int64_t i = 0; i < kChunk; ++i)
+    ASSERT_EQ(after.dense.at(0).values.at(i),
+              first[3 * kChunk + i] + a[3 * kChunk + i] + ramp(kChunk, 1)[i])
+        << i;
+}
+
+// A shared segment is the worker's memory: a call that names one the server cannot use (not as
+// named, another host) is FAILED_PRECONDITION, so that the client goes on inline; a request whose
+// slices name values outside the segment, or name shared values without one, is refused as any
+// malformed request, and the server goes on serving.
+TEST_F(PsRpcTest, SharedValuesOutOfRangeOrWithoutASegmentAreRefused) {
+  start(1);
+  RpcClient& server = *clients_[0];
+  server.register_tables(tables(0), 5s);
+  RawCaller raw(server.address());
+  using grpc::StatusCode;
+  auto segment = SharedSegment::create(1000);
+  ASSERT_NE(segment, nullptr) << "no memfd on this system";
+  std::fill(segment->values().data, segment->values().data + 1000, 1.0f);
+  const std::string handle = segment->handle();
+  std::string other_tag = handle;
+  const size_t tag_at = handle.size() - std::to_string(64 + 4000).size() - 1 - 32;
+  other_tag[tag_at] = other_tag[tag_at] == '0' ? '1' : '0';
+  std::string other_host = handle;
+  other_host.replace(other_host.find(boot_id()), boot_id().size(), std::string(36, 'f'));
+  auto shared = [](uint64_t count) {
+    return push_bytes([count](pb::PushRequest& p) {
+      p.mutable_dense(0)->clear_values();
+      p.mutable_dense(0)->set_shared(count);
+    });
+  };
+  struct Case {
+    std::string what, method, bytes;
+    std::optional<std::string> segment;
+    StatusCode code;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {"shared values, no segment", "Push", shared(452), std::nullopt, StatusCode::INVALID_ARGUMENT,
+       "Push: dense[0] names 452 values in a shared segment, but the call brought none"},
+      {"past the segment's end", "Push", shared(1001), handle, StatusCode::INVALID_ARGUMENT,
+       "Push: dense[0] names 1001 values from value 0 of the shared segment, which holds 1000; "
+       "expected values within it"},
+      {"a count of 2^64 - 1", "Push", shared(~uint64_t{0}), handle, StatusCode::INVALID_ARGUMENT,
+       "Push: dense[0] names 18446744073709551615 values from value 0 of the shared segment, "
+       "which holds 1000; expected values within it"},
+      {"values and shared values", "Push",
+       push_bytes([](pb::PushRequest& p) { p.mutable_dense(0)->set_shared(452); }), handle,
+       StatusCode::INVALID_ARGUMENT,
+       "Push: dense[0] carries values and names 452 in the shared segment; expected one or the "
+       "other"},
+      {"a pull naming shared values", "Pull",
+       [] {
+         pb::PullRequest p;
+         pb::DenseSlice& s = *p.add_dense();
+         s.add_chunks(2);
+         s.set_shared(452);
+         return p.SerializeAsString();
+       }(),
+       handle, StatusCode::INVALID_ARGUMENT,
+       "Pull: dense[0] names 452 values in a shared segment, but the call brought none"},
+      {"a handle that is not one", "Push", shared(452), std::string("v1 1 2 ../../etc/passwd"),
+       StatusCode::FAILED_PRECONDITION, ""},
+      {"another segment's tag", "Push", shared(452), other_tag, StatusCode::FAILED_PRECONDITION,
+       ""},
+      {"another host's segment", "Push", shared(452), other_host, StatusCode::FAILED_PRECONDITION,
+       ""},
+  };
+  PullRequest pull;
+  pull.dense = {DenseSlice{0, {2}, {}}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    const grpc::Status status = raw.call(c.method, c.bytes, kToken, c.segment);
+    EXPECT_EQ(status.error_code(), c.code) << status.error_message();
+    if (!c.message.empty()) {
+      EXPECT_EQ(status.error_message(), c.message);
+    }
+    const PullReply reply = server.pull(pull, 5s);
+    EXPECT_EQ(reply.dense.at(0).values, std::vector<float>(452, 0.0f));
+  }
+  // The same push naming values inside the segment is obeyed: they are the segment's.
+  EXPECT_TRUE(raw.call("Push", shared(452), kToken, handle).ok());
   EXPECT_EQ(server.pull(pull, 5s).dense.at(0).values, std::vector<float>(452, 1.0f));
 }
 

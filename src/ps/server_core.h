@@ -78,7 +78,7 @@ class ServerCore : public Handler {
   PullReply pull(const PullRequest& request, const Deadline& deadline) override;
   // The same, written into `reply`, whose vectors keep their storage: a caller that pulls the
   // same chunks every step with one reply allocates nothing after the first.
-  void pull(const PullRequest& request, const Deadline& deadline, PullReply& reply);
+  void pull(const PullRequest& request, const Deadline& deadline, PullReply& reply) override;
 
   // Sync: buffers the push until its step is complete, then applies the step; with
   // replicas_to_aggregate, a push to a step already full is answered counted = false and
