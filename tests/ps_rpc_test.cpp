@@ -25,6 +25,7 @@
 
 #include "ps.pb.h"
 #include "ps/connect.h"
+#include "ps/shm.h"
 #include "ps/wire.h"
 #include "shoal_run.h"
 #include "test_paths.h"
@@ -259,10 +260,12 @@ class RawCaller {
       : stub_(grpc::CreateChannel(address, grpc::InsecureChannelCredentials())) {}
 
   grpc::Status call(const std::string& method, const std::string& bytes,
-                    std::optional<std::string> token = kToken) {
+                    std::optional<std::string> token = kToken,
+                    std::optional<std::string> segment = std::nullopt) {
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() + 10s);
     if (token) context.AddMetadata(kTokenMetadata, *token);
+    if (segment) context.AddMetadata(kSegmentMetadata, *segment);
     grpc::Slice slice(bytes);
     const grpc::ByteBuffer request(&slice, 1);
     grpc::ByteBuffer reply;
@@ -390,6 +393,128 @@ TEST_F(PsRpcTest, MalformedAndHostileRequestsAreRefusedAndTheServerGoesOn) {
   }
   // A good raw request is obeyed: the refusals above were for what they carried.
   EXPECT_TRUE(raw.call("Push", good).ok());
+  EXPECT_EQ(server.pull(pull, 5s).dense.at(0).values, std::vector<float>(452, 1.0f));
+}
+
+// Note [Values in shared memory] (wire.h): a client whose server shares its host sends a dense
+// push's values and receives a dense pull's through its shared segment; they arrive exactly as
+// inline ones do, and small pushes stay inline.
+TEST_F(PsRpcTest, DenseValuesCrossThroughSharedMemoryOnOneHost) {
+  start(1);
+  RpcClient& server = *clients_[0];
+  constexpr int64_t kValues = 40 * kChunk + 100;  // 41 chunks, the last one short
+  RegisterRequest request;
+  request.tables = {TableSpec{"big", false, {kValues}, {}, {}, 1}};
+  const std::vector<float> first = ramp(kValues, 2), a = ramp(kValues, 0.75f);
+  std::vector<int64_t> chunks;
+  for (int64_t c = 0; c <= kValues / kChunk; ++c) chunks.push_back(c);
+  request.initial = {DenseSlice{0, chunks, first}};
+  server.register_tables(request, 5s);
+  EXPECT_EQ(server.shared_calls(), 0);
+
+  PushRequest push{0, 0, 1, {DenseSlice{0, chunks, a}}, {}};
+  EXPECT_TRUE(server.push(push, 5s).counted);
+  EXPECT_EQ(server.shared_calls(), 1) << "the push's values did not go through the segment";
+  const std::vector<int64_t> backwards(chunks.rbegin(), chunks.rend());
+  PullReply reply;
+  server.pull({0, 1, {DenseSlice{0, backwards, {}}}, {}}, 5s, reply);
+  EXPECT_EQ(server.shared_calls(), 2) << "the pull's values did not go through the segment";
+  EXPECT_TRUE(server.sharing());
+  std::vector<float> expected;
+  for (int64_t c : backwards)
+    for (int64_t i = c * kChunk; i < std::min(kValues, (c + 1) * kChunk); ++i)
+      expected.push_back(first[i] + a[i]);
+  ASSERT_EQ(reply.dense.size(), 1u);
+  EXPECT_EQ(reply.dense[0].chunks, backwards);
+  EXPECT_EQ(reply.dense[0].values, expected);
+
+  // A push of one chunk is below the size worth a segment: inline, and summed all the same.
+  PushRequest small{0, 1, 1, {DenseSlice{0, {3}, ramp(kChunk, 1)}}, {}};
+  server.push(small, 5s);
+  EXPECT_EQ(server.shared_calls(), 2);
+  const PullReply after = server.pull({0, 2, {DenseSlice{0, {3}, {}}}, {}}, 5s);
+  for (int64_t i = 0; i < kChunk; ++i)
+    ASSERT_EQ(after.dense.at(0).values.at(i),
+              first[3 * kChunk + i] + a[3 * kChunk + i] + ramp(kChunk, 1)[i])
+        << i;
+}
+
+// A shared segment is the worker's memory: a call that names one the server cannot use (not as
+// named, another host) is FAILED_PRECONDITION, so that the client goes on inline; a request whose
+// slices name values outside the segment, or name shared values without one, is refused as any
+// malformed request, and the server goes on serving.
+TEST_F(PsRpcTest, SharedValuesOutOfRangeOrWithoutASegmentAreRefused) {
+  start(1);
+  RpcClient& server = *clients_[0];
+  server.register_tables(tables(0), 5s);
+  RawCaller raw(server.address());
+  using grpc::StatusCode;
+  auto segment = SharedSegment::create(1000);
+  ASSERT_NE(segment, nullptr) << "no memfd on this system";
+  std::fill(segment->values().data, segment->values().data + 1000, 1.0f);
+  const std::string handle = segment->handle();
+  std::string other_tag = handle;
+  const size_t tag_at = handle.size() - std::to_string(64 + 4000).size() - 1 - 32;
+  other_tag[tag_at] = other_tag[tag_at] == '0' ? '1' : '0';
+  std::string other_host = handle;
+  other_host.replace(other_host.find(boot_id()), boot_id().size(), std::string(36, 'f'));
+  auto shared = [](uint64_t count) {
+    return push_bytes([count](pb::PushRequest& p) {
+      p.mutable_dense(0)->clear_values();
+      p.mutable_dense(0)->set_shared(count);
+    });
+  };
+  struct Case {
+    std::string what, method, bytes;
+    std::optional<std::string> segment;
+    StatusCode code;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {"shared values, no segment", "Push", shared(452), std::nullopt, StatusCode::INVALID_ARGUMENT,
+       "Push: dense[0] names 452 values in a shared segment, but the call brought none"},
+      {"past the segment's end", "Push", shared(1001), handle, StatusCode::INVALID_ARGUMENT,
+       "Push: dense[0] names 1001 values from value 0 of the shared segment, which holds 1000; "
+       "expected values within it"},
+      {"a count of 2^64 - 1", "Push", shared(~uint64_t{0}), handle, StatusCode::INVALID_ARGUMENT,
+       "Push: dense[0] names 18446744073709551615 values from value 0 of the shared segment, "
+       "which holds 1000; expected values within it"},
+      {"values and shared values", "Push",
+       push_bytes([](pb::PushRequest& p) { p.mutable_dense(0)->set_shared(452); }), handle,
+       StatusCode::INVALID_ARGUMENT,
+       "Push: dense[0] carries values and names 452 in the shared segment; expected one or the "
+       "other"},
+      {"a pull naming shared values", "Pull",
+       [] {
+         pb::PullRequest p;
+         pb::DenseSlice& s = *p.add_dense();
+         s.add_chunks(2);
+         s.set_shared(452);
+         return p.SerializeAsString();
+       }(),
+       handle, StatusCode::INVALID_ARGUMENT,
+       "Pull: dense[0] names 452 values in a shared segment, but the call brought none"},
+      {"a handle that is not one", "Push", shared(452), std::string("v1 1 2 ../../etc/passwd"),
+       StatusCode::FAILED_PRECONDITION, ""},
+      {"another segment's tag", "Push", shared(452), other_tag, StatusCode::FAILED_PRECONDITION,
+       ""},
+      {"another host's segment", "Push", shared(452), other_host, StatusCode::FAILED_PRECONDITION,
+       ""},
+  };
+  PullRequest pull;
+  pull.dense = {DenseSlice{0, {2}, {}}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    const grpc::Status status = raw.call(c.method, c.bytes, kToken, c.segment);
+    EXPECT_EQ(status.error_code(), c.code) << status.error_message();
+    if (!c.message.empty()) {
+      EXPECT_EQ(status.error_message(), c.message);
+    }
+    const PullReply reply = server.pull(pull, 5s);
+    EXPECT_EQ(reply.dense.at(0).values, std::vector<float>(452, 0.0f));
+  }
+  // The same push naming values inside the segment is obeyed: they are the segment's.
+  EXPECT_TRUE(raw.call("Push", shared(452), kToken, handle).ok());
   EXPECT_EQ(server.pull(pull, 5s).dense.at(0).values, std::vector<float>(452, 1.0f));
 }
 
@@ -576,6 +701,68 @@ TEST(PsWire, MessagesCutIntoAnySlicesAreReadExactly) {
     PushRequest p;
     EXPECT_FALSE(wire_format::decode(grpc::ByteBuffer(&prefix, 1), p)) << end;
   }
+}
+
+// A struct decoded into again (a worker's pull reply, a server thread's push, kept from step to
+// step) reads exactly what a fresh one reads: nothing of the message before remains, not its
+// scalars, its extra slices, its chunks nor its values; and a message of the same sizes reuses
+// the storage instead of allocating it.
+TEST(PsWire, AStructReadIntoAgainHoldsOnlyTheNewMessage) {
+  PushRequest big;
+  big.worker = 2, big.clock = 5, big.rows = 7;
+  big.dense = {DenseSlice{0, {0, 1, 2}, ramp(3000, 1)}, DenseSlice{1, {4}, ramp(10, 3)},
+               DenseSlice{2, {5}, ramp(4, 4)}};
+  big.sparse = {SparseSlice{3, {9, 8}, ramp(4, -1)}};
+  PushRequest small;
+  small.dense = {DenseSlice{1, {3}, ramp(20, 0.5f)}};  // worker, clock, rows 0: not written
+  PullReply reply_big;
+  reply_big.clock = 4, reply_big.staleness = 1;
+  reply_big.dense = {DenseSlice{0, {0, 1}, ramp(5000, 2)}, DenseSlice{1, {2}, ramp(7, 1)}};
+  reply_big.sparse = {SparseSlice{3, {1}, {1.0f, 2.0f}}};
+  PullReply reply_small;
+  reply_small.dense = {DenseSlice{0, {1}, ramp(5, 2)}};
+  const PullReply sent_big = reply_big, sent_small = reply_small;
+  const grpc::ByteBuffer big_bytes = wire_format::encode(big);
+  const grpc::ByteBuffer small_bytes = wire_format::encode(small);
+  const grpc::ByteBuffer reply_big_bytes = wire_format::encode(std::move(reply_big));
+  const grpc::ByteBuffer reply_small_bytes = wire_format::encode(std::move(reply_small));
+  auto same = [](const auto& a, const auto& b) {
+    EXPECT_EQ(a.dense.size(), b.dense.size());
+    for (size_t i = 0; i < std::min(a.dense.size(), b.dense.size()); ++i) {
+      EXPECT_EQ(a.dense[i].table, b.dense[i].table) << i;
+      EXPECT_EQ(a.dense[i].chunks, b.dense[i].chunks) << i;
+      EXPECT_EQ(a.dense[i].values, b.dense[i].values) << i;
+    }
+    EXPECT_EQ(a.sparse.size(), b.sparse.size());
+    for (size_t i = 0; i < std::min(a.sparse.size(), b.sparse.size()); ++i) {
+      EXPECT_EQ(a.sparse[i].table, b.sparse[i].table) << i;
+      EXPECT_EQ(a.sparse[i].ids, b.sparse[i].ids) << i;
+      EXPECT_EQ(a.sparse[i].values, b.sparse[i].values) << i;
+    }
+  };
+  PushRequest push;
+  ASSERT_TRUE(wire_format::decode(big_bytes, push));
+  same(push, big);
+  const float* storage = push.dense[0].values.data();
+  ASSERT_TRUE(wire_format::decode(small_bytes, push));
+  EXPECT_EQ(std::make_tuple(push.worker, push.clock, push.rows), std::make_tuple(0, 0, 0));
+  same(push, small);
+  ASSERT_TRUE(wire_format::decode(big_bytes, push));
+  EXPECT_EQ(std::make_tuple(push.worker, push.clock, push.rows), std::make_tuple(2, 5, 7));
+  same(push, big);
+  ASSERT_TRUE(wire_format::decode(big_bytes, push));
+  same(push, big);
+  EXPECT_EQ(push.dense[0].values.data(), storage) << "the values' storage was not reused";
+
+  PullReply reply;
+  ASSERT_TRUE(wire_format::decode(reply_big_bytes, reply));
+  same(reply, sent_big);
+  ASSERT_TRUE(wire_format::decode(reply_small_bytes, reply));
+  EXPECT_EQ(std::make_tuple(reply.clock, reply.staleness), std::make_tuple(0, 0));
+  same(reply, sent_small);
+  ASSERT_TRUE(wire_format::decode(reply_big_bytes, reply));
+  EXPECT_EQ(std::make_tuple(reply.clock, reply.staleness), std::make_tuple(4, 1));
+  same(reply, sent_big);
 }
 
 TEST(PsRpc, ConnectingWithoutServersTimesOutNamingTheFirstMissing) {

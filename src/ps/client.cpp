@@ -26,8 +26,8 @@ class RemoteEndpoint : public Client::Endpoint {
   void register_tables(const RegisterRequest& request, Duration timeout) override {
     client_->register_tables(request, timeout);
   }
-  PullReply pull(const PullRequest& request, Duration timeout) override {
-    return client_->pull(request, timeout);
+  void pull(const PullRequest& request, Duration timeout, PullReply& reply) override {
+    client_->pull(request, timeout, reply);
   }
   PushReply push(const PushRequest& request, Duration timeout) override {
     return client_->push(request, timeout);
@@ -47,8 +47,8 @@ class LocalEndpoint : public Client::Endpoint {
   void register_tables(const RegisterRequest& request, Duration timeout) override {
     core_.register_tables(request, Deadline(timeout));
   }
-  PullReply pull(const PullRequest& request, Duration timeout) override {
-    return core_.pull(request, Deadline(timeout));
+  void pull(const PullRequest& request, Duration timeout, PullReply& reply) override {
+    core_.pull(request, Deadline(timeout), reply);
   }
   PushReply push(const PushRequest& request, Duration timeout) override {
     return core_.push(request, Deadline(timeout));
@@ -285,22 +285,37 @@ std::vector<std::vector<int64_t>> Client::route_rows(const std::string& table, c
 
 void Client::pull_dense() {
   if (dense_.empty()) return;
-  for_each_server([&](int32_t s) {
-    PullRequest request{worker_, clock_, {}, {}};
-    for (size_t t = 0; t < dense_.size(); ++t) {
-      if (!dense_[t].chunks[s].empty()) {
-        request.dense.push_back({static_cast<int32_t>(t), dense_[t].chunks[s], {}});
+  const size_t count = servers_.size();
+  if (pull_.size() != count) {
+    pull_.assign(count, {});
+    pulled_.assign(count, {});
+    for (size_t s = 0; s < count; ++s) {
+      for (size_t t = 0; t < dense_.size(); ++t) {
+        if (!dense_[t].chunks[s].empty()) {
+          pull_[s].dense.push_back({static_cast<int32_t>(t), dense_[t].chunks[s], {}});
+        }
       }
     }
+  }
+  for_each_server([&](int32_t s) {
+    PullRequest& request = pull_[s];
     if (request.dense.empty()) return;
-    const PullReply reply = servers_[s]->pull(request, timeout_);
+    request.worker = worker_;
+    request.clock = clock_;
+    PullReply& reply = pulled_[s];
+    servers_[s]->pull(request, timeout_, reply);
     if (reply.dense.size() != request.dense.size()) {
       throw CommError("parameter server " + std::to_string(s) + " answered a pull of " +
                       std::to_string(request.dense.size()) + " dense tables with " +
                       std::to_string(reply.dense.size()));
     }
     if (s == 0) staleness_ = reply.staleness;
-    for (const DenseSlice& slice : reply.dense) {
+    for (size_t i = 0; i < reply.dense.size(); ++i) {
+      const DenseSlice& slice = reply.dense[i];
+      if (slice.table != request.dense[i].table || slice.chunks != request.dense[i].chunks) {
+        throw CommError("parameter server " + std::to_string(s) + " answered a pull of table " +
+                        std::to_string(request.dense[i].table) + " with other chunks");
+      }
       const Dense& dense = dense_.at(static_cast<size_t>(slice.table));
       const int64_t numel = dense.parameter.numel();
       float* values = dense.parameter.data_ptr<float>();
@@ -344,7 +359,8 @@ torch::Tensor Client::lookup(EmbeddingImpl& table, const torch::Tensor& ids) {
   for_each_server([&](int32_t s) {
     if (by_server[s].empty()) return;
     PullRequest request{worker_, clock_, {}, {{table.table_, by_server[s], {}}}};
-    const PullReply reply = servers_[s]->pull(request, timeout_);
+    PullReply reply;
+    servers_[s]->pull(request, timeout_, reply);
     const size_t expected = by_server[s].size() * static_cast<size_t>(dim);
     if (reply.sparse.size() != 1 || reply.sparse[0].values.size() != expected) {
       throw CommError("parameter server " + std::to_string(s) + " answered a pull of " +
@@ -423,25 +439,42 @@ void Client::step() {
   }
   // Every server gets a push every step, empty where it holds nothing of this step, so that every
   // server sees every worker's clock (docs/ps.md, "Consistency").
+  push_.resize(servers_.size());
   for_each_server([&](int32_t s) {
-    PushRequest request{worker_, clock_, samples, {}, {}};
+    // The request kept from the step before: its slices' storage is refilled, not allocated.
+    PushRequest& request = push_[s];
+    request.worker = worker_;
+    request.clock = clock_;
+    request.rows = samples;
     request.epoch = epoch;
     request.batch = batch;
-    if (samples == 0) {
+    size_t used = 0;
+    if (samples == 0) {  // idle: no gradients
+      request.dense.clear();
+      request.sparse.clear();
       servers_[s]->push(request, timeout_);
       return;
     }
     for (size_t t = 0; t < dense_.size(); ++t) {
       if (!grads[t].defined() || dense_[t].chunks[s].empty()) continue;
-      DenseSlice slice{static_cast<int32_t>(t), dense_[t].chunks[s], {}};
+      if (used == request.dense.size()) request.dense.emplace_back();
+      DenseSlice& slice = request.dense[used++];
+      slice.table = static_cast<int32_t>(t);
+      slice.chunks = dense_[t].chunks[s];
       const float* g = grads[t].data_ptr<float>();
       const int64_t numel = grads[t].numel();
+      size_t length = 0;
+      for (int64_t k : slice.chunks) length += static_cast<size_t>(chunk_length(numel, k));
+      slice.values.resize(length);
+      float* out = slice.values.data();
       for (int64_t k : slice.chunks) {
-        slice.values.insert(slice.values.end(), g + chunk_begin(k),
-                            g + chunk_begin(k) + chunk_length(numel, k));
+        const int64_t n = chunk_length(numel, k);
+        std::memcpy(out, g + chunk_begin(k), static_cast<size_t>(n) * sizeof(float));
+        out += n;
       }
-      request.dense.push_back(std::move(slice));
     }
+    request.dense.resize(used);
+    request.sparse.clear();
     for (size_t t = 0; t < sparse_.size(); ++t) {
       const Rows& r = rows[t];
       if (!r.ids.defined() || r.by_server[s].empty()) continue;

@@ -52,7 +52,8 @@ class Client : public std::enable_shared_from_this<Client> {
    public:
     virtual ~Endpoint() = default;
     virtual void register_tables(const RegisterRequest& request, Duration timeout) = 0;
-    virtual PullReply pull(const PullRequest& request, Duration timeout) = 0;
+    // Writes into `reply`, whose storage a caller keeps from step to step.
+    virtual void pull(const PullRequest& request, Duration timeout, PullReply& reply) = 0;
     virtual PushReply push(const PushRequest& request, Duration timeout) = 0;
     virtual LeaseReply lease(const LeaseRequest& request, Duration timeout) = 0;
   };
@@ -97,6 +98,11 @@ class Client : public std::enable_shared_from_this<Client> {
   std::vector<Sparse> sparse_;  // table index dense_.size() + i
   int64_t clock_ = 0;
   int64_t staleness_ = 0;
+  // By server: the dense pushes and pulls, kept from step to step so that a step allocates none of
+  // the model's size (docs/ps.md, "Transport").
+  std::vector<PushRequest> push_;
+  std::vector<PullRequest> pull_;
+  std::vector<PullReply> pulled_;
 };
 
 }  // namespace shoal::ps::detail

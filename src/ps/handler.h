@@ -27,6 +27,11 @@ class Handler {
   virtual ~Handler() = default;
   virtual void register_tables(const RegisterRequest& request, const Deadline& deadline) = 0;
   virtual PullReply pull(const PullRequest& request, const Deadline& deadline) = 0;
+  // The same, written into `reply`, which the transport keeps from call to call so that its
+  // storage is reused; a handler that cannot write in place has a new reply moved into it.
+  virtual void pull(const PullRequest& request, const Deadline& deadline, PullReply& reply) {
+    reply = pull(request, deadline);
+  }
   virtual PushReply push(const PushRequest& request, const Deadline& deadline) = 0;
   // The epoch's ledger (docs/ps.md, "Leased batches"), kept by server 0. A handler that keeps
   // none refuses.

@@ -9,12 +9,16 @@
 #include <grpcpp/support/proto_buffer_reader.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <type_traits>
 
 #include "ps.grpc.pb.h"
+#include "shm.h"
 #include "wire.h"
 
 namespace shoal::ps::detail {
@@ -130,14 +134,28 @@ class Service : public grpc::Service {
                     grpc::ByteBuffer* out) {
     return serve("Pull", context, [&] {
       const auto request = parse<PullRequest>("Pull", "PullRequest", *in);
-      *out = wire_format::encode(handler_.pull(request, deadline_of(*context)));
+      const auto segment = segment_of(*context);
+      std::shared_ptr<PullReply> reply = replies_->take();
+      handler_.pull(request, deadline_of(*context), *reply);
+      // Into the worker's segment when the values fit (Note [Values in shared memory], wire.h).
+      if (segment && wire_format::dense_values(reply->dense) <= segment->values().capacity) {
+        *out = wire_format::encode(*reply, segment->values());
+      } else {
+        *out = wire_format::encode(std::shared_ptr<const PullReply>(std::move(reply)));
+      }
       return grpc::Status::OK;
     });
   }
   grpc::Status push(grpc::ServerContext* context, const grpc::ByteBuffer* in,
                     grpc::ByteBuffer* out) {
     return serve("Push", context, [&] {
-      const auto request = parse<PushRequest>("Push", "PushRequest", *in);
+      // Read into storage this gRPC thread kept from its last push: a dense push is the model's
+      // size, and the handler copies what it keeps (Note [Values without copies], wire.h).
+      thread_local PushRequest request;
+      const auto segment = segment_of(*context);
+      const SharedValues shared = segment ? segment->values() : SharedValues{};
+      if (!wire_format::decode(*in, request, segment ? &shared : nullptr))
+        throw malformed("Push", "PushRequest", *in);
       *out = wire_format::encode(handler_.push(request, deadline_of(*context)));
       return grpc::Status::OK;
     });
@@ -218,6 +236,8 @@ class Service : public grpc::Service {
       return body();
     } catch (const Malformed& e) {
       return {grpc::StatusCode::INVALID_ARGUMENT, e.message};
+    } catch (const SegmentUnusable& e) {
+      return {grpc::StatusCode::FAILED_PRECONDITION, one_line(name + std::string(": ") + e.what())};
     } catch (const NotFoundError& e) {
       return {grpc::StatusCode::NOT_FOUND, one_line(name + std::string(": ") + e.what())};
     } catch (const UsageError& e) {
@@ -231,7 +251,50 @@ class Service : public grpc::Service {
     }
   }
 
+  // Note [Pull replies kept]: a dense pull's reply is the model's share of this server (tens of
+  // MB), lent to gRPC until sent (Note [Values without copies], wire.h). When gRPC lets go of it,
+  // it comes back here instead of being freed, and the next pull's handler writes into its
+  // storage: no buffer of that size is allocated (and its pages faulted in) per pull.
+  class ReplyPool : public std::enable_shared_from_this<ReplyPool> {
+   public:
+    std::shared_ptr<PullReply> take() {
+      std::unique_ptr<PullReply> reply;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (!free_.empty()) {
+          reply = std::move(free_.back());
+          free_.pop_back();
+        }
+      }
+      if (!reply) reply = std::make_unique<PullReply>();
+      // The deleter holds the pool: gRPC may free a reply's slices after the service is gone.
+      return std::shared_ptr<PullReply>(reply.release(), [pool = shared_from_this()](PullReply* r) {
+        pool->give_back(std::unique_ptr<PullReply>(r));
+      });
+    }
+
+   private:
+    // More than the pulls a server answers at once is memory held for nothing.
+    static constexpr size_t kKept = 8;
+    void give_back(std::unique_ptr<PullReply> reply) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (free_.size() < kKept) free_.push_back(std::move(reply));
+    }
+    std::mutex mutex_;
+    std::vector<std::unique_ptr<PullReply>> free_;
+  };
+
+  // The worker's shared segment a call names (Note [Shared segments], shm.h), or nullptr.
+  std::shared_ptr<const SegmentMapping> segment_of(const grpc::ServerContext& context) {
+    const auto& metadata = context.client_metadata();
+    const auto handle = metadata.find(kSegmentMetadata);
+    if (handle == metadata.end()) return nullptr;
+    return segments_.open(std::string(handle->second.data(), handle->second.size()));
+  }
+
+  SegmentMappings segments_;
   Handler& handler_;
+  const std::shared_ptr<ReplyPool> replies_ = std::make_shared<ReplyPool>();
   const std::string token_;
   const int index_;
   std::vector<std::unique_ptr<std::string>> names_;  // gRPC keeps the method names' pointers
@@ -361,6 +424,24 @@ struct RpcClient::State {
   std::optional<pb::RegisterRequest> registration;  // the last one, for a restarted server
   std::timed_mutex reconnecting;  // one call at a time looks for a restarted server
 
+  // Note [Values in shared memory] (wire.h): one segment for this client's dense pushes and
+  // pulls, used by one call at a time; a call that finds it taken sends its values inline.
+  std::mutex segment_mutex;
+  std::unique_ptr<SharedSegment> segment;
+  std::atomic<bool> no_segment{false};  // the system or a server refused one: inline from now on
+  std::atomic<int> shared_calls{0};
+
+  // The segment, with room for `values`, under segment_mutex; nullptr when there is none.
+  SharedSegment* segment_for(size_t values) {
+    if (no_segment) return nullptr;
+    if (!segment || segment->values().capacity < values) {
+      segment.reset();
+      segment = SharedSegment::create(values);
+      if (!segment) no_segment = true;
+    }
+    return segment.get();
+  }
+
   std::shared_ptr<Endpoint> current() const {
     std::lock_guard<std::mutex> lock(mutex);
     return endpoint;
@@ -425,8 +506,12 @@ struct RpcClient::State {
     return "parameter server " + std::to_string(index) + " (" + endpoint.address + ")";
   }
 
+  // `segment`: the handle of the shared segment the call's values are in; a server that cannot
+  // use it answers FAILED_PRECONDITION, thrown here as SegmentUnusable for the caller to resend
+  // the values inline.
   void call(const char* name, grpc::internal::RpcMethod Methods::*method, Duration timeout,
-            const grpc::ByteBuffer& request, grpc::ByteBuffer& reply) {
+            const grpc::ByteBuffer& request, grpc::ByteBuffer& reply,
+            const std::string* segment = nullptr) {
     const auto start = SteadyClock::now();
     const auto deadline = SystemClock::now() + std::max(timeout, Duration(0));
     for (;;) {
@@ -434,6 +519,7 @@ struct RpcClient::State {
       grpc::ClientContext context;
       context.set_deadline(deadline);
       context.AddMetadata(kTokenMetadata, token);
+      if (segment != nullptr) context.AddMetadata(kSegmentMetadata, *segment);
       const grpc::Status status =
           grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
               endpoint->channel.get(), endpoint->methods.get()->*method, &context, request, &reply);
@@ -444,6 +530,8 @@ struct RpcClient::State {
         reply.Clear();
         continue;
       }
+      if (segment != nullptr && status.error_code() == grpc::StatusCode::FAILED_PRECONDITION)
+        throw SegmentUnusable(status.error_message());
       const auto waited = std::chrono::duration_cast<Duration>(SteadyClock::now() - start);
       const std::string said = one_line(status.error_message());
       const std::string server = this->server(*endpoint);
@@ -470,9 +558,20 @@ struct RpcClient::State {
   template <typename Reply>
   Reply convert(const char* name, const char* type, const grpc::ByteBuffer& bytes) {
     Reply reply;
+    convert(name, type, bytes, reply);
+    return reply;
+  }
+  // The same into `reply`, whose storage is reused; `shm`: the segment the call brought.
+  template <typename Reply>
+  void convert(const char* name, const char* type, const grpc::ByteBuffer& bytes, Reply& reply,
+               const SharedValues* shm = nullptr) {
     bool read = false;
     try {
-      read = wire_format::decode(bytes, reply);
+      if constexpr (std::is_same_v<Reply, PullReply>) {
+        read = wire_format::decode(bytes, reply, shm);
+      } else {
+        read = wire_format::decode(bytes, reply);
+      }
     } catch (const UsageError& e) {
       throw CommError(server(*current()) + " answered " + name +
                       " with a malformed reply: " + e.what());
@@ -481,7 +580,6 @@ struct RpcClient::State {
       throw CommError(server(*current()) + " answered " + name + " with a malformed reply: not a " +
                       type + " message (" + std::to_string(bytes.Length()) + " bytes)");
     }
-    return reply;
   }
 };
 
@@ -531,15 +629,79 @@ void RpcClient::register_tables(const RegisterRequest& request, Duration timeout
 }
 
 PullReply RpcClient::pull(const PullRequest& request, Duration timeout) {
-  grpc::ByteBuffer reply;
-  state_->call("Pull", &Methods::pull, timeout, wire_format::encode(request), reply);
-  return state_->convert<PullReply>("Pull", "PullReply", reply);
+  PullReply reply;
+  pull(request, timeout, reply);
+  return reply;
+}
+
+// Values of at least this many floats go through the shared segment when there is one.
+constexpr size_t kSharedAtLeast = 16 << 10;
+
+void RpcClient::pull(const PullRequest& request, Duration timeout, PullReply& reply) {
+  State& state = *state_;
+  const auto start = SteadyClock::now();
+  if (!request.dense.empty() && !state.no_segment) {
+    std::unique_lock<std::mutex> lock(state.segment_mutex, std::try_to_lock);
+    if (lock.owns_lock() && state.segment && !state.no_segment) {
+      const SharedValues shared = state.segment->values();
+      try {
+        grpc::ByteBuffer bytes;
+        state.call("Pull", &Methods::pull, timeout, wire_format::encode(request), bytes,
+                   &state.segment->handle());
+        state.convert("Pull", "PullReply", bytes, reply, &shared);
+        ++state.shared_calls;
+        return;
+      } catch (const SegmentUnusable&) {
+        state.no_segment = true;  // this server cannot map it: values inline from now on
+      } catch (...) {
+        // A server may still answer a call the client gave up on, into this segment: the next
+        // call gets a new one.
+        state.segment.reset();
+        throw;
+      }
+    }
+  }
+  grpc::ByteBuffer bytes;
+  const auto left = timeout - std::chrono::duration_cast<Duration>(SteadyClock::now() - start);
+  state.call("Pull", &Methods::pull, left, wire_format::encode(request), bytes);
+  state.convert("Pull", "PullReply", bytes, reply);
 }
 
 PushReply RpcClient::push(const PushRequest& request, Duration timeout) {
+  State& state = *state_;
+  const auto start = SteadyClock::now();
+  const size_t values = wire_format::dense_values(request.dense);
+  if (values >= kSharedAtLeast && !state.no_segment) {
+    std::unique_lock<std::mutex> lock(state.segment_mutex, std::try_to_lock);
+    SharedSegment* segment = lock.owns_lock() ? state.segment_for(values) : nullptr;
+    if (segment != nullptr) {
+      try {
+        grpc::ByteBuffer reply;
+        state.call("Push", &Methods::push, timeout, wire_format::encode(request, segment->values()),
+                   reply, &segment->handle());
+        ++state.shared_calls;
+        return state.convert<PushReply>("Push", "PushReply", reply);
+      } catch (const SegmentUnusable&) {
+        state.no_segment = true;  // this server cannot map it: values inline from now on
+      } catch (...) {
+        // A server may still answer a call the client gave up on, into this segment: the next
+        // call gets a new one.
+        state.segment.reset();
+        throw;
+      }
+    }
+  }
   grpc::ByteBuffer reply;
-  state_->call("Push", &Methods::push, timeout, wire_format::encode(request), reply);
-  return state_->convert<PushReply>("Push", "PushReply", reply);
+  const auto left = timeout - std::chrono::duration_cast<Duration>(SteadyClock::now() - start);
+  state.call("Push", &Methods::push, left, wire_format::encode(request), reply);
+  return state.convert<PushReply>("Push", "PushReply", reply);
+}
+
+int RpcClient::shared_calls() const {
+  return state_->shared_calls;
+}
+bool RpcClient::sharing() const {
+  return !state_->no_segment;
 }
 
 LeaseReply RpcClient::lease(const LeaseRequest& request, Duration timeout) {

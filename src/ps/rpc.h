@@ -23,6 +23,8 @@ namespace shoal::ps::detail {
 
 // The gRPC metadata key that carries the job's token.
 inline constexpr const char* kTokenMetadata = "shoal-job-token";
+// The gRPC metadata key that names the worker's shared segment (Note [Shared segments], shm.h).
+inline constexpr const char* kSegmentMetadata = "shoal-ps-shm";
 
 struct ServerOptions {
   std::string host = "0.0.0.0";  // the interface to listen on
@@ -73,6 +75,10 @@ class RpcClient {
   std::string address() const;
   // How many times this client moved to the next address or reconnected to a restarted server.
   int failovers() const;
+  // Pushes and pulls that named this client's shared segment and were answered (docs/ps.md,
+  // "Transport": a server on this host), and whether the client still offers one.
+  int shared_calls() const;
+  bool sharing() const;
 
   // Reconnection (docs/ps.md, "Replicas and snapshots"): when the server is gone and no backup is
   // left, the client asks `resolve` for the index's address (the job's store, where a restarted
@@ -83,6 +89,8 @@ class RpcClient {
   // Each call ends within `timeout` (plus the time to convert its reply).
   void register_tables(const RegisterRequest& request, Duration timeout);
   PullReply pull(const PullRequest& request, Duration timeout);
+  // The same into `reply`, whose vectors keep their storage (a worker's pull of each step).
+  void pull(const PullRequest& request, Duration timeout, PullReply& reply);
   PushReply push(const PushRequest& request, Duration timeout);
   // Liveness: returns the index the server was started with.
   int ping(Duration timeout);

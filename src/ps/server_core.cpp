@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstring>
 #include <optional>
+#include <tuple>
 #include <unordered_map>
 
 #include "optimizer.h"
@@ -327,19 +328,23 @@ bool ServerCore::lost_push(int32_t w, int64_t clock) const {
   return it != adopted_.end() && clock < it->second;
 }
 
+void ServerCore::apply_chunk(int32_t index, int64_t chunk, const float* grad) {
+  const Table& table = tables_[static_cast<size_t>(index)];
+  const int64_t length = chunk_length(table.numel, chunk);
+  Slot* slot =
+      holder(chunk_shard(table.spec.name, chunk, options_.virtual_shards))->chunk(index, chunk);
+  SHOAL_CHECK(slot != nullptr) << "chunk " << chunk << " of table " << table.spec.name;
+  apply_dense(table.spec.optimizer, slot->values(), slot->state(length), slot->step, grad, length);
+}
+
 void ServerCore::apply(const std::vector<DenseSlice>& dense,
                        const std::vector<SparseSlice>& sparse) {
   for (const auto& slice : dense) {
     const Table& table = tables_[static_cast<size_t>(slice.table)];
     const float* grad = slice.values.data();
     for (int64_t chunk : slice.chunks) {
-      const int64_t length = chunk_length(table.numel, chunk);
-      Slot* slot = holder(chunk_shard(table.spec.name, chunk, options_.virtual_shards))
-                       ->chunk(slice.table, chunk);
-      SHOAL_CHECK(slot != nullptr) << "chunk " << chunk << " of table " << table.spec.name;
-      apply_dense(table.spec.optimizer, slot->values(), slot->state(length), slot->step, grad,
-                  length);
-      grad += length;
+      apply_chunk(slice.table, chunk, grad);
+      grad += chunk_length(table.numel, chunk);
     }
   }
   for (const auto& slice : sparse) {
@@ -415,70 +420,133 @@ void ServerCore::finish_batches(const std::map<int32_t, PushRequest>& pushes) {
 void ServerCore::apply_ready_steps() {
   while (step_complete(step_)) {
     auto node = pending_.extract(step_);
-    std::vector<DenseSlice> dense;
-    std::vector<SparseSlice> sparse;
     if (!node.empty()) {
-      const auto& pushes = node.mapped();
-      double total = 0;
-      for (const auto& [worker, push] : pushes) total += static_cast<double>(push.rows);
-      std::map<std::pair<int32_t, int64_t>, std::vector<double>> chunks;
-      // Per sparse table: each row's place in `acc`, in the order rows first appear.
-      struct RowSums {
-        std::unordered_map<int64_t, size_t> at;
-        std::vector<int64_t> ids;
-        std::vector<double> acc;
-      };
-      std::map<int32_t, RowSums> rows;
-      for (const auto& [worker, push] : pushes) {
-        const auto weight = static_cast<double>(push.rows);
-        for (const auto& slice : push.dense) {
-          const Table& table = tables_[static_cast<size_t>(slice.table)];
-          const float* grad = slice.values.data();
-          for (int64_t chunk : slice.chunks) {
-            const int64_t length = chunk_length(table.numel, chunk);
-            auto& acc = chunks[{slice.table, chunk}];
-            acc.resize(static_cast<size_t>(length), 0.0);
-            for (int64_t i = 0; i < length; ++i) acc[static_cast<size_t>(i)] += weight * grad[i];
-            grad += length;
-          }
-        }
-        for (const auto& slice : push.sparse) {
-          const Table& table = tables_[static_cast<size_t>(slice.table)];
-          const float* grad = slice.values.data();
-          const auto dim = static_cast<size_t>(table.dim);
-          RowSums& sums = rows[slice.table];
-          sums.at.reserve(sums.at.size() + slice.ids.size());
-          for (int64_t id : slice.ids) {
-            auto [it, fresh] = sums.at.emplace(id, sums.ids.size());
-            if (fresh) {
-              sums.ids.push_back(id);
-              sums.acc.resize(sums.acc.size() + dim, 0.0);
-            }
-            double* acc = sums.acc.data() + it->second * dim;
-            for (size_t i = 0; i < dim; ++i) acc[i] += weight * grad[i];
-            grad += dim;
-          }
-        }
-      }
-      for (const auto& [key, acc] : chunks) {
-        if (dense.empty() || dense.back().table != key.first) dense.push_back({key.first, {}, {}});
-        dense.back().chunks.push_back(key.second);
-        auto& values = dense.back().values;
-        const size_t at = values.size();
-        values.resize(at + acc.size());
-        for (size_t i = 0; i < acc.size(); ++i) values[at + i] = static_cast<float>(acc[i] / total);
-      }
-      for (auto& [table, sums] : rows) {
-        SparseSlice slice{table, std::move(sums.ids), std::vector<float>(sums.acc.size())};
-        for (size_t i = 0; i < sums.acc.size(); ++i)
-          slice.values[i] = static_cast<float>(sums.acc[i] / total);
-        sparse.push_back(std::move(slice));
+      sum_step(node.mapped());
+      finish_batches(node.mapped());
+      recycle(node.mapped());
+    }
+    ++step_;
+    take_snapshot_when_due();
+  }
+}
+
+// Note [A step's sum without allocations]: a dense model's push is tens of MB; a buffer of that
+// size allocated per step is mmap'ed by glibc and given back at free, so every step faulted its
+// pages in anew (half the cycles of a one-process run). The dense sum is therefore taken chunk by
+// chunk (a chunk is at most kChunkElements values) in two scratch buffers kept by the core, and
+// each chunk's optimizer step applied at once from them; the buffered pushes' storage is kept per
+// worker and refilled by the next push (buffer_push). The arithmetic is Note [Sync sum]'s, term
+// for term: results are bit-identical to a sum over whole tables.
+void ServerCore::sum_step(const std::map<int32_t, PushRequest>& pushes) {
+  double total = 0;
+  for (const auto& [worker, push] : pushes) total += static_cast<double>(push.rows);
+
+  // Dense: every (table, chunk, push) named, sorted so that a chunk's terms are adjacent and in
+  // worker order (pushes is ordered by worker).
+  sum_terms_.clear();
+  size_t order = 0;
+  for (const auto& [worker, push] : pushes) {
+    for (const auto& slice : push.dense) {
+      const Table& table = tables_[static_cast<size_t>(slice.table)];
+      const float* grad = slice.values.data();
+      for (int64_t chunk : slice.chunks) {
+        sum_terms_.push_back({slice.table, chunk, order, static_cast<double>(push.rows), grad});
+        grad += chunk_length(table.numel, chunk);
       }
     }
-    apply(dense, sparse);
-    ++step_;
-    if (!node.empty()) finish_batches(node.mapped());
-    take_snapshot_when_due();
+    ++order;
+  }
+  std::sort(sum_terms_.begin(), sum_terms_.end(), [](const SumTerm& a, const SumTerm& b) {
+    return std::tie(a.table, a.chunk, a.order) < std::tie(b.table, b.chunk, b.order);
+  });
+  sum_acc_.resize(static_cast<size_t>(kChunkElements));
+  sum_out_.resize(static_cast<size_t>(kChunkElements));
+  for (size_t first = 0; first < sum_terms_.size();) {
+    const SumTerm& head = sum_terms_[first];
+    const Table& table = tables_[static_cast<size_t>(head.table)];
+    const int64_t length = chunk_length(table.numel, head.chunk);
+    double* acc = sum_acc_.data();
+    std::fill(acc, acc + length, 0.0);
+    size_t last = first;
+    for (; last < sum_terms_.size() && sum_terms_[last].table == head.table &&
+           sum_terms_[last].chunk == head.chunk;
+         ++last) {
+      const double weight = sum_terms_[last].weight;
+      const float* grad = sum_terms_[last].grad;
+      for (int64_t i = 0; i < length; ++i) acc[i] += weight * grad[i];
+    }
+    float* out = sum_out_.data();
+    for (int64_t i = 0; i < length; ++i) out[i] = static_cast<float>(acc[i] / total);
+    apply_chunk(head.table, head.chunk, out);
+    first = last;
+  }
+
+  // Sparse: rows are few per step; each row's sum in the order rows first appear.
+  struct RowSums {
+    std::unordered_map<int64_t, size_t> at;
+    std::vector<int64_t> ids;
+    std::vector<double> acc;
+  };
+  std::map<int32_t, RowSums> rows;
+  for (const auto& [worker, push] : pushes) {
+    const auto weight = static_cast<double>(push.rows);
+    for (const auto& slice : push.sparse) {
+      const Table& table = tables_[static_cast<size_t>(slice.table)];
+      const float* grad = slice.values.data();
+      const auto dim = static_cast<size_t>(table.dim);
+      RowSums& sums = rows[slice.table];
+      sums.at.reserve(sums.at.size() + slice.ids.size());
+      for (int64_t id : slice.ids) {
+        auto [it, fresh] = sums.at.emplace(id, sums.ids.size());
+        if (fresh) {
+          sums.ids.push_back(id);
+          sums.acc.resize(sums.acc.size() + dim, 0.0);
+        }
+        double* acc = sums.acc.data() + it->second * dim;
+        for (size_t i = 0; i < dim; ++i) acc[i] += weight * grad[i];
+        grad += dim;
+      }
+    }
+  }
+  if (rows.empty()) return;
+  std::vector<SparseSlice> sparse;
+  for (auto& [table, sums] : rows) {
+    SparseSlice slice{table, std::move(sums.ids), std::vector<float>(sums.acc.size())};
+    for (size_t i = 0; i < sums.acc.size(); ++i)
+      slice.values[i] = static_cast<float>(sums.acc[i] / total);
+    sparse.push_back(std::move(slice));
+  }
+  apply({}, sparse);
+}
+
+// Sync: a push waits in pending_ for its step, in storage kept per worker from its pushes before
+// (see Note [A step's sum without allocations]): the values are copied in place, not allocated.
+void ServerCore::buffer_push(const PushRequest& request) {
+  PushRequest held;
+  auto spare = spare_.find(request.worker);
+  if (spare != spare_.end()) {
+    held = std::move(spare->second);
+    spare_.erase(spare);
+  }
+  held.worker = request.worker;
+  held.clock = request.clock;
+  held.rows = request.rows;
+  held.epoch = request.epoch;
+  held.batch = request.batch;
+  held.dense.resize(request.dense.size());
+  for (size_t i = 0; i < request.dense.size(); ++i) {
+    held.dense[i].table = request.dense[i].table;
+    held.dense[i].chunks.assign(request.dense[i].chunks.begin(), request.dense[i].chunks.end());
+    held.dense[i].values.assign(request.dense[i].values.begin(), request.dense[i].values.end());
+  }
+  held.sparse = request.sparse;  // rows are few; their storage is not worth keeping
+  pending_[request.clock].emplace(request.worker, std::move(held));
+}
+
+void ServerCore::recycle(std::map<int32_t, PushRequest>& pushes) {
+  for (auto& [worker, push] : pushes) {
+    push.sparse.clear();
+    spare_[worker] = std::move(push);
   }
 }
 
@@ -524,8 +592,7 @@ PushReply ServerCore::push(const PushRequest& request, const Deadline& /*deadlin
                                            static_cast<size_t>(options_.replicas_to_aggregate))) {
     reply.counted = false;  // the step was full without it (backup workers)
   } else {
-    const int64_t clock = request.clock;
-    pending_[clock].emplace(w, request);  // copied: the transport keeps its request
+    buffer_push(request);  // copied: the transport keeps its request (a replica forwards it)
     apply_ready_steps();
   }
   reply.clock = step_;
@@ -572,6 +639,53 @@ std::string ServerCore::describe_staleness_wait(int64_t needed) const {
 }
 
 PullReply ServerCore::pull(const PullRequest& request, const Deadline& deadline) {
+  PullReply reply;
+  pull(request, deadline, reply);
+  return reply;
+}
+
+// Writes into `reply`'s storage: a reply kept from the pull before has every vector sized already
+// (Note [A step's sum without allocations]).
+void ServerCore::fill_reply(const PullRequest& request, PullReply& reply) {
+  reply.dense.resize(request.dense.size());
+  for (size_t s = 0; s < request.dense.size(); ++s) {
+    const DenseSlice& slice = request.dense[s];
+    const Table& table = tables_[static_cast<size_t>(slice.table)];
+    DenseSlice& out = reply.dense[s];
+    out.table = slice.table;
+    out.chunks.assign(slice.chunks.begin(), slice.chunks.end());
+    size_t length = 0;
+    for (int64_t chunk : slice.chunks)
+      length += static_cast<size_t>(chunk_length(table.numel, chunk));
+    out.values.resize(length);
+    float* dst = out.values.data();
+    for (int64_t chunk : slice.chunks) {
+      const int64_t n = chunk_length(table.numel, chunk);
+      const Slot* slot = holder(chunk_shard(table.spec.name, chunk, options_.virtual_shards))
+                             ->chunk(slice.table, chunk);
+      SHOAL_CHECK(slot != nullptr) << "chunk " << chunk << " of table " << table.spec.name;
+      std::memcpy(dst, slot->values(), static_cast<size_t>(n) * sizeof(float));
+      dst += n;
+    }
+  }
+  reply.sparse.resize(request.sparse.size());
+  for (size_t s = 0; s < request.sparse.size(); ++s) {
+    const SparseSlice& slice = request.sparse[s];
+    const Table& table = tables_[static_cast<size_t>(slice.table)];
+    SparseSlice& out = reply.sparse[s];
+    out.table = slice.table;
+    out.ids.assign(slice.ids.begin(), slice.ids.end());
+    out.values.resize(slice.ids.size() * static_cast<size_t>(table.dim));
+    float* dst = out.values.data();
+    for (int64_t id : slice.ids) {
+      holder(row_shard(table.spec.name, id, options_.virtual_shards))
+          ->read_row(slice.table, id, table.spec, table.dim, dst);
+      dst += table.dim;
+    }
+  }
+}
+
+void ServerCore::pull(const PullRequest& request, const Deadline& deadline, PullReply& reply) {
   const char* what = "pull";
   std::unique_lock<std::mutex> lock(mutex_);
   const int32_t w = request.worker;
@@ -616,36 +730,11 @@ PullReply ServerCore::pull(const PullRequest& request, const Deadline& deadline)
                     format_duration(deadline.elapsed()) +
                     ": the worker left the live set while it waited");
 
-  PullReply reply;
-  for (const auto& slice : request.dense) {
-    const Table& table = tables_[static_cast<size_t>(slice.table)];
-    DenseSlice out{slice.table, slice.chunks, {}};
-    for (int64_t chunk : slice.chunks) {
-      const int64_t length = chunk_length(table.numel, chunk);
-      const Slot* slot = holder(chunk_shard(table.spec.name, chunk, options_.virtual_shards))
-                             ->chunk(slice.table, chunk);
-      SHOAL_CHECK(slot != nullptr) << "chunk " << chunk << " of table " << table.spec.name;
-      out.values.insert(out.values.end(), slot->values(), slot->values() + length);
-    }
-    reply.dense.push_back(std::move(out));
-  }
-  for (const auto& slice : request.sparse) {
-    const Table& table = tables_[static_cast<size_t>(slice.table)];
-    SparseSlice out{slice.table, slice.ids,
-                    std::vector<float>(slice.ids.size() * static_cast<size_t>(table.dim))};
-    float* dst = out.values.data();
-    for (int64_t id : slice.ids) {
-      holder(row_shard(table.spec.name, id, options_.virtual_shards))
-          ->read_row(slice.table, id, table.spec, table.dim, dst);
-      dst += table.dim;
-    }
-    reply.sparse.push_back(std::move(out));
-  }
+  fill_reply(request, reply);
   reply.clock = step_;
   int64_t fastest = 0;
   for (int32_t v : live_) fastest = std::max(fastest, clock_.at(v));
   reply.staleness = live_.empty() ? 0 : fastest - slowest_clock();
-  return reply;
 }
 
 void ServerCore::set_live_workers(const std::vector<int32_t>& workers, LeaverPush leavers) {

@@ -81,6 +81,9 @@ class ServerCore : public Handler {
   // Waits as the consistency mode says, until `deadline`; CommError after it, naming the workers
   // waited for and their clocks.
   PullReply pull(const PullRequest& request, const Deadline& deadline) override;
+  // The same, written into `reply`, whose vectors keep their storage: a caller that pulls the
+  // same chunks every step with one reply allocates nothing after the first.
+  void pull(const PullRequest& request, const Deadline& deadline, PullReply& reply) override;
 
   // Sync: buffers the push until its step is complete, then applies the step; with
   // replicas_to_aggregate, a push to a step already full is answered counted = false and
@@ -143,7 +146,17 @@ class ServerCore : public Handler {
   bool holds_dense_chunks(const std::vector<TableSpec>& tables) const;
   VirtualShard* holder(int32_t shard);
   void apply(const std::vector<DenseSlice>& dense, const std::vector<SparseSlice>& sparse);
+  // One dense chunk's optimizer step with the gradient `grad` (the chunk's length of values).
+  void apply_chunk(int32_t table, int64_t chunk, const float* grad);
   void apply_ready_steps();  // sync: applies the open step while it is complete
+  // Sync: applies one step's pushes (Note [Sync sum]); allocates nothing for dense tables once the
+  // first step has sized the scratch buffers (Note [A step's sum without allocations]).
+  void sum_step(const std::map<int32_t, PushRequest>& pushes);
+  // Sync: holds a push in pending_ until its step, in storage reused from the worker's last one.
+  void buffer_push(const PushRequest& request);
+  // Keeps an applied step's pushes' storage for the workers' next pushes.
+  void recycle(std::map<int32_t, PushRequest>& pushes);
+  void fill_reply(const PullRequest& request, PullReply& reply);
   void take_snapshot_when_due();  // see ServerCoreOptions::snapshot_every
   void load_shard_locked(int32_t shard, const std::string& bytes);
   // Note [Clocks after a reload]: takes worker w's clock from its first request after a reload.
@@ -169,6 +182,18 @@ class ServerCore : public Handler {
            held_[static_cast<size_t>(shard)] != nullptr;
   }
   std::vector<Table> tables_;
+  // Note [A step's sum without allocations]: storage kept from step to step.
+  std::map<int32_t, PushRequest> spare_;  // per worker: an applied push's, for its next push
+  struct SumTerm {
+    int32_t table;
+    int64_t chunk;
+    size_t order;   // the push's place in worker order
+    double weight;  // its rows
+    const float* grad;
+  };
+  std::vector<SumTerm> sum_terms_;
+  std::vector<double> sum_acc_;  // one chunk's sum
+  std::vector<float> sum_out_;   // one chunk's gradient, rounded
 
   mutable std::mutex mutex_;
   std::condition_variable changed_;

@@ -12,6 +12,7 @@
 #include <memory>
 #include <string>
 
+#include "shm.h"
 #include "shoal/core/error.h"
 
 namespace shoal::ps::detail::wire_format {
@@ -121,6 +122,12 @@ size_t slice_size(int32_t table, const std::vector<int64_t>& indices,
          length_field_size(values_bytes(values));
 }
 
+// A dense slice whose values are in the shared segment (field 4: their count).
+size_t shared_slice_size(int32_t table, const std::vector<int64_t>& indices, size_t count) {
+  return varint_field_size(table) + length_field_size(packed_size(indices)) +
+         varint_field_size(static_cast<int64_t>(count));
+}
+
 // Values shorter than this are copied beside the fields around them rather than lent to gRPC as
 // a slice of their own, whose bookkeeping costs more than the copy.
 constexpr size_t kLendAtLeast = 8 << 10;
@@ -183,6 +190,13 @@ class Writer {
     varint_field(1, table);
     packed(2, indices);
     this->values(3, values);
+  }
+
+  void shared_slice(int field, int32_t table, const std::vector<int64_t>& indices, size_t count) {
+    length(field, shared_slice_size(table, indices, count));
+    varint_field(1, table);
+    packed(2, indices);
+    varint_field(4, static_cast<int64_t>(count));
   }
 
   grpc::ByteBuffer finish() {
@@ -416,31 +430,80 @@ constexpr WireType kVarint = WireFormat::WIRETYPE_VARINT;
 constexpr WireType kLength = WireFormat::WIRETYPE_LENGTH_DELIMITED;
 
 // One DenseSlice or SparseSlice submessage; `indices` is its chunks or ids.
+// `shared`: a dense slice's count of values in the shared segment (nullptr: sparse).
 bool read_slice(Reader& r, int32_t& table, std::vector<int64_t>& indices,
-                std::vector<float>& values, int64_t& odd_bytes) {
+                std::vector<float>& values, int64_t& odd_bytes, uint64_t* shared) {
   return r.submessage([&] {
     return r.fields([&](int number, WireType type, uint32_t tag) {
       if (number == 1 && type == kVarint) return r.varint(table);
       if (number == 2 && (type == kVarint || type == kLength)) return r.int64s(type, indices);
       if (number == 3 && type == kLength) return r.values(values, odd_bytes);
+      if (number == 4 && type == kVarint && shared != nullptr) return r.varint(*shared);
       return r.skip(tag);
     });
   });
 }
 
 // The repeated slices of a pull or push (fields `dense` and `sparse`), checked once read.
+// A struct read before is read into again with its vectors' storage (Note [Values without
+// copies]): slice i reuses the struct's slice i, and slices it had beyond those read are dropped.
 struct Slices {
   std::vector<DenseSlice>& dense;
   std::vector<SparseSlice>& sparse;
   std::vector<int64_t> dense_odd, sparse_odd;
+  std::vector<uint64_t> dense_shared;
+
+  template <typename Slice>
+  static Slice& next(std::vector<Slice>& slices, size_t used) {
+    if (used == slices.size()) return slices.emplace_back();
+    Slice& s = slices[used];
+    s.table = 0;
+    indices_of_mutable(s).clear();
+    s.values.clear();
+    return s;
+  }
+  static std::vector<int64_t>& indices_of_mutable(DenseSlice& s) { return s.chunks; }
+  static std::vector<int64_t>& indices_of_mutable(SparseSlice& s) { return s.ids; }
 
   bool read_dense(Reader& r) {
-    DenseSlice& s = dense.emplace_back();
-    return read_slice(r, s.table, s.chunks, s.values, dense_odd.emplace_back(-1));
+    DenseSlice& s = next(dense, dense_odd.size());
+    return read_slice(r, s.table, s.chunks, s.values, dense_odd.emplace_back(-1),
+                      &dense_shared.emplace_back(0));
   }
   bool read_sparse(Reader& r) {
-    SparseSlice& s = sparse.emplace_back();
-    return read_slice(r, s.table, s.ids, s.values, sparse_odd.emplace_back(-1));
+    SparseSlice& s = next(sparse, sparse_odd.size());
+    return read_slice(r, s.table, s.ids, s.values, sparse_odd.emplace_back(-1), nullptr);
+  }
+  // Note [Values in shared memory]: dense slices that name a count of values in the segment
+  // take them from it, in slice order; every count is checked against what the segment holds
+  // before a value is read.
+  void take_shared(const SharedValues* shm) {
+    size_t at = 0;
+    for (size_t i = 0; i < dense.size(); ++i) {
+      const uint64_t count = dense_shared[i];
+      if (count == 0) continue;
+      const std::string where = "dense[" + std::to_string(i) + "]";
+      if (!dense[i].values.empty() || dense_odd[i] >= 0) {
+        throw UsageError(where + " carries values and names " + std::to_string(count) +
+                         " in the shared segment; expected one or the other");
+      }
+      if (shm == nullptr) {
+        throw UsageError(where + " names " + std::to_string(count) +
+                         " values in a shared segment, but the call brought none");
+      }
+      if (count > shm->capacity - at) {
+        throw UsageError(where + " names " + std::to_string(count) + " values from value " +
+                         std::to_string(at) + " of the shared segment, which holds " +
+                         std::to_string(shm->capacity) + "; expected values within it");
+      }
+      dense[i].values.assign(shm->data + at, shm->data + at + count);
+      at += count;
+    }
+  }
+  // After reading: the slices read, no more.
+  void trim() {
+    dense.resize(dense_odd.size());
+    sparse.resize(sparse_odd.size());
   }
   void check(bool values) const {
     for (size_t i = 0; i < dense.size(); ++i) {
@@ -606,6 +669,59 @@ grpc::ByteBuffer encode(const PushRequest& in) {
   return w.finish();
 }
 
+size_t dense_values(const std::vector<DenseSlice>& dense) {
+  size_t count = 0;
+  for (const DenseSlice& s : dense) count += s.values.size();
+  return count;
+}
+
+namespace {
+
+// The dense slices' values copied into the segment in slice order, and the slices written with
+// their counts (Note [Values in shared memory]); the sparse ones as before.
+template <typename Message>
+size_t shared_slices_size(const Message& in) {
+  size_t size = slices_size(in.sparse);
+  for (const DenseSlice& s : in.dense)
+    size += length_field_size(shared_slice_size(s.table, s.chunks, s.values.size()), true);
+  return size;
+}
+template <typename Message>
+void write_shared_slices(Writer& w, int dense_field, int sparse_field, const Message& in,
+                         const SharedValues& shm) {
+  SHOAL_CHECK(dense_values(in.dense) <= shm.capacity)
+      << dense_values(in.dense) << " values for a shared segment of " << shm.capacity;
+  float* at = shm.data;
+  for (const DenseSlice& s : in.dense) {
+    if (!s.values.empty()) std::memcpy(at, s.values.data(), values_bytes(s.values));
+    at += s.values.size();
+    w.shared_slice(dense_field, s.table, s.chunks, s.values.size());
+  }
+  for (const SparseSlice& s : in.sparse) w.slice(sparse_field, s.table, s.ids, s.values);
+}
+
+}  // namespace
+
+grpc::ByteBuffer encode(const PushRequest& in, const SharedValues& shm) {
+  Writer w(varint_field_size(in.worker) + varint_field_size(in.clock) + varint_field_size(in.rows) +
+           shared_slices_size(in) + varint_field_size(in.epoch) + varint_field_size(in.batch + 1));
+  w.varint_field(1, in.worker);
+  w.varint_field(2, in.clock);
+  w.varint_field(3, in.rows);
+  write_shared_slices(w, 4, 5, in, shm);
+  w.varint_field(6, in.epoch);
+  w.varint_field(7, in.batch + 1);  // as encode(const PushRequest&)
+  return w.finish();
+}
+
+grpc::ByteBuffer encode(const PullReply& in, const SharedValues& shm) {
+  Writer w(shared_slices_size(in) + varint_field_size(in.clock) + varint_field_size(in.staleness));
+  write_shared_slices(w, 1, 2, in, shm);
+  w.varint_field(3, in.clock);
+  w.varint_field(4, in.staleness);
+  return w.finish();
+}
+
 grpc::ByteBuffer encode(const PushReply& in) {
   Writer w(varint_field_size(in.counted ? 1 : 0) + varint_field_size(in.clock));
   w.varint_field(1, in.counted ? 1 : 0);
@@ -614,7 +730,11 @@ grpc::ByteBuffer encode(const PushReply& in) {
 }
 
 grpc::ByteBuffer encode(PullReply&& in) {
-  const auto owner = std::make_shared<const PullReply>(std::move(in));
+  return encode(std::make_shared<const PullReply>(std::move(in)));
+}
+
+grpc::ByteBuffer encode(std::shared_ptr<const PullReply> in) {
+  const std::shared_ptr<const PullReply> owner = std::move(in);
   Writer w(owner);
   write_slices(w, 1, 2, *owner);
   w.varint_field(3, owner->clock);
@@ -623,8 +743,10 @@ grpc::ByteBuffer encode(PullReply&& in) {
 }
 
 bool decode(const grpc::ByteBuffer& in, PullRequest& out) {
+  out.worker = 0;
+  out.clock = 0;
   Reader r(in);
-  Slices slices{out.dense, out.sparse, {}, {}};
+  Slices slices{out.dense, out.sparse, {}, {}, {}};
   const bool read = r.fields([&](int number, WireType type, uint32_t tag) {
     if (number == 1 && type == kVarint) return r.varint(out.worker);
     if (number == 2 && type == kVarint) return r.varint(out.clock);
@@ -633,15 +755,19 @@ bool decode(const grpc::ByteBuffer& in, PullRequest& out) {
     return r.skip(tag);
   });
   if (!read) return false;
+  slices.trim();
   non_negative(out.worker, "worker");
   non_negative(out.clock, "clock");
+  slices.take_shared(nullptr);  // a pull request carries no values, shared or not
   slices.check(/*values=*/false);
   return true;
 }
 
-bool decode(const grpc::ByteBuffer& in, PullReply& out) {
+bool decode(const grpc::ByteBuffer& in, PullReply& out, const SharedValues* shm) {
+  out.clock = 0;
+  out.staleness = 0;
   Reader r(in);
-  Slices slices{out.dense, out.sparse, {}, {}};
+  Slices slices{out.dense, out.sparse, {}, {}, {}};
   const bool read = r.fields([&](int number, WireType type, uint32_t tag) {
     if (number == 1 && type == kLength) return slices.read_dense(r);
     if (number == 2 && type == kLength) return slices.read_sparse(r);
@@ -650,16 +776,22 @@ bool decode(const grpc::ByteBuffer& in, PullReply& out) {
     return r.skip(tag);
   });
   if (!read) return false;
+  slices.trim();
+  slices.take_shared(shm);
   slices.check(/*values=*/true);
   non_negative(out.clock, "clock");
   non_negative(out.staleness, "staleness");
   return true;
 }
 
-bool decode(const grpc::ByteBuffer& in, PushRequest& out) {
+bool decode(const grpc::ByteBuffer& in, PushRequest& out, const SharedValues* shm) {
+  out.worker = 0;
+  out.clock = 0;
+  out.rows = 0;
   Reader r(in);
+  out.epoch = 0;
   int64_t batch = 0;
-  Slices slices{out.dense, out.sparse, {}, {}};
+  Slices slices{out.dense, out.sparse, {}, {}, {}};
   const bool read = r.fields([&](int number, WireType type, uint32_t tag) {
     if (number == 1 && type == kVarint) return r.varint(out.worker);
     if (number == 2 && type == kVarint) return r.varint(out.clock);
@@ -671,6 +803,7 @@ bool decode(const grpc::ByteBuffer& in, PushRequest& out) {
     return r.skip(tag);
   });
   if (!read) return false;
+  slices.trim();
   out.batch = batch - 1;
   non_negative(out.worker, "worker");
   non_negative(out.clock, "clock");
@@ -678,6 +811,7 @@ bool decode(const grpc::ByteBuffer& in, PushRequest& out) {
   non_negative(out.epoch, "epoch");
   if (batch < 0)
     throw UsageError("batch = " + std::to_string(batch) + "; expected 0 (none) or the batch + 1");
+  slices.take_shared(shm);
   slices.check(/*values=*/true);
   return true;
 }

@@ -10,15 +10,20 @@
 // encode() of a request copies the values once, into the one slice it sends; encode() of a pull's
 // reply copies none: the reply's vectors become gRPC slices that free them when gRPC is done with
 // them. decode() copies each value once, from the received slices straight into the struct's
-// vector (a value may be split across slices; the vector is not cleared first). The bytes are
+// vector (a value may be split across slices). A struct decoded into again keeps its vectors'
+// storage: a client or server that reads each step's pull or push into the same struct allocates
+// nothing of the values' size after the first (docs/ps.md, "Transport"). The bytes are
 // those protobuf writes for ps.proto, and anything protobuf would read is read alike (fields in
 // any order, unknown fields skipped, repeated integers packed or not, the last of a repeated
 // singular field winning), so other clients may use ps.proto's generated code. Registrations are
 // rare and small and stay on the generated classes.
 #pragma once
 
+#include <memory>
+
 #include "messages.h"
 #include "ps.pb.h"
+#include "shm.h"
 
 namespace grpc {
 class ByteBuffer;
@@ -40,12 +45,25 @@ grpc::ByteBuffer encode(const PushRequest& in);
 grpc::ByteBuffer encode(const PushReply& in);
 // Takes the reply's values, which gRPC sends from where they are.
 grpc::ByteBuffer encode(PullReply&& in);
+// The same from a shared reply, which gRPC holds until it has sent the values (its deleter may
+// keep it for the next pull).
+grpc::ByteBuffer encode(std::shared_ptr<const PullReply> in);
+
+// Note [Values in shared memory]: a push, or a pull's reply, whose dense values go through the
+// connection's shared segment (src/ps/shm.h) rather than the message: they are copied into
+// `shm` in slice order (dense_values(...) of them, which must fit), and each dense slice carries
+// their count (ps.proto's DenseSlice.shared) instead. Sparse values stay in the message.
+size_t dense_values(const std::vector<DenseSlice>& dense);
+grpc::ByteBuffer encode(const PushRequest& in, const SharedValues& shm);
+grpc::ByteBuffer encode(const PullReply& in, const SharedValues& shm);
 
 // false when `in` is not a message of that type (truncated or corrupt); UsageError when it is
-// one whose fields fail a check. `out` is only meaningful after true.
+// one whose fields fail a check. `out` is only meaningful after true. `shm`: the segment the call
+// brought, whose values dense slices may name (a count past its end, or values named without a
+// segment, is a UsageError); nullptr when it brought none.
 bool decode(const grpc::ByteBuffer& in, PullRequest& out);
-bool decode(const grpc::ByteBuffer& in, PullReply& out);
-bool decode(const grpc::ByteBuffer& in, PushRequest& out);
+bool decode(const grpc::ByteBuffer& in, PullReply& out, const SharedValues* shm = nullptr);
+bool decode(const grpc::ByteBuffer& in, PushRequest& out, const SharedValues* shm = nullptr);
 bool decode(const grpc::ByteBuffer& in, PushReply& out);
 
 }  // namespace shoal::ps::detail::wire_format

@@ -1,0 +1,89 @@
+// Shared memory between a worker and a parameter server on one host (docs/ps.md, "Transport"):
+// the float payloads of a connection's pushes and pulls cross through one segment, while gRPC
+// carries the calls themselves (their deadlines, token and errors). Private to src/ps.
+//
+// Note [Shared segments]: the worker creates the segment as a memfd sealed against shrinking
+// (a server's mapping can never fault past its end, whatever the worker does later) and names it
+// in each call's metadata by a handle "v1 <pid> <fd> <boot id> <tag> <bytes>". A server opens
+// /proc/<pid>/fd/<fd>, which the kernel allows only to processes that may ptrace the worker (the
+// same user), and uses the segment only when the boot id is its own (the same kernel), its size
+// and seals are as named and the random 128-bit tag stands at its start; otherwise the call is
+// refused with SegmentUnusable and the client goes on without the segment.
+#pragma once
+
+#include <cstddef>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+namespace shoal::ps::detail {
+
+// The floats a segment holds for values, after its header.
+struct SharedValues {
+  float* data = nullptr;
+  size_t capacity = 0;  // in floats
+};
+
+// The worker's side: a segment it created. Not thread-safe: one call uses it at a time.
+class SharedSegment {
+ public:
+  // A segment with room for `floats` values; nullptr when the system refuses one (no memfd).
+  static std::unique_ptr<SharedSegment> create(size_t floats);
+  ~SharedSegment();
+  SharedSegment(const SharedSegment&) = delete;
+  SharedSegment& operator=(const SharedSegment&) = delete;
+
+  SharedValues values() const { return values_; }
+  const std::string& handle() const { return handle_; }
+
+ private:
+  SharedSegment() = default;
+  int fd_ = -1;
+  void* base_ = nullptr;
+  size_t bytes_ = 0;
+  SharedValues values_;
+  std::string handle_;
+};
+
+// A server's view of a worker's segment.
+class SegmentMapping {
+ public:
+  ~SegmentMapping();
+  SharedValues values() const { return values_; }
+
+ private:
+  friend class SegmentMappings;
+  SegmentMapping() = default;
+  int fd_ = -1;
+  void* base_ = nullptr;
+  size_t bytes_ = 0;
+  SharedValues values_;
+};
+
+// A handle that names no usable segment here (another host, another user, a segment not as
+// named): the call is refused with FAILED_PRECONDITION, and the client stops offering it.
+class SegmentUnusable : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// The server's mappings, by handle, kept while used lately. Thread-safe.
+class SegmentMappings {
+ public:
+  // The segment `handle` names; SegmentUnusable (one line) saying why not.
+  std::shared_ptr<const SegmentMapping> open(const std::string& handle);
+
+ private:
+  // Connections whose segments stay mapped; the least lately used goes first.
+  static constexpr size_t kKept = 64;
+  std::mutex mutex_;
+  std::list<std::pair<std::string, std::shared_ptr<const SegmentMapping>>> kept_;
+};
+
+// This kernel's boot id (/proc/sys/kernel/random/boot_id), "" when unreadable.
+const std::string& boot_id();
+
+}  // namespace shoal::ps::detail
