@@ -126,6 +126,56 @@ double relative_error(const torch::Tensor& got, const torch::Tensor& expected) {
 }
 
 
+// The table's initial rows (a pure function of seed, table and id), for the reference.
+std::vector<torch::Tensor> initial_rows() {
+  shoal::ps::detail::TableSpec spec;
+  spec.name = "table";
+  spec.sparse = true;
+  spec.shape = {kRows, kDim};
+  spec.init = {shoal::ps::detail::InitSpec::Kind::kNormal, 0, 0.5};
+  spec.seed = kSeed;
+  std::vector<torch::Tensor> initial;
+  for (int64_t id = 0; id < kRows; ++id) {
+    initial.push_back(torch::empty({kDim}));
+    shoal::ps::detail::initial_row(spec, id, initial.back().data_ptr<float>(), kDim);
+  }
+  return initial;
+}
+
+// The reference's forward and backward on `b`: its rows picked from `rows`, each its own parameter.
+void reference_backward(Net& first, const std::vector<torch::Tensor>& rows, const Batch& b) {
+  std::vector<torch::Tensor> picked;
+  for (int64_t i = 0; i < b.ids.size(0); ++i)
+    for (int64_t j = 0; j < kIdsPerSample; ++j) picked.push_back(rows[b.ids[i][j].item<int64_t>()]);
+  const auto looked_up = torch::stack(picked).view({b.ids.size(0), kIdsPerSample, kDim});
+  torch::mse_loss(first->head(looked_up, b.x), b.y).backward();
+}
+
+// Whether the servers' values (pulled into `net`) equal the reference's within 1e-5 (relative),
+// rows from `untouched` on bit-identical to their initial values; else says what differs.
+bool equals_reference(Net& net, Net& first, const std::vector<torch::Tensor>& rows,
+                      const std::vector<torch::Tensor>& initial, int64_t untouched = kRows) {
+  const auto dense = net->named_parameters();
+  for (const auto& p : first->named_parameters()) {
+    const double error = relative_error(dense[p.key()], p.value());
+    if (!(error < 1e-5)) {
+      std::cout << "parameter " << p.key() << " off by " << error << " (relative)" << std::endl;
+      return false;
+    }
+  }
+  torch::NoGradGuard no_grad;
+  const auto held = net->table->forward(torch::arange(kRows, torch::kLong));
+  for (int64_t id = 0; id < kRows; ++id) {
+    const bool equal = id >= untouched ? torch::equal(held[id], initial[id])
+                                       : relative_error(held[id], rows[id]) < 1e-5;
+    if (!equal) {
+      std::cout << "row " << id << " is " << held[id] << ", expected " << rows[id] << std::endl;
+      return false;
+    }
+  }
+  return true;
+}
+
 // ---- leased batches (ps::Optimizer::train_on; docs/ps.md, "Leased batches") ----
 
 constexpr int64_t kSamples = 50, kLeasedBatch = 4;  // 13 batches, the last of 2 samples
@@ -213,47 +263,18 @@ int leased(const std::string& mode, int epochs, const std::string& dir) {
         return 1;
       }
   if (mode == "sync") {
-    shoal::ps::detail::TableSpec spec;
-    spec.name = "table";
-    spec.sparse = true;
-    spec.shape = {kRows, kDim};
-    spec.init = {shoal::ps::detail::InitSpec::Kind::kNormal, 0, 0.5};
-    spec.seed = kSeed;
+    const std::vector<torch::Tensor> initial = initial_rows();
     std::vector<torch::Tensor> rows;
-    for (int64_t id = 0; id < kRows; ++id) {
-      rows.push_back(torch::empty({kDim}));
-      shoal::ps::detail::initial_row(spec, id, rows.back().data_ptr<float>(), kDim);
-      rows.back().requires_grad_(true);
-    }
+    for (const auto& row : initial) rows.push_back(row.clone().requires_grad_(true));
     std::vector<torch::Tensor> parameters = first->parameters();
     parameters.insert(parameters.end(), rows.begin(), rows.end());
     auto reference = make("sgd", parameters);
     for (const auto& [clock, ids] : steps) {
-      const Batch in = samples(torch::tensor(ids, torch::kLong));
       for (auto& p : parameters) p.mutable_grad() = torch::Tensor();
-      std::vector<torch::Tensor> picked;
-      for (int64_t i = 0; i < in.ids.size(0); ++i)
-        for (int64_t j = 0; j < kIdsPerSample; ++j)
-          picked.push_back(rows[in.ids[i][j].item<int64_t>()]);
-      const auto looked_up = torch::stack(picked).view({in.ids.size(0), kIdsPerSample, kDim});
-      torch::mse_loss(first->head(looked_up, in.x), in.y).backward();
+      reference_backward(first, rows, samples(torch::tensor(ids, torch::kLong)));
       reference->step();
     }
-    const auto dense = net->named_parameters();
-    for (const auto& p : first->named_parameters()) {
-      const double error = relative_error(dense[p.key()], p.value());
-      if (!(error < 1e-5)) {
-        std::cout << "parameter " << p.key() << " off by " << error << " (relative)" << std::endl;
-        return 1;
-      }
-    }
-    torch::NoGradGuard no_grad;
-    const auto held = net->table->forward(torch::arange(kRows, torch::kLong));
-    for (int64_t id = 0; id < kRows; ++id)
-      if (!(relative_error(held[id], rows[id]) < 1e-5)) {
-        std::cout << "row " << id << " is " << held[id] << ", expected " << rows[id] << std::endl;
-        return 1;
-      }
+    if (!equals_reference(net, first, rows, initial)) return 1;
   }
   std::cout << "ps leased ok: " << mode << ", " << shoal::world_size() << " workers, " << epochs
             << " epochs of " << kSamples << " samples, " << steps.size()
@@ -318,53 +339,21 @@ int main(int argc, char** argv) {
     if (!shoal::is_main()) return 0;
 
     // The one-process reference on the whole batches.
-    shoal::ps::detail::TableSpec spec;
-    spec.name = "table";
-    spec.sparse = true;
-    spec.shape = {kRows, kDim};
-    spec.init = {shoal::ps::detail::InitSpec::Kind::kNormal, 0, 0.5};
-    spec.seed = kSeed;
-    std::vector<torch::Tensor> rows, initial;
-    for (int64_t id = 0; id < kRows; ++id) {
-      initial.push_back(torch::empty({kDim}));
-      shoal::ps::detail::initial_row(spec, id, initial.back().data_ptr<float>(), kDim);
-      rows.push_back(initial.back().clone().requires_grad_(true));
-    }
+    const std::vector<torch::Tensor> initial = initial_rows();
+    std::vector<torch::Tensor> rows;
+    for (const auto& row : initial) rows.push_back(row.clone().requires_grad_(true));
     std::vector<torch::Tensor> parameters = first->parameters();
     parameters.insert(parameters.end(), rows.begin(), rows.end());
     auto reference = make(kind, kind == "adam" ? first->parameters() : parameters);
     SparseAdamRows sparse_adam(rows, 0.05);
     for (int t = 0; t < kSteps; ++t) {
-      const Batch b = batch(t, 0, kBatch);
       for (auto& p : parameters) p.mutable_grad() = torch::Tensor();  // untouched rows: no grad
-      std::vector<torch::Tensor> picked;
-      for (int64_t i = 0; i < kBatch; ++i)
-        for (int64_t j = 0; j < kIdsPerSample; ++j)
-          picked.push_back(rows[b.ids[i][j].item<int64_t>()]);
-      const auto looked_up = torch::stack(picked).view({kBatch, kIdsPerSample, kDim});
-      torch::mse_loss(first->head(looked_up, b.x), b.y).backward();
+      reference_backward(first, rows, batch(t, 0, kBatch));
       reference->step();
       if (kind == "adam") sparse_adam.step();
     }
-
-    for (const auto& p : first->named_parameters()) {
-      const double error = relative_error(dense[p.key()], p.value());
-      if (!(error < 1e-5)) {
-        std::cout << "parameter " << p.key() << " off by " << error << " (relative)" << std::endl;
-        return 1;
-      }
-    }
-    torch::NoGradGuard no_grad;
-    const auto held = net->table->forward(torch::arange(kRows, torch::kLong));
-    for (int64_t id = 0; id < kRows; ++id) {
-      // Rows 48.. are in no batch: bit-identical to their initial values.
-      const bool equal = id >= 48 ? torch::equal(held[id], initial[id])
-                                  : relative_error(held[id], rows[id]) < 1e-5;
-      if (!equal) {
-        std::cout << "row " << id << " is " << held[id] << ", expected " << rows[id] << std::endl;
-        return 1;
-      }
-    }
+    // Rows 48.. are in no batch: bit-identical to their initial values.
+    if (!equals_reference(net, first, rows, initial, 48)) return 1;
     std::cout << "ps train ok: " << kind << ", " << workers << " workers, " << kSteps
               << " sync steps" << std::endl;
     return 0;
