@@ -1079,6 +1079,34 @@ TEST(PsServerCore, ALeaversPushCountsOnEveryServerOrOnNone) {
   }
 }
 
+// Backup workers (replicas_to_aggregate): a push that came too late is answered counted = false
+// and its batch goes back into the epoch, to be leased again.
+TEST(PsServerCore, ALatePushsBatchGoesBackIntoTheEpoch) {
+  ServerCoreOptions options;
+  options.replicas_to_aggregate = 2;
+  Small server(options);
+  std::vector<LeaseReply> leases;
+  for (int32_t w : {0, 1, 2})
+    leases.push_back(server.core->lease({w, 0, 100, 10, false}, shoal::Deadline(Ms(0))));
+  std::vector<bool> counted;
+  for (int32_t w : {0, 1, 2}) {
+    PushRequest request;
+    request.worker = w;
+    request.clock = 0;
+    request.rows = 10;
+    request.dense = {DenseSlice{0, {0}, std::vector<float>(8, 1.f)}};
+    request.epoch = 0;
+    request.batch = leases[static_cast<size_t>(w)].batch;
+    counted.push_back(server.core->push(request, shoal::Deadline(Ms(0))).counted);
+  }
+  EXPECT_EQ(counted, (std::vector<bool>{true, true, false}));
+  const auto counts = *server.core->ledger_counts();
+  EXPECT_EQ(counts[1], 2);  // workers 0 and 1's batches are done
+  EXPECT_EQ(counts[2], 0);  // worker 2's is back, not out
+  EXPECT_EQ(server.core->lease({0, 0, 100, 10, false}, shoal::Deadline(Ms(0))).batch,
+            leases[2].batch);
+}
+
 TEST(PsServerCore, AnIdleStepWeighsNothing) {
   // Worker 1 had no batch (the epoch's last ones were out): its push has no rows and no values,
   // the step is the others' mean, and a step of idle pushes only changes nothing.

@@ -70,6 +70,17 @@ void Ledger::done(int32_t worker, int64_t epoch, int64_t batch) {
   ++done_;
 }
 
+void Ledger::give_back(int32_t worker, int64_t epoch, int64_t batch) {
+  if (!is_out(worker, epoch, batch)) {
+    throw UsageError("parameter server: worker " + std::to_string(worker) + " gave back batch " +
+                     std::to_string(batch) + " of epoch " + std::to_string(epoch) +
+                     "; expected a batch of epoch " + std::to_string(epoch_) +
+                     " leased to it and not yet done");
+  }
+  out_.erase(batch);
+  returned_.insert(batch);
+}
+
 bool Ledger::is_out(int32_t worker, int64_t epoch, int64_t batch) const {
   auto it = out_.find(batch);
   return epoch == epoch_ && it != out_.end() && it->second == worker;

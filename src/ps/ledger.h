@@ -50,6 +50,9 @@ class Ledger {
   Lease lease(int32_t worker, int64_t epoch);
   // The batch's gradient was applied. UsageError (changing nothing) unless it is out with `worker`.
   void done(int32_t worker, int64_t epoch, int64_t batch);
+  // A batch whose gradient was not applied (a backup worker's late push) goes back, to be leased
+  // again first. UsageError (changing nothing) unless it is out with `worker`.
+  void give_back(int32_t worker, int64_t epoch, int64_t batch);
   // Whether `batch` of `epoch` is out with `worker` (a push may name it).
   bool is_out(int32_t worker, int64_t epoch, int64_t batch) const;
   // The worker's batches that are out come back (it left or died), but for those in `keep` (its

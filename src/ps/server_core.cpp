@@ -591,6 +591,8 @@ PushReply ServerCore::push(const PushRequest& request, const Deadline& /*deadlin
                                        pending_[request.clock].size() >=
                                            static_cast<size_t>(options_.replicas_to_aggregate))) {
     reply.counted = false;  // the step was full without it (backup workers)
+    // Its samples go back into the epoch, unlike TensorFlow's SyncReplicasOptimizer's.
+    if (ledger_ && request.batch >= 0) ledger_->give_back(w, request.epoch, request.batch);
   } else {
     buffer_push(request);  // copied: the transport keeps its request (a replica forwards it)
     apply_ready_steps();
