@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include "error_of.h"
+#include "shoal/data/loader.h"
 #include "shoal/ps/ps.h"
 #include "shoal/runtime/init.h"
 #include "shoal_run.h"
@@ -131,6 +132,22 @@ TEST(PsClient, MisuseIsAUsageErrorSayingWhatWasExpected) {
               (std::vector<int64_t>{1, 2, 2}));
     EXPECT_EQ(model->hashed->forward(torch::empty({0}, torch::kLong)).sizes(),
               (std::vector<int64_t>{0, 2}));
+
+    // Leased batches (a job of one leases from its in-process core).
+    data::LoaderOptions options;
+    options.batch_size = 4;
+    auto loader = data::make_loader(
+        torch::data::datasets::TensorDataset(torch::arange(10).view({10, 1})), options);
+    optimizer.train_on(loader);
+    EXPECT_EQ(error_of([&] { optimizer.train_on(loader); }),
+              "shoal::ps::Optimizer::train_on: called twice; expected one loader per optimizer "
+              "(the servers keep one ledger of batches)");
+    auto epoch = loader.epoch(0);
+    auto batch = epoch.begin();
+    EXPECT_EQ(batch->data.size(0), 4);
+    EXPECT_EQ(error_of([&] { ++batch; }),
+              "shoal::ps::Optimizer::train_on: the loader handed out batch 0 of epoch 0 and no "
+              "step() pushed its gradient; expected one step() per batch");
   }
   EXPECT_EQ(error_of([&] { model->bounded->forward(torch::tensor({1})); }),
             "ps::Embedding: forward before a shoal::ps::Optimizer took the model (or after it was "
