@@ -59,25 +59,24 @@ Ledger::Lease Ledger::lease(int32_t worker, int64_t epoch) {
   return lease;
 }
 
-void Ledger::done(int32_t worker, int64_t epoch, int64_t batch) {
+void Ledger::take_back(int32_t worker, int64_t epoch, int64_t batch, const char* verb,
+                       const char* after) {
   if (!is_out(worker, epoch, batch)) {
-    throw UsageError("parameter server: worker " + std::to_string(worker) + " reported batch " +
-                     std::to_string(batch) + " of epoch " + std::to_string(epoch) +
-                     " trained; expected a batch of epoch " + std::to_string(epoch_) +
-                     " leased to it and not yet done");
-  }
-  out_.erase(batch);
-  ++done_;
-}
-
-void Ledger::give_back(int32_t worker, int64_t epoch, int64_t batch) {
-  if (!is_out(worker, epoch, batch)) {
-    throw UsageError("parameter server: worker " + std::to_string(worker) + " gave back batch " +
-                     std::to_string(batch) + " of epoch " + std::to_string(epoch) +
+    throw UsageError("parameter server: worker " + std::to_string(worker) + " " + verb + " batch " +
+                     std::to_string(batch) + " of epoch " + std::to_string(epoch) + after +
                      "; expected a batch of epoch " + std::to_string(epoch_) +
                      " leased to it and not yet done");
   }
   out_.erase(batch);
+}
+
+void Ledger::done(int32_t worker, int64_t epoch, int64_t batch) {
+  take_back(worker, epoch, batch, "reported", " trained");
+  ++done_;
+}
+
+void Ledger::give_back(int32_t worker, int64_t epoch, int64_t batch) {
+  take_back(worker, epoch, batch, "gave back", "");
   returned_.insert(batch);
 }
 

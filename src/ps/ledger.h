@@ -59,6 +59,7 @@ class Ledger {
   // gradients of them still count); returns how many came back.
   int64_t release(int32_t worker, const std::set<int64_t>& keep = {});
 
+  const Options& options() const { return options_; }
   int64_t epoch() const { return epoch_; }
   int64_t batches_per_epoch() const;
   int64_t done_count() const { return done_; }
@@ -66,6 +67,10 @@ class Ledger {
   bool epoch_done() const { return done_ == batches_per_epoch(); }
 
  private:
+  // Takes `batch` off the batches out with `worker`; UsageError saying "worker W <verb> batch B of
+  // epoch E<after>; expected ..." when it is not out with it.
+  void take_back(int32_t worker, int64_t epoch, int64_t batch, const char* verb, const char* after);
+
   Options options_;
   int64_t epoch_ = 0;
   int64_t next_ = 0;                // the next fresh batch of the open epoch

@@ -554,9 +554,7 @@ PushReply ServerCore::push(const PushRequest& request, const Deadline& /*deadlin
   const char* what = "push";
   std::lock_guard<std::mutex> lock(mutex_);
   const int32_t w = request.worker;
-  if (live_.count(w) == 0)
-    bad(what, "worker " + std::to_string(w) + " is not live; expected one of " +
-                  list_workers({live_.begin(), live_.end()}));
+  check_live(what, w);
   adopt(w, request.clock);
   const int64_t next = clock_[w];
   // See Note [Retried pushes] (server_core.h).
@@ -567,7 +565,8 @@ PushReply ServerCore::push(const PushRequest& request, const Deadline& /*deadlin
   if (request.clock != next)
     bad(what, "worker " + std::to_string(w) + " pushed step " + std::to_string(request.clock) +
                   "; expected its next step " + std::to_string(next));
-  if (request.rows < 0 || (request.rows == 0 && (!request.dense.empty() || !request.sparse.empty())))
+  if (request.rows < 0 ||
+      (request.rows == 0 && (!request.dense.empty() || !request.sparse.empty())))
     bad(what, "worker " + std::to_string(w) + " pushed a gradient of " +
                   std::to_string(request.rows) + " samples" +
                   (request.rows == 0 ? " with values" : "") +
@@ -601,6 +600,12 @@ PushReply ServerCore::push(const PushRequest& request, const Deadline& /*deadlin
   last_reply_[w] = reply;
   changed_.notify_all();
   return reply;
+}
+
+void ServerCore::check_live(const char* what, int32_t w) const {
+  if (live_.count(w) == 0)
+    bad(what, "worker " + std::to_string(w) + " is not live; expected one of " +
+                  list_workers({live_.begin(), live_.end()}));
 }
 
 int64_t ServerCore::slowest_clock() const {
@@ -691,9 +696,7 @@ void ServerCore::pull(const PullRequest& request, const Deadline& deadline, Pull
   const char* what = "pull";
   std::unique_lock<std::mutex> lock(mutex_);
   const int32_t w = request.worker;
-  if (live_.count(w) == 0)
-    bad(what, "worker " + std::to_string(w) + " is not live; expected one of " +
-                  list_workers({live_.begin(), live_.end()}));
+  check_live(what, w);
   adopt(w, request.clock);
   if (request.clock < 0 || request.clock > clock_[w])
     bad(what, "worker " + std::to_string(w) + " pulled at clock " + std::to_string(request.clock) +
@@ -789,9 +792,7 @@ int64_t ServerCore::sealed_clock(int32_t worker) const {
 
 void ServerCore::leave(int32_t w, int64_t sealed) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (live_.count(w) == 0)
-    bad("leave", "worker " + std::to_string(w) + " is not live; expected one of " +
-                     list_workers({live_.begin(), live_.end()}));
+  check_live("leave", w);
   if (!options_.sealed_pushes)
     bad("leave", "worker " + std::to_string(w) +
                      " leaves by its sealed clock, but this server does not seal pushes; expected "
@@ -822,21 +823,17 @@ LeaseReply ServerCore::lease(const LeaseRequest& request, const Deadline& /*dead
                      " asked for a batch, but this server writes snapshots, which do not hold the "
                      "ledger yet (a restarted server would start the epoch again); expected a job "
                      "without --ps-snapshot-dir to lease batches");
-  if (live_.count(worker) == 0)
-    bad("lease", "worker " + std::to_string(worker) + " is not live; expected one of " +
-                     list_workers({live_.begin(), live_.end()}));
-  if (!ledger_) {
-    ledger_.emplace(data);
-    ledger_data_ = data;
-  } else if (data.dataset_size != ledger_data_.dataset_size ||
-             data.batch_size != ledger_data_.batch_size ||
-             data.drop_last != ledger_data_.drop_last) {
+  check_live("lease", worker);
+  if (!ledger_) ledger_.emplace(data);
+  const Ledger::Options& kept = ledger_->options();
+  if (data.dataset_size != kept.dataset_size || data.batch_size != kept.batch_size ||
+      data.drop_last != kept.drop_last) {
     bad("lease", "worker " + std::to_string(worker) + " names a data set of " +
                      std::to_string(data.dataset_size) + " samples in batches of " +
                      std::to_string(data.batch_size) + (data.drop_last ? " (drop_last)" : "") +
-                     "; expected the ledger's " + std::to_string(ledger_data_.dataset_size) +
-                     " in batches of " + std::to_string(ledger_data_.batch_size) +
-                     (ledger_data_.drop_last ? " (drop_last)" : ""));
+                     "; expected the ledger's " + std::to_string(kept.dataset_size) +
+                     " in batches of " + std::to_string(kept.batch_size) +
+                     (kept.drop_last ? " (drop_last)" : ""));
   }
   const Ledger::Lease lease = ledger_->lease(worker, request.epoch);
   return {static_cast<LeaseReply::Kind>(lease.kind), lease.epoch, lease.batch, lease.begin,

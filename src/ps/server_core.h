@@ -170,6 +170,8 @@ class ServerCore : public Handler {
   // A leaver's ledger batches come back, but for those of its pushes still counted.
   void release_batches(int32_t w);
   int64_t slowest_clock() const;
+  // UsageError naming the live workers, when `w` is not one of them.
+  void check_live(const char* what, int32_t w) const;
   std::string describe_sync_wait(int64_t step) const;
   std::string describe_staleness_wait(int64_t needed) const;
 
@@ -211,7 +213,6 @@ class ServerCore : public Handler {
   // sealed_pushes, not sync: pushes received and not yet sealed, per worker by clock.
   std::map<int32_t, std::map<int64_t, PushRequest>> unsealed_;
   std::optional<Ledger> ledger_;
-  Ledger::Options ledger_data_;
 };
 
 }  // namespace shoal::ps::detail
