@@ -3,8 +3,12 @@
 // against one process training the whole batches with torch::optim (each table row its own
 // parameter, so that torch keeps a state per row as the servers' lazy rules do). In-process: the
 // API's errors, on a job of one without servers.
+#include <csignal>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
 
 #include <unistd.h>
 
@@ -74,6 +78,89 @@ TEST(PsTrain, LeasedBatchesTrainEverySampleOncePerEpochInEveryMode) {
     EXPECT_NE(run.out.find("[0] ps leased ok: " + mode + ", 3 workers, 2 epochs of 50 samples"),
               std::string::npos)
         << run.out;
+  }
+}
+
+// The logs of an elastic run (tests/programs/ps_train.cpp, `elastic`): per worker process (its
+// pid), the steps it confirmed, and whether it is inside a step (its last line begins one).
+struct WorkerLog {
+  int confirmed = 0;
+  bool in_step = false;
+};
+std::map<std::string, WorkerLog> worker_logs(const std::string& dir) {
+  std::map<std::string, WorkerLog> logs;
+  for (const auto& file : std::filesystem::directory_iterator(dir)) {
+    const std::string name = file.path().filename().string();
+    if (name.rfind("log-", 0) != 0) continue;
+    std::ifstream in(file.path());
+    WorkerLog& log = logs[name.substr(4)];
+    for (std::string line; std::getline(in, line);) {
+      log.confirmed += line.rfind("c ", 0) == 0 ? 1 : 0;
+      log.in_step = line.rfind("t ", 0) == 0;
+    }
+  }
+  return logs;
+}
+
+// docs/ps.md, "Elastic workers": `shoal run --servers 2 --min 1 --max 3 -n 3 --max-restarts 1`
+// of workers leasing their batches. Once all three trained, one is SIGKILLed; the launcher makes
+// it leave the servers and starts it again under a new id, which joins mid-epoch; once that one
+// trained, another is SIGTERMed, and joins again likewise. Then the workers finish their epoch
+// and stop. The logs show every epoch trained each sample exactly once in the steps that count
+// (a dead worker's last step counts unless its batch was leased again), in every mode; in sync
+// the servers' values also equal one process trained on the counted batches step by step, so a
+// dead worker's gradient counted, or was dropped, together with its samples on both servers.
+TEST(PsTrain, WorkersKilledAndJoinedMidEpochTrainEverySampleOnceInEveryMode) {
+  for (const std::string mode : {"sync", "async", "ssp:1"}) {
+    SCOPED_TRACE(mode);
+    const std::string dir = ::testing::TempDir() + "ps_elastic_" + std::to_string(::getpid()) +
+                            "_" + mode.substr(0, 3);
+    std::filesystem::remove_all(dir);
+    std::filesystem::create_directories(dir);
+    ::setenv("SHOAL_PS_MODE", mode.c_str(), 1);
+    ShoalRun run({"--servers", "2", "--min", "1", "--max", "3", "-n", "3", "--max-restarts", "1",
+                  kTrain, "elastic", dir});
+    ::unsetenv("SHOAL_PS_MODE");
+    // Waits until `count` worker processes have confirmed at least two steps each; returns them.
+    auto trained = [&](size_t count) {
+      std::vector<std::string> pids;
+      const bool ready = run.wait_until(
+          [&](const RunResult&) {
+            pids.clear();
+            for (const auto& [pid, log] : worker_logs(dir))
+              if (log.confirmed >= 2) pids.push_back(pid);
+            return pids.size() >= count;
+          },
+          120s);
+      EXPECT_TRUE(ready) << "fewer than " << count << " workers trained two steps\n"
+                         << run.so_far().out << run.so_far().err;
+      return pids;
+    };
+    // Signals `pid` once it is inside a step with a batch (between its "t" and "c" lines).
+    auto kill_in_step = [&](const std::string& pid, int signal) {
+      EXPECT_TRUE(run.wait_until(
+          [&](const RunResult&) { return worker_logs(dir)[pid].in_step; }, 60s))
+          << "worker " << pid << " took no step";
+      ::kill(std::stoi(pid), signal);
+    };
+    const auto first = trained(3);
+    if (first.size() < 3) continue;
+    kill_in_step(first[0], SIGKILL);
+    if (trained(4).size() < 4) continue;  // its replacement joined and trained
+    kill_in_step(first[1], SIGTERM);
+    if (trained(5).size() < 5) continue;
+    std::ofstream(dir + "/stop") << "stop\n";
+    const RunResult result = run.wait(120s);
+    EXPECT_EQ(result.exit_code, 0) << result.out << result.err;
+    EXPECT_NE(result.err.find(" was killed by signal 9 (SIGKILL); restarting it in "),
+              std::string::npos)
+        << result.err;
+    const RunResult check = run_shoal({"-n", "1", kTrain, "elastic-check", dir, mode}, 60s);
+    EXPECT_EQ(check.exit_code, 0) << check.out << check.err;
+    EXPECT_NE(check.out.find("ps elastic ok: " + mode + ", 5 workers"), std::string::npos)
+        << check.out;
+    std::cout << check.out;
+    std::filesystem::remove_all(dir);
   }
 }
 

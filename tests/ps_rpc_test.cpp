@@ -359,6 +359,25 @@ TEST_F(PsRpcTest, MalformedAndHostileRequestsAreRefusedAndTheServerGoesOn) {
        }(),
        kToken, StatusCode::INVALID_ARGUMENT,
        "Register: tables[0].shape[1] = -3; expected a non-negative number"},
+      {"unknown membership op", "Membership",
+       [] {
+         pb::MembershipRequest r;
+         r.set_op(9);
+         r.set_worker(3);
+         return r.SerializeAsString();
+       }(),
+       kToken, StatusCode::INVALID_ARGUMENT,
+       "Membership: op = 9; expected 0 (join), 1 (fence) or 2 (leave)"},
+      {"a join to a job of fixed workers", "Membership",
+       [] {
+         pb::MembershipRequest r;
+         r.set_worker(3);
+         return r.SerializeAsString();
+       }(),
+       kToken, StatusCode::INVALID_ARGUMENT,
+       "Membership: parameter server: worker 3 joins or leaves, but this server serves a job of "
+       "fixed workers (expected an elastic job: shoal run --servers S --min A --max B, without "
+       "--ps-replicas)"},
       {"no token", "Push", good, std::nullopt, StatusCode::UNAUTHENTICATED,
        "Push carries no job token; expected the job's token in metadata shoal-job-token "
        "(SHOAL_JOB_TOKEN)"},
@@ -827,8 +846,14 @@ TEST(PsLaunch, ServersFlagIsCheckedAtOnce) {
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
       {{"--servers", "-1", kWorker},
        "shoal run: --servers: expected a number of servers from 0 to 1024, got '-1'"},
-      {{"--servers", "2", "--min", "1", "--max", "2", kWorker},
-       "shoal run: --servers is not supported with elastic jobs (--min/--max, --join) yet; drop "
+      {{"--servers", "2", "--join", "127.0.0.1:1", kWorker},
+       "shoal run: --join is not supported with --servers yet; start the job's workers with one "
+       "shoal run --servers S --min A --max B"},
+      {{"--servers", "2", "--min", "1", "--max", "2", "--quorum", kWorker},
+       "shoal run: --quorum is for elastic all-reduce jobs; a job with --servers keeps its state "
+       "on the servers (drop it)"},
+      {{"--servers", "2", "--min", "1", "--max", "2", "--ps-replicas", "2", kWorker},
+       "shoal run: --ps-replicas is not supported with elastic workers (--min/--max) yet; drop "
        "one of them"},
       {{"--servers", "1", "--nnodes", "2", "--master", "127.0.0.1:1", kWorker},
        "shoal run: --servers is not supported with --nnodes > 1 yet; run the job on one node"},

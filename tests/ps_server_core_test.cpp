@@ -930,11 +930,11 @@ struct TwoServers {
     for (auto& t : pulls) t.join();
     pulls.clear();
   }
-  // What the coordinator does for a worker that died: the highest clock it sealed anywhere
-  // decides on every server.
+  // What the launcher does for a worker that died (Note [Joins and leaves]): fenced off
+  // everywhere, then the highest clock it sealed anywhere decides on every server.
   void lost(int32_t worker) {
     int64_t sealed = 0;
-    for (auto& s : servers) sealed = std::max(sealed, s.core->sealed_clock(worker));
+    for (auto& s : servers) sealed = std::max(sealed, s.core->fence(worker));
     for (auto& s : servers) s.core->leave(worker, sealed);
   }
   std::vector<Small> servers;
@@ -993,6 +993,71 @@ TEST(PsServerCore, ALeaversPushCountsOnEveryServerOrOnNone) {
       EXPECT_FLOAT_EQ(server.value(), 1 - 1.f);
     }
   }
+}
+
+// Note [Joins and leaves]: a worker joins every server at one clock, the highest any of them
+// answered; a server that made it live from an earlier clock then stops waiting for its pushes of
+// the steps before, and no server passes that clock without its push.
+TEST(PsServerCore, AJoinerIsLiveFromOneClockOnEveryServer) {
+  ServerCoreOptions options;
+  options.sealed_pushes = true;
+  Small a(options, 1), b(options, 1);  // worker 0 alone; w starts at 1, SGD with lr 1
+  for (Small* server : {&a, &b}) {
+    server->push(0, 0, 1.f);
+    server->pull(0, 1, Ms(0));
+    server->push(0, 1, 1.f);
+  }
+  a.pull(0, 2, Ms(0));  // worker 0 sealed step 1 on a, not yet on b
+  EXPECT_EQ(a.core->step(), 2);
+  EXPECT_EQ(b.core->step(), 1);
+  EXPECT_EQ(a.core->join(7, 0), 2);
+  EXPECT_EQ(b.core->join(7, 0), 1);
+  EXPECT_EQ(a.core->join(7, 2), 2);
+  EXPECT_EQ(b.core->join(7, 2), 2);
+  b.pull(0, 2, Ms(0));  // step 1 is applied on b without worker 7
+  EXPECT_EQ(b.core->step(), 2);
+  for (Small* server : {&a, &b}) {
+    server->push(0, 2, 1.f);
+    // Step 2 waits for worker 7 (the pull seals worker 0's push, then times out).
+    EXPECT_NE(error_of<CommError>([&] { server->pull(0, 3, Ms(20)); })
+                  .find("waiting for workers 7 at clock 2"),
+              std::string::npos);
+    server->push(7, 2, 3.f);
+    server->pull(7, 3, Ms(1000));
+    EXPECT_EQ(server->core->step(), 3);
+    EXPECT_FLOAT_EQ(server->value(), 1 - 1 - 1 - (1.f + 3.f) / 2);
+    EXPECT_EQ(server->core->join(7, 9), 3);  // it pushed since it joined: its clock stays
+  }
+}
+
+// A lost worker is fenced off before it leaves: from then on the server takes no request of it,
+// and its id never joins again; fencing and leaving a worker that never joined changes nothing.
+TEST(PsServerCore, AFencedWorkerIsRefusedAndNeverJoinsAgain) {
+  ServerCoreOptions options;
+  options.sealed_pushes = true;
+  Small server(options, 2);
+  server.push(1, 0, 5.f);  // not sealed
+  EXPECT_EQ(server.core->fence(1), 0);
+  const std::string gone = "worker 1 has left the job (its launcher saw it exit); expected a live "
+                           "worker";
+  EXPECT_NE(error_of([&] { server.pull(1, 1, Ms(0)); }).find(gone), std::string::npos);
+  EXPECT_NE(error_of([&] { server.push(1, 1, 5.f); }).find(gone), std::string::npos);
+  server.core->leave(1, 0);  // its push is dropped
+  server.push(0, 0, 1.f);
+  server.pull(0, 1, Ms(0));
+  EXPECT_EQ(server.core->step(), 1);
+  EXPECT_FLOAT_EQ(server.value(), 1 - 1.f);
+  EXPECT_NE(error_of([&] { server.core->join(1, 0); })
+                .find("worker 1 has left the job; expected a new worker id for a worker that "
+                      "joins again"),
+            std::string::npos);
+  EXPECT_EQ(server.core->fence(5), 0);
+  server.core->leave(5, 0);
+  EXPECT_EQ(server.core->step(), 1);
+  // A server that does not seal pushes serves a job of fixed workers.
+  Small fixed(ServerCoreOptions{}, 2);
+  EXPECT_NE(error_of([&] { fixed.core->join(3, 0); }).find("expected an elastic job"),
+            std::string::npos);
 }
 
 // Backup workers (replicas_to_aggregate): a push that came too late is answered counted = false

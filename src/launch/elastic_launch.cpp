@@ -234,6 +234,7 @@ void Launcher::on_elastic_failure(Worker& worker, const ExitStatus& status) {
         (options_.max_restarts > 0 ? " (restarted " + std::to_string(worker.restarts) + " times)"
                                    : "") +
         "; the job goes on without it");
+    if (ps_elastic()) check_min_workers(worker, status);
     return;
   }
   const Duration backoff =
@@ -254,6 +255,7 @@ void Launcher::restart_due(TimePoint now) {
     worker->restart_at.reset();
     ++worker->restarts;
     close_output(*worker);
+    if (ps_elastic()) set_ps_worker(*worker);
     try {
       spawn(*worker);
     } catch (const Error& e) {

@@ -11,6 +11,7 @@
 #include "elastic_agent.h"
 #include "job_store.h"
 #include "nodes.h"
+#include "ps_server.h"
 #include "process.h"
 #include "shoal/core/error.h"
 #include "signals.h"
@@ -58,7 +59,7 @@ int Launcher::run() {
   // Descendants that a worker orphans are re-parented to us rather than to init, so we reap
   // them, and can kill those that left their worker's process group (kill_leftovers).
   ::prctl(PR_SET_CHILD_SUBREAPER, 1);
-  if (options_.elastic) return run_elastic();
+  if (options_.elastic && options_.servers == 0) return run_elastic();
   const std::string own_run_id = make_run_id();
   try {
     store_ = open_job_store(options_, *signals_, own_run_id);
@@ -89,6 +90,8 @@ int Launcher::run() {
     say("the job failed on another node: " + failure);
     return 1;
   }
+  // An elastic job whose training finished succeeds, whatever workers it lost on the way.
+  if (ps_elastic() && !stopping_ && any_success_) return 0;
   return exit_code_;
 }
 
@@ -108,6 +111,7 @@ void Launcher::start_workers(const std::string& run_id, int port) {
         options_.tags_output() ? "[" + std::to_string(place.rank()) + "] " : std::string();
     auto worker = std::make_unique<Worker>(i, place.rank(), prefix, out_, err_);
     worker->envp = to_envp(worker_environment(base, place));
+    if (ps_elastic()) set_ps_worker(*worker);
     try {
       spawn(*worker);
     } catch (const Error& e) {
@@ -290,6 +294,7 @@ void Launcher::on_exit(Worker& worker, const ExitStatus& status) {
   // Note [No orphans] (watchdog.h): whatever the worker left behind in its group goes with it.
   signal_group(worker.pid, SIGKILL);
   watchdog_->forget(worker.pid);
+  if (ps_elastic() && !stopping_) leave_servers(worker);
   if (!status.success() && !stopping_) on_failure(worker, status);
   if (options_.servers > 0) stop_servers_after_workers();
 }

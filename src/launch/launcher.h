@@ -21,6 +21,7 @@ namespace shoal::launch {
 class ElasticAgent;
 class JobStore;
 class NodeGroup;
+class PsMembership;
 class SignalSet;
 class Watchdog;
 struct ExitStatus;
@@ -69,6 +70,14 @@ class Launcher {
   void on_server_exit(Worker& server, const ExitStatus& status);
   std::string server_name(const Worker& server) const;
   void stop_servers_after_workers();
+  // An elastic job with servers (--servers S --min A --max B; docs/ps.md, "Elastic workers"):
+  // each worker has an id at the servers that no other worker of the job ever had (the slot, then
+  // slot + n * restarts); a worker whose process ended leaves the servers; a failed one restarts
+  // under a new id, and the job fails when fewer than --min workers remain.
+  bool ps_elastic() const { return options_.elastic && options_.servers > 0; }
+  void set_ps_worker(Worker& worker);
+  void leave_servers(Worker& worker);
+  void check_min_workers(const Worker& lost, const ExitStatus& status);
 
   // Elastic jobs (elastic_launch.cpp).
   int run_elastic();
@@ -94,6 +103,7 @@ class Launcher {
   bool any_success_ = false;  // a worker exited 0 (an elastic job's training finished)
   std::string ps_token_;           // the job's token for its parameter servers
   bool servers_stopping_ = false;  // the workers are done and the servers were told to stop
+  std::unique_ptr<PsMembership> ps_members_;  // ps_elastic(): makes lost workers leave
 
   bool stopping_ = false;
   int exit_code_ = 0;

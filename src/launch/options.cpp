@@ -179,7 +179,7 @@ void add_flags(CLI::App& app, RawFlags& raw) {
 }
 
 // See docs/ps.md, "Processes".
-void validate_servers(const RawFlags& raw, LaunchOptions& options) {
+void validate_servers(const RawFlags& raw, const CLI::App& app, LaunchOptions& options) {
   options.servers =
       parse_int("--servers", raw.servers, 0, 1024, "a number of servers from 0 to 1024");
   options.ps_replicas = parse_int("--ps-replicas", raw.ps_replicas, 1, 2,
@@ -195,8 +195,23 @@ void validate_servers(const RawFlags& raw, LaunchOptions& options) {
     return;
   }
   if (options.elastic) {
-    throw UsageError(
-        "--servers is not supported with elastic jobs (--min/--max, --join) yet; drop one of them");
+    // docs/ps.md, "Elastic workers": the servers are the job's membership; one launcher.
+    if (options.joins()) {
+      throw UsageError("--join is not supported with --servers yet; start the job's workers with "
+                       "one shoal run --servers S --min A --max B");
+    }
+    for (const char* flag : {"--rendezvous", "--quorum", "--last-call", "--rendezvous-timeout", "--checkpoint",
+                             "--checkpoint-every", "--token-file"}) {
+      if (app.count(flag) > 0) {
+        throw UsageError(std::string(flag) +
+                         " is for elastic all-reduce jobs; a job with --servers keeps its state "
+                         "on the servers (drop it)");
+      }
+    }
+    if (options.ps_replicas > 1 || !options.ps_snapshot_dir.empty()) {
+      throw UsageError(std::string(options.ps_replicas > 1 ? "--ps-replicas" : "--ps-snapshot-dir") +
+                       " is not supported with elastic workers (--min/--max) yet; drop one of them");
+    }
   }
   if (options.nnodes > 1) {
     throw UsageError("--servers is not supported with --nnodes > 1 yet; run the job on one node");
@@ -308,7 +323,7 @@ LaunchOptions validate(const RawFlags& raw, const CLI::App& app) {
   if (tag && no_tag) throw UsageError("--tag-output and --no-tag-output contradict each other");
   if (tag || no_tag) options.tag_output = tag;
   validate_elastic(raw, app, options);
-  validate_servers(raw, options);
+  validate_servers(raw, app, options);
   return options;
 }
 

@@ -12,6 +12,7 @@
 #include "launcher.h"
 #include "nodes.h"
 #include "process.h"
+#include "ps_server.h"
 #include "watchdog.h"
 #include "worker.h"
 #include "worker_env.h"
@@ -26,6 +27,8 @@ void Launcher::add_ps_environment(env::Environment& env) const {
   // The servers' clocks start with every worker of the job live.
   env["SHOAL_PS_WORKERS"] = std::to_string(options_.nproc_per_node * options_.nnodes);
   env["SHOAL_JOB_TOKEN"] = ps_token_;
+  // The servers seal pushes, and the workers join by themselves (docs/ps.md, "Elastic workers").
+  if (ps_elastic()) env["SHOAL_PS_ELASTIC"] = "1";
 }
 
 void Launcher::start_servers(const std::string& run_id, int port) {
@@ -121,13 +124,60 @@ void Launcher::on_server_exit(Worker& server, const ExitStatus& status) {
 void Launcher::stop_servers_after_workers() {
   if (servers_stopping_ || stopping_) return;
   for (const auto& worker : workers_) {
-    if (!worker->server && worker->running()) return;
+    if (!worker->server && (worker->running() || worker->restart_at)) return;
   }
   servers_stopping_ = true;
   for (auto& worker : workers_) {
     if (worker->server && worker->running()) signal_group(worker->pid, SIGTERM);
   }
   kill_at_ = std::chrono::steady_clock::now() + options_.stop_grace;
+}
+
+void Launcher::set_ps_worker(Worker& worker) {
+  worker.ps_worker = worker.local_rank + options_.nproc_per_node * worker.restarts;
+  auto& envp = worker.envp;
+  envp.erase(std::remove_if(envp.begin(), envp.end(),
+                            [](const std::string& variable) {
+                              return variable.rfind("SHOAL_PS_WORKER=", 0) == 0 ||
+                                     variable.rfind("SHOAL_PS_ELASTIC=", 0) == 0;
+                            }),
+             envp.end());
+  envp.push_back("SHOAL_PS_ELASTIC=1");
+  envp.push_back("SHOAL_PS_WORKER=" + std::to_string(worker.ps_worker));
+}
+
+// How long the launcher gives the servers to take a worker's leave.
+constexpr Duration kLeaveTimeout{10000};
+
+void Launcher::leave_servers(Worker& worker) {
+  if (!ps_members_) {
+    ps_members_ = std::make_unique<PsMembership>(options_.master_addr(), store_->port(),
+                                                  options_.servers, ps_token_);
+  }
+  try {
+    ps_members_->leave(worker.ps_worker, kLeaveTimeout);
+  } catch (const Error& e) {
+    // The others would wait for its pushes until their deadline: the job cannot go on.
+    if (exit_code_ == 0) exit_code_ = 1;
+    say("worker " + std::to_string(worker.local_rank) + " (worker " +
+        std::to_string(worker.ps_worker) + " at the parameter servers) " +
+        worker.exit->describe() + ", and the servers could not be told: " + e.what() +
+        "; stopping the job");
+    begin_stop(SIGTERM);
+  }
+}
+
+void Launcher::check_min_workers(const Worker& lost, const ExitStatus& status) {
+  int left = 0;
+  for (const auto& worker : workers_) {
+    if (!worker->server && (worker->running() || worker->restart_at)) ++left;
+  }
+  if (left >= options_.min_workers || stopping_) return;
+  exit_code_ = status.shell_code();
+  say("worker " + std::to_string(lost.local_rank) + " is lost and " + std::to_string(left) +
+      " workers remain, fewer than --min " + std::to_string(options_.min_workers) +
+      "; stopping the job");
+  begin_stop(SIGTERM);
 }
 
 }  // namespace shoal::launch

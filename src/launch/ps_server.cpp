@@ -67,6 +67,8 @@ std::unique_ptr<ps::detail::Handler> make_handler(const std::string& kind, const
     throw UsageError("--mode " + mode + "; expected sync, async or ssp:S (S a step count)");
   }
   for (int w = 0; w < *workers; ++w) options.workers.push_back(w);
+  // An elastic job's workers die, leave and join (docs/ps.md, "Elastic workers").
+  options.sealed_pushes = env::get_bool(env, "SHOAL_PS_ELASTIC").value_or(false);
   options.shards = ps::detail::ShardMap(servers).shards_of(index);
   if (snapshots != nullptr) {
     options.snapshot_every = snapshots->every();
@@ -194,6 +196,50 @@ int serve(int index, const std::string& host, int port, const std::string& handl
 }
 
 }  // namespace
+
+struct PsMembership::State {
+  std::string host;
+  int port = 0;
+  int servers = 0;
+  std::string token;
+  std::vector<std::unique_ptr<ps::detail::RpcClient>> clients;
+};
+
+PsMembership::PsMembership(const std::string& host, int port, int servers,
+                           const std::string& token)
+    : state_(std::make_unique<State>()) {
+  state_->host = host;
+  state_->port = port;
+  state_->servers = servers;
+  state_->token = token;
+}
+
+PsMembership::~PsMembership() = default;
+
+int64_t PsMembership::leave(int worker, Duration timeout) {
+  using ps::detail::MembershipRequest;
+  const Deadline deadline(timeout);
+  auto left = [&] { return std::max(deadline.remaining(), Duration(1)); };
+  if (state_->clients.empty()) {
+    comm::StoreOptions options;
+    options.host = state_->host;
+    options.port = state_->port;
+    options.timeout = left();
+    state_->clients =
+        ps::detail::connect_servers(comm::open_store(options), state_->servers, state_->token, left());
+  }
+  // Note [Joins and leaves] (src/ps/server_core.cpp): fenced off everywhere first, so that no
+  // seal of the dead process lands after its sealed clock was read.
+  int64_t sealed = 0;
+  for (auto& client : state_->clients) {
+    sealed = std::max(
+        sealed, client->membership({MembershipRequest::Op::kFence, worker, 0}, left()).clock);
+  }
+  for (auto& client : state_->clients) {
+    client->membership({MembershipRequest::Op::kLeave, worker, sealed}, left());
+  }
+  return sealed;
+}
 
 int ps_server_command(const std::vector<std::string>& args) {
   int index = -1;

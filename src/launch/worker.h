@@ -32,6 +32,7 @@ struct Launcher::Worker {
   bool server = false;  // a parameter server (`shoal ps-server --index <rank>`), not a worker
   std::vector<std::string> server_args;  // a server's further flags (--role backup, ...)
   bool backup = false;                   // a server that is its index's backup
+  int ps_worker = -1;  // an elastic job's worker: its id at the parameter servers (SHOAL_PS_WORKER)
   std::optional<std::chrono::steady_clock::time_point> restart_at;
 
   bool running() const { return pid > 0 && !exit; }

@@ -1,5 +1,6 @@
 #include "client.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <exception>
@@ -35,6 +36,9 @@ class RemoteEndpoint : public Client::Endpoint {
   LeaseReply lease(const LeaseRequest& request, Duration timeout) override {
     return client_->lease(request, timeout);
   }
+  MembershipReply membership(const MembershipRequest& request, Duration timeout) override {
+    return client_->membership(request, timeout);
+  }
 
  private:
   std::unique_ptr<RpcClient> client_;
@@ -56,6 +60,9 @@ class LocalEndpoint : public Client::Endpoint {
   LeaseReply lease(const LeaseRequest& request, Duration timeout) override {
     return core_.lease(request, Deadline(timeout));
   }
+  MembershipReply membership(const MembershipRequest& request, Duration timeout) override {
+    return core_.membership(request, Deadline(timeout));
+  }
 
  private:
   static ServerCoreOptions options() {
@@ -67,6 +74,13 @@ class LocalEndpoint : public Client::Endpoint {
   }
   ServerCore core_;
 };
+
+// The worker's id at the servers: its rank, or in an elastic job the id its launcher gave it,
+// which no other worker of the job ever had (a restarted worker gets a new one).
+int32_t worker_id() {
+  const auto id = env::get_int(env::current(), "SHOAL_PS_WORKER", 0, INT32_MAX);
+  return id ? static_cast<int32_t>(*id) : static_cast<int32_t>(shoal::rank());
+}
 
 std::vector<std::unique_ptr<Client::Endpoint>> open_servers(Duration timeout) {
   std::vector<std::unique_ptr<Client::Endpoint>> servers;
@@ -125,7 +139,8 @@ Client::Client(torch::nn::Module& model, const OptimizerSpec& optimizer, const P
     : timeout_(options.timeout == kUnsetTimeout ? shoal::world().timeout() : options.timeout),
       servers_(open_servers(timeout_)),
       map_(static_cast<int32_t>(servers_.size())),
-      worker_(shoal::rank()) {
+      worker_(worker_id()),
+      elastic_(env::get_bool(env::current(), "SHOAL_PS_ELASTIC").value_or(false)) {
   const int32_t server_count = map_.servers();
   std::vector<TableSpec> tables;
   for (const auto& item : model.named_parameters(/*recurse=*/true)) {
@@ -181,7 +196,28 @@ Client::Client(torch::nn::Module& model, const OptimizerSpec& optimizer, const P
     }
     servers_[s]->register_tables(request, timeout_);
   });
+  if (elastic_) join();
   pull_dense();
+}
+
+void Client::join() {
+  std::vector<int64_t> clocks(servers_.size(), 0);
+  for (int round = 0; round < 2; ++round) {
+    const int64_t highest = *std::max_element(clocks.begin(), clocks.end());
+    for_each_server([&](int32_t s) {
+      clocks[s] = servers_[s]
+                      ->membership({MembershipRequest::Op::kJoin, worker_, highest}, timeout_)
+                      .clock;
+    });
+  }
+  const int64_t clock = *std::max_element(clocks.begin(), clocks.end());
+  if (*std::min_element(clocks.begin(), clocks.end()) != clock) {
+    throw CommError("worker " + std::to_string(worker_) +
+                    " joined the parameter servers at different clocks (" +
+                    std::to_string(*std::min_element(clocks.begin(), clocks.end())) + " and " +
+                    std::to_string(clock) + "); expected one after the second round");
+  }
+  clock_ = clock;
 }
 
 Client::~Client() = default;
@@ -284,7 +320,7 @@ std::vector<std::vector<int64_t>> Client::route_rows(const std::string& table, c
 }
 
 void Client::pull_dense() {
-  if (dense_.empty()) return;
+  if (dense_.empty() && !elastic_) return;
   const size_t count = servers_.size();
   if (pull_.size() != count) {
     pull_.assign(count, {});
@@ -299,7 +335,7 @@ void Client::pull_dense() {
   }
   for_each_server([&](int32_t s) {
     PullRequest& request = pull_[s];
-    if (request.dense.empty()) return;
+    if (request.dense.empty() && !elastic_) return;  // elastic: the pull seals the step's push
     request.worker = worker_;
     request.clock = clock_;
     PullReply& reply = pulled_[s];

@@ -56,6 +56,7 @@ class Client : public std::enable_shared_from_this<Client> {
     virtual void pull(const PullRequest& request, Duration timeout, PullReply& reply) = 0;
     virtual PushReply push(const PushRequest& request, Duration timeout) = 0;
     virtual LeaseReply lease(const LeaseRequest& request, Duration timeout) = 0;
+    virtual MembershipReply membership(const MembershipRequest& request, Duration timeout) = 0;
   };
 
  private:
@@ -77,6 +78,8 @@ class Client : public std::enable_shared_from_this<Client> {
                                                int64_t count,
                                                std::vector<std::vector<int64_t>>* at) const;
   void pull_dense();
+  // An elastic job's worker joins every server (Note [Joins and leaves] in server_core.cpp).
+  void join();
   const Sparse& sparse_of(const EmbeddingImpl& table) const {
     return sparse_.at(static_cast<size_t>(table.table_) - dense_.size());
   }
@@ -94,6 +97,9 @@ class Client : public std::enable_shared_from_this<Client> {
   std::vector<std::unique_ptr<Endpoint>> servers_;
   ShardMap map_;
   int32_t worker_ = 0;
+  // An elastic job (SHOAL_PS_ELASTIC): the worker joins by itself, and every step pulls from every
+  // server, which seals its push there (Note [Sealed pushes] in server_core.cpp).
+  bool elastic_ = false;
   std::vector<Dense> dense_;
   std::vector<Sparse> sparse_;  // table index dense_.size() + i
   int64_t clock_ = 0;

@@ -40,6 +40,15 @@ class Handler {
                      " asked for a batch; this server keeps no ledger of batches (expected "
                      "server 0 of a job without --ps-replicas)");
   }
+  // Joins and leaves of an elastic job's workers (MembershipRequest in messages.h). A handler
+  // that does not seal pushes refuses.
+  virtual MembershipReply membership(const MembershipRequest& request,
+                                     const Deadline& /*deadline*/) {
+    throw UsageError("parameter server: worker " + std::to_string(request.worker) +
+                     " joins or leaves, but this server serves a job of fixed workers (expected "
+                     "an elastic job: shoal run --servers S --min A --max B, without "
+                     "--ps-replicas)");
+  }
 };
 
 }  // namespace shoal::ps::detail

@@ -130,6 +130,22 @@ struct LeaseReply {
   int64_t end = 0;
 };
 
+// A worker joins or leaves the live set of an elastic job (docs/ps.md, "Elastic workers"; Note
+// [Joins and leaves] in server_core.cpp). kJoin: `worker` is live from step `clock` on (raised to
+// the server's own step, or its slowest worker's clock); the reply is the clock it joined at.
+// kFence: the worker is gone (its launcher saw it exit): the server takes no further request of
+// it and answers its sealed clock. kLeave: the worker leaves with `clock`, the highest sealed
+// clock any server answered.
+struct MembershipRequest {
+  enum class Op : int32_t { kJoin = 0, kFence = 1, kLeave = 2 };
+  Op op = Op::kJoin;
+  int32_t worker = 0;
+  int64_t clock = 0;
+};
+struct MembershipReply {
+  int64_t clock = 0;
+};
+
 struct PushReply {
   // Sync with backup workers (replicas_to_aggregate < live workers): false when the step was
   // already full; the gradient was not applied and the worker puts its samples back.

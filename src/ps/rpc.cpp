@@ -37,6 +37,7 @@ constexpr const char* kPullMethod = "/shoal.ps.wire.ParameterServer/Pull";
 constexpr const char* kPushMethod = "/shoal.ps.wire.ParameterServer/Push";
 constexpr const char* kPingMethod = "/shoal.ps.wire.ParameterServer/Ping";
 constexpr const char* kLeaseMethod = "/shoal.ps.wire.ParameterServer/Lease";
+constexpr const char* kMembershipMethod = "/shoal.ps.wire.ParameterServer/Membership";
 
 std::string one_line(std::string text) {
   std::replace(text.begin(), text.end(), '\n', ' ');
@@ -106,6 +107,7 @@ class Service : public grpc::Service {
     add("Push", &Service::push);
     add("Ping", &Service::ping);
     add("Lease", &Service::lease);
+    add("Membership", &Service::membership);
   }
 
  private:
@@ -167,6 +169,16 @@ class Service : public grpc::Service {
       pb::LeaseReply reply;
       wire_format::to_wire(
           handler_.lease(wire_format::from_wire(request), deadline_of(*context)), reply);
+      return serialize(reply, out);
+    });
+  }
+  grpc::Status membership(grpc::ServerContext* context, const grpc::ByteBuffer* in,
+                          grpc::ByteBuffer* out) {
+    return serve("Membership", context, [&] {
+      const auto request = parse_message<pb::MembershipRequest>("Membership", *in);
+      pb::MembershipReply reply;
+      reply.set_clock(
+          handler_.membership(wire_format::from_wire(request), deadline_of(*context)).clock);
       return serialize(reply, out);
     });
   }
@@ -376,8 +388,9 @@ struct Methods {
         pull(kPullMethod, grpc::internal::RpcMethod::NORMAL_RPC, channel),
         push(kPushMethod, grpc::internal::RpcMethod::NORMAL_RPC, channel),
         ping(kPingMethod, grpc::internal::RpcMethod::NORMAL_RPC, channel),
-        lease(kLeaseMethod, grpc::internal::RpcMethod::NORMAL_RPC, channel) {}
-  grpc::internal::RpcMethod register_tables, pull, push, ping, lease;
+        lease(kLeaseMethod, grpc::internal::RpcMethod::NORMAL_RPC, channel),
+        membership(kMembershipMethod, grpc::internal::RpcMethod::NORMAL_RPC, channel) {}
+  grpc::internal::RpcMethod register_tables, pull, push, ping, lease, membership;
 };
 
 // One address's channel; replaced whole on failover, so a call in flight keeps its own.
@@ -722,6 +735,23 @@ LeaseReply RpcClient::lease(const LeaseRequest& request, Duration timeout) {
   } catch (const UsageError& e) {
     throw CommError(state_->server(*state_->current()) + " answered Lease with " + e.what());
   }
+}
+
+MembershipReply RpcClient::membership(const MembershipRequest& request, Duration timeout) {
+  pb::MembershipRequest message;
+  wire_format::to_wire(request, message);
+  grpc::ByteBuffer bytes, reply;
+  bool own = false;
+  grpc::SerializationTraits<pb::MembershipRequest>::Serialize(message, &bytes, &own);
+  state_->call("Membership", &Methods::membership, timeout, bytes, reply);
+  pb::MembershipReply answer;
+  if (!grpc::SerializationTraits<pb::MembershipReply>::Deserialize(&reply, &answer).ok() ||
+      answer.clock() < 0) {
+    throw CommError(state_->server(*state_->current()) +
+                    " answered Membership with a malformed reply (" +
+                    std::to_string(reply.Length()) + " bytes)");
+  }
+  return {answer.clock()};
 }
 
 int RpcClient::ping(Duration timeout) {

@@ -96,6 +96,7 @@ class RpcClient {
   int ping(Duration timeout);
   // A batch of the epoch's ledger (server 0).
   LeaseReply lease(const LeaseRequest& request, Duration timeout);
+  MembershipReply membership(const MembershipRequest& request, Duration timeout);
 
  private:
   struct State;

@@ -371,6 +371,7 @@ bool ServerCore::step_complete(int64_t clock) const {
   }
   if (live_.empty()) return have > 0;  // only leavers' counted pushes remain
   for (int32_t w : live_) {
+    if (joined_after(w, clock)) continue;  // Note [Joins and leaves]
     if ((it == pending_.end() || it->second.count(w) == 0) && !lost_push(w, clock)) return false;
     if (options_.sealed_pushes && sealed_.at(w) <= clock) return false;
   }
@@ -603,6 +604,9 @@ PushReply ServerCore::push(const PushRequest& request, const Deadline& /*deadlin
 }
 
 void ServerCore::check_live(const char* what, int32_t w) const {
+  if (gone_.count(w) != 0)
+    bad(what, "worker " + std::to_string(w) +
+                  " has left the job (its launcher saw it exit); expected a live worker");
   if (live_.count(w) == 0)
     bad(what, "worker " + std::to_string(w) + " is not live; expected one of " +
                   list_workers({live_.begin(), live_.end()}));
@@ -619,6 +623,7 @@ std::string ServerCore::describe_sync_wait(int64_t step) const {
   std::vector<int32_t> have, missing;
   std::set<int32_t> unsealed;
   for (int32_t w : live_) {
+    if (joined_after(w, step)) continue;
     const bool pushed = it != pending_.end() && it->second.count(w) != 0;
     if (pushed && options_.sealed_pushes && sealed_.at(w) <= step) unsealed.insert(w);
     if (pushed && unsealed.count(w) == 0)
@@ -705,7 +710,7 @@ void ServerCore::pull(const PullRequest& request, const Deadline& deadline, Pull
   if (options_.sealed_pushes) seal(w, request.clock);
 
   auto ready = [&] {
-    if (live_.count(w) == 0) return true;  // it left while waiting: answered below
+    if (live_.count(w) == 0 || gone_.count(w) != 0) return true;  // it left: answered below
     switch (options_.consistency) {
       case Consistency::kSync:
         return step_ >= request.clock;
@@ -729,7 +734,7 @@ void ServerCore::pull(const PullRequest& request, const Deadline& deadline, Pull
                     std::to_string(request.clock) + " timed out after " +
                     format_duration(deadline.elapsed()) + " waiting for " + waited_for);
   }
-  if (live_.count(w) == 0)
+  if (live_.count(w) == 0 || gone_.count(w) != 0)
     throw CommError("parameter server: pull of worker " + std::to_string(w) + " at clock " +
                     std::to_string(request.clock) + " ended after " +
                     format_duration(deadline.elapsed()) +
@@ -765,6 +770,7 @@ void ServerCore::set_live_workers(const std::vector<int32_t>& workers, LeaverPus
     if (live_.count(w) != 0) continue;
     clock_[w] = start;
     sealed_[w] = start;
+    joined_at_[w] = start;
     unsealed_.erase(w);
     last_reply_.erase(w);  // a joiner's clock starts anew: no step of it was pushed yet
   }
@@ -792,11 +798,14 @@ int64_t ServerCore::sealed_clock(int32_t worker) const {
 
 void ServerCore::leave(int32_t w, int64_t sealed) {
   std::lock_guard<std::mutex> lock(mutex_);
-  check_live("leave", w);
   if (!options_.sealed_pushes)
     bad("leave", "worker " + std::to_string(w) +
                      " leaves by its sealed clock, but this server does not seal pushes; expected "
                      "set_live_workers");
+  if (live_.count(w) == 0 && gone_.count(w) != 0) return;  // fenced before it ever joined here
+  if (live_.count(w) == 0)
+    bad("leave", "worker " + std::to_string(w) + " is not live; expected one of " +
+                     list_workers({live_.begin(), live_.end()}));
   // Pushes before `sealed` reached every server and count here too; later ones are dropped.
   if (options_.consistency == Consistency::kSync) {
     for (auto& [step, pushes] : pending_)
@@ -812,6 +821,80 @@ void ServerCore::leave(int32_t w, int64_t sealed) {
   release_batches(w);
   if (options_.consistency == Consistency::kSync) apply_ready_steps();
   changed_.notify_all();
+}
+
+// Note [Joins and leaves]
+// An elastic job's worker joins each server by itself, once it is ready to train (a launcher
+// that made it live at its start would stall sync steps for the seconds a program takes to load):
+// join(w, 0) on every server answers the clock each makes it live from (its own step in sync, so
+// that it blocks no step already open without it; its slowest worker's clock otherwise, so that
+// it neither holds the others back nor lags), and the worker joins again on every server with the
+// highest of them, C. A server that answered less raises the worker's clock to C and no longer
+// waits for its pushes of steps before C, and no server can pass step C without its push of C
+// once it is live there: after the second round every server has it live from C, and it pulls at
+// C. A worker id is never live twice: a restarted worker joins under a new one.
+//
+// A worker is lost when its launcher sees its process exit. Requests of the dead process may
+// still be in a server's threads, and a seal that arrived after its sealed clock was read would
+// count a push on one server only; so the launcher first fences the worker off on every server
+// (fence(): from then on the server takes no request of it, and answers its sealed clock, read
+// under the same lock), and only then makes it leave everywhere with the highest sealed clock
+// (leave(), Note [Sealed pushes]).
+int64_t ServerCore::join(int32_t w, int64_t clock) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!options_.sealed_pushes)
+    bad("join", "worker " + std::to_string(w) +
+                    " joins, but this server does not seal pushes; expected an elastic job");
+  if (gone_.count(w) != 0)
+    bad("join", "worker " + std::to_string(w) +
+                    " has left the job; expected a new worker id for a worker that joins again");
+  if (live_.count(w) == 0) {
+    const int64_t floor = options_.consistency == Consistency::kSync || live_.empty()
+                              ? step_
+                              : slowest_clock();
+    const int64_t start = std::max(clock, floor);
+    live_.insert(w);
+    clock_[w] = start;
+    sealed_[w] = start;
+    joined_at_[w] = start;
+    unsealed_.erase(w);
+    last_reply_.erase(w);
+  } else if (clock > clock_[w] && clock_[w] == joined_at_[w]) {
+    // Live here from an earlier clock than another server made it, and nothing pushed since.
+    clock_[w] = clock;
+    sealed_[w] = clock;
+    joined_at_[w] = clock;
+    if (options_.consistency == Consistency::kSync) apply_ready_steps();
+  }
+  changed_.notify_all();
+  return clock_[w];
+}
+
+int64_t ServerCore::fence(int32_t w) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!options_.sealed_pushes)
+    bad("fence", "worker " + std::to_string(w) +
+                     " is fenced off, but this server does not seal pushes; expected an elastic "
+                     "job");
+  gone_.insert(w);
+  changed_.notify_all();  // its pulls still waiting end
+  auto it = sealed_.find(w);
+  return it == sealed_.end() ? 0 : it->second;
+}
+
+MembershipReply ServerCore::membership(const MembershipRequest& request,
+                                       const Deadline& /*deadline*/) {
+  switch (request.op) {
+    case MembershipRequest::Op::kJoin:
+      return {join(request.worker, request.clock)};
+    case MembershipRequest::Op::kFence:
+      return {fence(request.worker)};
+    case MembershipRequest::Op::kLeave:
+      leave(request.worker, request.clock);
+      return {request.clock};
+  }
+  throw UsageError("parameter server: unknown membership op " +
+                   std::to_string(static_cast<int32_t>(request.op)));
 }
 
 LeaseReply ServerCore::lease(const LeaseRequest& request, const Deadline& /*deadline*/) {

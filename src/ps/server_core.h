@@ -108,6 +108,13 @@ class ServerCore : public Handler {
   int64_t sealed_clock(int32_t worker) const;
   void leave(int32_t worker, int64_t sealed);
 
+  // Note [Joins and leaves] (server_core.cpp), with sealed_pushes: a worker joins at a clock
+  // (returns the clock it is live from), and a lost one is fenced off before it leaves (returns
+  // its sealed clock); after that the server takes no request of it and it cannot join again.
+  int64_t join(int32_t worker, int64_t clock);
+  int64_t fence(int32_t worker);
+  MembershipReply membership(const MembershipRequest& request, const Deadline& deadline) override;
+
   // The epoch's ledger (ledger.h), on the server that keeps it: opened by the first worker that
   // asks for a batch (later workers must name the same data set and batch size); a lease is for a
   // live worker. Never waits.
@@ -163,6 +170,11 @@ class ServerCore : public Handler {
   void adopt(int32_t w, int64_t clock);
   bool lost_push(int32_t w, int64_t clock) const;
   bool step_complete(int64_t clock) const;
+  // Whether worker w joined after step `clock` (its push of that step is not waited for).
+  bool joined_after(int32_t w, int64_t clock) const {
+    auto it = joined_at_.find(w);
+    return it != joined_at_.end() && it->second > clock;
+  }
   // Sealed pushes: worker w's clock is sealed up to `clock`; applies what that completes.
   void seal(int32_t w, int64_t clock);
   // The ledger's batches of applied pushes are done.
@@ -210,6 +222,8 @@ class ServerCore : public Handler {
   int64_t restored_step_ = -1;         // the snapshot's step
   std::map<int32_t, int64_t> adopted_;  // per worker: the clock it showed first after a reload
   std::map<int32_t, int64_t> sealed_;   // sealed_pushes: per worker, its sealed clock
+  std::map<int32_t, int64_t> joined_at_;  // per worker: the step it joined at (0: from the start)
+  std::set<int32_t> gone_;                // fenced off: no request of these is taken
   // sealed_pushes, not sync: pushes received and not yet sealed, per worker by clock.
   std::map<int32_t, std::map<int64_t, PushRequest>> unsealed_;
   std::optional<Ledger> ledger_;

@@ -647,6 +647,21 @@ LeaseReply from_wire(const pb::LeaseReply& in) {
   return {static_cast<LeaseReply::Kind>(in.kind()), in.epoch(), in.batch(), in.begin(), in.end()};
 }
 
+void to_wire(const MembershipRequest& in, pb::MembershipRequest& out) {
+  out.set_op(static_cast<int32_t>(in.op));
+  out.set_worker(in.worker);
+  out.set_clock(in.clock);
+}
+
+MembershipRequest from_wire(const pb::MembershipRequest& in) {
+  if (in.op() < 0 || in.op() > 2)
+    throw UsageError("op = " + std::to_string(in.op()) + "; expected 0 (join), 1 (fence) or 2 (leave)");
+  MembershipRequest out{static_cast<MembershipRequest::Op>(in.op()), in.worker(), in.clock()};
+  non_negative(out.worker, "worker");
+  non_negative(out.clock, "clock");
+  return out;
+}
+
 grpc::ByteBuffer encode(const PullRequest& in) {
   Writer w(varint_field_size(in.worker) + varint_field_size(in.clock) + slices_size(in.dense) +
            slices_size(in.sparse));

@@ -39,6 +39,8 @@ void to_wire(const LeaseRequest& in, pb::LeaseRequest& out);
 LeaseRequest from_wire(const pb::LeaseRequest& in);
 void to_wire(const LeaseReply& in, pb::LeaseReply& out);
 LeaseReply from_wire(const pb::LeaseReply& in);
+void to_wire(const MembershipRequest& in, pb::MembershipRequest& out);
+MembershipRequest from_wire(const pb::MembershipRequest& in);
 
 grpc::ByteBuffer encode(const PullRequest& in);
 grpc::ByteBuffer encode(const PushRequest& in);

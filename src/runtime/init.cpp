@@ -287,6 +287,10 @@ void init(const InitOptions& options) {
     state->world = std::move(world.group);
   } else if (job.master_addr.empty()) {
     state->world = comm::Group::single();
+  } else if (env::get_bool(env, "SHOAL_PS_ELASTIC").value_or(false)) {
+    // An elastic parameter-server job (docs/ps.md, "Elastic workers"): workers train through the
+    // servers, come and go, and share no group; each is a world of its own.
+    state->world = comm::Group::single();
   } else {
     state->store = open_job_store(state->job, options.connect_timeout);
     // See Note [mpirun's host]: a worker that reached mpirun's host from elsewhere says at

@@ -6,10 +6,15 @@
 // initial values. Prints "ps train ok" and exits 0, or says what differed and exits 1.
 //
 //   ps_train sgd|adagrad|adam [STEPS]
+#include <unistd.h>
+
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
+#include <iomanip>
 #include <iostream>
 #include <map>
 #include <sstream>
@@ -282,9 +287,227 @@ int leased(const std::string& mode, int epochs, const std::string& dir) {
   return 0;
 }
 
+// ---- elastic workers (shoal run --servers S --min A --max B; docs/ps.md, "Elastic workers") ----
+
+// Every worker trains epochs of leased batches until DIR/stop exists (looked for before each
+// epoch, so that every epoch begun is finished), writing to DIR/log-<pid> "s CLOCK" (the clock it
+// joined at), then "t EPOCH CLOCK id id ..." before each step with a batch and "c CLOCK" once
+// that step returned: its push then was sealed on every server, so it counts whatever happens
+// next. Each step sleeps 10 ms before step() and 10 ms after, so that a worker killed between
+// its "t" and "c" lines died before its push (the batch is leased again) or after it (it counts)
+// about as often. At the end it
+// writes DIR/final-<pid>: its clock, then the values it pulled last (dense parameters in
+// named_parameters' order, then every row of the table).
+int elastic(const std::string& dir) {
+  shoal::init();
+  torch::manual_seed(shoal::rank());  // the first worker's (rank 0, id 0) values win
+  Net net;
+  shoal::ps::Optimizer optimizer(*net, torch::optim::SGDOptions(0.1).momentum(0.9));
+  shoal::data::LoaderOptions options;
+  options.batch_size = kLeasedBatch;
+  options.per_worker = true;
+  options.shuffle = true;
+  auto loader = shoal::data::make_loader(
+      torch::data::datasets::TensorDataset(torch::arange(kSamples).view({kSamples, 1})), options);
+  optimizer.train_on(loader);
+  const std::string me = std::to_string(::getpid());
+  std::ofstream log(dir + "/log-" + me);
+  log << "s " << optimizer.steps() << std::endl;
+  for (int64_t epoch = 0; epoch < 1000 && !std::filesystem::exists(dir + "/stop"); ++epoch) {
+    for (auto& b : loader.epoch(epoch)) {
+      const auto ids = b.data.reshape({-1});
+      const Batch in = samples(ids);
+      optimizer.zero_grad();
+      torch::mse_loss(net->forward(in.ids, in.x), in.y).backward();  // NaN when idle: not pushed
+      const int64_t clock = optimizer.steps();
+      if (ids.size(0) > 0) {
+        log << "t " << epoch << " " << clock;
+        for (int64_t k = 0; k < ids.size(0); ++k) log << " " << ids[k].item<int64_t>();
+        log << std::endl;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      optimizer.step();
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      if (ids.size(0) > 0) log << "c " << clock << std::endl;
+    }
+  }
+  torch::NoGradGuard no_grad;
+  const torch::Tensor rows = net->table->forward(torch::arange(kRows, torch::kLong));
+  {
+    std::ofstream final(dir + "/final-" + me + ".tmp");
+    final << optimizer.steps() << "\n" << std::setprecision(10);
+    for (const auto& p : net->named_parameters()) {
+      const auto values = p.value().reshape({-1});
+      for (int64_t i = 0; i < values.numel(); ++i) final << values[i].item<float>() << " ";
+      final << "\n";
+    }
+    const auto flat = rows.reshape({-1});
+    for (int64_t i = 0; i < flat.numel(); ++i) final << flat[i].item<float>() << " ";
+    final << "\n";
+  }
+  std::filesystem::rename(dir + "/final-" + me + ".tmp", dir + "/final-" + me);
+  return 0;
+}
+
+// Reads the logs of an elastic run in DIR and checks that every epoch trained each sample
+// exactly once in the steps that count: a step confirmed by its worker ("c"), or the last step
+// of a worker that died, unless its batch was leased again (its push was dropped; the same
+// samples then appear in a later step). A batch counted twice, or a sample missing, fails. In
+// sync it also checks that the servers' values (the final file of the highest clock) equal one
+// process training each step's counted batches together with torch::optim. Prints "ps elastic
+// ok: ..." and exits 0, or says what differed and exits 1.
+int elastic_check(const std::string& dir, const std::string& mode) {
+  struct Step {
+    int64_t epoch = 0, clock = 0;
+    std::vector<int64_t> ids;
+    bool confirmed = false;
+  };
+  std::vector<Step> all;
+  int logs = 0;
+  for (const auto& file : std::filesystem::directory_iterator(dir)) {
+    if (file.path().filename().string().rfind("log-", 0) != 0) continue;
+    ++logs;
+    std::ifstream in(file.path());
+    std::map<int64_t, size_t> by_clock;
+    std::string line;
+    while (std::getline(in, line)) {
+      std::istringstream fields(line);
+      std::string kind;
+      fields >> kind;
+      if (kind == "t") {
+        Step step;
+        fields >> step.epoch >> step.clock;
+        for (int64_t id; fields >> id;) step.ids.push_back(id);
+        by_clock[step.clock] = all.size();
+        all.push_back(step);
+      } else if (kind == "c") {
+        int64_t clock = -1;
+        fields >> clock;
+        all.at(by_clock.at(clock)).confirmed = true;
+      }
+    }
+  }
+  // Steps by batch (epoch and its samples): which of them counts.
+  std::map<std::pair<int64_t, std::vector<int64_t>>, std::vector<size_t>> batches;
+  for (size_t i = 0; i < all.size(); ++i) {
+    std::vector<int64_t> key = all[i].ids;
+    std::sort(key.begin(), key.end());
+    batches[{all[i].epoch, key}].push_back(i);
+  }
+  std::vector<const Step*> counted;
+  int64_t unconfirmed = 0, dropped = 0, epochs = 0;
+  for (const auto& [key, steps] : batches) {
+    const Step* count = nullptr;
+    int confirmed = 0;
+    for (size_t i : steps) confirmed += all[i].confirmed ? 1 : 0;
+    if (confirmed > 1) {
+      std::cout << "a batch of epoch " << key.first << " was trained in " << confirmed
+                << " confirmed steps; expected one" << std::endl;
+      return 1;
+    }
+    for (size_t i : steps) {
+      const Step& step = all[i];
+      if (step.confirmed || (confirmed == 0 && (!count || step.clock > count->clock))) count = &step;
+    }
+    unconfirmed += confirmed == 0 ? 1 : 0;
+    dropped += static_cast<int64_t>(steps.size()) - 1;
+    counted.push_back(count);
+    epochs = std::max(epochs, key.first + 1);
+  }
+  std::vector<std::vector<int>> seen(static_cast<size_t>(epochs), std::vector<int>(kSamples, 0));
+  for (const Step* step : counted)
+    for (int64_t id : step->ids) ++seen.at(static_cast<size_t>(step->epoch)).at(static_cast<size_t>(id));
+  for (int64_t epoch = 0; epoch < epochs; ++epoch)
+    for (int64_t id = 0; id < kSamples; ++id)
+      if (seen[epoch][id] != 1) {
+        std::cout << "epoch " << epoch << " trained sample " << id << " " << seen[epoch][id]
+                  << " times in the steps that count; expected once" << std::endl;
+        return 1;
+      }
+  if (mode == "sync") {
+    // The values the last worker pulled.
+    int64_t last = -1;
+    std::vector<std::vector<float>> held;
+    for (const auto& file : std::filesystem::directory_iterator(dir)) {
+      const std::string name = file.path().filename().string();
+      if (name.rfind("final-", 0) != 0 || name.find(".tmp") != std::string::npos) continue;
+      std::ifstream in(file.path());
+      int64_t clock = -1;
+      in >> clock;
+      if (clock <= last) continue;
+      last = clock;
+      held.clear();
+      std::string line;
+      std::getline(in, line);
+      while (std::getline(in, line)) {
+        std::istringstream values(line);
+        held.emplace_back();
+        for (float v; values >> v;) held.back().push_back(v);
+      }
+    }
+    std::map<int64_t, std::vector<int64_t>> steps;
+    for (const Step* step : counted)
+      steps[step->clock].insert(steps[step->clock].end(), step->ids.begin(), step->ids.end());
+    torch::manual_seed(0);
+    Net first;  // worker 0's initial values, which the servers started from
+    const std::vector<torch::Tensor> initial = initial_rows();
+    std::vector<torch::Tensor> rows;
+    for (const auto& row : initial) rows.push_back(row.clone().requires_grad_(true));
+    const auto named = first->named_parameters();
+    if (held.size() != named.size() + 1) {
+      std::cout << "no final values of the last worker in " << dir << std::endl;
+      return 1;
+    }
+    std::vector<torch::Tensor> parameters = first->parameters();
+    parameters.insert(parameters.end(), rows.begin(), rows.end());
+    auto reference = make("sgd", parameters);
+    for (const auto& [clock, ids] : steps) {
+      for (auto& p : parameters) p.mutable_grad() = torch::Tensor();
+      reference_backward(first, rows, samples(torch::tensor(ids, torch::kLong)));
+      reference->step();
+    }
+    size_t at = 0;
+    for (const auto& p : named) {
+      const auto got = torch::tensor(held[at++]).view(p.value().sizes());
+      const double error = relative_error(got, p.value());
+      if (!(error < 1e-5)) {
+        std::cout << "parameter " << p.key() << " off by " << error << " (relative)" << std::endl;
+        return 1;
+      }
+    }
+    const auto got = torch::tensor(held[at]).view({kRows, kDim});
+    const auto expected = torch::stack(rows).detach();
+    if (!(relative_error(got, expected) < 1e-5)) {
+      std::cout << "the table's rows off by " << relative_error(got, expected) << " (relative)"
+                << std::endl;
+      return 1;
+    }
+  }
+  std::cout << "ps elastic ok: " << mode << ", " << logs << " workers, " << epochs
+            << " epochs of " << kSamples << " samples, " << counted.size() << " batches counted, "
+            << unconfirmed << " of them unconfirmed, " << dropped << " dropped" << std::endl;
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc == 3 && std::string(argv[1]) == "elastic") {
+    try {
+      return elastic(argv[2]);
+    } catch (const std::exception& e) {
+      std::cout << "error: " << e.what() << std::endl;
+      return 1;
+    }
+  }
+  if (argc == 4 && std::string(argv[1]) == "elastic-check") {
+    try {
+      return elastic_check(argv[2], argv[3]);
+    } catch (const std::exception& e) {
+      std::cout << "error: " << e.what() << std::endl;
+      return 1;
+    }
+  }
   if (argc > 1 && std::string(argv[1]) == "leased") {
     if (argc != 4) {
       std::cerr << "usage: ps_train leased EPOCHS DIR" << std::endl;
