@@ -3,4 +3,4 @@
 shoal_add_test(multihost_test multihost_test.cpp)
 add_executable(multihost_worker programs/multihost_worker.cpp)
 shoal_program(multihost_worker)
-add_dependencies(multihost_test multihost_worker shoal_cli)
+add_dependencies(multihost_test multihost_worker ps_worker shoal_cli)

@@ -253,6 +253,61 @@ TEST_P(MultiHostFailure, BothLaunchersExitNonZero) {
       << describe(*node0) << describe(*node1);
 }
 
+// docs/ps.md, "Processes": `shoal run --servers 2` on two hosts runs server 0 on node 0 and
+// server 1 on node 1; the four workers of both nodes train on both servers, each checking every
+// sync step against one process (tests/programs/ps_worker.cpp); the servers of each node wait for
+// every node's workers, and both launchers exit 0.
+TEST_F(MultiHost, ParameterServersOnBothHostsTrainAsOneProcess) {
+  auto start_node = [&](int node, const std::string& servers) {
+    const std::vector<std::string> argv{
+        "ip", "netns", "exec", hosts_.name(node), SHOAL_BIN, "run", "-n", "2", "--nnodes", "2",
+        "--node-rank", std::to_string(node), "--master",
+        std::string(kAddressA) + ":" + std::to_string(kMasterPort), "--connect-timeout", "15",
+        "--servers", servers, std::string(SHOAL_TEST_PROGRAMS_DIR) + "/ps_worker"};
+    const std::string tag = "ps-node" + std::to_string(node);
+    return std::make_unique<Process>(argv, dir_ / (tag + ".out"), dir_ / (tag + ".err"));
+  };
+  {
+    auto node0 = start_node(0, "2");
+    auto node1 = start_node(1, "2");
+    const auto deadline = Clock::now() + 90s;
+    const auto code0 = node0->wait_until(deadline);
+    const auto code1 = node1->wait_until(deadline);
+    ASSERT_TRUE(code0.has_value()) << describe(*node0);
+    ASSERT_TRUE(code1.has_value()) << describe(*node1);
+    EXPECT_EQ(*code0, 0) << describe(*node0);
+    EXPECT_EQ(*code1, 0) << describe(*node1);
+    for (int rank = 0; rank < 4; ++rank) {
+      const Process& p = rank < 2 ? *node0 : *node1;
+      EXPECT_NE(p.out().find("[" + std::to_string(rank) + "] ps ok 2 servers, 4 sync steps"),
+                std::string::npos)
+          << describe(p);
+    }
+    const std::regex at("\\[0\\] ps servers at ([0-9.]+):[0-9]+ ([0-9.]+):[0-9]+");
+    const std::string out0 = node0->out();
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(out0, m, at)) << describe(*node0);
+    EXPECT_EQ(m[1].str(), kAddressA);
+    EXPECT_EQ(m[2].str(), kAddressB);
+  }
+  // A node started with other servers than node 0's: both launchers fail, saying why.
+  auto node0 = start_node(0, "2");
+  auto node1 = start_node(1, "1");
+  const auto deadline = Clock::now() + kLauncherDeadline;
+  const auto code0 = node0->wait_until(deadline);
+  const auto code1 = node1->wait_until(deadline);
+  ASSERT_TRUE(code0.has_value()) << describe(*node0);
+  ASSERT_TRUE(code1.has_value()) << describe(*node1);
+  EXPECT_NE(*code0, 0) << describe(*node0);
+  EXPECT_NE(*code1, 0) << describe(*node1);
+  EXPECT_NE(node1->err().find("node 1 runs with --servers 1 --ps-replicas 1 --ps-backup-workers 0 "
+                              "SHOAL_PS_MODE=, node 0 with --servers 2 --ps-replicas 1 "
+                              "--ps-backup-workers 0 SHOAL_PS_MODE=; expected the same parameter "
+                              "servers on every node"),
+            std::string::npos)
+      << describe(*node1);
+}
+
 INSTANTIATE_TEST_SUITE_P(Worker3, MultiHostFailure, ::testing::Values("exit", "kill"),
                          [](const auto& info) { return std::string(info.param); });
 

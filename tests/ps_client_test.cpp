@@ -9,6 +9,7 @@
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <regex>
 
 #include <unistd.h>
 
@@ -162,6 +163,87 @@ TEST(PsTrain, WorkersKilledAndJoinedMidEpochTrainEverySampleOnceInEveryMode) {
     std::cout << check.out;
     std::filesystem::remove_all(dir);
   }
+}
+
+// docs/ps.md, "Elastic workers": a second launcher joins a running elastic job (`shoal run
+// --servers 2 --join HOST:PORT -n 1`, the address the job's first launcher printed). Its worker
+// joins the servers mid-epoch and trains; a launcher asking for more room than --max leaves, or
+// naming other servers, is refused; once stopped, both launchers exit 0 and every sample was
+// trained once per epoch, the servers' values equal to one process on the counted batches.
+TEST(PsTrain, ALauncherJoinsARunningElasticJobMidEpoch) {
+  const std::string dir = ::testing::TempDir() + "ps_join_" + std::to_string(::getpid());
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  ShoalRun first(
+      {"--servers", "2", "--min", "1", "--max", "3", "-n", "2", kTrain, "elastic", dir});
+  std::string address;
+  ASSERT_TRUE(first.wait_until(
+      [&](const RunResult& r) {
+        std::smatch m;
+        if (!std::regex_search(r.err, m, std::regex("--join ([0-9.]+:[0-9]+) \\[-n K\\] PROGRAM")))
+          return false;
+        address = m[1].str();
+        return true;
+      },
+      60s))
+      << first.so_far().err;
+  auto trained = [&](ShoalRun& run, size_t count) {
+    return run.wait_until(
+        [&](const RunResult&) {
+          size_t n = 0;
+          for (const auto& [pid, log] : worker_logs(dir)) n += log.confirmed >= 2 ? 1 : 0;
+          return n >= count;
+        },
+        120s);
+  };
+  ASSERT_TRUE(trained(first, 2)) << first.so_far().err;
+  ShoalRun joiner({"--servers", "2", "--join", address, "-n", "1", kTrain, "elastic", dir});
+  ASSERT_TRUE(trained(joiner, 3)) << joiner.so_far().out << joiner.so_far().err;
+  const RunResult full =
+      run_shoal({"--servers", "2", "--join", address, "-n", "1", kTrain, "elastic", dir}, 60s);
+  EXPECT_EQ(full.exit_code, 2);
+  EXPECT_EQ(full.err, "shoal run: the job at " + address +
+                          " runs its --max 3 workers; no room for 1 more\n");
+  const RunResult other =
+      run_shoal({"--servers", "1", "--join", address, "-n", "1", kTrain, "elastic", dir}, 60s);
+  EXPECT_EQ(other.exit_code, 2);
+  EXPECT_EQ(other.err, "shoal run: --servers 1, but the job at " + address +
+                           " runs with --servers 2; expected the same\n");
+  std::ofstream(dir + "/stop") << "stop\n";
+  const RunResult joined = joiner.wait(120s);
+  const RunResult result = first.wait(120s);
+  EXPECT_EQ(joined.exit_code, 0) << joined.out << joined.err;
+  EXPECT_EQ(result.exit_code, 0) << result.out << result.err;
+  const RunResult check = run_shoal({"-n", "1", kTrain, "elastic-check", dir, "sync"}, 60s);
+  EXPECT_EQ(check.exit_code, 0) << check.out << check.err;
+  EXPECT_NE(check.out.find("ps elastic ok: sync, 3 workers"), std::string::npos) << check.out;
+  std::cout << check.out;
+  std::filesystem::remove_all(dir);
+}
+
+// Backup workers (shoal run --ps-backup-workers 1: each sync step applies the first two of three
+// workers' pushes) on two servers. Worker 1, slowed, mostly comes late; server 0's answer decides
+// on both servers (Note [Server 0 decides] in src/ps/server_core.cpp), and a late push's batch
+// goes back into the epoch. Every sample is trained once per epoch in the steps that count (each
+// batch's last), and the servers' values equal one process trained on those batches step by step,
+// which fails if one server applied a push the other dropped.
+TEST(PsTrain, BackupWorkersDropLatePushesOnEveryServerAndLoseNoSample) {
+  const std::string dir = ::testing::TempDir() + "ps_backup_" + std::to_string(::getpid());
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const RunResult run = run_shoal(
+      {"--servers", "2", "-n", "3", "--ps-backup-workers", "1", kTrain, "backup", dir}, 180s);
+  EXPECT_EQ(run.exit_code, 0) << run.out << run.err;
+  const RunResult check = run_shoal({"-n", "1", kTrain, "elastic-check", dir, "sync"}, 60s);
+  EXPECT_EQ(check.exit_code, 0) << check.out << check.err;
+  EXPECT_NE(check.out.find("ps elastic ok: sync, 3 workers, 3 epochs of 50 samples"),
+            std::string::npos)
+      << check.out;
+  std::smatch dropped;
+  ASSERT_TRUE(std::regex_search(check.out, dropped, std::regex(", (\\d+) dropped"))) << check.out;
+  EXPECT_GT(std::stoi(dropped[1].str()), 0) << "no push came late: " << check.out;
+  std::cout << check.out;
+  std::filesystem::remove_all(dir);
 }
 
 TEST(PsTrain, WorkersWithoutServersAreAUsageError) {

@@ -659,6 +659,7 @@ TEST(PsWire, MessagesCutIntoAnySlicesAreReadExactly) {
   push.worker = 3;
   push.clock = 17;
   push.rows = 64;
+  push.verdict = PushRequest::Verdict::kDropped;
   push.dense = {DenseSlice{0, {2, 0, 1}, ramp(3000, 0.5f)}, DenseSlice{4, {}, {}}};
   push.sparse = {SparseSlice{1, {42, int64_t{1} << 40, 7}, ramp(12, -2)}};
   PullReply reply;
@@ -684,6 +685,7 @@ TEST(PsWire, MessagesCutIntoAnySlicesAreReadExactly) {
   sparse.set_table(1);
   sparse.mutable_ids()->Add(push.sparse[0].ids.begin(), push.sparse[0].ids.end());
   sparse.set_values(push.sparse[0].values.data(), push.sparse[0].values.size() * 4);
+  message.set_verdict(2);
   std::vector<grpc::Slice> written;
   ASSERT_TRUE(push_bytes.Dump(&written).ok());
   ASSERT_EQ(written.size(), 1u);
@@ -694,6 +696,7 @@ TEST(PsWire, MessagesCutIntoAnySlicesAreReadExactly) {
     PushRequest p;
     ASSERT_TRUE(wire_format::decode(in_pieces(push_bytes, piece), p));
     EXPECT_EQ(std::make_tuple(p.worker, p.clock, p.rows), std::make_tuple(3, 17, 64));
+    EXPECT_EQ(p.verdict, PushRequest::Verdict::kDropped);
     ASSERT_EQ(p.dense.size(), 2u);
     for (size_t i = 0; i < 2; ++i) {
       EXPECT_EQ(p.dense[i].table, push.dense[i].table);
@@ -846,17 +849,17 @@ TEST(PsLaunch, ServersFlagIsCheckedAtOnce) {
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
       {{"--servers", "-1", kWorker},
        "shoal run: --servers: expected a number of servers from 0 to 1024, got '-1'"},
-      {{"--servers", "2", "--join", "127.0.0.1:1", kWorker},
-       "shoal run: --join is not supported with --servers yet; start the job's workers with one "
-       "shoal run --servers S --min A --max B"},
+      {{"--servers", "2", "-n", "3", "--ps-backup-workers", "3", kWorker},
+       "shoal run: --ps-backup-workers 3 leaves no worker to aggregate; expected fewer than the "
+       "job's 3 workers"},
+      {{"-n", "3", "--ps-backup-workers", "1", kWorker},
+       "shoal run: --ps-backup-workers needs --servers S; add it"},
       {{"--servers", "2", "--min", "1", "--max", "2", "--quorum", kWorker},
        "shoal run: --quorum is for elastic all-reduce jobs; a job with --servers keeps its state "
        "on the servers (drop it)"},
       {{"--servers", "2", "--min", "1", "--max", "2", "--ps-replicas", "2", kWorker},
        "shoal run: --ps-replicas is not supported with elastic workers (--min/--max) yet; drop "
        "one of them"},
-      {{"--servers", "1", "--nnodes", "2", "--master", "127.0.0.1:1", kWorker},
-       "shoal run: --servers is not supported with --nnodes > 1 yet; run the job on one node"},
   };
   for (const auto& [args, message] : cases) {
     const testing::RunResult run = testing::run_shoal(args, 30s);

@@ -571,6 +571,53 @@ TEST(PsServerCore, BackupWorkersApplyTheFirstPushesOfAStep) {
   EXPECT_EQ(server.core->step(), 2);
 }
 
+// Note [Server 0 decides]: with backup workers and two servers, the pushes server 0 counted are
+// the ones the other server counts, whatever order they reach it in.
+TEST(PsServerCore, BackupWorkersCountWhatServer0CountedOnEveryServer) {
+  ServerCoreOptions options;
+  options.replicas_to_aggregate = 2;
+  Small first(options), other(options);
+  auto push = [](Small& server, int32_t worker, float grad, PushRequest::Verdict verdict) {
+    PushRequest request;
+    request.worker = worker;
+    request.clock = 0;
+    request.rows = 1;
+    request.verdict = verdict;
+    request.dense = {DenseSlice{0, {0}, std::vector<float>(8, grad)}};
+    return server.core->push(request, shoal::Deadline(Ms(0)));
+  };
+  using Verdict = PushRequest::Verdict;
+  std::map<int32_t, bool> counted;
+  for (int32_t w : {1, 2, 0}) counted[w] = push(first, w, w + 1.f, Verdict::kDecide).counted;
+  EXPECT_EQ(counted, (std::map<int32_t, bool>{{0, false}, {1, true}, {2, true}}));
+  // The other server gets them in another order, each with server 0's answer.
+  for (int32_t w : {0, 2, 1}) {
+    const PushReply reply =
+        push(other, w, w + 1.f, counted[w] ? Verdict::kCounted : Verdict::kDropped);
+    EXPECT_EQ(reply.counted, counted[w]);
+  }
+  EXPECT_EQ(first.core->step(), 1);
+  EXPECT_EQ(other.core->step(), 1);
+  EXPECT_FLOAT_EQ(first.value(), 1 - (2.f + 3.f) / 2);
+  EXPECT_FLOAT_EQ(other.value(), first.value());
+  // A push server 0 counted for a step this server applied without it: the servers disagree.
+  PushRequest late;
+  late.worker = 0;
+  late.clock = 1;
+  late.rows = 1;
+  late.dense = {DenseSlice{0, {0}, std::vector<float>(8, 1.f)}};
+  for (int32_t w : {1, 2}) {
+    late.worker = w;
+    other.core->push(late, shoal::Deadline(Ms(0)));
+  }
+  late.worker = 0;
+  late.verdict = Verdict::kCounted;
+  EXPECT_NE(error_of([&] { other.core->push(late, shoal::Deadline(Ms(0))); })
+                .find("worker 0's push of step 1 was counted by server 0, but this server applied "
+                      "that step without it"),
+            std::string::npos);
+}
+
 TEST(PsServerCore, ALeaversPushIsCountedOrDiscardedAsAsked) {
   for (auto leavers : {LeaverPush::kCount, LeaverPush::kDiscard}) {
     Small server({});

@@ -253,6 +253,11 @@ void Launcher::restart_due(TimePoint now) {
     }
     if (now < *worker->restart_at) continue;
     worker->restart_at.reset();
+    if (ps_elastic() && !reserve_workers(1)) {
+      say("not restarting worker " + std::to_string(worker->local_rank) +
+          ": the job runs its --max workers (others joined)");
+      continue;
+    }
     ++worker->restarts;
     close_output(*worker);
     if (ps_elastic()) set_ps_worker(*worker);
@@ -260,6 +265,7 @@ void Launcher::restart_due(TimePoint now) {
       spawn(*worker);
     } catch (const Error& e) {
       say("restarting worker " + std::to_string(worker->local_rank) + " failed: " + e.what());
+      if (ps_elastic()) release_workers(1);
     }
   }
 }

@@ -167,6 +167,14 @@ void JobStore::put(const std::string& key, const std::string& value) {
   state_->guarded([&] { comm::put(state_->store, key, value); });
 }
 
+std::string JobStore::get(const std::string& key) {
+  return state_->guarded([&] { return comm::try_get(state_->store, key); });
+}
+
+int64_t JobStore::add(const std::string& key, int64_t amount) {
+  return state_->guarded([&] { return state_->store->add(key, amount); });
+}
+
 std::string JobStore::failure() {
   return state_->guarded([&] { return comm::try_get(state_->store, kFailure); });
 }

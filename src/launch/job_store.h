@@ -48,8 +48,10 @@ class JobStore {
   void report_failure(const std::string& reason);
   std::string failure();
 
-  // Any other key of the job (the parameter servers' keys, ps_launch.cpp).
+  // Any other key of the job (the parameter servers' keys, ps_launch.cpp): "" when not set.
   void put(const std::string& key, const std::string& value);
+  std::string get(const std::string& key);
+  int64_t add(const std::string& key, int64_t amount);
 
   // Signs of life and of completion, per node; node 0 hosts the store until the others are done.
   void heartbeat(int node_rank);

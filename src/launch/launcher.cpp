@@ -60,6 +60,7 @@ int Launcher::run() {
   // them, and can kill those that left their worker's process group (kill_leftovers).
   ::prctl(PR_SET_CHILD_SUBREAPER, 1);
   if (options_.elastic && options_.servers == 0) return run_elastic();
+  if (ps_elastic() && options_.joins()) return run_ps_join();
   const std::string own_run_id = make_run_id();
   try {
     store_ = open_job_store(options_, *signals_, own_run_id);
@@ -70,8 +71,14 @@ int Launcher::run() {
   nodes_ = std::make_unique<NodeGroup>(*store_, options_, *signals_, err_);
   const std::string node = "node " + std::to_string(options_.node_rank);
   try {
+    // Every node's workers connect to every server: the nodes must agree on them.
+    if (options_.servers > 0) choose_ps_token();
+    if (options_.nnodes > 1 && options_.hosts_store()) store_->put(kServersKey, servers_flags());
     const std::string run_id = nodes_->join(own_run_id);
+    if (options_.nnodes > 1 && !options_.hosts_store()) check_servers_flags();
+    if (options_.servers > 0) adopt_ps_token();
     if (options_.servers > 0) start_servers(run_id, store_->port());
+    if (ps_elastic()) publish_ps_job();
     start_workers(run_id, store_->port());
   } catch (const Interrupted& interrupted) {
     say("received " + signal_name(interrupted.signal()) + " before the workers started");
@@ -113,6 +120,7 @@ void Launcher::start_workers(const std::string& run_id, int port) {
     worker->envp = to_envp(worker_environment(base, place));
     if (ps_elastic()) set_ps_worker(*worker);
     try {
+      if (ps_elastic()) reserve_workers(1);  // the first workers always fit: -n <= --max
       spawn(*worker);
     } catch (const Error& e) {
       if (workers_.empty()) throw;  // nothing started: a plain usage error
@@ -204,13 +212,17 @@ void Launcher::supervise() {
           " of SIGKILL; leaving them");
       break;
     }
-    if (several_nodes && now >= next_check) {
-      check_nodes();
+    if ((several_nodes || ps_elastic()) && now >= next_check) {
+      if (several_nodes) {
+        check_nodes();
+      } else if (options_.servers > 0) {
+        stop_servers_after_workers();  // once the joined launchers' workers are done too
+      }
       next_check = Clock::now() + NodeGroup::kCheckInterval;
     }
 
     TimePoint wake = now + kMaxSleep;
-    if (several_nodes) wake = std::min(wake, next_check);
+    if (several_nodes || ps_elastic()) wake = std::min(wake, next_check);
     for (const auto& at : {kill_at_, give_up_at_, drain_until, next_restart()}) {
       if (at) wake = std::min(wake, *at);
     }
@@ -294,6 +306,7 @@ void Launcher::on_exit(Worker& worker, const ExitStatus& status) {
   // Note [No orphans] (watchdog.h): whatever the worker left behind in its group goes with it.
   signal_group(worker.pid, SIGKILL);
   watchdog_->forget(worker.pid);
+  if (ps_elastic()) release_workers(1);
   if (ps_elastic() && !stopping_) leave_servers(worker);
   if (!status.success() && !stopping_) on_failure(worker, status);
   if (options_.servers > 0) stop_servers_after_workers();
@@ -346,7 +359,11 @@ void Launcher::check_nodes() {
   } catch (const Error& e) {
     failure = e.what();
   }
-  if (failure.empty() || stopping_) return;
+  if (failure.empty() || stopping_) {
+    // Servers wait for every node's workers (docs/ps.md, "Processes").
+    if (options_.servers > 0) stop_servers_after_workers();
+    return;
+  }
   exit_code_ = 1;
   say(failure + "; stopping the workers of " + node);
   begin_stop(SIGTERM);

@@ -70,6 +70,16 @@ class Launcher {
   void on_server_exit(Worker& server, const ExitStatus& status);
   std::string server_name(const Worker& server) const;
   void stop_servers_after_workers();
+  // Several nodes (docs/ps.md, "Processes"): node 0 publishes its server flags under kServersKey
+  // before the nodes join, and every other node checks its own against them.
+  static constexpr const char* kServersKey = "ps/launch/servers";
+  // The servers' token (SHOAL_JOB_TOKEN): the user's, else node 0 makes one and publishes it
+  // under kTokenKey before the nodes join (docs/ps.md, "Transport").
+  static constexpr const char* kTokenKey = "ps/launch/token";
+  void choose_ps_token();
+  void adopt_ps_token();
+  std::string servers_flags() const;
+  void check_servers_flags();
   // An elastic job with servers (--servers S --min A --max B; docs/ps.md, "Elastic workers"):
   // each worker has an id at the servers that no other worker of the job ever had (the slot, then
   // slot + n * restarts); a worker whose process ended leaves the servers; a failed one restarts
@@ -78,6 +88,20 @@ class Launcher {
   void set_ps_worker(Worker& worker);
   void leave_servers(Worker& worker);
   void check_min_workers(const Worker& lost, const ExitStatus& status);
+  // The job's keys (kept by the first launcher's store) through which launchers that join
+  // (`shoal run --servers S --join HOST:PORT`) find the job: its first workers' count, its --max,
+  // its mode, and the workers running over all launchers.
+  static constexpr const char* kFirstWorkersKey = "ps/launch/first_workers";
+  static constexpr const char* kMaxWorkersKey = "ps/launch/max_workers";
+  static constexpr const char* kModeKey = "ps/launch/mode";
+  static constexpr const char* kRunningKey = "ps/launch/running";
+  static constexpr const char* kIdsKey = "ps/launch/ids";
+  void publish_ps_job();
+  // Counts `count` more workers running over all launchers; false (counting none) when that
+  // would pass the job's --max.
+  bool reserve_workers(int count);
+  void release_workers(int count);
+  int run_ps_join();
 
   // Elastic jobs (elastic_launch.cpp).
   int run_elastic();
@@ -104,6 +128,8 @@ class Launcher {
   std::string ps_token_;           // the job's token for its parameter servers
   bool servers_stopping_ = false;  // the workers are done and the servers were told to stop
   std::unique_ptr<PsMembership> ps_members_;  // ps_elastic(): makes lost workers leave
+  bool workers_done_counted_ = false;  // several nodes: this node's workers counted as done
+  int ps_first_workers_ = 0;          // ps_elastic(): the first launcher's -n
 
   bool stopping_ = false;
   int exit_code_ = 0;

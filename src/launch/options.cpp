@@ -37,6 +37,7 @@ struct RawFlags {
   std::string ps_replicas = "1";
   std::string ps_snapshot_dir;
   std::string ps_snapshot_every = "100";
+  std::string ps_backup_workers = "0";
 };
 
 // The program and its arguments are split off before CLI11 parses, so CLI11 does not know them;
@@ -176,6 +177,10 @@ void add_flags(CLI::App& app, RawFlags& raw) {
   app.add_option("--ps-snapshot-every", raw.ps_snapshot_every,
                  "Steps between the parameter servers' snapshots (default 100)")
       ->type_name("K");
+  app.add_option("--ps-backup-workers", raw.ps_backup_workers,
+                 "Sync parameter servers apply each step with the first N - B workers' gradients; "
+                 "a late one's samples go back into the epoch (default 0; docs/ps.md)")
+      ->type_name("B");
 }
 
 // See docs/ps.md, "Processes".
@@ -187,18 +192,39 @@ void validate_servers(const RawFlags& raw, const CLI::App& app, LaunchOptions& o
   options.ps_snapshot_every = parse_int("--ps-snapshot-every", raw.ps_snapshot_every, 1,
                                         1 << 30, "a number of steps from 1");
   options.ps_snapshot_dir = raw.ps_snapshot_dir;
+  options.ps_backup_workers = parse_int("--ps-backup-workers", raw.ps_backup_workers, 0, 1 << 20,
+                                        "a number of workers from 0");
   if (options.servers == 0) {
     if (options.ps_replicas != 1) throw UsageError("--ps-replicas needs --servers S; add it");
+    if (options.ps_backup_workers != 0)
+      throw UsageError("--ps-backup-workers needs --servers S; add it");
     if (!raw.ps_snapshot_dir.empty()) {
       throw UsageError("--ps-snapshot-dir needs --servers S; add it");
     }
     return;
   }
+  if (options.ps_backup_workers > 0) {
+    // docs/ps.md, "Consistency": TensorFlow's SyncReplicasOptimizer's replicas_to_aggregate.
+    if (options.elastic) {
+      throw UsageError("--ps-backup-workers is not supported with elastic workers (--min/--max) "
+                       "yet; drop one of them");
+    }
+    if (options.ps_backup_workers >= options.world_size()) {
+      throw UsageError("--ps-backup-workers " + std::to_string(options.ps_backup_workers) +
+                       " leaves no worker to aggregate; expected fewer than the job's " +
+                       std::to_string(options.world_size()) + " workers");
+    }
+    const char* mode = std::getenv("SHOAL_PS_MODE");
+    if (mode != nullptr && std::string(mode) != "sync") {
+      throw UsageError("--ps-backup-workers is for sync parameter servers; SHOAL_PS_MODE is " +
+                       std::string(mode) + " (unset it, or set it to sync)");
+    }
+  }
   if (options.elastic) {
     // docs/ps.md, "Elastic workers": the servers are the job's membership; one launcher.
-    if (options.joins()) {
-      throw UsageError("--join is not supported with --servers yet; start the job's workers with "
-                       "one shoal run --servers S --min A --max B");
+    if (!options.join_run_id.empty()) {
+      throw UsageError("--join RUN_ID is for elastic all-reduce jobs on etcd; a job with --servers "
+                       "is joined at the address its first shoal run printed (--join HOST:PORT)");
     }
     for (const char* flag : {"--rendezvous", "--quorum", "--last-call", "--rendezvous-timeout", "--checkpoint",
                              "--checkpoint-every", "--token-file"}) {
@@ -212,9 +238,6 @@ void validate_servers(const RawFlags& raw, const CLI::App& app, LaunchOptions& o
       throw UsageError(std::string(options.ps_replicas > 1 ? "--ps-replicas" : "--ps-snapshot-dir") +
                        " is not supported with elastic workers (--min/--max) yet; drop one of them");
     }
-  }
-  if (options.nnodes > 1) {
-    throw UsageError("--servers is not supported with --nnodes > 1 yet; run the job on one node");
   }
 }
 

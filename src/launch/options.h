@@ -59,6 +59,9 @@ struct LaunchOptions {
   // steps (docs/ps.md, "Replicas and snapshots"). Empty: no snapshots.
   std::string ps_snapshot_dir;
   int ps_snapshot_every = 100;
+  // --ps-backup-workers B: a sync step applies the first world_size() - B pushes (docs/ps.md,
+  // "Consistency").
+  int ps_backup_workers = 0;
 
   std::string program;  // as given (for messages)
   std::string program_path;  // resolved against PATH; what is executed

@@ -6,6 +6,7 @@
 // primary and its backup) still runs and serves the index alone.
 #include <algorithm>
 #include <csignal>
+#include <cstdlib>
 
 #include "../elastic/token.h"
 #include "job_store.h"
@@ -29,19 +30,37 @@ void Launcher::add_ps_environment(env::Environment& env) const {
   env["SHOAL_JOB_TOKEN"] = ps_token_;
   // The servers seal pushes, and the workers join by themselves (docs/ps.md, "Elastic workers").
   if (ps_elastic()) env["SHOAL_PS_ELASTIC"] = "1";
+  if (options_.ps_backup_workers > 0)
+    env["SHOAL_PS_BACKUP_WORKERS"] = std::to_string(options_.ps_backup_workers);
+}
+
+void Launcher::choose_ps_token() {
+  // The token the servers ask of every call: the user's, when an enclosing job gave one.
+  auto given = env::get(env::current(), "SHOAL_JOB_TOKEN");
+  if (given && !given->empty()) {
+    ps_token_ = *given;
+  } else if (options_.hosts_store()) {
+    ps_token_ = elastic::make_token();
+  }
+  // Several nodes: node 0's reaches the others through the job's store, before they join.
+  if (options_.nnodes > 1 && options_.hosts_store()) store_->put(kTokenKey, ps_token_);
+}
+
+void Launcher::adopt_ps_token() {
+  if (ps_token_.empty()) ps_token_ = store_->get(kTokenKey);
 }
 
 void Launcher::start_servers(const std::string& run_id, int port) {
-  // The token the servers ask of every call: the user's, when an enclosing job gave one.
   const env::Environment base = env::current();
-  auto given = env::get(base, "SHOAL_JOB_TOKEN");
-  ps_token_ = given && !given->empty() ? *given : elastic::make_token();
   env::Environment env = base;
   env["SHOAL_MASTER_ADDR"] = options_.master_addr();
   env["SHOAL_MASTER_PORT"] = std::to_string(port);
   env["SHOAL_RUN_ID"] = run_id;
   add_ps_environment(env);
   for (int i = 0; i < options_.servers; ++i) {
+    // Several nodes: server i runs on node i % nnodes, its backup beside it (docs/ps.md,
+    // "Processes").
+    if (i % options_.nnodes != options_.node_rank) continue;
     // With replicas, index i is served by "[ps i] " (the primary) and "[ps ib] " (its backup),
     // the backup first: the primary waits for it before it publishes its own address.
     for (bool backup : {true, false}) {
@@ -126,6 +145,28 @@ void Launcher::stop_servers_after_workers() {
   for (const auto& worker : workers_) {
     if (!worker->server && (worker->running() || worker->restart_at)) return;
   }
+  if (ps_elastic()) {
+    // Workers of launchers that joined may still run (looked at again every
+    // NodeGroup::kCheckInterval).
+    try {
+      if (store_->add(kRunningKey, 0) > 0) return;
+    } catch (const Error&) {
+    }
+  }
+  if (options_.nnodes > 1) {
+    // Other nodes' workers may still use this node's servers: stop them once every node's
+    // workers are done (checked again with the other nodes, every NodeGroup::kCheckInterval).
+    const std::string key = "ps/launch/workers_done";
+    try {
+      if (!workers_done_counted_) {
+        store_->add(key, 1);
+        workers_done_counted_ = true;
+      }
+      if (store_->add(key, 0) < options_.nnodes) return;
+    } catch (const Error&) {
+      // The store is gone: node 0's launcher ended, and the job with it.
+    }
+  }
   servers_stopping_ = true;
   for (auto& worker : workers_) {
     if (worker->server && worker->running()) signal_group(worker->pid, SIGTERM);
@@ -133,8 +174,64 @@ void Launcher::stop_servers_after_workers() {
   kill_at_ = std::chrono::steady_clock::now() + options_.stop_grace;
 }
 
+std::string Launcher::servers_flags() const {
+  const char* mode = std::getenv("SHOAL_PS_MODE");
+  return "--servers " + std::to_string(options_.servers) + " --ps-replicas " +
+         std::to_string(options_.ps_replicas) + " --ps-backup-workers " +
+         std::to_string(options_.ps_backup_workers) +
+         " SHOAL_PS_MODE=" + (mode != nullptr ? mode : "");
+}
+
+void Launcher::check_servers_flags() {
+  const std::string first = store_->get(kServersKey);
+  if (first != servers_flags()) {
+    throw UsageError("node " + std::to_string(options_.node_rank) + " runs with " +
+                     servers_flags() + ", node 0 with " + first +
+                     "; expected the same parameter servers on every node");
+  }
+}
+
+void Launcher::publish_ps_job() {
+  ps_first_workers_ = options_.nproc_per_node;
+  store_->put(kFirstWorkersKey, std::to_string(options_.nproc_per_node));
+  store_->put(kMaxWorkersKey, std::to_string(options_.max_workers));
+  store_->put(kServersKey, servers_flags());
+  store_->put(kTokenKey, ps_token_);
+  const char* mode = std::getenv("SHOAL_PS_MODE");
+  store_->put(kModeKey, mode != nullptr && *mode != '\0' ? mode : "sync");
+  say("elastic parameter-server job; more workers join it with: shoal run --servers " +
+      std::to_string(options_.servers) + " --join " + options_.master_addr() + ":" +
+      std::to_string(store_->port()) + " [-n K] PROGRAM");
+}
+
+bool Launcher::reserve_workers(int count) {
+  try {
+    // A joining launcher's --max is the job's.
+    const int max = options_.joins() ? std::stoi("0" + store_->get(kMaxWorkersKey))
+                                     : options_.max_workers;
+    if (store_->add(kRunningKey, count) <= max) return true;
+    store_->add(kRunningKey, -count);
+  } catch (const Error&) {
+    // The job's store is gone: its first launcher ended, and the job with it.
+  }
+  return false;
+}
+
+void Launcher::release_workers(int count) {
+  try {
+    store_->add(kRunningKey, -count);
+  } catch (const Error&) {
+  }
+}
+
 void Launcher::set_ps_worker(Worker& worker) {
-  worker.ps_worker = worker.local_rank + options_.nproc_per_node * worker.restarts;
+  // The first launcher's first workers are the servers' workers 0..N-1; every later one (a
+  // restart, a joiner) takes the next id of the job's counter.
+  if (worker.restarts == 0 && !options_.joins()) {
+    worker.ps_worker = worker.local_rank;
+  } else {
+    worker.ps_worker = ps_first_workers_ + static_cast<int>(store_->add(kIdsKey, 1)) - 1;
+  }
   auto& envp = worker.envp;
   envp.erase(std::remove_if(envp.begin(), envp.end(),
                             [](const std::string& variable) {
@@ -151,8 +248,9 @@ constexpr Duration kLeaveTimeout{10000};
 
 void Launcher::leave_servers(Worker& worker) {
   if (!ps_members_) {
-    ps_members_ = std::make_unique<PsMembership>(options_.master_addr(), store_->port(),
-                                                  options_.servers, ps_token_);
+    ps_members_ = std::make_unique<PsMembership>(
+        options_.joins() ? options_.join_host : options_.master_addr(), store_->port(),
+        options_.servers, ps_token_);
   }
   try {
     ps_members_->leave(worker.ps_worker, kLeaveTimeout);
@@ -178,6 +276,74 @@ void Launcher::check_min_workers(const Worker& lost, const ExitStatus& status) {
       " workers remain, fewer than --min " + std::to_string(options_.min_workers) +
       "; stopping the job");
   begin_stop(SIGTERM);
+}
+
+// `shoal run --servers S --join HOST:PORT [-n K] PROGRAM` (docs/ps.md, "Elastic workers"): K
+// more workers for the elastic parameter-server job whose store is at HOST:PORT. This launcher
+// starts no server; its workers join the job's servers by themselves, and it makes them leave
+// when they end and restarts the failed ones, as the job's first launcher does.
+int Launcher::run_ps_join() {
+  const std::string at = options_.join_host + ":" + std::to_string(options_.join_port);
+  store_ = JobStore::connect(options_.join_host, options_.join_port, options_.connect_timeout,
+                             "--join " + at);
+  const std::string first = store_->get(kFirstWorkersKey);
+  if (first.empty()) {
+    throw UsageError("--join " + at +
+                     ": no elastic parameter-server job there; expected the address its first "
+                     "shoal run printed");
+  }
+  ps_first_workers_ = std::stoi(first);
+  const std::string flags = store_->get(kServersKey);
+  const std::string servers = "--servers " + std::to_string(options_.servers) + " ";
+  if (flags.rfind(servers, 0) != 0) {
+    throw UsageError("--servers " + std::to_string(options_.servers) + ", but the job at " + at +
+                     " runs with " + flags.substr(0, flags.find(" --ps-replicas")) +
+                     "; expected the same");
+  }
+  ps_token_ = store_->get(kTokenKey);
+  const std::string run_id = store_->run_id();
+  const std::string mode = store_->get(kModeKey);
+  const int count = options_.nproc_per_node;
+  if (!reserve_workers(count)) {
+    throw UsageError("the job at " + at + " runs its --max " + store_->get(kMaxWorkersKey) +
+                     " workers; no room for " + std::to_string(count) + " more");
+  }
+  env::Environment base = env::current();
+  add_ps_environment(base);
+  base["SHOAL_PS_MODE"] = mode;
+  for (int i = 0; i < count; ++i) {
+    WorkerPlace place;
+    place.local_rank = i;
+    place.local_world_size = count;
+    place.master_addr = options_.join_host;
+    place.master_port = options_.join_port;
+    place.run_id = run_id;
+    env::Environment env = worker_environment(base, place);
+    // Ranks after the first launcher's: shoal::is_main() stays its worker 0's.
+    for (const char* name : {"SHOAL_RANK", "RANK", "ROLE_RANK"})
+      env[name] = std::to_string(ps_first_workers_ + i);
+    for (const char* name : {"SHOAL_WORLD_SIZE", "WORLD_SIZE", "ROLE_WORLD_SIZE"})
+      env[name] = std::to_string(ps_first_workers_ + count);
+    const std::string prefix = options_.tags_output() ? "[" + std::to_string(i) + "] " : "";
+    auto worker = std::make_unique<Worker>(i, ps_first_workers_ + i, prefix, out_, err_);
+    worker->envp = to_envp(env);
+    set_ps_worker(*worker);
+    try {
+      spawn(*worker);
+    } catch (const Error& e) {
+      release_workers(count - i);
+      if (workers_.empty()) throw;
+      say(std::string(e.what()) + "; stopping the other workers");
+      exit_code_ = 2;
+      begin_stop(SIGTERM);
+      break;
+    }
+    workers_.push_back(std::move(worker));
+  }
+  supervise();
+  kill_leftovers();
+  if (!stopping_ && any_success_) return 0;
+  return exit_code_;
 }
 
 }  // namespace shoal::launch

@@ -69,6 +69,10 @@ std::unique_ptr<ps::detail::Handler> make_handler(const std::string& kind, const
   for (int w = 0; w < *workers; ++w) options.workers.push_back(w);
   // An elastic job's workers die, leave and join (docs/ps.md, "Elastic workers").
   options.sealed_pushes = env::get_bool(env, "SHOAL_PS_ELASTIC").value_or(false);
+  // shoal run --ps-backup-workers B: a sync step takes the first W - B pushes (docs/ps.md,
+  // "Consistency").
+  if (auto backup = env::get_int(env, "SHOAL_PS_BACKUP_WORKERS", 0, *workers - 1); backup && *backup > 0)
+    options.replicas_to_aggregate = static_cast<int32_t>(*workers - *backup);
   options.shards = ps::detail::ShardMap(servers).shards_of(index);
   if (snapshots != nullptr) {
     options.snapshot_every = snapshots->every();

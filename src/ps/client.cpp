@@ -140,7 +140,8 @@ Client::Client(torch::nn::Module& model, const OptimizerSpec& optimizer, const P
       servers_(open_servers(timeout_)),
       map_(static_cast<int32_t>(servers_.size())),
       worker_(worker_id()),
-      elastic_(env::get_bool(env::current(), "SHOAL_PS_ELASTIC").value_or(false)) {
+      elastic_(env::get_bool(env::current(), "SHOAL_PS_ELASTIC").value_or(false)),
+      backup_workers_(env::get_int(env::current(), "SHOAL_PS_BACKUP_WORKERS", 0).value_or(0) > 0) {
   const int32_t server_count = map_.servers();
   std::vector<TableSpec> tables;
   for (const auto& item : model.named_parameters(/*recurse=*/true)) {
@@ -476,7 +477,8 @@ void Client::step() {
   // Every server gets a push every step, empty where it holds nothing of this step, so that every
   // server sees every worker's clock (docs/ps.md, "Consistency").
   push_.resize(servers_.size());
-  for_each_server([&](int32_t s) {
+  PushRequest::Verdict verdict = PushRequest::Verdict::kDecide;
+  auto push_to = [&](int32_t s) {
     // The request kept from the step before: its slices' storage is refilled, not allocated.
     PushRequest& request = push_[s];
     request.worker = worker_;
@@ -484,12 +486,12 @@ void Client::step() {
     request.rows = samples;
     request.epoch = epoch;
     request.batch = batch;
+    request.verdict = s == 0 ? PushRequest::Verdict::kDecide : verdict;
     size_t used = 0;
     if (samples == 0) {  // idle: no gradients
       request.dense.clear();
       request.sparse.clear();
-      servers_[s]->push(request, timeout_);
-      return;
+      return servers_[s]->push(request, timeout_);
     }
     for (size_t t = 0; t < dense_.size(); ++t) {
       if (!grads[t].defined() || dense_[t].chunks[s].empty()) continue;
@@ -524,8 +526,17 @@ void Client::step() {
       }
       request.sparse.push_back(std::move(slice));
     }
-    servers_[s]->push(request, timeout_);
-  });
+    return servers_[s]->push(request, timeout_);
+  };
+  if (backup_workers_ && servers_.size() > 1) {
+    // Note [Server 0 decides] (server_core.cpp): server 0's answer goes to the others.
+    verdict = push_to(0).counted ? PushRequest::Verdict::kCounted : PushRequest::Verdict::kDropped;
+    for_each_server([&](int32_t s) {
+      if (s > 0) push_to(s);
+    });
+  } else {
+    for_each_server([&](int32_t s) { push_to(s); });
+  }
   ++clock_;
   pull_dense();
 }

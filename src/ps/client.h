@@ -100,6 +100,9 @@ class Client : public std::enable_shared_from_this<Client> {
   // An elastic job (SHOAL_PS_ELASTIC): the worker joins by itself, and every step pulls from every
   // server, which seals its push there (Note [Sealed pushes] in server_core.cpp).
   bool elastic_ = false;
+  // shoal run --ps-backup-workers: a step pushes to server 0 first, whose answer (counted or
+  // dropped) goes with the push to the others (Note [Server 0 decides] in server_core.cpp).
+  bool backup_workers_ = false;
   std::vector<Dense> dense_;
   std::vector<Sparse> sparse_;  // table index dense_.size() + i
   int64_t clock_ = 0;

@@ -111,6 +111,10 @@ struct PushRequest {
   // that keeps the ledger: it is done when this push is applied.
   int64_t epoch = 0;
   int64_t batch = -1;
+  // Backup workers with several servers (Note [Server 0 decides] in server_core.cpp): server 0
+  // decides whether a push of a step counts; the worker passes its answer on to the others.
+  enum class Verdict : int32_t { kDecide = 0, kCounted = 1, kDropped = 2 };
+  Verdict verdict = Verdict::kDecide;
 };
 // A batch of the epoch's ledger for `worker` (ledger.h, docs/ps.md "Leased batches"): the data
 // set's size and the batch size name the ledger, and every worker must name the same.

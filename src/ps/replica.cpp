@@ -55,7 +55,14 @@ PushReply ReplicatedHandler::push(const PushRequest& request, const Deadline& de
   const PushReply reply = local_.push(request, deadline);
   if (auto peer = backup()) {
     try {
-      peer->push(request, forward_timeout(deadline));
+      if (!reply.counted && request.verdict == PushRequest::Verdict::kDecide) {
+        // Note [Server 0 decides] (server_core.cpp): the backup drops what the primary dropped.
+        PushRequest dropped{request.worker, request.clock, request.rows, {}, {},
+                            request.epoch,  request.batch, PushRequest::Verdict::kDropped};
+        peer->push(dropped, forward_timeout(deadline));
+      } else {
+        peer->push(request, forward_timeout(deadline));
+      }
     } catch (const Error& e) {
       lose_backup(peer, e.what());
     }

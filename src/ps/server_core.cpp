@@ -414,6 +414,15 @@ void ServerCore::finish_batches(const std::map<int32_t, PushRequest>& pushes) {
     if (push.batch >= 0) ledger_->done(worker, push.epoch, push.batch);
 }
 
+// Note [Server 0 decides]: with backup workers (replicas_to_aggregate k) a sync step counts the
+// first k pushes that reach the server, and the rest are dropped, their batches going back into
+// the epoch. With several servers the first k may differ from server to server, which would
+// apply one worker's gradient on some servers only. So one server decides: a worker pushes to
+// server 0 first (verdict kDecide), then to the others with server 0's answer (kCounted or
+// kDropped), and a server takes a step as complete once it holds k pushes, all of them counted by
+// server 0. A primary forwards a push it dropped to its backup as kDropped (without its values),
+// so that the backup, whose pushes arrive in another order, drops the same ones.
+
 // Note [Sync sum]: step c applies sum_w rows_w * grad_w / sum_w rows_w over the pushes it took,
 // accumulated in double in worker order (std::map), then rounded once: deterministic, and the
 // gradient of the mean loss over the workers' concatenated batches. A chunk or row that no push
@@ -587,10 +596,17 @@ PushReply ServerCore::push(const PushRequest& request, const Deadline& /*deadlin
     ++step_;
     finish_batches({{w, request}});
     take_snapshot_when_due();
-  } else if (request.clock < step_ || (options_.replicas_to_aggregate > 0 &&
-                                       pending_[request.clock].size() >=
-                                           static_cast<size_t>(options_.replicas_to_aggregate))) {
-    reply.counted = false;  // the step was full without it (backup workers)
+  } else if (request.verdict == PushRequest::Verdict::kCounted && request.clock < step_) {
+    bad(what, "worker " + std::to_string(w) + "'s push of step " + std::to_string(request.clock) +
+                  " was counted by server 0, but this server applied that step without it; "
+                  "expected every server of the job to run with the same backup workers");
+  } else if (request.verdict == PushRequest::Verdict::kDropped || request.clock < step_ ||
+             (request.verdict == PushRequest::Verdict::kDecide &&
+              options_.replicas_to_aggregate > 0 &&
+              pending_[request.clock].size() >=
+                  static_cast<size_t>(options_.replicas_to_aggregate))) {
+    // The step was full without it (backup workers; Note [Server 0 decides]).
+    reply.counted = false;
     // Its samples go back into the epoch, unlike TensorFlow's SyncReplicasOptimizer's.
     if (ledger_ && request.batch >= 0) ledger_->give_back(w, request.epoch, request.batch);
   } else {

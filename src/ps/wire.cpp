@@ -674,13 +674,14 @@ grpc::ByteBuffer encode(const PullRequest& in) {
 grpc::ByteBuffer encode(const PushRequest& in) {
   Writer w(varint_field_size(in.worker) + varint_field_size(in.clock) + varint_field_size(in.rows) +
            slices_size(in.dense) + slices_size(in.sparse) + varint_field_size(in.epoch) +
-           varint_field_size(in.batch + 1));
+           varint_field_size(in.batch + 1) + varint_field_size(static_cast<int32_t>(in.verdict)));
   w.varint_field(1, in.worker);
   w.varint_field(2, in.clock);
   w.varint_field(3, in.rows);
   write_slices(w, 4, 5, in);
   w.varint_field(6, in.epoch);
   w.varint_field(7, in.batch + 1);  // 0, the field's default: no batch
+  w.varint_field(8, static_cast<int32_t>(in.verdict));
   return w.finish();
 }
 
@@ -719,13 +720,15 @@ void write_shared_slices(Writer& w, int dense_field, int sparse_field, const Mes
 
 grpc::ByteBuffer encode(const PushRequest& in, const SharedValues& shm) {
   Writer w(varint_field_size(in.worker) + varint_field_size(in.clock) + varint_field_size(in.rows) +
-           shared_slices_size(in) + varint_field_size(in.epoch) + varint_field_size(in.batch + 1));
+           shared_slices_size(in) + varint_field_size(in.epoch) + varint_field_size(in.batch + 1) +
+           varint_field_size(static_cast<int32_t>(in.verdict)));
   w.varint_field(1, in.worker);
   w.varint_field(2, in.clock);
   w.varint_field(3, in.rows);
   write_shared_slices(w, 4, 5, in, shm);
   w.varint_field(6, in.epoch);
   w.varint_field(7, in.batch + 1);  // as encode(const PushRequest&)
+  w.varint_field(8, static_cast<int32_t>(in.verdict));
   return w.finish();
 }
 
@@ -806,6 +809,7 @@ bool decode(const grpc::ByteBuffer& in, PushRequest& out, const SharedValues* sh
   Reader r(in);
   out.epoch = 0;
   int64_t batch = 0;
+  int32_t verdict = 0;
   Slices slices{out.dense, out.sparse, {}, {}, {}};
   const bool read = r.fields([&](int number, WireType type, uint32_t tag) {
     if (number == 1 && type == kVarint) return r.varint(out.worker);
@@ -815,11 +819,16 @@ bool decode(const grpc::ByteBuffer& in, PushRequest& out, const SharedValues* sh
     if (number == 5 && type == kLength) return slices.read_sparse(r);
     if (number == 6 && type == kVarint) return r.varint(out.epoch);
     if (number == 7 && type == kVarint) return r.varint(batch);
+    if (number == 8 && type == kVarint) return r.varint(verdict);
     return r.skip(tag);
   });
   if (!read) return false;
   slices.trim();
   out.batch = batch - 1;
+  if (verdict < 0 || verdict > 2)
+    throw UsageError("verdict = " + std::to_string(verdict) +
+                     "; expected 0 (the server decides), 1 (counted) or 2 (dropped)");
+  out.verdict = static_cast<PushRequest::Verdict>(verdict);
   non_negative(out.worker, "worker");
   non_negative(out.clock, "clock");
   non_negative(out.rows, "rows");

@@ -298,7 +298,11 @@ int leased(const std::string& mode, int epochs, const std::string& dir) {
 // about as often. At the end it
 // writes DIR/final-<pid>: its clock, then the values it pulled last (dense parameters in
 // named_parameters' order, then every row of the table).
-int elastic(const std::string& dir) {
+//
+// With `backup` (shoal run --ps-backup-workers): three epochs, worker 1 slowed by 40 ms a step so
+// that its pushes come late and are dropped, and no "c" lines (a step that returned may have been
+// dropped): the check takes each batch's last step as the one that counts.
+int elastic(const std::string& dir, bool backup) {
   shoal::init();
   torch::manual_seed(shoal::rank());  // the first worker's (rank 0, id 0) values win
   Net net;
@@ -313,7 +317,8 @@ int elastic(const std::string& dir) {
   const std::string me = std::to_string(::getpid());
   std::ofstream log(dir + "/log-" + me);
   log << "s " << optimizer.steps() << std::endl;
-  for (int64_t epoch = 0; epoch < 1000 && !std::filesystem::exists(dir + "/stop"); ++epoch) {
+  const int64_t epochs = backup ? 3 : 1000;
+  for (int64_t epoch = 0; epoch < epochs && !std::filesystem::exists(dir + "/stop"); ++epoch) {
     for (auto& b : loader.epoch(epoch)) {
       const auto ids = b.data.reshape({-1});
       const Batch in = samples(ids);
@@ -325,10 +330,10 @@ int elastic(const std::string& dir) {
         for (int64_t k = 0; k < ids.size(0); ++k) log << " " << ids[k].item<int64_t>();
         log << std::endl;
       }
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      std::this_thread::sleep_for(std::chrono::milliseconds(backup && shoal::rank() == 1 ? 50 : 10));
       optimizer.step();
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      if (ids.size(0) > 0) log << "c " << clock << std::endl;
+      if (ids.size(0) > 0 && !backup) log << "c " << clock << std::endl;
     }
   }
   torch::NoGradGuard no_grad;
@@ -352,7 +357,8 @@ int elastic(const std::string& dir) {
 // Reads the logs of an elastic run in DIR and checks that every epoch trained each sample
 // exactly once in the steps that count: a step confirmed by its worker ("c"), or the last step
 // of a worker that died, unless its batch was leased again (its push was dropped; the same
-// samples then appear in a later step). A batch counted twice, or a sample missing, fails. In
+// samples then appear in a later step). Without "c" lines (backup workers), the last step of each
+// batch counts: a dropped push's batch goes back and is leased again, at a later step. A batch counted twice, or a sample missing, fails. In
 // sync it also checks that the servers' values (the final file of the highest clock) equal one
 // process training each step's counted batches together with torch::optim. Prints "ps elastic
 // ok: ..." and exits 0, or says what differed and exits 1.
@@ -492,9 +498,9 @@ int elastic_check(const std::string& dir, const std::string& mode) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc == 3 && std::string(argv[1]) == "elastic") {
+  if (argc == 3 && (std::string(argv[1]) == "elastic" || std::string(argv[1]) == "backup")) {
     try {
-      return elastic(argv[2]);
+      return elastic(argv[2], std::string(argv[1]) == "backup");
     } catch (const std::exception& e) {
       std::cout << "error: " << e.what() << std::endl;
       return 1;

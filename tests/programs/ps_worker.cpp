@@ -116,6 +116,11 @@ int main(int argc, char** argv) {
     const comm::StorePtr store = comm::open_store(options);
     const auto servers =
         connect_servers(store, server_count(env), job_token(env), std::chrono::seconds(60));
+    if (rank == 0) {  // where the servers run (tests/multihost_test.cpp)
+      std::cout << "ps servers at";
+      for (const auto& server : servers) std::cout << " " << server->address();
+      std::cout << std::endl;
+    }
     if (hold) {
       std::cout << "ps ready" << std::endl;
       std::this_thread::sleep_for(std::chrono::seconds(60));
