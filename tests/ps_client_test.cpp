@@ -103,6 +103,26 @@ std::map<std::string, WorkerLog> worker_logs(const std::string& dir) {
   return logs;
 }
 
+// A fresh directory for a run's logs.
+std::string fresh_dir(const std::string& name) {
+  const std::string dir = ::testing::TempDir() + name + "_" + std::to_string(::getpid());
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+// Checks the logs and values of a run in `dir` (ps_train elastic-check) and expects it to have
+// had `workers` worker processes; returns the check's report.
+std::string check_logs(const std::string& dir, const std::string& mode, int workers) {
+  const RunResult check = run_shoal({"-n", "1", kTrain, "elastic-check", dir, mode}, 60s);
+  EXPECT_EQ(check.exit_code, 0) << check.out << check.err;
+  EXPECT_NE(check.out.find("ps elastic ok: " + mode + ", " + std::to_string(workers) + " workers"),
+            std::string::npos)
+      << check.out;
+  std::cout << check.out;
+  return check.out;
+}
+
 // docs/ps.md, "Elastic workers": `shoal run --servers 2 --min 1 --max 3 -n 3 --max-restarts 1`
 // of workers leasing their batches. Once all three trained, one is SIGKILLed; the launcher makes
 // it leave the servers and starts it again under a new id, which joins mid-epoch; once that one
@@ -114,10 +134,7 @@ std::map<std::string, WorkerLog> worker_logs(const std::string& dir) {
 TEST(PsTrain, WorkersKilledAndJoinedMidEpochTrainEverySampleOnceInEveryMode) {
   for (const std::string mode : {"sync", "async", "ssp:1"}) {
     SCOPED_TRACE(mode);
-    const std::string dir = ::testing::TempDir() + "ps_elastic_" + std::to_string(::getpid()) +
-                            "_" + mode.substr(0, 3);
-    std::filesystem::remove_all(dir);
-    std::filesystem::create_directories(dir);
+    const std::string dir = fresh_dir("ps_elastic_" + mode.substr(0, 3));
     ::setenv("SHOAL_PS_MODE", mode.c_str(), 1);
     ShoalRun run({"--servers", "2", "--min", "1", "--max", "3", "-n", "3", "--max-restarts", "1",
                   kTrain, "elastic", dir});
@@ -156,11 +173,7 @@ TEST(PsTrain, WorkersKilledAndJoinedMidEpochTrainEverySampleOnceInEveryMode) {
     EXPECT_NE(result.err.find(" was killed by signal 9 (SIGKILL); restarting it in "),
               std::string::npos)
         << result.err;
-    const RunResult check = run_shoal({"-n", "1", kTrain, "elastic-check", dir, mode}, 60s);
-    EXPECT_EQ(check.exit_code, 0) << check.out << check.err;
-    EXPECT_NE(check.out.find("ps elastic ok: " + mode + ", 5 workers"), std::string::npos)
-        << check.out;
-    std::cout << check.out;
+    check_logs(dir, mode, 5);
     std::filesystem::remove_all(dir);
   }
 }
@@ -171,9 +184,7 @@ TEST(PsTrain, WorkersKilledAndJoinedMidEpochTrainEverySampleOnceInEveryMode) {
 // naming other servers, is refused; once stopped, both launchers exit 0 and every sample was
 // trained once per epoch, the servers' values equal to one process on the counted batches.
 TEST(PsTrain, ALauncherJoinsARunningElasticJobMidEpoch) {
-  const std::string dir = ::testing::TempDir() + "ps_join_" + std::to_string(::getpid());
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
+  const std::string dir = fresh_dir("ps_join");
   ShoalRun first(
       {"--servers", "2", "--min", "1", "--max", "3", "-n", "2", kTrain, "elastic", dir});
   std::string address;
@@ -214,10 +225,7 @@ TEST(PsTrain, ALauncherJoinsARunningElasticJobMidEpoch) {
   const RunResult result = first.wait(120s);
   EXPECT_EQ(joined.exit_code, 0) << joined.out << joined.err;
   EXPECT_EQ(result.exit_code, 0) << result.out << result.err;
-  const RunResult check = run_shoal({"-n", "1", kTrain, "elastic-check", dir, "sync"}, 60s);
-  EXPECT_EQ(check.exit_code, 0) << check.out << check.err;
-  EXPECT_NE(check.out.find("ps elastic ok: sync, 3 workers"), std::string::npos) << check.out;
-  std::cout << check.out;
+  check_logs(dir, "sync", 3);
   std::filesystem::remove_all(dir);
 }
 
@@ -228,21 +236,15 @@ TEST(PsTrain, ALauncherJoinsARunningElasticJobMidEpoch) {
 // batch's last), and the servers' values equal one process trained on those batches step by step,
 // which fails if one server applied a push the other dropped.
 TEST(PsTrain, BackupWorkersDropLatePushesOnEveryServerAndLoseNoSample) {
-  const std::string dir = ::testing::TempDir() + "ps_backup_" + std::to_string(::getpid());
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
+  const std::string dir = fresh_dir("ps_backup");
   const RunResult run = run_shoal(
       {"--servers", "2", "-n", "3", "--ps-backup-workers", "1", kTrain, "backup", dir}, 180s);
   EXPECT_EQ(run.exit_code, 0) << run.out << run.err;
-  const RunResult check = run_shoal({"-n", "1", kTrain, "elastic-check", dir, "sync"}, 60s);
-  EXPECT_EQ(check.exit_code, 0) << check.out << check.err;
-  EXPECT_NE(check.out.find("ps elastic ok: sync, 3 workers, 3 epochs of 50 samples"),
-            std::string::npos)
-      << check.out;
+  const std::string report = check_logs(dir, "sync", 3);
+  EXPECT_NE(report.find(", 3 epochs of 50 samples"), std::string::npos) << report;
   std::smatch dropped;
-  ASSERT_TRUE(std::regex_search(check.out, dropped, std::regex(", (\\d+) dropped"))) << check.out;
-  EXPECT_GT(std::stoi(dropped[1].str()), 0) << "no push came late: " << check.out;
-  std::cout << check.out;
+  ASSERT_TRUE(std::regex_search(report, dropped, std::regex(", (\\d+) dropped"))) << report;
+  EXPECT_GT(std::stoi(dropped[1].str()), 0) << "no push came late: " << report;
   std::filesystem::remove_all(dir);
 }
 

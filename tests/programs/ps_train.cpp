@@ -199,6 +199,36 @@ Batch samples(const torch::Tensor& ids) {
   return out;
 }
 
+// Whether `seen` (per epoch, per sample: the times it was trained) holds one everywhere; else
+// says where not.
+bool each_sample_once(const std::vector<std::vector<int>>& seen) {
+  for (size_t epoch = 0; epoch < seen.size(); ++epoch)
+    for (size_t id = 0; id < seen[epoch].size(); ++id)
+      if (seen[epoch][id] != 1) {
+        std::cout << "epoch " << epoch << " trained sample " << id << " " << seen[epoch][id]
+                  << " times; expected once" << std::endl;
+        return false;
+      }
+  return true;
+}
+
+// The one-process reference of leased batches: from worker 0's initial values (`first`, and the
+// table's initial rows into `rows`), each step's batches (step clock -> samples) trained together
+// with torch::optim, in clock order.
+void train_reference(Net& first, std::vector<torch::Tensor>& rows,
+                     const std::map<int64_t, std::vector<int64_t>>& steps) {
+  rows.clear();
+  for (const auto& row : initial_rows()) rows.push_back(row.clone().requires_grad_(true));
+  std::vector<torch::Tensor> parameters = first->parameters();
+  parameters.insert(parameters.end(), rows.begin(), rows.end());
+  auto reference = make("sgd", parameters);
+  for (const auto& [clock, ids] : steps) {
+    for (auto& p : parameters) p.mutable_grad() = torch::Tensor();
+    reference_backward(first, rows, samples(torch::tensor(ids, torch::kLong)));
+    reference->step();
+  }
+}
+
 // Every worker trains EPOCHS epochs of a loader whose batches it leases, and writes each step it
 // trained a batch in to DIR/worker-R: "epoch clock id id ...". Worker 1 is slowed (async shows
 // the others taking more batches). Then worker 0 reads every worker's lines and checks that each
@@ -260,26 +290,11 @@ int leased(const std::string& mode, int epochs, const std::string& dir) {
     }
     counts += (r == 0 ? "" : ", ") + std::to_string(lines);
   }
-  for (int64_t epoch = 0; epoch < epochs; ++epoch)
-    for (int64_t id = 0; id < kSamples; ++id)
-      if (seen[epoch][id] != 1) {
-        std::cout << "epoch " << epoch << " trained sample " << id << " " << seen[epoch][id]
-                  << " times; expected once" << std::endl;
-        return 1;
-      }
+  if (!each_sample_once(seen)) return 1;
   if (mode == "sync") {
-    const std::vector<torch::Tensor> initial = initial_rows();
     std::vector<torch::Tensor> rows;
-    for (const auto& row : initial) rows.push_back(row.clone().requires_grad_(true));
-    std::vector<torch::Tensor> parameters = first->parameters();
-    parameters.insert(parameters.end(), rows.begin(), rows.end());
-    auto reference = make("sgd", parameters);
-    for (const auto& [clock, ids] : steps) {
-      for (auto& p : parameters) p.mutable_grad() = torch::Tensor();
-      reference_backward(first, rows, samples(torch::tensor(ids, torch::kLong)));
-      reference->step();
-    }
-    if (!equals_reference(net, first, rows, initial)) return 1;
+    train_reference(first, rows, steps);
+    if (!equals_reference(net, first, rows, initial_rows())) return 1;
   }
   std::cout << "ps leased ok: " << mode << ", " << shoal::world_size() << " workers, " << epochs
             << " epochs of " << kSamples << " samples, " << steps.size()
@@ -423,13 +438,7 @@ int elastic_check(const std::string& dir, const std::string& mode) {
   std::vector<std::vector<int>> seen(static_cast<size_t>(epochs), std::vector<int>(kSamples, 0));
   for (const Step* step : counted)
     for (int64_t id : step->ids) ++seen.at(static_cast<size_t>(step->epoch)).at(static_cast<size_t>(id));
-  for (int64_t epoch = 0; epoch < epochs; ++epoch)
-    for (int64_t id = 0; id < kSamples; ++id)
-      if (seen[epoch][id] != 1) {
-        std::cout << "epoch " << epoch << " trained sample " << id << " " << seen[epoch][id]
-                  << " times in the steps that count; expected once" << std::endl;
-        return 1;
-      }
+  if (!each_sample_once(seen)) return 1;
   if (mode == "sync") {
     // The values the last worker pulled.
     int64_t last = -1;
@@ -456,22 +465,13 @@ int elastic_check(const std::string& dir, const std::string& mode) {
       steps[step->clock].insert(steps[step->clock].end(), step->ids.begin(), step->ids.end());
     torch::manual_seed(0);
     Net first;  // worker 0's initial values, which the servers started from
-    const std::vector<torch::Tensor> initial = initial_rows();
-    std::vector<torch::Tensor> rows;
-    for (const auto& row : initial) rows.push_back(row.clone().requires_grad_(true));
     const auto named = first->named_parameters();
     if (held.size() != named.size() + 1) {
       std::cout << "no final values of the last worker in " << dir << std::endl;
       return 1;
     }
-    std::vector<torch::Tensor> parameters = first->parameters();
-    parameters.insert(parameters.end(), rows.begin(), rows.end());
-    auto reference = make("sgd", parameters);
-    for (const auto& [clock, ids] : steps) {
-      for (auto& p : parameters) p.mutable_grad() = torch::Tensor();
-      reference_backward(first, rows, samples(torch::tensor(ids, torch::kLong)));
-      reference->step();
-    }
+    std::vector<torch::Tensor> rows;
+    train_reference(first, rows, steps);
     size_t at = 0;
     for (const auto& p : named) {
       const auto got = torch::tensor(held[at++]).view(p.value().sizes());
