@@ -181,8 +181,10 @@ TEST(PsTrain, WorkersKilledAndJoinedMidEpochTrainEverySampleOnceInEveryMode) {
 // docs/ps.md, "Elastic workers": a second launcher joins a running elastic job (`shoal run
 // --servers 2 --join HOST:PORT -n 1`, the address the job's first launcher printed). Its worker
 // joins the servers mid-epoch and trains; a launcher asking for more room than --max leaves, or
-// naming other servers, is refused; once stopped, both launchers exit 0 and every sample was
-// trained once per epoch, the servers' values equal to one process on the counted batches.
+// naming other servers, is refused. The joined launcher is SIGKILLed: once it has been silent for
+// 10 s the job's first launcher makes its worker leave the servers and frees its room, which a
+// third launcher then takes. Once stopped, the launchers exit 0 and every sample was trained once
+// per epoch, the servers' values equal to one process on the counted batches.
 TEST(PsTrain, ALauncherJoinsARunningElasticJobMidEpoch) {
   const std::string dir = fresh_dir("ps_join");
   ShoalRun first(
@@ -220,12 +222,25 @@ TEST(PsTrain, ALauncherJoinsARunningElasticJobMidEpoch) {
   EXPECT_EQ(other.exit_code, 2);
   EXPECT_EQ(other.err, "shoal run: --servers 1, but the job at " + address +
                            " runs with --servers 2; expected the same\n");
+  // The joined launcher dies with its worker: once silent for 10 s, its worker leaves the
+  // servers and its room is free again.
+  ::kill(joiner.pid(), SIGKILL);
+  EXPECT_EQ(joiner.wait(30s).exit_code, 128 + SIGKILL);
+  EXPECT_TRUE(first.wait_until(
+      [](const RunResult& r) {
+        return r.err.find("shoal run: a launcher that joined the job went silent for 10.00 s; "
+                          "its workers (") != std::string::npos;
+      },
+      60s))
+      << first.so_far().err;
+  ShoalRun again({"--servers", "2", "--join", address, "-n", "1", kTrain, "elastic", dir});
+  ASSERT_TRUE(trained(again, 4)) << again.so_far().out << again.so_far().err;
   std::ofstream(dir + "/stop") << "stop\n";
-  const RunResult joined = joiner.wait(120s);
+  const RunResult joined = again.wait(120s);
   const RunResult result = first.wait(120s);
   EXPECT_EQ(joined.exit_code, 0) << joined.out << joined.err;
   EXPECT_EQ(result.exit_code, 0) << result.out << result.err;
-  check_logs(dir, "sync", 3);
+  check_logs(dir, "sync", 4);
   std::filesystem::remove_all(dir);
 }
 

@@ -215,7 +215,10 @@ void Launcher::supervise() {
     if ((several_nodes || ps_elastic()) && now >= next_check) {
       if (several_nodes) {
         check_nodes();
+      } else if (options_.joins()) {
+        publish_joiner();
       } else if (options_.servers > 0) {
+        watch_joiners();
         stop_servers_after_workers();  // once the joined launchers' workers are done too
       }
       next_check = Clock::now() + NodeGroup::kCheckInterval;
@@ -306,8 +309,9 @@ void Launcher::on_exit(Worker& worker, const ExitStatus& status) {
   // Note [No orphans] (watchdog.h): whatever the worker left behind in its group goes with it.
   signal_group(worker.pid, SIGKILL);
   watchdog_->forget(worker.pid);
-  if (ps_elastic()) release_workers(1);
+  // Left first, then no longer counted: the servers stop once no worker is counted.
   if (ps_elastic() && !stopping_) leave_servers(worker);
+  if (ps_elastic()) release_workers(1);
   if (!status.success() && !stopping_) on_failure(worker, status);
   if (options_.servers > 0) stop_servers_after_workers();
 }

@@ -7,7 +7,9 @@
 #pragma once
 
 #include <chrono>
+#include <map>
 #include <memory>
+#include <set>
 #include <optional>
 #include <string>
 #include <vector>
@@ -96,7 +98,14 @@ class Launcher {
   static constexpr const char* kModeKey = "ps/launch/mode";
   static constexpr const char* kRunningKey = "ps/launch/running";
   static constexpr const char* kIdsKey = "ps/launch/ids";
+  static constexpr const char* kJoinersKey = "ps/launch/joiners";
   void publish_ps_job();
+  // A joining launcher signs its life every NodeGroup::kCheckInterval under
+  // "ps/launch/joiner/<n>/beat", with its workers' ids at the servers and their count; the first
+  // launcher makes the workers of one silent for NodeGroup::kSilenceLimit leave the servers and
+  // frees their room (docs/ps.md, "Elastic workers").
+  void publish_joiner();
+  void watch_joiners();
   // Counts `count` more workers running over all launchers; false (counting none) when that
   // would pass the job's --max.
   bool reserve_workers(int count);
@@ -130,6 +139,15 @@ class Launcher {
   std::unique_ptr<PsMembership> ps_members_;  // ps_elastic(): makes lost workers leave
   bool workers_done_counted_ = false;  // several nodes: this node's workers counted as done
   int ps_first_workers_ = 0;          // ps_elastic(): the first launcher's -n
+  int ps_joiner_ = 0;                 // a joining launcher's number in the job (from 1)
+  int ps_held_ = 0;                   // workers this launcher counts under kRunningKey
+  std::set<int> ps_live_ids_;         // a joining launcher's workers not yet gone from the servers
+  struct Joiner {
+    int64_t beat = -1;
+    TimePoint changed;
+    bool gone = false;
+  };
+  std::map<int, Joiner> joiners_;  // the first launcher's view of the joining launchers
 
   bool stopping_ = false;
   int exit_code_ = 0;

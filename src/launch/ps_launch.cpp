@@ -6,6 +6,7 @@
 // primary and its backup) still runs and serves the index alone.
 #include <algorithm>
 #include <csignal>
+#include <sstream>
 #include <cstdlib>
 
 #include "../elastic/token.h"
@@ -209,7 +210,10 @@ bool Launcher::reserve_workers(int count) {
     // A joining launcher's --max is the job's.
     const int max = options_.joins() ? std::stoi("0" + store_->get(kMaxWorkersKey))
                                      : options_.max_workers;
-    if (store_->add(kRunningKey, count) <= max) return true;
+    if (store_->add(kRunningKey, count) <= max) {
+      ps_held_ += count;
+      return true;
+    }
     store_->add(kRunningKey, -count);
   } catch (const Error&) {
     // The job's store is gone: its first launcher ended, and the job with it.
@@ -218,6 +222,7 @@ bool Launcher::reserve_workers(int count) {
 }
 
 void Launcher::release_workers(int count) {
+  ps_held_ -= count;
   try {
     store_->add(kRunningKey, -count);
   } catch (const Error&) {
@@ -231,6 +236,10 @@ void Launcher::set_ps_worker(Worker& worker) {
     worker.ps_worker = worker.local_rank;
   } else {
     worker.ps_worker = ps_first_workers_ + static_cast<int>(store_->add(kIdsKey, 1)) - 1;
+  }
+  if (options_.joins()) {
+    ps_live_ids_.insert(worker.ps_worker);
+    publish_joiner();  // before the worker starts: the first launcher must know every id
   }
   auto& envp = worker.envp;
   envp.erase(std::remove_if(envp.begin(), envp.end(),
@@ -254,6 +263,10 @@ void Launcher::leave_servers(Worker& worker) {
   }
   try {
     ps_members_->leave(worker.ps_worker, kLeaveTimeout);
+    if (options_.joins()) {
+      ps_live_ids_.erase(worker.ps_worker);
+      publish_joiner();
+    }
   } catch (const Error& e) {
     // The others would wait for its pushes until their deadline: the job cannot go on.
     if (exit_code_ == 0) exit_code_ = 1;
@@ -262,6 +275,58 @@ void Launcher::leave_servers(Worker& worker) {
         worker.exit->describe() + ", and the servers could not be told: " + e.what() +
         "; stopping the job");
     begin_stop(SIGTERM);
+  }
+}
+
+static std::string joiner_key(int joiner, const char* what) {
+  return "ps/launch/joiner/" + std::to_string(joiner) + "/" + what;
+}
+
+void Launcher::publish_joiner() {
+  if (ps_joiner_ == 0) return;
+  std::string ids;
+  for (int id : ps_live_ids_) ids += (ids.empty() ? "" : " ") + std::to_string(id);
+  try {
+    store_->put(joiner_key(ps_joiner_, "ids"), ids.empty() ? "-" : ids);
+    store_->put(joiner_key(ps_joiner_, "running"), std::to_string(ps_held_));
+    store_->add(joiner_key(ps_joiner_, "beat"), 1);
+  } catch (const Error&) {
+    // The job's store is gone: the job ended.
+  }
+}
+
+void Launcher::watch_joiners() {
+  try {
+    const int64_t count = store_->add(kJoinersKey, 0);
+    const TimePoint now = std::chrono::steady_clock::now();
+    for (int j = 1; j <= count; ++j) {
+      const int64_t beat = store_->add(joiner_key(j, "beat"), 0);
+      auto [it, fresh] = joiners_.try_emplace(j, Joiner{beat, now, false});
+      Joiner& joiner = it->second;
+      if (fresh || joiner.gone) continue;
+      if (beat != joiner.beat) {
+        joiner.beat = beat;
+        joiner.changed = now;
+        continue;
+      }
+      if (now - joiner.changed < NodeGroup::kSilenceLimit) continue;
+      // Its launcher is gone, and its workers with it (Note [No orphans], watchdog.h).
+      joiner.gone = true;
+      std::string ids = store_->get(joiner_key(j, "ids"));
+      const int running = std::stoi("0" + store_->get(joiner_key(j, "running")));
+      if (!ps_members_) {
+        ps_members_ = std::make_unique<PsMembership>(options_.master_addr(), store_->port(),
+                                                      options_.servers, ps_token_);
+      }
+      std::istringstream words(ids == "-" ? "" : ids);
+      for (int id; words >> id;) ps_members_->leave(id, kLeaveTimeout);
+      store_->add(kRunningKey, -running);  // their room is free again
+      say("a launcher that joined the job went silent for " +
+          format_duration(NodeGroup::kSilenceLimit) + "; its workers (" +
+          (ids == "-" ? std::string("none") : ids) + " at the servers) left the servers");
+    }
+  } catch (const Error& e) {
+    say("could not look after the launchers that joined: " + std::string(e.what()));
   }
 }
 
@@ -308,6 +373,7 @@ int Launcher::run_ps_join() {
     throw UsageError("the job at " + at + " runs its --max " + store_->get(kMaxWorkersKey) +
                      " workers; no room for " + std::to_string(count) + " more");
   }
+  ps_joiner_ = static_cast<int>(store_->add(kJoinersKey, 1));
   env::Environment base = env::current();
   add_ps_environment(base);
   base["SHOAL_PS_MODE"] = mode;

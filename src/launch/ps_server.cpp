@@ -221,6 +221,18 @@ PsMembership::PsMembership(const std::string& host, int port, int servers,
 PsMembership::~PsMembership() = default;
 
 int64_t PsMembership::leave(int worker, Duration timeout) {
+  try {
+    return leave_servers(worker, timeout);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {  // c10d's, from the job's store
+    const std::string what = e.what();
+    throw CommError("lost the job's store at " + state_->host + ":" + std::to_string(state_->port) +
+                    ": " + what.substr(0, what.find('\n')));
+  }
+}
+
+int64_t PsMembership::leave_servers(int worker, Duration timeout) {
   using ps::detail::MembershipRequest;
   const Deadline deadline(timeout);
   auto left = [&] { return std::max(deadline.remaining(), Duration(1)); };

@@ -30,6 +30,7 @@ class PsMembership {
   int64_t leave(int worker, Duration timeout);
 
  private:
+  int64_t leave_servers(int worker, Duration timeout);
   struct State;
   std::unique_ptr<State> state_;
 };
