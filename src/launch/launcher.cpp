@@ -78,8 +78,9 @@ int Launcher::run() {
     if (options_.nnodes > 1 && !options_.hosts_store()) check_servers_flags();
     if (options_.servers > 0) adopt_ps_token();
     if (options_.servers > 0) start_servers(run_id, store_->port());
-    if (ps_elastic()) publish_ps_job();
     start_workers(run_id, store_->port());
+    // After the first workers are counted: a launcher that joins finds the room they left.
+    if (ps_elastic()) publish_ps_job();
   } catch (const Interrupted& interrupted) {
     say("received " + signal_name(interrupted.signal()) + " before the workers started");
     nodes_->report_failure(node + "'s launcher received " + signal_name(interrupted.signal()));
@@ -120,7 +121,7 @@ void Launcher::start_workers(const std::string& run_id, int port) {
     worker->envp = to_envp(worker_environment(base, place));
     if (ps_elastic()) set_ps_worker(*worker);
     try {
-      if (ps_elastic()) reserve_workers(1);  // the first workers always fit: -n <= --max
+      if (ps_elastic()) reserve_workers(1);  // fits: -n <= --max, and no launcher joined yet
       spawn(*worker);
     } catch (const Error& e) {
       if (workers_.empty()) throw;  // nothing started: a plain usage error
