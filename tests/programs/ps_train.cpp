@@ -199,6 +199,16 @@ Batch samples(const torch::Tensor& ids) {
   return out;
 }
 
+// The data set of sample ids 0..kSamples-1 in shuffled batches of kLeasedBatch, for train_on.
+auto leased_loader() {
+  shoal::data::LoaderOptions options;
+  options.batch_size = kLeasedBatch;
+  options.per_worker = true;
+  options.shuffle = true;
+  return shoal::data::make_loader(
+      torch::data::datasets::TensorDataset(torch::arange(kSamples).view({kSamples, 1})), options);
+}
+
 // Whether `seen` (per epoch, per sample: the times it was trained) holds one everywhere; else
 // says where not.
 bool each_sample_once(const std::vector<std::vector<int>>& seen) {
@@ -242,12 +252,7 @@ int leased(const std::string& mode, int epochs, const std::string& dir) {
   torch::manual_seed(0);
   Net first;  // worker 0's initial values, which every worker now holds
   const int64_t rank = shoal::rank();
-  shoal::data::LoaderOptions options;
-  options.batch_size = kLeasedBatch;
-  options.per_worker = true;
-  options.shuffle = true;
-  auto loader = shoal::data::make_loader(
-      torch::data::datasets::TensorDataset(torch::arange(kSamples).view({kSamples, 1})), options);
+  auto loader = leased_loader();
   optimizer.train_on(loader);
   {
     std::ofstream log(dir + "/worker-" + std::to_string(rank));
@@ -322,12 +327,7 @@ int elastic(const std::string& dir, bool backup) {
   torch::manual_seed(shoal::rank());  // the first worker's (rank 0, id 0) values win
   Net net;
   shoal::ps::Optimizer optimizer(*net, torch::optim::SGDOptions(0.1).momentum(0.9));
-  shoal::data::LoaderOptions options;
-  options.batch_size = kLeasedBatch;
-  options.per_worker = true;
-  options.shuffle = true;
-  auto loader = shoal::data::make_loader(
-      torch::data::datasets::TensorDataset(torch::arange(kSamples).view({kSamples, 1})), options);
+  auto loader = leased_loader();
   optimizer.train_on(loader);
   const std::string me = std::to_string(::getpid());
   std::ofstream log(dir + "/log-" + me);
