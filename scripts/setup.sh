@@ -19,6 +19,8 @@ packages=(
   munge slurmctld slurmd slurm-client  # a real Slurm (22.05) that the Slurm tests start
   openmpi-bin                        # a real mpirun for the Open MPI tests
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler  # the parameter server's gRPC service
+  libsqlite3-dev libcpp-httplib-dev  # the job queue's state (SQLite) and its REST API (HTTP)
+  chromium                           # headless, for the test of the job queue's dashboard
 )
 
 missing=()

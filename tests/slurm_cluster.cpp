@@ -220,7 +220,8 @@ std::string SlurmCluster::unavailable() {
   return "";
 }
 
-SlurmCluster::SlurmCluster(const std::vector<SlurmNode>& nodes) {
+SlurmCluster::SlurmCluster(const std::vector<SlurmNode>& nodes,
+                           const SlurmClusterOptions& options) {
   // Jobs' ports derive from their ids (29500 + 8J + S mod 3000): clusters 16 ids apart use
   // different ports for their first 16 jobs.
   first_job_id_ = 1 + (next_cluster_number() % 23) * 16;
@@ -272,6 +273,9 @@ SlurmCluster::SlurmCluster(const std::vector<SlurmNode>& nodes) {
        << "AccountingStorageType=accounting_storage/none\nJobAcctGatherType=jobacct_gather/none\n"
        << "JobCompType=jobcomp/none\nMpiDefault=none\nReturnToService=2\n"
        << "SchedulerType=sched/builtin\nInactiveLimit=0\nKillWait=2\nMinJobAge=5\n";
+  if (!options.scheduler_parameters.empty()) {
+    conf << "SchedulerParameters=" << options.scheduler_parameters << "\n";
+  }
   std::string names;
   for (const auto& node : nodes) {
     std::filesystem::create_directories(dir_ + "/spool/" + node.name);

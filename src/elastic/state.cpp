@@ -242,6 +242,14 @@ void State::check_world() {
   vote_.reset();
   const View& view = elastic.view();
   if (std::find(leavers.begin(), leavers.end(), group.rank()) != leavers.end()) {
+    // Every worker leaves (a whole job stopped, or preempted by a queue): this commit is the
+    // job's last in memory, so the first worker keeps it on disk before it goes, and the job
+    // started again resumes from here rather than from the last periodic durable commit.
+    if (static_cast<int>(leavers.size()) == n && durable_->enabled() &&
+        !durable_->written(version_)) {
+      write_to_disk();
+      if (group.rank() == 0) durable_->wait();
+    }
     std::fprintf(stderr, "shoal elastic: %s leaves the job after step %lld (SIGTERM)\n",
                  view.describe(view.rank).c_str(), static_cast<long long>(version_));
     elastic.rendezvous().leave();

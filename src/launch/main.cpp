@@ -1,5 +1,4 @@
-// The `shoal` command. Today it has one subcommand, `run` (docs/launch.md); `agent` and `join`
-// (elastic jobs) are to come.
+// The `shoal` command: `run` (docs/launch.md), `queue` and `agent` (docs/queue.md).
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -10,6 +9,7 @@
 #include "launcher.h"
 #include "options.h"
 #include "ps_server.h"
+#include "../queue/command.h"
 #include "shoal/core/error.h"
 
 namespace {
@@ -19,8 +19,10 @@ constexpr const char* kUsage =
     "\n"
     "Commands:\n"
     "  run    Start the workers of a job on this node: shoal run -n N PROGRAM [ARGS...]\n"
+    "  queue  The job queue: shoal queue serve|submit|ls|show|cancel|top\n"
+    "  agent  A host's agent for the queue: shoal agent --queue HOST:PORT\n"
     "\n"
-    "See `shoal run --help`.\n";
+    "See `shoal run --help` and docs/queue.md.\n";
 
 // Errors are one line: scripts and people grep the first line of stderr.
 std::string one_line(std::string text) {
@@ -56,7 +58,7 @@ int main(int argc, char** argv) {
   if (fd > 2) ::close(fd);
   std::vector<std::string> args(argv + 1, argv + argc);
   if (args.empty()) {
-    std::cerr << "shoal: expected a command (run); see shoal --help" << std::endl;
+    std::cerr << "shoal: expected a command (run, queue, agent); see shoal --help" << std::endl;
     return 2;
   }
   if (args[0] == "-h" || args[0] == "--help" || args[0] == "help") {
@@ -64,11 +66,13 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (args[0] == "run") return run_command({args.begin() + 1, args.end()});
+  if (args[0] == "queue") return shoal::queue::queue_command({args.begin() + 1, args.end()});
+  if (args[0] == "agent") return shoal::queue::agent_command({args.begin() + 1, args.end()});
   // Internal: the parameter servers that `shoal run --servers` starts (docs/ps.md).
   if (args[0] == "ps-server") {
     return shoal::launch::ps_server_command({args.begin() + 1, args.end()});
   }
-  std::cerr << "shoal: unknown command '" << args[0] << "'; expected run (see shoal --help)"
+  std::cerr << "shoal: unknown command '" << args[0] << "'; expected run, queue or agent (see shoal --help)"
             << std::endl;
   return 2;
 }

@@ -7,6 +7,7 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "shoal/comm/address.h"
 #include "shoal/core/timeout.h"
 
 namespace shoal::comm {
@@ -42,10 +43,6 @@ StorePtr open_store(const StoreOptions& options);
 // The port a store opened by open_store listens on (useful after asking for port 0).
 int hosted_port(const StorePtr& store);
 
-// The local IPv4 address on the route to host:port: what peers on other hosts reach this process
-// on (shoal::init() binds the world group there). A connected UDP socket sends nothing but makes
-// the kernel pick the route. "127.0.0.1" when host does not resolve or has no route.
-std::string local_address_towards(const std::string& host, int port);
 
 // Keys. A launcher records how each of its workers ended under worker_exit_key(rank), as a
 // sentence ("exited with code 3", "was killed by signal 9 (SIGKILL)"); a group whose collective

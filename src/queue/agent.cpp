@@ -1,0 +1,359 @@
+#include "agent.h"
+
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "../elastic/gossip/swim.h"
+#include "../elastic/token.h"
+#include "../launch/worker_env.h"
+#include "engine.h"
+#include "http.h"
+#include "local/engine.h"
+#include "shoal/comm/address.h"
+#include "shoal/core/error.h"
+#include "slurm/engine.h"
+
+namespace shoal::queue {
+
+using nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+constexpr auto kBeat = std::chrono::milliseconds(500);
+constexpr auto kWatch = std::chrono::milliseconds(50);
+// A worker asked to leave leaves at its next commit; one that has not after this long is killed.
+constexpr auto kLeaveGrace = std::chrono::seconds(120);
+// A worker to be stopped (its job cancelled, failed or requeued) gets SIGTERM, then SIGKILL.
+constexpr auto kStopGrace = std::chrono::seconds(10);
+
+volatile sig_atomic_t g_stop = 0;
+void on_stop_signal(int) {
+  g_stop = 1;
+}
+
+int64_t wall_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+struct Worker {
+  int64_t id = 0;
+  int64_t job = 0;
+  int64_t pid = 0;  // 0 until its program runs (a Slurm job may wait in Slurm's queue first)
+  bool running = true;
+  int64_t started_ms = 0;
+  std::optional<Clock::time_point> kill_at;  // SIGTERM sent; SIGKILL then
+  bool leave_sent = false;
+  std::string exit;
+  bool success = false;
+};
+
+struct JobMember {
+  std::unique_ptr<elastic::gossip::Gossip> gossip;
+  std::string token_file;
+};
+
+class Agent {
+ public:
+  Agent(AgentOptions options, std::unique_ptr<Engine> engine)
+      : options_(std::move(options)),
+        engine_(std::move(engine)),
+        capacity_(engine_->capacity()),
+        client_(options_.queue_host, options_.queue_port, options_.token) {}
+
+  int run() {
+    struct sigaction action {};
+    action.sa_handler = on_stop_signal;
+    sigemptyset(&action.sa_mask);
+    ::sigaction(SIGTERM, &action, nullptr);
+    ::sigaction(SIGINT, &action, nullptr);
+    std::cerr << "shoal agent: host " << options_.host << " reports to " << options_.queue_host
+              << ":" << options_.queue_port << std::endl;
+    // Between beats the agent looks at its workers every kWatch: a worker that started or ended
+    // is reported at once, so that the scheduler's answer (a waiting job's start, a
+    // replacement) comes without waiting out the rest of the beat.
+    auto next = Clock::now();
+    while (g_stop == 0) {
+      const bool changed = reap();
+      if (changed || Clock::now() >= next) {
+        next = Clock::now() + kBeat;
+        beat();
+        escalate();
+      }
+      std::this_thread::sleep_for(kWatch);
+    }
+    stop_everything();
+    return 0;
+  }
+
+ private:
+  // Whether any worker started or ended.
+  bool reap() {
+    bool changed = false;
+    for (const auto& change : engine_->poll()) {
+      auto it = workers_.find(change.worker);
+      if (it == workers_.end() || !it->second.running) continue;
+      Worker& worker = it->second;
+      if (worker.pid == 0 && change.pid > 0) {
+        worker.pid = change.pid;
+        worker.started_ms = wall_ms();
+        changed = true;
+      }
+      if (!change.ended) continue;
+      changed = true;
+      worker.running = false;
+      worker.exit = change.exit;
+      worker.success = change.success;
+      worker.kill_at.reset();
+    }
+    return changed;
+  }
+
+  json report() const {
+    json list = json::array();
+    for (const auto& [id, w] : workers_) {
+      // One still waiting to start (in Slurm's queue) stays "starting" in the scheduler.
+      if (w.running && w.pid == 0) continue;
+      list.push_back({{"id", id},
+                      {"job", w.job},
+                      {"pid", w.pid},
+                      {"running", w.running},
+                      {"started_ms", w.started_ms},
+                      {"exit", w.exit},
+                      {"success", w.success}});
+    }
+    json members = json::object();
+    for (const auto& [job, member] : members_)
+      members[std::to_string(job)] = member.gossip->address();
+    return json{{"host", options_.host},
+                {"cores", capacity_.cores},
+                {"slots", options_.slots > 0 ? options_.slots : capacity_.slots},
+                {"pid", static_cast<int64_t>(::getpid())},
+                {"workers", list},
+                {"members", members}};
+  }
+
+  void beat() {
+    json orders;
+    try {
+      orders = client_.post("/agent/heartbeat", report());
+      if (unreachable_) std::cerr << "shoal agent: the scheduler answers again" << std::endl;
+      unreachable_ = false;
+    } catch (const Error& e) {
+      // The workers train on while the scheduler is down (docs/queue.md, "Failures").
+      if (!unreachable_) {
+        std::cerr << "shoal agent: " << e.what() << "; the workers go on, retrying" << std::endl;
+      }
+      unreachable_ = true;
+      return;
+    }
+    for (const auto& id : orders.value("forget", json::array())) workers_.erase(id.get<int64_t>());
+    std::set<int64_t> listed;
+    std::map<int64_t, int> per_job;
+    for (const auto& order : orders.value("workers", json::array())) {
+      listed.insert(order.at("id").get<int64_t>());
+      ++per_job[order.at("job").get<int64_t>()];
+    }
+    const json jobs = orders.value("jobs", json::object());
+    for (const auto& order : orders.value("workers", json::array())) {
+      const int64_t id = order.at("id");
+      const int64_t job = order.at("job");
+      auto it = workers_.find(id);
+      if (it == workers_.end()) {
+        if (started_.count(id) > 0 || order.value("stop", false) || order.value("leave", false))
+          continue;
+        start(id, job, jobs.at(std::to_string(job)), per_job[job]);
+        continue;
+      }
+      Worker& w = it->second;
+      if (!w.running) continue;
+      if (order.value("stop", false) && !w.kill_at) {
+        terminate(w, kStopGrace);
+      } else if (order.value("leave", false) && !w.leave_sent) {
+        w.leave_sent = true;
+        terminate(w, kLeaveGrace);
+      }
+    }
+    for (auto& [id, w] : workers_) {
+      if (w.running && listed.count(id) == 0 && !w.kill_at) terminate(w, kStopGrace);
+    }
+    // A job's membership agent lives while the job has workers here, or is to.
+    for (auto it = members_.begin(); it != members_.end();) {
+      bool needed = per_job.count(it->first) > 0;
+      for (const auto& [id, w] : workers_) needed = needed || (w.job == it->first && w.running);
+      if (needed) {
+        ++it;
+        continue;
+      }
+      it->second.gossip->leave();
+      ::unlink(it->second.token_file.c_str());
+      it = members_.erase(it);
+    }
+  }
+
+  JobMember& member(int64_t job, const json& spec) {
+    auto it = members_.find(job);
+    if (it != members_.end()) return it->second;
+    JobMember member;
+    const std::string token = spec.at("token");
+    member.token_file = options_.dir + "/job-" + std::to_string(job) + ".token";
+    ::unlink(member.token_file.c_str());
+    elastic::write_token_file(member.token_file, token);
+    elastic::gossip::Options gossip;
+    gossip.seeds = spec.value("seeds", std::vector<std::string>{});
+    gossip.token = token;
+    gossip.advertise_host = advertise_;
+    gossip.meta = json{{"role", "agent"}, {"min", spec.at("min")}, {"max", spec.at("max")},
+                       {"quorum", false}, {"last_call_ms", 1000},  {"run_id", spec.at("run_id")}}
+                      .dump();
+    member.gossip = elastic::gossip::Gossip::start(gossip);
+    return members_.emplace(job, std::move(member)).first->second;
+  }
+
+  void start(int64_t id, int64_t job, const json& spec, int local_workers) {
+    started_.insert(id);
+    Worker w;
+    w.id = id;
+    w.job = job;
+    w.started_ms = wall_ms();
+    std::string failure;
+    try {
+      if (advertise_.empty()) advertise_ = address_towards_queue();
+      JobMember& m = member(job, spec);
+      launch::ElasticPlace place;
+      place.local_world_size = local_workers;
+      place.min_workers = spec.at("min");
+      place.max_workers = spec.at("max");
+      place.seeds = m.gossip->address();
+      place.token_file = m.token_file;
+      place.last_call = std::chrono::milliseconds(1000);
+      place.rendezvous_timeout = std::chrono::seconds(600);
+      place.run_id = spec.at("run_id");
+      env::Environment base = spec.at("env").get<env::Environment>();
+      base["SHOAL_QUEUE_JOB"] = std::to_string(job);
+      base["SHOAL_QUEUE_WORKER"] = std::to_string(id);
+      base["SHOAL_QUEUE_HOST"] = options_.host;
+      WorkerLaunch launch;
+      launch.worker = id;
+      launch.job = job;
+      launch.priority = spec.value("priority", 0);
+      launch.env = launch::to_envp(launch::elastic_worker_environment(base, place));
+      launch.argv = spec.at("argv").get<std::vector<std::string>>();
+      launch.cwd = spec.value("cwd", std::string("/"));
+      const std::string log_dir = options_.dir + "/job-" + std::to_string(job);
+      ::mkdir(log_dir.c_str(), 0755);
+      launch.log = log_dir + "/worker-" + std::to_string(id) + ".log";
+      w.pid = engine_->start(launch);
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+    if (!failure.empty()) {
+      w.running = false;
+      w.pid = -1;
+      w.exit = "could not start: " + failure;
+      std::cerr << "shoal agent: worker " << id << " of job " << job << " " << w.exit << std::endl;
+    }
+    workers_[id] = w;
+  }
+
+  void terminate(Worker& w, std::chrono::seconds grace) {
+    engine_->signal(w.id, SIGTERM);
+    w.kill_at = Clock::now() + grace;
+  }
+
+  void escalate() {
+    const auto now = Clock::now();
+    for (auto& [id, w] : workers_) {
+      if (w.running && w.kill_at && now >= *w.kill_at) {
+        engine_->signal(id, SIGKILL);
+        w.kill_at = now + std::chrono::hours(1);
+      }
+    }
+  }
+
+  void stop_everything() {
+    for (auto& [id, w] : workers_) {
+      if (w.running) engine_->signal(id, SIGTERM);
+    }
+    const auto deadline = Clock::now() + kStopGrace;
+    for (;;) {
+      reap();
+      bool any = false;
+      for (const auto& [id, w] : workers_) any = any || w.running;
+      if (!any) break;
+      if (Clock::now() >= deadline) {
+        for (auto& [id, w] : workers_) {
+          if (w.running) engine_->signal(id, SIGKILL);
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        reap();
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    for (auto& [job, member] : members_) {
+      member.gossip->leave();
+      ::unlink(member.token_file.c_str());
+    }
+    members_.clear();
+    // Tell the scheduler how they ended, if it listens.
+    try {
+      client_.post("/agent/heartbeat", report());
+    } catch (const Error&) {
+    }
+  }
+
+  // What the other hosts reach this one on: the address on the route to the scheduler.
+  std::string address_towards_queue() const {
+    return comm::local_address_towards(options_.queue_host, options_.queue_port);
+  }
+
+  AgentOptions options_;
+  std::unique_ptr<Engine> engine_;
+  Capacity capacity_;
+  HttpClient client_;
+  std::map<int64_t, Worker> workers_;
+  std::set<int64_t> started_;
+  std::map<int64_t, JobMember> members_;
+  std::string advertise_;
+  bool unreachable_ = false;
+};
+
+}  // namespace
+
+int run_agent(const AgentOptions& options) {
+  AgentOptions resolved = options;
+  if (resolved.host.empty() && resolved.engine == "slurm") resolved.host = resolved.slurm_node;
+  if (resolved.host.empty()) {
+    char name[256] = {};
+    ::gethostname(name, sizeof(name) - 1);
+    resolved.host = name;
+  }
+  ::mkdir(resolved.dir.c_str(), 0755);
+  std::unique_ptr<Engine> engine;
+  if (resolved.engine == "slurm") {
+    slurm::SlurmOptions slurm;
+    slurm.node = resolved.slurm_node;
+    slurm.partition = resolved.partition;
+    slurm.dir = resolved.dir + "/slurm";
+    engine = std::make_unique<slurm::SlurmEngine>(slurm);
+  } else {
+    engine = std::make_unique<local::LocalEngine>();
+  }
+  return Agent(std::move(resolved), std::move(engine)).run();
+}
+
+}  // namespace shoal::queue

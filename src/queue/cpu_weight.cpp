@@ -1,0 +1,119 @@
+#include "cpu_weight.h"
+
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/statfs.h>
+#include <unistd.h>
+
+#include <linux/magic.h>
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+
+namespace shoal::queue {
+
+namespace {
+
+bool write_file(const std::string& path, const std::string& text, std::string* error) {
+  std::ofstream out(path);
+  out << text << std::flush;
+  if (out) return true;
+  if (error != nullptr) *error = "cannot write '" + text + "' to " + path;
+  return false;
+}
+
+bool is_directory(const std::string& path) {
+  struct stat info {};
+  return ::stat(path.c_str(), &info) == 0 && S_ISDIR(info.st_mode);
+}
+
+bool filesystem_is(const std::string& path, int64_t magic) {
+  struct statfs info {};
+  return ::statfs(path.c_str(), &info) == 0 && static_cast<int64_t>(info.f_type) == magic;
+}
+
+}  // namespace
+
+int64_t cpu_shares_for(int priority) {
+  const double shares = 1024.0 * std::pow(2.0, static_cast<double>(priority) / 100.0);
+  return static_cast<int64_t>(std::clamp(std::llround(shares), 2LL, 262144LL));
+}
+
+int nice_for(int priority) {
+  const int steps = static_cast<int>(std::lround(static_cast<double>(priority) / 100.0));
+  int nice = std::clamp(-steps, -20, 19);
+  if (nice < 0 && ::geteuid() != 0) nice = 0;
+  return nice;
+}
+
+CpuWeights::CpuWeights(std::string root) : root_(std::move(root)) {}
+
+CpuWeights::~CpuWeights() {
+  for (const auto& [job, group] : groups_) ::rmdir(group.c_str());
+  if (!weight_file_.empty()) ::rmdir(root_.c_str());
+}
+
+void CpuWeights::probe() {
+  probed_ = true;
+  const std::string name = "shoal-agent-" + std::to_string(::getpid());
+  if (root_.empty()) {
+    if (filesystem_is("/sys/fs/cgroup", CGROUP2_SUPER_MAGIC)) {
+      // cgroup v2: the cpu controller must be enabled in every parent of the groups; the root
+      // group may enable it for its children whatever processes it holds.
+      if (!write_file("/sys/fs/cgroup/cgroup.subtree_control", "+cpu", nullptr)) return;
+      root_ = "/sys/fs/cgroup/" + name;
+      if (::mkdir(root_.c_str(), 0755) != 0 && errno != EEXIST) return;
+      if (!write_file(root_ + "/cgroup.subtree_control", "+cpu", nullptr)) return;
+      weight_file_ = "cpu.weight";
+      return;
+    }
+    if (is_directory("/sys/fs/cgroup/cpu") &&
+        ::access("/sys/fs/cgroup/cpu/cpu.shares", R_OK) == 0) {
+      root_ = "/sys/fs/cgroup/cpu/" + name;
+      if (::mkdir(root_.c_str(), 0755) != 0 && errno != EEXIST) return;
+      weight_file_ = "cpu.shares";
+    }
+    return;
+  }
+  if (::mkdir(root_.c_str(), 0755) != 0 && errno != EEXIST) return;
+  weight_file_ = ::access((root_ + "/cpu.weight").c_str(), F_OK) == 0 ? "cpu.weight" : "cpu.shares";
+}
+
+std::string CpuWeights::place(pid_t pid, int64_t job, int priority) {
+  if (!probed_) probe();
+  std::string error = "no writable cgroup cpu controller";
+  if (!weight_file_.empty()) {
+    const std::string group = root_ + "/job-" + std::to_string(job);
+    const int64_t shares = cpu_shares_for(priority);
+    // cgroup v2's weight is 1..10000 with 100 the default, v1's shares 2..262144 with 1024.
+    const int64_t weight =
+        weight_file_ == "cpu.weight" ? std::clamp<int64_t>(shares * 100 / 1024, 1, 10000) : shares;
+    if ((::mkdir(group.c_str(), 0755) == 0 || errno == EEXIST) &&
+        write_file(group + "/" + weight_file_, std::to_string(weight), &error) &&
+        write_file(group + "/cgroup.procs", std::to_string(pid), &error)) {
+      groups_[job] = group;
+      return "cgroup " + group + " " + weight_file_ + " " + std::to_string(weight);
+    }
+  }
+  const int nice = nice_for(priority);
+  if (::setpriority(PRIO_PROCESS, static_cast<id_t>(pid), nice) != 0) {
+    return error + "; setpriority: " + std::strerror(errno);
+  }
+  return "nice " + std::to_string(nice) + " (" + error + ")";
+}
+
+void CpuWeights::forget(int64_t job) {
+  auto it = groups_.find(job);
+  if (it == groups_.end()) return;
+  ::rmdir(it->second.c_str());
+  groups_.erase(it);
+}
+
+std::string CpuWeights::group_of(int64_t job) const {
+  auto it = groups_.find(job);
+  return it == groups_.end() ? "" : it->second;
+}
+
+}  // namespace shoal::queue

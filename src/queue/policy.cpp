@@ -1,0 +1,334 @@
+#include "policy.h"
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+
+namespace shoal::queue {
+
+int JobView::active() const {
+  int count = 0;
+  for (const auto& worker : workers) count += worker.leaving ? 0 : 1;
+  return count;
+}
+
+const char* to_string(Action::Kind kind) {
+  switch (kind) {
+    case Action::kStart:
+      return "start";
+    case Action::kGrow:
+      return "grow";
+    case Action::kReplace:
+      return "replace";
+    case Action::kShrink:
+      return "shrink";
+    case Action::kPreempt:
+      return "preempt";
+  }
+  return "?";
+}
+
+namespace {
+
+std::string plural(int count, const char* noun) {
+  return std::to_string(count) + " " + noun + (count == 1 ? "" : "s");
+}
+
+std::string seconds(double value) {
+  return std::to_string(static_cast<int64_t>(std::ceil(value))) + " s";
+}
+
+// Free slots per live host, and the choice of hosts for new workers.
+//
+// Note [Starting on leaving slots]: a worker asked to leave goes at its next commit, within a
+// step or two, and its process then exits. A job that waits only for such slots starts at once
+// on them rather than after the leavers are gone, so that its workers load their program while
+// the leavers finish their last step: a host then runs up to its leaving workers' count above
+// its slots, for about that long. Each leaving slot is claimed once: a host already running
+// more workers than its slots has that many fewer to give.
+class Room {
+ public:
+  explicit Room(const Snapshot& snapshot) {
+    std::map<std::string, int> used;
+    std::map<std::string, int> leaving;
+    for (const auto& job : snapshot.jobs) {
+      for (const auto& worker : job.workers) {
+        ++used[worker.host];
+        if (worker.leaving) ++leaving[worker.host];
+      }
+      for (const auto& host : job.restarting) ++used[host];
+    }
+    for (const auto& host : snapshot.hosts) {
+      if (!host.alive) continue;
+      alive_.insert(host.name);
+      capacity_ += host.capacity;
+      const int taken = used[host.name] + host.held;
+      free_[host.name] = std::max(0, host.capacity - taken);
+      total_ += free_[host.name];
+      claimable_[host.name] = std::max(0, leaving[host.name] - std::max(0, taken - host.capacity));
+      claimable_total_ += claimable_[host.name];
+    }
+  }
+
+  // Slots of leaving workers that no new worker has claimed (Note [Starting on leaving slots]).
+  int claimable() const { return claimable_total_; }
+  // A worker this plan asks to leave: its slot is claimable from now on.
+  void leaving(const std::string& host) {
+    if (alive_.count(host) == 0) return;
+    ++claimable_[host];
+    ++claimable_total_;
+  }
+  // `count` claimable slots (fewer when short), most claimable hosts first.
+  std::vector<std::string> claim(int count) {
+    std::vector<std::string> hosts;
+    while (static_cast<int>(hosts.size()) < count) {
+      auto best = claimable_.end();
+      for (auto it = claimable_.begin(); it != claimable_.end(); ++it) {
+        if (it->second > 0 && (best == claimable_.end() || it->second > best->second)) best = it;
+      }
+      if (best == claimable_.end()) break;
+      --best->second;
+      --claimable_total_;
+      hosts.push_back(best->first);
+    }
+    return hosts;
+  }
+
+  bool alive(const std::string& host) const { return alive_.count(host) > 0; }
+  int capacity() const { return capacity_; }
+  int total() const { return total_; }  // kept, not summed: plan() asks once per waiting job
+
+  // `count` hosts (with repeats) for new workers of `job`: hosts where the job already runs
+  // first (its traffic stays on one host where it can), then those with the most free slots.
+  // Takes the slots. Fewer than `count` when the room is short.
+  std::vector<std::string> take(const JobView& job, int count) {
+    std::map<std::string, int> mine;
+    for (const auto& worker : job.workers) ++mine[worker.host];
+    std::vector<std::string> hosts;
+    while (static_cast<int>(hosts.size()) < count) {
+      const std::string* best = nullptr;
+      for (const auto& [name, slots] : free_) {
+        if (slots == 0) continue;
+        if (best == nullptr) {
+          best = &name;
+          continue;
+        }
+        const auto key = [&](const std::string& host) {
+          return std::make_pair(mine[host], free_[host]);
+        };
+        if (key(name) > key(*best)) best = &name;
+      }
+      if (best == nullptr) break;
+      --free_[*best];
+      --total_;
+      ++mine[*best];
+      hosts.push_back(*best);
+    }
+    return hosts;
+  }
+
+ private:
+  std::set<std::string> alive_;
+  std::map<std::string, int> free_;
+  int total_ = 0;
+  std::map<std::string, int> claimable_;
+  int claimable_total_ = 0;
+  int capacity_ = 0;
+};
+
+bool by_priority_then_age(const JobView* a, const JobView* b) {
+  if (a->priority != b->priority) return a->priority > b->priority;
+  if (a->submitted != b->submitted) return a->submitted < b->submitted;
+  return a->id < b->id;
+}
+
+}  // namespace
+
+Plan plan(const Snapshot& snapshot, const PolicyOptions& options) {
+  Plan result;
+  Room room(snapshot);
+  const double now = snapshot.now;
+  const auto cooled = [&](const JobView& job) { return now - job.last_resize >= options.cooldown; };
+
+  std::vector<const JobView*> running;
+  std::vector<const JobView*> waiting;
+  for (const auto& job : snapshot.jobs) (job.running ? running : waiting).push_back(&job);
+  std::sort(running.begin(), running.end(), by_priority_then_age);
+  std::sort(waiting.begin(), waiting.end(), by_priority_then_age);
+
+  // 1. Replacements: the slot of a failed worker stayed taken for it, on its host.
+  for (const JobView* job : running) {
+    Action action{Action::kReplace, job->id, {}, {}, ""};
+    for (int i = 0; i < job->restarts_due && i < static_cast<int>(job->restarting.size()); ++i) {
+      const std::string& host = job->restarting[i];
+      if (room.alive(host)) {
+        action.hosts.push_back(host);
+      } else {
+        auto moved = room.take(*job, 1);
+        action.hosts.insert(action.hosts.end(), moved.begin(), moved.end());
+      }
+    }
+    if (action.hosts.empty()) continue;
+    action.reason = "replaces " + plural(static_cast<int>(action.hosts.size()), "failed worker");
+    result.actions.push_back(std::move(action));
+  }
+
+  // 2. Admission. A job that lacks only slots that leaving workers free starts at once on them
+  // (Note [Starting on leaving slots]).
+  std::map<int64_t, int> taken;  // workers of a running job this plan makes leave
+  std::set<int64_t> asked;       // their ids
+  std::set<int64_t> preempted;   // running jobs this plan preempts
+  int held = 0;                  // free slots held for waiting jobs ahead
+  const auto start = [&](const JobView& job, int free, int leaving, const std::string& why) {
+    Action action{Action::kStart, job.id, room.take(job, free), {}, ""};
+    const auto claimed = room.claim(leaving);
+    action.hosts.insert(action.hosts.end(), claimed.begin(), claimed.end());
+    const int count = static_cast<int>(action.hosts.size());
+    action.reason = "starts with " + plural(count, "worker") + " (--min " +
+                    std::to_string(job.min_workers) + ", --max " + std::to_string(job.max_workers) +
+                    ")";
+    if (!claimed.empty()) {
+      action.reason +=
+          ", " + std::to_string(claimed.size()) + " on the slots of workers leaving" + why;
+    }
+    result.actions.push_back(std::move(action));
+  };
+  for (const JobView* job : waiting) {
+    if (!job->workers.empty()) {
+      // Preempted, or back from running below its --min: one generation of a job at a time.
+      result.waiting[job->id] = "waits for its " +
+                                plural(static_cast<int>(job->workers.size()), "worker") +
+                                " of before to leave";
+      continue;
+    }
+    const int available = room.total() - held;
+    if (available >= job->min_workers) {
+      start(*job, std::min(job->max_workers, available), 0, "");
+      continue;
+    }
+    if (job->min_workers > room.capacity()) {
+      result.waiting[job->id] = "needs " + plural(job->min_workers, "worker") + " at once; the " +
+                                "live hosts have " + plural(room.capacity(), "slot");
+      continue;
+    }
+    int need = job->min_workers - available;
+    const int counted = std::min(need, room.claimable());
+    need -= counted;
+    if (need == 0) {
+      start(*job, available, counted, "");
+      continue;
+    }
+
+    // Who could make room: lower-priority running jobs, the least important and youngest first.
+    std::vector<const JobView*> lower;
+    for (const JobView* other : running) {
+      if (other->priority < job->priority && preempted.count(other->id) == 0)
+        lower.push_back(other);
+    }
+    std::sort(lower.begin(), lower.end(), [](const JobView* a, const JobView* b) {
+      if (a->priority != b->priority) return a->priority < b->priority;
+      if (a->submitted != b->submitted) return a->submitted > b->submitted;
+      return a->id > b->id;
+    });
+    std::map<int64_t, int> shrink;
+    std::vector<const JobView*> preempt;
+    int cooling = 0;  // workers that could leave but for a job's cooldown
+    int remaining = need;
+    for (const JobView* other : lower) {
+      const int surplus = other->active() - taken[other->id] - other->min_workers;
+      if (surplus <= 0 || remaining == 0) continue;
+      if (!cooled(*other)) {
+        cooling += surplus;
+        continue;
+      }
+      const int count = std::min(surplus, remaining);
+      shrink[other->id] = count;
+      remaining -= count;
+    }
+    for (const JobView* other : lower) {
+      if (remaining <= 0) break;
+      if (!other->preemptible) continue;
+      const int left = other->active() - taken[other->id] - shrink[other->id];
+      if (left <= 0) continue;
+      if (!cooled(*other)) {
+        cooling += left;
+        continue;
+      }
+      preempt.push_back(other);
+      remaining -= left;
+      shrink.erase(other->id);
+    }
+    if (remaining > 0) {
+      held += available;
+      std::string why = "needs " + plural(job->min_workers, "worker") +
+                        " at once: " + std::to_string(available) + " free, " +
+                        std::to_string(counted) + " leaving, " + std::to_string(need - remaining) +
+                        " to take from lower-priority jobs";
+      if (cooling > 0) {
+        why += ", " + std::to_string(cooling) + " more once resized jobs cool down (" +
+               seconds(options.cooldown) + " between resizes)";
+      }
+      result.waiting[job->id] = why;
+      continue;
+    }
+    const std::string for_whom = "to make room for job " + std::to_string(job->id) + " (priority " +
+                                 std::to_string(job->priority) + ")";
+    for (const JobView* other : lower) {
+      auto it = shrink.find(other->id);
+      if (it == shrink.end() || it->second == 0) continue;
+      // The newest workers leave: the oldest hold the job's first ranks and its store.
+      std::vector<WorkerView> candidates;
+      for (const auto& worker : other->workers) {
+        if (!worker.leaving) candidates.push_back(worker);
+      }
+      std::sort(candidates.begin(), candidates.end(),
+                [](const WorkerView& a, const WorkerView& b) { return a.id > b.id; });
+      Action action{Action::kShrink, other->id, {}, {}, ""};
+      for (int i = taken[other->id]; i < taken[other->id] + it->second; ++i) {
+        action.workers.push_back(candidates[i].id);
+        asked.insert(candidates[i].id);
+        room.leaving(candidates[i].host);
+      }
+      taken[other->id] += it->second;
+      action.reason = "shrinks from " + std::to_string(other->active()) + " to " +
+                      std::to_string(other->active() - taken[other->id]) + " workers " + for_whom;
+      result.actions.push_back(std::move(action));
+    }
+    for (const JobView* other : preempt) {
+      // Those an earlier waiting job's shrink already asked to leave are not asked twice.
+      Action action{Action::kPreempt, other->id, {}, {}, ""};
+      for (const auto& worker : other->workers) {
+        if (worker.leaving || asked.count(worker.id) > 0) continue;
+        action.workers.push_back(worker.id);
+        room.leaving(worker.host);
+      }
+      preempted.insert(other->id);
+      action.reason = "is preempted (" + plural(static_cast<int>(action.workers.size()), "worker") +
+                      " leave) " + for_whom;
+      result.actions.push_back(std::move(action));
+    }
+    start(*job, available, counted + need, " for it");
+  }
+
+  // 3. Growth: capacity nobody waits for, once it has been idle for a while.
+  int spare = room.total() - held;
+  if (spare > 0 && now - snapshot.idle_since >= options.grow_idle) {
+    for (const JobView* job : running) {
+      if (spare == 0) break;
+      if (taken.count(job->id) > 0 || preempted.count(job->id) > 0 || !cooled(*job)) continue;
+      const int target = job->active() + static_cast<int>(job->restarting.size());
+      const int count = std::min(job->max_workers - target, spare);
+      if (count <= 0) continue;
+      Action action{Action::kGrow, job->id, room.take(*job, count), {}, ""};
+      spare -= static_cast<int>(action.hosts.size());
+      action.reason = "grows from " + std::to_string(target) + " to " +
+                      std::to_string(target + static_cast<int>(action.hosts.size())) +
+                      " workers into capacity idle for " + seconds(now - snapshot.idle_since);
+      result.actions.push_back(std::move(action));
+    }
+  }
+  result.free_after = spare;
+  return result;
+}
+
+}  // namespace shoal::queue

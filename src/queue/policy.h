@@ -1,0 +1,96 @@
+// The queue's policy: given what runs where and what waits, which jobs start, shrink, grow or are
+// preempted, and why. A pure function of a snapshot, with no clock and no I/O of its own, so that
+// the scheduler (scheduler.cpp) and the simulation of a large cluster (bench/queue) run the very
+// same decisions. See docs/queue.md, "Policy".
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace shoal::queue {
+
+struct HostView {
+  std::string name;
+  int capacity = 0;  // workers it may run: its cores times the operator's oversubscription
+  bool alive = true;
+  int held = 0;  // slots still taken by workers of ended jobs, on their way out
+};
+
+struct WorkerView {
+  int64_t id = 0;
+  std::string host;
+  bool leaving = false;  // asked to leave (a shrink or a preemption) and not gone yet
+};
+
+struct JobView {
+  int64_t id = 0;
+  int priority = 0;  // higher first
+  int min_workers = 1;
+  int max_workers = 1;
+  bool preemptible = false;
+  double submitted = 0;  // seconds on the snapshot's clock; earlier first among equal priorities
+  bool running = false;  // false: waiting for admission
+  // Its workers that still hold a slot, those leaving included.
+  std::vector<WorkerView> workers;
+  // Hosts of failed workers whose replacement waits out its back-off: their slots stay taken.
+  std::vector<std::string> restarting;
+  // Of those, the ones whose back-off is over (a prefix of `restarting`'s count).
+  int restarts_due = 0;
+  double last_resize = -std::numeric_limits<double>::infinity();  // shrink, grow or preemption
+
+  int active() const;  // workers not leaving
+};
+
+struct PolicyOptions {
+  double cooldown = 30;  // seconds between two resizes of one job
+  double grow_idle = 5;  // how long capacity stays free before it goes to running jobs
+};
+
+struct Snapshot {
+  double now = 0;
+  std::vector<HostView> hosts;
+  std::vector<JobView> jobs;  // waiting and running jobs only
+  // Since when some capacity has been free with no job waiting for it; +inf when none is.
+  double idle_since = std::numeric_limits<double>::infinity();
+};
+
+struct Action {
+  enum Kind {
+    kStart,    // a waiting job starts with one worker per entry of `hosts` (at least its --min)
+    kGrow,     // a running job takes one more worker per entry of `hosts` (joins)
+    kReplace,  // a failed worker's replacement starts on `hosts[i]`
+    kShrink,   // `workers` leave gracefully at their next commit; the others keep their processes
+    kPreempt,  // all of `workers` leave and the job goes back to waiting
+  };
+  Kind kind = kStart;
+  int64_t job = 0;
+  std::vector<std::string> hosts;
+  std::vector<int64_t> workers;
+  std::string reason;  // one sentence, for the events table and `shoal queue show`
+};
+
+struct Plan {
+  std::vector<Action> actions;
+  std::map<int64_t, std::string> waiting;  // why each job that stays waiting waits
+  int free_after = 0;                      // slots still free once the plan is carried out
+};
+
+const char* to_string(Action::Kind kind);
+
+// Decides, in this order (docs/queue.md, "Policy"):
+//  1. replacements whose back-off is over, on the failed worker's host (else any free one);
+//  2. waiting jobs by priority, then age: a job starts only when its --min workers can all start
+//     (gang admission). Short of room, it first takes the surplus above --min of lower-priority
+//     running jobs (a shrink, by graceful leave; newest workers first; lowest priority and youngest
+//     job first), then whole preemptible lower-priority jobs; the slots it waits for are held for
+//     it, so later jobs cannot take them (no starvation);
+//  3. capacity free since `idle_since` for `grow_idle` goes to running jobs below their --max,
+//     highest priority first.
+// No job is resized twice within `cooldown`; a start is no resize, so a job that took idle
+// capacity a moment ago still gives its surplus to a higher-priority arrival at once.
+Plan plan(const Snapshot& snapshot, const PolicyOptions& options);
+
+}  // namespace shoal::queue

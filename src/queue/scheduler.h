@@ -1,0 +1,79 @@
+// The queue's scheduler: its jobs, workers and hosts, kept in SQLite, and the loop that applies
+// the policy (policy.h) and tells each host's agent which workers it should run. The HTTP face
+// (server.cpp) is a thin layer over this class. See docs/queue.md.
+//
+// Note [Desired state]: an agent does not receive commands; each heartbeat reply is the whole
+// list of workers its host should run (with, for each, whether to leave). The agent starts those
+// it never started, signals those asked to leave, stops any it runs that the list lacks, and
+// reports every worker's end until the scheduler has recorded it. A lost reply, a scheduler that
+// restarts from its database, or an agent that restarts, all converge on the next heartbeat.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "db.h"
+#include "policy.h"
+
+namespace shoal::queue {
+
+struct SchedulerOptions {
+  std::string state_dir;  // the database, the token, the jobs' checkpoints
+  PolicyOptions policy;
+  double oversubscribe = 1.0;   // workers per core a host may run
+  double host_timeout = 5;      // seconds without a heartbeat before a host counts as lost
+  double below_min_grace = 60;  // seconds a job may run below its --min before it waits again
+  double done_grace = 30;       // seconds a finished job's other workers have to end by themselves
+};
+
+// What a user submits (POST /jobs).
+struct JobSpec {
+  std::string name;
+  std::vector<std::string> argv;  // argv[0]: the program, an absolute path
+  std::string cwd;
+  std::map<std::string, std::string> env;
+  int priority = 0;
+  int min_workers = 1;
+  int max_workers = 1;
+  bool preemptible = false;
+  int max_restarts = 3;
+
+  // Raises UsageError with one line naming what is wrong; see docs/queue.md, "Submitting".
+  static JobSpec from_json(const nlohmann::json& body);
+  nlohmann::json to_json() const;
+};
+
+class Scheduler {
+ public:
+  explicit Scheduler(SchedulerOptions options);
+  ~Scheduler();
+
+  // The REST API's operations (server.cpp). Times are wall-clock milliseconds.
+  int64_t submit(const JobSpec& spec);
+  void cancel(int64_t job);  // UsageError when there is no such job or it has ended
+  nlohmann::json jobs() const;
+  nlohmann::json job(int64_t id) const;  // UsageError when there is no such job
+  nlohmann::json nodes() const;
+  nlohmann::json events(int64_t since, int limit) const;
+  nlohmann::json metrics() const;
+
+  // An agent's heartbeat: what its host runs and what ended there; the reply is its orders
+  // (Note [Desired state]).
+  nlohmann::json heartbeat(const nlohmann::json& report);
+
+  // One round of the policy; the server calls it a few times a second.
+  void tick();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace shoal::queue

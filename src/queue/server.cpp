@@ -1,0 +1,264 @@
+#include "server.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <fstream>
+#include <iostream>
+#include <thread>
+
+#include <httplib.h>
+
+#include "../elastic/token.h"
+#include "shoal/core/error.h"
+
+namespace shoal::queue {
+
+using nlohmann::json;
+
+namespace {
+
+std::atomic<httplib::Server*> g_server{nullptr};
+volatile sig_atomic_t g_stopped = 0;
+
+void on_stop_signal(int) {
+  g_stopped = 1;
+  if (auto* server = g_server.load()) server->stop();
+}
+
+void reply(httplib::Response& response, int status, const json& body) {
+  response.status = status;
+  response.set_content(body.dump(), "application/json");
+}
+
+void refuse(httplib::Response& response, int status, const std::string& why) {
+  reply(response, status, json{{"error", why}});
+}
+
+// Runs `body`, turning the scheduler's errors into the REST API's answers: UsageError is the
+// caller's (400, or `missing` for an unknown id), anything else the scheduler's (500).
+template <typename Body>
+void handle(httplib::Response& response, Body body, int missing = 400) {
+  try {
+    reply(response, 200, body());
+  } catch (const UsageError& e) {
+    const std::string what = e.what();
+    refuse(response, what.rfind("no job ", 0) == 0 ? missing : 400, what);
+  } catch (const json::exception& e) {
+    refuse(response, 400, std::string("malformed request: ") + e.what());
+  } catch (const std::exception& e) {
+    refuse(response, 500, e.what());
+  }
+}
+
+bool process_alive(pid_t pid) {
+  if (pid <= 0 || ::kill(pid, 0) != 0) return false;
+  // A zombie (an agent we started and that died) counts as gone.
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  std::getline(stat, line);
+  const auto close = line.rfind(')');
+  return close == std::string::npos || close + 2 >= line.size() || line[close + 2] != 'Z';
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  std::string text;
+  std::getline(in, text);
+  return text;
+}
+
+// Where processes on this host reach the scheduler: the address it listens on, or loopback when
+// it listens on all of them. The local agent advertises the address on its route to the
+// scheduler to the workers of other hosts, so a scheduler whose jobs span hosts listens on the
+// address those hosts reach (docs/queue.md, "Agents").
+std::string reachable_address(const std::string& bind_host) {
+  return bind_host.empty() || bind_host == "0.0.0.0" ? "127.0.0.1" : bind_host;
+}
+
+// The local agent runs detached (its own session, no death signal): a scheduler that is
+// SIGKILLed leaves it and its workers training. A restarted scheduler adopts it.
+pid_t start_local_agent(const ServeOptions& options, int port, const std::string& token_file) {
+  const std::string dir = options.scheduler.state_dir;
+  const std::string pid_file = dir + "/agent.pid";
+  const pid_t running = static_cast<pid_t>(std::atoll(read_file(pid_file).c_str()));
+  if (process_alive(running)) {
+    std::cerr << "shoal queue: adopting the running agent of this host (pid " << running << ")"
+              << std::endl;
+    return running;
+  }
+  std::vector<std::string> args = {
+      "/proc/self/exe", "agent",
+      "--queue",        reachable_address(options.bind_host) + ":" + std::to_string(port),
+      "--token-file",   token_file,
+      "--dir",          dir + "/agent"};
+  if (options.local_slots > 0) {
+    args.push_back("--slots");
+    args.push_back(std::to_string(options.local_slots));
+  }
+  std::vector<char*> argv;
+  for (auto& arg : args) argv.push_back(arg.data());
+  argv.push_back(nullptr);
+  const std::string log = dir + "/agent.log";
+  const int log_fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  const int null_fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+  const pid_t pid = ::fork();
+  if (pid < 0) throw UsageError(std::string("fork: ") + std::strerror(errno));
+  if (pid == 0) {
+    ::setsid();
+    sigset_t none;
+    sigemptyset(&none);
+    ::sigprocmask(SIG_SETMASK, &none, nullptr);
+    ::dup2(null_fd, 0);
+    if (log_fd >= 0) {
+      ::dup2(log_fd, 1);
+      ::dup2(log_fd, 2);
+    }
+    ::execv(argv[0], argv.data());
+    ::_exit(127);
+  }
+  if (log_fd >= 0) ::close(log_fd);
+  if (null_fd >= 0) ::close(null_fd);
+  std::ofstream(pid_file) << pid << "\n";
+  return pid;
+}
+
+}  // namespace
+
+int serve(const ServeOptions& options) {
+  const std::string dir = options.scheduler.state_dir;
+  ::mkdir(dir.c_str(), 0700);
+  struct stat info {};
+  if (::stat(dir.c_str(), &info) != 0 || !S_ISDIR(info.st_mode)) {
+    throw UsageError("--state-dir " + dir + " is not a directory that can be made");
+  }
+  const std::string token_file = options.token_file.empty() ? dir + "/token" : options.token_file;
+  std::string token;
+  if (::access(token_file.c_str(), F_OK) == 0) {
+    token = elastic::read_token_file(token_file, "the queue's token file");
+  } else {
+    token = elastic::make_token();
+    elastic::write_token_file(token_file, token);
+  }
+
+  Scheduler scheduler(options.scheduler);
+  httplib::Server server;
+  server.set_pre_routing_handler([&](const httplib::Request& request, httplib::Response& response) {
+    if (request.path == "/" && request.method == "GET")
+      return httplib::Server::HandlerResponse::Unhandled;
+    const std::string header = request.get_header_value("Authorization");
+    const std::string given =
+        header.rfind("Bearer ", 0) == 0 ? header.substr(7) : request.get_param_value("token");
+    if (given != token) {
+      refuse(response, 401,
+             "the queue's token is missing or wrong: pass --token-file (the scheduler's " +
+                 token_file + ") or set SHOAL_QUEUE_TOKEN");
+      return httplib::Server::HandlerResponse::Handled;
+    }
+    return httplib::Server::HandlerResponse::Unhandled;
+  });
+  server.Get("/", [](const httplib::Request&, httplib::Response& response) {
+    response.set_content(dashboard_html(), "text/html; charset=utf-8");
+  });
+  server.Post("/jobs", [&](const httplib::Request& request, httplib::Response& response) {
+    handle(response, [&] {
+      const int64_t id = scheduler.submit(JobSpec::from_json(json::parse(request.body)));
+      return json{{"id", id}};
+    });
+  });
+  server.Get("/jobs", [&](const httplib::Request&, httplib::Response& response) {
+    handle(response, [&] { return scheduler.jobs(); });
+  });
+  server.Get(R"(/jobs/(\d+))", [&](const httplib::Request& request, httplib::Response& response) {
+    handle(
+        response, [&] { return scheduler.job(std::stoll(request.matches[1])); }, 404);
+  });
+  server.Delete(R"(/jobs/(\d+))",
+                [&](const httplib::Request& request, httplib::Response& response) {
+                  handle(
+                      response,
+                      [&] {
+                        const int64_t id = std::stoll(request.matches[1]);
+                        scheduler.cancel(id);
+                        return json{{"id", id}, {"state", "cancelled"}};
+                      },
+                      404);
+                });
+  server.Get("/nodes", [&](const httplib::Request&, httplib::Response& response) {
+    handle(response, [&] { return scheduler.nodes(); });
+  });
+  server.Get("/events", [&](const httplib::Request& request, httplib::Response& response) {
+    handle(response, [&] {
+      const std::string since = request.get_param_value("since");
+      const std::string limit = request.get_param_value("limit");
+      return scheduler.events(since.empty() ? 0 : std::stoll(since),
+                              limit.empty() ? 1000 : std::stoi(limit));
+    });
+  });
+  server.Get("/metrics", [&](const httplib::Request&, httplib::Response& response) {
+    handle(response, [&] { return scheduler.metrics(); });
+  });
+  server.Post("/agent/heartbeat",
+              [&](const httplib::Request& request, httplib::Response& response) {
+                handle(response, [&] { return scheduler.heartbeat(json::parse(request.body)); });
+              });
+
+  int port = options.port;
+  if (port == 0) {
+    port = server.bind_to_any_port(options.bind_host.c_str());
+  } else if (!server.bind_to_port(options.bind_host.c_str(), port)) {
+    throw UsageError("cannot listen on " + options.bind_host + ":" + std::to_string(port) +
+                     " (in use?); pass another --port");
+  }
+  if (port <= 0) throw UsageError("cannot listen on " + options.bind_host);
+  {
+    const std::string address = dir + "/address";
+    std::ofstream(address + ".tmp") << reachable_address(options.bind_host) << ":" << port << "\n";
+    ::rename((address + ".tmp").c_str(), address.c_str());
+  }
+
+  struct sigaction action {};
+  action.sa_handler = on_stop_signal;
+  sigemptyset(&action.sa_mask);
+  ::sigaction(SIGTERM, &action, nullptr);
+  ::sigaction(SIGINT, &action, nullptr);
+  ::signal(SIGPIPE, SIG_IGN);
+  g_server = &server;
+
+  std::cerr << "shoal queue: serving on " << options.bind_host << ":" << port << ", state in "
+            << dir << std::endl;
+  pid_t agent = -1;
+  if (options.local_agent) agent = start_local_agent(options, port, token_file);
+
+  std::atomic<bool> done{false};
+  std::thread ticker([&] {
+    const auto period = std::chrono::milliseconds(static_cast<int64_t>(options.tick * 1000));
+    while (!done) {
+      try {
+        scheduler.tick();
+      } catch (const std::exception& e) {
+        std::cerr << "shoal queue: " << e.what() << std::endl;
+      }
+      std::this_thread::sleep_for(period);
+    }
+  });
+  if (g_stopped == 0) server.listen_after_bind();
+  g_server = nullptr;
+  done = true;
+  ticker.join();
+  if (agent > 0) {
+    ::kill(agent, SIGTERM);
+    for (int i = 0; i < 150 && process_alive(agent); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    ::unlink((dir + "/agent.pid").c_str());
+  }
+  std::cerr << "shoal queue: stopped" << std::endl;
+  return 0;
+}
+
+}  // namespace shoal::queue

@@ -1,0 +1,27 @@
+# The job queue (docs/queue.md). The policy's tests build without torch or the harness.
+add_executable(queue_policy_test queue_policy_test.cpp)
+target_link_libraries(queue_policy_test PRIVATE shoal_queue_policy GTest::gtest_main)
+target_compile_options(queue_policy_test PRIVATE ${SHOAL_WARNINGS})
+gtest_discover_tests(queue_policy_test DISCOVERY_TIMEOUT 60 PROPERTIES TIMEOUT 60)
+
+# The queue end to end: the real `shoal queue serve` with its agent and elastic training jobs.
+# Timing-sensitive (a first step within 5 s of submission): the resource lock `timing`.
+shoal_add_test(queue_test queue_test.cpp PROPERTIES RESOURCE_LOCK timing)
+target_link_libraries(queue_test PRIVATE shoal_queue_http)
+add_dependencies(queue_test shoal_cli elastic_worker)
+
+# The queue across two network-namespace hosts, an agent on each (needs root; skips otherwise).
+shoal_add_test(queue_multihost_test queue_multihost_test.cpp PROPERTIES RESOURCE_LOCK timing)
+target_link_libraries(queue_multihost_test PRIVATE shoal_queue_http)
+add_dependencies(queue_multihost_test shoal_cli elastic_worker)
+
+# The dashboard in headless Chromium (Debian's chromium; skipped without it), on the real queue.
+shoal_add_test(queue_dashboard_test queue_dashboard_test.cpp PROPERTIES RESOURCE_LOCK timing)
+target_link_libraries(queue_dashboard_test PRIVATE shoal_queue_http)
+add_dependencies(queue_dashboard_test shoal_cli elastic_worker)
+
+# The queue on a real Slurm that the test starts (docs/queue.md, "Slurm"): one `shoal agent
+# --engine slurm` per node. Skips with a message where root or the Slurm packages are missing.
+shoal_add_test(queue_slurm_test queue_slurm_test.cpp PROPERTIES RESOURCE_LOCK timing)
+target_link_libraries(queue_slurm_test PRIVATE shoal_queue_http shoal_launcher_support)
+add_dependencies(queue_slurm_test shoal_cli elastic_worker)

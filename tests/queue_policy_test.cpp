@@ -1,0 +1,373 @@
+// The queue's policy (src/queue/policy.h) on snapshots: admission, shrink, preemption, growth,
+// replacements, and a simulated clock for the anti-thrashing rules. The scheduler and the
+// simulation in bench/queue run this same code.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+
+#include "queue/policy.h"
+
+namespace shoal::queue {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+JobView job(int64_t id, int priority, int min, int max, double submitted = 0) {
+  JobView view;
+  view.id = id;
+  view.priority = priority;
+  view.min_workers = min;
+  view.max_workers = max;
+  view.submitted = submitted;
+  return view;
+}
+
+JobView running(int64_t id, int priority, int min, int max, std::vector<std::string> hosts,
+                int64_t first_worker, double last_resize = -kInf) {
+  JobView view = job(id, priority, min, max);
+  view.running = true;
+  view.last_resize = last_resize;
+  for (const auto& host : hosts) view.workers.push_back({first_worker++, host, false});
+  return view;
+}
+
+Snapshot cluster(std::vector<std::pair<std::string, int>> hosts, double now = 100) {
+  Snapshot snapshot;
+  snapshot.now = now;
+  for (const auto& [name, capacity] : hosts) snapshot.hosts.push_back({name, capacity, true, 0});
+  return snapshot;
+}
+
+std::vector<const Action*> of_kind(const Plan& plan, Action::Kind kind) {
+  std::vector<const Action*> out;
+  for (const auto& action : plan.actions) {
+    if (action.kind == kind) out.push_back(&action);
+  }
+  return out;
+}
+
+TEST(QueuePolicy, AJobStartsOnlyWhenItsMinCanAllStart) {
+  auto snapshot = cluster({{"a", 2}, {"b", 1}});
+  snapshot.jobs.push_back(job(1, 0, 4, 4));
+  Plan plan = queue::plan(snapshot, {});
+  EXPECT_TRUE(plan.actions.empty());
+  EXPECT_EQ(plan.waiting.at(1), "needs 4 workers at once; the live hosts have 3 slots");
+
+  snapshot.jobs[0] = job(1, 0, 3, 5);
+  plan = queue::plan(snapshot, {});
+  ASSERT_EQ(plan.actions.size(), 1u);
+  EXPECT_EQ(plan.actions[0].kind, Action::kStart);
+  EXPECT_EQ(plan.actions[0].hosts, (std::vector<std::string>{"a", "a", "b"}));
+  EXPECT_EQ(plan.free_after, 0);
+}
+
+TEST(QueuePolicy, PriorityThenAgeDecideWhoStarts) {
+  auto snapshot = cluster({{"a", 2}});
+  snapshot.jobs.push_back(job(1, 0, 2, 2, 10));
+  snapshot.jobs.push_back(job(2, 5, 2, 2, 20));
+  snapshot.jobs.push_back(job(3, 5, 2, 2, 15));
+  const Plan plan = queue::plan(snapshot, {});
+  ASSERT_EQ(plan.actions.size(), 1u);
+  EXPECT_EQ(plan.actions[0].job, 3);  // priority 5, and older than job 2
+  EXPECT_EQ(plan.waiting.count(1), 1u);
+  EXPECT_EQ(plan.waiting.count(2), 1u);
+}
+
+TEST(QueuePolicy, AHigherPriorityArrivalTakesTheSurplusOfTheNewestWorkers) {
+  auto snapshot = cluster({{"a", 4}});
+  snapshot.jobs.push_back(running(1, 0, 2, 4, {"a", "a", "a", "a"}, 10));
+  snapshot.jobs.push_back(job(2, 10, 2, 2, 50));
+  const Plan plan = queue::plan(snapshot, {});
+  const auto shrinks = of_kind(plan, Action::kShrink);
+  ASSERT_EQ(shrinks.size(), 1u);
+  EXPECT_EQ(shrinks[0]->job, 1);
+  EXPECT_EQ(shrinks[0]->workers, (std::vector<int64_t>{13, 12}));
+  EXPECT_EQ(shrinks[0]->reason, "shrinks from 4 to 2 workers to make room for job 2 (priority 10)");
+  // Job 2 starts in the same round, on the slots the leavers free (Note [Starting on leaving
+  // slots]): its workers load while the leavers finish their last step.
+  ASSERT_EQ(of_kind(plan, Action::kStart).size(), 1u);
+  EXPECT_EQ(of_kind(plan, Action::kStart)[0]->job, 2);
+  EXPECT_EQ(of_kind(plan, Action::kStart)[0]->hosts, (std::vector<std::string>{"a", "a"}));
+  EXPECT_EQ(of_kind(plan, Action::kStart)[0]->reason,
+            "starts with 2 workers (--min 2, --max 2), 2 on the slots of workers leaving for it");
+  EXPECT_TRUE(plan.waiting.empty());
+
+  // Next round: the leavers are still there, and their slots are taken: a third job gets none
+  // of them, and nobody else is asked to leave for it (job 1 is at its --min).
+  snapshot.jobs[0].workers[2].leaving = true;
+  snapshot.jobs[0].workers[3].leaving = true;
+  snapshot.jobs[1].running = true;
+  snapshot.jobs[1].workers = {{20, "a", false}, {21, "a", false}};
+  snapshot.jobs.push_back(job(3, 10, 1, 1, 60));
+  const Plan next = queue::plan(snapshot, {});
+  EXPECT_TRUE(next.actions.empty());
+  EXPECT_EQ(next.waiting.at(3),
+            "needs 1 worker at once: 0 free, 0 leaving, 0 to take from lower-priority jobs");
+
+  // Once the leavers are gone, the host runs its 4 slots' worth and job 3 still waits.
+  snapshot.jobs[0].workers.resize(2);
+  const Plan last = queue::plan(snapshot, {});
+  EXPECT_TRUE(last.actions.empty());
+}
+
+// A job that lacks only slots that workers already leaving will free starts on them at once,
+// and two waiting jobs never claim the same leaving slot.
+TEST(QueuePolicy, ALeavingSlotIsClaimedOnce) {
+  auto snapshot = cluster({{"a", 2}, {"b", 2}});
+  auto low = running(1, 0, 1, 4, {"a", "a", "b", "b"}, 10);
+  low.workers[3].leaving = true;  // asked by an earlier round, for a job that has since ended
+  snapshot.jobs.push_back(low);
+  snapshot.jobs.push_back(job(2, 5, 1, 1, 1));
+  snapshot.jobs.push_back(job(3, 5, 1, 1, 2));
+  const Plan plan = queue::plan(snapshot, {});
+  const auto starts = of_kind(plan, Action::kStart);
+  ASSERT_EQ(starts.size(), 2u);
+  EXPECT_EQ(starts[0]->job, 2);
+  EXPECT_EQ(starts[0]->hosts, (std::vector<std::string>{"b"}));
+  EXPECT_EQ(starts[0]->reason,
+            "starts with 1 worker (--min 1, --max 1), 1 on the slots of workers leaving");
+  EXPECT_EQ(starts[1]->job, 3);  // took job 1's surplus: the newest worker that is not leaving
+  ASSERT_EQ(of_kind(plan, Action::kShrink).size(), 1u);
+  EXPECT_EQ(of_kind(plan, Action::kShrink)[0]->workers, (std::vector<int64_t>{12}));
+  EXPECT_EQ(starts[1]->hosts, (std::vector<std::string>{"b"}));
+}
+
+TEST(QueuePolicy, WholePreemptibleJobsGoOnlyAfterTheSurplus) {
+  auto snapshot = cluster({{"a", 6}});
+  snapshot.jobs.push_back(running(1, 0, 2, 3, {"a", "a", "a"}, 10));  // surplus 1
+  auto preemptible = running(2, 1, 3, 3, {"a", "a", "a"}, 20);        // no surplus
+  preemptible.preemptible = true;
+  snapshot.jobs.push_back(preemptible);
+  snapshot.jobs.push_back(job(3, 10, 1, 1));
+  Plan plan = queue::plan(snapshot, {});
+  ASSERT_EQ(plan.actions.size(), 2u);  // one worker is enough: the surplus of job 1
+  EXPECT_EQ(plan.actions[0].kind, Action::kShrink);
+  EXPECT_EQ(plan.actions[0].job, 1);
+  EXPECT_EQ(plan.actions[1].kind, Action::kStart);
+  EXPECT_EQ(plan.actions[1].job, 3);
+
+  snapshot.jobs[2] = job(3, 10, 4, 4);  // needs 4: job 1's surplus and all of job 2
+  plan = queue::plan(snapshot, {});
+  ASSERT_EQ(plan.actions.size(), 3u);
+  EXPECT_EQ(of_kind(plan, Action::kStart).at(0)->hosts.size(), 4u);
+  EXPECT_EQ(of_kind(plan, Action::kShrink).at(0)->job, 1);
+  EXPECT_EQ(of_kind(plan, Action::kPreempt).at(0)->job, 2);
+  EXPECT_EQ(of_kind(plan, Action::kPreempt).at(0)->workers, (std::vector<int64_t>{20, 21, 22}));
+
+  snapshot.jobs[1].preemptible = false;  // then nothing is disturbed for a start that cannot come
+  plan = queue::plan(snapshot, {});
+  EXPECT_TRUE(plan.actions.empty());
+  EXPECT_EQ(plan.waiting.at(3),
+            "needs 4 workers at once: 0 free, 0 leaving, 1 to take from lower-priority jobs");
+}
+
+// Two arrivals in one round: the first takes job 1's surplus, the second preempts job 1 and
+// asks only the workers the first did not take (no worker is asked to leave twice).
+TEST(QueuePolicy, AJobShrunkAndPreemptedInOneRoundIsAskedForEachWorkerOnce) {
+  auto snapshot = cluster({{"a", 8}});
+  auto low = running(1, 0, 2, 8, {"a", "a", "a", "a", "a", "a", "a", "a"}, 10);
+  low.preemptible = true;
+  snapshot.jobs.push_back(low);
+  snapshot.jobs.push_back(job(2, 10, 6, 6, 1));
+  snapshot.jobs.push_back(job(3, 10, 2, 2, 2));
+  const Plan plan = queue::plan(snapshot, {});
+  ASSERT_EQ(of_kind(plan, Action::kShrink).size(), 1u);
+  ASSERT_EQ(of_kind(plan, Action::kPreempt).size(), 1u);
+  const auto& shrunk = of_kind(plan, Action::kShrink)[0]->workers;
+  const auto& preempted = of_kind(plan, Action::kPreempt)[0]->workers;
+  EXPECT_EQ(shrunk, (std::vector<int64_t>{17, 16, 15, 14, 13, 12}));
+  EXPECT_EQ(preempted, (std::vector<int64_t>{10, 11}));
+  EXPECT_EQ(of_kind(plan, Action::kPreempt)[0]->reason,
+            "is preempted (2 workers leave) to make room for job 3 (priority 10)");
+}
+
+TEST(QueuePolicy, EqualOrHigherPriorityJobsAreNeverShrunk) {
+  auto snapshot = cluster({{"a", 4}});
+  snapshot.jobs.push_back(running(1, 10, 1, 4, {"a", "a", "a", "a"}, 10));
+  snapshot.jobs.push_back(job(2, 10, 1, 1));
+  const Plan plan = queue::plan(snapshot, {});
+  EXPECT_TRUE(plan.actions.empty());
+}
+
+TEST(QueuePolicy, HeldSlotsKeepASmallLaterJobFromStarvingABigEarlierOne) {
+  auto snapshot = cluster({{"a", 4}});
+  snapshot.jobs.push_back(running(1, 5, 2, 2, {"a", "a"}, 10));
+  snapshot.jobs.push_back(job(2, 5, 4, 4, 1));  // needs all 4; job 1 (equal priority) keeps its 2
+  snapshot.jobs.push_back(job(3, 0, 1, 1, 2));
+  const Plan plan = queue::plan(snapshot, {});
+  EXPECT_TRUE(plan.actions.empty());  // job 3 may not take the 2 free slots job 2 holds
+  EXPECT_EQ(plan.free_after, 0);
+  EXPECT_EQ(plan.waiting.count(3), 1u);
+}
+
+TEST(QueuePolicy, NoResizeWithinTheCooldown) {
+  PolicyOptions options;
+  options.cooldown = 30;
+  auto snapshot = cluster({{"a", 4}}, 100);
+  snapshot.jobs.push_back(running(1, 0, 2, 4, {"a", "a", "a", "a"}, 10, 80));  // resized 20 s ago
+  snapshot.jobs.push_back(job(2, 10, 2, 2));
+  Plan plan = queue::plan(snapshot, options);
+  EXPECT_TRUE(plan.actions.empty());
+  EXPECT_EQ(plan.waiting.at(2),
+            "needs 2 workers at once: 0 free, 0 leaving, 0 to take from lower-priority jobs, 2 "
+            "more once resized jobs cool down (30 s between resizes)");
+  snapshot.now = 111;
+  plan = queue::plan(snapshot, options);
+  EXPECT_EQ(of_kind(plan, Action::kShrink).size(), 1u);
+}
+
+TEST(QueuePolicy, IdleCapacityGrowsRunningJobsOnlyAfterGrowIdle) {
+  PolicyOptions options;
+  options.cooldown = 10;
+  options.grow_idle = 5;
+  auto snapshot = cluster({{"a", 3}, {"b", 3}}, 100);
+  snapshot.jobs.push_back(running(1, 0, 2, 8, {"b", "b"}, 10));
+  snapshot.jobs.push_back(running(2, 3, 1, 2, {"a"}, 20));
+  snapshot.idle_since = 97;
+  Plan plan = queue::plan(snapshot, options);
+  EXPECT_TRUE(plan.actions.empty());
+  EXPECT_EQ(plan.free_after, 3);
+
+  snapshot.now = 102;
+  plan = queue::plan(snapshot, options);
+  const auto grows = of_kind(plan, Action::kGrow);
+  ASSERT_EQ(grows.size(), 2u);
+  EXPECT_EQ(grows[0]->job, 2);  // the higher priority first, up to its --max
+  EXPECT_EQ(grows[0]->hosts, (std::vector<std::string>{"a"}));
+  EXPECT_EQ(grows[1]->job, 1);  // then job 1, on its own host first
+  EXPECT_EQ(grows[1]->hosts, (std::vector<std::string>{"b", "a"}));
+  EXPECT_EQ(plan.free_after, 0);
+}
+
+TEST(QueuePolicy, AReplacementTakesTheSlotKeptForItAfterItsBackoff) {
+  auto snapshot = cluster({{"a", 2}, {"b", 2}});
+  auto job1 = running(1, 0, 2, 3, {"a", "b"}, 10);
+  job1.restarting = {"a"};
+  snapshot.jobs.push_back(job1);
+  snapshot.jobs.push_back(job(2, 0, 1, 1));
+  snapshot.idle_since = -kInf;
+  Plan plan = queue::plan(snapshot, {});
+  ASSERT_EQ(plan.actions.size(), 1u);  // job 2 gets a free slot, not the one kept on a
+  EXPECT_EQ(plan.actions[0].kind, Action::kStart);
+  EXPECT_EQ(plan.actions[0].hosts, (std::vector<std::string>{"b"}));
+
+  snapshot.jobs[0].restarts_due = 1;
+  snapshot.hosts[0].alive = false;  // host a is lost meanwhile: the replacement goes elsewhere
+  snapshot.jobs[0].workers.erase(snapshot.jobs[0].workers.begin());
+  plan = queue::plan(snapshot, {});
+  const auto replace = of_kind(plan, Action::kReplace);
+  ASSERT_EQ(replace.size(), 1u);
+  EXPECT_EQ(replace[0]->hosts, (std::vector<std::string>{"b"}));
+}
+
+TEST(QueuePolicy, APreemptedJobWaitsForItsOldWorkersBeforeItStartsAgain) {
+  auto snapshot = cluster({{"a", 4}});
+  auto preempted = job(1, 0, 1, 2);
+  preempted.workers = {{10, "a", true}};
+  snapshot.jobs.push_back(preempted);
+  const Plan plan = queue::plan(snapshot, {});
+  EXPECT_TRUE(plan.actions.empty());
+  EXPECT_EQ(plan.waiting.at(1), "waits for its 1 worker of before to leave");
+}
+
+// A simulated run of the policy, applying its actions at once (workers leave instantly), over
+// several minutes: high-priority jobs arriving every 10 s cause at most one resize of the
+// low-priority job per cooldown, and two min-4 jobs on 4 slots never both run below their min.
+struct Simulation {
+  Snapshot snapshot;
+  PolicyOptions options;
+  std::map<int64_t, std::vector<double>> resizes;
+  int64_t next_worker = 1;
+  int64_t next_job = 1;
+  std::map<int64_t, double> ends;  // running jobs that end at a time
+
+  void step() {
+    const Plan plan = queue::plan(snapshot, options);
+    for (const auto& action : plan.actions) {
+      auto it = std::find_if(snapshot.jobs.begin(), snapshot.jobs.end(),
+                             [&](const JobView& j) { return j.id == action.job; });
+      ASSERT_NE(it, snapshot.jobs.end());
+      if (action.kind == Action::kStart || action.kind == Action::kGrow) {
+        for (const auto& host : action.hosts) it->workers.push_back({next_worker++, host, false});
+        it->running = true;
+      } else {
+        for (int64_t id : action.workers) {
+          it->workers.erase(std::remove_if(it->workers.begin(), it->workers.end(),
+                                           [&](const WorkerView& w) { return w.id == id; }),
+                            it->workers.end());
+        }
+        if (action.kind == Action::kPreempt) it->running = false;
+      }
+      it->last_resize = snapshot.now;
+      if (action.kind != Action::kStart) resizes[action.job].push_back(snapshot.now);
+    }
+    snapshot.idle_since = plan.free_after > 0 ? std::min(snapshot.idle_since, snapshot.now) : kInf;
+    for (auto& j : snapshot.jobs) {
+      if (j.running) {
+        EXPECT_GE(j.active(), j.min_workers) << "job " << j.id << " at " << snapshot.now;
+      }
+    }
+  }
+
+  void end_due() {
+    for (auto it = snapshot.jobs.begin(); it != snapshot.jobs.end();) {
+      auto end = ends.find(it->id);
+      if (it->running && end != ends.end() && end->second <= snapshot.now) {
+        it = snapshot.jobs.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+};
+
+TEST(QueuePolicy, ArrivalsEveryTenSecondsResizeAJobAtMostOncePerCooldown) {
+  Simulation sim;
+  sim.snapshot = cluster({{"a", 4}}, 0);
+  sim.options.cooldown = 30;
+  sim.options.grow_idle = 5;
+  sim.snapshot.jobs.push_back(job(1, 0, 2, 4));
+  int64_t next = 2;
+  for (double t = 0; t < 300; t += 0.5) {
+    sim.snapshot.now = t;
+    // A 2-worker high-priority job for 3 s, every 10 s: without the cooldown the low job would
+    // shrink and grow back in every period.
+    if (t > 0 && std::fmod(t, 10) == 0) {
+      sim.snapshot.jobs.push_back(job(next, 10, 2, 2, t));
+      sim.ends[next] = t + 3;
+      ++next;
+    }
+    sim.end_due();
+    sim.step();
+  }
+  const auto& times = sim.resizes[1];
+  EXPECT_GE(times.size(), 4u);  // it did shrink and grow, more than once
+  for (size_t i = 1; i < times.size(); ++i) {
+    EXPECT_GE(times[i] - times[i - 1], 30) << "resizes at " << times[i - 1] << " and " << times[i];
+  }
+}
+
+TEST(QueuePolicy, TwoMinFourJobsOnFourSlotsNeverDeadlock) {
+  Simulation sim;
+  sim.snapshot = cluster({{"a", 2}, {"b", 2}}, 0);
+  sim.snapshot.jobs.push_back(job(1, 0, 4, 4, 0));
+  sim.snapshot.jobs.push_back(job(2, 0, 4, 4, 0.1));
+  sim.ends[1] = 20;
+  sim.ends[2] = 1e9;
+  bool second_ran = false;
+  for (double t = 0; t < 60; t += 0.5) {
+    sim.snapshot.now = t;
+    sim.end_due();
+    sim.step();
+    int running = 0;
+    for (const auto& j : sim.snapshot.jobs) running += j.running ? 1 : 0;
+    EXPECT_LE(running, 1) << "at " << t;
+    for (const auto& j : sim.snapshot.jobs) second_ran = second_ran || (j.id == 2 && j.running);
+  }
+  EXPECT_TRUE(second_ran);  // the second starts once the first has ended
+}
+
+}  // namespace
+}  // namespace shoal::queue
