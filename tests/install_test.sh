@@ -42,15 +42,17 @@ install_mode() {
     { cat "$work/install.log"; fail "cmake --install"; }
   local libdir
   libdir=$(dirname "$(find "$prefix" -name 'libshoal.so' | head -1)")
-  [[ -n $libdir && -x $prefix/bin/shoal ]] || fail "no libshoal.so or bin/shoal under $prefix"
+  [[ -n $libdir && -x $prefix/bin/shoal && -x $prefix/bin/shoal-run ]] ||
+    fail "no libshoal.so, bin/shoal or bin/shoal-run under $prefix"
   for f in include/shoal/shoal.h include/shoal/global/ops.h; do
     [[ -f $prefix/$f ]] || fail "$f was not installed"
   done
   [[ -f $libdir/cmake/shoal/shoalConfig.cmake && -f $libdir/pkgconfig/shoal.pc ]] ||
     fail "no CMake package or pkg-config file under $libdir"
 
-  # The installed command finds the installed library (its RUNPATH), not the build tree's.
-  loads_shoal_from "$prefix/bin/shoal" "$libdir"
+  # The installed command finds the installed library (its RUNPATH), not the build tree's:
+  # `shoal run` is shoal-run's (src/launch/CMakeLists.txt); `shoal` itself loads no libshoal.
+  loads_shoal_from "$prefix/bin/shoal-run" "$libdir"
 
   # Compiles go through ccache when there is one, with paths relative to $work so that a later
   # run hits the cache: two LibTorch translation units are most of this test's time.
@@ -125,7 +127,7 @@ deb_mode() {
   # The files, by package.
   dpkg-deb --contents "$runtime" >"$work/runtime.txt"
   dpkg-deb --contents "$dev" >"$work/dev.txt"
-  for f in ./usr/bin/shoal "./usr/lib/libshoal.so.[0-9]"; do
+  for f in ./usr/bin/shoal ./usr/bin/shoal-run ./usr/bin/shoal-slurm-step "./usr/lib/libshoal.so.[0-9]"; do
     grep -q " $f" "$work/runtime.txt" || { cat "$work/runtime.txt"; fail "shoal has no $f"; }
   done
   for f in ./usr/include/shoal/shoal.h ./usr/include/shoal/global/ops.h \

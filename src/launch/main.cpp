@@ -1,16 +1,17 @@
-// The `shoal` command: `run` (docs/launch.md), `queue` and `agent` (docs/queue.md).
+// The `shoal` command: `run` (docs/launch.md), `queue` and `agent` (docs/queue.md). This program
+// links no LibTorch, so that the queue's commands and the agent start at once; `run` and the
+// parameter servers are `shoal-run`'s, beside this program, which it execs (CMakeLists.txt).
 #include <fcntl.h>
+#include <limits.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstring>
 #include <iostream>
 #include <string>
 #include <vector>
 
-#include "launcher.h"
-#include "options.h"
-#include "ps_server.h"
 #include "../queue/command.h"
-#include "shoal/core/error.h"
 
 namespace {
 
@@ -24,27 +25,22 @@ constexpr const char* kUsage =
     "\n"
     "See `shoal run --help` and docs/queue.md.\n";
 
-// Errors are one line: scripts and people grep the first line of stderr.
-std::string one_line(std::string text) {
-  for (char& c : text) {
-    if (c == '\n' || c == '\r') c = ' ';
-  }
-  return text;
-}
-
-int run_command(const std::vector<std::string>& args) {
-  try {
-    auto options = shoal::launch::parse_run_command(args, std::cout);
-    if (!options) return 0;  // --help
-    shoal::launch::Launcher launcher(std::move(*options));
-    return launcher.run();
-  } catch (const shoal::UsageError& e) {
-    std::cerr << "shoal run: " << one_line(e.what()) << std::endl;
-    return 2;
-  } catch (const std::exception& e) {
-    std::cerr << "shoal run: " << one_line(e.what()) << std::endl;
+// `shoal-run` with `argv`, in place of this process (same pid: whoever started `shoal run`
+// signals and waits for the launcher itself).
+int exec_run(char** argv) {
+  char self[PATH_MAX];
+  const ssize_t length = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (length <= 0) {
+    std::cerr << "shoal: cannot find this program (/proc/self/exe): " << std::strerror(errno)
+              << std::endl;
     return 1;
   }
+  std::string path(self, static_cast<size_t>(length));
+  path = path.substr(0, path.rfind('/') + 1) + "shoal-run";
+  ::execv(path.c_str(), argv);
+  std::cerr << "shoal: cannot run " << path << " (installed beside shoal for `shoal "
+            << argv[1] << "`): " << std::strerror(errno) << std::endl;
+  return 1;
 }
 
 }  // namespace
@@ -65,13 +61,10 @@ int main(int argc, char** argv) {
     std::cout << kUsage;
     return 0;
   }
-  if (args[0] == "run") return run_command({args.begin() + 1, args.end()});
+  // ps-server is internal: the parameter servers that `shoal run --servers` starts (docs/ps.md).
+  if (args[0] == "run" || args[0] == "ps-server") return exec_run(argv);
   if (args[0] == "queue") return shoal::queue::queue_command({args.begin() + 1, args.end()});
   if (args[0] == "agent") return shoal::queue::agent_command({args.begin() + 1, args.end()});
-  // Internal: the parameter servers that `shoal run --servers` starts (docs/ps.md).
-  if (args[0] == "ps-server") {
-    return shoal::launch::ps_server_command({args.begin() + 1, args.end()});
-  }
   std::cerr << "shoal: unknown command '" << args[0] << "'; expected run, queue or agent (see shoal --help)"
             << std::endl;
   return 2;
