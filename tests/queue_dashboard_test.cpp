@@ -196,15 +196,12 @@ TEST(QueueDashboard, ShowsTheJobsTheirWorkersAndTheDecisionsOfAShrink) {
   const std::string host_text = text_of(host);
   EXPECT_NE(host_text.find(host_name), std::string::npos) << host_text;
   EXPECT_EQ(nodes[0].at("capacity"), 4);
-  // A lane per slot, and beyond them lanes marked "(over)" for the moments when the high job's
-  // workers started on the slots of the low job's leavers before these had gone (Note
-  // [Starting on leaving slots] in src/queue/policy.cpp): at most the two leavers' worth.
+  // A lane per slot and no more: the high job's workers, which started on the slots of the low
+  // job's leavers before these had gone (Note [Starting on leaving slots] in
+  // src/queue/policy.cpp), take over their lanes rather than lanes "(over)" the capacity.
   const auto lanes = lane_labels(host);
-  ASSERT_GE(lanes.size(), 4u);
-  EXPECT_LE(lanes.size(), 6u);
-  for (size_t k = 0; k < lanes.size(); ++k) {
-    EXPECT_EQ(lanes[k], "slot " + std::to_string(k + 1) + (k >= 4 ? " (over)" : ""));
-  }
+  ASSERT_EQ(lanes.size(), 4u) << host;
+  for (size_t k = 0; k < lanes.size(); ++k) EXPECT_EQ(lanes[k], "slot " + std::to_string(k + 1));
   for (const auto& w : workers) {
     const std::string bar = element(host, "worker-" + std::to_string(w.at("id").get<int64_t>()));
     EXPECT_NE(bar.find("data-job=\"" + std::to_string(w.at("job").get<int64_t>()) + "\""),

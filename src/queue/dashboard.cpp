@@ -113,6 +113,9 @@ function tickStep(span) {
   return steps.find(s => span / s <= 10) || steps[steps.length - 1];
 }
 
+// How long a worker asked to leave may still run beside the one that took its slot.
+const handover = 15e3;
+
 function drawHosts(nodes, workers, names, now) {
   const box = document.getElementById('hosts');
   box.replaceChildren();
@@ -125,12 +128,20 @@ function drawHosts(nodes, workers, names, now) {
   for (const n of nodes) {
     const mine = workers.filter(w => w.host === n.name && (!w.ended_ms || w.ended_ms >= from))
         .sort((a, b) => (a.started_ms || now) - (b.started_ms || now) || a.id - b.id);
-    const freeAt = [];  // per lane, when its last worker ended (Infinity while it runs)
+    const freeAt = [];    // per lane, when its last worker ended (Infinity while it runs)
+    const occupant = [];  // per lane, its last worker
     const laneOf = new Map();
     for (const w of mine) {
       const start = w.started_ms || now, end = w.state === 'exited' ? w.ended_ms : Infinity;
       let k = freeAt.findIndex(t => t <= start);
+      // A worker that started on the slot of one asked to leave, while that one finished its
+      // step (Note [Starting on leaving slots] in src/queue/policy.cpp), takes over its lane.
+      if (k < 0) {
+        k = occupant.findIndex((o, i) => (o.leave || o.stop) &&
+                               (o.state !== 'exited' || freeAt[i] <= start + handover));
+      }
       if (k < 0) k = freeAt.push(end) - 1; else freeAt[k] = end;
+      occupant[k] = w;
       laneOf.set(w.id, k);
     }
     const lanes = Math.max(n.capacity, freeAt.length, 1);
