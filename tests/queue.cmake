@@ -25,3 +25,9 @@ add_dependencies(queue_dashboard_test shoal_cli elastic_worker)
 shoal_add_test(queue_slurm_test queue_slurm_test.cpp PROPERTIES RESOURCE_LOCK timing)
 target_link_libraries(queue_slurm_test PRIVATE shoal_queue_http shoal_launcher_support)
 add_dependencies(queue_slurm_test shoal_cli elastic_worker)
+
+# Resizing by checkpoint-restart (`shoal queue serve --resize-by restart`), bench/queue_real's
+# baseline: a job shrunk and grown by restart resumes from its commit and loses no sample.
+shoal_add_test(queue_restart_test queue_restart_test.cpp PROPERTIES RESOURCE_LOCK timing)
+target_link_libraries(queue_restart_test PRIVATE shoal_queue_http)
+add_dependencies(queue_restart_test shoal_cli elastic_worker)

@@ -1,105 +1,175 @@
 // The queue across hosts (docs/queue.md): two network namespaces joined by a veth pair, the
 // scheduler and its local agent on host A, `shoal agent` on host B. A job's workers span both
-// hosts, find each other through the agents' memberships, shrink and grow back.
-#include <sched.h>
-
+// hosts, find each other through the agents' memberships, shrink and grow back (tests 1 and 2),
+// survive their workers' deaths on either host (test 3), never thrash or deadlock (test 4), and
+// survive the scheduler's death (test 5).
 #include "queue_support.h"
 
 namespace shoal::testing {
 namespace {
 
-// This test's process (its thread, and every process it forks) moves into a host's network
-// namespace, so that the scheduler it starts and its own REST calls live on that host.
-bool enter_network_namespace(const std::string& name) {
-  const int fd = ::open(("/run/netns/" + name).c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return false;
-  const bool entered = ::setns(fd, CLONE_NEWNET) == 0;
-  ::close(fd);
-  return entered;
+// Two hosts, each with an agent: the scheduler and its local agent on host A, `shoal agent` on
+// host B. The test's thread (and every process it forks) is in host A's network namespace while
+// the queue lives, so that the scheduler it starts and its own REST calls live on that host.
+class QueueMultiHost : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (auto why = hosts_.create()) GTEST_SKIP() << *why;
+    on_a_ = std::make_unique<InNetworkNamespace>(hosts_.name(0));
+  }
+  void TearDown() override {
+    agent_b_.reset();
+    queue_.reset();
+    on_a_.reset();
+  }
+
+  // The queue on host A (2 slots) and the agent on host B (2 slots), both alive.
+  Queue& start(const std::string& name, std::vector<std::string> flags = {}) {
+    std::vector<std::string> all = {"--host", TwoHosts::kAddressA, "--slots", "2"};
+    all.insert(all.end(), flags.begin(), flags.end());
+    queue_ = std::make_unique<Queue>(name, all);
+    const std::string hosts_path = queue_->dir() + "/hosts";
+    std::ofstream(hosts_path) << hosts_.hosts_file();
+    agent_b_ = std::make_unique<Agent>(*queue_, queue_->dir() + "/agent-b",
+                                       std::vector<std::string>{"--slots", "2"},
+                                       std::map<std::string, std::string>{},
+                                       hosts_.on_host(1, hosts_path), TwoHosts::kAddressA);
+    queue_->read_logs_from(agent_b_->dir());
+    const bool both = eventually(
+        [&] {
+          int alive_hosts = 0;
+          for (const auto& node : json(queue_->client().get("/nodes").at("nodes"))) {
+            alive_hosts += node.at("alive").get<bool>() ? 1 : 0;
+          }
+          return alive_hosts == 2;
+        },
+        30s);
+    EXPECT_TRUE(both) << queue_->client().get("/nodes").dump(1) << agent_b_->log();
+    return *queue_;
+  }
+
+  TwoHosts hosts_;
+  std::unique_ptr<InNetworkNamespace> on_a_;
+  std::unique_ptr<Queue> queue_;
+  std::unique_ptr<Agent> agent_b_;
+};
+
+// Tests 1 and 2 across hosts: the low job's four workers span both hosts before the shrink and
+// after the grow.
+TEST_F(QueueMultiHost, AJobAcrossTwoHostsShrinksForAHighPriorityOneAndGrowsBackLosingNoSample) {
+  Queue& queue = start("multihost", {"--cooldown", "8", "--grow-idle", "2"});
+  ASSERT_FALSE(HasFailure());
+  ShrinkAndGrowBack test;
+  test.hosts = 2;
+  expect_shrink_and_grow_back(queue, test);
 }
 
-TEST(QueueMultiHost, AJobAcrossTwoHostsShrinksForAHighPriorityOneAndGrowsBackLosingNoSample) {
-  TwoHosts hosts;
-  if (auto why = hosts.create()) GTEST_SKIP() << *why;
-  ASSERT_TRUE(enter_network_namespace(hosts.name(0))) << "setns into " << hosts.name(0);
-  constexpr double kCooldown = 8;
-  Queue queue("multihost", {"--host", TwoHosts::kAddressA, "--slots", "2", "--cooldown", "8",
-                            "--grow-idle", "2"});
-  const std::string hosts_path = queue.dir() + "/hosts";
-  std::ofstream(hosts_path) << hosts.hosts_file();
-  Agent agent_b(queue, queue.dir() + "/agent-b", {"--slots", "2"}, {}, hosts.on_host(1, hosts_path),
-                TwoHosts::kAddressA);
+// Test 3 across hosts: kills alternate between the hosts; each is replaced, and the third fails
+// the job, leaving no process on either host.
+TEST_F(QueueMultiHost, KilledWorkersOnEitherHostAreReplacedAndRepeatedFailuresFailTheJob) {
+  Queue& queue = start("multihost-restart");
+  ASSERT_FALSE(HasFailure());
+  EXPECT_EQ(expect_killed_workers_replaced_then_the_job_failed(queue).size(), 2u)
+      << "the kills should have hit both hosts";
+}
+
+// Test 5 across hosts: with the scheduler on host A SIGKILLed, a job on both hosts trains on;
+// the restarted scheduler reconciles with both agents and schedules again.
+TEST_F(QueueMultiHost, ASchedulerKilledMidRunLeavesAJobOnBothHostsTraining) {
+  Queue& queue = start("multihost-scheduler");
+  ASSERT_FALSE(HasFailure());
+  const json before = expect_a_killed_scheduler_to_leave_jobs_training(queue);
+  EXPECT_EQ(hosts_of(before).size(), 2u) << "the job should have spanned both hosts";
+}
+
+// Test 4, no deadlock: two jobs of --min 4 on 4 slots over two hosts. Gang admission starts one
+// whole; the other waits for all four slots, never holding a part of them: at no moment does a
+// running job have fewer than its 4 workers, and both train every sample once.
+TEST_F(QueueMultiHost, TwoMinFourJobsOnFourSlotsRunOneAfterTheOtherNeverBelowTheirMin) {
+  Queue& queue = start("multihost-gang");
+  ASSERT_FALSE(HasFailure());
+  const int64_t a = queue.submit("--min 4 --max 4 --name a " + kWorker + " " + queue.dir() +
+                                 "/a.out 3 50");
+  const int64_t b = queue.submit("--min 4 --max 4 --name b " + kWorker + " " + queue.dir() +
+                                 "/b.out 3 50");
+  int polls = 0;
+  std::set<int64_t> ran;
   ASSERT_TRUE(eventually(
       [&] {
-        int alive_hosts = 0;
-        for (const auto& node : json(queue.client().get("/nodes").at("nodes"))) {
-          alive_hosts += node.at("alive").get<bool>() ? 1 : 0;
+        ++polls;
+        int running = 0;
+        for (int64_t id : {a, b}) {
+          const json job = queue.job(id);
+          if (job.at("state") != "running") continue;
+          ++running;
+          ran.insert(id);
+          // Its workers that have not ended, unless one already finished the training.
+          int held = 0;
+          bool finishing = false;
+          for (const auto& w : job.at("worker_list")) {
+            if (w.at("state") != "exited") ++held;
+            if (w.at("state") == "exited" && w.at("exit") == "exited with code 0") finishing = true;
+          }
+          if (!finishing) {
+            EXPECT_EQ(held, 4) << job.dump(1);
+          }
         }
-        return alive_hosts == 2;
+        EXPECT_LE(running, 1) << "two jobs of --min 4 ran at once on 4 slots";
+        return finished(queue, a) && finished(queue, b);
       },
-      30s))
-      << queue.client().get("/nodes").dump(1) << agent_b.log();
+      180s))
+      << queue.job(a).dump(1) << queue.job(b).dump(1);
+  EXPECT_EQ(ran.size(), 2u);
+  EXPECT_GT(polls, 50);
+  expect_every_sample_once(queue.dir() + "/a.out", 3);
+  expect_every_sample_once(queue.dir() + "/b.out", 3);
+  for (int64_t id : {a, b}) {
+    EXPECT_EQ(queue.job(id).at("resizes"), 0);
+    EXPECT_EQ(queue.job(id).at("preemptions"), 0);
+  }
+}
 
-  // Each worker's log, wherever its agent keeps it.
-  const auto logs = [&](int64_t job) {
-    std::map<int64_t, std::string> out;
-    for (const auto& w : json(queue.job(job).at("worker_list"))) {
-      const std::string dir = w.at("host") == hosts.name(1) ? "/agent-b" : "/agent";
-      out[w.at("id")] = read_text(queue.dir() + dir + "/job-" + std::to_string(job) + "/worker-" +
-                                  std::to_string(w.at("id").get<int64_t>()) + ".log");
-    }
-    return out;
-  };
-  const auto any_log_has = [&](int64_t job, const std::string& text) {
-    for (const auto& [worker, log] : logs(job)) {
-      if (log.find(text) != std::string::npos) return true;
-    }
-    return false;
-  };
-  const auto hosts_of = [&](int64_t job) {
-    std::set<std::string> out;
-    for (const auto& w : json(queue.job(job).at("worker_list"))) {
-      if (w.at("state") == "running" && !w.at("leave").get<bool>()) out.insert(w.at("host"));
-    }
-    return out;
-  };
-
+// Test 4, no thrash: a 2-worker high-priority job arrives every 10 s for a minute while a low job
+// of --min 2 --max 4 runs on both hosts. It shrinks for the arrivals and grows back between them,
+// but never twice within --cooldown (12 s here: longer than the period, so the cooldown binds),
+// and every high job trains every sample once.
+TEST_F(QueueMultiHost, HighPriorityArrivalsEveryTenSecondsResizeALowJobAtMostOncePerCooldown) {
+  constexpr int64_t kCooldownMs = 12000;
+  Queue& queue = start("multihost-thrash", {"--cooldown", "12", "--grow-idle", "1"});
+  ASSERT_FALSE(HasFailure());
   const int64_t low =
-      queue.submit("--min 2 --max 4 --name low " + kWorker + " " + queue.dir() + "/low.out 16 80");
-  ASSERT_TRUE(eventually(
-      [&] { return queue.staying(low).size() == 4 && any_log_has(low, "world=4 step="); }, 60s))
-      << queue.job(low).dump(1);
-  EXPECT_EQ(hosts_of(low).size(), 2u) << "the job's four workers should span both hosts";
-  const auto before = queue.staying(low);
-
-  const auto submitted = Clock::now();
-  const int64_t high = queue.submit("--priority 10 --min 2 --max 2 --name high " + kWorker + " " +
-                                    queue.dir() + "/high.out 2 50");
-  ASSERT_TRUE(eventually([&] { return any_log_has(high, "step 1 world 2"); }, 30s))
-      << queue.job(high).dump(1);
-  expect_first_step_soon(submitted, "");
-
-  // The low job kept its two oldest workers, the very same processes.
-  const auto kept = queue.staying(low);
-  ASSERT_EQ(kept.size(), 2u) << queue.job(low).dump(1);
-  expect_the_oldest_kept(before, kept);
-
-  ASSERT_TRUE(eventually([&] { return queue.state(high) == "done"; }, 60s))
-      << queue.job(high).dump(1);
-  const auto high_done = Clock::now();
+      queue.submit("--min 2 --max 4 --name low " + kWorker + " " + queue.dir() + "/low.out 400 80");
   ASSERT_TRUE(eventually([&] { return queue.staying(low).size() == 4; }, 60s))
       << queue.job(low).dump(1);
-  const double regrown = seconds_since(high_done);
-  EXPECT_LT(regrown, kCooldown + 5)
-      << "the low job was back to 4 workers " << regrown << " s after the high one ended";
-  EXPECT_EQ(hosts_of(low).size(), 2u) << "the job should span both hosts again";
-  for (const auto& [id, pid] : kept) EXPECT_EQ(queue.staying(low).at(id), pid);
+  std::vector<int64_t> highs;
+  const auto start_time = Clock::now();
+  for (int i = 0; i < 6; ++i) {
+    std::this_thread::sleep_until(start_time + std::chrono::seconds(10 * i));
+    highs.push_back(queue.submit("--priority 10 --min 2 --max 2 " + kWorker + " " + queue.dir() +
+                                 "/high-" + std::to_string(i) + ".out 1 50"));
+  }
+  for (int64_t high : highs) {
+    ASSERT_TRUE(eventually([&] { return finished(queue, high); }, 90s))
+        << queue.job(high).dump(1);
+  }
+  std::string out;
+  EXPECT_EQ(queue.cli("cancel " + std::to_string(low), &out), 0) << out;
 
-  ASSERT_TRUE(eventually([&] { return queue.state(low) == "done"; }, 180s))
-      << queue.job(low).dump(1);
-  expect_every_sample_once(queue.dir() + "/low.out", 16);
-  expect_every_sample_once(queue.dir() + "/high.out", 2);
-  EXPECT_EQ(queue.job(low).at("resizes"), 2);
+  std::vector<int64_t> resizes;
+  for (const auto& e : json(queue.client().get("/events?since=0").at("events"))) {
+    if (e.at("job") == low && (e.at("kind") == "shrink" || e.at("kind") == "grow"))
+      resizes.push_back(e.at("time_ms"));
+  }
+  std::cout << "[ measured ] the low job's resizes, s after its first:";
+  for (int64_t at : resizes) std::cout << " " << (at - resizes.front()) / 1000.0;
+  std::cout << std::endl;
+  EXPECT_GE(resizes.size(), 3u) << "the low job should have shrunk and grown back";
+  for (size_t i = 1; i < resizes.size(); ++i) {
+    EXPECT_GE(resizes[i] - resizes[i - 1], kCooldownMs)
+        << "resizes " << i << " and " << i + 1 << " of the low job";
+  }
+  for (size_t i = 0; i < highs.size(); ++i)
+    expect_every_sample_once(queue.dir() + "/high-" + std::to_string(i) + ".out", 1);
 }
 
 }  // namespace

@@ -134,6 +134,57 @@ TEST(QueuePolicy, ALeavingSlotIsClaimedOnce) {
   EXPECT_EQ(starts[1]->hosts, (std::vector<std::string>{"b"}));
 }
 
+// Note [Priority takes up to --max]: with its --min assured, a higher-priority arrival takes
+// the cooled surplus of lower-priority jobs up to its --max (and the free slots first); a job in
+// its cooldown gives nothing beyond what --min needs, and nobody is preempted for more than --min.
+TEST(QueuePolicy, AHigherPriorityArrivalTakesLowerPrioritySurplusUpToItsMax) {
+  auto snapshot = cluster({{"a", 6}});
+  snapshot.jobs.push_back(running(1, 0, 1, 5, {"a", "a", "a", "a", "a"}, 10));  // surplus 4
+  snapshot.jobs.push_back(job(2, 10, 2, 4));
+  Plan plan = queue::plan(snapshot, {});
+  ASSERT_EQ(of_kind(plan, Action::kShrink).size(), 1u);
+  EXPECT_EQ(of_kind(plan, Action::kShrink)[0]->workers, (std::vector<int64_t>{14, 13, 12}));
+  EXPECT_EQ(of_kind(plan, Action::kShrink)[0]->reason,
+            "shrinks from 5 to 2 workers to make room for job 2 (priority 10)");
+  ASSERT_EQ(of_kind(plan, Action::kStart).size(), 1u);
+  EXPECT_EQ(of_kind(plan, Action::kStart)[0]->hosts.size(), 4u);  // 1 free, 3 leaving
+  EXPECT_EQ(of_kind(plan, Action::kStart)[0]->reason,
+            "starts with 4 workers (--min 2, --max 4), 3 on the slots of workers leaving for it");
+
+  // With 2 free, --min needs nobody; the surplus still brings the job to its --max.
+  snapshot.jobs[0].workers.resize(4);
+  snapshot.hosts[0].capacity = 6;
+  plan = queue::plan(snapshot, {});
+  ASSERT_EQ(of_kind(plan, Action::kShrink).size(), 1u);
+  EXPECT_EQ(of_kind(plan, Action::kShrink)[0]->workers, (std::vector<int64_t>{13, 12}));
+  EXPECT_EQ(of_kind(plan, Action::kStart).at(0)->hosts.size(), 4u);
+
+  // In its cooldown job 1 gives only what --min lacks.
+  snapshot.jobs[0].workers.resize(5);
+  snapshot.jobs[0].workers[4] = {14, "a", false};
+  snapshot.jobs[0].last_resize = 95;
+  PolicyOptions options;
+  options.cooldown = 30;
+  plan = queue::plan(snapshot, options);
+  EXPECT_TRUE(plan.actions.empty());  // a cooling job gives nothing, not even for --min
+  EXPECT_EQ(plan.waiting.at(2),
+            "needs 2 workers at once: 1 free, 0 leaving, 0 to take from lower-priority jobs, 4 "
+            "more once resized jobs cool down (30 s between resizes)");
+
+  // A preemptible job without surplus is preempted only for --min: its freed slots beyond
+  // --min go to the arrival before any other job is shrunk for its --max.
+  snapshot = cluster({{"a", 6}});
+  snapshot.jobs.push_back(running(1, 0, 2, 3, {"a", "a", "a"}, 10));  // surplus 1
+  auto whole = running(2, 1, 3, 3, {"a", "a", "a"}, 20);
+  whole.preemptible = true;
+  snapshot.jobs.push_back(whole);
+  snapshot.jobs.push_back(job(3, 10, 3, 5));
+  plan = queue::plan(snapshot, {});
+  EXPECT_EQ(of_kind(plan, Action::kPreempt).size(), 1u);
+  EXPECT_EQ(of_kind(plan, Action::kShrink).size(), 1u);  // 1 + 3 for --min 3, then 1 over
+  EXPECT_EQ(of_kind(plan, Action::kStart).at(0)->hosts.size(), 4u);
+}
+
 TEST(QueuePolicy, WholePreemptibleJobsGoOnlyAfterTheSurplus) {
   auto snapshot = cluster({{"a", 6}});
   snapshot.jobs.push_back(running(1, 0, 2, 3, {"a", "a", "a"}, 10));  // surplus 1

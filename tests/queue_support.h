@@ -4,19 +4,23 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <fstream>
 #include <functional>
 #include <iostream>
 #include <map>
 #include <set>
 #include <sstream>
+#include <stdexcept>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -96,6 +100,7 @@ class Queue {
            std::to_string(::getpid());
     shell("rm -rf " + dir_);
     ::mkdir(dir_.c_str(), 0700);
+    agent_dirs_ = {dir_ + "/agent"};
     start(0);
   }
   ~Queue() {
@@ -180,19 +185,24 @@ class Queue {
     return out;
   }
 
-  // The log of each worker of the job so far, read from the local agent's directory (so that it
+  // Another agent's --dir (on another host) whose workers' logs logs() reads too.
+  void read_logs_from(const std::string& agent_dir) { agent_dirs_.push_back(agent_dir); }
+
+  // The log of each worker of the job so far, read from the agents' directories (so that it
   // works while the scheduler is down).
   std::map<int64_t, std::string> logs(int64_t id) const {
     std::map<int64_t, std::string> out;
-    const std::string dir = dir_ + "/agent/job-" + std::to_string(id);
-    DIR* listing = ::opendir(dir.c_str());
-    if (listing == nullptr) return out;
-    while (const dirent* entry = ::readdir(listing)) {
-      const std::string name = entry->d_name;
-      if (name.rfind("worker-", 0) != 0) continue;
-      out[std::atoll(name.c_str() + 7)] = read_text(dir + "/" + name);
+    for (const std::string& agent_dir : agent_dirs_) {
+      const std::string dir = agent_dir + "/job-" + std::to_string(id);
+      DIR* listing = ::opendir(dir.c_str());
+      if (listing == nullptr) continue;
+      while (const dirent* entry = ::readdir(listing)) {
+        const std::string name = entry->d_name;
+        if (name.rfind("worker-", 0) != 0) continue;
+        out[std::atoll(name.c_str() + 7)] = read_text(dir + "/" + name);
+      }
+      ::closedir(listing);
     }
-    ::closedir(listing);
     return out;
   }
 
@@ -219,6 +229,7 @@ class Queue {
  private:
   std::vector<std::string> flags_;
   std::string dir_;
+  std::vector<std::string> agent_dirs_;
   pid_t pid_ = -1;
   std::string host_ = "127.0.0.1";  // where it listens, from its address file
   int port_ = 0;
@@ -238,6 +249,14 @@ inline void expect_every_sample_once(const std::string& out_path, int epochs) {
   }
   EXPECT_EQ(total, epochs * 240);
   EXPECT_EQ(wrong, 0) << "samples not trained on exactly once";
+}
+
+// Whether the job is done and every one of its workers' ends is recorded. The scheduler calls a
+// job done at the first exit 0 of a worker it did not ask to leave, which may come before the
+// first worker (elastic_worker's rank 0) has written OUT; that one writes OUT before it exits.
+inline bool finished(const Queue& queue, int64_t job) {
+  const json view = queue.job(job);
+  return view.at("state") == "done" && view.at("workers") == 0;
 }
 
 // One `shoal agent --queue HOST:PORT --token-file QUEUE/token ARGS...`, for queues served with
@@ -333,6 +352,283 @@ inline void expect_first_step_soon(Clock::time_point submitted, const std::strin
             << what << " (target " << kFirstStepTarget << " s)" << std::endl;
   EXPECT_LT(first_step, kFirstStepBound)
       << "the high-priority job's first step came " << first_step << " s after its submission";
+}
+
+// The hosts of the job's workers that run and are not asked to leave, in `job` (a /jobs/ID view).
+inline std::set<std::string> hosts_of(const json& job) {
+  std::set<std::string> out;
+  for (const auto& w : job.at("worker_list")) {
+    if (w.at("state") == "running" && !w.at("leave").get<bool>()) out.insert(w.at("host"));
+  }
+  return out;
+}
+
+// Test 3 of docs/queue.md on `queue`, whatever its hosts: a killed worker of a job of 3 is
+// replaced after its back-off, and after more failures than --max-restarts the job fails with the
+// reason, leaving no process behind. Each kill takes the newest worker on a host other than the
+// last victim's, where there is one. Returns the hosts the victims were on.
+inline std::set<std::string> expect_killed_workers_replaced_then_the_job_failed(Queue& queue) {
+  std::set<std::string> victim_hosts;
+  const int64_t id = queue.submit("--min 2 --max 3 --max-restarts 2 " + kWorker + " " +
+                                  queue.dir() + "/out 200 50");
+  EXPECT_TRUE(eventually([&] { return queue.staying(id).size() == 3 && queue.steps(id) > 0; }, 60s))
+      << queue.job(id).dump(1);
+
+  std::set<int64_t> pids;
+  std::string last_host;
+  for (int failure = 1; failure <= 3; ++failure) {
+    const auto workers = queue.staying(id);
+    EXPECT_FALSE(workers.empty());
+    if (workers.empty()) return victim_hosts;
+    for (const auto& [worker, pid] : workers) pids.insert(pid);
+    // The newest worker off the last victim's host; the newest of all when every one is on it.
+    int64_t victim = 0;
+    int64_t victim_id = -1;
+    std::string victim_host;
+    for (const auto& w : json(queue.job(id).at("worker_list"))) {
+      const int64_t worker = w.at("id");
+      if (workers.count(worker) == 0) continue;
+      const bool off = w.at("host") != last_host;
+      const bool best_off = victim_id >= 0 && victim_host != last_host;
+      if (victim_id < 0 || (off && !best_off) || (off == best_off && worker > victim_id)) {
+        victim = w.at("pid");
+        victim_id = worker;
+        victim_host = w.at("host");
+      }
+    }
+    last_host = victim_host;
+    victim_hosts.insert(victim_host);
+    const auto killed = Clock::now();
+    EXPECT_EQ(::kill(static_cast<pid_t>(victim), SIGKILL), 0);
+    if (failure == 3) break;
+    // A replacement (a worker that did not exist before) trains: the target is 5 s, the
+    // test's bound generous (the measured time is printed; see expect_first_step_soon).
+    const bool replaced_in_time = eventually(
+        [&] {
+          for (const auto& [worker, log] : queue.logs(id)) {
+            if (workers.count(worker) == 0 && worker > workers.rbegin()->first &&
+                log.find("train pid=") != std::string::npos) {
+              return true;
+            }
+          }
+          return false;
+        },
+        30s);
+    EXPECT_TRUE(replaced_in_time) << queue.job(id).dump(1);
+    if (!replaced_in_time) return victim_hosts;
+    const double replaced = seconds_since(killed);
+    std::cout << "[ measured ] failure " << failure << " (on " << victim_host
+              << "): a replacement trains " << replaced << " s after the kill (target 5 s)"
+              << std::endl;
+    EXPECT_LT(replaced, kFirstStepBound) << "failure " << failure;
+    EXPECT_TRUE(eventually([&] { return queue.staying(id).size() == 3; }, 30s));
+  }
+  EXPECT_TRUE(eventually([&] { return queue.state(id) == "failed"; }, 30s))
+      << queue.job(id).dump(1);
+  const std::string reason = queue.job(id).at("reason");
+  EXPECT_NE(reason.find("was killed by signal 9 (SIGKILL); 3 failures, more than --max-restarts 2"),
+            std::string::npos)
+      << reason;
+  for (const auto& w : json(queue.job(id).at("worker_list")))
+    pids.insert(w.at("pid").get<int64_t>());
+  EXPECT_TRUE(eventually(
+      [&] {
+        for (int64_t pid : pids) {
+          if (alive(pid)) return false;
+        }
+        return true;
+      },
+      20s))
+      << "a process of the failed job is left";
+  EXPECT_TRUE(eventually([&] { return queue.job(id).at("workers") == 0; }, 10s));
+  return victim_hosts;
+}
+
+// Test 5 of docs/queue.md on `queue`, whatever its hosts: the scheduler SIGKILLed mid-run leaves
+// a job of 3 training; started again on its database, it finds the same workers, its events go on
+// without a gap, and it schedules a second job. Returns the first job as it was before the kill.
+inline json expect_a_killed_scheduler_to_leave_jobs_training(Queue& queue) {
+  const int64_t first =
+      queue.submit("--min 3 --max 3 " + kWorker + " " + queue.dir() + "/a.out 200 50");
+  EXPECT_TRUE(
+      eventually([&] { return queue.staying(first).size() == 3 && queue.steps(first) > 0; }, 60s))
+      << queue.job(first).dump(1);
+  const json before = queue.job(first);
+  const auto workers = queue.staying(first);
+  const int port = queue.port();
+
+  queue.kill9();
+  const int steps = queue.steps(first);
+  EXPECT_TRUE(eventually([&] { return queue.steps(first) >= steps + 10; }, 20s))
+      << "the job did not train on while the scheduler was down";
+  EXPECT_THROW(queue.client().get("/jobs"), CommError);
+
+  queue.start(port);
+  EXPECT_EQ(queue.staying(first), workers);  // the same workers, the same processes
+  const int64_t second =
+      queue.submit("--min 1 --max 1 " + kWorker + " " + queue.dir() + "/b.out 2 50");
+  EXPECT_TRUE(eventually([&] { return finished(queue, second); }, 60s))
+      << queue.job(second).dump(1);
+  expect_every_sample_once(queue.dir() + "/b.out", 2);
+  EXPECT_EQ(queue.staying(first), workers);  // reconciled with the agents: nothing was restarted
+
+  // One scheduler's events follow the other's with no gap.
+  const json events = queue.client().get("/events?since=0").at("events");
+  int64_t expected = 1;
+  int starts = 0;
+  for (const auto& e : events) {
+    EXPECT_EQ(e.at("id").get<int64_t>(), expected++);
+    starts += e.at("message").get<std::string>().rfind("scheduler started", 0) == 0 ? 1 : 0;
+  }
+  EXPECT_EQ(starts, 2);
+
+  std::string out;
+  EXPECT_EQ(queue.cli("cancel " + std::to_string(first), &out), 0) << out;
+  EXPECT_EQ(out, "cancelled job " + std::to_string(first) + "\n");
+  EXPECT_TRUE(eventually(
+      [&] {
+        for (const auto& [id, pid] : workers) {
+          if (alive(pid)) return false;
+        }
+        return true;
+      },
+      20s));
+  EXPECT_EQ(queue.state(first), "cancelled");
+  return before;
+}
+
+// This thread, and every process it forks from now on, in a host's network namespace
+// (/run/netns/NAME, tests/netns.h) until destruction, which takes it back to the namespace it
+// was in: a test's scheduler and its REST calls then live on that host. Raises
+// std::runtime_error when setns fails.
+class InNetworkNamespace {
+ public:
+  explicit InNetworkNamespace(const std::string& name) {
+    home_ = ::open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC);
+    const int fd = ::open(("/run/netns/" + name).c_str(), O_RDONLY | O_CLOEXEC);
+    const bool entered = home_ >= 0 && fd >= 0 && ::setns(fd, CLONE_NEWNET) == 0;
+    const int error = errno;
+    if (fd >= 0) ::close(fd);
+    if (!entered) {
+      if (home_ >= 0) ::close(home_);
+      throw std::runtime_error("cannot enter the network namespace " + name + ": " +
+                               std::strerror(error));
+    }
+  }
+  ~InNetworkNamespace() {
+    if (::setns(home_, CLONE_NEWNET) != 0) {
+      std::cerr << "cannot return to the test's network namespace: " << std::strerror(errno)
+                << std::endl;
+    }
+    ::close(home_);
+  }
+  InNetworkNamespace(const InNetworkNamespace&) = delete;
+  InNetworkNamespace& operator=(const InNetworkNamespace&) = delete;
+
+ private:
+  int home_ = -1;
+};
+
+
+// Tests 1 and 2 of docs/queue.md for whatever runs the workers (the local engine on one host or
+// several, the Slurm engine); what differs is what else the engine checks. The queue must run
+// with --cooldown `cooldown` and --grow-idle 2, have 4 free slots, and read the logs of every
+// agent's workers (Queue::read_logs_from).
+struct ShrinkAndGrowBack {
+  // What a failure shows about a job; the job's JSON when unset.
+  std::function<std::string(int64_t job)> diagnose;
+  // The hosts the low job's four workers span, before the shrink and after the grow.
+  size_t hosts = 1;
+  double cooldown = 8;
+  std::string low_priority;  // --priority of the low job ("": the queue's default)
+  std::string high_start;    // printed after the high job's first step: " (two leaves, ...)"
+  // The engine's own checks: once the low job trains on 4 workers; once the high one trained
+  // its first step; once both are done.
+  std::function<void(int64_t low)> at_full;
+  std::function<void(int64_t low, int64_t high)> at_shrunk;
+  std::function<void(int64_t low, int64_t high)> at_end;
+};
+
+// A low-priority job of --min 2 --max 4 trains on 4 workers; a high-priority job of 2 arrives and
+// trains its first step within kFirstStepBound while the low one keeps its two oldest workers
+// (the same processes; two left at a commit); once the high job is done the low one is back to 4
+// within cooldown + 5 s (the bound), its new workers train in a world of 4, and every
+// sample of both jobs is trained on once per epoch. Check HasFatalFailure() after it.
+inline void expect_shrink_and_grow_back(const Queue& queue, const ShrinkAndGrowBack& test) {
+  const auto diagnose = [&](int64_t job) {
+    return test.diagnose ? test.diagnose(job) : queue.job(job).dump(1);
+  };
+  const std::string priority =
+      test.low_priority.empty() ? "" : "--priority " + test.low_priority + " ";
+
+  const auto low_submitted = Clock::now();
+  const int64_t low = queue.submit(priority + "--min 2 --max 4 --name low " + kWorker + " " +
+                                   queue.dir() + "/low.out 16 80");
+  ASSERT_TRUE(eventually(
+      [&] { return queue.staying(low).size() == 4 && queue.any_log_has(low, "world=4 step="); },
+      60s))
+      << diagnose(low);
+  std::cout << "[ measured ] the low job's first step in a world of 4 "
+            << seconds_since(low_submitted) << " s after its submission" << std::endl;
+  EXPECT_EQ(hosts_of(queue.job(low)).size(), test.hosts) << "hosts of the low job's 4 workers";
+  if (test.at_full) test.at_full(low);
+  const auto before = queue.staying(low);
+
+  const auto submitted = Clock::now();
+  const int64_t high = queue.submit("--priority 10 --min 2 --max 2 --name high " + kWorker + " " +
+                                    queue.dir() + "/high.out 2 50");
+  ASSERT_TRUE(eventually([&] { return queue.any_log_has(high, "step 1 world 2"); }, 30s))
+      << diagnose(high);
+  expect_first_step_soon(submitted, test.high_start);
+
+  // The low job kept its two oldest workers, the very same processes; the two others left.
+  const auto kept = queue.staying(low);
+  ASSERT_EQ(kept.size(), 2u) << diagnose(low);
+  expect_the_oldest_kept(before, kept);
+  int left = 0;
+  for (const auto& e : json(queue.job(low).at("events"))) {
+    left +=
+        e.at("message").get<std::string>().find("left at a commit") != std::string::npos ? 1 : 0;
+  }
+  EXPECT_EQ(left, 2) << diagnose(low);
+  if (test.at_shrunk) test.at_shrunk(low, high);
+
+  ASSERT_TRUE(eventually([&] { return queue.state(high) == "done"; }, 60s)) << diagnose(high);
+  const auto high_done = Clock::now();
+  ASSERT_TRUE(eventually([&] { return queue.staying(low).size() == 4; }, 60s)) << diagnose(low);
+  const double regrown = seconds_since(high_done);
+  std::cout << "[ measured ] the low job back to 4 workers " << regrown
+            << " s after the high one ended (--cooldown " << test.cooldown << ", --grow-idle 2)"
+            << std::endl;
+  EXPECT_LT(regrown, test.cooldown + 5)
+      << "the low job was back to 4 workers " << regrown << " s after the high one ended";
+  const auto regrown_workers = queue.staying(low);
+  for (const auto& [id, pid] : kept) EXPECT_EQ(regrown_workers.at(id), pid);
+  EXPECT_EQ(hosts_of(queue.job(low)).size(), test.hosts)
+      << "hosts of the low job's 4 workers again";
+  // The new workers train in a world of 4.
+  ASSERT_TRUE(eventually(
+      [&] {
+        const auto logs = queue.logs(low);
+        for (const auto& [id, pid] : regrown_workers) {
+          if (kept.count(id) == 0 &&
+              (logs.count(id) == 0 || logs.at(id).find("world=4 step=") == std::string::npos)) {
+            return false;
+          }
+        }
+        return true;
+      },
+      30s))
+      << diagnose(low);
+
+  ASSERT_TRUE(eventually([&] { return finished(queue, low); }, 180s)) << diagnose(low);
+  expect_every_sample_once(queue.dir() + "/low.out", 16);
+  expect_every_sample_once(queue.dir() + "/high.out", 2);
+  const json job = queue.job(low);
+  EXPECT_EQ(job.at("resizes"), 2);
+  EXPECT_EQ(job.at("cycles"), 1);
+  EXPECT_EQ(job.at("failures"), 0);
+  if (test.at_end) test.at_end(low, high);
 }
 
 }  // namespace shoal::testing

@@ -10,54 +10,8 @@ namespace {
 // arrival by a graceful leave of its newest workers (the others keep their processes), and grows
 // back when the capacity is free again; no sample is lost or repeated.
 TEST(Queue, AHighPriorityJobShrinksALowOneThatGrowsBackAfterItAndLosesNoSample) {
-  constexpr double kCooldown = 8;
   Queue queue("shrink", {"--slots", "4", "--cooldown", "8", "--grow-idle", "2"});
-  const int64_t low =
-      queue.submit("--min 2 --max 4 --name low " + kWorker + " " + queue.dir() + "/low.out 16 80");
-  ASSERT_TRUE(
-      eventually([&] { return queue.staying(low).size() == 4 && queue.steps(low) > 0; }, 60s))
-      << queue.job(low).dump(1);
-  const auto before = queue.staying(low);
-
-  const auto submitted = Clock::now();
-  const int64_t high = queue.submit("--priority 10 --min 2 --max 2 --name high " + kWorker + " " +
-                                    queue.dir() + "/high.out 2 50");
-  ASSERT_TRUE(eventually([&] { return queue.any_log_has(high, "step 1 world 2"); }, 30s))
-      << queue.job(high).dump(1);
-  expect_first_step_soon(submitted, "");
-
-  // The low job kept its two oldest workers, the very same processes.
-  const auto kept = queue.staying(low);
-  ASSERT_EQ(kept.size(), 2u) << queue.job(low).dump(1);
-  expect_the_oldest_kept(before, kept);
-  int left = 0;
-  for (const auto& e : json(queue.job(low).at("events"))) {
-    left +=
-        e.at("message").get<std::string>().find("left at a commit") != std::string::npos ? 1 : 0;
-  }
-  EXPECT_EQ(left, 2);
-
-  ASSERT_TRUE(eventually([&] { return queue.state(high) == "done"; }, 60s))
-      << queue.job(high).dump(1);
-  const auto high_done = Clock::now();
-  ASSERT_TRUE(eventually([&] { return queue.staying(low).size() == 4; }, 60s))
-      << queue.job(low).dump(1);
-  const double regrown = seconds_since(high_done);
-  EXPECT_LT(regrown, kCooldown + 5)
-      << "the low job was back to 4 workers " << regrown << " s after the high one ended";
-  for (const auto& [id, pid] : kept) EXPECT_EQ(queue.staying(low).at(id), pid);
-  // The new workers train in a world of 4.
-  ASSERT_TRUE(eventually(
-      [&] { return queue.any_log_has(low, "world=4 step=") && queue.steps(low) > 0; }, 30s));
-
-  ASSERT_TRUE(eventually([&] { return queue.state(low) == "done"; }, 180s))
-      << queue.job(low).dump(1);
-  expect_every_sample_once(queue.dir() + "/low.out", 16);
-  expect_every_sample_once(queue.dir() + "/high.out", 2);
-  const json job = queue.job(low);
-  EXPECT_EQ(job.at("resizes"), 2);
-  EXPECT_EQ(job.at("cycles"), 1);
-  EXPECT_EQ(job.at("failures"), 0);
+  expect_shrink_and_grow_back(queue, {});
 }
 
 // The number after `prefix` in the first line of `text` that has it; -1 when none does.
@@ -79,9 +33,9 @@ TEST(Queue, APreemptedJobResumesFromTheCommitItLeftAt) {
 
   const int64_t high = queue.submit("--priority 10 --min 2 --max 2 --name high " + kWorker + " " +
                                     queue.dir() + "/high.out 2 50");
-  ASSERT_TRUE(eventually([&] { return queue.state(high) == "done"; }, 60s))
+  ASSERT_TRUE(eventually([&] { return finished(queue, high); }, 60s))
       << queue.job(high).dump(1) << queue.job(low).dump(1);
-  ASSERT_TRUE(eventually([&] { return queue.state(low) == "done"; }, 120s))
+  ASSERT_TRUE(eventually([&] { return finished(queue, low); }, 120s))
       << queue.job(low).dump(1);
 
   // The first generation's workers left at one step; the second resumed from exactly there.
@@ -174,113 +128,44 @@ TEST(Queue, AnOversubscribedHostGivesLowerPriorityWorkersALowerCpuWeight) {
       30s));
 }
 
+// An agent SIGKILLed cannot remove its cgroups; its workers die with it, and the next agent on
+// the host removes the empty groups it left.
+TEST(Queue, TheGroupsOfAKilledAgentAreRemovedByTheNextAgent) {
+  std::string stale;
+  {
+    Queue queue("stale-groups", {"--slots", "1"});
+    const int64_t id =
+        queue.submit("--min 1 --max 1 " + kWorker + " " + queue.dir() + "/a.out 500 20");
+    ASSERT_TRUE(eventually([&] { return queue.staying(id).size() == 1; }, 60s))
+        << queue.job(id).dump(1);
+    const int64_t worker = queue.staying(id).begin()->second;
+    const std::string group = cpu_group_of(worker);
+    if (group.empty() && ::geteuid() != 0) GTEST_SKIP() << "no cgroup without root";
+    ASSERT_FALSE(group.empty()) << read_text("/proc/" + std::to_string(worker) + "/cgroup");
+    stale = group.substr(0, group.rfind('/'));  // the agent's own directory
+    const auto agent = static_cast<pid_t>(std::atoll(read_text(queue.dir() + "/agent.pid").c_str()));
+    ASSERT_EQ(::kill(agent, SIGKILL), 0);
+    ASSERT_TRUE(eventually([&] { return !alive(worker); }, 10s)) << "the worker outlived its agent";
+    ASSERT_EQ(::access(stale.c_str(), F_OK), 0) << "the killed agent's groups should be left";
+  }
+  Queue queue("stale-groups-next", {"--slots", "1"});
+  const int64_t id = queue.submit("--min 1 --max 1 " + kWorker + " " + queue.dir() + "/b.out 1 20");
+  ASSERT_TRUE(eventually([&] { return queue.state(id) == "done"; }, 60s)) << queue.job(id).dump(1);
+  EXPECT_NE(::access(stale.c_str(), F_OK), 0) << stale << " is still there";
+}
+
 // Test 3: a killed worker is replaced after its back-off, and after more failures than
 // --max-restarts the job fails with the reason, leaving no process behind.
 TEST(Queue, AKilledWorkerIsReplacedAndRepeatedFailuresFailTheJobWithNoProcessLeft) {
   Queue queue("restart", {"--slots", "4"});
-  const int64_t id = queue.submit("--min 2 --max 3 --max-restarts 2 " + kWorker + " " +
-                                  queue.dir() + "/out 200 50");
-  ASSERT_TRUE(eventually([&] { return queue.staying(id).size() == 3 && queue.steps(id) > 0; }, 60s))
-      << queue.job(id).dump(1);
-
-  std::set<int64_t> pids;
-  for (int failure = 1; failure <= 3; ++failure) {
-    const auto workers = queue.staying(id);
-    ASSERT_FALSE(workers.empty());
-    for (const auto& [worker, pid] : workers) pids.insert(pid);
-    const int64_t victim = workers.rbegin()->second;
-    const auto killed = Clock::now();
-    ASSERT_EQ(::kill(static_cast<pid_t>(victim), SIGKILL), 0);
-    if (failure == 3) break;
-    // A replacement (a worker that did not exist before) trains: the target is 5 s, the
-    // test's bound generous (the measured time is printed; see expect_first_step_soon).
-    ASSERT_TRUE(eventually(
-        [&] {
-          for (const auto& [worker, log] : queue.logs(id)) {
-            if (workers.count(worker) == 0 && worker > workers.rbegin()->first &&
-                log.find("train pid=") != std::string::npos) {
-              return true;
-            }
-          }
-          return false;
-        },
-        30s))
-        << queue.job(id).dump(1);
-    const double replaced = seconds_since(killed);
-    std::cout << "[ measured ] failure " << failure << ": a replacement trains " << replaced
-              << " s after the kill (target 5 s)" << std::endl;
-    EXPECT_LT(replaced, kFirstStepBound) << "failure " << failure;
-    ASSERT_TRUE(eventually([&] { return queue.staying(id).size() == 3; }, 30s));
-  }
-  ASSERT_TRUE(eventually([&] { return queue.state(id) == "failed"; }, 30s))
-      << queue.job(id).dump(1);
-  const std::string reason = queue.job(id).at("reason");
-  EXPECT_NE(reason.find("was killed by signal 9 (SIGKILL); 3 failures, more than --max-restarts 2"),
-            std::string::npos)
-      << reason;
-  for (const auto& w : json(queue.job(id).at("worker_list")))
-    pids.insert(w.at("pid").get<int64_t>());
-  EXPECT_TRUE(eventually(
-      [&] {
-        for (int64_t pid : pids) {
-          if (alive(pid)) return false;
-        }
-        return true;
-      },
-      20s))
-      << "a process of the failed job is left";
-  EXPECT_TRUE(eventually([&] { return queue.job(id).at("workers") == 0; }, 10s));
+  expect_killed_workers_replaced_then_the_job_failed(queue);
 }
 
 // Test 5: the scheduler SIGKILLed mid-run leaves the jobs training; started again on its
 // database, it finds the same workers, its events go on without a gap, and it schedules again.
 TEST(Queue, ASchedulerKilledMidRunLeavesJobsTrainingAndResumesFromItsDatabase) {
   Queue queue("restart-scheduler", {"--slots", "4"});
-  const int64_t first =
-      queue.submit("--min 2 --max 2 " + kWorker + " " + queue.dir() + "/a.out 200 50");
-  ASSERT_TRUE(
-      eventually([&] { return queue.staying(first).size() == 2 && queue.steps(first) > 0; }, 60s))
-      << queue.job(first).dump(1);
-  const auto workers = queue.staying(first);
-  const int port = queue.port();
-
-  queue.kill9();
-  const int steps = queue.steps(first);
-  EXPECT_TRUE(eventually([&] { return queue.steps(first) >= steps + 10; }, 20s))
-      << "the job did not train on while the scheduler was down";
-  EXPECT_THROW(queue.client().get("/jobs"), CommError);
-
-  queue.start(port);
-  EXPECT_EQ(queue.staying(first), workers);  // the same workers, the same processes
-  const int64_t second =
-      queue.submit("--min 2 --max 2 " + kWorker + " " + queue.dir() + "/b.out 2 50");
-  ASSERT_TRUE(eventually([&] { return queue.state(second) == "done"; }, 60s))
-      << queue.job(second).dump(1);
-  expect_every_sample_once(queue.dir() + "/b.out", 2);
-  EXPECT_EQ(queue.staying(first), workers);  // reconciled with the agent: nothing was restarted
-
-  // One scheduler's events follow the other's with no gap.
-  const json events = queue.client().get("/events?since=0").at("events");
-  int64_t expected = 1;
-  int starts = 0;
-  for (const auto& e : events) {
-    EXPECT_EQ(e.at("id").get<int64_t>(), expected++);
-    starts += e.at("message").get<std::string>().rfind("scheduler started", 0) == 0 ? 1 : 0;
-  }
-  EXPECT_EQ(starts, 2);
-
-  std::string out;
-  EXPECT_EQ(queue.cli("cancel " + std::to_string(first), &out), 0) << out;
-  EXPECT_EQ(out, "cancelled job " + std::to_string(first) + "\n");
-  EXPECT_TRUE(eventually(
-      [&] {
-        for (const auto& [id, pid] : workers) {
-          if (alive(pid)) return false;
-        }
-        return true;
-      },
-      20s));
-  EXPECT_EQ(queue.state(first), "cancelled");
+  expect_a_killed_scheduler_to_leave_jobs_training(queue);
 }
 
 // Bad submissions are refused with one line, and change nothing in the queue's state; a request

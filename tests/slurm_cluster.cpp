@@ -251,12 +251,35 @@ SlurmCluster::SlurmCluster(const std::vector<SlurmNode>& nodes,
              "--seed-file=" + munge_dir + "/munged.seed"},
             {}, dir_ + "/log/munged.out", "munge"));
 
-  char host[256] = {};
-  ::gethostname(host, sizeof(host) - 1);
+  const TwoHosts* hosts = options.hosts;
+  if (hosts != nullptr && nodes.size() > 2) {
+    throw std::runtime_error("two namespaced hosts hold at most two nodes, not " +
+                             std::to_string(nodes.size()));
+  }
+  // Each daemon's host: its name, its address, and how to start a program there.
+  std::string hosts_path;
+  if (hosts != nullptr) {
+    hosts_path = dir_ + "/hosts";
+    std::ofstream(hosts_path) << hosts->hosts_file();
+    client_prefix_ = {"nsenter", "--net=/run/netns/" + hosts->name(0)};
+  }
+  char this_host[256] = {};
+  ::gethostname(this_host, sizeof(this_host) - 1);
+  const auto host_name = [&](size_t i) { return hosts ? hosts->name(i) : std::string(this_host); };
+  const auto host_address = [&](size_t i) {
+    return std::string(hosts ? (i == 0 ? TwoHosts::kAddressA : TwoHosts::kAddressB) : "127.0.0.1");
+  };
+  const auto on_host = [&](size_t i, std::vector<std::string> argv) {
+    if (hosts == nullptr) return argv;
+    std::vector<std::string> full = hosts->on_host(static_cast<int>(i), hosts_path);
+    full.insert(full.end(), argv.begin(), argv.end());
+    return full;
+  };
+
   std::ostringstream conf;
   conf << "ClusterName=shoaltest\n"
        << "FirstJobId=" << first_job_id_ << "\n"
-       << "SlurmctldHost=" << host << "(127.0.0.1)\n"
+       << "SlurmctldHost=" << host_name(0) << "(" << host_address(0) << ")\n"
        << "SlurmctldPort=" << free_port() << "\n"
        << "AuthType=auth/munge\nCredType=cred/munge\n"
        << "AuthInfo=socket=" << socket << "\n"
@@ -272,15 +295,17 @@ SlurmCluster::SlurmCluster(const std::vector<SlurmNode>& nodes,
        << "SlurmdParameters=config_overrides\n"
        << "AccountingStorageType=accounting_storage/none\nJobAcctGatherType=jobacct_gather/none\n"
        << "JobCompType=jobcomp/none\nMpiDefault=none\nReturnToService=2\n"
-       << "SchedulerType=sched/builtin\nInactiveLimit=0\nKillWait=2\nMinJobAge=5\n";
+       << "SchedulerType=sched/builtin\nInactiveLimit=0\nKillWait=" << options.kill_wait
+       << "\nMinJobAge=5\n";
   if (!options.scheduler_parameters.empty()) {
     conf << "SchedulerParameters=" << options.scheduler_parameters << "\n";
   }
   std::string names;
-  for (const auto& node : nodes) {
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    const SlurmNode& node = nodes[i];
     std::filesystem::create_directories(dir_ + "/spool/" + node.name);
-    conf << "NodeName=" << node.name << " NodeHostname=" << host
-         << " NodeAddr=127.0.0.1 Port=" << free_port() << " CPUs=" << node.cpus
+    conf << "NodeName=" << node.name << " NodeHostname=" << host_name(i)
+         << " NodeAddr=" << host_address(i) << " Port=" << free_port() << " CPUs=" << node.cpus
          << " State=UNKNOWN\n";
     names += (names.empty() ? "" : ",") + node.name;
   }
@@ -288,17 +313,21 @@ SlurmCluster::SlurmCluster(const std::vector<SlurmNode>& nodes,
   std::ofstream(conf_) << conf.str();
 
   const std::map<std::string, std::string> env = client_env();
-  daemons_.push_back(
-      spawn({"slurmctld", "-D", "-i", "-f", conf_}, env, dir_ + "/log/slurmctld.out"));
-  for (const auto& node : nodes) {
-    daemons_.push_back(spawn({"slurmd", "-D", "-f", conf_, "-N", node.name}, env,
-                             dir_ + "/log/slurmd-" + node.name + ".out"));
+  // On hosts, each daemon is that host's own program (nsenter, unshare and sh all exec it), so
+  // that the pid kept here is the daemon's.
+  daemons_.push_back(spawn(on_host(0, {"slurmctld", "-D", "-i", "-f", conf_}), env,
+                           dir_ + "/log/slurmctld.out"));
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    daemons_.push_back(spawn(on_host(i, {"slurmd", "-D", "-f", conf_, "-N", nodes[i].name}), env,
+                             dir_ + "/log/slurmd-" + nodes[i].name + ".out"));
   }
 
   // Up when every node is idle; slurmctld takes a moment to listen, so early sinfo calls fail.
   const auto deadline = Clock::now() + std::chrono::seconds(30);
   for (;;) {
-    Command sinfo({"sinfo", "-h", "-N", "-o", "%t"}, env);
+    std::vector<std::string> sinfo_argv = client_prefix_;
+    for (const char* arg : {"sinfo", "-h", "-N", "-o", "%t"}) sinfo_argv.emplace_back(arg);
+    Command sinfo(sinfo_argv, env);
     const CommandResult state = sinfo.wait(std::chrono::seconds(10));
     size_t idle = 0;
     std::istringstream lines(state.out);

@@ -1,6 +1,6 @@
 // Real cluster tools for tests: a command run with a deadline (srun, sbatch, mpirun), and a real
-// Slurm (munged, slurmctld and one slurmd per node, all on this machine) that a test starts and
-// stops itself. See docs/testing.md.
+// Slurm (munged, slurmctld and one slurmd per node, on this machine's loopback or on two
+// network-namespace hosts) that a test starts and stops itself. See docs/testing.md.
 #pragma once
 
 #include <sys/types.h>
@@ -9,6 +9,8 @@
 #include <map>
 #include <string>
 #include <vector>
+
+#include "netns.h"
 
 namespace shoal::testing {
 
@@ -70,12 +72,25 @@ struct SlurmClusterOptions {
   // batch_sched_delay (3 s) to schedule them in bulk; "batch_sched_delay=0" starts one on an idle
   // node in ~0.3 s here, for tests that time a start.
   std::string scheduler_parameters;
+  // Seconds between the SIGTERM and the SIGKILL with which Slurm ends a job (KillWait): 2 ends a
+  // test's leftover tasks quickly; Slurm's default, 30, leaves a program time to act on the
+  // SIGTERM.
+  int kill_wait = 2;
+  // Where the daemons run. Null: on this machine, every node a `slurmd -N NAME` on 127.0.0.1.
+  // Otherwise node i runs on host i of these two (at most two nodes), as on a machine of its own:
+  // its slurmd in the host's network, UTS and mount namespaces (TwoHosts::on_host, with an
+  // /etc/hosts that names both hosts), NodeHostname the host's name, NodeAddr its address; and
+  // slurmctld runs on host 0, at the address both hosts reach. munged stays on this machine: its
+  // socket is a path, which every namespace sees. Slurm's clients (sbatch, squeue, sinfo) then
+  // work on either host and not on this machine's own network. `hosts` must outlive the cluster.
+  const TwoHosts* hosts = nullptr;
 };
 
-// A Slurm 22.05 cluster of one slurmctld and one `slurmd -N NAME` per node, all on 127.0.0.1
-// with ports of their own and state under a fresh temporary directory, so that tests running at
-// once never meet. The destructor stops the daemons and kills every process that still runs
-// with this cluster's SLURM_CONF (the tasks of a job cut short), even when the test failed.
+// A Slurm 22.05 cluster of one slurmctld and one slurmd per node, on 127.0.0.1 (`slurmd -N NAME`)
+// or on two namespaced hosts (SlurmClusterOptions::hosts), with ports of their own and state under
+// a fresh temporary directory, so that tests running at once never meet. The destructor stops the
+// daemons and kills every process that still runs with this cluster's SLURM_CONF (the tasks of a
+// job cut short), even when the test failed.
 class SlurmCluster {
  public:
   // Why no real Slurm can run here ("" when it can): not root, or a package is missing.
@@ -106,6 +121,8 @@ class SlurmCluster {
   std::string dir_;
   std::string conf_;
   std::vector<pid_t> daemons_;  // munged first
+  // What runs a client where slurmctld is reached (nothing on loopback; host 0's network).
+  std::vector<std::string> client_prefix_;
 };
 
 }  // namespace shoal::testing

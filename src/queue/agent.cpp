@@ -1,6 +1,9 @@
 #include "agent.h"
 
+#include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -72,7 +75,21 @@ class Agent {
       : options_(std::move(options)),
         engine_(std::move(engine)),
         capacity_(engine_->capacity()),
-        client_(options_.queue_host, options_.queue_port, options_.token) {}
+        client_(options_.queue_host, options_.queue_port, options_.token) {
+    // Where the scheduler nudges this agent to beat at once (Note [Nudges] in server.cpp); without
+    // it the agent only beats on its own cadence.
+    nudge_fd_ = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    sockaddr_in any{};
+    any.sin_family = AF_INET;
+    socklen_t length = sizeof(any);
+    if (nudge_fd_ >= 0 && ::bind(nudge_fd_, reinterpret_cast<sockaddr*>(&any), sizeof(any)) == 0 &&
+        ::getsockname(nudge_fd_, reinterpret_cast<sockaddr*>(&any), &length) == 0) {
+      nudge_port_ = ntohs(any.sin_port);
+    }
+  }
+  ~Agent() {
+    if (nudge_fd_ >= 0) ::close(nudge_fd_);
+  }
 
   int run() {
     struct sigaction action {};
@@ -85,21 +102,45 @@ class Agent {
     // Between beats the agent looks at its workers every kWatch: a worker that started or ended
     // is reported at once, so that the scheduler's answer (a waiting job's start, a
     // replacement) comes without waiting out the rest of the beat.
+    // A nudge makes it beat at once too, but not more often than every kWatch, whoever sends them.
     auto next = Clock::now();
+    auto last = Clock::now() - kBeat;
+    bool nudged = false;
     while (g_stop == 0) {
       const bool changed = reap();
-      if (changed || Clock::now() >= next) {
-        next = Clock::now() + kBeat;
+      const auto now = Clock::now();
+      if (changed || now >= next || (nudged && now - last >= kWatch)) {
+        next = now + kBeat;
+        last = now;
+        nudged = false;
         beat();
         escalate();
       }
-      std::this_thread::sleep_for(kWatch);
+      if (nudged) {
+        std::this_thread::sleep_until(last + kWatch);
+      } else {
+        nudged = wait_for_nudge(kWatch);
+      }
     }
     stop_everything();
     return 0;
   }
 
  private:
+  // Waits up to `timeout` for a nudge (and takes every datagram waiting); whether one came.
+  bool wait_for_nudge(std::chrono::milliseconds timeout) {
+    if (nudge_fd_ < 0) {
+      std::this_thread::sleep_for(timeout);
+      return false;
+    }
+    pollfd ready{nudge_fd_, POLLIN, 0};
+    if (::poll(&ready, 1, static_cast<int>(timeout.count())) <= 0) return false;
+    char byte;
+    bool any = false;
+    while (::recv(nudge_fd_, &byte, sizeof(byte), 0) >= 0) any = true;
+    return any;
+  }
+
   // Whether any worker started or ended.
   bool reap() {
     bool changed = false;
@@ -142,6 +183,7 @@ class Agent {
                 {"cores", capacity_.cores},
                 {"slots", options_.slots > 0 ? options_.slots : capacity_.slots},
                 {"pid", static_cast<int64_t>(::getpid())},
+                {"nudge_port", nudge_port_},
                 {"workers", list},
                 {"members", members}};
   }
@@ -330,6 +372,8 @@ class Agent {
   std::map<int64_t, JobMember> members_;
   std::string advertise_;
   bool unreachable_ = false;
+  int nudge_fd_ = -1;
+  int nudge_port_ = 0;
 };
 
 }  // namespace

@@ -348,6 +348,11 @@ int serve_command(const std::vector<std::string>& args) {
                  "seconds between two resizes of one job");
   app.add_option("--grow-idle", options.scheduler.policy.grow_idle,
                  "seconds capacity stays idle before running jobs grow into it");
+  std::string resize_by = "leave";
+  app.add_option("--resize-by", resize_by,
+                 "leave (default: a shrink is a graceful leave, a grow a join) or restart (the "
+                 "whole job stops at a commit and starts again at its new size, as Kubeflow's "
+                 "elastic PyTorchJob and Ray Train resize)");
   app.add_option("--oversubscribe", options.scheduler.oversubscribe,
                  "workers per core a host may run");
   app.add_option("--host-timeout", options.scheduler.host_timeout,
@@ -361,6 +366,11 @@ int serve_command(const std::vector<std::string>& args) {
   std::vector<std::string> reversed(args.rbegin(), args.rend());
   app.parse(reversed);
   options.local_agent = !no_agent;
+  if (resize_by == "restart") {
+    options.scheduler.resize_by = ResizeBy::kRestart;
+  } else if (resize_by != "leave") {
+    throw UsageError("--resize-by expects leave or restart, not '" + resize_by + "'");
+  }
   if (options.scheduler.oversubscribe <= 0) throw UsageError("--oversubscribe must be above 0");
   if (options.scheduler.policy.cooldown < 0 || options.scheduler.policy.grow_idle < 0) {
     throw UsageError("--cooldown and --grow-idle must not be negative");

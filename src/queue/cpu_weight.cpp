@@ -1,5 +1,6 @@
 #include "cpu_weight.h"
 
+#include <dirent.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
@@ -9,8 +10,11 @@
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <iterator>
+#include <vector>
 
 namespace shoal::queue {
 
@@ -32,6 +36,43 @@ bool is_directory(const std::string& path) {
 bool filesystem_is(const std::string& path, int64_t magic) {
   struct statfs info {};
   return ::statfs(path.c_str(), &info) == 0 && static_cast<int64_t>(info.f_type) == magic;
+}
+
+// Whether `pid` is a process that has not ended: a zombie has (a killed agent whose parent
+// ended too stays one until init reaps it, which not every init does).
+bool runs(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  const auto close = text.rfind(')');
+  return close != std::string::npos && close + 2 < text.size() && text[close + 2] != 'Z';
+}
+
+// An agent killed with SIGKILL left its groups behind (its workers died with it, so the groups
+// are empty): each `shoal-agent-PID` under `parent` whose PID runs no more goes, with its jobs'
+// groups. A group that still holds a process is not empty and stays (rmdir fails).
+void remove_groups_of_dead_agents(const std::string& parent) {
+  DIR* listing = ::opendir(parent.c_str());
+  if (listing == nullptr) return;
+  std::vector<std::string> stale;
+  while (const dirent* entry = ::readdir(listing)) {
+    const std::string name = entry->d_name;
+    if (name.rfind("shoal-agent-", 0) != 0) continue;
+    const pid_t pid = static_cast<pid_t>(std::atoll(name.c_str() + 12));
+    if (pid > 0 && pid != ::getpid() && !runs(pid)) stale.push_back(parent + "/" + name);
+  }
+  ::closedir(listing);
+  for (const std::string& agent : stale) {
+    if (DIR* jobs = ::opendir(agent.c_str())) {
+      std::vector<std::string> groups;
+      while (const dirent* entry = ::readdir(jobs)) {
+        const std::string name = entry->d_name;
+        if (name.rfind("job-", 0) == 0) groups.push_back(agent + "/" + name);
+      }
+      ::closedir(jobs);
+      for (const std::string& group : groups) ::rmdir(group.c_str());
+    }
+    ::rmdir(agent.c_str());
+  }
 }
 
 }  // namespace
@@ -63,6 +104,7 @@ void CpuWeights::probe() {
       // cgroup v2: the cpu controller must be enabled in every parent of the groups; the root
       // group may enable it for its children whatever processes it holds.
       if (!write_file("/sys/fs/cgroup/cgroup.subtree_control", "+cpu", nullptr)) return;
+      remove_groups_of_dead_agents("/sys/fs/cgroup");
       root_ = "/sys/fs/cgroup/" + name;
       if (::mkdir(root_.c_str(), 0755) != 0 && errno != EEXIST) return;
       if (!write_file(root_ + "/cgroup.subtree_control", "+cpu", nullptr)) return;
@@ -71,6 +113,7 @@ void CpuWeights::probe() {
     }
     if (is_directory("/sys/fs/cgroup/cpu") &&
         ::access("/sys/fs/cgroup/cpu/cpu.shares", R_OK) == 0) {
+      remove_groups_of_dead_agents("/sys/fs/cgroup/cpu");
       root_ = "/sys/fs/cgroup/cpu/" + name;
       if (::mkdir(root_.c_str(), 0755) != 0 && errno != EEXIST) return;
       weight_file_ = "cpu.shares";

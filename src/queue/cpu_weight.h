@@ -25,7 +25,8 @@ class CpuWeights {
  public:
   // `root`: the cgroup directory to make the jobs' groups under; "" finds one: cgroup v2's
   // unified hierarchy (cpu.weight) or v1's cpu controller (cpu.shares), under a directory named
-  // after this agent's pid. Nothing is made until the first worker is placed.
+  // after this agent's pid. Nothing is made until the first worker is placed; then the groups of
+  // agents that were killed (no process has their pid) go, as their destructors never ran.
   explicit CpuWeights(std::string root = "");
   ~CpuWeights();  // removes the groups it made (empty once their workers are gone)
   CpuWeights(const CpuWeights&) = delete;

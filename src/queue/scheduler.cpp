@@ -24,6 +24,8 @@ int64_t now_ms() {
 }
 
 constexpr int64_t kNever = INT64_MIN / 2;
+// The due time of a worker that starts once the job's workers of before are all gone.
+constexpr int64_t kOnceGone = INT64_MAX / 2;
 constexpr int kMaxPriority = 1000000;
 
 // A failed worker's replacement waits 1 s, then twice as long after each further failure of the
@@ -118,14 +120,20 @@ struct Scheduler::Impl {
     int64_t pid = 0;
     bool leave = false;  // asked to leave at its next commit
     bool kill = false;   // to be stopped (a cancelled, failed or requeued job)
+    // Sent to its agent to run. An agent never starts a worker whose first order already says
+    // leave or stop, and so never reports it: such a worker is withdrawn here (withdraw()).
+    bool ordered = false;
     int64_t started_ms = 0;
     int64_t ended_ms = 0;
     std::string exit;  // how it ended, in words
     bool success = false;
   };
+  // A slot held for a worker to be started: a failed worker's replacement, or a worker of the
+  // next generation of a job resized by restart (`resize`; Note [Resizing by restart]).
   struct Restart {
     std::string host;
     int64_t due_ms = 0;
+    bool resize = false;
   };
   struct Job {
     int64_t id = 0;
@@ -164,6 +172,9 @@ struct Scheduler::Impl {
   std::map<int64_t, Job> jobs;
   std::map<int64_t, Worker> workers;
   std::map<std::string, Host> hosts;
+  // Hosts whose orders changed since their last heartbeat: the server nudges their agents to beat
+  // now rather than at their next beat (Note [Nudges] in server.cpp).
+  std::set<std::string> news;
   int64_t next_worker = 1;
   double idle_since = std::numeric_limits<double>::infinity();
   std::set<int64_t> dirty_jobs;
@@ -197,7 +208,7 @@ struct Scheduler::Impl {
   static json job_doc(const Job& job) {
     json restarting = json::array();
     for (const auto& r : job.restarting)
-      restarting.push_back({{"host", r.host}, {"due_ms", r.due_ms}});
+      restarting.push_back({{"host", r.host}, {"due_ms", r.due_ms}, {"resize", r.resize}});
     return json{{"spec", job.spec.to_json()},
                 {"state", job.state},
                 {"reason", job.reason},
@@ -240,7 +251,7 @@ struct Scheduler::Impl {
     job.cycles = doc.value("cycles", 0);
     job.owed = doc.value("owed", false);
     for (const auto& r : doc.value("restarting", json::array())) {
-      job.restarting.push_back({r.at("host"), r.at("due_ms")});
+      job.restarting.push_back({r.at("host"), r.at("due_ms"), r.value("resize", false)});
     }
     job.members = doc.value("members", std::map<std::string, std::string>{});
     return job;
@@ -250,7 +261,7 @@ struct Scheduler::Impl {
     return json{{"pid", w.pid},           {"leave", w.leave},
                 {"kill", w.kill},         {"started_ms", w.started_ms},
                 {"ended_ms", w.ended_ms}, {"exit", w.exit},
-                {"success", w.success}};
+                {"success", w.success},   {"ordered", w.ordered}};
   }
 
   void load() {
@@ -271,6 +282,7 @@ struct Scheduler::Impl {
       w.ended_ms = doc.value("ended_ms", int64_t{0});
       w.exit = doc.value("exit", "");
       w.success = doc.value("success", false);
+      w.ordered = doc.value("ordered", true);  // a database from before the field: assume sent
       workers[w.id] = w;
       next_worker = std::max(next_worker, w.id + 1);
     }
@@ -356,6 +368,7 @@ struct Scheduler::Impl {
       w.host = host;
       workers[w.id] = w;
       dirty_workers.insert(w.id);
+      news.insert(host);
     }
     (void)now;
   }
@@ -365,9 +378,25 @@ struct Scheduler::Impl {
       if (!w->kill) {
         w->kill = true;
         dirty_workers.insert(w->id);
+        news.insert(w->host);
+        withdraw(*w, now_ms());
       }
     }
     job.restarting.clear();
+  }
+
+  // A worker asked to leave or stop before any order told its agent to run it never runs: it
+  // ends now, rather than hold its slot (and a job resized by restart) for an exit that its agent
+  // will never report.
+  void withdraw(Worker& w, int64_t now) {
+    if (w.ordered || w.state != "starting") return;
+    w.state = "exited";
+    w.exit = "withdrawn before its agent started it";
+    w.success = true;
+    w.ended_ms = now;
+    dirty_workers.insert(w.id);
+    dirty_jobs.insert(w.job);
+    event(w.job, "left", "worker " + std::to_string(w.id) + " on " + w.host + " " + w.exit);
   }
 
   void fail(Job& job, const std::string& reason, int64_t now) {
@@ -413,11 +442,56 @@ struct Scheduler::Impl {
       return;
     }
     const int64_t wait = backoff_ms(job.failures);
-    job.restarting.push_back({w.host, now + wait});
+    job.restarting.push_back({w.host, now + wait, false});
     event(job.id, "failed-worker",
           who + " " + how + "; a replacement starts in " + std::to_string(wait / 1000) +
               " s (failure " + std::to_string(job.failures) + " of at most " +
               std::to_string(job.spec.max_restarts) + " restarts)");
+  }
+
+  // Note [Resizing by restart]
+  // With --resize-by restart, the policy's decisions are the same as with leave (policy.cpp is
+  // shared with bench/queue_sim, whose ckpt-restart contender makes the same choice), but a
+  // shrink or a grow of a running job is carried out as Kubeflow's elastic PyTorchJob and Ray
+  // Train do it: every worker of the job is asked to leave, as in a preemption; those that go
+  // last go together at one commit, which the first of them writes as the job's durable commit
+  // (src/elastic/state.cpp), and once they are all gone the job starts again with its new count
+  // of workers, which resume from that commit. Meanwhile the slots of the new generation stay
+  // held as a failed worker's are (as `restarting` entries due kOnceGone), so no other job takes
+  // them: the job holds its slots and makes no progress for the length of the restart, which is
+  // what bench/queue_sim's model of ckpt-restart charges. The policy sees such a job as one with
+  // no active worker and its slots taken: it neither shrinks nor preempts it until it runs
+  // again. The workers that leave for the job that caused a shrink free their slots as with
+  // leave.
+  void restart_at(Job& job, std::vector<std::string> hosts) {
+    for (Worker* w : live_workers(job.id)) {
+      if (w->leave || w->kill) continue;
+      hosts.push_back(w->host);
+      w->leave = true;
+      dirty_workers.insert(w->id);
+      news.insert(w->host);
+      withdraw(*w, now_ms());
+    }
+    // A failed worker's replacement becomes a worker of the next generation too.
+    for (auto& r : job.restarting) {
+      r.due_ms = kOnceGone;
+      r.resize = true;
+    }
+    for (const auto& host : hosts) job.restarting.push_back({host, kOnceGone, true});
+  }
+
+  // A job resized by restart whose workers of before have all left starts again now.
+  void restart_when_gone(int64_t now) {
+    for (auto& [id, job] : jobs) {
+      if (job.state != "running") continue;
+      const bool pending = std::any_of(job.restarting.begin(), job.restarting.end(),
+                                       [](const Restart& r) { return r.due_ms == kOnceGone; });
+      if (!pending || !live_workers(id).empty()) continue;
+      for (auto& r : job.restarting) {
+        if (r.due_ms == kOnceGone) r.due_ms = now;
+      }
+      dirty_jobs.insert(id);
+    }
   }
 
   // --- the policy round ------------------------------------------------------------------------
@@ -445,6 +519,7 @@ struct Scheduler::Impl {
           if (!w->kill) {
             w->kill = true;
             dirty_workers.insert(w->id);
+            news.insert(w->host);
             event(id, "stop",
                   "worker " + std::to_string(w->id) + " still runs " +
                       std::to_string(static_cast<int>(options.done_grace)) +
@@ -529,6 +604,12 @@ struct Scheduler::Impl {
     Job& job = jobs.at(action.job);
     dirty_jobs.insert(job.id);
     const std::string name = "job " + std::to_string(job.id);
+    std::string kind = to_string(action.kind);
+    std::string reason = action.reason;
+    if (options.resize_by == ResizeBy::kRestart &&
+        (action.kind == Action::kGrow || action.kind == Action::kShrink)) {
+      reason += " (--resize-by restart: all its workers leave at a commit and it starts again)";
+    }
     switch (action.kind) {
       case Action::kStart:
         job.state = "running";
@@ -552,13 +633,28 @@ struct Scheduler::Impl {
           job.owed = false;
         }
         job.last_resize_ms = now;
-        add_workers(job, action.hosts, now);
+        if (options.resize_by == ResizeBy::kRestart) {
+          restart_at(job, action.hosts);
+        } else {
+          add_workers(job, action.hosts, now);
+        }
         break;
       case Action::kReplace: {
         std::stable_sort(job.restarting.begin(), job.restarting.end(),
                          [](const Restart& a, const Restart& b) { return a.due_ms < b.due_ms; });
         const size_t count = std::min(job.restarting.size(), action.hosts.size());
+        bool generation = false;
+        for (size_t i = 0; i < count; ++i) generation = generation || job.restarting[i].resize;
         job.restarting.erase(job.restarting.begin(), job.restarting.begin() + count);
+        if (generation) {
+          // A new generation forms its membership afresh, as after a start (Note [Resizing by
+          // restart]).
+          job.members.clear();
+          job.origin = action.hosts.front();
+          kind = "restart";
+          reason = "starts again with " + std::to_string(action.hosts.size()) +
+                   " workers from its last commit (--resize-by restart)";
+        }
         add_workers(job, action.hosts, now);
         break;
       }
@@ -567,11 +663,14 @@ struct Scheduler::Impl {
         for (int64_t id : action.workers) {
           workers.at(id).leave = true;
           dirty_workers.insert(id);
+          news.insert(workers.at(id).host);
+          withdraw(workers.at(id), now);
         }
         job.last_resize_ms = now;
         job.owed = true;
         if (action.kind == Action::kShrink) {
           ++job.resizes;
+          if (options.resize_by == ResizeBy::kRestart) restart_at(job, {});
         } else {
           ++job.preemptions;
           job.state = "waiting";
@@ -579,7 +678,7 @@ struct Scheduler::Impl {
         }
         break;
     }
-    job.reason = action.reason;
+    job.reason = reason;
     std::string where;
     if (!action.hosts.empty()) {
       std::map<std::string, int> count;
@@ -593,13 +692,14 @@ struct Scheduler::Impl {
       for (int64_t id : action.workers) where += " " + std::to_string(id);
       where += ")";
     }
-    event(job.id, to_string(action.kind), name + " " + action.reason + where);
+    event(job.id, kind, name + " " + reason + where);
   }
 
   void tick() {
     const int64_t now = now_ms();
     check_hosts(now);
     check_jobs(now);
+    restart_when_gone(now);
     const Plan plan = queue::plan(snapshot(now), options.policy);
     for (const auto& action : plan.actions) apply(action, now);
     for (const auto& [id, why] : plan.waiting) {
@@ -872,7 +972,7 @@ json Scheduler::heartbeat(const json& report) {
   // first; another host's workers wait until an address to join through is known.
   json orders = json::array();
   json job_orders = json::object();
-  for (const auto& [id, w] : s.workers) {
+  for (auto& [id, w] : s.workers) {
     if (w.host != name || w.state == "exited") continue;
     Impl::Job& job = s.jobs.at(w.job);
     std::vector<std::string> seeds;
@@ -889,6 +989,10 @@ json Scheduler::heartbeat(const json& report) {
       s.dirty_jobs.insert(job.id);
     }
     orders.push_back({{"id", id}, {"job", w.job}, {"leave", w.leave}, {"stop", w.kill}});
+    if (!w.ordered && !w.leave && !w.kill) {
+      w.ordered = true;
+      s.dirty_workers.insert(id);
+    }
     const std::string key = std::to_string(w.job);
     if (!job_orders.contains(key)) {
       job_orders[key] = {{"argv", job.spec.argv},
@@ -903,12 +1007,20 @@ json Scheduler::heartbeat(const json& report) {
     }
   }
   s.flush();
+  s.news.erase(name);  // this answer carries them
   return json{{"workers", orders}, {"jobs", job_orders}, {"forget", forget}};
 }
 
 void Scheduler::tick() {
   std::lock_guard<std::mutex> lock(impl_->mutex);
   impl_->tick();
+}
+
+std::set<std::string> Scheduler::take_news() {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  std::set<std::string> out;
+  out.swap(impl_->news);
+  return out;
 }
 
 }  // namespace shoal::queue

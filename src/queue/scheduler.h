@@ -14,6 +14,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -24,9 +25,17 @@
 
 namespace shoal::queue {
 
+// How a running job changes size. kLeave is shoal's: a shrink is a graceful leave of some
+// workers, a grow a join, and the workers that stay keep their processes. kRestart is how
+// Kubeflow's elastic PyTorchJob and Ray Train resize: the whole job stops at a commit and starts
+// again at its new size from that commit (Note [Resizing by restart], scheduler.cpp). The policy
+// decides the same in both; only how its shrinks and grows are carried out differs.
+enum class ResizeBy { kLeave, kRestart };
+
 struct SchedulerOptions {
   std::string state_dir;  // the database, the token, the jobs' checkpoints
   PolicyOptions policy;
+  ResizeBy resize_by = ResizeBy::kLeave;
   double oversubscribe = 1.0;   // workers per core a host may run
   double host_timeout = 5;      // seconds without a heartbeat before a host counts as lost
   double below_min_grace = 60;  // seconds a job may run below its --min before it waits again
@@ -70,6 +79,10 @@ class Scheduler {
 
   // One round of the policy; the server calls it a few times a second.
   void tick();
+
+  // The hosts whose orders changed since their agents' last heartbeats (cleared): the server
+  // nudges those agents to beat at once (Note [Nudges] in server.cpp).
+  std::set<std::string> take_news();
 
  private:
   struct Impl;

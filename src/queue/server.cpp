@@ -1,7 +1,10 @@
 #include "server.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -9,6 +12,9 @@
 #include <chrono>
 #include <fstream>
 #include <iostream>
+#include <map>
+#include <mutex>
+#include <set>
 #include <thread>
 
 #include <httplib.h>
@@ -127,6 +133,49 @@ pid_t start_local_agent(const ServeOptions& options, int port, const std::string
   return pid;
 }
 
+// Note [Nudges]
+// An agent learns its orders from the answer to its heartbeat, every half second: a start, a
+// leave or a stop decided just after a beat waited up to 0.5 s for the next (the queue's target
+// for a high-priority job's first step is 5 s from its submission). So each heartbeat names a
+// UDP port on which its agent listens, and whenever a host's orders change (a round of the
+// policy, a submission, a cancellation, another host's heartbeat) the server sends that port
+// one empty datagram: the agent beats at once. A nudge carries nothing; a lost one costs the
+// old half second, and a forged one only an early heartbeat, which the token still guards.
+class Nudges {
+ public:
+  Nudges() : fd_(::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0)) {}
+  ~Nudges() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+
+  // Where `host`'s agent listens: the heartbeat's source address, the port it named.
+  void learn(const std::string& host, const std::string& address, int port) {
+    sockaddr_in to{};
+    to.sin_family = AF_INET;
+    to.sin_port = htons(static_cast<uint16_t>(port));
+    if (port <= 0 || port > 65535 || ::inet_pton(AF_INET, address.c_str(), &to.sin_addr) != 1)
+      return;
+    std::lock_guard<std::mutex> lock(mutex_);
+    agents_[host] = to;
+  }
+
+  void send(const std::set<std::string>& hosts) {
+    if (fd_ < 0 || hosts.empty()) return;
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& host : hosts) {
+      auto it = agents_.find(host);
+      if (it == agents_.end()) continue;
+      ::sendto(fd_, "", 0, MSG_DONTWAIT, reinterpret_cast<const sockaddr*>(&it->second),
+               sizeof(it->second));
+    }
+  }
+
+ private:
+  int fd_;
+  std::mutex mutex_;
+  std::map<std::string, sockaddr_in> agents_;
+};
+
 }  // namespace
 
 int serve(const ServeOptions& options) {
@@ -164,9 +213,16 @@ int serve(const ServeOptions& options) {
   server.Get("/", [](const httplib::Request&, httplib::Response& response) {
     response.set_content(dashboard_html(), "text/html; charset=utf-8");
   });
+  Nudges nudges;
+  // A decision that may change orders is carried to the agents at once (Note [Nudges]).
+  const auto decide_now = [&] {
+    scheduler.tick();
+    nudges.send(scheduler.take_news());
+  };
   server.Post("/jobs", [&](const httplib::Request& request, httplib::Response& response) {
     handle(response, [&] {
       const int64_t id = scheduler.submit(JobSpec::from_json(json::parse(request.body)));
+      decide_now();
       return json{{"id", id}};
     });
   });
@@ -184,6 +240,7 @@ int serve(const ServeOptions& options) {
                       [&] {
                         const int64_t id = std::stoll(request.matches[1]);
                         scheduler.cancel(id);
+                        decide_now();
                         return json{{"id", id}, {"state", "cancelled"}};
                       },
                       404);
@@ -204,7 +261,17 @@ int serve(const ServeOptions& options) {
   });
   server.Post("/agent/heartbeat",
               [&](const httplib::Request& request, httplib::Response& response) {
-                handle(response, [&] { return scheduler.heartbeat(json::parse(request.body)); });
+                handle(response, [&] {
+                  const json report = json::parse(request.body);
+                  if (report.contains("nudge_port") && report.contains("host")) {
+                    nudges.learn(report.at("host").get<std::string>(), request.remote_addr,
+                                 report.at("nudge_port").get<int>());
+                  }
+                  json orders = scheduler.heartbeat(report);
+                  // Its policy round may have changed other hosts' orders.
+                  nudges.send(scheduler.take_news());
+                  return orders;
+                });
               });
 
   int port = options.port;
@@ -239,7 +306,7 @@ int serve(const ServeOptions& options) {
     const auto period = std::chrono::milliseconds(static_cast<int64_t>(options.tick * 1000));
     while (!done) {
       try {
-        scheduler.tick();
+        decide_now();
       } catch (const std::exception& e) {
         std::cerr << "shoal queue: " << e.what() << std::endl;
       }

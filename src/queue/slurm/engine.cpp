@@ -4,7 +4,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <climits>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
@@ -65,6 +67,31 @@ bool ended_state(const std::string& state) {
   return false;
 }
 
+// Note [Slurm's own SIGTERM]
+// Slurm ends a job at its time limit, on a preemption or on someone's `scancel JOBID` by sending
+// SIGTERM to all its processes (SIGKILL follows after KillWait). An elastic worker takes SIGTERM
+// as the agent's leave: it leaves at its next commit and exits 0, which the scheduler, not having
+// asked it to leave, would read as the end of the training. The step program records the
+// signals it passed on, and the agent knows which workers it signalled: a worker that got a
+// SIGTERM the agent did not send ended by Slurm's hand, whatever its exit code, and is reported
+// as a failure, so that the queue replaces it (counted against --max-restarts). A SIGTERM from
+// Slurm that comes after the agent's leave or stop is taken as part of it, which is what the
+// scheduler then expects anyway.
+
+// Note [A restarted agent's Slurm jobs]
+// A Slurm job outlives the agent that submitted it: an agent stopped with SIGTERM scancels its
+// jobs, but one that was SIGKILLed (or whose machine died) leaves them pending or running. When
+// a new agent with the same --dir comes back before the scheduler's --host-timeout, the
+// scheduler still lists those workers on its host and asks it to run them; submitting them again
+// would run each worker twice, the two programs sharing its PREFIX files. So the engine lists,
+// once at its start, the Slurm jobs of this user whose batch script is one of this --dir's
+// (`squeue --me`, the job's command), and start() follows such a job (its id, its .pid and .exit
+// files) instead of submitting it again. A predecessor's job that the scheduler no longer lists
+// here (it counted the host as lost, or the job ended) is left to run, as before: the agent only
+// logs it. The agent's own side is not done: its gossip member for the job is a new one, at a
+// new address, that knows only other hosts' members, so on a host that held all of a job's
+// workers a worker that joins later (a grow, a replacement) would not find the running ones.
+
 }  // namespace
 
 SlurmEngine::SlurmEngine(SlurmOptions options) : options_(std::move(options)) {
@@ -113,6 +140,48 @@ SlurmEngine::SlurmEngine(SlurmOptions options) : options_(std::move(options)) {
   }
   std::cerr << "shoal agent: Slurm node " << options_.node << " with " << capacity_.cores << " CPUs"
             << (options_.partition.empty() ? "" : ", partition " + options_.partition) << std::endl;
+  find_predecessors();
+}
+
+void SlurmEngine::find_predecessors() {
+  ClientResult result;
+  try {
+    result = run_client({tool("squeue"), "--me", "--noheader", "--states=PENDING,RUNNING,SUSPENDED",
+                         "--format=%i|%j|%o"},
+                        client_env(), options_.command_timeout);
+  } catch (const Error& e) {
+    std::cerr << "shoal agent: " << e.what()
+              << "; Slurm jobs an earlier agent left here are not followed" << std::endl;
+    return;
+  }
+  if (result.exit_code != 0) {
+    std::cerr << "shoal agent: squeue failed: " << result.error_line()
+              << "; Slurm jobs an earlier agent left here are not followed" << std::endl;
+    return;
+  }
+  std::string ids;
+  std::istringstream lines(result.out);
+  for (std::string line; std::getline(lines, line);) {
+    std::istringstream fields(line);
+    std::string id, name, command;
+    if (!std::getline(fields, id, '|') || !std::getline(fields, name, '|') ||
+        !std::getline(fields, command)) {
+      continue;
+    }
+    long long job = 0, worker = 0;
+    char rest = 0;
+    if (std::sscanf(name.c_str(), "shoal-j%lld-w%lld%c", &job, &worker, &rest) != 2) continue;
+    // Its batch script is this --dir's script for that worker: this node's agent submitted it.
+    const std::string script = options_.dir + "/worker-" + std::to_string(worker) + ".sh";
+    if (command.compare(0, script.size(), script) != 0) continue;
+    predecessors_[worker] = Predecessor{id, job};
+    ids += (ids.empty() ? "" : ", ") + id + " (worker " + std::to_string(worker) + ")";
+  }
+  if (!ids.empty()) {
+    std::cerr << "shoal agent: Slurm jobs of an earlier agent with this --dir still pend or run: "
+              << ids << "; each is followed if the scheduler still lists its worker here"
+              << std::endl;
+  }
 }
 
 std::string SlurmEngine::tool(const std::string& name) const {
@@ -133,6 +202,19 @@ int64_t SlurmEngine::start(const WorkerLaunch& launch) {
   const std::string name = "worker-" + std::to_string(launch.worker);
   Job job;
   job.prefix = options_.dir + "/" + name;
+  // See Note [A restarted agent's Slurm jobs].
+  if (auto it = predecessors_.find(launch.worker);
+      it != predecessors_.end() && it->second.job == launch.job) {
+    job.id = it->second.id;
+    job.pid = std::atoll(read_first_line(job.prefix + ".pid").c_str());
+    predecessors_.erase(it);
+    std::cerr << "shoal agent: worker " << launch.worker << " of job " << launch.job
+              << " is Slurm job " << job.id << " on " << options_.node
+              << ", submitted by an earlier agent: followed, not submitted again" << std::endl;
+    const int64_t pid = job.pid;
+    jobs_[launch.worker] = std::move(job);
+    return pid;
+  }
   ::unlink((job.prefix + ".pid").c_str());
   ::unlink((job.prefix + ".exit").c_str());
   const std::string script = job.prefix + ".sh";
@@ -240,6 +322,7 @@ void SlurmEngine::signal(int64_t worker, int signal) {
     job.cancelled = signal;
     return;
   }
+  job.signalled = true;
   if (signal == SIGKILL) {
     // Slurm's own end of a job: SIGTERM to all its processes, SIGKILL after its KillWait.
     scancel(job, {});
@@ -296,6 +379,13 @@ std::vector<WorkerChange> SlurmEngine::poll() {
       const auto report = nlohmann::json::parse(text);
       change.exit = report.at("exit").get<std::string>();
       change.success = report.at("success").get<bool>();
+      // See Note [Slurm's own SIGTERM].
+      const auto signals = report.value("signals", std::vector<std::string>{});
+      if (!job.signalled && std::find(signals.begin(), signals.end(), "SIGTERM") != signals.end()) {
+        change.exit = "ended after a SIGTERM that the agent did not send (Slurm's: a time limit, "
+                      "a preemption or a scancel): " + change.exit;
+        change.success = false;
+      }
     } catch (const std::exception& e) {
       change.exit = "ended; its report " + job.prefix + ".exit is unreadable (" + e.what() + ")";
     }

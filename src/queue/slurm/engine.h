@@ -1,9 +1,11 @@
 // The Slurm engine: the agent speaks for one Slurm node, and each of its workers is a Slurm job of
 // one task on that node (`sbatch -w NODE -N1 -n1`). Slurm's own controls do the work: a leave is
 // `scancel --batch --signal=TERM` (the job's program leaves at its next commit and exits 0, and
-// its job ends), a stop is `scancel --full --signal=KILL`, and the job's priority in the queue
-// becomes the Slurm job's --nice, so that Slurm's partitions, limits and priorities apply where
-// the queue's jobs share a node with others. See docs/queue.md, "Slurm".
+// its job ends), a stop is `scancel JOBID` (Slurm's SIGTERM, then SIGKILL after KillWait), and
+// the job's priority in the queue becomes the Slurm job's --nice, so that Slurm's partitions,
+// limits and priorities apply where the queue's jobs share a node with others. A SIGTERM that
+// Slurm sends by itself fails the worker (Note [Slurm's own SIGTERM], engine.cpp). See
+// docs/queue.md, "Slurm".
 //
 // Assumes that this agent's --dir is on a filesystem the node shares (the batch scripts, the
 // workers' logs and the files of slurm/step.h), as the jobs' own files are on a cluster.
@@ -45,11 +47,20 @@ class SlurmEngine : public Engine {
     std::string prefix;  // PREFIX.pid and PREFIX.exit (slurm/step.h)
     int64_t pid = 0;
     std::optional<int> cancelled;  // the signal that cancelled it before its program ran
+    bool signalled = false;        // the agent has signalled it (a leave or a stop)
     std::optional<Clock::time_point> gone_since;  // Slurm says it ended; its .exit is awaited
     std::string state;                            // Slurm's last word on it: PENDING, RUNNING, ...
   };
 
+  // A Slurm job that an earlier agent with this --dir submitted and that still pends or runs.
+  struct Predecessor {
+    std::string id;  // Slurm's job id
+    int64_t job = 0;
+  };
+
   std::string tool(const std::string& name) const;
+  // Lists the predecessors' jobs (squeue); see Note [A restarted agent's Slurm jobs].
+  void find_predecessors();
   // The agent's own environment, for squeue, scancel and scontrol.
   std::vector<std::string> client_env() const;
   void scancel(const Job& job, const std::vector<std::string>& flags);
@@ -62,6 +73,7 @@ class SlurmEngine : public Engine {
   std::string step_;                          // shoal-slurm-step, which the batch scripts execute
   Capacity capacity_;
   std::map<int64_t, Job> jobs_;  // by worker
+  std::map<int64_t, Predecessor> predecessors_;  // by worker, until start() follows them
   bool squeue_failing_ = false;
   Clock::time_point last_squeue_{};
 };

@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -34,8 +35,10 @@ void write_file(const std::string& path, const std::string& text) {
   std::rename(temporary.c_str(), path.c_str());
 }
 
-void write_exit(const std::string& prefix, const std::string& exit, bool success) {
-  write_file(prefix + ".exit", nlohmann::json{{"exit", exit}, {"success", success}}.dump());
+void write_exit(const std::string& prefix, const std::string& exit, bool success,
+                const std::vector<std::string>& signals = {}) {
+  write_file(prefix + ".exit",
+             nlohmann::json{{"exit", exit}, {"success", success}, {"signals", signals}}.dump());
 }
 
 }  // namespace
@@ -97,19 +100,23 @@ int run_step(const std::string& prefix, const std::vector<std::string>& argv) {
   }
   write_file(prefix + ".pid", std::to_string(pid));
 
+  std::vector<std::string> passed_on;  // each signal once, in the order first received
   for (;;) {
     siginfo_t info{};
     const int signal = ::sigwaitinfo(&forwarded, &info);
     if (signal < 0) continue;
     if (signal != SIGCHLD) {
       ::kill(pid, signal);
+      const std::string name = launch::signal_name(signal);
+      if (std::find(passed_on.begin(), passed_on.end(), name) == passed_on.end())
+        passed_on.push_back(name);
       continue;
     }
     int status = 0;
     const pid_t ended = ::waitpid(pid, &status, WNOHANG);
     if (ended != pid) continue;
     const auto exit = launch::ExitStatus::from_wait_status(status);
-    write_exit(prefix, exit.describe(), exit.success());
+    write_exit(prefix, exit.describe(), exit.success(), passed_on);
     return exit.shell_code();
   }
 }

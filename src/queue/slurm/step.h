@@ -3,7 +3,9 @@
 // signals). It starts the program as its child, passes on the signals it gets (SIGTERM: leave),
 // and writes two files the agent reads, the node and the agent sharing a filesystem:
 //   PREFIX.pid   the program's process id, once it runs;
-//   PREFIX.exit  {"exit": "exited with code 0", "success": true}, once it ended.
+//   PREFIX.exit  {"exit": "exited with code 0", "success": true, "signals": ["SIGTERM"]}, once it
+//                ended; "signals" are those it passed on (from the agent's scancel --batch, or
+//                from Slurm itself: a time limit, a preemption, a scancel of the job).
 // Slurm's accounting may be off, and then Slurm forgets a job's exit code MinJobAge seconds after
 // it ends; the files keep it. Each is written to a temporary name and renamed.
 #pragma once
