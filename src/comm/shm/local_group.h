@@ -1,0 +1,100 @@
+// The co-located members of a group and their collectives through one shared segment (docs/comm.md,
+// "Shared memory among co-located workers (in progress)"). Torch-free, on raw buffers: the wiring
+// into comm::Group passes tensors' data pointers.
+//
+// Contract (as comm::Group's): every member calls the same collectives in the same order with the
+// same counts, dtype and op; send/recv pairs match in order between two members. Calls on one
+// LocalGroup are not thread-safe. After a CommError the group is broken: every later call raises
+// CommError at once, and the group must be replaced.
+//
+// Making one: member 0 calls Segment::create(size) and hands segment.handle() (a string) to the
+// others, which call Segment::open(handle, size); each then constructs its LocalGroup, which
+// returns once all members have joined. Member 0 must stay alive until the others have opened
+// the segment (Note [Segment by /proc] in segment.h).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "comm/shm/reduce.h"
+#include "comm/shm/segment.h"
+#include "comm/shm/sync.h"
+#include "shoal/core/timeout.h"
+
+namespace shoal::comm::shm {
+
+class LocalGroup {
+ public:
+  // Joins `segment` as member `rank`, waiting for every member to join (until `timeout`).
+  // `timeout` is also every operation's default deadline.
+  LocalGroup(Segment segment, int rank, Duration timeout);
+  LocalGroup(const LocalGroup&) = delete;
+  LocalGroup& operator=(const LocalGroup&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+
+  // In place: every member ends with the reduction of all members' `count` elements.
+  void all_reduce(void* data, size_t count, DType dtype, ReduceOp op,
+                  Duration timeout = kUnsetTimeout);
+  // In place: every member ends with root's `count` elements.
+  void broadcast(void* data, size_t count, DType dtype, int root, Duration timeout = kUnsetTimeout);
+  // out = member 0's counts[0] elements, then member 1's counts[1], ...; `in` holds
+  // counts[rank()] elements and may be out's own part (in place) but no other overlap of out.
+  void all_gather(const void* in, void* out, const std::vector<size_t>& counts, DType dtype,
+                  Duration timeout = kUnsetTimeout);
+  // `in` holds sum(counts) elements, cut in member order; out gets the reduction of every member's
+  // part rank() (counts[rank()] elements). out may be in's own part, no other overlap of in.
+  void reduce_scatter(const void* in, void* out, const std::vector<size_t>& counts, DType dtype,
+                      ReduceOp op, Duration timeout = kUnsetTimeout);
+  // in: send_counts[m] elements for each member m, in member order; out: recv_counts[m] from each
+  // member m, in member order. in and out must not overlap. Counts are checked against the
+  // senders' (UsageError on every member when they disagree).
+  void all_to_all(const void* in, const std::vector<size_t>& send_counts, void* out,
+                  const std::vector<size_t>& recv_counts, DType dtype,
+                  Duration timeout = kUnsetTimeout);
+  void barrier(Duration timeout = kUnsetTimeout);
+  // Note [Channels]: messages from one member to another go, in order, through a ring of their
+  // own; a send returns once its bytes are in the ring, so one that fits (channel_bytes less a
+  // 16-byte header) never waits for the receiver; a larger one waits for the receiver to drain it.
+  // recv checks that the next message has the expected tag and size (UsageError otherwise):
+  // messages are matched in order, not by tag.
+  void send(const void* data, size_t bytes, int dst, uint32_t tag,
+            Duration timeout = kUnsetTimeout);
+  void recv(void* data, size_t bytes, int src, uint32_t tag, Duration timeout = kUnsetTimeout);
+
+ private:
+  // Note [Phases]: in a collective every member advances its own counter once per phase, the same
+  // number of times in every member, so counter value c means "done with phase c"
+  // (local_group.cpp).
+  void arrive();
+  void wait_member(int m, uint32_t target, const WaitScope& scope);
+  void wait_all(uint32_t target, const WaitScope& scope);
+  // The buffer (0/1) the next piece uses, once every member is done with its previous piece.
+  int next_buffer(const WaitScope& scope);
+  // Marks buffer b free once every member has arrived again.
+  void free_after(int b);
+  // Piece by piece: every member publishes its parts of blocks other than its own, then member r
+  // reduces block r (Note [All-reduce]).
+  void reduce_blocks(const char* operation, const void* in, const std::vector<size_t>& counts,
+                     DType dtype, ReduceOp op, void* out, bool gather, Duration timeout);
+  WaitScope scope(const char* operation, Duration timeout, int watch = -1) const;
+  // Runs body; on CommError marks the group broken and tells the other members.
+  template <typename Body>
+  void run(const char* operation, Body&& body);
+
+  Segment segment_;
+  int rank_;
+  int size_;
+  Duration timeout_;
+  Liveness liveness_;
+  int spins_ = 0;                 // Note [Spinning]
+  uint32_t seq_ = 0;              // this member's counter (Note [Phases])
+  uint32_t free_at_[2] = {0, 0};  // the phase after which all members are done with each buffer
+  int buffer_ = 0;
+  size_t table_half_ = 0;  // which half of the published table the next all_to_all uses
+  std::string broken_;     // the first error, once broken
+};
+
+}  // namespace shoal::comm::shm

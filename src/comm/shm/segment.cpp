@@ -1,0 +1,219 @@
+#include "comm/shm/segment.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <sstream>
+
+#include "comm/shm/locality.h"
+#include "shoal/core/error.h"
+
+namespace shoal::comm::shm {
+namespace {
+
+constexpr uint64_t kMagic = 0x6d68732d6c616f73ULL;  // "shoal-shm"
+constexpr uint32_t kVersion = 1;
+constexpr size_t kPage = 4096;
+
+size_t round_up(size_t n, size_t to) {
+  return (n + to - 1) / to * to;
+}
+
+// Where each part of a segment starts; creator and openers compute it from the same header.
+struct Layout {
+  size_t members, published, channels, rings, data, total;
+  Layout(size_t k, size_t slot_bytes, size_t channel_bytes) {
+    members = kPage;
+    published = round_up(members + k * sizeof(MemberBlock), 128);
+    channels = round_up(published + k * 2 * (2 * k + 2) * sizeof(int64_t), kPage);
+    rings = round_up(channels + k * k * sizeof(ChannelBlock), kPage);
+    data = round_up(rings + k * k * channel_bytes, kPage);
+    total = data + 2 * k * slot_bytes;
+  }
+};
+static_assert(sizeof(SegmentHeader) <= kPage, "the header fits its page");
+
+std::string hex(const unsigned char* bytes, size_t n) {
+  static const char* digits = "0123456789abcdef";
+  std::string out;
+  for (size_t i = 0; i < n; ++i) {
+    out += digits[bytes[i] >> 4];
+    out += digits[bytes[i] & 15];
+  }
+  return out;
+}
+
+std::string errno_text() {
+  return std::strerror(errno);
+}
+
+}  // namespace
+
+Segment Segment::create(int size, const SegmentSizes& sizes) {
+  if (size < 1)
+    throw UsageError("shared memory: a group needs at least 1 member, got " + std::to_string(size));
+  if (sizes.channel_bytes < 4096 || (sizes.channel_bytes & (sizes.channel_bytes - 1)) != 0 ||
+      sizes.channel_bytes > (size_t{1} << 30)) {
+    throw UsageError("shared memory: channel_bytes " + std::to_string(sizes.channel_bytes) +
+                     " must be a power of two from 4096 to 2^30");
+  }
+  if (sizes.slot_bytes < 4096) {
+    throw UsageError("shared memory: slot_bytes " + std::to_string(sizes.slot_bytes) +
+                     " must be at least 4096");
+  }
+  const size_t slot_bytes = round_up(sizes.slot_bytes, 128);  // keeps every slot 128-byte aligned
+  const Layout layout(size, slot_bytes, sizes.channel_bytes);
+  unsigned char tag[16];
+  if (getrandom(tag, sizeof(tag), 0) != static_cast<ssize_t>(sizeof(tag))) {
+    throw CommError("shared memory: getrandom failed: " + errno_text());
+  }
+  const std::string name = kMemfdPrefix + hex(tag, 8);
+  Segment segment;
+  segment.fd_ = memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (segment.fd_ < 0) throw CommError("shared memory: memfd_create failed: " + errno_text());
+  if (ftruncate(segment.fd_, static_cast<off_t>(layout.total)) != 0 ||
+      fcntl(segment.fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    throw CommError("shared memory: cannot size and seal a segment of " +
+                    std::to_string(layout.total) + " bytes: " + errno_text());
+  }
+  segment.map(segment.fd_, layout.total);
+  SegmentHeader* h = segment.header();
+  h->magic = kMagic;
+  h->version = kVersion;
+  h->size = static_cast<uint32_t>(size);
+  std::memcpy(h->tag, tag, sizeof(tag));
+  h->slot_bytes = slot_bytes;
+  h->channel_bytes = sizes.channel_bytes;
+  h->total_bytes = layout.total;
+  h->failed.store(0);
+  segment.handle_ = "shm1 " + std::to_string(getpid()) + " " + std::to_string(segment.fd_) + " " +
+                    locality_key() + " " + hex(tag, sizeof(tag)) + " " +
+                    std::to_string(layout.total);
+  return segment;
+}
+
+Segment Segment::open(const std::string& handle, int size) {
+  auto refused = [&](const std::string& why) {
+    return CommError("shared memory: segment '" + handle.substr(0, 240) + "' refused: " + why);
+  };
+  std::istringstream in(handle);
+  std::string version, key, tag;
+  long long pid = 0, fd = -1;
+  unsigned long long bytes = 0;
+  if (!(in >> version >> pid >> fd >> key >> tag >> bytes) || version != "shm1" || pid <= 0 ||
+      fd < 0 || tag.size() != 32 || !(in >> std::ws).eof()) {
+    throw refused("expected \"shm1 <pid> <fd> <locality key> <tag of 32 hex digits> <bytes>\"");
+  }
+  if (key != locality_key()) {
+    throw refused("made where the locality key is " + key + ", here it is " + locality_key());
+  }
+  const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
+  Segment segment;
+  segment.fd_ = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (segment.fd_ < 0) {
+    throw refused("cannot open " + path + ": " + errno_text() + " (has its creator ended?)");
+  }
+  struct stat st {};
+  if (fstat(segment.fd_, &st) != 0 || !S_ISREG(st.st_mode) ||
+      static_cast<unsigned long long>(st.st_size) != bytes) {
+    throw refused(path + " is not a segment of " + std::to_string(bytes) + " bytes");
+  }
+  const int seals = fcntl(segment.fd_, F_GET_SEALS);
+  if (seals < 0 || (seals & (F_SEAL_SHRINK | F_SEAL_GROW)) != (F_SEAL_SHRINK | F_SEAL_GROW)) {
+    throw refused(path + " is not sealed against resizing");
+  }
+  segment.map(segment.fd_, bytes);
+  const SegmentHeader* h = segment.header();
+  // The tag first: a segment of another job says nothing else that is worth reading.
+  if (hex(h->tag, sizeof(h->tag)) != tag) {
+    throw refused(path + " carries tag " + hex(h->tag, sizeof(h->tag)) +
+                  ", not the group's (a segment of another group or job)");
+  }
+  if (h->magic != kMagic || h->version != kVersion) {
+    throw refused(path + " has version " + std::to_string(h->version) + ", expected " +
+                  std::to_string(kVersion));
+  }
+  if (static_cast<int>(h->size) != size) {
+    throw refused("it is for " + std::to_string(h->size) + " members, the group has " +
+                  std::to_string(size));
+  }
+  if (Layout(h->size, h->slot_bytes, h->channel_bytes).total != bytes || h->total_bytes != bytes) {
+    throw refused("its header does not describe its " + std::to_string(bytes) + " bytes");
+  }
+  return segment;
+}
+
+void Segment::map(int fd, size_t bytes) {
+  void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (base == MAP_FAILED) {
+    throw CommError("shared memory: cannot map a segment of " + std::to_string(bytes) +
+                    " bytes: " + errno_text());
+  }
+  base_ = base;
+  bytes_ = bytes;
+}
+
+Segment::Segment(Segment&& other) noexcept {
+  *this = std::move(other);
+}
+
+Segment& Segment::operator=(Segment&& other) noexcept {
+  if (this != &other) {
+    release();
+    fd_ = other.fd_;
+    base_ = other.base_;
+    bytes_ = other.bytes_;
+    handle_ = std::move(other.handle_);
+    other.fd_ = -1;
+    other.base_ = nullptr;
+    other.bytes_ = 0;
+  }
+  return *this;
+}
+
+Segment::~Segment() {
+  release();
+}
+
+void Segment::release() {
+  if (base_ != nullptr) munmap(base_, bytes_);
+  if (fd_ >= 0) ::close(fd_);
+  base_ = nullptr;
+  fd_ = -1;
+}
+
+MemberBlock* Segment::member(int m) const {
+  const Layout l(header()->size, header()->slot_bytes, header()->channel_bytes);
+  return reinterpret_cast<MemberBlock*>(static_cast<char*>(base_) + l.members) + m;
+}
+
+int64_t* Segment::published(int m) const {
+  const size_t k = header()->size;
+  const Layout l(k, header()->slot_bytes, header()->channel_bytes);
+  return reinterpret_cast<int64_t*>(static_cast<char*>(base_) + l.published) + m * 2 * (2 * k + 2);
+}
+
+ChannelBlock* Segment::channel(int from, int to) const {
+  const size_t k = header()->size;
+  const Layout l(k, header()->slot_bytes, header()->channel_bytes);
+  return reinterpret_cast<ChannelBlock*>(static_cast<char*>(base_) + l.channels) + from * k + to;
+}
+
+unsigned char* Segment::ring(int from, int to) const {
+  const size_t k = header()->size;
+  const Layout l(k, header()->slot_bytes, header()->channel_bytes);
+  return static_cast<unsigned char*>(base_) + l.rings + (from * k + to) * header()->channel_bytes;
+}
+
+unsigned char* Segment::slot(int buffer, int m) const {
+  const size_t k = header()->size;
+  const Layout l(k, header()->slot_bytes, header()->channel_bytes);
+  return static_cast<unsigned char*>(base_) + l.data + (buffer * k + m) * header()->slot_bytes;
+}
+
+}  // namespace shoal::comm::shm
