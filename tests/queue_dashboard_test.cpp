@@ -116,11 +116,16 @@ Png read_png(const std::string& path) {
   return png;
 }
 
-TEST(QueueDashboard, ShowsTheJobsTheirWorkersAndTheDecisionsOfAShrink) {
+// Test 7 on the hosts of tests 1 and 2 (QueueMultiHost): two network namespaces of 2 slots, an
+// agent on each, chromium on host A where the scheduler listens.
+class QueueDashboard : public QueueOnTwoHosts {};
+
+TEST_F(QueueDashboard, ShowsTheJobsTheirWorkersAndTheDecisionsOfAShrink) {
   if (!chromium_installed()) {
     GTEST_SKIP() << "chromium is not installed (scripts/setup.sh installs Debian's chromium)";
   }
-  Queue queue("dashboard", {"--slots", "4", "--cooldown", "8", "--grow-idle", "2"});
+  Queue& queue = start("dashboard", {"--cooldown", "8", "--grow-idle", "2"});
+  ASSERT_FALSE(HasFailure());
   const int64_t low =
       queue.submit("--min 2 --max 4 --name low " + kWorker + " " + queue.dir() + "/low.out 16 80");
   ASSERT_TRUE(eventually([&] { return queue.staying(low).size() == 4; }, 60s))
@@ -159,7 +164,8 @@ TEST(QueueDashboard, ShowsTheJobsTheirWorkersAndTheDecisionsOfAShrink) {
   }
   std::string token = read_text(queue.dir() + "/token");
   token = token.substr(0, token.find('\n'));
-  const std::string url = "http://127.0.0.1:" + std::to_string(queue.port()) + "/?token=" + token;
+  const std::string url = std::string("http://") + TwoHosts::kAddressA + ":" +
+                          std::to_string(queue.port()) + "/?token=" + token;
   const std::string home = queue.dir() + "/chromium";
   const auto started = Clock::now();
   const int dumped = run_chromium(home, "--dump-dom", url, queue.dir() + "/dom.html",
@@ -188,28 +194,34 @@ TEST(QueueDashboard, ShowsTheJobsTheirWorkersAndTheDecisionsOfAShrink) {
         << "' before and '" << after << "' after";
   }
 
-  // Each host's section names its slots and has a bar for every worker the two jobs had.
-  ASSERT_EQ(nodes.size(), 1u) << nodes.dump(1);
-  const std::string host_name = nodes[0].at("name");
-  const std::string host = element(dom, "host-" + host_name);
-  ASSERT_FALSE(host.empty()) << "no section for host " << host_name << " in " << dom;
-  const std::string host_text = text_of(host);
-  EXPECT_NE(host_text.find(host_name), std::string::npos) << host_text;
-  EXPECT_EQ(nodes[0].at("capacity"), 4);
-  // A lane per slot and no more: the high job's workers, which started on the slots of the low
-  // job's leavers before these had gone (Note [Starting on leaving slots] in
-  // src/queue/policy.cpp), take over their lanes rather than lanes "(over)" the capacity.
-  const auto lanes = lane_labels(host);
-  ASSERT_EQ(lanes.size(), 4u) << host;
-  for (size_t k = 0; k < lanes.size(); ++k) EXPECT_EQ(lanes[k], "slot " + std::to_string(k + 1));
-  for (const auto& w : workers) {
-    const std::string bar = element(host, "worker-" + std::to_string(w.at("id").get<int64_t>()));
-    EXPECT_NE(bar.find("data-job=\"" + std::to_string(w.at("job").get<int64_t>()) + "\""),
-              std::string::npos)
-        << "worker " << w.dump() << " has no bar of its job: " << bar;
+  // Each host's section names its slots and has a bar for every worker the two jobs had there.
+  ASSERT_EQ(nodes.size(), 2u) << nodes.dump(1);
+  std::set<std::string> hosts_with_workers;
+  for (const auto& node : nodes) {
+    const std::string host_name = node.at("name");
+    const std::string host = element(dom, "host-" + host_name);
+    ASSERT_FALSE(host.empty()) << "no section for host " << host_name << " in " << dom;
+    const std::string host_text = text_of(host);
+    EXPECT_NE(host_text.find(host_name), std::string::npos) << host_text;
+    EXPECT_EQ(node.at("capacity"), 2);
+    // A lane per slot and no more: the high job's workers, which started on the slots of the low
+    // job's leavers before these had gone (Note [Starting on leaving slots] in
+    // src/queue/policy.cpp), take over their lanes rather than lanes "(over)" the capacity.
+    const auto lanes = lane_labels(host);
+    ASSERT_EQ(lanes.size(), 2u) << host;
+    for (size_t k = 0; k < lanes.size(); ++k) EXPECT_EQ(lanes[k], "slot " + std::to_string(k + 1));
+    for (const auto& w : workers) {
+      if (w.at("host") != host_name) continue;
+      hosts_with_workers.insert(host_name);
+      const std::string bar = element(host, "worker-" + std::to_string(w.at("id").get<int64_t>()));
+      EXPECT_NE(bar.find("data-job=\"" + std::to_string(w.at("job").get<int64_t>()) + "\""),
+                std::string::npos)
+          << "worker " << w.dump() << " has no bar of its job on " << host_name << ": " << bar;
+    }
+    // The shrink is marked on each host's timeline where it was decided.
+    EXPECT_NE(host_text.find("shrink low"), std::string::npos) << host_text;
   }
-  // The shrink is marked on the timeline where it was decided.
-  EXPECT_NE(host_text.find("shrink low"), std::string::npos) << host_text;
+  EXPECT_EQ(hosts_with_workers.size(), 2u) << "the low job's workers should span both hosts";
 
   // The decision, with its reason, as the scheduler wrote it.
   const std::string row = element(dom, "event-" + std::to_string(shrink.at("id").get<int64_t>()));

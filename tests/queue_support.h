@@ -631,4 +631,51 @@ inline void expect_shrink_and_grow_back(const Queue& queue, const ShrinkAndGrowB
   if (test.at_end) test.at_end(low, high);
 }
 
+// A gtest fixture of two hosts (tests/netns.h), each with an agent: the scheduler and its local
+// agent on host A, `shoal agent` on host B. The test's thread (and every process it forks) is in
+// host A's network namespace while the queue lives, so that the scheduler it starts and its own
+// REST calls live on that host.
+class QueueOnTwoHosts : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (auto why = hosts_.create()) GTEST_SKIP() << *why;
+    on_a_ = std::make_unique<InNetworkNamespace>(hosts_.name(0));
+  }
+  void TearDown() override {
+    agent_b_.reset();
+    queue_.reset();
+    on_a_.reset();
+  }
+
+  // The queue on host A (2 slots) and the agent on host B (2 slots), both alive.
+  Queue& start(const std::string& name, std::vector<std::string> flags = {}) {
+    std::vector<std::string> all = {"--host", TwoHosts::kAddressA, "--slots", "2"};
+    all.insert(all.end(), flags.begin(), flags.end());
+    queue_ = std::make_unique<Queue>(name, all);
+    const std::string hosts_path = queue_->dir() + "/hosts";
+    std::ofstream(hosts_path) << hosts_.hosts_file();
+    agent_b_ = std::make_unique<Agent>(*queue_, queue_->dir() + "/agent-b",
+                                       std::vector<std::string>{"--slots", "2"},
+                                       std::map<std::string, std::string>{},
+                                       hosts_.on_host(1, hosts_path), TwoHosts::kAddressA);
+    queue_->read_logs_from(agent_b_->dir());
+    const bool both = eventually(
+        [&] {
+          int alive_hosts = 0;
+          for (const auto& node : json(queue_->client().get("/nodes").at("nodes"))) {
+            alive_hosts += node.at("alive").get<bool>() ? 1 : 0;
+          }
+          return alive_hosts == 2;
+        },
+        30s);
+    EXPECT_TRUE(both) << queue_->client().get("/nodes").dump(1) << agent_b_->log();
+    return *queue_;
+  }
+
+  TwoHosts hosts_;
+  std::unique_ptr<InNetworkNamespace> on_a_;
+  std::unique_ptr<Queue> queue_;
+  std::unique_ptr<Agent> agent_b_;
+};
+
 }  // namespace shoal::testing
