@@ -60,9 +60,10 @@ const colours = ['#4e79a7', '#e8762b', '#c8434a', '#3f9a94', '#4c9443', '#b8961c
 const colour = job => colours[(job - 1) % colours.length];
 // The policy's own decisions; the other events (a job submitted or ended) are facts, and those
 // of single workers (started, left, ended) are hidden unless asked for: the bars show them.
-const decisions = new Set(['start', 'grow', 'shrink', 'preempt', 'replace', 'wait', 'requeue']);
+const decisions =
+    new Set(['start', 'grow', 'shrink', 'preempt', 'replace', 'restart', 'wait', 'requeue']);
 const chatter = new Set(['worker', 'left', 'ended']);
-const marked = new Set(['start', 'grow', 'shrink', 'preempt', 'replace']);
+const marked = new Set(['start', 'grow', 'shrink', 'preempt', 'replace', 'restart']);
 const svgNS = 'http://www.w3.org/2000/svg';
 const events = [];  // the last events seen, oldest first, for the timeline's marks
 let since = 0;
