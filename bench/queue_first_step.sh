@@ -20,8 +20,8 @@ runs=${RUNS:-5}
 scenarios=${SCENARIOS:-local multihost slurm}
 
 declare -A binary=([local]=queue_test [multihost]=queue_multihost_test [slurm]=queue_slurm_test)
-declare -A filter=([local]='Queue.AHighPriority*' [multihost]='QueueMultiHost.*'
-                   [slurm]='QueueSlurm.AHighPriority*')
+declare -A filter=([local]='Queue.AHighPriority*' [multihost]='QueueMultiHost.AJobAcrossTwoHosts*'
+                   [slurm]='QueueSlurm.AJobAcrossTwoHosts*')
 
 echo "queue_first_step: $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg)"
 printf '| scenario | runs | passed | first step, s (each) | median | max | within 5 s |\n'
