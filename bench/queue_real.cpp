@@ -51,6 +51,7 @@
 #include <nlohmann/json.hpp>
 
 #include "queue/http.h"
+#include "queue_contenders.h"
 #include "shoal/core/error.h"
 
 extern char** environ;
@@ -128,19 +129,8 @@ std::vector<TraceJob> make_trace(const Options& o) {
   return trace;
 }
 
-enum class Contender { kElastic, kFixed, kCheckpointRestart };
-
-const char* name_of(Contender c) {
-  switch (c) {
-    case Contender::kElastic:
-      return "elastic";
-    case Contender::kFixed:
-      return "fixed";
-    case Contender::kCheckpointRestart:
-      return "ckpt-restart";
-  }
-  return "?";
-}
+using shoal::bench::Contender;
+using shoal::bench::name_of;
 
 struct Result {
   int finished = 0;  // done, with every sample once
@@ -426,11 +416,6 @@ Result run(const Options& o, const std::vector<TraceJob>& trace, Contender conte
   return result;
 }
 
-std::string format(double value, int decimals) {
-  char text[64];
-  std::snprintf(text, sizeof(text), "%.*f", decimals, value);
-  return text;
-}
 
 void print_table(const std::vector<Result>& r) {
   struct Row {
@@ -454,16 +439,10 @@ void print_table(const std::vector<Result>& r) {
       {"worker processes started", [](const Result& x) { return double(x.processes); }, 0},
       {"contender wall time (s)", [](const Result& x) { return x.wall; }, 1},
   };
-  std::printf(
-      "| metric | elastic | fixed | ckpt-restart | elastic / fixed | elastic / ckpt-restart |\n"
-      "|---|---:|---:|---:|---:|---:|\n");
-  for (const auto& row : rows) {
-    const double v[3] = {row.value(r[0]), row.value(r[1]), row.value(r[2])};
-    const auto ratio = [](double a, double b) { return b == 0 ? std::string() : format(a / b, 2); };
-    std::printf("| %s | %s | %s | %s | %s | %s |\n", row.metric, format(v[0], row.decimals).c_str(),
-                format(v[1], row.decimals).c_str(), format(v[2], row.decimals).c_str(),
-                ratio(v[0], v[1]).c_str(), ratio(v[0], v[2]).c_str());
-  }
+  std::vector<shoal::bench::ContenderRow> table;
+  for (const auto& row : rows)
+    table.push_back({row.metric, row.decimals, {row.value(r[0]), row.value(r[1]), row.value(r[2])}});
+  shoal::bench::print_contender_table(table);
 }
 
 }  // namespace

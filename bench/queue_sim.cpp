@@ -54,6 +54,7 @@
 #include <CLI/CLI.hpp>
 
 #include "queue/policy.h"
+#include "queue_contenders.h"
 
 namespace {
 
@@ -129,19 +130,8 @@ Trace make_trace(const Options& options) {
   return trace;
 }
 
-enum class Contender { kElastic, kFixed, kCheckpointRestart };
-
-const char* name_of(Contender contender) {
-  switch (contender) {
-    case Contender::kElastic:
-      return "elastic";
-    case Contender::kFixed:
-      return "fixed";
-    case Contender::kCheckpointRestart:
-      return "ckpt-restart";
-  }
-  return "?";
-}
+using shoal::bench::Contender;
+using shoal::bench::name_of;
 
 struct Result {
   int finished = 0;
@@ -526,15 +516,6 @@ Result Simulation::summarise(double wall_seconds) const {
   return result;
 }
 
-std::string format(double value, int decimals) {
-  char text[64];
-  std::snprintf(text, sizeof(text), "%.*f", decimals, value);
-  return text;
-}
-
-std::string ratio(double a, double b) {
-  return b == 0 ? "" : format(a / b, 2);
-}
 
 void print_table(const std::vector<Result>& results) {
   struct Row {
@@ -573,20 +554,16 @@ void print_table(const std::vector<Result>& results) {
     if (metric == "cycles (lost workers, given back)") return r.cycles;
     return static_cast<double>(r.plan_calls);
   };
-  std::printf(
-      "| metric | elastic | fixed | ckpt-restart | elastic / fixed | "
-      "elastic / ckpt-restart |\n");
-  std::printf("|---|---:|---:|---:|---:|---:|\n");
+  std::vector<shoal::bench::ContenderRow> table;
   for (const auto& row : rows) {
-    double v[3];
+    shoal::bench::ContenderRow out{row.metric, row.decimals, {}};
     for (int i = 0; i < 3; ++i) {
-      v[i] = row.value == nullptr ? integer(results[i], row.metric)
-                                  : results[i].*row.value * row.scale;
+      out.values[i] = row.value == nullptr ? integer(results[i], row.metric)
+                                           : results[i].*row.value * row.scale;
     }
-    std::printf("| %s | %s | %s | %s | %s | %s |\n", row.metric, format(v[0], row.decimals).c_str(),
-                format(v[1], row.decimals).c_str(), format(v[2], row.decimals).c_str(),
-                ratio(v[0], v[1]).c_str(), ratio(v[0], v[2]).c_str());
+    table.push_back(out);
   }
+  shoal::bench::print_contender_table(table);
 }
 
 }  // namespace

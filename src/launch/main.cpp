@@ -1,7 +1,6 @@
 // The `shoal` command: `run` (docs/launch.md), `queue` and `agent` (docs/queue.md). This program
 // links no LibTorch, so that the queue's commands and the agent start at once; `run` and the
 // parameter servers are `shoal-run`'s, beside this program, which it execs (CMakeLists.txt).
-#include <fcntl.h>
 #include <limits.h>
 #include <unistd.h>
 
@@ -12,6 +11,7 @@
 #include <vector>
 
 #include "../queue/command.h"
+#include "process.h"
 
 namespace {
 
@@ -46,12 +46,7 @@ int exec_run(char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // With stdin, stdout or stderr closed, the next pipe would take its number and worker output
-  // would go astray.
-  int fd;
-  while ((fd = ::open("/dev/null", O_RDWR)) >= 0 && fd <= 2) {
-  }
-  if (fd > 2) ::close(fd);
+  shoal::launch::keep_standard_streams_open();
   std::vector<std::string> args(argv + 1, argv + argc);
   if (args.empty()) {
     std::cerr << "shoal: expected a command (run, queue, agent); see shoal --help" << std::endl;

@@ -1,6 +1,7 @@
 #include "process.h"
 
 #include <dirent.h>
+#include <fcntl.h>
 #include <linux/close_range.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
@@ -100,6 +101,13 @@ std::string ExitStatus::describe() const {
     return "was killed by signal " + std::to_string(value) + " (" + signal_name(value) + ")";
   }
   return "exited with code " + std::to_string(value);
+}
+
+void keep_standard_streams_open() {
+  int fd;
+  while ((fd = ::open("/dev/null", O_RDWR)) >= 0 && fd <= 2) {
+  }
+  if (fd > 2) ::close(fd);
 }
 
 std::string signal_name(int signal) {

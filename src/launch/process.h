@@ -29,6 +29,10 @@ struct ExitStatus {
 // "SIGKILL", or "signal 77" for a number without a name.
 std::string signal_name(int signal);
 
+// Opens /dev/null on whichever of stdin, stdout and stderr are closed: with one closed, the next
+// pipe would take its number and worker output would go astray. Called first in main().
+void keep_standard_streams_open();
+
 // The path to execute for `program`: itself when it contains a slash, else the first executable
 // match on PATH, as a shell finds it. Raises a one-line UsageError when there is none, or when
 // the file is a directory or not executable.

@@ -1,7 +1,6 @@
 // `shoal-run`: the half of the `shoal` command that needs LibTorch, `shoal run` (docs/launch.md)
 // and the parameter servers it starts (`shoal ps-server`, docs/ps.md). `shoal` execs it for
 // those commands (main.cpp), so users never name it.
-#include <fcntl.h>
 #include <unistd.h>
 
 #include <iostream>
@@ -10,6 +9,7 @@
 
 #include "launcher.h"
 #include "options.h"
+#include "process.h"
 #include "ps_server.h"
 #include "shoal/core/error.h"
 
@@ -41,12 +41,7 @@ int run_command(const std::vector<std::string>& args) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // With stdin, stdout or stderr closed, the next pipe would take its number and worker output
-  // would go astray.
-  int fd;
-  while ((fd = ::open("/dev/null", O_RDWR)) >= 0 && fd <= 2) {
-  }
-  if (fd > 2) ::close(fd);
+  shoal::launch::keep_standard_streams_open();
   const std::vector<std::string> args(argv + 1, argv + argc);
   if (!args.empty() && args[0] == "run") return run_command({args.begin() + 1, args.end()});
   // The parameter servers that `shoal run --servers` starts (docs/ps.md).
