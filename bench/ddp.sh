@@ -57,8 +57,15 @@ variant_flags() {
     shoal-unweighted) echo "--no-weigh" ;;        # weigh_by_batch_share = false: no share hooks
     shoal-t1) echo "--gloo-threads 1" ;;
     shoal-t4) echo "--gloo-threads 4" ;;
+    shoal-tcp) echo "" ;;                         # SHOAL_COMM=tcp (variant_env): Gloo's TCP path
     *) echo "ddp.sh: unknown contender $1" >&2; return 2 ;;
   esac
+}
+
+# The environment of a shoal contender: shoal-tcp forces Gloo's TCP path between co-located
+# workers (docs/comm.md, "Shared memory among co-located workers"); the others take the default.
+variant_env() {
+  [[ $1 == shoal-tcp ]] && echo "SHOAL_COMM=tcp" || echo "SHOAL_COMM=auto"
 }
 
 # PyTorch's configurations: its defaults, and what a user tuning DDP would set.
@@ -147,8 +154,8 @@ run_pair() {
       for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
     else
       # shellcheck disable=SC2046
-      SHOAL_NUM_THREADS=1 timeout "$run_timeout" "$shoal" run -n 2 --no-tag-output \
-        $(shoal_args "$model" "$contender" "$steps") || status=$?
+      env "$(variant_env "$contender")" SHOAL_NUM_THREADS=1 timeout "$run_timeout" "$shoal" run -n 2 \
+        --no-tag-output $(shoal_args "$model" "$contender" "$steps") || status=$?
     fi
     return "$status"
   fi

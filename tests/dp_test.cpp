@@ -1,6 +1,8 @@
 // DataParallel against its oracle: the same training on one process over the concatenated
 // global batch. Each worker starts from a different random model (DataParallel must broadcast
 // the first worker's), trains on its shard, and ends with the reference's parameters.
+#include <numeric>
+
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -283,6 +285,54 @@ TEST_P(Equivalence, CompressedAveragesAgreeEverywhere) {
         for (int w = 1; w < n; ++w) EXPECT_TRUE(torch::equal(gathered[w], gathered[0])) << count;
       }
     }
+  });
+}
+
+// The same training over a group on Gloo's TCP path and over one on shared memory (docs/comm.md,
+// "Shared memory among co-located workers") ends with the same parameters: the paths differ only
+// in summation order. SHOAL_COMM=shm makes the second group fail rather than quietly take TCP.
+void train_on_both_paths(shoal::DataParallelOptions options) {
+  const int n = shoal::world_size(), r = shoal::rank();
+  auto [x, y] = global_data(n);
+  std::vector<int> everyone(n);
+  std::iota(everyone.begin(), everyone.end(), 0);
+  setenv("SHOAL_COMM", "tcp", 1);
+  auto tcp = shoal::world().subgroup(everyone);
+  setenv("SHOAL_COMM", "shm", 1);
+  auto shm = shoal::world().subgroup(everyone);
+  unsetenv("SHOAL_COMM");
+  std::vector<std::vector<torch::Tensor>> results;
+  for (auto& group : {tcp, shm}) {
+    torch::manual_seed(100 + r);
+    Mlp net(true, false);
+    options.group = group;
+    shoal::DataParallel model(net, options);
+    // SGD: Adam divides each component by its own history, which magnifies a difference in the
+    // last bit of a near-zero gradient (make_optimizer); the paths differ in exactly such bits.
+    auto opt = make_optimizer(net, Optim::kSgd);
+    for (int64_t step = 0; step < kSteps; ++step) {
+      opt->zero_grad();
+      auto shard_x = x[step].narrow(0, r * kPerWorker, kPerWorker);
+      loss_of(net, shard_x, y[step].narrow(0, r * kPerWorker, kPerWorker), false).backward();
+      opt->step();
+    }
+    results.push_back(net->parameters());
+    for (auto& b : net->buffers()) {
+      if (b.is_floating_point()) results.back().push_back(b);
+    }
+  }
+  EXPECT_LT(relative_difference(results[1], results[0]), 1e-6);
+}
+
+TEST_P(Equivalence, SharedMemoryEqualsTcp) {
+  run_workers(GetParam(), [] { train_on_both_paths({}); });
+}
+
+TEST_P(Equivalence, SharedMemoryEqualsTcpWithSmallBuckets) {
+  run_workers(GetParam(), [] {
+    shoal::DataParallelOptions options;
+    options.bucket_bytes = 64;  // a bucket per parameter or two: many collectives in flight
+    train_on_both_paths(options);
   });
 }
 

@@ -29,18 +29,28 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-class KilledPeer : public ::testing::TestWithParam<int> {};
+// Element counts of the all-reduces that a peer dies or stops in, one of each size class of the
+// shared-memory path (docs/comm.md): a few elements; a part that fits one piece of a slot; many
+// pieces (4 MiB, through both buffers in turn).
+const std::vector<int64_t> kSizeClasses = {7, 60000, 1 << 20};
+
+std::string size_class_name(int64_t count) {
+  return count < 100 ? "small" : count < 100000 ? "medium" : "large";
+}
+
+// (workers, elements)
+class KilledPeer : public ::testing::TestWithParam<std::tuple<int, int64_t>> {};
 
 TEST_P(KilledPeer, SurvivorsRaiseCommErrorNamingIt) {
-  const int n = GetParam();
+  const auto [n, count] = GetParam();
   const int victim = 1;
   shoal::testing::WorkersOptions options;
   options.may_fail = {victim};
-  auto exits = run_workers(n, [victim] {
+  auto exits = run_workers(n, [victim, count = count] {
     auto& world = shoal::world();
     world.set_timeout(kTimeout);
     for (int step = 0;; ++step) {
-      auto t = torch::ones({1 << 20});
+      auto t = torch::ones({count});
       auto start = Clock::now();
       auto work = world.all_reduce_async(t);
       if (shoal::rank() == victim && step == 3) raise(SIGKILL);
@@ -70,17 +80,24 @@ TEST_P(KilledPeer, SurvivorsRaiseCommErrorNamingIt) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(WorldSizes, KilledPeer, ::testing::Values(3, 4),
-                         [](const auto& info) { return "n" + std::to_string(info.param); });
+INSTANTIATE_TEST_SUITE_P(WorldSizes, KilledPeer,
+                         ::testing::Combine(::testing::Values(3, 4),
+                                            ::testing::ValuesIn(kSizeClasses)),
+                         [](const auto& info) {
+                           return "n" + std::to_string(std::get<0>(info.param)) + "_" +
+                                  size_class_name(std::get<1>(info.param));
+                         });
 
-TEST(StoppedPeer, SurvivorsTimeOutNamingTheWait) {
+class StoppedPeer : public ::testing::TestWithParam<int64_t> {};
+
+TEST_P(StoppedPeer, SurvivorsTimeOutNamingTheWait) {
   shoal::testing::WorkersOptions options;
   options.stragglers = {2};
-  run_workers(3, [] {
+  run_workers(3, [count = GetParam()] {
     auto& world = shoal::world();
     const auto timeout = std::chrono::seconds(2);
     world.set_timeout(timeout);
-    auto t = torch::ones({1000});
+    auto t = torch::ones({count});
     world.all_reduce(t);  // all connected and working
     if (shoal::rank() == 2) raise(SIGSTOP);
     auto start = Clock::now();
@@ -100,7 +117,10 @@ TEST(StoppedPeer, SurvivorsTimeOutNamingTheWait) {
   }, options);
 }
 
-TEST(StoppedPeer, PerOperationTimeoutOverridesTheGroups) {
+INSTANTIATE_TEST_SUITE_P(SizeClasses, StoppedPeer, ::testing::ValuesIn(kSizeClasses),
+                         [](const auto& info) { return size_class_name(info.param); });
+
+TEST(StoppedPeerAnySize, PerOperationTimeoutOverridesTheGroups) {
   shoal::testing::WorkersOptions options;
   options.stragglers = {1};
   run_workers(2, [] {

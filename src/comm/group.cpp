@@ -3,11 +3,14 @@
 #include <algorithm>
 #include <atomic>
 #include <numeric>
+#include <optional>
 #include <set>
 #include <thread>
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
+#include "comm/shm/locality.h"
+#include "shoal/core/env.h"
 #include "shoal/core/error.h"
 #include "state.h"
 
@@ -94,6 +97,56 @@ at::Tensor reduce_rows(const at::Tensor& stacked, ReduceOp op) {
   SHOAL_CHECK(false) << "unknown ReduceOp " << static_cast<int>(op);
 }
 
+// The element type of the shared-memory path for a tensor's dtype; nullopt: Gloo takes it.
+std::optional<shm::DType> shm_dtype(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat:
+      return shm::DType::kFloat32;
+    case at::kDouble:
+      return shm::DType::kFloat64;
+    case at::kInt:
+      return shm::DType::kInt32;
+    case at::kLong:
+      return shm::DType::kInt64;
+    case at::kByte:
+      return shm::DType::kUInt8;
+    case at::kChar:
+      return shm::DType::kInt8;
+    case at::kHalf:
+      return shm::DType::kFloat16;
+    case at::kBFloat16:
+      return shm::DType::kBFloat16;
+    default:
+      return std::nullopt;
+  }
+}
+
+shm::ReduceOp to_shm(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAvg:  // a sum, divided on completion, as on Gloo
+      return shm::ReduceOp::kSum;
+    case ReduceOp::kMax:
+      return shm::ReduceOp::kMax;
+    case ReduceOp::kMin:
+      return shm::ReduceOp::kMin;
+  }
+  SHOAL_CHECK(false) << "unknown ReduceOp " << static_cast<int>(op);
+}
+
+// Elements of `rows` rows of a tensor shaped like `like` (dim 0 is the rows).
+size_t elements(const at::Tensor& like, int64_t rows) {
+  int64_t row = 1;
+  for (int64_t d = 1; d < like.dim(); ++d) row *= like.size(d);
+  return static_cast<size_t>(rows * row);
+}
+
+std::vector<size_t> element_counts(const at::Tensor& like, const Sizes& rows) {
+  std::vector<size_t> counts;
+  for (auto r : rows) counts.push_back(elements(like, r));
+  return counts;
+}
+
 // Note [Bytes sent]
 // What this worker hands to the network in every group, counted when an operation that sends
 // anything is launched, as ring algorithms send them (docs/comm.md, "Bytes sent"): an all-reduce
@@ -129,6 +182,8 @@ std::string Group::State::describe() const {
 void Group::State::mark_broken(const std::string& reason) {
   std::lock_guard<std::mutex> lock(mutex);
   if (!broken.exchange(true)) broken_reason = reason;
+  // An operation still running on the shared-memory path waits for nobody now.
+  if (shm) shm->cancel();
 }
 
 std::string Group::State::lost_members() const {
@@ -201,8 +256,9 @@ namespace {
 // and its late answer would be read as the reply to the next request.
 constexpr Duration kLivenessPeriod{250};  // as in work.cpp: how often a wait asks who is gone
 
-void wait_for_members(Group::State& state, const Deadline& deadline) {
-  const std::string counter = state.prefix + "/connected";
+// Each member writes `<counter>/<rank>` and adds one to `<counter>`; returns once the counter holds
+// every member (Note [Creating a group ends with a barrier]).
+void wait_for_members(Group::State& state, const std::string& counter, const Deadline& deadline) {
   put(state.store, counter + "/" + std::to_string(state.rank), "1");
   Duration pause(1);
   Deadline liveness(kLivenessPeriod);
@@ -233,6 +289,105 @@ void wait_for_members(Group::State& state, const Deadline& deadline) {
   }
 }
 
+// Note [Choosing the shared-memory path]
+// SHOAL_COMM says which path a group of several members takes: "auto" (the default) uses shared
+// memory when every member has this worker's locality key (same boot, network namespace, pid
+// namespace and user: Note [Locality key] in shm/locality.h) and the segment can be made and
+// opened everywhere, else Gloo; "tcp" always Gloo; "shm" shared memory or a CommError saying why
+// not. The members decide together, through the store, so that all take the same path: each
+// writes its key before the connect barrier (so all keys are there after it); member 0 creates
+// the segment and writes its handle, or why it could not; the others open it and each writes
+// "ok" or why not; after a second barrier every member reads the same answers. Member 0 holds
+// the segment open until then, which /proc-opening needs (Note [Segment by /proc]). Gloo is
+// connected either way: send/recv and the dtypes shared memory does not reduce (bool, int16,
+// complex) still take it.
+enum class Path { kAuto, kTcp, kShm };
+
+Path requested_path() {
+  const auto value = env::get(env::current(), "SHOAL_COMM");
+  if (!value || value->empty() || *value == "auto") return Path::kAuto;
+  if (*value == "tcp") return Path::kTcp;
+  if (*value == "shm") return Path::kShm;
+  throw UsageError("SHOAL_COMM=" + *value + ": expected auto, tcp or shm");
+}
+
+std::string this_locality() {
+  try {
+    return shm::locality_key();
+  } catch (const CommError& e) {
+    return std::string("- ") + e.what();  // no key: never equal to another's
+  }
+}
+
+// Wait for `key` to be set, until the deadline; a lost member ends the wait early.
+std::string wait_for_key(Group::State& state, const std::string& key, const Deadline& deadline) {
+  Duration pause(1);
+  for (;;) {
+    std::string value = try_get(state.store, key);
+    if (!value.empty()) return value;
+    if (deadline.expired()) {
+      throw CommError("connecting " + state.describe() + " timed out after " +
+                      format_duration(deadline.elapsed()) + " waiting for worker " +
+                      std::to_string(state.members[0]) + "'s shared-memory segment");
+    }
+    std::this_thread::sleep_for(std::min(pause, deadline.remaining()));
+    pause = std::min(pause * 2, Duration(20));
+  }
+}
+
+// Returns the shared-memory path of a group whose members are connected, or null (with the reason
+// in `why`) when the members take Gloo (Note [Choosing the shared-memory path]).
+std::unique_ptr<shm::Executor> open_shared_memory(Group::State& state, const Deadline& deadline,
+                                                  std::string& why) {
+  const std::string key = try_get(state.store, state.prefix + "/locality/0");
+  for (int i = 1; i < state.size(); ++i) {
+    const std::string other = try_get(state.store, state.prefix + "/locality/" + std::to_string(i));
+    if (other != key || key.empty() || key[0] == '-') {
+      why = "workers " + std::to_string(state.members[0]) + " and " +
+            std::to_string(state.members[i]) + " are not on one host (locality keys \"" + key +
+            "\" and \"" + other + "\")";
+      return nullptr;
+    }
+  }
+  std::optional<shm::Segment> segment;
+  std::string status = "ok";
+  if (state.rank == 0) {
+    std::string handle;
+    try {
+      segment.emplace(shm::Segment::create(state.size()));
+      handle = segment->handle();
+    } catch (const CommError& e) {
+      status = e.what();
+      handle = "- " + status;
+    }
+    put(state.store, state.prefix + "/shm/handle", handle);
+  } else {
+    const std::string handle = wait_for_key(state, state.prefix + "/shm/handle", deadline);
+    if (handle[0] == '-') {
+      status = "worker " + std::to_string(state.members[0]) + ": " + handle.substr(2);
+    } else {
+      try {
+        segment.emplace(shm::Segment::open(handle, state.size()));
+      } catch (const CommError& e) {
+        status = "worker " + std::to_string(state.members[state.rank]) + ": " + e.what();
+      }
+    }
+  }
+  put(state.store, state.prefix + "/shm/status/" + std::to_string(state.rank), status);
+  wait_for_members(state, state.prefix + "/shm/opened", deadline);
+  for (int i = 0; i < state.size(); ++i) {
+    const std::string answer =
+        try_get(state.store, state.prefix + "/shm/status/" + std::to_string(i));
+    if (answer != "ok") {
+      why = answer;
+      return nullptr;
+    }
+  }
+  auto group = std::make_unique<shm::LocalGroup>(std::move(*segment), state.rank,
+                                                 std::max(deadline.remaining(), Duration(1)));
+  return std::make_unique<shm::Executor>(std::move(group));
+}
+
 std::shared_ptr<Group::State> connect(StorePtr store, std::string prefix, int rank,
                                       std::vector<int> members, const GroupOptions& options) {
   auto state = std::make_shared<Group::State>();
@@ -244,7 +399,9 @@ std::shared_ptr<Group::State> connect(StorePtr store, std::string prefix, int ra
   if (state->size() == 1) return state;
 
   Deadline deadline(options.timeout);
+  const Path path = requested_path();
   try {
+    if (path != Path::kTcp) put(store, prefix + "/locality/" + std::to_string(rank), this_locality());
     auto backend_options = c10d::ProcessGroupGloo::Options::create(options.timeout);
     backend_options->threads = options.threads;
     backend_options->devices.push_back(
@@ -254,7 +411,16 @@ std::shared_ptr<Group::State> connect(StorePtr store, std::string prefix, int ra
     auto scoped = c10::make_intrusive<c10d::PrefixStore>(prefix, store);
     state->backend =
         c10::make_intrusive<c10d::ProcessGroupGloo>(scoped, rank, state->size(), backend_options);
-    wait_for_members(*state, deadline);  // See Note [Creating a group ends with a barrier]
+    // See Note [Creating a group ends with a barrier]
+    wait_for_members(*state, prefix + "/connected", deadline);
+    if (path != Path::kTcp) {
+      std::string why;
+      state->shm = open_shared_memory(*state, deadline, why);
+      if (!state->shm && path == Path::kShm) {
+        throw CommError("SHOAL_COMM=shm, but " + state->describe() +
+                        " cannot share memory: " + why);
+      }
+    }
   } catch (const shoal::Error&) {
     throw;
   } catch (const std::exception& e) {
@@ -376,6 +542,17 @@ Work Group::launch(const char* op, const std::function<void(Work::State&)>& star
   return Work(work);
 }
 
+bool Group::on_shared_memory(const at::Tensor& tensor) const {
+  return state_->shm && shm_dtype(tensor.scalar_type()).has_value();
+}
+
+void Group::submit(Work::State& work, std::function<void(shm::LocalGroup&, Duration)> operation) {
+  work.shm_task = state_->shm->submit(
+      [operation = std::move(operation), deadline = work.deadline](shm::LocalGroup& group) {
+        operation(group, deadline.remaining());
+      });
+}
+
 Work Group::all_reduce_async(at::Tensor& tensor, const AllReduceOptions& options) {
   check_average(options.op, tensor, "all_reduce");
   at::Tensor target = tensor;
@@ -385,7 +562,13 @@ Work Group::all_reduce_async(at::Tensor& tensor, const AllReduceOptions& options
   return launch(
       "all_reduce",
       [&](Work::State& work) {
-        if (n > 1 && buffer.numel() > 0) {
+        if (n > 1 && buffer.numel() > 0 && on_shared_memory(buffer)) {
+          const auto dtype = *shm_dtype(buffer.scalar_type());
+          submit(work, [buffer, dtype, op](shm::LocalGroup& group, Duration timeout) {
+            group.all_reduce(buffer.data_ptr(), buffer.numel(), dtype, to_shm(op), timeout);
+          });
+          count_sent(2 * static_cast<int64_t>(buffer.nbytes()) * (n - 1) / n);
+        } else if (n > 1 && buffer.numel() > 0) {
           std::vector<at::Tensor> tensors{buffer};
           c10d::AllreduceOptions backend_options;
           backend_options.reduceOp = to_backend(op);
@@ -414,7 +597,14 @@ Work Group::broadcast_async(at::Tensor& tensor, const BroadcastOptions& options)
   return launch(
       "broadcast",
       [&](Work::State& work) {
-        if (size() > 1 && buffer.numel() > 0) {
+        if (size() > 1 && buffer.numel() > 0 && on_shared_memory(buffer)) {
+          const auto dtype = *shm_dtype(buffer.scalar_type());
+          const int root = options.root;
+          submit(work, [buffer, dtype, root](shm::LocalGroup& group, Duration timeout) {
+            group.broadcast(buffer.data_ptr(), buffer.numel(), dtype, root, timeout);
+          });
+          count_sent(static_cast<int64_t>(buffer.nbytes()) * (size() - 1) / size());
+        } else if (size() > 1 && buffer.numel() > 0) {
           std::vector<at::Tensor> tensors{buffer};
           c10d::BroadcastOptions backend_options;
           backend_options.rootRank = options.root;
@@ -445,6 +635,27 @@ Work Group::all_gather_async(const at::Tensor& tensor, const AllGatherOptions& o
                        "] = " + std::to_string(sizes[rank()]) + " but this worker's tensor has " +
                        std::to_string(tensor.size(0)) + " rows");
     }
+  }
+  if (n > 1 && on_shared_memory(tensor)) {
+    // Parts of any size, straight into the output: no padding.
+    at::Tensor input = tensor.contiguous();
+    at::Tensor output = at::empty(
+        shape_with_rows(input, std::accumulate(sizes.begin(), sizes.end(), int64_t{0})),
+        input.options());
+    const auto dtype = *shm_dtype(input.scalar_type());
+    const auto counts = element_counts(input, sizes);
+    const int64_t rows = *std::max_element(sizes.begin(), sizes.end());
+    return launch(
+        "all_gather",
+        [&](Work::State& work) {
+          submit(work, [input, output, counts, dtype](shm::LocalGroup& group, Duration timeout) {
+            group.all_gather(input.data_ptr(), output.data_ptr(), counts, dtype, timeout);
+          });
+          // As Gloo would send it (padded to the largest part): see Note [Bytes sent].
+          count_sent(static_cast<int64_t>(elements(input, rows) * input.element_size()) * (n - 1));
+          work.finish = [output](Work::State& done) { done.result = output; };
+        },
+        options.timeout, static_cast<int64_t>(tensor.nbytes()));
   }
   const int64_t rows = *std::max_element(sizes.begin(), sizes.end());
   // Gloo's all-gather needs equal parts: pad each to the largest, cut on completion.
@@ -508,6 +719,17 @@ Work Group::all_to_all_async(const at::Tensor& input_tensor, const AllToAllOptio
         // collectives, and one member skipping would pair the others' next call with this one.
         if (n == 1) {
           output.copy_(input);
+        } else if (on_shared_memory(input)) {
+          const int64_t row_bytes =
+              input.size(0) > 0 ? static_cast<int64_t>(input.nbytes()) / input.size(0) : 0;
+          count_sent((input.size(0) - send[rank()]) * row_bytes);
+          const auto dtype = *shm_dtype(input.scalar_type());
+          submit(work, [input, output, dtype, send_counts = element_counts(input, send),
+                        recv_counts = element_counts(input, recv)](shm::LocalGroup& group,
+                                                                   Duration timeout) {
+            group.all_to_all(input.data_ptr(), send_counts, output.data_ptr(), recv_counts, dtype,
+                             timeout);
+          });
         } else {
           // Before the call: c10d moves the sizes away.
           const int64_t row_bytes =
@@ -533,6 +755,32 @@ Work Group::reduce_scatter_async(const at::Tensor& input, const ReduceScatterOpt
   const int n = size();
   Sizes sizes = options.sizes.empty() ? split_sizes(input.size(0), n) : options.sizes;
   check_sizes(sizes, n, input.size(0), "reduce_scatter", "sizes");
+  if (n > 1 && on_shared_memory(input)) {
+    // Reduced where it lies: each member sums its own part of every member's input.
+    at::Tensor contiguous = input.contiguous();
+    at::Tensor output = at::empty(shape_with_rows(contiguous, sizes[rank()]), contiguous.options());
+    const auto dtype = *shm_dtype(contiguous.scalar_type());
+    const ReduceOp op = options.op;
+    return launch(
+        "reduce_scatter",
+        [&](Work::State& work) {
+          const int64_t row_bytes = contiguous.size(0) > 0
+                                        ? static_cast<int64_t>(contiguous.nbytes()) /
+                                              contiguous.size(0)
+                                        : 0;
+          count_sent((contiguous.size(0) - sizes[rank()]) * row_bytes);
+          submit(work, [contiguous, output, dtype, op, counts = element_counts(contiguous, sizes)](
+                           shm::LocalGroup& group, Duration timeout) {
+            group.reduce_scatter(contiguous.data_ptr(), output.data_ptr(), counts, dtype,
+                                 to_shm(op), timeout);
+          });
+          work.finish = [output, op, n](Work::State& done) {
+            if (op == ReduceOp::kAvg) output.div_(n);
+            done.result = output;
+          };
+        },
+        options.timeout, static_cast<int64_t>(contiguous.nbytes()));
+  }
   // An all-to-all moves the same bytes as a ring reduce-scatter ((n-1)/n of the input per
   // worker) and handles uneven parts and every op; the reduction then runs locally.
   AllToAllOptions exchange;
@@ -615,7 +863,11 @@ Work Group::barrier_async(const BarrierOptions& options) {
   return launch(
       "barrier",
       [&](Work::State& work) {
-        if (size() > 1) work.backend_work = state_->backend->barrier();
+        if (size() > 1 && state_->shm) {
+          submit(work, [](shm::LocalGroup& group, Duration timeout) { group.barrier(timeout); });
+        } else if (size() > 1) {
+          work.backend_work = state_->backend->barrier();
+        }
       },
       options.timeout, 0);
 }

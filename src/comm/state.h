@@ -10,6 +10,7 @@
 
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
+#include "comm/shm/executor.h"
 #include "shoal/comm/group.h"
 #include "shoal/comm/work.h"
 #include "shoal/core/timeline.h"
@@ -18,6 +19,9 @@ namespace shoal::comm {
 
 struct Group::State {
   c10::intrusive_ptr<c10d::ProcessGroupGloo> backend;  // null in a group of one
+  // The shared-memory path, when every member is on this host (docs/comm.md, "Shared memory among
+  // co-located workers"); null: every operation goes through Gloo.
+  std::unique_ptr<shm::Executor> shm;
   StorePtr store;           // the job's store, unprefixed; null in a group of one
   std::string prefix;       // this group's key prefix in the store
   GroupOptions options;
@@ -45,6 +49,7 @@ struct Work::State {
   std::string op;
   std::shared_ptr<Group::State> group;
   c10::intrusive_ptr<c10d::Work> backend_work;  // null when nothing was sent (one worker, no data)
+  std::shared_ptr<shm::Task> shm_task;          // instead of backend_work on the shared-memory path
   bool point_to_point = false;
   Deadline deadline{Duration(0)};
   std::function<void(Work::State&)> finish;  // after success: copy back, reduce, fill result

@@ -44,10 +44,13 @@ std::string others(const Group::State& group) {
   throw CommError(message);
 }
 
-// Gloo reported an error: usually a peer's socket closed. Its launcher's record of how it ended
-// may lag the socket by a few milliseconds, so give it a moment to name the lost worker. With no
-// record (no launcher that keeps them, or not a lost peer at all) Gloo's words must do.
-[[noreturn]] void fail_with_backend_error(Work::State& work, const std::exception& e) {
+// The path reported an error: usually a peer's socket closed (Gloo) or its process ended (shared
+// memory). Its launcher's record of how it ended may lag by a few milliseconds, so give it a
+// moment to name the lost worker. With no record (no launcher that keeps them, or not a lost peer
+// at all) the path's words must do, and `member`, the group rank of a member the path saw end
+// (-1: none), is named from them.
+[[noreturn]] void fail_with_backend_error(Work::State& work, const std::exception& e,
+                                          const char* path = "gloo", int member = -1) {
   const auto waited = work.deadline.elapsed();
   std::string lost = work.group->lost_members();
   // A membership (lost_check) learns of a death by probing, which the caller starts after this
@@ -57,8 +60,50 @@ std::string others(const Group::State& group) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
     lost = work.group->lost_members();
   }
+  if (lost.empty() && member >= 0) {
+    lost = "worker " + std::to_string(work.group->members[member]) + ", whose process ended";
+  }
   fail(work, "failed after " + format_duration(waited) + ": " +
-                 (lost.empty() ? "" : "lost " + lost + " ") + "(gloo: " + first_line(e) + ")");
+                 (lost.empty() ? "" : "lost " + lost + " ") + "(" + path + ": " + first_line(e) +
+                 ")");
+}
+
+// Waits for an operation on the shared-memory path: in slices, asking between them who is gone,
+// as for Gloo's collectives; the operation's own waits watch the members' processes and its
+// deadline, so its end usually comes first.
+void wait_shared_memory(Work::State& work, const Deadline& deadline) {
+  while (!work.shm_task->wait_for(std::min(kLivenessPeriod, deadline.remaining()))) {
+    if (deadline.expired()) {
+      fail(work, "timed out after " + format_duration(work.deadline.elapsed()) +
+                     " waiting for workers " + others(*work.group));
+    }
+    std::string lost = work.group->lost_members();
+    if (!lost.empty()) {
+      fail(work, "failed after " + format_duration(work.deadline.elapsed()) + ": lost " + lost);
+    }
+  }
+  if (auto error = work.shm_task->error()) {
+    try {
+      std::rethrow_exception(error);
+    } catch (const UsageError&) {
+      work.slice.end();
+      throw;  // the members disagreed on the call (all_to_all's counts); the group stays usable
+    } catch (const shm::WaitFailed& e) {
+      // A member that timed out first waited for the same late member as this one, which would
+      // time out a moment later (their deadlines differ by how far apart they launched): it does
+      // so at its own deadline, as over Gloo, so that every member's error says the same.
+      if (e.kind == shm::FailureKind::kTimedOut || work.deadline.expired()) {
+        std::this_thread::sleep_for(work.deadline.remaining());
+        fail(work, "timed out after " + format_duration(work.deadline.elapsed()) +
+                       " waiting for workers " + others(*work.group) + " (shared memory: " +
+                       e.what() + ")");
+      }
+      fail_with_backend_error(work, e, "shared memory",
+                              e.kind == shm::FailureKind::kLost ? e.member : -1);
+    } catch (const std::exception& e) {
+      fail_with_backend_error(work, e, "shared memory");
+    }
+  }
 }
 
 }  // namespace
@@ -67,7 +112,11 @@ void Work::wait(Duration timeout) {
   SHOAL_CHECK(state_ != nullptr) << "wait() on an empty Work";
   State& work = *state_;
   if (work.done) return;
-  if (work.backend_work) {
+  if (work.shm_task) {
+    wait_shared_memory(work, Deadline(timeout == kUnsetTimeout
+                                          ? work.deadline.remaining()
+                                          : std::min(timeout, work.deadline.remaining())));
+  } else if (work.backend_work) {
     const Duration limit = timeout == kUnsetTimeout ? work.deadline.remaining()
                                                     : std::min(timeout, work.deadline.remaining());
     Deadline deadline(limit);
@@ -131,7 +180,9 @@ Work& Work::then(std::function<void(const at::Tensor&)> next) {
 
 bool Work::is_completed() const {
   SHOAL_CHECK(state_ != nullptr) << "is_completed() on an empty Work";
-  return state_->done || !state_->backend_work || state_->backend_work->isCompleted();
+  if (state_->done) return true;
+  if (state_->shm_task) return state_->shm_task->done();
+  return !state_->backend_work || state_->backend_work->isCompleted();
 }
 
 const at::Tensor& Work::result() const {

@@ -18,6 +18,10 @@
 
 namespace shoal::comm {
 
+namespace shm {
+class LocalGroup;
+}
+
 enum class ReduceOp { kSum, kAvg, kMax, kMin };
 
 // The default timeout of a group's operations.
@@ -153,6 +157,10 @@ class Group {
   // `bytes` (this worker's tensor) and `peer` (-1: none) are what the timeline records.
   Work launch(const char* op, const std::function<void(Work::State&)>& start, Duration timeout,
               int64_t bytes, int peer = -1);
+  // The shared-memory path (docs/comm.md): whether it takes `tensor`, and handing it an operation
+  // that runs with the time left of `work`'s deadline.
+  bool on_shared_memory(const at::Tensor& tensor) const;
+  void submit(Work::State& work, std::function<void(shm::LocalGroup&, Duration)> operation);
   std::shared_ptr<State> state_;
 };
 

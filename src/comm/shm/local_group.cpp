@@ -84,9 +84,8 @@ LocalGroup::LocalGroup(Segment segment, int rank, Duration timeout)
 }
 
 WaitScope LocalGroup::scope(const char* operation, Duration timeout, int watch) const {
-  return {
-      &segment_, &liveness_, rank_, operation, Deadline(timeout.count() >= 0 ? timeout : timeout_),
-      watch,     spins_};
+  return {&segment_, &liveness_, rank_,  operation, Deadline(timeout.count() >= 0 ? timeout : timeout_),
+          watch,     spins_,     &cancelled_};
 }
 
 template <typename Body>
@@ -100,9 +99,13 @@ void LocalGroup::run(const char* operation, Body&& body) {
   } catch (const CommError& e) {
     broken_ = e.what();
     // Tell the others at once, unless one did first: -1 holds the place while the text is written.
+    // What failed first elsewhere is not this member's to tell again.
+    auto* wait = dynamic_cast<const WaitFailed*>(&e);
     SegmentHeader* h = segment_.header();
     int32_t none = 0;
-    if (h->failed.compare_exchange_strong(none, -1)) {
+    if ((wait == nullptr || wait->first < 0) && h->failed.compare_exchange_strong(none, -1)) {
+      h->failure_kind = static_cast<int32_t>(wait ? wait->kind : FailureKind::kOther);
+      h->failure_member = wait ? wait->member : -1;
       std::snprintf(h->failure, sizeof(h->failure), "%s", e.what());
       h->failed.store(rank_ + 1, std::memory_order_release);
     }

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstddef>
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -64,6 +65,10 @@ class LocalGroup {
             Duration timeout = kUnsetTimeout);
   void recv(void* data, size_t bytes, int src, uint32_t tag, Duration timeout = kUnsetTimeout);
 
+  // From any thread: a wait in progress (and every later one) raises CommError within a wait
+  // slice (10 ms); for callers that gave up on an operation at a deadline of their own.
+  void cancel() { cancelled_.store(true, std::memory_order_release); }
+
  private:
   // Note [Phases]: in a collective every member advances its own counter once per phase, the same
   // number of times in every member, so counter value c means "done with phase c"
@@ -95,6 +100,7 @@ class LocalGroup {
   int buffer_ = 0;
   size_t table_half_ = 0;  // which half of the published table the next all_to_all uses
   std::string broken_;     // the first error, once broken
+  std::atomic<bool> cancelled_{false};
 };
 
 }  // namespace shoal::comm::shm

@@ -17,7 +17,7 @@ namespace shoal::comm::shm {
 namespace {
 
 constexpr uint64_t kMagic = 0x6d68732d6c616f73ULL;  // "shoal-shm"
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;
 constexpr size_t kPage = 4096;
 
 size_t round_up(size_t n, size_t to) {

@@ -74,9 +74,12 @@ struct SegmentHeader {
   uint64_t slot_bytes;
   uint64_t channel_bytes;
   uint64_t total_bytes;
-  // The first member that raised an error in a collective, plus one (0: none), and its message:
-  // the others quote it instead of waiting for their own deadline.
+  // The first member that raised an error in a collective, plus one (0: none), what kind of
+  // error it was (FailureKind, sync.h), the member it lost (for kLost) and its message: the others
+  // quote it instead of waiting for their own deadline. Written before `failed` is released.
   std::atomic<int32_t> failed;
+  int32_t failure_kind;
+  int32_t failure_member;
   char failure[500];
 };
 

@@ -121,20 +121,28 @@ void wait_for(Counter& c, uint32_t target, int member, const WaitScope& scope) {
   for (;;) {
     SegmentHeader* header = scope.segment->header();
     if (const int failed = header->failed.load(std::memory_order_acquire); failed > 0) {
-      throw CommError(
+      throw WaitFailed(
           prefix + "member " + std::to_string(failed - 1) + " failed first: " +
-          std::string(header->failure, strnlen(header->failure, sizeof(header->failure))));
+              std::string(header->failure, strnlen(header->failure, sizeof(header->failure))),
+          static_cast<FailureKind>(header->failure_kind), header->failure_member, failed - 1);
     }
     if (const int gone = scope.liveness->ended(scope.watch); gone >= 0) {
-      throw CommError(prefix + "lost " + who(gone) + ", whose process ended while member " +
-                      std::to_string(scope.self) + " waited for member " + std::to_string(member) +
-                      " (after " + format_duration(scope.deadline.elapsed()) + ")");
+      throw WaitFailed(prefix + "lost " + who(gone) + ", whose process ended while member " +
+                           std::to_string(scope.self) + " waited for member " +
+                           std::to_string(member) + " (after " +
+                           format_duration(scope.deadline.elapsed()) + ")",
+                       FailureKind::kLost, gone);
+    }
+    if (scope.cancelled != nullptr && scope.cancelled->load(std::memory_order_acquire)) {
+      throw CommError(prefix + "abandoned after " + format_duration(scope.deadline.elapsed()) +
+                      ": its caller stopped waiting");
     }
     const Duration left = scope.deadline.remaining();
     if (left.count() <= 0) {
-      throw CommError(prefix + "timed out after " + format_duration(scope.deadline.timeout()) +
-                      " waiting for " + who(member) +
-                      " (this member: " + std::to_string(scope.self) + ")");
+      throw WaitFailed(prefix + "timed out after " + format_duration(scope.deadline.timeout()) +
+                           " waiting for " + who(member) +
+                           " (this member: " + std::to_string(scope.self) + ")",
+                       FailureKind::kTimedOut, -1);
     }
     const Duration slice = left < kSlice ? left : kSlice;
     timespec ts{};

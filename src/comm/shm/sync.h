@@ -18,11 +18,13 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "comm/shm/segment.h"
+#include "shoal/core/error.h"
 #include "shoal/core/timeout.h"
 
 namespace shoal::comm::shm {
@@ -57,6 +59,20 @@ class Liveness {
   std::vector<Peer> peers_;
 };
 
+// What ended a wait, so that the wiring words it as it does Gloo's failures.
+enum class FailureKind : int32_t { kOther = 0, kTimedOut = 1, kLost = 2 };
+
+// A wait failed: its deadline passed (kTimedOut), a member's process ended (kLost, `member` names
+// it), or, with `first` >= 0, member `first` failed that way first and said so in the segment.
+class WaitFailed : public CommError {
+ public:
+  WaitFailed(const std::string& what, FailureKind kind, int member, int first = -1)
+      : CommError(what), kind(kind), member(member), first(first) {}
+  FailureKind kind;
+  int member;  // the lost member (kLost), else -1
+  int first;   // the member that failed first, or -1: this one
+};
+
 // What a wait is part of, for its errors.
 struct WaitScope {
   const Segment* segment;
@@ -66,6 +82,9 @@ struct WaitScope {
   Deadline deadline;
   int watch = -1;    // the only member whose end fails the wait; -1: any member's
   int spins = 2000;  // checks before sleeping (Note [Waiting with a deadline])
+  // Set by another thread when nobody waits for the operation any more (its caller gave up at
+  // an earlier deadline of its own): the wait then raises CommError at its next slice.
+  const std::atomic<bool>* cancelled = nullptr;
 };
 
 // True when `value` has reached `target`, counting modulo 2^32 (members are never 2^31 apart).
