@@ -29,6 +29,7 @@
 #include <CLI/CLI.hpp>
 
 #include "comm/shm/local_group.h"
+#include "memory_bound.h"
 
 namespace {
 
@@ -54,25 +55,6 @@ size_t iterations_for(size_t bytes) {
   return std::clamp<size_t>((size_t{64} << 20) / bytes, 3, 2000);
 }
 
-// Seconds for one core to copy `bytes` once and sum them into another buffer once.
-double bound_seconds(size_t bytes) {
-  const size_t n = bytes / sizeof(float);
-  std::vector<float> a(n, 1.0f), b(n, 2.0f), c(n, 0.0f);
-  std::vector<double> times;
-  for (int rep = 0; rep < 5; ++rep) {
-    const size_t iters = iterations_for(bytes);
-    const auto start = Clock::now();
-    for (size_t it = 0; it < iters; ++it) {
-      std::memcpy(c.data(), a.data(), bytes);
-      float* __restrict x = a.data();
-      const float* __restrict y = b.data();
-      for (size_t i = 0; i < n; ++i) x[i] += y[i];
-    }
-    times.push_back(seconds_since(start) / static_cast<double>(iters));
-  }
-  if (c[n / 2] < 0) std::printf("impossible\n");  // keeps the copy observable
-  return median(times);
-}
 
 struct Row {
   size_t bytes;
@@ -179,7 +161,7 @@ int main(int argc, char** argv) {
 
   const auto sizes = sizes_of(min_bytes, max_bytes, factor);
   std::vector<double> bound;
-  for (size_t bytes : sizes) bound.push_back(bound_seconds(bytes));
+  for (size_t bytes : sizes) bound.push_back(shoal::bench::memory_bound_seconds(bytes));
   double load[3] = {0, 0, 0};
   if (FILE* f = std::fopen("/proc/loadavg", "r")) {
     if (std::fscanf(f, "%lf %lf %lf", &load[0], &load[1], &load[2]) != 3) load[0] = -1;

@@ -213,6 +213,38 @@ TEST_P(Collectives, SendRecvRingAndBarrier) {
   });
 }
 
+// Receives match messages by source and tag, not by order (as Gloo's do): every worker sends its
+// successor messages with tags 0..5, small and larger than a shared-memory channel's ring
+// (256 KiB), and posts the receives from its predecessor in reverse order, all at once.
+TEST_P(Collectives, ReceivesMatchByTagInAnyOrder) {
+  run_workers(GetParam(), [] {
+    auto& world = shoal::world();
+    const int n = world.size(), r = world.rank();
+    if (n == 1) return;
+    const std::vector<int64_t> counts = {1, 100000, 7, 0, 300000, 1001};
+    const int from = (r + n - 1) % n;
+    std::vector<torch::Tensor> in;
+    std::vector<shoal::comm::Work> received, sent;
+    for (int tag = static_cast<int>(counts.size()) - 1; tag >= 0; --tag) {
+      in.push_back(torch::empty({counts[tag]}, torch::kFloat32));
+      received.push_back(world.recv_async(in.back(), from, {tag}));
+    }
+    std::vector<torch::Tensor> out;
+    for (int tag = 0; tag < static_cast<int>(counts.size()); ++tag) {
+      out.push_back(ramp(counts[tag], torch::kFloat32) + 1000 * r + tag);
+      sent.push_back(world.send_async(out.back(), (r + 1) % n, {tag}));
+    }
+    for (size_t i = 0; i < received.size(); ++i) {
+      received[i].wait(std::chrono::seconds(60));
+      const int tag = static_cast<int>(counts.size() - 1 - i);
+      ASSERT_TRUE(torch::equal(in[i], ramp(counts[tag], torch::kFloat32) + 1000 * from + tag))
+          << "tag " << tag;
+    }
+    for (auto& work : sent) work.wait(std::chrono::seconds(60));
+    world.barrier();
+  });
+}
+
 TEST_P(Collectives, AsyncOperationsInFlightTogether) {
   run_workers(GetParam(), [] {
     auto& world = shoal::world();

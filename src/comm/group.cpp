@@ -299,8 +299,8 @@ void wait_for_members(Group::State& state, const std::string& counter, const Dea
 // the segment and writes its handle, or why it could not; the others open it and each writes
 // "ok" or why not; after a second barrier every member reads the same answers. Member 0 holds
 // the segment open until then, which /proc-opening needs (Note [Segment by /proc]). Gloo is
-// connected either way: send/recv and the dtypes shared memory does not reduce (bool, int16,
-// complex) still take it.
+// connected either way: the dtypes shared memory does not reduce (bool, int16, complex) still
+// take it. Send and recv move bytes and take shared memory whatever the dtype.
 enum class Path { kAuto, kTcp, kShm };
 
 Path requested_path() {
@@ -825,9 +825,15 @@ Work Group::send_async(const at::Tensor& tensor, int dst, const PointToPointOpti
   return launch(
       "send",
       [&](Work::State& work) {
-        std::vector<at::Tensor> tensors{buffer};
         work.point_to_point = true;
-        work.backend_work = state_->backend->send(tensors, dst, options.tag);
+        if (state_->shm) {
+          work.shm_task = state_->shm->send(dst, static_cast<uint32_t>(options.tag),
+                                            buffer.data_ptr(), buffer.nbytes(), work.deadline,
+                                            std::make_shared<at::Tensor>(buffer));
+        } else {
+          std::vector<at::Tensor> tensors{buffer};
+          work.backend_work = state_->backend->send(tensors, dst, options.tag);
+        }
         count_sent(static_cast<int64_t>(buffer.nbytes()));
         work.finish = [buffer](Work::State&) {};  // keeps the buffer alive until sent
       },
@@ -845,9 +851,15 @@ Work Group::recv_async(at::Tensor& tensor, int src, const PointToPointOptions& o
   return launch(
       "recv",
       [&](Work::State& work) {
-        std::vector<at::Tensor> tensors{buffer};
         work.point_to_point = true;
-        work.backend_work = state_->backend->recv(tensors, src, options.tag);
+        if (state_->shm) {
+          work.shm_task = state_->shm->recv(src, static_cast<uint32_t>(options.tag),
+                                            buffer.data_ptr(), buffer.nbytes(), work.deadline,
+                                            std::make_shared<at::Tensor>(buffer));
+        } else {
+          std::vector<at::Tensor> tensors{buffer};
+          work.backend_work = state_->backend->recv(tensors, src, options.tag);
+        }
         work.finish = [target, buffer](Work::State&) mutable {
           if (!buffer.is_same(target)) target.copy_(buffer);
         };

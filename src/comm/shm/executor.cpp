@@ -1,5 +1,7 @@
 #include "comm/shm/executor.h"
 
+#include <cstring>
+
 #include "shoal/core/error.h"
 
 namespace shoal::comm::shm {
@@ -28,49 +30,247 @@ void Task::finish(std::exception_ptr error) {
   ended_.notify_all();
 }
 
-Executor::Executor(std::unique_ptr<LocalGroup> group)
-    : group_(std::move(group)), thread_([this] { loop(); }) {}
+// A queue and the thread that runs it (Note [Lanes]).
+struct Executor::Lane {
+  std::mutex mutex;
+  std::condition_variable queued;
+  std::deque<std::pair<std::function<void()>, std::shared_ptr<Task>>> queue;
+  bool stopping = false;
+  std::thread thread;
+
+  void loop() {
+    for (;;) {
+      std::pair<std::function<void()>, std::shared_ptr<Task>> next;
+      {
+        std::unique_lock<std::mutex> lock(mutex);
+        queued.wait(lock, [&] { return stopping || !queue.empty(); });
+        if (queue.empty()) return;  // stopping, nothing left
+        next = std::move(queue.front());
+        queue.pop_front();
+      }
+      std::exception_ptr error;
+      try {
+        next.first();
+      } catch (...) {
+        error = std::current_exception();
+      }
+      next.first = nullptr;  // let go of what the operation kept alive before saying it is done
+      next.second->finish(error);
+    }
+  }
+};
+
+// The receiving side of one source's channel (Note [Matching by tag]).
+struct Executor::Receiver {
+  struct Posted {
+    uint32_t tag;
+    void* data;
+    size_t bytes;
+    Deadline deadline;
+    std::shared_ptr<void> keep;
+    std::shared_ptr<Task> task;
+  };
+  struct Kept {
+    uint32_t tag;
+    std::vector<unsigned char> payload;
+  };
+
+  LocalGroup* group;
+  int src;
+  std::mutex mutex;  // guards posted, kept and stopping
+  std::condition_variable changed;
+  std::deque<Posted> posted;
+  std::deque<Kept> kept;
+  bool stopping = false;
+  std::thread thread;
+
+  UsageError wrong_size(const Posted& p, uint64_t got) const {
+    return UsageError("shared-memory recv: member " + std::to_string(group->rank()) +
+                      " expected " + std::to_string(p.bytes) + " bytes with tag " +
+                      std::to_string(p.tag) + " from member " + std::to_string(src) +
+                      ", which sent " + std::to_string(got));
+  }
+
+  // On the caller's thread: a kept message completes the receive at once; else it is posted.
+  void post(Posted p) {
+    std::unique_lock<std::mutex> lock(mutex);
+    for (auto it = kept.begin(); it != kept.end(); ++it) {
+      if (it->tag != p.tag) continue;
+      Kept message = std::move(*it);
+      kept.erase(it);
+      lock.unlock();
+      if (message.payload.size() != p.bytes) {
+        p.task->finish(std::make_exception_ptr(wrong_size(p, message.payload.size())));
+      } else {
+        std::memcpy(p.data, message.payload.data(), p.bytes);
+        p.task->finish(nullptr);
+      }
+      return;
+    }
+    posted.push_back(std::move(p));
+    changed.notify_one();
+  }
+
+  void loop() {
+    for (;;) {
+      Deadline deadline(Duration(0));
+      {
+        std::unique_lock<std::mutex> lock(mutex);
+        changed.wait(lock, [&] { return stopping || !posted.empty(); });
+        if (posted.empty()) return;  // stopping, nothing waits
+        // The header is awaited for as long as the most patient receive waits.
+        deadline = posted.front().deadline;
+        for (const auto& p : posted) {
+          if (p.deadline.remaining() > deadline.remaining()) deadline = p.deadline;
+        }
+      }
+      try {
+        const auto header = group->read_header(src, deadline.remaining());
+        std::unique_lock<std::mutex> lock(mutex);
+        auto match = posted.begin();
+        while (match != posted.end() && match->tag != header.tag) ++match;
+        if (match == posted.end()) {
+          Kept other{header.tag, std::vector<unsigned char>(header.bytes)};
+          lock.unlock();
+          group->read_payload(src, other.payload.data(), header.bytes, deadline.remaining());
+          lock.lock();
+          // A receive for it may have been posted while the payload was read, after it looked
+          // among the kept ones: it takes the message now, or the message is kept.
+          match = posted.begin();
+          while (match != posted.end() && match->tag != header.tag) ++match;
+          if (match == posted.end()) {
+            kept.push_back(std::move(other));
+            continue;
+          }
+          Posted p = std::move(*match);
+          posted.erase(match);
+          lock.unlock();
+          if (other.payload.size() != p.bytes) {
+            p.task->finish(std::make_exception_ptr(wrong_size(p, other.payload.size())));
+          } else {
+            std::memcpy(p.data, other.payload.data(), p.bytes);
+            p.keep.reset();
+            p.task->finish(nullptr);
+          }
+          continue;
+        }
+        Posted p = std::move(*match);
+        posted.erase(match);
+        lock.unlock();
+        if (header.bytes != p.bytes) {
+          group->read_payload(src, nullptr, header.bytes, p.deadline.remaining());
+          p.task->finish(std::make_exception_ptr(wrong_size(p, header.bytes)));
+        } else {
+          group->read_payload(src, p.data, p.bytes, p.deadline.remaining());
+          p.keep.reset();
+          p.task->finish(nullptr);
+        }
+      } catch (...) {
+        // The channel can't be read on (a lost member, a deadline, a cancel): every receive
+        // posted from this source fails alike, and so will those posted later.
+        const auto error = std::current_exception();
+        std::deque<Posted> failed;
+        {
+          std::lock_guard<std::mutex> lock(mutex);
+          failed.swap(posted);
+        }
+        for (auto& p : failed) p.task->finish(error);
+        std::unique_lock<std::mutex> lock(mutex);
+        failing(lock, error);
+        return;
+      }
+    }
+  }
+
+  // After a failure: fails every receive posted from now on, until stopping.
+  void failing(std::unique_lock<std::mutex>& lock, const std::exception_ptr& error) {
+    for (;;) {
+      changed.wait(lock, [&] { return stopping || !posted.empty(); });
+      std::deque<Posted> failed;
+      failed.swap(posted);
+      lock.unlock();
+      for (auto& p : failed) p.task->finish(error);
+      lock.lock();
+      if (stopping && posted.empty()) return;
+    }
+  }
+};
+
+Executor::Executor(std::unique_ptr<LocalGroup> group) : group_(std::move(group)) {}
 
 Executor::~Executor() {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stopping_ = true;
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& [id, lane] : lanes_) {
+    std::lock_guard<std::mutex> queue_lock(lane->mutex);
+    lane->stopping = true;
+    lane->queued.notify_all();
   }
-  queued_.notify_all();
-  // An operation still running waits for peers that may never come (its caller gave up on it);
-  // cancelling ends its wait within a slice.
+  for (auto& [id, receiver] : receivers_) {
+    std::lock_guard<std::mutex> posted_lock(receiver->mutex);
+    receiver->stopping = true;
+    receiver->changed.notify_all();
+  }
+  // An operation still running may wait for peers that will never come (its caller gave up on
+  // it); cancelling ends its wait within a slice, and what is still queued fails at once.
   group_->cancel();
-  thread_.join();
+  for (auto& [id, lane] : lanes_) lane->thread.join();
+  for (auto& [id, receiver] : receivers_) receiver->thread.join();
 }
 
-std::shared_ptr<Task> Executor::submit(std::function<void(LocalGroup&)> operation) {
+std::shared_ptr<Task> Executor::enqueue(int id, std::function<void()> operation) {
   auto task = std::make_shared<Task>();
+  Lane* lane;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    queue_.emplace_back(std::move(operation), task);
+    auto& slot = lanes_[id];
+    if (!slot) {
+      slot = std::make_unique<Lane>();
+      slot->thread = std::thread([lane = slot.get()] { lane->loop(); });
+    }
+    lane = slot.get();
   }
-  queued_.notify_one();
+  {
+    std::lock_guard<std::mutex> lock(lane->mutex);
+    lane->queue.emplace_back(std::move(operation), task);
+  }
+  lane->queued.notify_one();
   return task;
 }
 
-void Executor::loop() {
-  for (;;) {
-    std::pair<std::function<void(LocalGroup&)>, std::shared_ptr<Task>> next;
-    {
-      std::unique_lock<std::mutex> lock(mutex_);
-      queued_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stopping, nothing left
-      next = std::move(queue_.front());
-      queue_.pop_front();
-    }
-    std::exception_ptr error;
-    try {
-      next.first(*group_);
-    } catch (...) {
-      error = std::current_exception();
-    }
-    next.second->finish(error);
+Executor::Receiver& Executor::receiver(int src) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto& slot = receivers_[src];
+  if (!slot) {
+    slot = std::make_unique<Receiver>();
+    slot->group = group_.get();
+    slot->src = src;
+    slot->thread = std::thread([receiver = slot.get()] { receiver->loop(); });
   }
+  return *slot;
+}
+
+// Lane ids: 0 the collectives, 1 + m sends to member m.
+std::shared_ptr<Task> Executor::submit(std::function<void(LocalGroup&)> operation) {
+  return enqueue(0, [this, operation = std::move(operation)] { operation(*group_); });
+}
+
+std::shared_ptr<Task> Executor::send(int dst, uint32_t tag, const void* data, size_t bytes,
+                                     const Deadline& deadline, std::shared_ptr<void> keep) {
+  return enqueue(1 + dst, [=, keep = std::move(keep)] {
+    group_->write_message(dst, tag, data, bytes, deadline.remaining());
+  });
+}
+
+std::shared_ptr<Task> Executor::recv(int src, uint32_t tag, void* data, size_t bytes,
+                                     const Deadline& deadline, std::shared_ptr<void> keep) {
+  if (src < 0 || src >= group_->size() || src == group_->rank()) {
+    throw UsageError("shared-memory recv: from member " + std::to_string(src) + " at member " +
+                     std::to_string(group_->rank()) + ", expected another member of 0.." +
+                     std::to_string(group_->size() - 1));
+  }
+  auto task = std::make_shared<Task>();
+  receiver(src).post({tag, data, bytes, deadline, std::move(keep), task});
+  return task;
 }
 
 }  // namespace shoal::comm::shm

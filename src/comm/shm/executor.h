@@ -1,16 +1,37 @@
-// Runs a LocalGroup's operations in order on a thread of their own, so that comm::Group's
-// asynchronous operations (Work) stay asynchronous on the shared-memory path: DataParallel
-// launches a bucket's all-reduce and goes on with the backward while it runs, as over Gloo.
-// Torch-free.
+// Runs a LocalGroup's operations on threads of their own, so that comm::Group's asynchronous
+// operations (Work) stay asynchronous on the shared-memory path: DataParallel launches a bucket's
+// all-reduce and goes on with the backward while it runs, and a pipeline posts its receives ahead,
+// as over Gloo. Torch-free.
+//
+// Note [Lanes]: operations run in lanes, each a queue with a thread, in the order submitted to it:
+// one lane for the collectives (every member calls them in the same order, and each uses the whole
+// segment) and one per destination for sends (each touches only its channel: Note [Channels] in
+// local_group.h); receives have a thread per source (Note [Matching by tag]). So a send waiting
+// for a slow receiver holds up no collective and no other peer's messages, as Gloo's separate
+// pairs do. Threads start with their first operation.
+//
+// Note [Matching by tag]: Gloo matches a receive to a message by source and tag, not by order, and
+// callers rely on it: a pipeline posts the receives of every micro-batch's shape header before
+// any activation's, and then waits for an activation first. So receives from one source are not a
+// queue: a receiver thread per source reads each message's header as it comes, hands the message
+// to the earliest posted receive with its tag (straight into its buffer), or, when none is
+// posted, copies it out of the ring and keeps it for the receive that will want it, which takes it
+// at once when posted. A message whose tag matches but whose size does not fails its receive with
+// UsageError and is dropped whole, so the stream stays in step. The channel is read only while a
+// receive is posted, so, as over Gloo, a message larger than the ring waits in its send until a
+// receive from its destination is posted (any receive: the others' messages are kept).
 #pragma once
 
 #include <condition_variable>
+#include <cstdint>
 #include <deque>
 #include <exception>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include "comm/shm/local_group.h"
 
@@ -39,27 +60,38 @@ class Executor {
   explicit Executor(std::unique_ptr<LocalGroup> group);
   Executor(const Executor&) = delete;
   Executor& operator=(const Executor&) = delete;
-  // Cancels what is still running or queued (CommError in each Task) and joins the thread.
+  // Cancels what is still running or queued (CommError in each Task) and joins the lanes.
   ~Executor();
 
   const LocalGroup& group() const { return *group_; }
 
-  // Queues `operation` behind those submitted before it. It runs on the executor's thread with
-  // the group; whatever it throws ends its Task with that error.
+  // A collective: queued behind those submitted before it. It runs on the collectives' lane with
+  // the group; whatever it throws ends its Task with that error. `operation` owns what it uses
+  // (the caller may drop the Task at once).
   std::shared_ptr<Task> submit(std::function<void(LocalGroup&)> operation);
+  // A message to `dst`, after those submitted before to the same destination. `keep` holds `data`
+  // alive until the message is written.
+  std::shared_ptr<Task> send(int dst, uint32_t tag, const void* data, size_t bytes,
+                             const Deadline& deadline, std::shared_ptr<void> keep = nullptr);
+  // The next message from `src` with `tag` (Note [Matching by tag]), into `data`, which must hold
+  // exactly `bytes`; `keep` holds it alive until then.
+  std::shared_ptr<Task> recv(int src, uint32_t tag, void* data, size_t bytes,
+                             const Deadline& deadline, std::shared_ptr<void> keep = nullptr);
 
-  // From any thread: the running operation and every later one fail with CommError (the group is
+  // From any thread: what runs and every later operation fail with CommError (the group is
   // broken; LocalGroup::cancel).
   void cancel() { group_->cancel(); }
 
  private:
-  void loop();
+  struct Lane;
+  struct Receiver;
+  std::shared_ptr<Task> enqueue(int lane, std::function<void()> operation);
+  Receiver& receiver(int src);
+
   std::unique_ptr<LocalGroup> group_;
-  std::mutex mutex_;
-  std::condition_variable queued_;
-  std::deque<std::pair<std::function<void(LocalGroup&)>, std::shared_ptr<Task>>> queue_;
-  bool stopping_ = false;
-  std::thread thread_;
+  std::mutex mutex_;  // guards lanes_ and receivers_
+  std::map<int, std::unique_ptr<Lane>> lanes_;
+  std::map<int, std::unique_ptr<Receiver>> receivers_;
 };
 
 }  // namespace shoal::comm::shm

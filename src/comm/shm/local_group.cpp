@@ -374,15 +374,12 @@ void LocalGroup::barrier(Duration timeout) {
 // Note [Channels], continued: the ring of (src, dst) holds a stream of messages, each a 16-byte
 // header (tag, bytes) and the payload padded to 16 bytes, so headers never wrap around the ring's
 // end. The sender alone moves head and the receiver alone tail, each after copying a chunk, so
-// the receiver drains a large message while the sender still fills it.
+// the receiver drains a large message while the sender still fills it. Only the sender's thread
+// touches a ring's head and only the receiver's its tail, so the channels of different pairs (and
+// the two directions of one pair) may be used from different threads at once.
 namespace {
 
-struct MessageHeader {
-  uint32_t tag;
-  uint32_t reserved;
-  uint64_t bytes;
-};
-static_assert(sizeof(MessageHeader) == 16, "headers keep the stream 16-byte aligned");
+static_assert(sizeof(LocalGroup::MessageHeader) == 16, "headers keep the stream 16-byte aligned");
 
 size_t padded(size_t bytes) {
   return (bytes + 15) / 16 * 16;
@@ -390,79 +387,95 @@ size_t padded(size_t bytes) {
 
 }  // namespace
 
-void LocalGroup::send(const void* data, size_t bytes, int dst, uint32_t tag, Duration timeout) {
-  if (dst < 0 || dst >= size_ || dst == rank_) {
-    throw UsageError("shared-memory send: to member " + std::to_string(dst) + " from member " +
-                     std::to_string(rank_) + ", expected another member of 0.." +
-                     std::to_string(size_ - 1));
+void LocalGroup::check_peer(const char* operation, int peer) const {
+  if (peer < 0 || peer >= size_ || peer == rank_) {
+    throw UsageError(std::string("shared-memory ") + operation + ": member " +
+                     std::to_string(peer) + " at member " + std::to_string(rank_) +
+                     ", expected another member of 0.." + std::to_string(size_ - 1));
   }
-  run("send", [&] {
-    const WaitScope s = scope("send", timeout, dst);
-    ChannelBlock* ch = segment_.channel(rank_, dst);
-    Bytes* ring = segment_.ring(rank_, dst);
-    const uint32_t capacity = static_cast<uint32_t>(segment_.channel_bytes());
-    uint32_t head = ch->head.value.load(std::memory_order_relaxed);
-    // Writes n bytes of src (nullptr: padding) into the ring, as room comes.
-    auto write = [&](const Bytes* src, size_t n) {
-      while (n > 0) {
-        const uint32_t room = capacity - (head - ch->tail.value.load(std::memory_order_acquire));
-        if (room == 0) {
-          const uint32_t want = static_cast<uint32_t>(std::min<size_t>(n, capacity / 2));
-          wait_for(ch->tail, head + want - capacity, dst, s);
-          continue;
-        }
-        const uint32_t at = head % capacity;
-        const size_t chunk = std::min<size_t>({room, n, capacity - at});
-        if (src != nullptr) {
-          std::memcpy(ring + at, src, chunk);
-          src += chunk;
-        }
-        head += static_cast<uint32_t>(chunk);
-        n -= chunk;
-        advance(ch->head, head);
-      }
-    };
-    const MessageHeader header{tag, 0, bytes};
-    write(reinterpret_cast<const Bytes*>(&header), sizeof(header));
-    write(static_cast<const Bytes*>(data), bytes);
-    write(nullptr, padded(bytes) - bytes);
-  });
+}
+
+void LocalGroup::write_ring(int to, const Bytes* src, size_t n, const WaitScope& s) {
+  ChannelBlock* ch = segment_.channel(rank_, to);
+  Bytes* ring = segment_.ring(rank_, to);
+  const uint32_t capacity = static_cast<uint32_t>(segment_.channel_bytes());
+  uint32_t head = ch->head.value.load(std::memory_order_relaxed);
+  while (n > 0) {
+    const uint32_t room = capacity - (head - ch->tail.value.load(std::memory_order_acquire));
+    if (room == 0) {
+      const uint32_t want = static_cast<uint32_t>(std::min<size_t>(n, capacity / 2));
+      wait_for(ch->tail, head + want - capacity, to, s);
+      continue;
+    }
+    const uint32_t at = head % capacity;
+    const size_t chunk = std::min<size_t>({room, n, capacity - at});
+    if (src != nullptr) {
+      std::memcpy(ring + at, src, chunk);
+      src += chunk;
+    }
+    head += static_cast<uint32_t>(chunk);
+    n -= chunk;
+    advance(ch->head, head);
+  }
+}
+
+void LocalGroup::read_ring(int from, Bytes* dst, size_t n, const WaitScope& s) {
+  ChannelBlock* ch = segment_.channel(from, rank_);
+  const Bytes* ring = segment_.ring(from, rank_);
+  const uint32_t capacity = static_cast<uint32_t>(segment_.channel_bytes());
+  uint32_t tail = ch->tail.value.load(std::memory_order_relaxed);
+  while (n > 0) {
+    const uint32_t ready = ch->head.value.load(std::memory_order_acquire) - tail;
+    if (ready == 0) {
+      const uint32_t want = static_cast<uint32_t>(std::min<size_t>(n, capacity / 2));
+      wait_for(ch->head, tail + want, from, s);
+      continue;
+    }
+    const uint32_t at = tail % capacity;
+    const size_t chunk = std::min<size_t>({ready, n, capacity - at});
+    if (dst != nullptr) {
+      std::memcpy(dst, ring + at, chunk);
+      dst += chunk;
+    }
+    tail += static_cast<uint32_t>(chunk);
+    n -= chunk;
+    advance(ch->tail, tail);
+  }
+}
+
+void LocalGroup::write_message(int dst, uint32_t tag, const void* data, size_t bytes,
+                               Duration timeout) {
+  check_peer("send", dst);
+  const WaitScope s = scope("send", timeout, dst);
+  const MessageHeader header{tag, 0, bytes};
+  write_ring(dst, reinterpret_cast<const Bytes*>(&header), sizeof(header), s);
+  write_ring(dst, static_cast<const Bytes*>(data), bytes, s);
+  write_ring(dst, nullptr, padded(bytes) - bytes, s);
+}
+
+LocalGroup::MessageHeader LocalGroup::read_header(int src, Duration timeout) {
+  check_peer("recv", src);
+  MessageHeader header{};
+  read_ring(src, reinterpret_cast<Bytes*>(&header), sizeof(header), scope("recv", timeout, src));
+  return header;
+}
+
+void LocalGroup::read_payload(int src, void* data, size_t bytes, Duration timeout) {
+  const WaitScope s = scope("recv", timeout, src);
+  read_ring(src, static_cast<Bytes*>(data), bytes, s);
+  read_ring(src, nullptr, padded(bytes) - bytes, s);
+}
+
+void LocalGroup::send(const void* data, size_t bytes, int dst, uint32_t tag, Duration timeout) {
+  check_peer("send", dst);
+  run("send", [&] { write_message(dst, tag, data, bytes, timeout); });
 }
 
 void LocalGroup::recv(void* data, size_t bytes, int src, uint32_t tag, Duration timeout) {
-  if (src < 0 || src >= size_ || src == rank_) {
-    throw UsageError("shared-memory recv: from member " + std::to_string(src) + " at member " +
-                     std::to_string(rank_) + ", expected another member of 0.." +
-                     std::to_string(size_ - 1));
-  }
+  check_peer("recv", src);
   std::string wrong;
   run("recv", [&] {
-    const WaitScope s = scope("recv", timeout, src);
-    ChannelBlock* ch = segment_.channel(src, rank_);
-    const Bytes* ring = segment_.ring(src, rank_);
-    const uint32_t capacity = static_cast<uint32_t>(segment_.channel_bytes());
-    uint32_t tail = ch->tail.value.load(std::memory_order_relaxed);
-    auto read = [&](Bytes* dst, size_t n) {
-      while (n > 0) {
-        const uint32_t ready = ch->head.value.load(std::memory_order_acquire) - tail;
-        if (ready == 0) {
-          const uint32_t want = static_cast<uint32_t>(std::min<size_t>(n, capacity / 2));
-          wait_for(ch->head, tail + want, src, s);
-          continue;
-        }
-        const uint32_t at = tail % capacity;
-        const size_t chunk = std::min<size_t>({ready, n, capacity - at});
-        if (dst != nullptr) {
-          std::memcpy(dst, ring + at, chunk);
-          dst += chunk;
-        }
-        tail += static_cast<uint32_t>(chunk);
-        n -= chunk;
-        advance(ch->tail, tail);
-      }
-    };
-    MessageHeader header{};
-    read(reinterpret_cast<Bytes*>(&header), sizeof(header));
+    const MessageHeader header = read_header(src, timeout);
     if (header.tag != tag || header.bytes != bytes) {
       wrong = "member " + std::to_string(rank_) + " expected tag " + std::to_string(tag) + " of " +
               std::to_string(bytes) + " bytes from member " + std::to_string(src) +
@@ -470,8 +483,7 @@ void LocalGroup::recv(void* data, size_t bytes, int src, uint32_t tag, Duration 
               std::to_string(header.bytes) + " bytes";
       return;
     }
-    read(static_cast<Bytes*>(data), bytes);
-    read(nullptr, padded(bytes) - bytes);
+    read_payload(src, data, bytes, timeout);
   });
   if (!wrong.empty()) {
     // The message's header is consumed and its payload is not: the stream can't be trusted.

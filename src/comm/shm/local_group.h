@@ -65,6 +65,21 @@ class LocalGroup {
             Duration timeout = kUnsetTimeout);
   void recv(void* data, size_t bytes, int src, uint32_t tag, Duration timeout = kUnsetTimeout);
 
+  // The channels' parts, for callers that match messages by tag themselves (Executor). Unlike the
+  // calls above they neither check the group's state nor break it on failure. Calls on different
+  // channels may run on different threads at once; calls on one channel must not.
+  struct MessageHeader {
+    uint32_t tag;
+    uint32_t reserved;
+    uint64_t bytes;
+  };
+  // Writes one whole message into the channel to `dst`, waiting for room as the receiver drains.
+  void write_message(int dst, uint32_t tag, const void* data, size_t bytes, Duration timeout);
+  // The header of the next message from `src`; then read_payload must take its `bytes`.
+  MessageHeader read_header(int src, Duration timeout);
+  // The payload of the message whose header was read last from `src`, into `data` (null: dropped).
+  void read_payload(int src, void* data, size_t bytes, Duration timeout);
+
   // From any thread: a wait in progress (and every later one) raises CommError within a wait
   // slice (10 ms); for callers that gave up on an operation at a deadline of their own.
   void cancel() { cancelled_.store(true, std::memory_order_release); }
@@ -85,6 +100,10 @@ class LocalGroup {
   void reduce_blocks(const char* operation, const void* in, const std::vector<size_t>& counts,
                      DType dtype, ReduceOp op, void* out, bool gather, Duration timeout);
   WaitScope scope(const char* operation, Duration timeout, int watch = -1) const;
+  void check_peer(const char* operation, int peer) const;
+  // Moves n bytes between the ring of (from, to) and `bytes` (null: padding, or dropped).
+  void write_ring(int to, const unsigned char* bytes, size_t n, const WaitScope& scope);
+  void read_ring(int from, unsigned char* bytes, size_t n, const WaitScope& scope);
   // Runs body; on CommError marks the group broken and tells the other members.
   template <typename Body>
   void run(const char* operation, Body&& body);
