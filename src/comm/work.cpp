@@ -68,19 +68,25 @@ std::string others(const Group::State& group) {
                  ")");
 }
 
+// Between two slices of a wait: fails the operation when its deadline has passed or a member is
+// known to be gone.
+void check_between_slices(Work::State& work, const Deadline& deadline) {
+  if (deadline.expired()) {
+    fail(work, "timed out after " + format_duration(work.deadline.elapsed()) +
+                   " waiting for workers " + others(*work.group));
+  }
+  std::string lost = work.group->lost_members();
+  if (!lost.empty()) {
+    fail(work, "failed after " + format_duration(work.deadline.elapsed()) + ": lost " + lost);
+  }
+}
+
 // Waits for an operation on the shared-memory path: in slices, asking between them who is gone,
 // as for Gloo's collectives; the operation's own waits watch the members' processes and its
 // deadline, so its end usually comes first.
 void wait_shared_memory(Work::State& work, const Deadline& deadline) {
   while (!work.shm_task->wait_for(std::min(kLivenessPeriod, deadline.remaining()))) {
-    if (deadline.expired()) {
-      fail(work, "timed out after " + format_duration(work.deadline.elapsed()) +
-                     " waiting for workers " + others(*work.group));
-    }
-    std::string lost = work.group->lost_members();
-    if (!lost.empty()) {
-      fail(work, "failed after " + format_duration(work.deadline.elapsed()) + ": lost " + lost);
-    }
+    check_between_slices(work, deadline);
   }
   if (auto error = work.shm_task->error()) {
     try {
@@ -148,14 +154,7 @@ void Work::wait(Duration timeout) {
             }
           }
         }
-        if (deadline.expired()) {
-          fail(work, "timed out after " + format_duration(work.deadline.elapsed()) +
-                         " waiting for workers " + others(*work.group));
-        }
-        std::string lost = work.group->lost_members();
-        if (!lost.empty()) {
-          fail(work, "failed after " + format_duration(work.deadline.elapsed()) + ": lost " + lost);
-        }
+        check_between_slices(work, deadline);
       }
     }
   }

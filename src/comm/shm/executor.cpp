@@ -91,6 +91,17 @@ struct Executor::Receiver {
                       ", which sent " + std::to_string(got));
   }
 
+  // Completes receive `p` with a message read earlier.
+  void deliver(Posted& p, const Kept& message) const {
+    if (message.payload.size() != p.bytes) {
+      p.task->finish(std::make_exception_ptr(wrong_size(p, message.payload.size())));
+      return;
+    }
+    std::memcpy(p.data, message.payload.data(), p.bytes);
+    p.keep.reset();
+    p.task->finish(nullptr);
+  }
+
   // On the caller's thread: a kept message completes the receive at once; else it is posted.
   void post(Posted p) {
     std::unique_lock<std::mutex> lock(mutex);
@@ -99,12 +110,7 @@ struct Executor::Receiver {
       Kept message = std::move(*it);
       kept.erase(it);
       lock.unlock();
-      if (message.payload.size() != p.bytes) {
-        p.task->finish(std::make_exception_ptr(wrong_size(p, message.payload.size())));
-      } else {
-        std::memcpy(p.data, message.payload.data(), p.bytes);
-        p.task->finish(nullptr);
-      }
+      deliver(p, message);
       return;
     }
     posted.push_back(std::move(p));
@@ -145,13 +151,7 @@ struct Executor::Receiver {
           Posted p = std::move(*match);
           posted.erase(match);
           lock.unlock();
-          if (other.payload.size() != p.bytes) {
-            p.task->finish(std::make_exception_ptr(wrong_size(p, other.payload.size())));
-          } else {
-            std::memcpy(p.data, other.payload.data(), p.bytes);
-            p.keep.reset();
-            p.task->finish(nullptr);
-          }
+          deliver(p, other);
           continue;
         }
         Posted p = std::move(*match);
