@@ -47,7 +47,9 @@ std::vector<size_t> even_split(size_t n, int k) {
 // one's core, and spinning only delays it: then a wait sleeps almost at once. The counts are
 // checks with a pause between them (tens of ns each); SHOAL_SHM_SPINS overrides them.
 int spins_for(int members) {
-  if (const char* env = std::getenv("SHOAL_SHM_SPINS")) return std::atoi(env);
+  if (const char* env = std::getenv("SHOAL_SHM_SPINS"); env != nullptr && *env != '\0') {
+    return std::atoi(env);
+  }
   cpu_set_t cpus;
   CPU_ZERO(&cpus);
   const int cores = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
