@@ -141,6 +141,11 @@ size_t elements(const at::Tensor& like, int64_t rows) {
   return static_cast<size_t>(rows * row);
 }
 
+// Bytes of `rows` rows of a tensor shaped like `like`.
+int64_t bytes_of_rows(const at::Tensor& like, int64_t rows) {
+  return static_cast<int64_t>(elements(like, rows) * like.element_size());
+}
+
 std::vector<size_t> element_counts(const at::Tensor& like, const Sizes& rows) {
   std::vector<size_t> counts;
   for (auto r : rows) counts.push_back(elements(like, r));
@@ -319,7 +324,7 @@ std::string this_locality() {
   }
 }
 
-// Wait for `key` to be set, until the deadline; a lost member ends the wait early.
+// Waits for `key` to be set, until the deadline.
 std::string wait_for_key(Group::State& state, const std::string& key, const Deadline& deadline) {
   Duration pause(1);
   for (;;) {
@@ -636,6 +641,7 @@ Work Group::all_gather_async(const at::Tensor& tensor, const AllGatherOptions& o
                        std::to_string(tensor.size(0)) + " rows");
     }
   }
+  const int64_t rows = *std::max_element(sizes.begin(), sizes.end());
   if (n > 1 && on_shared_memory(tensor)) {
     // Parts of any size, straight into the output: no padding.
     at::Tensor input = tensor.contiguous();
@@ -644,7 +650,6 @@ Work Group::all_gather_async(const at::Tensor& tensor, const AllGatherOptions& o
         input.options());
     const auto dtype = *shm_dtype(input.scalar_type());
     const auto counts = element_counts(input, sizes);
-    const int64_t rows = *std::max_element(sizes.begin(), sizes.end());
     return launch(
         "all_gather",
         [&](Work::State& work) {
@@ -652,12 +657,11 @@ Work Group::all_gather_async(const at::Tensor& tensor, const AllGatherOptions& o
             group.all_gather(input.data_ptr(), output.data_ptr(), counts, dtype, timeout);
           });
           // As Gloo would send it (padded to the largest part): see Note [Bytes sent].
-          count_sent(static_cast<int64_t>(elements(input, rows) * input.element_size()) * (n - 1));
+          count_sent(bytes_of_rows(input, rows) * (n - 1));
           work.finish = [output](Work::State& done) { done.result = output; };
         },
         options.timeout, static_cast<int64_t>(tensor.nbytes()));
   }
-  const int64_t rows = *std::max_element(sizes.begin(), sizes.end());
   // Gloo's all-gather needs equal parts: pad each to the largest, cut on completion.
   at::Tensor input = tensor.contiguous();
   if (input.size(0) != rows) {
@@ -720,9 +724,7 @@ Work Group::all_to_all_async(const at::Tensor& input_tensor, const AllToAllOptio
         if (n == 1) {
           output.copy_(input);
         } else if (on_shared_memory(input)) {
-          const int64_t row_bytes =
-              input.size(0) > 0 ? static_cast<int64_t>(input.nbytes()) / input.size(0) : 0;
-          count_sent((input.size(0) - send[rank()]) * row_bytes);
+          count_sent(bytes_of_rows(input, input.size(0) - send[rank()]));
           const auto dtype = *shm_dtype(input.scalar_type());
           submit(work, [input, output, dtype, send_counts = element_counts(input, send),
                         recv_counts = element_counts(input, recv)](shm::LocalGroup& group,
@@ -732,9 +734,7 @@ Work Group::all_to_all_async(const at::Tensor& input_tensor, const AllToAllOptio
           });
         } else {
           // Before the call: c10d moves the sizes away.
-          const int64_t row_bytes =
-              input.size(0) > 0 ? static_cast<int64_t>(input.nbytes()) / input.size(0) : 0;
-          const int64_t to_others = (input.size(0) - send[rank()]) * row_bytes;
+          const int64_t to_others = bytes_of_rows(input, input.size(0) - send[rank()]);
           work.backend_work = state_->backend->alltoall_base(output, input, recv, send);
           count_sent(to_others);
         }
@@ -764,11 +764,7 @@ Work Group::reduce_scatter_async(const at::Tensor& input, const ReduceScatterOpt
     return launch(
         "reduce_scatter",
         [&](Work::State& work) {
-          const int64_t row_bytes = contiguous.size(0) > 0
-                                        ? static_cast<int64_t>(contiguous.nbytes()) /
-                                              contiguous.size(0)
-                                        : 0;
-          count_sent((contiguous.size(0) - sizes[rank()]) * row_bytes);
+          count_sent(bytes_of_rows(contiguous, contiguous.size(0) - sizes[rank()]));
           submit(work, [contiguous, output, dtype, op, counts = element_counts(contiguous, sizes)](
                            shm::LocalGroup& group, Duration timeout) {
             group.reduce_scatter(contiguous.data_ptr(), output.data_ptr(), counts, dtype,

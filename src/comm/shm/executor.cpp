@@ -263,11 +263,7 @@ std::shared_ptr<Task> Executor::send(int dst, uint32_t tag, const void* data, si
 
 std::shared_ptr<Task> Executor::recv(int src, uint32_t tag, void* data, size_t bytes,
                                      const Deadline& deadline, std::shared_ptr<void> keep) {
-  if (src < 0 || src >= group_->size() || src == group_->rank()) {
-    throw UsageError("shared-memory recv: from member " + std::to_string(src) + " at member " +
-                     std::to_string(group_->rank()) + ", expected another member of 0.." +
-                     std::to_string(group_->size() - 1));
-  }
+  group_->check_peer("recv", src);
   auto task = std::make_shared<Task>();
   receiver(src).post({tag, data, bytes, deadline, std::move(keep), task});
   return task;

@@ -65,6 +65,9 @@ class LocalGroup {
             Duration timeout = kUnsetTimeout);
   void recv(void* data, size_t bytes, int src, uint32_t tag, Duration timeout = kUnsetTimeout);
 
+  // UsageError unless `peer` is another member ("send"/"recv" name the operation).
+  void check_peer(const char* operation, int peer) const;
+
   // The channels' parts, for callers that match messages by tag themselves (Executor). Unlike the
   // calls above they neither check the group's state nor break it on failure. Calls on different
   // channels may run on different threads at once; calls on one channel must not.
@@ -100,7 +103,6 @@ class LocalGroup {
   void reduce_blocks(const char* operation, const void* in, const std::vector<size_t>& counts,
                      DType dtype, ReduceOp op, void* out, bool gather, Duration timeout);
   WaitScope scope(const char* operation, Duration timeout, int watch = -1) const;
-  void check_peer(const char* operation, int peer) const;
   // Moves n bytes between the ring of (from, to) and `bytes` (null: padding, or dropped).
   void write_ring(int to, const unsigned char* bytes, size_t n, const WaitScope& scope);
   void read_ring(int from, unsigned char* bytes, size_t n, const WaitScope& scope);
