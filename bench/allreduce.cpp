@@ -2,8 +2,8 @@
 // directly, in the same processes, over the same store, with the same device and threads.
 //
 //   shoal run -n N [--no-tag-output] allreduce [--min-bytes B] [--max-bytes B] [--factor F]
-//                                [--reps R] [--bound-gbit G] [--sliced [--slice-ms M]] [--split K]
-//                                [--raw FILE]
+//                                [--reps R] [--bound-gbit G [--hosts H]] [--sliced [--slice-ms M]]
+//                                [--split K] [--raw FILE]
 //
 // Sizes go from --min-bytes to --max-bytes of float32, multiplied by --factor each step. For each
 // size the contenders take turns within each repetition, in column order on even repetitions and
@@ -12,7 +12,9 @@
 // and shoal/raw is the median of the repetitions' ratios raw time / shoal time (above 1: shoal was
 // faster). Bus bandwidth = 2(N-1)/N * S / t, the bytes each worker's busiest link carries in a
 // ring. With --bound-gbit G (a shaped link of G Gbit/s), the table adds the link's bound time
-// 2(N-1)/N * S / B and the fraction of it achieved.
+// 2(N-1)/N * S / B and the fraction of it achieved; with --hosts H > 1 (several workers per
+// host), the bound of any all-reduce among H hosts, 2(H-1)/H * S / B: a flat ring over all
+// workers crosses the link more often than that, a hierarchical all-reduce can reach it.
 // With --sliced, two more columns time raw gloo waited on as shoal's Work::wait does (see the
 // contenders "sliced" and "probed" below), to tell what in shoal's wrapper costs what; the
 // slices last --slice-ms (default 250, as shoal's).
@@ -50,6 +52,7 @@ struct BenchOptions {
   int factor = 4;
   int reps = 9;
   double bound_gbit = 0;  // 0: no shaped link to compare with
+  int hosts = 1;          // hosts the workers are on (for the link's bound)
   bool sliced = false;
   int slice_ms = 250;  // shoal's kLivenessPeriod (src/comm/work.cpp)
   int split = 0;  // 0: no "split" column
@@ -59,7 +62,7 @@ struct BenchOptions {
 [[noreturn]] void usage(const std::string& problem) {
   std::fprintf(stderr,
                "allreduce: %s\nusage: allreduce [--min-bytes B] [--max-bytes B] [--factor F] "
-               "[--reps R] [--bound-gbit G] [--sliced [--slice-ms M]] [--split K] [--raw FILE]\n",
+               "[--reps R] [--bound-gbit G [--hosts H]] [--sliced [--slice-ms M]] [--split K] [--raw FILE]\n",
                problem.c_str());
   std::exit(2);
 }
@@ -86,13 +89,14 @@ BenchOptions parse(int argc, char** argv) {
     else if (flag == "--factor") options.factor = static_cast<int>(number);
     else if (flag == "--reps") options.reps = static_cast<int>(number);
     else if (flag == "--bound-gbit") options.bound_gbit = number;
+    else if (flag == "--hosts") options.hosts = static_cast<int>(number);
     else if (flag == "--split") options.split = static_cast<int>(number);
     else if (flag == "--slice-ms") options.slice_ms = static_cast<int>(number);
     else usage("unknown flag '" + flag + "'");
   }
   if (options.min_bytes < 4 || options.max_bytes < options.min_bytes || options.factor < 2 ||
-      options.reps < 1) {
-    usage("expected 4 <= --min-bytes <= --max-bytes, --factor >= 2, --reps >= 1");
+      options.reps < 1 || options.hosts < 1) {
+    usage("expected 4 <= --min-bytes <= --max-bytes, --factor >= 2, --reps >= 1, --hosts >= 1");
   }
   return options;
 }
@@ -227,10 +231,14 @@ int main(int argc, char** argv) {
   }
   const double bus_factor = 2.0 * (n - 1) / n;
   const double link_bytes_per_s = options.bound_gbit * 1e9 / 8;
+  // What the link between hosts must carry each way at least: with H hosts, 2(H-1)/H of the
+  // tensor (a reduce-scatter and an all-gather among the hosts); one worker per host, the ring's.
+  const int hosts = std::max(options.hosts, 1);
+  const double link_factor = hosts > 1 ? 2.0 * (hosts - 1) / hosts : bus_factor;
   if (main_worker) {
-    std::printf("# all_reduce float32, %d workers, bind %s, %d repetitions per size (median), "
-                "contenders alternate\n",
-                n, bind_address.c_str(), options.reps);
+    std::printf("# all_reduce float32, %d workers on %d host(s), shoal's path: %s, bind %s, %d "
+                "repetitions per size (median), contenders alternate\n",
+                n, hosts, world.path().c_str(), bind_address.c_str(), options.reps);
     std::printf("| size | shoal ms | raw ms |%s%s shoal GB/s | raw GB/s | shoal/raw |%s\n",
                 options.sliced ? " sliced ms | probed ms |" : "",
                 options.split > 1 ? (" split " + std::to_string(options.split) + " ms |").c_str() : "",
@@ -294,7 +302,7 @@ int main(int argc, char** argv) {
     for (int r = 0; r < options.reps; ++r) ratios[r] = out[options.reps + r] / out[r];
     std::printf(" %.3f | %.3f | %.3f |", bus_gbps(t[0]), bus_gbps(t[1]), median(ratios));
     if (link_bytes_per_s > 0) {
-      const double bound = bus_factor * bytes / link_bytes_per_s;
+      const double bound = link_factor * bytes / link_bytes_per_s;
       std::printf(" %.3f | %.1f%% | %.1f%% |", bound * 1e3, 100 * bound / t[0], 100 * bound / t[1]);
     } else {
       // On one host: the memory-bandwidth bound (memory_bound.h), measured here while the other

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # All-reduce bus bandwidth, shoal beside raw c10d ProcessGroupGloo (bench/allreduce.cpp):
 #   1. 2 and 4 workers on loopback;
-#   2. 2 workers on two "hosts": network namespaces joined by a veth pair shaped to 1 Gbit/s with
-#      tc tbf, one `shoal run` per namespace, beside the link's bound. Needs root; skipped if not.
+#   2. two "hosts": network namespaces joined by a veth pair shaped to 1 Gbit/s with tc tbf, one
+#      `shoal run` per namespace, with 1 and then 2 workers each (SHAPED_PER_HOST, default "1 2"),
+#      beside the link's bound. Needs root; skipped if not.
 #
 #   bench/allreduce.sh [BUILD_DIR]      (default: build; e.g. build-bench)
 # Environment: REPS (repetitions per size, default 15 on loopback), SHAPED_REPS (default 7),
+# LOOPBACK_WORKERS (default "2 4"; empty: no loopback runs), SHAPED_PER_HOST (default "1 2"),
+# SHAPED (default 1; 0 leaves the veth pair unshaped),
 # FACTOR (size step, default 2), SLICED=1 adds the "raw gloo waited in 250 ms slices" column,
 # RAW=FILE where every repetition's times go (default bench/results/allreduce-DATE.txt, kept in
 # the repository beside RESULTS.md; the tables are medians of these lines).
@@ -37,7 +40,7 @@ echo "os: $(. /etc/os-release && echo "$PRETTY_NAME")"
 echo "load before: $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "raw lines: $raw"
 
-for n in 2 4; do
+for n in ${LOOPBACK_WORKERS-2 4}; do
   echo
   echo "## loopback, $n workers"
   echo "# link=loopback workers=$n" >>"$raw"
@@ -47,7 +50,12 @@ for n in 2 4; do
 done
 
 echo
-echo "## shaped link: 2 network namespaces, veth pair, tbf rate 1gbit burst 64kb latency 50ms"
+shaped=${SHAPED:-1}  # 0: the veth pair as it is (no tbf), to see where a fast link moves the crossover
+if [[ $shaped == 1 ]]; then
+  echo "## shaped link: 2 network namespaces, veth pair, tbf rate 1gbit burst 64kb latency 50ms"
+else
+  echo "## unshaped link: 2 network namespaces, veth pair without tbf (bound column: as if 1 Gbit/s)"
+fi
 if [[ $(id -u) != 0 ]]; then
   echo "skipped: creating network namespaces and shaping a link needs root (ip netns, tc)"
   exit 0
@@ -83,21 +91,31 @@ for ns in "$ns_a" "$ns_b"; do ip -n "$ns" link set lo up; done
 ip -n "$ns_a" link set "${veth}a" up
 ip -n "$ns_b" link set "${veth}b" up
 # Both directions: an all-reduce ring sends both ways at once.
-ip netns exec "$ns_a" tc qdisc add dev "${veth}a" root tbf rate 1gbit burst 64kb latency 50ms
-ip netns exec "$ns_b" tc qdisc add dev "${veth}b" root tbf rate 1gbit burst 64kb latency 50ms
+if [[ $shaped == 1 ]]; then
+  ip netns exec "$ns_a" tc qdisc add dev "${veth}a" root tbf rate 1gbit burst 64kb latency 50ms
+  ip netns exec "$ns_b" tc qdisc add dev "${veth}b" root tbf rate 1gbit burst 64kb latency 50ms
+fi
 ip netns exec "$ns_a" tc qdisc show dev "${veth}a"
 
-echo "# link=shaped workers=2 bound_gbit=1" >>"$raw"
-args=(--reps "$shaped_reps" --factor "$factor" --bound-gbit 1 "${sliced[@]}" --raw "$raw")
-# Node 1 prints nothing but errors (only rank 0 prints the table).
-ip netns exec "$ns_b" timeout 600 "$shoal" run --nnodes 2 --node-rank 1 --master "$addr_a:$port" -n 1 \
-  --no-tag-output "$bench" "${args[@]}" &
-node1_pid=$!
+# One worker per host: shoal's path is Gloo, as raw gloo's. Two per host: shoal's all-reduce is
+# hierarchical (shared memory inside each host, Gloo between them), raw gloo a flat ring over all
+# four; the bound is what any all-reduce between two hosts must send over the link.
 status=0
-ip netns exec "$ns_a" timeout 600 "$shoal" run --nnodes 2 --node-rank 0 --master "$addr_a:$port" -n 1 \
-  --no-tag-output "$bench" "${args[@]}" || status=$?
-wait "$node1_pid" || status=$?
-node1_pid=
-echo "load after: $(cut -d' ' -f1-3 /proc/loadavg)"
+for per_host in ${SHAPED_PER_HOST:-1 2}; do
+  echo
+  echo "### $per_host worker(s) per host"
+  echo "# link=$([[ $shaped == 1 ]] && echo shaped || echo veth) workers=$((2 * per_host)) hosts=2 bound_gbit=1" >>"$raw"
+  args=(--reps "$shaped_reps" --factor "$factor" --bound-gbit 1 --hosts 2 "${sliced[@]}" --raw "$raw")
+  # Node 1 prints nothing but errors (only rank 0 prints the table).
+  ip netns exec "$ns_b" timeout 600 "$shoal" run --nnodes 2 --node-rank 1 --master "$addr_a:$port" \
+    -n "$per_host" --no-tag-output "$bench" "${args[@]}" &
+  node1_pid=$!
+  ip netns exec "$ns_a" timeout 600 "$shoal" run --nnodes 2 --node-rank 0 --master "$addr_a:$port" \
+    -n "$per_host" --no-tag-output "$bench" "${args[@]}" || status=$?
+  wait "$node1_pid" || status=$?
+  node1_pid=
+  echo "load after: $(cut -d' ' -f1-3 /proc/loadavg)"
+  port=$((port + 1))
+done
 ip netns exec "$ns_a" tc -s qdisc show dev "${veth}a" | sed 's/^/# /'
 exit "$status"

@@ -1,6 +1,7 @@
 // Collectives over a grid of world sizes x element counts (0, odd, non-divisible) x dtypes,
 // against closed forms (gloo's test style: fill with the rank, expect n(n+1)/2).
 #include <chrono>
+#include <cstdlib>
 #include <numeric>
 #include <thread>
 
@@ -9,6 +10,7 @@
 #include <torch/torch.h>
 
 #include "harness.h"
+#include "netns.h"
 #include "shoal/shoal.h"
 
 namespace {
@@ -19,6 +21,7 @@ using shoal::comm::AllToAllOptions;
 using shoal::comm::ReduceOp;
 using shoal::comm::ReduceScatterOptions;
 using shoal::testing::run_workers;
+using shoal::testing::TwoHosts;
 
 const std::vector<int64_t> kCounts = {0, 1, 7, 1001, 65537};
 const std::vector<torch::Dtype> kDtypes = {torch::kFloat32, torch::kFloat64, torch::kInt64};
@@ -28,12 +31,46 @@ torch::Tensor ramp(int64_t count, torch::Dtype dtype) {
   return torch::arange(1, count + 1, torch::TensorOptions().dtype(torch::kInt64)).to(dtype);
 }
 
-class Collectives : public ::testing::TestWithParam<int> {};
+// A grid point: `workers` workers, on one host or cut among two (network namespaces joined by a
+// veth pair, tests/netns.h): there a group's all-reduce is hierarchical (docs/comm.md, "Across
+// hosts"), with two members on each host, or two and one (a host of one member).
+struct Layout {
+  int workers;
+  int hosts;
+};
+
+class Collectives : public ::testing::TestWithParam<Layout> {
+ protected:
+  void SetUp() override {
+    if (GetParam().hosts == 1 || shoal::testing::is_worker()) return;
+    if (auto problem = hosts_.create()) GTEST_SKIP() << "cannot build the two hosts: " << *problem;
+  }
+  // Runs `body` in every worker of the layout, after shoal::init().
+  void run(const std::function<void()>& body) {
+    shoal::testing::WorkersOptions options;
+    if (GetParam().hosts > 1 && !shoal::testing::is_worker()) {
+      options.hosts = {hosts_.name(0), hosts_.name(1)};
+      options.master_address = TwoHosts::kAddressA;
+    }
+    run_workers(GetParam().workers, body, options);
+  }
+  TwoHosts hosts_;
+};
+
+// The path each layout takes, by SHOAL_COMM (the grid runs again with "tcp" as Tcp.*).
+std::string expected_path(int workers, int hosts) {
+  const char* comm = std::getenv("SHOAL_COMM");
+  if (workers == 1) return "none";
+  if (comm != nullptr && std::string(comm) == "tcp") return "gloo";
+  return hosts == 1 ? "shared memory" : "hierarchical";
+}
 
 TEST_P(Collectives, AllReduceEveryOp) {
-  run_workers(GetParam(), [] {
+  const std::string path = expected_path(GetParam().workers, GetParam().hosts);
+  run([path] {
     auto& world = shoal::world();
     const int n = world.size(), r = world.rank();
+    ASSERT_EQ(world.path(), path);
     for (auto dtype : kDtypes) {
       for (auto count : kCounts) {
         auto base = ramp(count, dtype);
@@ -68,7 +105,7 @@ TEST_P(Collectives, AllReduceEveryOp) {
 }
 
 TEST_P(Collectives, BroadcastFromEveryRoot) {
-  run_workers(GetParam(), [] {
+  run([] {
     auto& world = shoal::world();
     for (auto dtype : kDtypes) {
       for (auto count : kCounts) {
@@ -83,7 +120,7 @@ TEST_P(Collectives, BroadcastFromEveryRoot) {
 }
 
 TEST_P(Collectives, AllGatherEvenAndUneven) {
-  run_workers(GetParam(), [] {
+  run([] {
     auto& world = shoal::world();
     const int n = world.size(), r = world.rank();
     for (auto dtype : kDtypes) {
@@ -114,7 +151,7 @@ TEST_P(Collectives, AllGatherEvenAndUneven) {
 }
 
 TEST_P(Collectives, ReduceScatterEvenAndUneven) {
-  run_workers(GetParam(), [] {
+  run([] {
     auto& world = shoal::world();
     const int n = world.size(), r = world.rank();
     for (auto dtype : kDtypes) {
@@ -147,7 +184,7 @@ TEST_P(Collectives, ReduceScatterEvenAndUneven) {
 }
 
 TEST_P(Collectives, AllToAllUneven) {
-  run_workers(GetParam(), [] {
+  run([] {
     auto& world = shoal::world();
     const int n = world.size(), r = world.rank();
     for (auto dtype : kDtypes) {
@@ -192,7 +229,7 @@ TEST_P(Collectives, AllToAllUneven) {
 }
 
 TEST_P(Collectives, SendRecvRingAndBarrier) {
-  run_workers(GetParam(), [] {
+  run([] {
     auto& world = shoal::world();
     const int n = world.size(), r = world.rank();
     if (n == 1) {
@@ -217,7 +254,7 @@ TEST_P(Collectives, SendRecvRingAndBarrier) {
 // successor messages with tags 0..5, small and larger than a shared-memory channel's ring
 // (256 KiB), and posts the receives from its predecessor in reverse order, all at once.
 TEST_P(Collectives, ReceivesMatchByTagInAnyOrder) {
-  run_workers(GetParam(), [] {
+  run([] {
     auto& world = shoal::world();
     const int n = world.size(), r = world.rank();
     if (n == 1) return;
@@ -246,7 +283,7 @@ TEST_P(Collectives, ReceivesMatchByTagInAnyOrder) {
 }
 
 TEST_P(Collectives, AsyncOperationsInFlightTogether) {
-  run_workers(GetParam(), [] {
+  run([] {
     auto& world = shoal::world();
     const int n = world.size(), r = world.rank();
     std::vector<torch::Tensor> tensors;
@@ -265,7 +302,7 @@ TEST_P(Collectives, AsyncOperationsInFlightTogether) {
 }
 
 TEST_P(Collectives, SubgroupsOfAnySubset) {
-  run_workers(GetParam(), [] {
+  run([] {
     auto& world = shoal::world();
     const int n = world.size(), r = world.rank();
     // Evens and odds each form a group, given in descending order: the order sets the ranks.
@@ -302,7 +339,7 @@ TEST_P(Collectives, SubgroupsOfAnySubset) {
 // A member may drop a group, or end, as soon as it has it: creation must still succeed on the
 // members that were slower to connect (Note [Creating a group ends with a barrier]).
 TEST_P(Collectives, GroupsDroppedAtOnceConnectEverywhere) {
-  run_workers(GetParam(), [] {
+  run([] {
     auto& world = shoal::world();
     const int n = world.size();
     std::vector<int> everyone(n);
@@ -321,8 +358,13 @@ TEST_P(Collectives, GroupsDroppedAtOnceConnectEverywhere) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(WorldSizes, Collectives, ::testing::Values(1, 2, 3, 4),
-                         [](const auto& info) { return "n" + std::to_string(info.param); });
+INSTANTIATE_TEST_SUITE_P(WorldSizes, Collectives,
+                         ::testing::Values(Layout{1, 1}, Layout{2, 1}, Layout{3, 1}, Layout{4, 1},
+                                           Layout{3, 2}, Layout{4, 2}),
+                         [](const auto& info) {
+                           return "n" + std::to_string(info.param.workers) +
+                                  (info.param.hosts == 1 ? "" : "_on_two_hosts");
+                         });
 
 TEST(CollectiveArguments, BadSizesAndRootsAreUsageErrors) {
   run_workers(2, [] {

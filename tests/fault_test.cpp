@@ -16,6 +16,7 @@
 #include <torch/torch.h>
 
 #include "harness.h"
+#include "netns.h"
 #include "shoal/shoal.h"
 
 namespace {
@@ -41,10 +42,10 @@ std::string size_class_name(int64_t count) {
 // (workers, elements)
 class KilledPeer : public ::testing::TestWithParam<std::tuple<int, int64_t>> {};
 
-TEST_P(KilledPeer, SurvivorsRaiseCommErrorNamingIt) {
-  const auto [n, count] = GetParam();
+// Worker 1 of n dies (SIGKILL) in the fourth all-reduce of `count` elements; every survivor raises
+// CommError naming it, in bounded time, and its group stays broken.
+void expect_killed_peer_named(int n, int64_t count, shoal::testing::WorkersOptions options) {
   const int victim = 1;
-  shoal::testing::WorkersOptions options;
   options.may_fail = {victim};
   auto exits = run_workers(n, [victim, count = count] {
     auto& world = shoal::world();
@@ -82,7 +83,31 @@ TEST_P(KilledPeer, SurvivorsRaiseCommErrorNamingIt) {
   }, options);
   if (!shoal::testing::is_worker()) {
     EXPECT_EQ(exits[victim].signal, SIGKILL);
+    for (const auto& exit : exits) {  // the survivors' lines, for the log
+      for (size_t at = exit.output.find("survivor"); at != std::string::npos;
+           at = exit.output.find("survivor", at + 1))
+        std::printf("%s\n", exit.output.substr(at, exit.output.find('\n', at) - at).c_str());
+    }
   }
+}
+
+TEST_P(KilledPeer, SurvivorsRaiseCommErrorNamingIt) {
+  const auto [n, count] = GetParam();
+  expect_killed_peer_named(n, count, {});
+}
+
+// Two hosts of two workers (tests/netns.h), whose all-reduce is hierarchical (docs/comm.md,
+// "Across hosts"): worker 1 dies beside worker 0, which sees it through shared memory; host 1's
+// workers, waiting on the network or on each other, learn of it from the launcher's record.
+TEST(KilledPeerOnTwoHosts, SurvivorsOnBothHostsRaiseCommErrorNamingIt) {
+  shoal::testing::TwoHosts hosts;
+  shoal::testing::WorkersOptions options;
+  if (!shoal::testing::is_worker()) {
+    if (auto problem = hosts.create()) GTEST_SKIP() << "cannot build the two hosts: " << *problem;
+    options.hosts = {hosts.name(0), hosts.name(1)};
+    options.master_address = shoal::testing::TwoHosts::kAddressA;
+  }
+  for (int64_t count : {int64_t{60000}, int64_t{1} << 20}) expect_killed_peer_named(4, count, options);
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, KilledPeer,

@@ -2,6 +2,7 @@
 // programs give the one-process values on 2 and 3 workers with the SBP the guide shows, and the
 // character-level GPT trains 20 steps to the one-process loss curve and parameters in each of
 // its plans, the pipeline and 3-D ones included (relative 1e-4).
+#include <cstdlib>
 #include <filesystem>
 #include <regex>
 
@@ -136,6 +137,41 @@ TEST_F(GlobalGpt, PipelinePlansTrainAsOneProcess) {
                              r.schedule, "--micro-batches", r.micro_batches, "--save", file},
                             240s);
     expect_as_one_process(result, file, expected, reference, name);
+  }
+}
+
+// docs/comm.md: the plans train alike through shared memory (the default for workers on one
+// host) and over Gloo's TCP (SHOAL_COMM=tcp), up to summation order: relative 1e-6, on the losses
+// and the parameters. The hybrid plan's data-parallel all-reduces and tensor-parallel boxing, and
+// a pipeline's sends and receives.
+TEST_F(GlobalGpt, PlansTrainAlikeOnSharedMemoryAndOverTcp) {
+  const std::string gpt = example("global_gpt");
+  const std::vector<std::vector<std::string>> plans = {
+      {"-n", "4", gpt, "--plan", "hybrid"},
+      {"-n", "2", gpt, "--plan", "pipeline", "--dropout", "0", "--schedule", "1f1b",
+       "--micro-batches", "4"}};
+  for (const auto& plan : plans) {
+    const std::string name = plan[4];
+    std::vector<double> loss[2];
+    std::vector<torch::Tensor> parameters[2];
+    for (int tcp : {0, 1}) {
+      const std::string file = dir_ / (name + (tcp ? "-tcp.pt" : "-shm.pt"));
+      std::vector<std::string> args = plan;
+      args.insert(args.end(), {"--save", file});
+      if (tcp) ::setenv("SHOAL_COMM", "tcp", 1);
+      const auto result = run(args, 240s);
+      ::unsetenv("SHOAL_COMM");
+      loss[tcp] = losses(result);
+      ASSERT_EQ(loss[tcp].size(), 20u) << name << (tcp ? " over TCP" : "") << ":\n" << result.out;
+      torch::load(parameters[tcp], file);
+    }
+    for (size_t i = 0; i < loss[0].size(); ++i)
+      EXPECT_NEAR(loss[0][i], loss[1][i], 1e-6 * std::abs(loss[1][i])) << name << ", step " << i + 1;
+    ASSERT_EQ(parameters[0].size(), parameters[1].size()) << name;
+    for (size_t i = 0; i < parameters[0].size(); ++i) {
+      const double error = (parameters[0][i] - parameters[1][i]).norm().item<double>();
+      EXPECT_LE(error, 1e-6 * parameters[1][i].norm().item<double>()) << name << ", parameter " << i;
+    }
   }
 }
 

@@ -1,6 +1,7 @@
 #include "harness.h"
 
 #include <fcntl.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
@@ -14,6 +15,7 @@
 #include <fstream>
 #include <iostream>
 #include <sstream>
+#include <stdexcept>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -74,6 +76,17 @@ std::map<std::string, std::string> job_environment(Launcher launcher, int rank, 
       return {};
   }
   return {};
+}
+
+// Moves the calling thread into the network namespace `ip netns` calls `name`.
+void enter_network_namespace(const std::string& name) {
+  const std::string path = "/run/netns/" + name;
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw std::runtime_error("cannot open " + path + ": " + std::strerror(errno));
+  const int result = ::setns(fd, CLONE_NEWNET);
+  const int error = errno;
+  ::close(fd);
+  if (result != 0) throw std::runtime_error("setns " + path + ": " + std::strerror(error));
 }
 
 std::string current_test_name() {
@@ -155,12 +168,36 @@ std::vector<WorkerExit> run_workers(int n, const std::function<void()>& body,
   comm::StorePtr store;
   int port = free_port();
   const std::string run_id = "test" + std::to_string(getpid()) + "-" + std::to_string(call);
+  const int hosts = static_cast<int>(options.hosts.size());
+  if (hosts > 0 && options.launcher != Launcher::kShoal) {
+    ADD_FAILURE() << "run_workers: WorkersOptions::hosts needs Launcher::kShoal";
+    return {};
+  }
   if (options.launcher == Launcher::kShoal) {
     comm::StoreOptions store_options;
     store_options.is_server = true;
     store_options.port = 0;
     store_options.job_id = "shoal run " + run_id;  // as shoal run names its job
-    store = comm::open_store(store_options);
+    if (hosts == 0) {
+      store = comm::open_store(store_options);
+    } else {
+      // Hosted inside the first host: a thread of its own enters that network namespace (setns
+      // moves only the calling thread), and the store's sockets stay there.
+      std::string problem;
+      std::thread([&] {
+        try {
+          enter_network_namespace(options.hosts[0]);
+          store = comm::open_store(store_options);
+        } catch (const std::exception& e) {
+          problem = e.what();
+        }
+      }).join();
+      if (!store) {
+        ADD_FAILURE() << "run_workers: cannot host the store in " << options.hosts[0] << ": "
+                      << problem;
+        return {};
+      }
+    }
     port = comm::hosted_port(store);
   }
 
@@ -173,16 +210,32 @@ std::vector<WorkerExit> run_workers(int n, const std::function<void()>& body,
       std::string text(*entry);
       if (!is_job_variable(text.substr(0, text.find('=')))) env_strings.push_back(text);
     }
-    for (auto& [key, value] : job_environment(options.launcher, rank, n, port, run_id))
-      env_strings.push_back(key + "=" + value);
+    auto job = job_environment(options.launcher, rank, n, port, run_id);
+    const int host = hosts > 0 ? rank * hosts / n : 0;
+    if (hosts > 0) {
+      int first = 0, last = 0;  // this host's ranks: [first, last)
+      while (first * hosts / n < host) ++first;
+      for (last = first; last < n && last * hosts / n == host; ++last) {
+      }
+      job["SHOAL_LOCAL_RANK"] = std::to_string(rank - first);
+      job["SHOAL_LOCAL_WORLD_SIZE"] = std::to_string(last - first);
+      job["SHOAL_MASTER_ADDR"] = options.master_address;
+    }
+    for (auto& [key, value] : job) env_strings.push_back(key + "=" + value);
     for (auto& [key, value] : options.env) env_strings.push_back(key + "=" + value);
     env_strings.push_back(std::string(kWorkerCall) + "=" + std::to_string(call));
     const std::string filter = "--gtest_filter=" + current_test_name();
     const std::string output = directory + "/worker" + std::to_string(rank) + ".log";
+    const std::string netns_path = hosts > 0 ? "/run/netns/" + options.hosts[host] : "";
 
     pid_t pid = fork();
     if (pid == 0) {
       prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (!netns_path.empty()) {  // raw calls only: this is a fork of a threaded process
+        const int netns = open(netns_path.c_str(), O_RDONLY);
+        if (netns < 0 || setns(netns, CLONE_NEWNET) != 0) _exit(126);
+        close(netns);
+      }
       int fd = open(output.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
       dup2(fd, 1);
       dup2(fd, 2);

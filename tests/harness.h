@@ -39,6 +39,12 @@ struct WorkersOptions {
   std::set<int> stragglers;
   // Whether the worker calls shoal::init() before the body.
   bool init = true;
+  // Network namespaces (`ip netns` names, e.g. TwoHosts'), one per host: the workers are cut
+  // among them in rank order (host h runs ranks h*n/H .. (h+1)*n/H - 1), and the store is hosted
+  // in the first, reached at `master_address` (its address on the link). Empty: all on this
+  // host, store on loopback. Launcher::kShoal only.
+  std::vector<std::string> hosts;
+  std::string master_address;
 };
 
 struct WorkerExit {

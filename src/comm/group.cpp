@@ -9,7 +9,6 @@
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
-#include "comm/shm/locality.h"
 #include "shoal/core/env.h"
 #include "shoal/core/error.h"
 #include "state.h"
@@ -189,6 +188,7 @@ void Group::State::mark_broken(const std::string& reason) {
   if (!broken.exchange(true)) broken_reason = reason;
   // An operation still running on the shared-memory path waits for nobody now.
   if (shm) shm->cancel();
+  if (hierarchy && hierarchy->local) hierarchy->local->cancel();
 }
 
 std::string Group::State::lost_members() const {
@@ -237,6 +237,7 @@ Group::State::~State() {
   // A broken group may still have an operation blocked in a Gloo thread until the group's
   // timeout; c10d's destructor would join that thread. Leave the backend behind instead.
   if (broken && backend) (void)backend.release();
+  if (broken && hierarchy && hierarchy->across) (void)hierarchy->across.release();
 }
 
 // ----- construction -----
@@ -260,6 +261,8 @@ namespace {
 // add(key, 0) rather than Store::wait: c10d 1.13's TCPStore cannot cancel a wait that timed out,
 // and its late answer would be read as the reply to the next request.
 constexpr Duration kLivenessPeriod{250};  // as in work.cpp: how often a wait asks who is gone
+
+}  // namespace
 
 // Each member writes `<counter>/<rank>` and adds one to `<counter>`; returns once the counter holds
 // every member (Note [Creating a group ends with a barrier]).
@@ -294,104 +297,7 @@ void wait_for_members(Group::State& state, const std::string& counter, const Dea
   }
 }
 
-// Note [Choosing the shared-memory path]
-// SHOAL_COMM says which path a group of several members takes: "auto" (the default) uses shared
-// memory when every member has this worker's locality key (same boot, network namespace, pid
-// namespace and user: Note [Locality key] in shm/locality.h) and the segment can be made and
-// opened everywhere, else Gloo; "tcp" always Gloo; "shm" shared memory or a CommError saying why
-// not. The members decide together, through the store, so that all take the same path: each
-// writes its key before the connect barrier (so all keys are there after it); member 0 creates
-// the segment and writes its handle, or why it could not; the others open it and each writes
-// "ok" or why not; after a second barrier every member reads the same answers. Member 0 holds
-// the segment open until then, which /proc-opening needs (Note [Segment by /proc]). Gloo is
-// connected either way: the dtypes shared memory does not reduce (bool, int16, complex) still
-// take it. Send and recv move bytes and take shared memory whatever the dtype.
-enum class Path { kAuto, kTcp, kShm };
-
-Path requested_path() {
-  const auto value = env::get(env::current(), "SHOAL_COMM");
-  if (!value || value->empty() || *value == "auto") return Path::kAuto;
-  if (*value == "tcp") return Path::kTcp;
-  if (*value == "shm") return Path::kShm;
-  throw UsageError("SHOAL_COMM=" + *value + ": expected auto, tcp or shm");
-}
-
-std::string this_locality() {
-  try {
-    return shm::locality_key();
-  } catch (const CommError& e) {
-    return std::string("- ") + e.what();  // no key: never equal to another's
-  }
-}
-
-// Waits for `key` to be set, until the deadline.
-std::string wait_for_key(Group::State& state, const std::string& key, const Deadline& deadline) {
-  Duration pause(1);
-  for (;;) {
-    std::string value = try_get(state.store, key);
-    if (!value.empty()) return value;
-    if (deadline.expired()) {
-      throw CommError("connecting " + state.describe() + " timed out after " +
-                      format_duration(deadline.elapsed()) + " waiting for worker " +
-                      std::to_string(state.members[0]) + "'s shared-memory segment");
-    }
-    std::this_thread::sleep_for(std::min(pause, deadline.remaining()));
-    pause = std::min(pause * 2, Duration(20));
-  }
-}
-
-// Returns the shared-memory path of a group whose members are connected, or null (with the reason
-// in `why`) when the members take Gloo (Note [Choosing the shared-memory path]).
-std::unique_ptr<shm::Executor> open_shared_memory(Group::State& state, const Deadline& deadline,
-                                                  std::string& why) {
-  const std::string key = try_get(state.store, state.prefix + "/locality/0");
-  for (int i = 1; i < state.size(); ++i) {
-    const std::string other = try_get(state.store, state.prefix + "/locality/" + std::to_string(i));
-    if (other != key || key.empty() || key[0] == '-') {
-      why = "workers " + std::to_string(state.members[0]) + " and " +
-            std::to_string(state.members[i]) + " are not on one host (locality keys \"" + key +
-            "\" and \"" + other + "\")";
-      return nullptr;
-    }
-  }
-  std::optional<shm::Segment> segment;
-  std::string status = "ok";
-  if (state.rank == 0) {
-    std::string handle;
-    try {
-      segment.emplace(shm::Segment::create(state.size()));
-      handle = segment->handle();
-    } catch (const CommError& e) {
-      status = e.what();
-      handle = "- " + status;
-    }
-    put(state.store, state.prefix + "/shm/handle", handle);
-  } else {
-    const std::string handle = wait_for_key(state, state.prefix + "/shm/handle", deadline);
-    if (handle[0] == '-') {
-      status = "worker " + std::to_string(state.members[0]) + ": " + handle.substr(2);
-    } else {
-      try {
-        segment.emplace(shm::Segment::open(handle, state.size()));
-      } catch (const CommError& e) {
-        status = "worker " + std::to_string(state.members[state.rank]) + ": " + e.what();
-      }
-    }
-  }
-  put(state.store, state.prefix + "/shm/status/" + std::to_string(state.rank), status);
-  wait_for_members(state, state.prefix + "/shm/opened", deadline);
-  for (int i = 0; i < state.size(); ++i) {
-    const std::string answer =
-        try_get(state.store, state.prefix + "/shm/status/" + std::to_string(i));
-    if (answer != "ok") {
-      why = answer;
-      return nullptr;
-    }
-  }
-  auto group = std::make_unique<shm::LocalGroup>(std::move(*segment), state.rank,
-                                                 std::max(deadline.remaining(), Duration(1)));
-  return std::make_unique<shm::Executor>(std::move(group));
-}
+namespace {
 
 std::shared_ptr<Group::State> connect(StorePtr store, std::string prefix, int rank,
                                       std::vector<int> members, const GroupOptions& options) {
@@ -404,9 +310,9 @@ std::shared_ptr<Group::State> connect(StorePtr store, std::string prefix, int ra
   if (state->size() == 1) return state;
 
   Deadline deadline(options.timeout);
-  const Path path = requested_path();
+  const bool gloo_only = requested_path() == Path::kTcp;
   try {
-    if (path != Path::kTcp) put(store, prefix + "/locality/" + std::to_string(rank), this_locality());
+    if (!gloo_only) put(store, prefix + "/locality/" + std::to_string(rank), this_locality());
     auto backend_options = c10d::ProcessGroupGloo::Options::create(options.timeout);
     backend_options->threads = options.threads;
     backend_options->devices.push_back(
@@ -418,14 +324,7 @@ std::shared_ptr<Group::State> connect(StorePtr store, std::string prefix, int ra
         c10::make_intrusive<c10d::ProcessGroupGloo>(scoped, rank, state->size(), backend_options);
     // See Note [Creating a group ends with a barrier]
     wait_for_members(*state, prefix + "/connected", deadline);
-    if (path != Path::kTcp) {
-      std::string why;
-      state->shm = open_shared_memory(*state, deadline, why);
-      if (!state->shm && path == Path::kShm) {
-        throw CommError("SHOAL_COMM=shm, but " + state->describe() +
-                        " cannot share memory: " + why);
-      }
-    }
+    if (!gloo_only) open_paths(*state, deadline, backend_options);
   } catch (const shoal::Error&) {
     throw;
   } catch (const std::exception& e) {
@@ -515,6 +414,12 @@ void Group::set_timeout(Duration timeout) {
 bool Group::is_broken() const {
   return state_ && state_->broken;
 }
+std::string Group::path() const {
+  if (!state_ || state_->size() == 1) return "none";
+  if (state_->shm) return "shared memory";
+  if (state_->hierarchy) return "hierarchical";
+  return "gloo";
+}
 
 // ----- operations -----
 
@@ -567,11 +472,31 @@ Work Group::all_reduce_async(at::Tensor& tensor, const AllReduceOptions& options
   return launch(
       "all_reduce",
       [&](Work::State& work) {
+        const Hierarchy* hierarchy = state_->hierarchy.get();
         if (n > 1 && buffer.numel() > 0 && on_shared_memory(buffer)) {
           const auto dtype = *shm_dtype(buffer.scalar_type());
           submit(work, [buffer, dtype, op](shm::LocalGroup& group, Duration timeout) {
             group.all_reduce(buffer.data_ptr(), buffer.numel(), dtype, to_shm(op), timeout);
           });
+          count_sent(2 * static_cast<int64_t>(buffer.nbytes()) * (n - 1) / n);
+        } else if (hierarchy && buffer.numel() > 0 && shm_dtype(buffer.scalar_type()) &&
+                   static_cast<int64_t>(buffer.nbytes()) >= hierarchy->flat_below) {
+          // Note [Hierarchical all-reduce] (path.cpp).
+          if (hierarchy->local) {
+            const auto dtype = *shm_dtype(buffer.scalar_type());
+            // The lane is the hierarchy's own, so the hierarchy outlives what runs on it.
+            work.shm_task = hierarchy->local->submit(
+                [hierarchy, buffer, dtype, op, deadline = work.deadline](shm::LocalGroup& group) {
+                  hierarchical_all_reduce(*hierarchy, group, buffer, dtype, to_shm(op),
+                                          to_backend(op), deadline.remaining());
+                });
+          } else {
+            // Alone on its host: the step across hosts is all there is.
+            std::vector<at::Tensor> tensors{buffer};
+            c10d::AllreduceOptions backend_options;
+            backend_options.reduceOp = to_backend(op);
+            work.backend_work = hierarchy->across->allreduce(tensors, backend_options);
+          }
           count_sent(2 * static_cast<int64_t>(buffer.nbytes()) * (n - 1) / n);
         } else if (n > 1 && buffer.numel() > 0) {
           std::vector<at::Tensor> tensors{buffer};

@@ -5,6 +5,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -17,11 +18,34 @@
 
 namespace shoal::comm {
 
+// The all-reduce of a group across hosts with several members on some host (Note [Hierarchical
+// all-reduce] in path.cpp).
+struct Hierarchy {
+  // Member local_rank of every host, over Gloo (rank: the host's number); null when this member
+  // takes no slice. Declared before `local`, whose lanes use it: they end first.
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> across;
+  // This host's members, in group order, through their segment; null on a host of one member.
+  std::unique_ptr<shm::Executor> local;
+  int local_rank = 0;
+  int local_size = 1;
+  int hosts = 1;
+  int slices = 1;  // members per host that cross: the fewest any host has
+  int64_t flat_below = 0;  // smaller all-reduces (bytes) take the flat ring over all members
+};
+
+// A failure of the network step of a hierarchical operation, in Gloo's words.
+class NetworkFailed : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 struct Group::State {
   c10::intrusive_ptr<c10d::ProcessGroupGloo> backend;  // null in a group of one
   // The shared-memory path, when every member is on this host (docs/comm.md, "Shared memory among
   // co-located workers"); null: every operation goes through Gloo.
   std::unique_ptr<shm::Executor> shm;
+  // Across hosts, with members sharing some host: the hierarchical all-reduce; null otherwise.
+  std::unique_ptr<Hierarchy> hierarchy;
   StorePtr store;           // the job's store, unprefixed; null in a group of one
   std::string prefix;       // this group's key prefix in the store
   GroupOptions options;
@@ -44,6 +68,25 @@ struct Group::State {
 
   ~State();
 };
+
+// Which path SHOAL_COMM asks for (Note [Choosing the shared-memory path] in path.cpp);
+// UsageError for another value.
+enum class Path { kAuto, kTcp, kShm };
+Path requested_path();
+// This process's locality key, or "- <why not>" (equal to no other).
+std::string this_locality();
+// After the connect barrier of a group whose members wrote their locality keys: opens the shared
+// memory or the hierarchy its members agree on (state.shm, state.hierarchy), or leaves it on
+// Gloo; CommError when SHOAL_COMM=shm cannot be honoured.
+void open_paths(Group::State& state, const Deadline& deadline,
+                const c10::intrusive_ptr<c10d::ProcessGroupGloo::Options>& backend_options);
+// Note [Hierarchical all-reduce], on the collectives' lane of hierarchy.local: `buffer` in place.
+void hierarchical_all_reduce(const Hierarchy& hierarchy, shm::LocalGroup& local,
+                             const at::Tensor& buffer, shm::DType dtype, shm::ReduceOp op,
+                             c10d::ReduceOp backend_op, Duration timeout);
+// Each member writes `<counter>/<rank>` and adds one to `<counter>`; returns once the counter holds
+// every member (Note [Creating a group ends with a barrier] in group.cpp).
+void wait_for_members(Group::State& state, const std::string& counter, const Deadline& deadline);
 
 struct Work::State {
   std::string op;

@@ -106,6 +106,14 @@ void wait_shared_memory(Work::State& work, const Deadline& deadline) {
       }
       fail_with_backend_error(work, e, "shared memory",
                               e.kind == shm::FailureKind::kLost ? e.member : -1);
+    } catch (const NetworkFailed& e) {
+      // The step across hosts of a hierarchical all-reduce (Note [Hierarchical all-reduce]).
+      if (work.deadline.expired()) {
+        fail(work, "timed out after " + format_duration(work.deadline.elapsed()) +
+                       " waiting for workers " + others(*work.group) + " (gloo: " + e.what() +
+                       ")");
+      }
+      fail_with_backend_error(work, e, "gloo");
     } catch (const std::exception& e) {
       fail_with_backend_error(work, e, "shared memory");
     }

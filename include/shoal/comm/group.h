@@ -150,6 +150,12 @@ class Group {
   // True after a CommError: the group must be replaced.
   bool is_broken() const;
 
+  // How this group's data travels (docs/comm.md, "Which path a group takes"): "none" (a group of
+  // one), "gloo" (TCP between all members), "shared memory" (all members on one host) or
+  // "hierarchical" (several hosts, members sharing some: all_reduce through shared memory inside
+  // each host and Gloo between hosts; the other operations over Gloo). Equal on every member.
+  std::string path() const;
+
   struct State;
 
  private:

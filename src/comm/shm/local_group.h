@@ -86,6 +86,7 @@ class LocalGroup {
   // From any thread: a wait in progress (and every later one) raises CommError within a wait
   // slice (10 ms); for callers that gave up on an operation at a deadline of their own.
   void cancel() { cancelled_.store(true, std::memory_order_release); }
+  bool cancelled() const { return cancelled_.load(std::memory_order_acquire); }
 
  private:
   // Note [Phases]: in a collective every member advances its own counter once per phase, the same
