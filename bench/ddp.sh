@@ -88,6 +88,16 @@ for contender in "${contenders[@]}"; do
   esac
 done
 
+# glibc's malloc, left to itself, gives the heap back to the kernel (trim) and takes it again every
+# step in some workers and not in others, depending on what each allocated before: such a worker
+# spends half its time in page faults (minor faults at ~50k/s, half the CPU in the kernel), and the
+# CNN's step then took 26-31 ms instead of 9 in any contender, `local` included, run after run
+# (bench/RESULTS.md, 2026-11-27 18:10). Every contender, PyTorch's Python included, therefore runs
+# with the same tunables that keep the heap: a trim threshold of 1 GiB, and tensors up to 32 MiB
+# from the heap rather than from fresh mmaps. GLIBC_TUNABLES set by the caller wins (empty: glibc's
+# defaults).
+export GLIBC_TUNABLES=${GLIBC_TUNABLES-glibc.malloc.trim_threshold=1073741824:glibc.malloc.mmap_threshold=33554432}
+
 results=$(mktemp -d /tmp/shoal-ddp.XXXXXX)
 mkdir -p "$here/results"
 raw=${RAW:-$here/results/ddp-$(date -u +%Y%m%dT%H%MZ).txt}
@@ -97,10 +107,11 @@ echo "cores: $(nproc); $(lscpu | grep 'Model name' | sed 's/  */ /g')"
 echo "os: $(. /etc/os-release && echo "$PRETTY_NAME"); torch $("$python" -c 'import torch; print(torch.__version__)')"
 echo "scheduling: $(chrt -p $$ | sed -n 1p | sed 's/.*: //'), $(cat /proc/self/autogroup 2>/dev/null || echo "no autogroup")"
 echo "load before: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "GLIBC_TUNABLES=$GLIBC_TUNABLES"
 echo "logs: $results; raw lines: $raw"
 {
   echo "# bench/ddp.sh raw lines: one per run (round, link, contender, then the worker's line)"
-  echo "# date: $(date -u); cores: $(nproc); load before: $(cut -d' ' -f1-3 /proc/loadavg)"
+  echo "# date: $(date -u); cores: $(nproc); load before: $(cut -d' ' -f1-3 /proc/loadavg); GLIBC_TUNABLES=$GLIBC_TUNABLES"
   echo "# ROUNDS=$rounds SHAPED_ROUNDS=$shaped_rounds WARMUP=$warmup MLP_STEPS=${MLP_STEPS:-10} CNN_STEPS=${CNN_STEPS:-60} MODELS=\"$models\" LINKS=\"$links\" CONTENDERS=\"${contenders[*]}\""
 } >"$raw"
 
