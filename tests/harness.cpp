@@ -20,6 +20,7 @@
 
 #include <gtest/gtest.h>
 
+#include "netns.h"
 #include "shoal/comm/store.h"
 #include "shoal/core/env.h"
 #include "shoal/core/error.h"
@@ -76,17 +77,6 @@ std::map<std::string, std::string> job_environment(Launcher launcher, int rank, 
       return {};
   }
   return {};
-}
-
-// Moves the calling thread into the network namespace `ip netns` calls `name`.
-void enter_network_namespace(const std::string& name) {
-  const std::string path = "/run/netns/" + name;
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw std::runtime_error("cannot open " + path + ": " + std::strerror(errno));
-  const int result = ::setns(fd, CLONE_NEWNET);
-  const int error = errno;
-  ::close(fd);
-  if (result != 0) throw std::runtime_error("setns " + path + ": " + std::strerror(error));
 }
 
 std::string current_test_name() {
@@ -186,7 +176,7 @@ std::vector<WorkerExit> run_workers(int n, const std::function<void()>& body,
       std::string problem;
       std::thread([&] {
         try {
-          enter_network_namespace(options.hosts[0]);
+          InNetworkNamespace host(options.hosts[0]);
           store = comm::open_store(store_options);
         } catch (const std::exception& e) {
           problem = e.what();

@@ -1,9 +1,15 @@
 #include "netns.h"
 
+#include <fcntl.h>
+#include <sched.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <stdexcept>
 
 namespace shoal::testing {
 
@@ -90,6 +96,27 @@ bool TwoHosts::set_link(bool up) {
   const std::string state = up ? " up" : " down";
   return shell(in(0, "ip link set " + veth_ + "a" + state)) == 0 &&
          shell(in(1, "ip link set " + veth_ + "b" + state)) == 0;
+}
+
+InNetworkNamespace::InNetworkNamespace(const std::string& name) {
+  home_ = ::open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC);
+  const int fd = ::open(("/run/netns/" + name).c_str(), O_RDONLY | O_CLOEXEC);
+  const bool entered = home_ >= 0 && fd >= 0 && ::setns(fd, CLONE_NEWNET) == 0;
+  const int error = errno;
+  if (fd >= 0) ::close(fd);
+  if (!entered) {
+    if (home_ >= 0) ::close(home_);
+    throw std::runtime_error("cannot enter the network namespace " + name + ": " +
+                             std::strerror(error));
+  }
+}
+
+InNetworkNamespace::~InNetworkNamespace() {
+  if (::setns(home_, CLONE_NEWNET) != 0) {
+    std::cerr << "cannot return to the test's network namespace: " << std::strerror(errno)
+              << std::endl;
+  }
+  ::close(home_);
 }
 
 }  // namespace shoal::testing

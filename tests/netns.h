@@ -43,4 +43,19 @@ class TwoHosts {
   std::string veth_;
 };
 
+// This thread, and every process it forks from now on, in a host's network namespace
+// (/run/netns/NAME, e.g. TwoHosts::name) until destruction, which takes it back to the namespace
+// it was in: a test's scheduler and its REST calls, or the store of run_workers' workers on two
+// hosts, then live on that host. Raises std::runtime_error when setns fails.
+class InNetworkNamespace {
+ public:
+  explicit InNetworkNamespace(const std::string& name);
+  ~InNetworkNamespace();
+  InNetworkNamespace(const InNetworkNamespace&) = delete;
+  InNetworkNamespace& operator=(const InNetworkNamespace&) = delete;
+
+ private:
+  int home_ = -1;
+};
+
 }  // namespace shoal::testing

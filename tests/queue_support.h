@@ -497,39 +497,6 @@ inline json expect_a_killed_scheduler_to_leave_jobs_training(Queue& queue) {
   return before;
 }
 
-// This thread, and every process it forks from now on, in a host's network namespace
-// (/run/netns/NAME, tests/netns.h) until destruction, which takes it back to the namespace it
-// was in: a test's scheduler and its REST calls then live on that host. Raises
-// std::runtime_error when setns fails.
-class InNetworkNamespace {
- public:
-  explicit InNetworkNamespace(const std::string& name) {
-    home_ = ::open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC);
-    const int fd = ::open(("/run/netns/" + name).c_str(), O_RDONLY | O_CLOEXEC);
-    const bool entered = home_ >= 0 && fd >= 0 && ::setns(fd, CLONE_NEWNET) == 0;
-    const int error = errno;
-    if (fd >= 0) ::close(fd);
-    if (!entered) {
-      if (home_ >= 0) ::close(home_);
-      throw std::runtime_error("cannot enter the network namespace " + name + ": " +
-                               std::strerror(error));
-    }
-  }
-  ~InNetworkNamespace() {
-    if (::setns(home_, CLONE_NEWNET) != 0) {
-      std::cerr << "cannot return to the test's network namespace: " << std::strerror(errno)
-                << std::endl;
-    }
-    ::close(home_);
-  }
-  InNetworkNamespace(const InNetworkNamespace&) = delete;
-  InNetworkNamespace& operator=(const InNetworkNamespace&) = delete;
-
- private:
-  int home_ = -1;
-};
-
-
 // Tests 1 and 2 of docs/queue.md for whatever runs the workers (the local engine on one host or
 // several, the Slurm engine); what differs is what else the engine checks. The queue must run
 // with --cooldown `cooldown` and --grow-idle 2, have 4 free slots, and read the logs of every
