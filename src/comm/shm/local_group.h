@@ -1,5 +1,5 @@
 // The co-located members of a group and their collectives through one shared segment (docs/comm.md,
-// "Shared memory among co-located workers (in progress)"). Torch-free, on raw buffers: the wiring
+// "Shared memory among co-located workers"). Torch-free, on raw buffers: the wiring
 // into comm::Group passes tensors' data pointers.
 //
 // Contract (as comm::Group's): every member calls the same collectives in the same order with the
