@@ -55,7 +55,9 @@ void expect_killed_peer_named(int n, int64_t count, shoal::testing::WorkersOptio
       auto start = Clock::now();
       // A few elements' all-reduce can end within the microseconds between its launch and a
       // kill, and then rightly goes on: for those the victim dies just before its part, for the
-      // larger ones while its part is in flight.
+      // larger ones while its part is in flight. A medium one can still end first on a loaded
+      // machine (the victim's Gloo or lane thread runs its whole part before its main thread
+      // raises the signal): then it holds the victim's ones, and the next all-reduce fails.
       const bool in_flight = count >= 60000;
       if (shoal::rank() == victim && step == 3 && !in_flight) raise(SIGKILL);
       auto work = world.all_reduce_async(t);
@@ -70,7 +72,7 @@ void expect_killed_peer_named(int n, int64_t count, shoal::testing::WorkersOptio
         EXPECT_EQ(message.rfind("all_reduce on workers [0, 1, 2", 0), 0u) << message;
         EXPECT_NE(message.find("lost worker 1, which was killed by signal 9 (SIGKILL)"), std::string::npos)
             << message;
-        EXPECT_EQ(step, 3);
+        EXPECT_TRUE(step == 3 || step == 4) << "step " << step;
         // The group is broken for good: the next operation fails at once.
         auto again = Clock::now();
         EXPECT_THROW(world.all_reduce(t), shoal::CommError);
@@ -78,7 +80,11 @@ void expect_killed_peer_named(int n, int64_t count, shoal::testing::WorkersOptio
         EXPECT_LT(seconds_since(again), 0.5 * std::chrono::duration<double>(kTimeout).count());
         return;
       }
-      ASSERT_LT(step, 3) << "the all-reduce went on without worker " << victim;
+      if (step == 3) {
+        ASSERT_TRUE(t.eq(static_cast<float>(world.size())).all().item<bool>())
+            << "the all-reduce went on without worker " << victim << "'s part";
+      }
+      ASSERT_LT(step, 4) << "the all-reduce after worker " << victim << "'s death went on";
     }
   }, options);
   if (!shoal::testing::is_worker()) {

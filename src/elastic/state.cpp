@@ -241,14 +241,28 @@ void State::check_world() {
   vote_->work.wait();  // the others wait for this one too before they leave
   vote_.reset();
   const View& view = elastic.view();
-  if (std::find(leavers.begin(), leavers.end(), group.rank()) != leavers.end()) {
+  const bool voted_to_leave =
+      std::find(leavers.begin(), leavers.end(), group.rank()) != leavers.end();
+  // Note [The last to be stopped]: a queue stops all of a job's workers at once, but the SIGTERMs
+  // land a little apart, and one can land just after its worker voted while the others' landed
+  // before theirs: every other worker then leaves at this commit, thinking the job goes on
+  // without them, and none keeps the commit on disk, since not all voted to leave. This worker,
+  // asked to leave by now, goes with them and keeps the commit itself; staying, it would wait
+  // alone for a world until its SIGKILL, and the job started again would find no commit.
+  const bool last_to_leave = !voted_to_leave && leave_requested.load() &&
+                             static_cast<int>(leavers.size()) == n - 1;
+  if (voted_to_leave || last_to_leave) {
     // Every worker leaves (a whole job stopped, or preempted by a queue): this commit is the
     // job's last in memory, so the first worker keeps it on disk before it goes, and the job
     // started again resumes from here rather than from the last periodic durable commit.
-    if (static_cast<int>(leavers.size()) == n && durable_->enabled() &&
-        !durable_->written(version_)) {
-      write_to_disk();
-      if (group.rank() == 0) durable_->wait();
+    if (durable_->enabled() && !durable_->written(version_)) {
+      if (last_to_leave) {
+        durable_->write(version_, serialize());
+        durable_->wait();
+      } else if (static_cast<int>(leavers.size()) == n) {
+        write_to_disk();
+        if (group.rank() == 0) durable_->wait();
+      }
     }
     std::fprintf(stderr, "shoal elastic: %s leaves the job after step %lld (SIGTERM)\n",
                  view.describe(view.rank).c_str(), static_cast<long long>(version_));
