@@ -428,6 +428,30 @@ TEST(ElasticSignals, SigintMakesWorkersLeaveAtACommit) {
   EXPECT_EQ(lines[lines.size() - 1], "shoal run: worker 1 exited with code 0") << result.err;
 }
 
+// Note [The last to be stopped]: every worker is asked to leave, the last one's SIGTERM landing
+// just after its vote at commit 6: it leaves with the others at commit 7 all the same, instead of
+// training on alone, and keeps that commit on disk, where the job started again resumes.
+TEST(ElasticSignals, AWorkerSignalledJustAfterItsVoteLeavesWithTheOthers) {
+  const std::string checkpoint = temp_path("lateterm.ckpt");
+  std::remove(checkpoint.c_str());
+  ::setenv("ELASTIC_WORKER_TERM_AT", "6", 1);
+  ShoalRun job({"--min", "1", "--max", "3", "-n", "3", "--checkpoint", checkpoint,
+                "--checkpoint-every", "1000", "--token-file", temp_path("lateterm.token"), kWorker,
+                temp_path("lateterm"), "4", "20"});
+  ::unsetenv("ELASTIC_WORKER_TERM_AT");
+  const RunResult result = job.wait(120s);
+  ASSERT_FALSE(result.timed_out) << result.err;
+  EXPECT_EQ(count_of(result.err, "leaves the job after step 7 (SIGTERM)"), 3) << result.err;
+  EXPECT_EQ(count_of(result.err, "leaves the job after step"), 3) << result.err;
+
+  ShoalRun again({"--min", "1", "--max", "2", "-n", "2", "--checkpoint", checkpoint,
+                  "--token-file", temp_path("lateterm2.token"), kWorker,
+                  temp_path("lateterm2"), "1", "0"});
+  const RunResult resumed = again.wait(120s);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
+  EXPECT_NE(resumed.err.find("resuming from step 7 (epoch 0)"), std::string::npos) << resumed.err;
+}
+
 // A worker started by a launcher that inherited SIGTERM ignored still gets the default action:
 // the forwarded signal ends it at once instead of SIGKILL after the grace.
 TEST(ElasticSignals, WorkersStartWithDefaultSignalActions) {

@@ -18,6 +18,9 @@
 // SIGKILL itself right after the optimizer's step of the step after commit K; ELASTIC_WORKER_COPY=1
 // sets StateOptions::copy_parameters. ELASTIC_WORKER_EXIT_AT=K makes the last worker of a world of
 // several exit with code 3 right after commit K (a crash of the program's own).
+// ELASTIC_WORKER_TERM_AT=K sends every worker SIGTERM from itself, the last one right after
+// commit K and the others right before it, so that the last one's vote at K does not yet ask to
+// leave (Note [The last to be stopped] in src/elastic/state.cpp).
 #include <signal.h>
 #include <unistd.h>
 
@@ -105,6 +108,7 @@ int main(int argc, char** argv) {
   const bool late_count = flag("ELASTIC_WORKER_LATE_COUNT") == 1;
   const int64_t die_after = flag("ELASTIC_WORKER_DIE_AFTER");
   const int64_t exit_at = flag("ELASTIC_WORKER_EXIT_AT");
+  const int64_t term_at = flag("ELASTIC_WORKER_TERM_AT");
   state_options.copy_parameters = flag("ELASTIC_WORKER_COPY") == 1;
   auto loader = shoal::data::make_loader(Synthetic(), options);
   shoal::elastic::State state(net, optimizer, loader, state_options);
@@ -134,7 +138,10 @@ int main(int argc, char** argv) {
         if (late_count) shoal::world().all_reduce(seen);
         state.value("counts")[state.epoch()] += seen;
         if (step_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(step_ms));
+        const bool last = shoal::rank() == shoal::world_size() - 1;
+        if (state.version() + 1 == term_at && !last) ::raise(SIGTERM);
         state.commit();
+        if (state.version() == term_at && last) ::raise(SIGTERM);
         if (state.version() == exit_at && shoal::rank() == shoal::world_size() - 1 &&
             shoal::world_size() > 1) {
           std::_Exit(3);
