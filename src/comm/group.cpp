@@ -242,8 +242,6 @@ Group::State::~State() {
 
 // ----- construction -----
 
-namespace {
-
 // Note [Creating a group ends with a barrier]
 // Gloo's connectFullMesh returns on a worker once its own end of every pair is connected, and
 // that can be before the other end is: the end that connects is done at the TCP handshake, the
@@ -260,9 +258,6 @@ namespace {
 // `<prefix>/connected`, and polls that counter until it reaches the group's size. Polling with
 // add(key, 0) rather than Store::wait: c10d 1.13's TCPStore cannot cancel a wait that timed out,
 // and its late answer would be read as the reply to the next request.
-constexpr Duration kLivenessPeriod{250};  // as in work.cpp: how often a wait asks who is gone
-
-}  // namespace
 
 // Each member writes `<counter>/<rank>` and adds one to `<counter>`; returns once the counter holds
 // every member (Note [Creating a group ends with a barrier]).

@@ -69,6 +69,11 @@ struct Group::State {
   ~State();
 };
 
+// How often a blocked wait (an operation's, or a connect's) asks who is gone. A member killed
+// outright is usually reported by its path at once, but only to the workers that talk to it
+// directly; the rest learn of it this way instead of at the group's timeout.
+inline constexpr Duration kLivenessPeriod{250};
+
 // Which path SHOAL_COMM asks for (Note [Choosing the shared-memory path] in path.cpp);
 // UsageError for another value.
 enum class Path { kAuto, kTcp, kShm };

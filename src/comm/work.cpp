@@ -10,10 +10,6 @@
 namespace shoal::comm {
 namespace {
 
-// How often a blocked wait looks up whether a member has ended. A member killed outright is
-// usually reported by Gloo at once, but only to the workers that talk to it directly; the rest
-// learn of it here instead of at the group's timeout.
-constexpr Duration kLivenessPeriod{250};
 
 std::string first_line(const std::exception& e) {
   std::string text;
