@@ -25,7 +25,7 @@ sliced=()
 [[ "${SLICED:-0}" == 1 ]] && sliced=(--sliced)
 
 mkdir -p "$here/results"
-raw=$(realpath -m "${RAW:-$here/results/allreduce-$(date -u +%Y%m%dT%H%MZ).txt}")
+raw=$(realpath -m "${RAW:-$here/results/allreduce-$(date -u +%Y%m%dT%H%M%SZ).txt}")
 echo "# bench/allreduce.sh raw lines; date: $(date -u); cores: $(nproc); load before: $(cut -d' ' -f1-3 /proc/loadavg)" >"$raw"
 echo "# REPS=$reps SHAPED_REPS=$shaped_reps FACTOR=$factor SLICED=${SLICED:-0}" >>"$raw"
 

@@ -100,7 +100,7 @@ export GLIBC_TUNABLES=${GLIBC_TUNABLES-glibc.malloc.trim_threshold=1073741824:gl
 
 results=$(mktemp -d /tmp/shoal-ddp.XXXXXX)
 mkdir -p "$here/results"
-raw=${RAW:-$here/results/ddp-$(date -u +%Y%m%dT%H%MZ).txt}
+raw=${RAW:-$here/results/ddp-$(date -u +%Y%m%dT%H%M%SZ).txt}
 echo "## machine"
 echo "date: $(date -u)"
 echo "cores: $(nproc); $(lscpu | grep 'Model name' | sed 's/  */ /g')"

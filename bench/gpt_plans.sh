@@ -59,7 +59,7 @@ done
 for schedule in gpipe 1f1b interleaved zb; do configs+=("3d 8 $schedule 4 -"); done
 
 mkdir -p "$root/bench/results"
-raw=$root/bench/results/gpt_plans-$(date -u +%Y%m%dT%H%MZ).txt
+raw=$root/bench/results/gpt_plans-$(date -u +%Y%m%dT%H%M%SZ).txt
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 {

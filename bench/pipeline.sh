@@ -49,7 +49,7 @@ done
 work=$(mktemp -d /tmp/shoal-bench-pipeline.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$here/results"
-raw=${RAW:-$here/results/pipeline-$(date -u +%Y%m%dT%H%MZ).txt}
+raw=${RAW:-$here/results/pipeline-$(date -u +%Y%m%dT%H%M%SZ).txt}
 echo "## machine"
 echo "date: $(date -u)"
 echo "cores: $(nproc); $(lscpu | grep 'Model name' | sed 's/  */ /g')"

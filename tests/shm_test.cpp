@@ -172,11 +172,19 @@ double reduced(DType t, ReduceOp op, int k, size_t i) {
   double acc = value(t, 0, i);
   for (int r = 1; r < k; ++r) {
     const double v = value(t, r, i);
-    acc = op == ReduceOp::kSum   ? acc + v
-          : op == ReduceOp::kMax ? std::max(acc, v)
-                                 : std::min(acc, v);
+    acc = op == ReduceOp::kSum || op == ReduceOp::kAvg ? acc + v
+          : op == ReduceOp::kMax                       ? std::max(acc, v)
+                                                       : std::min(acc, v);
   }
-  return acc;
+  if (op != ReduceOp::kAvg) return acc;
+  // The (exact) sum times the reciprocal of k, in double for float64 and in float otherwise.
+  if (t == DType::kFloat64) return acc * (1.0 / k);
+  return static_cast<double>(static_cast<float>(acc) * (1.0f / static_cast<float>(k)));
+}
+
+bool is_floating(DType t) {
+  return t == DType::kFloat32 || t == DType::kFloat64 || t == DType::kFloat16 ||
+         t == DType::kBFloat16;
 }
 
 uint64_t fnv(const unsigned char* p, size_t n, uint64_t h = 1469598103934665603ULL) {
@@ -204,7 +212,8 @@ void grid(LocalGroup& g, const Say& say, const std::vector<size_t>& counts) {
   for (DType t : kDTypes) {
     const size_t e = dtype_size(t);
     for (size_t count : counts) {
-      for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kMax, ReduceOp::kMin}) {
+      for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kMax, ReduceOp::kMin, ReduceOp::kAvg}) {
+        if (op == ReduceOp::kAvg && !is_floating(t)) continue;
         Buffer data = make(t, count, [&](size_t i) { return value(t, r, i); });
         g.all_reduce(data.data(), count, t, op);
         check("all_reduce", t, count, data,

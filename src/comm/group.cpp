@@ -123,8 +123,9 @@ std::optional<shm::DType> shm_dtype(at::ScalarType type) {
 shm::ReduceOp to_shm(ReduceOp op) {
   switch (op) {
     case ReduceOp::kSum:
-    case ReduceOp::kAvg:  // a sum, divided on completion, as on Gloo
       return shm::ReduceOp::kSum;
+    case ReduceOp::kAvg:  // divided in the reduction's own pass
+      return shm::ReduceOp::kAvg;
     case ReduceOp::kMax:
       return shm::ReduceOp::kMax;
     case ReduceOp::kMin:
@@ -468,11 +469,13 @@ Work Group::all_reduce_async(at::Tensor& tensor, const AllReduceOptions& options
       "all_reduce",
       [&](Work::State& work) {
         const Hierarchy* hierarchy = state_->hierarchy.get();
+        bool averaged = false;  // kAvg's division done by the path itself
         if (n > 1 && buffer.numel() > 0 && on_shared_memory(buffer)) {
           const auto dtype = *shm_dtype(buffer.scalar_type());
           submit(work, [buffer, dtype, op](shm::LocalGroup& group, Duration timeout) {
             group.all_reduce(buffer.data_ptr(), buffer.numel(), dtype, to_shm(op), timeout);
           });
+          averaged = true;
           count_sent(2 * static_cast<int64_t>(buffer.nbytes()) * (n - 1) / n);
         } else if (hierarchy && buffer.numel() > 0 && shm_dtype(buffer.scalar_type()) &&
                    static_cast<int64_t>(buffer.nbytes()) >= hierarchy->flat_below) {
@@ -485,6 +488,7 @@ Work Group::all_reduce_async(at::Tensor& tensor, const AllReduceOptions& options
                   hierarchical_all_reduce(*hierarchy, group, buffer, dtype, to_shm(op),
                                           to_backend(op), deadline.remaining());
                 });
+            averaged = true;
           } else {
             // Alone on its host: the step across hosts is all there is.
             std::vector<at::Tensor> tensors{buffer};
@@ -500,8 +504,8 @@ Work Group::all_reduce_async(at::Tensor& tensor, const AllReduceOptions& options
           work.backend_work = state_->backend->allreduce(tensors, backend_options);
           count_sent(2 * static_cast<int64_t>(buffer.nbytes()) * (n - 1) / n);
         }
-        work.finish = [target, buffer, op, n](Work::State&) mutable {
-          if (op == ReduceOp::kAvg && n > 1) buffer.div_(n);
+        work.finish = [target, buffer, op, n, averaged](Work::State&) mutable {
+          if (op == ReduceOp::kAvg && n > 1 && !averaged) buffer.div_(n);
           if (!buffer.is_same(target)) target.copy_(buffer);
         };
       },
@@ -690,10 +694,7 @@ Work Group::reduce_scatter_async(const at::Tensor& input, const ReduceScatterOpt
             group.reduce_scatter(contiguous.data_ptr(), output.data_ptr(), counts, dtype,
                                  to_shm(op), timeout);
           });
-          work.finish = [output, op, n](Work::State& done) {
-            if (op == ReduceOp::kAvg) output.div_(n);
-            done.result = output;
-          };
+          work.finish = [output](Work::State& done) { done.result = output; };
         },
         options.timeout, static_cast<int64_t>(contiguous.nbytes()));
   }

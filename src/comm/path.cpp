@@ -245,6 +245,7 @@ void open_paths(Group::State& state, const Deadline& deadline,
   hierarchy->local_rank = local_rank;
   hierarchy->local_size = static_cast<int>(local.size());
   hierarchy->hosts = static_cast<int>(hosts.members.size());
+  hierarchy->members = static_cast<int>(state.members.size());
   hierarchy->flat_below = flat_below();
   size_t fewest = local.size();
   for (const auto& members : hosts.members) fewest = std::min(fewest, members.size());
@@ -280,8 +281,13 @@ void hierarchical_all_reduce(const Hierarchy& hierarchy, shm::LocalGroup& local,
   auto* data = static_cast<unsigned char*>(buffer.data_ptr());
   unsigned char* part = data + offset * buffer.element_size();
 
-  // Step 1 (Note [Hierarchical all-reduce]); a host of one member holds its own sum already.
-  if (hierarchy.local_size > 1) local.reduce_scatter(data, part, counts, dtype, op, deadline.remaining());
+  // Step 1 (Note [Hierarchical all-reduce]); a host of one member holds its own sum already. An
+  // average is a sum until its slice is divided, after step 2.
+  const bool average = op == shm::ReduceOp::kAvg;
+  const shm::ReduceOp local_op = average ? shm::ReduceOp::kSum : op;
+  if (hierarchy.local_size > 1) {
+    local.reduce_scatter(data, part, counts, dtype, local_op, deadline.remaining());
+  }
   // Step 2: slice `local_rank`, across hosts.
   if (hierarchy.across && mine > 0) {
     std::vector<at::Tensor> tensors{buffer.view({-1}).narrow(0, offset, mine)};
@@ -314,6 +320,7 @@ void hierarchical_all_reduce(const Hierarchy& hierarchy, shm::LocalGroup& local,
       }
     }
   }
+  if (average && mine > 0) buffer.view({-1}).narrow(0, offset, mine).div_(hierarchy.members);
   // Step 3.
   if (hierarchy.local_size > 1) local.all_gather(part, data, counts, dtype, deadline.remaining());
 }

@@ -29,6 +29,7 @@ struct Hierarchy {
   int local_rank = 0;
   int local_size = 1;
   int hosts = 1;
+  int members = 1;  // of the whole group: an average's divisor
   int slices = 1;  // members per host that cross: the fewest any host has
   int64_t flat_below = 0;  // smaller all-reduces (bytes) take the flat ring over all members
 };

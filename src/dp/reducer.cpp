@@ -37,8 +37,13 @@ struct Reducer::State {
   std::vector<size_t> ready_order;  // this backward's gradients, in the order they arrived
   comm::Group group;
   ReducerOptions options;
-  // No hook was given: gradients are scaled by 1/n on their way into the bucket and the bucket
-  // is summed, one pass fewer than summing and dividing.
+  // Note [Averaging a bucket]: with no hook, a bucket is averaged. Over Gloo, gradients are
+  // scaled by 1/n on their way into the bucket (prescale) and the bucket is summed, one pass fewer
+  // than summing and then dividing, and done during backward, while the network works. The
+  // shared-memory paths divide in the reduction's own pass (ReduceOp::kAvg), which costs nothing,
+  // so there a bucket is all-reduced with kAvg and no gradient is scaled (a pass over every
+  // gradient less: 23 MB a step on bench/ddp's MLP).
+  bool average = false;
   bool prescale = false;
   bool rebuilt = false;
   std::function<void()> after_backward;
@@ -196,8 +201,9 @@ void Reducer::State::start(Bucket& bucket) {
          {"params", static_cast<int64_t>(bucket.params.size())},
          {"bytes", static_cast<int64_t>(bucket.buffer.nbytes())}});
   }
-  bucket.work = prescale ? group.all_reduce_async(bucket.buffer, {comm::ReduceOp::kSum})
-                         : options.hook(group, bucket.buffer);
+  bucket.work = !average ? options.hook(group, bucket.buffer)
+                : group.all_reduce_async(bucket.buffer,
+                                         {prescale ? comm::ReduceOp::kSum : comm::ReduceOp::kAvg});
 }
 
 void Reducer::State::finalize() {
@@ -270,9 +276,11 @@ Reducer::Reducer(std::vector<at::Tensor> parameters, comm::Group group, ReducerO
     throw UsageError("DataParallel: bucket_bytes must be positive, got " + std::to_string(options.bucket_bytes));
   }
   State& state = *state_;
-  state.prescale = !options.hook;
+  state.average = !options.hook;
   state.params = std::move(parameters);
   state.group = std::move(group);
+  const std::string path = state.group.path();
+  state.prescale = state.average && path != "shared memory" && path != "hierarchical";
   state.options = std::move(options);
   const size_t n = state.params.size();
   state.bucket_of.resize(n);

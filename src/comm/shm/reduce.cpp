@@ -24,8 +24,10 @@ float float_of(uint32_t u) {
 // and each input and output is touched once per element (memory-bound, not k - 1 passes).
 constexpr size_t kBlockBytes = 4096;
 
+// `scale` multiplies the result (kAvg); 1 leaves it alone.
 template <typename T, typename Combine>
-void reduce_plain(const void* const* in, int k, size_t n, void* out, void* out2, Combine combine) {
+void reduce_plain(const void* const* in, int k, size_t n, void* out, void* out2, Combine combine,
+                  T scale = T(1)) {
   constexpr size_t kBlock = kBlockBytes / sizeof(T);
   alignas(64) T acc[kBlock];
   for (size_t start = 0; start < n; start += kBlock) {
@@ -35,6 +37,9 @@ void reduce_plain(const void* const* in, int k, size_t n, void* out, void* out2,
       const T* __restrict x = static_cast<const T*>(in[j]) + start;
       for (size_t i = 0; i < m; ++i) acc[i] = combine(acc[i], x[i]);
     }
+    if (scale != T(1)) {
+      for (size_t i = 0; i < m; ++i) acc[i] *= scale;
+    }
     std::memcpy(static_cast<T*>(out) + start, acc, m * sizeof(T));
     if (out2 != nullptr) std::memcpy(static_cast<T*>(out2) + start, acc, m * sizeof(T));
   }
@@ -42,7 +47,8 @@ void reduce_plain(const void* const* in, int k, size_t n, void* out, void* out2,
 
 // 16-bit floats: combined in float, rounded back after each step (Note [Fixed summation order]).
 template <float (*kToFloat)(uint16_t), uint16_t (*kFromFloat)(float), typename Combine>
-void reduce_half(const void* const* in, int k, size_t n, void* out, void* out2, Combine combine) {
+void reduce_half(const void* const* in, int k, size_t n, void* out, void* out2, Combine combine,
+                 float scale = 1.0f) {
   constexpr size_t kBlock = kBlockBytes / sizeof(float);
   float acc[kBlock];
   uint16_t result[kBlock];
@@ -54,7 +60,7 @@ void reduce_half(const void* const* in, int k, size_t n, void* out, void* out2, 
       const uint16_t* x = static_cast<const uint16_t*>(in[j]) + start;
       for (size_t i = 0; i < m; ++i) acc[i] = kToFloat(kFromFloat(combine(acc[i], kToFloat(x[i]))));
     }
-    for (size_t i = 0; i < m; ++i) result[i] = kFromFloat(acc[i]);
+    for (size_t i = 0; i < m; ++i) result[i] = kFromFloat(acc[i] * scale);
     std::memcpy(static_cast<uint16_t*>(out) + start, result, m * 2);
     if (out2 != nullptr) std::memcpy(static_cast<uint16_t*>(out2) + start, result, m * 2);
   }
@@ -89,6 +95,12 @@ void reduce_typed(ReduceOp op, const void* const* in, int k, size_t n, void* out
       return reduce_plain<T>(in, k, n, out, out2, Max<T>());
     case ReduceOp::kMin:
       return reduce_plain<T>(in, k, n, out, out2, Min<T>());
+    case ReduceOp::kAvg:
+      if constexpr (std::is_floating_point_v<T>) {
+        return reduce_plain<T>(in, k, n, out, out2, Sum<T>(), T(1) / static_cast<T>(k));
+      } else {
+        throw UsageError("shared memory: avg needs a floating-point dtype");
+      }
   }
 }
 
@@ -101,6 +113,9 @@ void reduce_16(ReduceOp op, const void* const* in, int k, size_t n, void* out, v
       return reduce_half<kToFloat, kFromFloat>(in, k, n, out, out2, Max<float>());
     case ReduceOp::kMin:
       return reduce_half<kToFloat, kFromFloat>(in, k, n, out, out2, Min<float>());
+    case ReduceOp::kAvg:
+      return reduce_half<kToFloat, kFromFloat>(in, k, n, out, out2, Sum<float>(),
+                                               1.0f / static_cast<float>(k));
   }
 }
 
@@ -193,6 +208,8 @@ const char* op_name(ReduceOp op) {
       return "max";
     case ReduceOp::kMin:
       return "min";
+    case ReduceOp::kAvg:
+      return "avg";
   }
   return "unknown";
 }

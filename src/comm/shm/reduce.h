@@ -6,7 +6,9 @@
 // float16 and bfloat16 are combined in float and rounded to nearest-even after every step, as
 // Gloo's half type does, so each step is the correctly rounded half result. Integer sums wrap
 // (two's complement). max/min keep the earlier operand unless the later one compares greater
-// (less), so a NaN is kept only when it comes first.
+// (less), so a NaN is kept only when it comes first. avg is the sum, then multiplied by 1/k in the
+// same pass (as torch's division by a scalar does: a multiplication by its reciprocal), for
+// floating types only; it saves the caller a pass over the result.
 #pragma once
 
 #include <cstddef>
@@ -24,7 +26,7 @@ enum class DType : uint8_t {
   kFloat16,
   kBFloat16
 };
-enum class ReduceOp : uint8_t { kSum, kMax, kMin };
+enum class ReduceOp : uint8_t { kSum, kMax, kMin, kAvg };
 
 size_t dtype_size(DType dtype);
 const char* dtype_name(DType dtype);
