@@ -5,5 +5,5 @@ foreach(mode install deb)
   add_test(NAME install_${mode}
     COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/install_test.sh ${mode} ${PROJECT_BINARY_DIR}
             ${PROJECT_SOURCE_DIR})
-  set_tests_properties(install_${mode} PROPERTIES TIMEOUT 1500 SKIP_RETURN_CODE 77)
+  set_tests_properties(install_${mode} PROPERTIES TIMEOUT 1500 SKIP_RETURN_CODE 77 COST 80)
 endforeach()

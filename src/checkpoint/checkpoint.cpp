@@ -14,6 +14,7 @@
 #include "collective.h"
 #include "container.h"
 #include "contents.h"
+#include "core/error_text.h"
 #include "shoal/core/error.h"
 #include "shoal/runtime/init.h"
 
@@ -39,12 +40,6 @@ comm::Group group_of(const std::optional<comm::Group>& group, const char* operat
                      "(comm::Group::single() for a process on its own)");
   }
   return world();
-}
-
-std::string first_line(const std::exception& error) {
-  const auto* torch_error = dynamic_cast<const c10::Error*>(&error);
-  std::string text = torch_error ? torch_error->what_without_backtrace() : error.what();
-  return text.substr(0, text.find('\n'));
 }
 
 // Gives every member the root's outcome and the bytes that go with it: its error message when
@@ -98,10 +93,10 @@ void save_payload(const std::string& path, comm::Group& group, const std::functi
       error = e.what();
     } catch (const c10::Error& e) {
       ok = false;
-      error = "checkpoint " + path + " could not be saved: " + first_line(e);
+      error = "checkpoint " + path + " could not be saved: " + one_line(e);
     } catch (const std::exception& e) {
       ok = false;
-      error = "checkpoint " + path + " could not be saved: the main worker failed: " + first_line(e);
+      error = "checkpoint " + path + " could not be saved: the main worker failed: " + one_line(e);
       unexpected = std::current_exception();
     }
   }

@@ -16,6 +16,7 @@
 #include <torch/utils.h>
 
 #include "optimizer_state.h"
+#include "core/error_text.h"
 #include "shoal/core/error.h"
 
 namespace shoal::checkpoint {
@@ -33,7 +34,6 @@ constexpr const char* kOptimizerByNameKey = "optimizer_by_name";
 constexpr const char* kLoaderKey = "loader";
 constexpr const char* kExtrasKey = "extras";
 
-std::string where(const std::string& path) { return "checkpoint " + path; }
 
 std::string expected_this_model() { return "; expected a checkpoint of this model"; }
 
@@ -45,12 +45,6 @@ std::string shape_of(at::IntArrayRef shape) {
 
 std::string shape_of(const at::Tensor& tensor) {
   return shape_of(tensor.sizes());
-}
-
-std::string first_line(const std::exception& error) {
-  const auto* torch_error = dynamic_cast<const c10::Error*>(&error);
-  std::string text = torch_error ? torch_error->what_without_backtrace() : error.what();
-  return text.substr(0, text.find('\n'));
 }
 
 std::string type_name(const torch::optim::Optimizer& optimizer) { return c10::demangle(typeid(optimizer).name()); }
@@ -309,7 +303,7 @@ void read_guarded(const std::string& path, const std::function<void()>& read) {
   } catch (const UsageError&) {
     throw;
   } catch (const std::exception& error) {
-    throw UsageError(where(path) + ": its content can't be read (" + first_line(error) +
+    throw UsageError(where(path) + ": its content can't be read (" + one_line(error) +
                      "); expected a file written by shoal::save");
   }
 }
@@ -391,7 +385,7 @@ std::function<void()> plan_layers(const std::string& path, std::string_view payl
   } catch (const UsageError&) {
     throw;
   } catch (const std::exception& error) {
-    throw UsageError(where(path) + ": its content can't be read (" + first_line(error) +
+    throw UsageError(where(path) + ": its content can't be read (" + one_line(error) +
                      "); expected a file written by shoal::save");
   }
   return [copies = std::move(copies), saved_extras = std::move(saved_extras), extras]() mutable {
@@ -462,7 +456,7 @@ std::optional<data::SamplerState> restore_contents(const std::string& path, std:
   } catch (const UsageError&) {
     throw;
   } catch (const std::exception& error) {
-    throw UsageError(where(path) + ": its content can't be read (" + first_line(error) +
+    throw UsageError(where(path) + ": its content can't be read (" + one_line(error) +
                      "); expected a file written by shoal::save");
   }
 
@@ -478,7 +472,7 @@ std::optional<data::SamplerState> restore_contents(const std::string& path, std:
       optimizer->load(optimizer_archive);
     } catch (const std::exception& error) {
       optimizer->state() = std::move(before);
-      throw UsageError(where(path) + ": its optimizer state does not fit this optimizer (" + first_line(error) +
+      throw UsageError(where(path) + ": its optimizer state does not fit this optimizer (" + one_line(error) +
                        "); expected an optimizer built the same way");
     }
   }

@@ -19,6 +19,9 @@
 
 namespace shoal::checkpoint {
 
+// How an error names a checkpoint file.
+inline std::string where(const std::string& path) { return "checkpoint " + path; }
+
 // The payload: a torch::serialize archive of the module (as Module::save writes it), and of
 // the optimizer and the loader state when not null, and of the extras when not empty.
 // UsageError for an undefined extra.

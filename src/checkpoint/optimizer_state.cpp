@@ -33,10 +33,6 @@ StateKind state_kind(std::vector<std::string> fields, Refs refs) {
           [refs](OptimizerParamState& state) { return refs(static_cast<State&>(state)); }};
 }
 
-std::string where(const std::string& path) {
-  return "checkpoint " + path;
-}
-
 std::string shape_text(at::IntArrayRef shape) {
   std::ostringstream text;
   text << shape;

@@ -4,23 +4,13 @@
 
 #include <c10/util/Exception.h>
 
+#include "core/error_text.h"
 #include "shoal/core/error.h"
 #include "state.h"
 
 namespace shoal::comm {
 namespace {
 
-
-std::string first_line(const std::exception& e) {
-  std::string text;
-  if (auto* c10_error = dynamic_cast<const c10::Error*>(&e)) {
-    text = c10_error->what_without_backtrace();
-  } else {
-    text = e.what();
-  }
-  auto newline = text.find('\n');
-  return newline == std::string::npos ? text : text.substr(0, newline);
-}
 
 std::string others(const Group::State& group) {
   std::string text = "[";
@@ -60,7 +50,7 @@ std::string others(const Group::State& group) {
     lost = "worker " + std::to_string(work.group->members[member]) + ", whose process ended";
   }
   fail(work, "failed after " + format_duration(waited) + ": " +
-                 (lost.empty() ? "" : "lost " + lost + " ") + "(" + path + ": " + first_line(e) +
+                 (lost.empty() ? "" : "lost " + lost + " ") + "(" + path + ": " + one_line(e) +
                  ")");
 }
 

@@ -12,20 +12,16 @@
 
 namespace shoal::dp {
 
-namespace {
-
-struct Bucket {
-  std::vector<size_t> params;
-  std::vector<int64_t> offsets;  // where each parameter's gradient starts in `buffer`, in elements
-  at::Tensor buffer;
-  size_t pending = 0;  // parameters whose gradient has not arrived in this backward
-  comm::Work work;
-  timeline::AsyncSlice slice;  // from its all-reduce's start until finalize() has waited for it
-};
-
-}  // namespace
-
 struct Reducer::State {
+  struct Bucket {
+    std::vector<size_t> params;
+    std::vector<int64_t> offsets;  // where each parameter's gradient starts in `buffer`, in elements
+    at::Tensor buffer;
+    size_t pending = 0;  // parameters whose gradient has not arrived in this backward
+    comm::Work work;
+    timeline::AsyncSlice slice;  // from its all-reduce's start until finalize() has waited for it
+  };
+
   std::vector<at::Tensor> params;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
   std::vector<uintptr_t> hook_keys;

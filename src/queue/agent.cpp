@@ -42,7 +42,7 @@ constexpr auto kLeaveGrace = std::chrono::seconds(120);
 constexpr auto kStopGrace = std::chrono::seconds(10);
 
 volatile sig_atomic_t g_stop = 0;
-void on_stop_signal(int) {
+void on_agent_stop_signal(int) {
   g_stop = 1;
 }
 
@@ -93,7 +93,7 @@ class Agent {
 
   int run() {
     struct sigaction action {};
-    action.sa_handler = on_stop_signal;
+    action.sa_handler = on_agent_stop_signal;
     sigemptyset(&action.sa_mask);
     ::sigaction(SIGTERM, &action, nullptr);
     ::sigaction(SIGINT, &action, nullptr);

@@ -31,7 +31,7 @@ namespace {
 std::atomic<httplib::Server*> g_server{nullptr};
 volatile sig_atomic_t g_stopped = 0;
 
-void on_stop_signal(int) {
+void on_scheduler_stop_signal(int) {
   g_stopped = 1;
   if (auto* server = g_server.load()) server->stop();
 }
@@ -289,7 +289,7 @@ int serve(const ServeOptions& options) {
   }
 
   struct sigaction action {};
-  action.sa_handler = on_stop_signal;
+  action.sa_handler = on_scheduler_stop_signal;
   sigemptyset(&action.sa_mask);
   ::sigaction(SIGTERM, &action, nullptr);
   ::sigaction(SIGINT, &action, nullptr);
