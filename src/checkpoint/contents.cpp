@@ -34,7 +34,6 @@ constexpr const char* kOptimizerByNameKey = "optimizer_by_name";
 constexpr const char* kLoaderKey = "loader";
 constexpr const char* kExtrasKey = "extras";
 
-
 std::string expected_this_model() { return "; expected a checkpoint of this model"; }
 
 std::string shape_of(at::IntArrayRef shape) {

@@ -11,7 +11,6 @@
 namespace shoal::comm {
 namespace {
 
-
 std::string others(const Group::State& group) {
   std::string text = "[";
   bool first = true;

@@ -39,7 +39,6 @@ struct Reducer::State {
   // shared-memory paths divide in the reduction's own pass (ReduceOp::kAvg), which costs nothing,
   // so there a bucket is all-reduced with kAvg and no gradient is scaled (a pass over every
   // gradient less: 23 MB a step on bench/ddp's MLP).
-  bool average = false;
   bool prescale = false;
   bool rebuilt = false;
   std::function<void()> after_backward;
@@ -197,9 +196,9 @@ void Reducer::State::start(Bucket& bucket) {
          {"params", static_cast<int64_t>(bucket.params.size())},
          {"bytes", static_cast<int64_t>(bucket.buffer.nbytes())}});
   }
-  bucket.work = !average ? options.hook(group, bucket.buffer)
-                : group.all_reduce_async(bucket.buffer,
-                                         {prescale ? comm::ReduceOp::kSum : comm::ReduceOp::kAvg});
+  bucket.work = options.hook ? options.hook(group, bucket.buffer)
+                             : group.all_reduce_async(bucket.buffer, {prescale ? comm::ReduceOp::kSum
+                                                                               : comm::ReduceOp::kAvg});
 }
 
 void Reducer::State::finalize() {
@@ -272,11 +271,9 @@ Reducer::Reducer(std::vector<at::Tensor> parameters, comm::Group group, ReducerO
     throw UsageError("DataParallel: bucket_bytes must be positive, got " + std::to_string(options.bucket_bytes));
   }
   State& state = *state_;
-  state.average = !options.hook;
   state.params = std::move(parameters);
   state.group = std::move(group);
-  const std::string path = state.group.path();
-  state.prescale = state.average && path != "shared memory" && path != "hierarchical";
+  state.prescale = !options.hook && state.group.path() == "gloo";
   state.options = std::move(options);
   const size_t n = state.params.size();
   state.bucket_of.resize(n);
