@@ -1,6 +1,7 @@
 // DataParallel against its oracle: the same training on one process over the concatenated
 // global batch. Each worker starts from a different random model (DataParallel must broadcast
 // the first worker's), trains on its shard, and ends with the reference's parameters.
+#include <csignal>
 #include <numeric>
 
 #include <gtest/gtest.h>
@@ -8,6 +9,7 @@
 
 #include "harness.h"
 #include "shoal/data/torch_sampler.h"
+#include "shoal/runtime/world.h"
 #include "shoal/shoal.h"
 
 namespace {
@@ -491,6 +493,48 @@ TEST(DataParallel, MismatchedModelsRaiseOnEveryWorker) {
     // A failure bound: far below the 60 s a worker waiting on the others would take.
     EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 30.0);
   });
+}
+
+// A backward counts as synchronized (the elastic commit's sign that the optimizer may have
+// stepped, Note [Commits without copies]) only when every collective of it returned. Here the
+// first worker dies right after its bucket's all-reduce completed, before the first backward's
+// rebuild broadcast (from it): the second worker's all-reduce completes, its broadcast fails, and
+// its parameters, which no step changed, must not look changed. On both paths.
+TEST(DataParallel, ABackwardThatFailsAfterItsAllReduceIsNotCountedAsSynchronized) {
+  for (const std::string path : {"shm", "tcp"}) {
+    SCOPED_TRACE("SHOAL_COMM=" + path);
+    shoal::testing::WorkersOptions options;
+    options.env["SHOAL_COMM"] = path;
+    options.may_fail = {0};
+    const auto exits = run_workers(2, [] {
+      auto [x, y] = global_data(2);
+      Mlp net;
+      shoal::DataParallelOptions dp;
+      dp.comm_hook = [average = shoal::dp::allreduce_hook()](shoal::comm::Group& group, at::Tensor& bucket) {
+        auto work = average(group, bucket);
+        if (shoal::rank() == 0) {
+          work.wait();
+          ::raise(SIGKILL);
+        }
+        return work;
+      };
+      shoal::DataParallel model(net, dp);
+      const uint64_t before = shoal::runtime::synchronized_backwards();
+      try {
+        loss_of(net, x[0].narrow(0, shoal::rank() * kPerWorker, kPerWorker),
+                y[0].narrow(0, shoal::rank() * kPerWorker, kPerWorker), false)
+            .backward();
+        ADD_FAILURE() << "expected CommError: the first worker died before the broadcast";
+      } catch (const shoal::CommError& e) {
+        EXPECT_NE(std::string(e.what()).find("worker 0"), std::string::npos) << e.what();
+      }
+      EXPECT_EQ(shoal::runtime::synchronized_backwards(), before);
+    }, options);
+    if (shoal::testing::is_worker()) continue;  // a worker of the other path's call
+    ASSERT_EQ(exits.size(), 2u);
+    EXPECT_EQ(exits[0].signal, SIGKILL) << exits[0].output;
+    EXPECT_EQ(exits[1].exit_code, 0) << exits[1].output;
+  }
 }
 
 TEST(DataParallel, AJobOfOneIsPlainTraining) {

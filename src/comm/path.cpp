@@ -200,17 +200,6 @@ void open_paths(Group::State& state, const Deadline& deadline,
     return;
   }
 
-  if (hosts.members.size() > 1 && state.options.lost_check) {
-    // An elastic job's group across hosts (its membership says who is lost) stays on Gloo: with
-    // the hierarchy, a job of 2 + 1 workers whose co-located worker was SIGKILLed once failed to
-    // form its next round (QueueMultiHost.KilledWorkersOnEitherHost..., 2 runs of 8); until that
-    // is understood, such groups keep the path they had (docs/comm.md, "Across hosts").
-    if (path == Path::kShm) {
-      throw CommError("SHOAL_COMM=shm, but " + state.describe() +
-                      " is an elastic job's group across hosts, which takes Gloo (docs/comm.md)");
-    }
-    return;
-  }
   std::optional<shm::Segment> segment;
   std::string status = "ok";
   if (local.size() > 1) segment = make_segment(state, local, host, deadline, status);

@@ -227,7 +227,6 @@ void Reducer::State::finalize() {
     bucket.slice.end();
   }
   if (used.defined()) group.all_reduce(used, {comm::ReduceOp::kMax});
-  runtime::count_synchronized_backward();
   for (size_t index = 0; index < params.size(); ++index) {
     if (used.defined() && used.data_ptr<float>()[index] == 0.0f) continue;
     if (is_alias(index)) continue;
@@ -245,6 +244,10 @@ void Reducer::State::finalize() {
   }
   if (!rebuilt) rebuild();
   if (after_backward) after_backward();
+  // Counted only once every collective of this backward has returned (the rebuild's broadcast and
+  // the buffers' included): a worker whose backward raised never reaches the optimizer's step, so
+  // an elastic commit must still find its parameters unchanged (Note [Commits without copies]).
+  runtime::count_synchronized_backward();
 }
 
 // After the first synchronized backward, the buckets are cut again in the order the first

@@ -86,7 +86,7 @@ std::vector<at::Tensor> module_tensors(torch::nn::Module& module) {
 // In an elastic job with DataParallel, every worker holds the same parameters and optimizer
 // state, and only the optimizer's step changes them, after a backward whose all-reduce completed.
 // So commit() records only where it is (the parameters' version counters, which torch raises at
-// in-place changes, and the count of DataParallel backwards whose all-reduce completed, after
+// in-place changes, and the count of DataParallel backwards whose collectives all returned, after
 // which the program's step may change the parameters through .data(), which those counters do
 // not see), not a copy, which would cost a memory pass over the model and its optimizer state
 // per step (bench/RESULTS.md, "elastic"). At a failure, a worker where neither moved still holds
@@ -96,7 +96,7 @@ std::vector<at::Tensor> module_tensors(torch::nn::Module& module) {
 // stepped after a completed all-reduce is never newer than that source without having
 // committed (its step was the job's next step, and only its commit makes it one), so nothing
 // is lost. In the usual loop (forward, backward, step, commit) a failure shows in the backward
-// (before its all-reduce completes) or in commit() (after the snapshot), so every survivor is
+// (before its last collective returns) or in commit() (after the snapshot), so every survivor is
 // unchanged. Only a collective between the end of backward and commit() can fail with every
 // survivor changed; sync() then raises UsageError (a retry could not help), and
 // StateOptions::copy_parameters is the way to run such
