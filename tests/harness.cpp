@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <mutex>
 #include <iostream>
 #include <sstream>
 #include <stdexcept>
@@ -128,7 +129,143 @@ std::string describe_exit(int status) {
   _exit(code);  // skip static destructors: peers may still be connected
 }
 
+// Note [Workers forked from a copy made at start]
+// Loading LibTorch costs a process about a second of CPU on the CI machine (symbol lookups over
+// its few hundred shared libraries, then the registration of its operators), and the suite
+// starts well over a thousand workers. So each test process forks a worker server first thing
+// in main(): one thread, LibTorch loaded, no test started. The server waits on a socket.
+// run_workers asks it for each worker, and it forks one. The worker sets its own environment,
+// output and network namespace, and goes on in main() as an exec'd copy of the binary would,
+// filtered to the current test. The workers are real processes, as before. The server is their
+// parent, so run_workers asks it how they ended. SHOAL_TEST_EXEC_WORKERS=1 makes run_workers
+// exec every worker afresh, as it did before.
+struct WorkerServer {
+  int fd = -1;  // the test process's end of the socket; -1: exec each worker
+  std::mutex mutex;
+};
+
+WorkerServer& worker_server() {
+  static WorkerServer server;
+  return server;
+}
+
+std::string join_fields(const std::vector<std::string>& fields) {
+  std::string message;
+  for (const auto& field : fields) message.append(field).push_back('\0');
+  return message;
+}
+
+std::vector<std::string> split_fields(const char* data, size_t size) {
+  std::vector<std::string> fields;
+  size_t start = 0;
+  for (size_t i = 0; i < size; ++i) {
+    if (data[i] != '\0') continue;
+    fields.emplace_back(data + start, i - start);
+    start = i + 1;
+  }
+  return fields;
+}
+
+// The worker's side of a fork, in the child of either the server or the test process: raw calls
+// only, as the test process has threads. Returns false when the child must end with 126.
+bool enter_worker(const std::string& netns_path, const std::string& output) {
+  if (!netns_path.empty()) {
+    const int netns = open(netns_path.c_str(), O_RDONLY);
+    if (netns < 0 || setns(netns, CLONE_NEWNET) != 0) return false;
+    close(netns);
+  }
+  int fd = open(output.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  dup2(fd, 1);
+  dup2(fd, 2);
+  close(fd);
+  return true;
+}
+
+// The server's loop: "spawn NETNS OUTPUT FILTER ENV..." forks a worker and answers its pid;
+// "wait PID block|poll" answers waitpid's result and status. Returns only in a worker, with its
+// arguments; ends when the test process closes its end.
+std::vector<std::string> serve(int fd, const std::string& program) {
+  static char buffer[1 << 18];
+  const pid_t self = getpid();
+  for (;;) {
+    const ssize_t size = recv(fd, buffer, sizeof(buffer), 0);
+    if (size <= 0) _exit(0);
+    const auto fields = split_fields(buffer, static_cast<size_t>(size));
+    int64_t reply[2] = {-EINVAL, 0};
+    if (fields.size() >= 4 && fields[0] == "spawn") {
+      const pid_t pid = fork();
+      if (pid == 0) {
+        close(fd);
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        if (getppid() != self) _exit(127);
+        if (!enter_worker(fields[1], fields[2])) _exit(126);
+        clearenv();
+        for (size_t i = 4; i < fields.size(); ++i) putenv(strdup(fields[i].c_str()));
+        return {program, fields[3]};
+      }
+      reply[0] = pid < 0 ? -errno : pid;
+    } else if (fields.size() == 3 && fields[0] == "wait") {
+      int status = 0;
+      reply[0] = waitpid(std::stoi(fields[1]), &status, fields[2] == "block" ? 0 : WNOHANG);
+      reply[1] = status;
+    }
+    send(fd, reply, sizeof(reply), MSG_NOSIGNAL);
+  }
+}
+
+// One request to the server and its answer.
+std::pair<int64_t, int> ask_server(const std::vector<std::string>& fields) {
+  WorkerServer& server = worker_server();
+  std::lock_guard<std::mutex> lock(server.mutex);
+  const std::string message = join_fields(fields);
+  int64_t reply[2] = {-EPIPE, 0};
+  if (send(server.fd, message.data(), message.size(), MSG_NOSIGNAL) !=
+          static_cast<ssize_t>(message.size()) ||
+      recv(server.fd, reply, sizeof(reply), 0) != static_cast<ssize_t>(sizeof(reply))) {
+    return {-EPIPE, 0};
+  }
+  return {reply[0], static_cast<int>(reply[1])};
+}
+
+// waitpid for a worker, whoever its parent is.
+pid_t wait_worker(pid_t pid, int* status, bool block) {
+  if (worker_server().fd < 0) return waitpid(pid, status, block ? 0 : WNOHANG);
+  const auto [result, code] = ask_server({"wait", std::to_string(pid), block ? "block" : "poll"});
+  if (status != nullptr) *status = code;
+  return static_cast<pid_t>(result);
+}
+
 }  // namespace
+
+std::vector<std::string> start_worker_server(int argc, char** argv) {
+  std::vector<std::string> args(argv, argv + argc);
+  const char* exec = std::getenv("SHOAL_TEST_EXEC_WORKERS");
+  if (is_worker() || (exec != nullptr && std::string(exec) == "1")) return args;
+  int fds[2];
+  if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, fds) != 0) return args;
+  const pid_t parent = getpid();
+  const pid_t pid = fork();
+  if (pid < 0) {
+    close(fds[0]);
+    close(fds[1]);
+    return args;
+  }
+  if (pid > 0) {
+    close(fds[1]);
+    worker_server().fd = fds[0];
+    return args;
+  }
+  // The server: it ends with the test process, and keeps none of its output open.
+  close(fds[0]);
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (getppid() != parent) _exit(0);
+  const int null = open("/dev/null", O_RDWR);
+  dup2(null, 0);
+  dup2(null, 1);
+  dup2(null, 2);
+  close(null);
+  return serve(fds[1], args[0]);
+}
 
 bool is_worker() { return std::getenv(kWorkerCall) != nullptr; }
 
@@ -218,21 +355,33 @@ std::vector<WorkerExit> run_workers(int n, const std::function<void()>& body,
     const std::string output = directory + "/worker" + std::to_string(rank) + ".log";
     const std::string netns_path = hosts > 0 ? "/run/netns/" + options.hosts[host] : "";
 
+    if (worker_server().fd >= 0) {
+      std::vector<std::string> request{"spawn", netns_path, output, filter};
+      request.insert(request.end(), env_strings.begin(), env_strings.end());
+      const int64_t pid = ask_server(request).first;
+      if (pid <= 0) {
+        ADD_FAILURE() << "run_workers: the worker server could not start worker " << rank << ": "
+                      << std::strerror(static_cast<int>(-pid));
+      }
+      if (pid <= 0) {
+        for (int started = 0; started < rank; ++started) {
+          kill(pids[started], SIGKILL);
+          wait_worker(pids[started], nullptr, true);
+        }
+        rmdir(directory.c_str());
+        return {};
+      }
+      pids[rank] = static_cast<pid_t>(pid);
+      continue;
+    }
+    std::vector<char*> argv{const_cast<char*>("/proc/self/exe"), const_cast<char*>(filter.c_str()), nullptr};
+    std::vector<char*> envp;
+    for (auto& s : env_strings) envp.push_back(const_cast<char*>(s.c_str()));
+    envp.push_back(nullptr);
     pid_t pid = fork();
     if (pid == 0) {
       prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (!netns_path.empty()) {  // raw calls only: this is a fork of a threaded process
-        const int netns = open(netns_path.c_str(), O_RDONLY);
-        if (netns < 0 || setns(netns, CLONE_NEWNET) != 0) _exit(126);
-        close(netns);
-      }
-      int fd = open(output.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      dup2(fd, 1);
-      dup2(fd, 2);
-      std::vector<char*> argv{const_cast<char*>("/proc/self/exe"), const_cast<char*>(filter.c_str()), nullptr};
-      std::vector<char*> envp;
-      for (auto& s : env_strings) envp.push_back(const_cast<char*>(s.c_str()));
-      envp.push_back(nullptr);
+      if (!enter_worker(netns_path, output)) _exit(126);
       execve("/proc/self/exe", argv.data(), envp.data());
       _exit(127);
     }
@@ -247,7 +396,7 @@ std::vector<WorkerExit> run_workers(int n, const std::function<void()>& body,
     bool reaped = false;
     for (int rank = 0; rank < n; ++rank) {
       int status = 0;
-      if (!running[rank] || waitpid(pids[rank], &status, WNOHANG) != pids[rank]) continue;
+      if (!running[rank] || wait_worker(pids[rank], &status, false) != pids[rank]) continue;
       running[rank] = false;
       --left;
       reaped = true;
@@ -270,7 +419,7 @@ std::vector<WorkerExit> run_workers(int n, const std::function<void()>& body,
         }
       }
       for (int rank = 0; rank < n; ++rank) {
-        if (running[rank]) waitpid(pids[rank], nullptr, 0);
+        if (running[rank]) wait_worker(pids[rank], nullptr, true);
         exits[rank].rank = rank;
       }
       break;

@@ -61,6 +61,11 @@ std::vector<WorkerExit> run_workers(int n, const std::function<void()>& body,
 // True in a worker process.
 bool is_worker();
 
+// Called by the tests' main() before anything else: starts the worker server (Note [Workers
+// forked from a copy made at start] in harness.cpp) and returns argv. It returns again in every
+// worker the server forks, with that worker's arguments.
+std::vector<std::string> start_worker_server(int argc, char** argv);
+
 // A free TCP port on loopback (bound and released; fine for tests on one machine).
 int free_port();
 
