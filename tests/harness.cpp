@@ -188,10 +188,13 @@ std::vector<std::string> serve(int fd, const std::string& program) {
   static char buffer[1 << 18];
   const pid_t self = getpid();
   for (;;) {
-    const ssize_t size = recv(fd, buffer, sizeof(buffer), 0);
+    const ssize_t size = recv(fd, buffer, sizeof(buffer), MSG_TRUNC);
     if (size <= 0) _exit(0);
-    const auto fields = split_fields(buffer, static_cast<size_t>(size));
     int64_t reply[2] = {-EINVAL, 0};
+    const auto fields = static_cast<size_t>(size) > sizeof(buffer)
+                            ? std::vector<std::string>{}  // cut short: answered EMSGSIZE
+                            : split_fields(buffer, static_cast<size_t>(size));
+    if (fields.empty()) reply[0] = -EMSGSIZE;
     if (fields.size() >= 4 && fields[0] == "spawn") {
       const pid_t pid = fork();
       if (pid == 0) {
@@ -218,12 +221,13 @@ std::pair<int64_t, int> ask_server(const std::vector<std::string>& fields) {
   WorkerServer& server = worker_server();
   std::lock_guard<std::mutex> lock(server.mutex);
   const std::string message = join_fields(fields);
-  int64_t reply[2] = {-EPIPE, 0};
+  int64_t reply[2] = {0, 0};
   if (send(server.fd, message.data(), message.size(), MSG_NOSIGNAL) !=
-          static_cast<ssize_t>(message.size()) ||
-      recv(server.fd, reply, sizeof(reply), 0) != static_cast<ssize_t>(sizeof(reply))) {
-    return {-EPIPE, 0};
+      static_cast<ssize_t>(message.size())) {
+    return {-errno, 0};
   }
+  const ssize_t got = recv(server.fd, reply, sizeof(reply), 0);
+  if (got != static_cast<ssize_t>(sizeof(reply))) return {got < 0 ? -errno : -EPIPE, 0};
   return {reply[0], static_cast<int>(reply[1])};
 }
 
