@@ -13,8 +13,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
-#include <mutex>
 #include <iostream>
+#include <mutex>
 #include <sstream>
 #include <stdexcept>
 #include <thread>
@@ -191,10 +191,12 @@ std::vector<std::string> serve(int fd, const std::string& program) {
     const ssize_t size = recv(fd, buffer, sizeof(buffer), MSG_TRUNC);
     if (size <= 0) _exit(0);
     int64_t reply[2] = {-EINVAL, 0};
-    const auto fields = static_cast<size_t>(size) > sizeof(buffer)
-                            ? std::vector<std::string>{}  // cut short: answered EMSGSIZE
-                            : split_fields(buffer, static_cast<size_t>(size));
-    if (fields.empty()) reply[0] = -EMSGSIZE;
+    if (static_cast<size_t>(size) > sizeof(buffer)) {  // cut short: not read
+      reply[0] = -EMSGSIZE;
+      send(fd, reply, sizeof(reply), MSG_NOSIGNAL);
+      continue;
+    }
+    const auto fields = split_fields(buffer, static_cast<size_t>(size));
     if (fields.size() >= 4 && fields[0] == "spawn") {
       const pid_t pid = fork();
       if (pid == 0) {
@@ -366,8 +368,6 @@ std::vector<WorkerExit> run_workers(int n, const std::function<void()>& body,
       if (pid <= 0) {
         ADD_FAILURE() << "run_workers: the worker server could not start worker " << rank << ": "
                       << std::strerror(static_cast<int>(-pid));
-      }
-      if (pid <= 0) {
         for (int started = 0; started < rank; ++started) {
           kill(pids[started], SIGKILL);
           wait_worker(pids[started], nullptr, true);
