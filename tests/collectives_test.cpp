@@ -65,6 +65,32 @@ std::string expected_path(int workers, int hosts) {
   return hosts == 1 ? "shared memory" : "hierarchical";
 }
 
+// The harness passes the test process's settings on to its workers, but not its job variables
+// (docs/testing.md). The Tcp.* tests rely on it, and each worker reads the path it expects from
+// its own environment, so nothing else would notice if SHOAL_COMM stopped reaching them.
+TEST(WorkerEnvironment, SettingsPassOnAndJobVariablesDoNot) {
+  const bool parent = !shoal::testing::is_worker();
+  const char* before = std::getenv("SHOAL_COMM");
+  const std::string saved = before != nullptr ? before : "";
+  if (parent) {
+    setenv("SHOAL_COMM", "tcp", 1);
+    setenv("SHOAL_WORLD_SIZE", "7", 1);  // as if the test process were worker of a job of 7
+  }
+  run_workers(2, [] {
+    EXPECT_STREQ(std::getenv("SHOAL_COMM"), "tcp");
+    EXPECT_EQ(shoal::world().path(), "gloo");
+    EXPECT_EQ(shoal::world_size(), 2);
+  });
+  if (parent) {
+    unsetenv("SHOAL_WORLD_SIZE");
+    if (before != nullptr) {
+      setenv("SHOAL_COMM", saved.c_str(), 1);
+    } else {
+      unsetenv("SHOAL_COMM");
+    }
+  }
+}
+
 TEST_P(Collectives, AllReduceEveryOp) {
   const std::string path = expected_path(GetParam().workers, GetParam().hosts);
   run([path] {

@@ -35,8 +35,14 @@ namespace {
 
 constexpr const char* kWorkerCall = "SHOAL_TEST_WORKER_CALL";
 
-// Variables that would make a worker believe it belongs to another job.
+// Variables that would make a worker believe it belongs to another job. Not the settings a user
+// sets around a launcher, which passes them on (docs/comm.md, docs/runtime.md): a test run with
+// SHOAL_COMM=tcp (the Tcp.* tests) must have its workers on Gloo's TCP path.
 bool is_job_variable(const std::string& name) {
+  static const std::set<std::string> settings = {"SHOAL_COMM",     "SHOAL_COMM_FLAT_BELOW", "SHOAL_SHM_SPINS",
+                                                 "SHOAL_TIMELINE", "SHOAL_TIMELINE_MAX_EVENTS",
+                                                 "SHOAL_SOCKET_IFNAME", "SHOAL_ELASTIC_DEBUG"};
+  if (settings.count(name) > 0) return false;
   static const char* prefixes[] = {"SHOAL_", "OMPI_", "SLURM_", "TORCHELASTIC_"};
   for (auto* prefix : prefixes) {
     if (name.rfind(prefix, 0) == 0) return true;
