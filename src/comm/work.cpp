@@ -69,8 +69,17 @@ void check_between_slices(Work::State& work, const Deadline& deadline) {
 // Waits for an operation on the shared-memory path: in slices, asking between them who is gone,
 // as for Gloo's collectives; the operation's own waits watch the members' processes and its
 // deadline, so its end usually comes first.
+//
+// Note [Ending at the operation's own deadline]: the operation's deadline is the Work's, taken
+// again on its lane (Deadline(remaining())), so up to a millisecond later. When the Work's passes,
+// the operation is let end by its own, within kOwnDeadlineGrace, rather than abandoned: a timeout
+// is written in the segment as a timeout, and the other members, whose deadlines come a moment
+// later, report theirs as timeouts too. Abandoned, it read "member 1 failed first: ... its caller
+// stopped waiting", and a member that had already exited after its own timeout was reported lost.
 void wait_shared_memory(Work::State& work, const Deadline& deadline) {
+  constexpr Duration kOwnDeadlineGrace{1000};
   while (!work.shm_task->wait_for(std::min(kLivenessPeriod, deadline.remaining()))) {
+    if (deadline.expired() && work.deadline.expired() && work.shm_task->wait_for(kOwnDeadlineGrace)) break;
     check_between_slices(work, deadline);
   }
   if (auto error = work.shm_task->error()) {
