@@ -22,7 +22,7 @@ using namespace std::chrono_literals;
 
 // A SIGSTOPped worker is declared dead by the membership and the others go on; after SIGCONT it
 // joins again as a new worker.
-TEST(Elastic, StoppedWorkerIsExcludedAndRejoinsAfterContinue) {
+TEST(ElasticMembership, StoppedWorkerIsExcludedAndRejoinsAfterContinue) {
   constexpr int kEpochs = 8;
   const std::string out = temp_path("stopped");
   const std::string token = temp_path("stopped.token");
@@ -46,7 +46,7 @@ TEST(Elastic, StoppedWorkerIsExcludedAndRejoinsAfterContinue) {
 }
 
 // A process without the job's token is refused, says so, and the job never notices.
-TEST(Elastic, JoinWithoutTheTokenIsRefused) {
+TEST(ElasticMembership, JoinWithoutTheTokenIsRefused) {
   constexpr int kEpochs = 6;
   const std::string out = temp_path("token");
   const std::string token = temp_path("token.token");
@@ -81,7 +81,7 @@ TEST(Elastic, JoinWithoutTheTokenIsRefused) {
   expect_each_sample_once(read_outcome(out), kEpochs);
 }
 
-TEST(Elastic, BadFlagsAreUsageErrors) {
+TEST(ElasticMembership, BadFlagsAreUsageErrors) {
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
       {{"--min", "3", "--max", "2", kWorker}, "--min 3 is more than --max 2: expected min <= max"},
       {{"--min", "2", kWorker}, "--min needs --max"},

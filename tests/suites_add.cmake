@@ -1,0 +1,69 @@
+# Script of shoal_discover_suites (tests/suites.cmake, Note [One ctest test per suite]): lists a
+# test binary's cases and writes OUTPUT, a ctest file with one test per GoogleTest suite.
+# -D EXECUTABLE, WORKING_DIR, PREFIX, FILTER, PROPERTIES (name value... pairs, TIMEOUT and COST
+# per case), OUTPUT.
+cmake_minimum_required(VERSION 3.18)  # IN_LIST
+set(args --gtest_list_tests)
+if(FILTER)
+  list(APPEND args "--gtest_filter=${FILTER}")
+endif()
+execute_process(COMMAND "${EXECUTABLE}" ${args} WORKING_DIRECTORY "${WORKING_DIR}" TIMEOUT 120
+                OUTPUT_VARIABLE listing ERROR_VARIABLE errors RESULT_VARIABLE result)
+if(NOT result EQUAL 0)
+  message(FATAL_ERROR "${EXECUTABLE} --gtest_list_tests failed (${result}):\n${listing}${errors}")
+endif()
+
+# The properties, per case as given; each takes the values after its name.
+set(names TIMEOUT COST RESOURCE_LOCK ENVIRONMENT RUN_SERIAL LABELS PROCESSORS)
+set(case_timeout 300)
+set(case_cost 2)
+set(environment "")
+set(passed "")
+set(current "")
+foreach(item IN LISTS PROPERTIES)
+  if(item IN_LIST names)
+    set(current ${item})
+  elseif(current STREQUAL "")
+    message(FATAL_ERROR "shoal_discover_suites: PROPERTIES must start with one of ${names}, got '${item}'")
+  elseif(current STREQUAL "TIMEOUT")
+    set(case_timeout ${item})
+  elseif(current STREQUAL "COST")
+    set(case_cost ${item})
+  elseif(current STREQUAL "ENVIRONMENT")
+    list(APPEND environment "${item}")
+  else()
+    string(APPEND passed " ${current} [==[${item}]==]")
+  endif()
+endforeach()
+
+# GoogleTest's listing: "Suite." (maybe "  # TypeParam = ..."), then "  Case" (maybe "  # GetParam() = ...").
+string(REPLACE "\n" ";" lines "${listing}")
+set(suites "")
+foreach(line IN LISTS lines)
+  string(REGEX REPLACE "  #.*$" "" line "${line}")
+  if(line MATCHES "^([^ ].*)\\.$")
+    set(suite "${CMAKE_MATCH_1}")
+    list(APPEND suites "${suite}")
+    set(cases_${suite} "")
+  elseif(line MATCHES "^  ([^ ]+)$")
+    list(APPEND cases_${suite} "${suite}.${CMAKE_MATCH_1}")
+  endif()
+endforeach()
+
+set(content "")
+foreach(suite IN LISTS suites)
+  list(LENGTH cases_${suite} count)
+  if(count EQUAL 0)
+    continue()
+  endif()
+  list(JOIN cases_${suite} ":" filter)
+  math(EXPR timeout "${case_timeout} * ${count}")
+  math(EXPR cost "${case_cost} * ${count}")
+  set(env ${environment} "SHOAL_TEST_CASE_TIMEOUT=${case_timeout}")
+  set(name "${PREFIX}${suite}")
+  string(APPEND content
+         "add_test([==[${name}]==] [==[${EXECUTABLE}]==] [==[--gtest_filter=${filter}]==])\n"
+         "set_tests_properties([==[${name}]==] PROPERTIES WORKING_DIRECTORY [==[${WORKING_DIR}]==]"
+         " SKIP_RETURN_CODE 77 TIMEOUT ${timeout} COST ${cost} ENVIRONMENT [==[${env}]==]${passed})\n")
+endforeach()
+file(WRITE "${OUTPUT}" "${content}")
