@@ -2,8 +2,8 @@
 # Note [One ctest test per suite]: as gtest_discover_tests, but a ctest test runs a whole GoogleTest
 # suite (every case of it that TEST_FILTER keeps) in one process. Starting a test binary costs about
 # a second of CPU on the CI machine (ld.so's relocations of LibTorch, page faults, its operator
-# registrations: docs/testing.md), which a ctest test per case paid 548 times and a test per suite
-# pays 98 times. A case's failure still names the case (GoogleTest's output, under the
+# registrations: docs/testing.md), which a ctest test per case paid 549 times on 2026-11-28 and a
+# test per suite pays 99 times. A case's failure still names the case (GoogleTest's output, under the
 # suite's ctest test), and every case still has its own deadline: PROPERTIES TIMEOUT is per case,
 # passed to the binary as SHOAL_TEST_CASE_TIMEOUT, whose watchdog (tests/main.cpp) fails a case
 # that overruns it with the case's name; the ctest test's TIMEOUT is that times its cases. A suite
