@@ -1,4 +1,3 @@
-#include <dirent.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -7,7 +6,6 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -17,23 +15,9 @@
 #include <gtest/gtest.h>
 
 #include "harness.h"
+#include "launch/process.h"
 
 namespace {
-
-// The children of `pid` (every thread's), from /proc.
-std::vector<pid_t> children_of(pid_t pid) {
-  std::vector<pid_t> children;
-  const std::string tasks = "/proc/" + std::to_string(pid) + "/task";
-  DIR* dir = ::opendir(tasks.c_str());
-  if (dir == nullptr) return children;
-  while (dirent* entry = ::readdir(dir)) {
-    if (entry->d_name[0] == '.') continue;
-    std::ifstream file(tasks + "/" + entry->d_name + "/children");
-    for (pid_t child; file >> child;) children.push_back(child);
-  }
-  ::closedir(dir);
-  return children;
-}
 
 // What a case started, and what that started in turn (the worker server and its workers, `shoal
 // run` and its workers, an etcd server): each stopped as soon as it is found, so that none starts
@@ -42,7 +26,7 @@ void kill_descendants() {
   std::vector<pid_t> stopped;
   for (bool found = true; found;) {
     found = false;
-    std::vector<pid_t> walk = children_of(::getpid());
+    std::vector<pid_t> walk = shoal::launch::child_processes();
     for (size_t i = 0; i < walk.size(); ++i) {
       const pid_t pid = walk[i];
       if (std::find(stopped.begin(), stopped.end(), pid) == stopped.end()) {
@@ -50,7 +34,7 @@ void kill_descendants() {
         stopped.push_back(pid);
         found = true;
       }
-      for (pid_t child : children_of(pid)) walk.push_back(child);
+      for (pid_t child : shoal::launch::child_processes(pid)) walk.push_back(child);
     }
   }
   for (pid_t pid : stopped) ::kill(pid, SIGKILL);

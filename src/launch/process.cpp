@@ -194,15 +194,15 @@ ChildProcess start_process(const ProcessSpec& spec, const std::function<void(pid
   return ChildProcess{pid, std::move(out.read), std::move(err.read)};
 }
 
-std::vector<pid_t> child_processes() {
+std::vector<pid_t> child_processes(pid_t pid) {
   std::vector<pid_t> children;
-  DIR* tasks = ::opendir("/proc/self/task");
+  const std::string dir = "/proc/" + std::to_string(pid) + "/task/";
+  DIR* tasks = ::opendir(dir.c_str());
   if (tasks == nullptr) return children;
   while (dirent* task = ::readdir(tasks)) {
     if (task->d_name[0] == '.') continue;
-    std::ifstream list(std::string("/proc/self/task/") + task->d_name + "/children");
-    pid_t pid;
-    while (list >> pid) children.push_back(pid);
+    std::ifstream list(dir + task->d_name + "/children");
+    for (pid_t child; list >> child;) children.push_back(child);
   }
   ::closedir(tasks);
   return children;

@@ -3,6 +3,7 @@
 
 #include <signal.h>
 #include <sys/types.h>
+#include <unistd.h>
 
 #include <functional>
 #include <string>
@@ -61,8 +62,9 @@ struct ChildProcess {
 // "Exec format error" for a script without #!), after reaping the child.
 ChildProcess start_process(const ProcessSpec& spec, const std::function<void(pid_t)>& before_exec);
 
-// This process's children (from /proc/self/task/*/children; empty where the kernel lacks it).
-std::vector<pid_t> child_processes();
+// The children of process `pid`, this one by default (from /proc/PID/task/*/children: every
+// thread's; empty where the kernel lacks it or the process is gone).
+std::vector<pid_t> child_processes(pid_t pid = ::getpid());
 
 // kill(-pgid, signal), ignoring a group that is already gone.
 void signal_group(pid_t pgid, int signal);
