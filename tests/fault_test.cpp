@@ -6,10 +6,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <string>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -170,6 +172,44 @@ TEST(StoppedPeerAnySize, PerOperationTimeoutOverridesTheGroups) {
     const double waited = seconds_since(start);
     EXPECT_GE(waited, 0.7);
     EXPECT_LT(waited, 5.0);  // not the group's timeout (10 minutes)
+  }, options);
+}
+
+int pipe_signals = 0;
+void count_pipe_signal(int) { ++pipe_signals; }
+
+// Note [Broken pipes] (src/comm/store.cpp): a worker whose peer died must not die of SIGPIPE on
+// its next write to it, before Gloo can name the lost peer. Joining the job sets SIGPIPE to
+// ignored where it had its default action (worker 1: a write into a pipe nobody reads then fails
+// with EPIPE and the worker goes on), and keeps a program's own handler (worker 0).
+TEST(BrokenPipes, JoiningIgnoresSigpipeButKeepsTheProgramsHandler) {
+  shoal::testing::WorkersOptions options;
+  options.init = false;
+  run_workers(2, [] {
+    const bool own_handler = std::string(std::getenv("SHOAL_RANK")) == "0";
+    struct sigaction before {};
+    ASSERT_EQ(sigaction(SIGPIPE, nullptr, &before), 0);
+    ASSERT_EQ(before.sa_handler, SIG_DFL) << "a worker starts with SIGPIPE's default action";
+    if (own_handler) {
+      struct sigaction handler {};
+      handler.sa_handler = count_pipe_signal;
+      ASSERT_EQ(sigaction(SIGPIPE, &handler, nullptr), 0);
+    }
+    shoal::init();
+    shoal::world().barrier();
+    struct sigaction after {};
+    ASSERT_EQ(sigaction(SIGPIPE, nullptr, &after), 0);
+    EXPECT_EQ(after.sa_handler, own_handler ? count_pipe_signal : SIG_IGN);
+    int ends[2];
+    ASSERT_EQ(pipe(ends), 0);
+    close(ends[0]);
+    const char byte = 0;
+    errno = 0;
+    EXPECT_EQ(write(ends[1], &byte, 1), -1);
+    EXPECT_EQ(errno, EPIPE);
+    close(ends[1]);
+    EXPECT_EQ(pipe_signals, own_handler ? 1 : 0);
+    shoal::world().barrier();
   }, options);
 }
 

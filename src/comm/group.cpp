@@ -305,6 +305,7 @@ std::shared_ptr<Group::State> connect(StorePtr store, std::string prefix, int ra
   state->members = std::move(members);
   if (state->size() == 1) return state;
 
+  ignore_broken_pipes();
   Deadline deadline(options.timeout);
   const bool gloo_only = requested_path() == Path::kTcp;
   try {

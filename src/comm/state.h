@@ -90,6 +90,9 @@ void open_paths(Group::State& state, const Deadline& deadline,
 void hierarchical_all_reduce(const Hierarchy& hierarchy, shm::LocalGroup& local,
                              const at::Tensor& buffer, shm::DType dtype, shm::ReduceOp op,
                              c10d::ReduceOp backend_op, Duration timeout);
+// SIGPIPE to ignored unless the program chose an action of its own (Note [Broken pipes] in
+// store.cpp); before this process opens a connection of the job's.
+void ignore_broken_pipes();
 // Each member writes `<counter>/<rank>` and adds one to `<counter>`; returns once the counter holds
 // every member (Note [Creating a group ends with a barrier] in group.cpp).
 void wait_for_members(Group::State& state, const std::string& counter, const Deadline& deadline);

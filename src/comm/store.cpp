@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 #include <netdb.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -9,6 +10,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "shoal/core/error.h"
+#include "state.h"
 
 namespace shoal::comm {
 
@@ -77,7 +79,27 @@ void check_job(c10d::Store& store, const StoreOptions& options, const std::strin
 
 }  // namespace
 
+// Note [Broken pipes]
+// Gloo's TCP pairs send with writev(2), which takes no MSG_NOSIGNAL. When a peer dies between two
+// of its reads, a survivor's next write to it raises SIGPIPE, and SIGPIPE's default action ends
+// the survivor at once (Tcp.WorldSizes/KilledPeer saw "worker 2 ... killed by signal 13") where
+// Gloo would have turned the EPIPE into the error that names the lost worker. Python ignores
+// SIGPIPE at start-up, so PyTorch's users never meet this; a C++ program keeps the default. shoal
+// therefore sets SIGPIPE to ignored before it opens a store connection or a group, as Python
+// does, but only while it still has its default action: a program's own handler, or its own
+// choice to ignore, stays. What a C++ program then sees on writing to a closed pipe is EPIPE, as a
+// Python one does.
+void ignore_broken_pipes() {
+  struct sigaction current {};
+  if (::sigaction(SIGPIPE, nullptr, &current) != 0) return;
+  if ((current.sa_flags & SA_SIGINFO) != 0 || current.sa_handler != SIG_DFL) return;
+  struct sigaction ignore {};
+  ignore.sa_handler = SIG_IGN;
+  ::sigaction(SIGPIPE, &ignore, nullptr);
+}
+
 StorePtr open_store(const StoreOptions& options) {
+  ignore_broken_pipes();
   c10d::TCPStoreOptions tcp;
   tcp.port = static_cast<uint16_t>(options.port);
   tcp.isServer = options.is_server;
