@@ -58,14 +58,20 @@ variant_flags() {
     shoal-t1) echo "--gloo-threads 1" ;;
     shoal-t4) echo "--gloo-threads 4" ;;
     shoal-tcp) echo "" ;;                         # SHOAL_COMM=tcp (variant_env): Gloo's TCP path
+    shoal-spins*) echo "" ;;                      # SHOAL_SHM_SPINS=N (variant_env), e.g. shoal-spins50
     *) echo "ddp.sh: unknown contender $1" >&2; return 2 ;;
   esac
 }
 
 # The environment of a shoal contender: shoal-tcp forces Gloo's TCP path between co-located
-# workers (docs/comm.md, "Shared memory among co-located workers"); the others take the default.
+# workers (docs/comm.md, "Shared memory among co-located workers"), shoal-spinsN sets how long a
+# shared-memory wait spins before it sleeps (Note [Spinning]); the others take the defaults.
 variant_env() {
-  [[ $1 == shoal-tcp ]] && echo "SHOAL_COMM=tcp" || echo "SHOAL_COMM=auto"
+  case $1 in
+    shoal-tcp) echo "SHOAL_COMM=tcp" ;;
+    shoal-spins*) echo "SHOAL_COMM=auto SHOAL_SHM_SPINS=${1#shoal-spins}" ;;
+    *) echo "SHOAL_COMM=auto" ;;
+  esac
 }
 
 # PyTorch's configurations: its defaults, and what a user tuning DDP would set.
@@ -165,7 +171,7 @@ run_pair() {
       for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
     else
       # shellcheck disable=SC2046
-      env "$(variant_env "$contender")" SHOAL_NUM_THREADS=1 timeout "$run_timeout" "$shoal" run -n 2 \
+      env $(variant_env "$contender") SHOAL_NUM_THREADS=1 timeout "$run_timeout" "$shoal" run -n 2 \
         --no-tag-output $(shoal_args "$model" "$contender" "$steps") || status=$?
     fi
     return "$status"

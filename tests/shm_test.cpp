@@ -19,13 +19,16 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <future>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
 
 #include "child_process.h"
+#include "comm/shm/executor.h"
 #include "comm/shm/local_group.h"
 #include "comm/shm/locality.h"
 #include "comm/shm/reduce.h"
@@ -346,6 +349,94 @@ TEST(LocalGroup, AllReduceLargerThanTheDefaultSegment) {
     });
     expect_done_and_equal(job.finish());
   }
+}
+
+// ---- the executor's lanes ------------------------------------------------------------------------
+
+// Note [Running on the waiter] (executor.cpp): a waiter runs the operation at the front of an idle
+// lane on its own thread; one queued behind another, or on a lane that runs something, is left to
+// the lane, whose operations still run one at a time in their order; and an error ends the Task
+// wherever it ran.
+TEST(Executor, AWaiterRunsWhatNoLaneRunsYetAndALaneKeepsItsOrder) {
+  Executor executor(std::make_unique<LocalGroup>(Segment::create(1), 0, 30s));
+  std::mutex mutex;
+  std::vector<int> order;
+  auto record = [&](int n) {
+    std::lock_guard<std::mutex> lock(mutex);
+    order.push_back(n);
+  };
+  // The lane runs 1, which holds it until released; 2 and 3 queue behind it.
+  std::promise<void> started, release;
+  auto released = release.get_future().share();
+  auto first = executor.submit([&, released](LocalGroup&) {
+    record(1);
+    started.set_value();
+    released.wait();
+  });
+  started.get_future().wait();
+  std::thread::id ran_second, ran_third;
+  auto second = executor.submit([&](LocalGroup&) { record(2); ran_second = std::this_thread::get_id(); });
+  auto third = executor.submit([&](LocalGroup&) { record(3); ran_third = std::this_thread::get_id(); });
+  EXPECT_FALSE(executor.run_here(third)) << "3 is queued behind 2";
+  EXPECT_FALSE(executor.run_here(second)) << "the lane runs 1";
+  release.set_value();
+  ASSERT_TRUE(third->wait_for(10s));
+  EXPECT_TRUE(first->done() && second->done());
+  EXPECT_EQ(order, (std::vector<int>{1, 2, 3}));
+  EXPECT_NE(ran_second, std::this_thread::get_id());
+  EXPECT_NE(ran_third, std::this_thread::get_id());
+
+  // Submitted without waking the lane, as a blocking collective does, an operation runs on the
+  // waiter, ended when run_here returns, errors included.
+  std::thread::id ran;
+  auto failing = executor.submit(
+      [&](LocalGroup&) {
+        ran = std::this_thread::get_id();
+        throw CommError("failed on purpose");
+      },
+      /*wake=*/false);
+  ASSERT_TRUE(executor.run_here(failing));
+  EXPECT_TRUE(failing->done());
+  EXPECT_EQ(ran, std::this_thread::get_id());
+  ASSERT_TRUE(failing->error() != nullptr);
+  try {
+    std::rethrow_exception(failing->error());
+  } catch (const CommError& e) {
+    EXPECT_STREQ(e.what(), "failed on purpose");
+  }
+  // One queued without waking the lane is not stranded when its waiter cannot take it: a waiter
+  // of a later operation wakes the lane, which runs both in order.
+  auto unwoken = executor.submit([&](LocalGroup&) { record(5); }, /*wake=*/false);
+  auto later = executor.submit([&](LocalGroup&) { record(6); }, /*wake=*/false);
+  EXPECT_FALSE(executor.run_here(later)) << "6 is queued behind 5";
+  ASSERT_TRUE(later->wait_for(10s));
+  EXPECT_TRUE(unwoken->done());
+  EXPECT_EQ(std::vector<int>(order.end() - 2, order.end()), (std::vector<int>{5, 6}));
+  // One left to its caller holds back what is queued after it, woken or not, until the caller runs
+  // it; one whose caller will not run it after all is handed to the lane.
+  auto own = executor.submit([&](LocalGroup&) { record(8); }, /*wake=*/false);
+  auto behind = executor.submit([&](LocalGroup&) { record(9); });
+  EXPECT_FALSE(behind->wait_for(50ms)) << "9 ran before 8";
+  ASSERT_TRUE(executor.run_here(own));
+  ASSERT_TRUE(behind->wait_for(10s));
+  auto handed = executor.submit([&](LocalGroup&) { record(10); ran = std::this_thread::get_id(); },
+                                /*wake=*/false);
+  executor.hand_over(handed);
+  ASSERT_TRUE(handed->wait_for(10s));
+  EXPECT_NE(ran, std::this_thread::get_id());
+  EXPECT_EQ(std::vector<int>(order.end() - 3, order.end()), (std::vector<int>{8, 9, 10}));
+  // A woken lane may take its operation before the waiter does; wherever it ran, it has ended.
+  for (int attempt = 0; attempt < 20; ++attempt) {
+    std::thread::id where;
+    auto task = executor.submit([&](LocalGroup&) { where = std::this_thread::get_id(); });
+    const bool here = executor.run_here(task);
+    ASSERT_TRUE(task->wait_for(10s));
+    EXPECT_EQ(where == std::this_thread::get_id(), here);
+  }
+  // The lane goes on with what is queued after.
+  auto after = executor.submit([&](LocalGroup&) { record(11); });
+  ASSERT_TRUE(after->wait_for(10s));
+  EXPECT_EQ(order.back(), 11);
 }
 
 // ---- mismatched calls --------------------------------------------------------------------------

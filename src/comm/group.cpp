@@ -6,6 +6,7 @@
 #include <optional>
 #include <set>
 #include <thread>
+#include <utility>
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
@@ -15,6 +16,22 @@
 
 namespace shoal::comm {
 namespace {
+
+// Set while a blocking collective launches the operation it will wait for at once: Group::submit
+// then leaves the lane's thread asleep, and the caller runs the operation (Note [Running on the
+// waiter] in shm/executor.cpp).
+thread_local bool waited_at_once = false;
+
+// Launches with waited_at_once set; the flag ends with the launch, taken or not.
+template <typename Launch>
+Work launch_waited_at_once(Launch&& launch) {
+  waited_at_once = true;
+  struct Reset {
+    ~Reset() { waited_at_once = false; }
+  } reset;
+  return launch();
+}
+
 
 c10d::ReduceOp to_backend(ReduceOp op) {
   switch (op) {
@@ -439,7 +456,14 @@ Work Group::launch(const char* op, const std::function<void(Work::State&)>& star
                                  op, "comm", {{"bytes", bytes}, {"group", size()}, {"peer", peer}});
   }
   try {
-    start(*work);
+    try {
+      start(*work);
+    } catch (...) {
+      // Queued for this caller to run (Note [Running on the waiter]) but never to be waited for:
+      // its lane runs it, as it runs every other operation queued.
+      if (work->shm_task && state_->shm) state_->shm->hand_over(work->shm_task);
+      throw;
+    }
   } catch (const shoal::Error&) {
     throw;
   } catch (const c10::Error& e) {
@@ -454,10 +478,14 @@ bool Group::on_shared_memory(const at::Tensor& tensor) const {
 }
 
 void Group::submit(Work::State& work, std::function<void(shm::LocalGroup&, Duration)> operation) {
+  // Work::wait runs it on the caller when no membership of the group's own must be asked between
+  // slices (wait_shared_memory); only then may the lane be left asleep.
+  const bool wake = !std::exchange(waited_at_once, false) || state_->options.lost_check;
   work.shm_task = state_->shm->submit(
       [operation = std::move(operation), deadline = work.deadline](shm::LocalGroup& group) {
         operation(group, deadline.remaining());
-      });
+      },
+      wake);
 }
 
 Work Group::all_reduce_async(at::Tensor& tensor, const AllReduceOptions& options) {
@@ -514,7 +542,7 @@ Work Group::all_reduce_async(at::Tensor& tensor, const AllReduceOptions& options
 }
 
 void Group::all_reduce(at::Tensor& tensor, const AllReduceOptions& options) {
-  all_reduce_async(tensor, options).wait();
+  launch_waited_at_once([&] { return all_reduce_async(tensor, options); }).wait();
 }
 
 Work Group::broadcast_async(at::Tensor& tensor, const BroadcastOptions& options) {
@@ -549,7 +577,7 @@ Work Group::broadcast_async(at::Tensor& tensor, const BroadcastOptions& options)
 }
 
 void Group::broadcast(at::Tensor& tensor, const BroadcastOptions& options) {
-  broadcast_async(tensor, options).wait();
+  launch_waited_at_once([&] { return broadcast_async(tensor, options); }).wait();
 }
 
 Work Group::all_gather_async(const at::Tensor& tensor, const AllGatherOptions& options) {
@@ -621,7 +649,7 @@ Work Group::all_gather_async(const at::Tensor& tensor, const AllGatherOptions& o
 }
 
 at::Tensor Group::all_gather(const at::Tensor& tensor, const AllGatherOptions& options) {
-  auto work = all_gather_async(tensor, options);
+  auto work = launch_waited_at_once([&] { return all_gather_async(tensor, options); });
   work.wait();
   return work.result();
 }
@@ -669,7 +697,7 @@ Work Group::all_to_all_async(const at::Tensor& input_tensor, const AllToAllOptio
 }
 
 at::Tensor Group::all_to_all(const at::Tensor& input, const AllToAllOptions& options) {
-  auto work = all_to_all_async(input, options);
+  auto work = launch_waited_at_once([&] { return all_to_all_async(input, options); });
   work.wait();
   return work.result();
 }
@@ -722,7 +750,7 @@ Work Group::reduce_scatter_async(const at::Tensor& input, const ReduceScatterOpt
 }
 
 at::Tensor Group::reduce_scatter(const at::Tensor& input, const ReduceScatterOptions& options) {
-  auto work = reduce_scatter_async(input, options);
+  auto work = launch_waited_at_once([&] { return reduce_scatter_async(input, options); });
   work.wait();
   return work.result();
 }
@@ -803,7 +831,7 @@ Work Group::barrier_async(const BarrierOptions& options) {
 }
 
 void Group::barrier(const BarrierOptions& options) {
-  barrier_async(options).wait();
+  launch_waited_at_once([&] { return barrier_async(options); }).wait();
 }
 
 }  // namespace shoal::comm

@@ -76,8 +76,16 @@ void check_between_slices(Work::State& work, const Deadline& deadline) {
 // is written in the segment as a timeout, and the other members, whose deadlines come a moment
 // later, report theirs as timeouts too. Abandoned, it read "member 1 failed first: ... its caller
 // stopped waiting", and a member that had already exited after its own timeout was reported lost.
-void wait_shared_memory(Work::State& work, const Deadline& deadline) {
+//
+// A caller that waits for as long as the operation may take, in a group whose members' ends the
+// operation's own waits see (all on this host, with no membership of its own to ask: lost_check
+// polls what the segment cannot show), runs the operation itself when no lane thread has taken it
+// yet (Note [Running on the waiter], executor.cpp): asking between slices would add nothing.
+void wait_shared_memory(Work::State& work, const Deadline& deadline, bool whole) {
   constexpr Duration kOwnDeadlineGrace{1000};
+  if (whole && work.group->shm && !work.group->options.lost_check) {
+    work.group->shm->run_here(work.shm_task);
+  }
   while (!work.shm_task->wait_for(std::min(kLivenessPeriod, deadline.remaining()))) {
     if (deadline.expired() && work.deadline.expired() && work.shm_task->wait_for(kOwnDeadlineGrace)) break;
     check_between_slices(work, deadline);
@@ -121,9 +129,8 @@ void Work::wait(Duration timeout) {
   State& work = *state_;
   if (work.done) return;
   if (work.shm_task) {
-    wait_shared_memory(work, Deadline(timeout == kUnsetTimeout
-                                          ? work.deadline.remaining()
-                                          : std::min(timeout, work.deadline.remaining())));
+    const bool whole = timeout == kUnsetTimeout || timeout >= work.deadline.remaining();
+    wait_shared_memory(work, Deadline(whole ? work.deadline.remaining() : timeout), whole);
   } else if (work.backend_work) {
     const Duration limit = timeout == kUnsetTimeout ? work.deadline.remaining()
                                                     : std::min(timeout, work.deadline.remaining());

@@ -30,32 +30,51 @@ void Task::finish(std::exception_ptr error) {
   ended_.notify_all();
 }
 
-// A queue and the thread that runs it (Note [Lanes]).
+// Runs one queued operation; returns how it failed (null: it succeeded).
+std::exception_ptr Executor::run(Queued& next) {
+  std::exception_ptr error;
+  try {
+    next.operation();
+  } catch (...) {
+    error = std::current_exception();
+  }
+  next.operation = nullptr;  // let go of what the operation kept alive before saying it is done
+  return error;
+}
+
+// A queue and the thread that runs it (Note [Lanes]). `busy` while an operation of the lane runs,
+// on its thread or on a waiter's (Note [Running on the waiter]): the lane's operations run one at
+// a time, in the order queued, wherever they run. The thread takes the front operation once it is
+// woken, i.e. not left to its caller; when stopping, whatever is queued.
 struct Executor::Lane {
   std::mutex mutex;
   std::condition_variable queued;
-  std::deque<std::pair<std::function<void()>, std::shared_ptr<Task>>> queue;
+  std::deque<Queued> queue;
+  bool busy = false;
   bool stopping = false;
   std::thread thread;
 
   void loop() {
     for (;;) {
-      std::pair<std::function<void()>, std::shared_ptr<Task>> next;
+      Queued next;
       {
         std::unique_lock<std::mutex> lock(mutex);
-        queued.wait(lock, [&] { return stopping || !queue.empty(); });
+        queued.wait(lock, [&] {
+          if (queue.empty()) return stopping;
+          return !busy && (queue.front().woken || stopping);
+        });
         if (queue.empty()) return;  // stopping, nothing left
         next = std::move(queue.front());
         queue.pop_front();
+        busy = true;
       }
-      std::exception_ptr error;
-      try {
-        next.first();
-      } catch (...) {
-        error = std::current_exception();
+      const auto error = run(next);
+      {
+        // Idle before the Task ends, so that its waiter finds the lane free for its next one.
+        std::lock_guard<std::mutex> lock(mutex);
+        busy = false;
       }
-      next.first = nullptr;  // let go of what the operation kept alive before saying it is done
-      next.second->finish(error);
+      next.task->finish(error);
     }
   }
 };
@@ -217,7 +236,7 @@ Executor::~Executor() {
   for (auto& [id, receiver] : receivers_) receiver->thread.join();
 }
 
-std::shared_ptr<Task> Executor::enqueue(int id, std::function<void()> operation) {
+std::shared_ptr<Task> Executor::enqueue(int id, std::function<void()> operation, bool wake) {
   auto task = std::make_shared<Task>();
   Lane* lane;
   {
@@ -229,12 +248,75 @@ std::shared_ptr<Task> Executor::enqueue(int id, std::function<void()> operation)
     }
     lane = slot.get();
   }
+  task->lane_ = id;
   {
     std::lock_guard<std::mutex> lock(lane->mutex);
-    lane->queue.emplace_back(std::move(operation), task);
+    lane->queue.push_back({std::move(operation), task, wake});
   }
-  lane->queued.notify_one();
+  if (wake) lane->queued.notify_one();
   return task;
+}
+
+// Note [Running on the waiter]
+// A lane's thread sleeps between operations, so an operation costs two hand-offs between threads
+// beside its own work: the lane's thread is woken to run it, and the caller is woken when it ends.
+// For a small all-reduce those are most of its time (0.1 ms on two cores, where the collective
+// itself takes microseconds), and on a machine with no idle core the woken thread must also wait
+// for one. A caller that waits for an operation nothing runs yet has nothing else to do: it runs
+// the operation itself, as MPI progresses a request inside MPI_Wait. Only the operation at the
+// front of an idle lane is taken, so a lane's operations still run one at a time in their order;
+// when the lane's thread took it first, or runs an earlier one, the caller waits as before.
+// Whether the woken lane's thread or the waiter comes first is the scheduler's choice, so a caller
+// that will wait at once (a blocking collective) queues its operation without waking the lane,
+// and the lane leaves it to the caller: it runs on the caller unless an earlier operation still
+// holds the lane. Nothing queued that way is stranded: a waiter that cannot take its operation
+// hands it, and whatever is queued before it, to the lane, and one that has run its own wakes the
+// lane for what came after.
+Executor::Lane* Executor::lane_of(const Task& task) {
+  if (task.lane_ < 0) return nullptr;
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto found = lanes_.find(task.lane_);
+  return found == lanes_.end() ? nullptr : found->second.get();
+}
+
+// Marks `task`, and what is queued before it, as the lane's to run; the lane holds `mutex`.
+void Executor::wake_up_to(Lane& lane, const std::shared_ptr<Task>& task) {
+  for (auto& queued : lane.queue) {
+    queued.woken = true;
+    if (queued.task == task) break;
+  }
+  lane.queued.notify_one();
+}
+
+bool Executor::run_here(const std::shared_ptr<Task>& task) {
+  Lane* lane = lane_of(*task);
+  if (lane == nullptr) return false;
+  Queued next;
+  {
+    std::lock_guard<std::mutex> lock(lane->mutex);
+    if (lane->busy || lane->queue.empty() || lane->queue.front().task != task) {
+      wake_up_to(*lane, task);  // the lane runs it after what runs or is queued before it
+      return false;
+    }
+    next = std::move(lane->queue.front());
+    lane->queue.pop_front();
+    lane->busy = true;
+  }
+  const auto error = run(next);
+  {
+    std::lock_guard<std::mutex> lock(lane->mutex);
+    lane->busy = false;
+  }
+  lane->queued.notify_one();  // the lane's thread may wait for it to be idle again
+  next.task->finish(error);
+  return true;
+}
+
+void Executor::hand_over(const std::shared_ptr<Task>& task) {
+  Lane* lane = lane_of(*task);
+  if (lane == nullptr) return;
+  std::lock_guard<std::mutex> lock(lane->mutex);
+  wake_up_to(*lane, task);
 }
 
 Executor::Receiver& Executor::receiver(int src) {
@@ -250,8 +332,8 @@ Executor::Receiver& Executor::receiver(int src) {
 }
 
 // Lane ids: 0 the collectives, 1 + m sends to member m.
-std::shared_ptr<Task> Executor::submit(std::function<void(LocalGroup&)> operation) {
-  return enqueue(0, [this, operation = std::move(operation)] { operation(*group_); });
+std::shared_ptr<Task> Executor::submit(std::function<void(LocalGroup&)> operation, bool wake) {
+  return enqueue(0, [this, operation = std::move(operation)] { operation(*group_); }, wake);
 }
 
 std::shared_ptr<Task> Executor::send(int dst, uint32_t tag, const void* data, size_t bytes,

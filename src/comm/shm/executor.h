@@ -49,6 +49,7 @@ class Task {
  private:
   friend class Executor;
   void finish(std::exception_ptr error);
+  int lane_ = -1;  // the lane it was queued on; -1 for a receive
   mutable std::mutex mutex_;
   std::condition_variable ended_;
   bool done_ = false;
@@ -67,8 +68,9 @@ class Executor {
 
   // A collective: queued behind those submitted before it. It runs on the collectives' lane with
   // the group; whatever it throws ends its Task with that error. `operation` owns what it uses
-  // (the caller may drop the Task at once).
-  std::shared_ptr<Task> submit(std::function<void(LocalGroup&)> operation);
+  // (the caller may drop the Task at once). Without `wake`, the caller promises to call run_here
+  // for it next (Note [Running on the waiter]): the lane leaves it to the caller unless asked.
+  std::shared_ptr<Task> submit(std::function<void(LocalGroup&)> operation, bool wake = true);
   // A message to `dst`, after those submitted before to the same destination. `keep` holds `data`
   // alive until the message is written.
   std::shared_ptr<Task> send(int dst, uint32_t tag, const void* data, size_t bytes,
@@ -78,6 +80,13 @@ class Executor {
   std::shared_ptr<Task> recv(int src, uint32_t tag, void* data, size_t bytes,
                              const Deadline& deadline, std::shared_ptr<void> keep = nullptr);
 
+  // Note [Running on the waiter]: when `task` is still queued at the front of a lane that runs
+  // nothing, runs it on the calling thread and returns true once it has ended; otherwise hands it
+  // (and what is queued before it) to the lane, which runs it, and returns false at once.
+  bool run_here(const std::shared_ptr<Task>& task);
+  // Gives the lane an operation queued without `wake` whose caller will not run it after all.
+  void hand_over(const std::shared_ptr<Task>& task);
+
   // From any thread: what runs and every later operation fail with CommError (the group is
   // broken; LocalGroup::cancel).
   void cancel() { group_->cancel(); }
@@ -85,7 +94,15 @@ class Executor {
  private:
   struct Lane;
   struct Receiver;
-  std::shared_ptr<Task> enqueue(int lane, std::function<void()> operation);
+  struct Queued {
+    std::function<void()> operation;
+    std::shared_ptr<Task> task;
+    bool woken = true;  // false: its caller runs it (Note [Running on the waiter])
+  };
+  static std::exception_ptr run(Queued& next);
+  Lane* lane_of(const Task& task);
+  static void wake_up_to(Lane& lane, const std::shared_ptr<Task>& task);
+  std::shared_ptr<Task> enqueue(int lane, std::function<void()> operation, bool wake = true);
   Receiver& receiver(int src);
 
   std::unique_ptr<LocalGroup> group_;
