@@ -32,7 +32,6 @@ Work launch_waited_at_once(Launch&& launch) {
   return launch();
 }
 
-
 c10d::ReduceOp to_backend(ReduceOp op) {
   switch (op) {
     case ReduceOp::kSum:

@@ -117,23 +117,29 @@ function tickStep(span) {
 // How long a worker asked to leave may still run beside the one that took its slot.
 const handover = 15e3;
 
+// When a worker took its slot: when it started; one that ended before it started (its host was
+// lost first) held none, and is drawn where it ended; one still starting holds its slot from now.
+function startOf(w, now) {
+  return w.started_ms || (w.state === 'exited' && w.ended_ms) || now;
+}
+
 function drawHosts(nodes, workers, names, now) {
   const box = document.getElementById('hosts');
   box.replaceChildren();
   // The window: from the oldest worker shown, at least 30 seconds and at most 30 minutes.
-  const oldest = Math.min(...workers.map(w => w.started_ms || now), now);
+  const oldest = Math.min(...workers.map(w => startOf(w, now)), now);
   const from = Math.max(now - 30 * 60e3, Math.min(now - 30e3, oldest - 2e3));
   const left = 64, right = 12, top = 30, lane = 22, axis = 20;
   const width = Math.max(600, box.clientWidth || 1000);
   const x = t => left + (width - left - right) * (Math.max(t, from) - from) / (now - from);
   for (const n of nodes) {
     const mine = workers.filter(w => w.host === n.name && (!w.ended_ms || w.ended_ms >= from))
-        .sort((a, b) => (a.started_ms || now) - (b.started_ms || now) || a.id - b.id);
+        .sort((a, b) => startOf(a, now) - startOf(b, now) || a.id - b.id);
     const freeAt = [];    // per lane, when its last worker ended (Infinity while it runs)
     const occupant = [];  // per lane, its last worker
     const laneOf = new Map();
     for (const w of mine) {
-      const start = w.started_ms || now, end = w.state === 'exited' ? w.ended_ms : Infinity;
+      const start = startOf(w, now), end = w.state === 'exited' ? w.ended_ms : Infinity;
       let k = freeAt.findIndex(t => t <= start);
       // A worker that started on the slot of one asked to leave, while that one finished its
       // step (Note [Starting on leaving slots] in src/queue/policy.cpp), takes over its lane.
@@ -172,17 +178,18 @@ function drawHosts(nodes, workers, names, now) {
                                      class: 'axis'}, clock(t)));
     }
     for (const w of mine) {
-      const start = w.started_ms || now, end = w.state === 'exited' ? w.ended_ms : now;
+      const start = startOf(w, now), end = w.state === 'exited' ? w.ended_ms : now;
       const x0 = x(start), x1 = Math.max(x(end), x0 + 2), y = top + laneOf.get(w.id) * lane + 2;
       const g = svg('g', {id: 'worker-' + w.id, class: 'worker', 'data-job': w.job,
                           'data-slot': laneOf.get(w.id) + 1, 'data-state': w.state});
       const leaving = w.state !== 'exited' && (w.leave || w.stop);
       g.appendChild(svg('rect', {x: x0, y: y, width: x1 - x0, height: lane - 4, rx: 2,
                                  fill: colour(w.job), 'fill-opacity': leaving ? 0.45 : 1}));
+      const span = !w.started_ms ? (w.state === 'exited' ? 'never started, ' + w.exit : 'starting')
+          : 'pid ' + w.pid + ': ' + clock(start) + ' to ' +
+            (w.state === 'exited' ? clock(end) + ', ' + w.exit : 'now');
       g.appendChild(svg('title', {}, 'worker ' + w.id + ' of job ' + w.job + ' (' + names[w.job] +
-                        '), pid ' + w.pid + ': ' + clock(start) + ' to ' +
-                        (w.state === 'exited' ? clock(end) + ', ' + w.exit : 'now') +
-                        (leaving ? ', asked to leave' : '')));
+                        '), ' + span + (leaving ? ', asked to leave' : '')));
       const label = names[w.job] + ' w' + w.id;
       if (x1 - x0 > 7 * label.length + 8) {
         g.appendChild(svg('text', {x: x0 + 5, y: y + 13, class: 'bar-label'}, label));
