@@ -175,8 +175,8 @@ TEST(StoppedPeerAnySize, PerOperationTimeoutOverridesTheGroups) {
   }, options);
 }
 
-int pipe_signals = 0;
-void count_pipe_signal(int) { ++pipe_signals; }
+volatile sig_atomic_t pipe_signals = 0;
+void count_pipe_signal(int) { pipe_signals = pipe_signals + 1; }
 
 // Note [Broken pipes] (src/comm/store.cpp): a worker whose peer died must not die of SIGPIPE on
 // its next write to it, before Gloo can name the lost peer. Joining the job sets SIGPIPE to
@@ -208,7 +208,7 @@ TEST(BrokenPipes, JoiningIgnoresSigpipeButKeepsTheProgramsHandler) {
     EXPECT_EQ(write(ends[1], &byte, 1), -1);
     EXPECT_EQ(errno, EPIPE);
     close(ends[1]);
-    EXPECT_EQ(pipe_signals, own_handler ? 1 : 0);
+    EXPECT_EQ(static_cast<int>(pipe_signals), own_handler ? 1 : 0);
     shoal::world().barrier();
   }, options);
 }
