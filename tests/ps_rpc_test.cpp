@@ -447,10 +447,30 @@ TEST_F(PsRpcTest, DenseValuesCrossThroughSharedMemoryOnOneHost) {
   EXPECT_EQ(reply.dense[0].chunks, backwards);
   EXPECT_EQ(reply.dense[0].values, expected);
 
+  // With a sink (a worker's pull into its parameters), the same values are handed over where they
+  // arrived, and the reply keeps none of them.
+  std::vector<float> sunk;
+  std::vector<size_t> sunk_slices;
+  const DenseSink sink = [&](size_t index, const DenseSlice& slice, const float* values,
+                             size_t count) {
+    EXPECT_EQ(slice.chunks, backwards);
+    EXPECT_TRUE(slice.values.empty());
+    sunk_slices.push_back(index);
+    sunk.assign(values, values + count);
+  };
+  PullReply in_place;
+  server.pull({0, 1, {DenseSlice{0, backwards, {}}}, {}}, 5s, in_place, &sink);
+  EXPECT_EQ(server.shared_calls(), 3);
+  EXPECT_EQ(sunk_slices, std::vector<size_t>{0});
+  EXPECT_EQ(sunk, expected);
+  ASSERT_EQ(in_place.dense.size(), 1u);
+  EXPECT_EQ(in_place.dense[0].chunks, backwards);
+  EXPECT_TRUE(in_place.dense[0].values.empty());
+
   // A push of one chunk is below the size worth a segment: inline, and summed all the same.
   PushRequest small{0, 1, 1, {DenseSlice{0, {3}, ramp(kChunk, 1)}}, {}};
   server.push(small, 5s);
-  EXPECT_EQ(server.shared_calls(), 2);
+  EXPECT_EQ(server.shared_calls(), 3);
   const PullReply after = server.pull({0, 2, {DenseSlice{0, {3}, {}}}, {}}, 5s);
   for (int64_t i = 0; i < kChunk; ++i)
     ASSERT_EQ(after.dense.at(0).values.at(i),

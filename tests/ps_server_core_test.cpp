@@ -549,6 +549,35 @@ std::vector<float> everything(ServerCore& core, int32_t worker, int64_t clock) {
   return out;
 }
 
+// Note [Taking a push's storage]: a sync push the transport hands over (push_taking) is held by
+// swapping storage, not copied. The transport reads every push into one request it keeps, so the
+// same request is refilled here after each call, as its next decode does; the steps must equal
+// those of pushes copied, bit for bit, whatever storage each push leaves behind.
+TEST(PsServerCore, PushesTakenEqualPushesCopied) {
+  Small copied({}), taken({});
+  PushRequest request;  // the transport's request, refilled for every push
+  for (int64_t clock = 0; clock < 4; ++clock) {
+    for (int32_t w : {2, 0, 1}) {  // arrival order differs from worker order
+      const float grad = 0.25f * static_cast<float>(w + 1) + 0.125f * static_cast<float>(clock);
+      copied.push(w, clock, grad, w + 1);
+      request.worker = w;
+      request.clock = clock;
+      request.rows = w + 1;
+      request.dense.resize(1);
+      request.dense[0].table = 0;
+      request.dense[0].chunks.assign({0});
+      request.dense[0].values.assign(8, grad);
+      taken.core->push_taking(request, shoal::Deadline(Ms(0)));
+    }
+    ASSERT_EQ(copied.core->step(), clock + 1);
+    ASSERT_EQ(taken.core->step(), clock + 1);
+    EXPECT_EQ(taken.pull(0, clock + 1, Ms(0)).dense[0].values,
+              copied.pull(0, clock + 1, Ms(0)).dense[0].values)
+        << "step " << clock;
+  }
+  EXPECT_NE(copied.value(), 1.f);  // the steps changed the values
+}
+
 TEST(PsServerCore, BackupWorkersApplyTheFirstPushesOfAStep) {
   ServerCoreOptions options;
   options.replicas_to_aggregate = 2;

@@ -27,8 +27,9 @@ class RemoteEndpoint : public Client::Endpoint {
   void register_tables(const RegisterRequest& request, Duration timeout) override {
     client_->register_tables(request, timeout);
   }
-  void pull(const PullRequest& request, Duration timeout, PullReply& reply) override {
-    client_->pull(request, timeout, reply);
+  void pull(const PullRequest& request, Duration timeout, PullReply& reply,
+            const DenseSink* sink) override {
+    client_->pull(request, timeout, reply, sink);
   }
   PushReply push(const PushRequest& request, Duration timeout) override {
     return client_->push(request, timeout);
@@ -51,7 +52,8 @@ class LocalEndpoint : public Client::Endpoint {
   void register_tables(const RegisterRequest& request, Duration timeout) override {
     core_.register_tables(request, Deadline(timeout));
   }
-  void pull(const PullRequest& request, Duration timeout, PullReply& reply) override {
+  void pull(const PullRequest& request, Duration timeout, PullReply& reply,
+            const DenseSink* /*sink*/) override {
     core_.pull(request, Deadline(timeout), reply);
   }
   PushReply push(const PushRequest& request, Duration timeout) override {
@@ -339,35 +341,49 @@ void Client::pull_dense() {
     if (request.dense.empty() && !elastic_) return;  // elastic: the pull seals the step's push
     request.worker = worker_;
     request.clock = clock_;
-    PullReply& reply = pulled_[s];
-    servers_[s]->pull(request, timeout_, reply);
-    if (reply.dense.size() != request.dense.size()) {
-      throw CommError("parameter server " + std::to_string(s) + " answered a pull of " +
-                      std::to_string(request.dense.size()) + " dense tables with " +
-                      std::to_string(reply.dense.size()));
-    }
-    if (s == 0) staleness_ = reply.staleness;
-    for (size_t i = 0; i < reply.dense.size(); ++i) {
-      const DenseSlice& slice = reply.dense[i];
+    const std::string server = "parameter server " + std::to_string(s);
+    // Slice i of the reply, `count` values at `values`, into the parameters' chunks it names.
+    std::vector<bool> scattered(request.dense.size(), false);
+    auto scatter = [&](size_t i, const DenseSlice& slice, const float* from, size_t count) {
+      if (i >= request.dense.size()) {
+        throw CommError(server + " answered a pull of " + std::to_string(request.dense.size()) +
+                        " dense tables with more");
+      }
       if (slice.table != request.dense[i].table || slice.chunks != request.dense[i].chunks) {
-        throw CommError("parameter server " + std::to_string(s) + " answered a pull of table " +
+        throw CommError(server + " answered a pull of table " +
                         std::to_string(request.dense[i].table) + " with other chunks");
       }
       const Dense& dense = dense_.at(static_cast<size_t>(slice.table));
       const int64_t numel = dense.parameter.numel();
+      size_t length = 0;
+      for (int64_t k : slice.chunks) length += static_cast<size_t>(chunk_length(numel, k));
+      if (length > count) {
+        throw CommError(server + " answered a pull of '" + dense.name + "' with " +
+                        std::to_string(count) + " values, fewer than its chunks hold");
+      }
       float* values = dense.parameter.data_ptr<float>();
       size_t at = 0;
       for (int64_t k : slice.chunks) {
-        const int64_t length = chunk_length(numel, k);
-        if (at + static_cast<size_t>(length) > slice.values.size()) {
-          throw CommError("parameter server " + std::to_string(s) + " answered a pull of '" +
-                          dense.name + "' with " + std::to_string(slice.values.size()) +
-                          " values, fewer than its chunks hold");
-        }
-        std::memcpy(values + chunk_begin(k), slice.values.data() + at,
-                    static_cast<size_t>(length) * sizeof(float));
-        at += static_cast<size_t>(length);
+        const int64_t n = chunk_length(numel, k);
+        std::memcpy(values + chunk_begin(k), from + at, static_cast<size_t>(n) * sizeof(float));
+        at += static_cast<size_t>(n);
       }
+      scattered[i] = true;
+    };
+    // Note [Pulled values in place]: values that came through the shared segment go from there
+    // straight into the parameters, one copy where decoding them into the reply and copying that
+    // into the parameters were two passes over the model's size per step.
+    const DenseSink sink = scatter;
+    PullReply& reply = pulled_[s];
+    servers_[s]->pull(request, timeout_, reply, &sink);
+    if (reply.dense.size() != request.dense.size()) {
+      throw CommError(server + " answered a pull of " + std::to_string(request.dense.size()) +
+                      " dense tables with " + std::to_string(reply.dense.size()));
+    }
+    if (s == 0) staleness_ = reply.staleness;
+    for (size_t i = 0; i < reply.dense.size(); ++i) {
+      const DenseSlice& slice = reply.dense[i];
+      if (!scattered[i]) scatter(i, slice, slice.values.data(), slice.values.size());
     }
   });
 }
@@ -397,7 +413,7 @@ torch::Tensor Client::lookup(EmbeddingImpl& table, const torch::Tensor& ids) {
     if (by_server[s].empty()) return;
     PullRequest request{worker_, clock_, {}, {{table.table_, by_server[s], {}}}};
     PullReply reply;
-    servers_[s]->pull(request, timeout_, reply);
+    servers_[s]->pull(request, timeout_, reply, nullptr);
     const size_t expected = by_server[s].size() * static_cast<size_t>(dim);
     if (reply.sparse.size() != 1 || reply.sparse[0].values.size() != expected) {
       throw CommError("parameter server " + std::to_string(s) + " answered a pull of " +

@@ -52,8 +52,10 @@ class Client : public std::enable_shared_from_this<Client> {
    public:
     virtual ~Endpoint() = default;
     virtual void register_tables(const RegisterRequest& request, Duration timeout) = 0;
-    // Writes into `reply`, whose storage a caller keeps from step to step.
-    virtual void pull(const PullRequest& request, Duration timeout, PullReply& reply) = 0;
+    // Writes into `reply`, whose storage a caller keeps from step to step; `sink` may take dense
+    // values where they arrived instead (DenseSink, messages.h; an endpoint may ignore it).
+    virtual void pull(const PullRequest& request, Duration timeout, PullReply& reply,
+                      const DenseSink* sink) = 0;
     virtual PushReply push(const PushRequest& request, Duration timeout) = 0;
     virtual LeaseReply lease(const LeaseRequest& request, Duration timeout) = 0;
     virtual MembershipReply membership(const MembershipRequest& request, Duration timeout) = 0;

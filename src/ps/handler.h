@@ -33,6 +33,13 @@ class Handler {
     reply = pull(request, deadline);
   }
   virtual PushReply push(const PushRequest& request, const Deadline& deadline) = 0;
+  // The same, from a request its caller no longer needs once this returns (the transport's
+  // decoded request): a handler may take the storage of its values and leave storage of the same
+  // kind in its place, for the caller to refill. A handler that needs the request afterwards (a
+  // replica forwards it) keeps this default, which leaves it as it was.
+  virtual PushReply push_taking(PushRequest& request, const Deadline& deadline) {
+    return push(request, deadline);
+  }
   // The epoch's ledger (docs/ps.md, "Leased batches"), kept by server 0. A handler that keeps
   // none refuses.
   virtual LeaseReply lease(const LeaseRequest& request, const Deadline& /*deadline*/) {

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -96,6 +97,14 @@ struct PullReply {
   int64_t clock = 0;      // the server's applied step count when it answered
   int64_t staleness = 0;  // the fastest live worker's clock minus the slowest's
 };
+
+// Takes a pull reply's dense values from where they arrived, when they can be read there (a
+// shared segment, Note [Pulled values in place] in client.cpp): called with the index of each
+// such dense slice in the reply, the slice (its `values` empty) and its `count` values, valid
+// only during the call. It throws (CommError) when they do not fit the slice. A slice so taken
+// carries no values in the reply.
+using DenseSink =
+    std::function<void(size_t index, const DenseSlice& slice, const float* values, size_t count)>;
 
 // A worker's gradients for its step `clock`, of the mean loss over its `rows` samples (0: an idle
 // step, with no gradients: the worker had no batch). In sync

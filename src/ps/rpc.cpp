@@ -152,13 +152,14 @@ class Service : public grpc::Service {
                     grpc::ByteBuffer* out) {
     return serve("Push", context, [&] {
       // Read into storage this gRPC thread kept from its last push: a dense push is the model's
-      // size, and the handler copies what it keeps (Note [Values without copies], wire.h).
+      // size (Note [Values without copies], wire.h). The handler may take the values' storage and
+      // leave other storage here (Note [Taking a push's storage], server_core.cpp).
       thread_local PushRequest request;
       const auto segment = segment_of(*context);
       const SharedValues shared = segment ? segment->values() : SharedValues{};
       if (!wire_format::decode(*in, request, segment ? &shared : nullptr))
         throw malformed("Push", "PushRequest", *in);
-      *out = wire_format::encode(handler_.push(request, deadline_of(*context)));
+      *out = wire_format::encode(handler_.push_taking(request, deadline_of(*context)));
       return grpc::Status::OK;
     });
   }
@@ -577,11 +578,11 @@ struct RpcClient::State {
   // The same into `reply`, whose storage is reused; `shm`: the segment the call brought.
   template <typename Reply>
   void convert(const char* name, const char* type, const grpc::ByteBuffer& bytes, Reply& reply,
-               const SharedValues* shm = nullptr) {
+               const SharedValues* shm = nullptr, const DenseSink* sink = nullptr) {
     bool read = false;
     try {
       if constexpr (std::is_same_v<Reply, PullReply>) {
-        read = wire_format::decode(bytes, reply, shm);
+        read = wire_format::decode(bytes, reply, shm, sink);
       } else {
         read = wire_format::decode(bytes, reply);
       }
@@ -650,7 +651,8 @@ PullReply RpcClient::pull(const PullRequest& request, Duration timeout) {
 // Values of at least this many floats go through the shared segment when there is one.
 constexpr size_t kSharedAtLeast = 16 << 10;
 
-void RpcClient::pull(const PullRequest& request, Duration timeout, PullReply& reply) {
+void RpcClient::pull(const PullRequest& request, Duration timeout, PullReply& reply,
+                     const DenseSink* sink) {
   State& state = *state_;
   const auto start = SteadyClock::now();
   if (!request.dense.empty() && !state.no_segment) {
@@ -661,7 +663,7 @@ void RpcClient::pull(const PullRequest& request, Duration timeout, PullReply& re
         grpc::ByteBuffer bytes;
         state.call("Pull", &Methods::pull, timeout, wire_format::encode(request), bytes,
                    &state.segment->handle());
-        state.convert("Pull", "PullReply", bytes, reply, &shared);
+        state.convert("Pull", "PullReply", bytes, reply, &shared, sink);
         ++state.shared_calls;
         return;
       } catch (const SegmentUnusable&) {

@@ -90,7 +90,10 @@ class RpcClient {
   void register_tables(const RegisterRequest& request, Duration timeout);
   PullReply pull(const PullRequest& request, Duration timeout);
   // The same into `reply`, whose vectors keep their storage (a worker's pull of each step).
-  void pull(const PullRequest& request, Duration timeout, PullReply& reply);
+  // `sink`: takes dense values that came through the shared segment where they are (DenseSink,
+  // messages.h); values that came in the message stay in `reply`.
+  void pull(const PullRequest& request, Duration timeout, PullReply& reply,
+            const DenseSink* sink = nullptr);
   PushReply push(const PushRequest& request, Duration timeout);
   // Liveness: returns the index the server was started with.
   int ping(Duration timeout);

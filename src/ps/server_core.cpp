@@ -531,7 +531,17 @@ void ServerCore::sum_step(const std::map<int32_t, PushRequest>& pushes) {
 
 // Sync: a push waits in pending_ for its step, in storage kept per worker from its pushes before
 // (see Note [A step's sum without allocations]): the values are copied in place, not allocated.
-void ServerCore::buffer_push(const PushRequest& request) {
+//
+// Note [Taking a push's storage]: the transport decodes each push into a request its gRPC thread
+// keeps, and needs it no more once the handler returns. Copying its dense values into the held
+// push was one more pass over the model's size per worker and step on the server, on the step's
+// critical path in sync (a worker waits for the step). push_taking swaps the two instead: the
+// held push gets the values, the transport's request gets the held push's storage from an
+// earlier step, of the same sizes, which its next decode refills without allocating. A replica's
+// primary forwards the request after handling it, so ReplicatedHandler keeps Handler's default
+// (a copy); the in-process core of a job of one is called with the client's own request, also
+// copied.
+void ServerCore::buffer_push(const PushRequest& request, PushRequest* take) {
   PushRequest held;
   auto spare = spare_.find(request.worker);
   if (spare != spare_.end()) {
@@ -546,8 +556,13 @@ void ServerCore::buffer_push(const PushRequest& request) {
   held.dense.resize(request.dense.size());
   for (size_t i = 0; i < request.dense.size(); ++i) {
     held.dense[i].table = request.dense[i].table;
-    held.dense[i].chunks.assign(request.dense[i].chunks.begin(), request.dense[i].chunks.end());
-    held.dense[i].values.assign(request.dense[i].values.begin(), request.dense[i].values.end());
+    if (take != nullptr) {
+      held.dense[i].chunks.swap(take->dense[i].chunks);
+      held.dense[i].values.swap(take->dense[i].values);
+    } else {
+      held.dense[i].chunks.assign(request.dense[i].chunks.begin(), request.dense[i].chunks.end());
+      held.dense[i].values.assign(request.dense[i].values.begin(), request.dense[i].values.end());
+    }
   }
   held.sparse = request.sparse;  // rows are few; their storage is not worth keeping
   pending_[request.clock].emplace(request.worker, std::move(held));
@@ -561,6 +576,14 @@ void ServerCore::recycle(std::map<int32_t, PushRequest>& pushes) {
 }
 
 PushReply ServerCore::push(const PushRequest& request, const Deadline& /*deadline*/) {
+  return accept_push(request, nullptr);
+}
+
+PushReply ServerCore::push_taking(PushRequest& request, const Deadline& /*deadline*/) {
+  return accept_push(request, &request);
+}
+
+PushReply ServerCore::accept_push(const PushRequest& request, PushRequest* take) {
   const char* what = "push";
   std::lock_guard<std::mutex> lock(mutex_);
   const int32_t w = request.worker;
@@ -610,7 +633,7 @@ PushReply ServerCore::push(const PushRequest& request, const Deadline& /*deadlin
     // Its samples go back into the epoch, unlike TensorFlow's SyncReplicasOptimizer's.
     if (ledger_ && request.batch >= 0) ledger_->give_back(w, request.epoch, request.batch);
   } else {
-    buffer_push(request);  // copied: the transport keeps its request (a replica forwards it)
+    buffer_push(request, take);  // Note [Taking a push's storage]
     apply_ready_steps();
   }
   reply.clock = step_;

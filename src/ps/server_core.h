@@ -96,6 +96,9 @@ class ServerCore : public Handler {
   // "Replicas and snapshots") retries on its replica, which may already hold it. Any other step
   // but the worker's next is refused.
   PushReply push(const PushRequest& request, const Deadline& deadline) override;
+  // The same; a sync push that waits for its step takes the request's dense values' storage
+  // instead of copying them (Note [Taking a push's storage]).
+  PushReply push_taking(PushRequest& request, const Deadline& deadline) override;
 
   // Workers leave and join. A joiner's clock starts at the server's step (sync) or at the slowest
   // staying worker's clock (the others), so it neither blocks steps already closed nor lags.
@@ -140,6 +143,8 @@ class ServerCore : public Handler {
   void load_shard(int32_t shard, const std::string& bytes);
 
  private:
+  // push and push_taking: `take` is the request itself when its storage may be taken.
+  PushReply accept_push(const PushRequest& request, PushRequest* take);
   struct Table {
     TableSpec spec;
     int64_t numel = 0;  // dense
@@ -160,7 +165,9 @@ class ServerCore : public Handler {
   // first step has sized the scratch buffers (Note [A step's sum without allocations]).
   void sum_step(const std::map<int32_t, PushRequest>& pushes);
   // Sync: holds a push in pending_ until its step, in storage reused from the worker's last one.
-  void buffer_push(const PushRequest& request);
+  // `take`: the request itself, whose dense slices' storage is swapped with the held push's
+  // rather than copied (push_taking); null: copied.
+  void buffer_push(const PushRequest& request, PushRequest* take);
   // Keeps an applied step's pushes' storage for the workers' next pushes.
   void recycle(std::map<int32_t, PushRequest>& pushes);
   void fill_reply(const PullRequest& request, PullReply& reply);

@@ -452,6 +452,7 @@ struct Slices {
   std::vector<SparseSlice>& sparse;
   std::vector<int64_t> dense_odd, sparse_odd;
   std::vector<uint64_t> dense_shared;
+  std::vector<bool> dense_taken;  // by a DenseSink: no values in the slice
 
   template <typename Slice>
   static Slice& next(std::vector<Slice>& slices, size_t used) {
@@ -477,7 +478,8 @@ struct Slices {
   // Note [Values in shared memory]: dense slices that name a count of values in the segment
   // take them from it, in slice order; every count is checked against what the segment holds
   // before a value is read.
-  void take_shared(const SharedValues* shm) {
+  void take_shared(const SharedValues* shm, const DenseSink* sink = nullptr) {
+    dense_taken.assign(dense.size(), false);
     size_t at = 0;
     for (size_t i = 0; i < dense.size(); ++i) {
       const uint64_t count = dense_shared[i];
@@ -496,8 +498,19 @@ struct Slices {
                          std::to_string(at) + " of the shared segment, which holds " +
                          std::to_string(shm->capacity) + "; expected values within it");
       }
-      dense[i].values.assign(shm->data + at, shm->data + at + count);
+      if (sink == nullptr) dense[i].values.assign(shm->data + at, shm->data + at + count);
+      dense_taken[i] = sink != nullptr;
       at += count;
+    }
+  }
+  // With a sink, once the whole message is checked: hands it the values take_shared left in the
+  // segment.
+  void deliver(const SharedValues* shm, const DenseSink* sink) const {
+    if (sink == nullptr) return;
+    size_t at = 0;
+    for (size_t i = 0; i < dense.size(); ++i) {
+      if (dense_taken[i]) (*sink)(i, dense[i], shm->data + at, dense_shared[i]);
+      at += dense_shared[i];
     }
   }
   // After reading: the slices read, no more.
@@ -507,7 +520,8 @@ struct Slices {
   }
   void check(bool values) const {
     for (size_t i = 0; i < dense.size(); ++i) {
-      check_dense(dense[i], dense_odd[i], "dense[" + std::to_string(i) + "]", values);
+      const bool taken = i < dense_taken.size() && dense_taken[i];
+      check_dense(dense[i], dense_odd[i], "dense[" + std::to_string(i) + "]", values && !taken);
     }
     for (size_t i = 0; i < sparse.size(); ++i) {
       check_sparse(sparse[i], sparse_odd[i], "sparse[" + std::to_string(i) + "]", values);
@@ -764,7 +778,7 @@ bool decode(const grpc::ByteBuffer& in, PullRequest& out) {
   out.worker = 0;
   out.clock = 0;
   Reader r(in);
-  Slices slices{out.dense, out.sparse, {}, {}, {}};
+  Slices slices{out.dense, out.sparse, {}, {}, {}, {}};
   const bool read = r.fields([&](int number, WireType type, uint32_t tag) {
     if (number == 1 && type == kVarint) return r.varint(out.worker);
     if (number == 2 && type == kVarint) return r.varint(out.clock);
@@ -781,11 +795,12 @@ bool decode(const grpc::ByteBuffer& in, PullRequest& out) {
   return true;
 }
 
-bool decode(const grpc::ByteBuffer& in, PullReply& out, const SharedValues* shm) {
+bool decode(const grpc::ByteBuffer& in, PullReply& out, const SharedValues* shm,
+            const DenseSink* sink) {
   out.clock = 0;
   out.staleness = 0;
   Reader r(in);
-  Slices slices{out.dense, out.sparse, {}, {}, {}};
+  Slices slices{out.dense, out.sparse, {}, {}, {}, {}};
   const bool read = r.fields([&](int number, WireType type, uint32_t tag) {
     if (number == 1 && type == kLength) return slices.read_dense(r);
     if (number == 2 && type == kLength) return slices.read_sparse(r);
@@ -795,10 +810,11 @@ bool decode(const grpc::ByteBuffer& in, PullReply& out, const SharedValues* shm)
   });
   if (!read) return false;
   slices.trim();
-  slices.take_shared(shm);
+  slices.take_shared(shm, sink);
   slices.check(/*values=*/true);
   non_negative(out.clock, "clock");
   non_negative(out.staleness, "staleness");
+  slices.deliver(shm, sink);
   return true;
 }
 
@@ -810,7 +826,7 @@ bool decode(const grpc::ByteBuffer& in, PushRequest& out, const SharedValues* sh
   out.epoch = 0;
   int64_t batch = 0;
   int32_t verdict = 0;
-  Slices slices{out.dense, out.sparse, {}, {}, {}};
+  Slices slices{out.dense, out.sparse, {}, {}, {}, {}};
   const bool read = r.fields([&](int number, WireType type, uint32_t tag) {
     if (number == 1 && type == kVarint) return r.varint(out.worker);
     if (number == 2 && type == kVarint) return r.varint(out.clock);

@@ -64,7 +64,10 @@ grpc::ByteBuffer encode(const PullReply& in, const SharedValues& shm);
 // brought, whose values dense slices may name (a count past its end, or values named without a
 // segment, is a UsageError); nullptr when it brought none.
 bool decode(const grpc::ByteBuffer& in, PullRequest& out);
-bool decode(const grpc::ByteBuffer& in, PullReply& out, const SharedValues* shm = nullptr);
+// `sink`: takes the dense values a reply names in `shm` in place of copying them into `out`
+// (DenseSink, messages.h), once every slice's count is checked against the segment.
+bool decode(const grpc::ByteBuffer& in, PullReply& out, const SharedValues* shm = nullptr,
+            const DenseSink* sink = nullptr);
 bool decode(const grpc::ByteBuffer& in, PushRequest& out, const SharedValues* shm = nullptr);
 bool decode(const grpc::ByteBuffer& in, PushReply& out);
 
