@@ -42,6 +42,28 @@ TEST(PsTrain, SyncOnServersEqualsOneProcessForEveryOptimizer) {
   }
 }
 
+// The same through shared memory: a branch of 65536 units beside the hidden layer makes 12 dense
+// chunks of 64 Ki values or less, of which every server holds some, more than 16 Ki values each, so
+// each worker's pushes and pulls cross through a segment per server (docs/ps.md, "Transport"): the
+// server takes the pushes' storage and writes the pulls' values into the segment, and the worker
+// reads them from there into its parameters (Notes [Taking a push's storage], [Pull replies in
+// place], [Pulled values in place]).
+TEST(PsTrain, SyncThroughSharedMemoryEqualsOneProcess) {
+  ::setenv("PS_TRAIN_WIDE", "65536", 1);
+  for (int servers : {1, 3}) {
+    for (const std::string kind : {"sgd", "adam"}) {
+      const RunResult run =
+          run_shoal({"--servers", std::to_string(servers), "-n", "3", kTrain, kind}, 120s);
+      EXPECT_EQ(run.exit_code, 0) << servers << " servers, " << kind << "\n" << run.out << run.err;
+      EXPECT_NE(run.out.find("[0] ps train ok: " + kind + ", 3 workers, 5 sync steps, " +
+                             std::to_string(servers) + " shared segments"),
+                std::string::npos)
+          << run.out;
+    }
+  }
+  ::unsetenv("PS_TRAIN_WIDE");
+}
+
 // Without servers a job of one trains on the servers' rules in-process (docs/ps.md).
 TEST(PsTrain, AJobOfOneTrainsWithoutServers) {
   for (const std::string kind : {"sgd", "adagrad", "adam"}) {

@@ -578,6 +578,45 @@ TEST(PsServerCore, PushesTakenEqualPushesCopied) {
   EXPECT_NE(copied.value(), 1.f);  // the steps changed the values
 }
 
+// Note [Pull replies in place]: offered room enough (a worker's segment), a pull writes the dense
+// values there, slice after slice, and leaves none in the reply; offered too little, it answers
+// in the reply as pull() does.
+TEST(PsServerCore, APullWritesItsValuesWhereItIsOfferedRoom) {
+  Small server({});
+  for (int32_t w : {0, 1, 2}) server.push(w, 0, 0.5f * static_cast<float>(w + 1));
+  PullRequest request;
+  request.clock = 1;
+  request.dense = {DenseSlice{0, {0}, {}}, DenseSlice{0, {0}, {}}};
+  const PullReply expected = server.core->pull(request, shoal::Deadline(Ms(0)));
+  ASSERT_EQ(expected.dense.size(), 2u);
+  ASSERT_EQ(expected.dense[0].values.size(), 8u);
+
+  std::vector<float> room(17, -7.f);
+  DenseOut out{room.data(), room.size(), {}};
+  PullReply reply;
+  server.core->pull_into(request, shoal::Deadline(Ms(0)), reply, out);
+  EXPECT_EQ(out.counts, (std::vector<size_t>{8, 8}));
+  ASSERT_EQ(reply.dense.size(), 2u);
+  for (const DenseSlice& slice : reply.dense) {
+    EXPECT_EQ(slice.chunks, std::vector<int64_t>{0});
+    EXPECT_TRUE(slice.values.empty());
+  }
+  EXPECT_EQ(std::vector<float>(room.begin(), room.begin() + 8), expected.dense[0].values);
+  EXPECT_EQ(std::vector<float>(room.begin() + 8, room.begin() + 16), expected.dense[1].values);
+  EXPECT_EQ(room[16], -7.f) << "written past the values";
+  EXPECT_EQ(reply.clock, expected.clock);
+
+  std::vector<float> small(15, -7.f);
+  DenseOut too_small{small.data(), small.size(), {}};
+  PullReply inline_reply;
+  server.core->pull_into(request, shoal::Deadline(Ms(0)), inline_reply, too_small);
+  EXPECT_TRUE(too_small.counts.empty());
+  EXPECT_EQ(small, std::vector<float>(15, -7.f));
+  ASSERT_EQ(inline_reply.dense.size(), 2u);
+  EXPECT_EQ(inline_reply.dense[0].values, expected.dense[0].values);
+  EXPECT_EQ(inline_reply.dense[1].values, expected.dense[1].values);
+}
+
 TEST(PsServerCore, BackupWorkersApplyTheFirstPushesOfAStep) {
   ServerCoreOptions options;
   options.replicas_to_aggregate = 2;

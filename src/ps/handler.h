@@ -4,6 +4,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "messages.h"
 #include "shoal/core/error.h"
@@ -16,6 +17,16 @@ namespace shoal::ps::detail {
 class NotFoundError : public UsageError {
  public:
   using UsageError::UsageError;
+};
+
+// Where a handler may write a pull reply's dense values itself rather than into the reply (a
+// worker's shared segment, Note [Pull replies in place] in server_core.cpp): `capacity` floats at
+// `data`. A handler that writes there puts slice i's values right after slice i - 1's, leaves the
+// reply's dense `values` empty and sets `counts`, one per dense slice; `counts` empty: it did not.
+struct DenseOut {
+  float* data = nullptr;
+  size_t capacity = 0;
+  std::vector<size_t> counts;
 };
 
 // Contract: called concurrently from the transport's threads, one call per request; a call may
@@ -31,6 +42,11 @@ class Handler {
   // storage is reused; a handler that cannot write in place has a new reply moved into it.
   virtual void pull(const PullRequest& request, const Deadline& deadline, PullReply& reply) {
     reply = pull(request, deadline);
+  }
+  // The same, with `out` offered for the dense values (DenseOut); a handler may ignore it.
+  virtual void pull_into(const PullRequest& request, const Deadline& deadline, PullReply& reply,
+                         DenseOut& out) {
+    pull(request, deadline, reply);
   }
   virtual PushReply push(const PushRequest& request, const Deadline& deadline) = 0;
   // The same, from a request its caller no longer needs once this returns (the transport's

@@ -51,6 +51,11 @@ PullReply ReplicatedHandler::pull(const PullRequest& request, const Deadline& de
   return local_.pull(request, deadline);
 }
 
+void ReplicatedHandler::pull_into(const PullRequest& request, const Deadline& deadline,
+                                  PullReply& reply, DenseOut& out) {
+  local_.pull_into(request, deadline, reply, out);
+}
+
 PushReply ReplicatedHandler::push(const PushRequest& request, const Deadline& deadline) {
   const PushReply reply = local_.push(request, deadline);
   if (auto peer = backup()) {

@@ -20,6 +20,8 @@ class ReplicatedHandler : public Handler {
 
   void register_tables(const RegisterRequest& request, const Deadline& deadline) override;
   PullReply pull(const PullRequest& request, const Deadline& deadline) override;
+  void pull_into(const PullRequest& request, const Deadline& deadline, PullReply& reply,
+                 DenseOut& out) override;
   PushReply push(const PushRequest& request, const Deadline& deadline) override;
 
   // Whether the backup still receives every update.

@@ -138,7 +138,18 @@ class Service : public grpc::Service {
       const auto request = parse<PullRequest>("Pull", "PullRequest", *in);
       const auto segment = segment_of(*context);
       std::shared_ptr<PullReply> reply = replies_->take();
-      handler_.pull(request, deadline_of(*context), *reply);
+      if (segment) {
+        // The handler may write the values into the worker's segment itself (Note [Pull replies
+        // in place], server_core.cpp); a reply is then its slices' counts.
+        DenseOut shared{segment->values().data, segment->values().capacity, {}};
+        handler_.pull_into(request, deadline_of(*context), *reply, shared);
+        if (!shared.counts.empty()) {
+          *out = wire_format::encode(*reply, shared.counts);
+          return grpc::Status::OK;
+        }
+      } else {
+        handler_.pull(request, deadline_of(*context), *reply);
+      }
       // Into the worker's segment when the values fit (Note [Values in shared memory], wire.h).
       if (segment && wire_format::dense_values(reply->dense) <= segment->values().capacity) {
         *out = wire_format::encode(*reply, segment->values());

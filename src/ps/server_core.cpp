@@ -697,19 +697,41 @@ PullReply ServerCore::pull(const PullRequest& request, const Deadline& deadline)
 
 // Writes into `reply`'s storage: a reply kept from the pull before has every vector sized already
 // (Note [A step's sum without allocations]).
-void ServerCore::fill_reply(const PullRequest& request, PullReply& reply) {
+//
+// Note [Pull replies in place]: a pull over gRPC from a worker on this host is answered through
+// the worker's shared segment (Note [Values in shared memory], wire.h). Writing the values into
+// the reply and the transport copying them into the segment were two passes over the model's size
+// per worker and step; the transport now offers the segment (pull_into, DenseOut) and the values
+// go there straight from the tables when they fit, one pass.
+void ServerCore::fill_reply(const PullRequest& request, PullReply& reply, DenseOut* out) {
   reply.dense.resize(request.dense.size());
+  std::vector<size_t> lengths(request.dense.size(), 0);
+  size_t total = 0;
   for (size_t s = 0; s < request.dense.size(); ++s) {
     const DenseSlice& slice = request.dense[s];
     const Table& table = tables_[static_cast<size_t>(slice.table)];
-    DenseSlice& out = reply.dense[s];
-    out.table = slice.table;
-    out.chunks.assign(slice.chunks.begin(), slice.chunks.end());
-    size_t length = 0;
     for (int64_t chunk : slice.chunks)
-      length += static_cast<size_t>(chunk_length(table.numel, chunk));
-    out.values.resize(length);
-    float* dst = out.values.data();
+      lengths[s] += static_cast<size_t>(chunk_length(table.numel, chunk));
+    total += lengths[s];
+  }
+  const bool in_place = out != nullptr && !request.dense.empty() && total <= out->capacity;
+  if (out != nullptr) out->counts.clear();
+  float* shared = in_place ? out->data : nullptr;
+  for (size_t s = 0; s < request.dense.size(); ++s) {
+    const DenseSlice& slice = request.dense[s];
+    const Table& table = tables_[static_cast<size_t>(slice.table)];
+    DenseSlice& out_slice = reply.dense[s];
+    out_slice.table = slice.table;
+    out_slice.chunks.assign(slice.chunks.begin(), slice.chunks.end());
+    float* dst = shared;
+    if (in_place) {
+      out_slice.values.clear();
+      out->counts.push_back(lengths[s]);
+      shared += lengths[s];
+    } else {
+      out_slice.values.resize(lengths[s]);
+      dst = out_slice.values.data();
+    }
     for (int64_t chunk : slice.chunks) {
       const int64_t n = chunk_length(table.numel, chunk);
       const Slot* slot = holder(chunk_shard(table.spec.name, chunk, options_.virtual_shards))
@@ -737,6 +759,16 @@ void ServerCore::fill_reply(const PullRequest& request, PullReply& reply) {
 }
 
 void ServerCore::pull(const PullRequest& request, const Deadline& deadline, PullReply& reply) {
+  answer_pull(request, deadline, reply, nullptr);
+}
+
+void ServerCore::pull_into(const PullRequest& request, const Deadline& deadline, PullReply& reply,
+                           DenseOut& out) {
+  answer_pull(request, deadline, reply, &out);
+}
+
+void ServerCore::answer_pull(const PullRequest& request, const Deadline& deadline, PullReply& reply,
+                             DenseOut* out) {
   const char* what = "pull";
   std::unique_lock<std::mutex> lock(mutex_);
   const int32_t w = request.worker;
@@ -779,7 +811,7 @@ void ServerCore::pull(const PullRequest& request, const Deadline& deadline, Pull
                     format_duration(deadline.elapsed()) +
                     ": the worker left the live set while it waited");
 
-  fill_reply(request, reply);
+  fill_reply(request, reply, out);
   reply.clock = step_;
   int64_t fastest = 0;
   for (int32_t v : live_) fastest = std::max(fastest, clock_.at(v));

@@ -83,6 +83,8 @@ class ServerCore : public Handler {
   PullReply pull(const PullRequest& request, const Deadline& deadline) override;
   // The same, written into `reply`, whose vectors keep their storage: a caller that pulls the
   // same chunks every step with one reply allocates nothing after the first.
+  void pull_into(const PullRequest& request, const Deadline& deadline, PullReply& reply,
+                 DenseOut& out) override;
   void pull(const PullRequest& request, const Deadline& deadline, PullReply& reply) override;
 
   // Sync: buffers the push until its step is complete, then applies the step; with
@@ -145,6 +147,9 @@ class ServerCore : public Handler {
  private:
   // push and push_taking: `take` is the request itself when its storage may be taken.
   PushReply accept_push(const PushRequest& request, PushRequest* take);
+  // pull and pull_into.
+  void answer_pull(const PullRequest& request, const Deadline& deadline, PullReply& reply,
+                   DenseOut* out);
   struct Table {
     TableSpec spec;
     int64_t numel = 0;  // dense
@@ -170,7 +175,8 @@ class ServerCore : public Handler {
   void buffer_push(const PushRequest& request, PushRequest* take);
   // Keeps an applied step's pushes' storage for the workers' next pushes.
   void recycle(std::map<int32_t, PushRequest>& pushes);
-  void fill_reply(const PullRequest& request, PullReply& reply);
+  // `out`: where the dense values go when they fit (Note [Pull replies in place]), or null.
+  void fill_reply(const PullRequest& request, PullReply& reply, DenseOut* out);
   void take_snapshot_when_due();  // see ServerCoreOptions::snapshot_every
   void load_shard_locked(int32_t shard, const std::string& bytes);
   // Note [Clocks after a reload]: takes worker w's clock from its first request after a reload.

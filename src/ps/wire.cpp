@@ -709,12 +709,19 @@ namespace {
 
 // The dense slices' values copied into the segment in slice order, and the slices written with
 // their counts (Note [Values in shared memory]); the sparse ones as before.
+// `count(i)`: the number of values of dense slice i in the segment.
+template <typename Message, typename Count>
+size_t shared_slices_size(const Message& in, const Count& count) {
+  size_t size = slices_size(in.sparse);
+  for (size_t i = 0; i < in.dense.size(); ++i) {
+    const DenseSlice& s = in.dense[i];
+    size += length_field_size(shared_slice_size(s.table, s.chunks, count(i)), true);
+  }
+  return size;
+}
 template <typename Message>
 size_t shared_slices_size(const Message& in) {
-  size_t size = slices_size(in.sparse);
-  for (const DenseSlice& s : in.dense)
-    size += length_field_size(shared_slice_size(s.table, s.chunks, s.values.size()), true);
-  return size;
+  return shared_slices_size(in, [&](size_t i) { return in.dense[i].values.size(); });
 }
 template <typename Message>
 void write_shared_slices(Writer& w, int dense_field, int sparse_field, const Message& in,
@@ -749,6 +756,20 @@ grpc::ByteBuffer encode(const PushRequest& in, const SharedValues& shm) {
 grpc::ByteBuffer encode(const PullReply& in, const SharedValues& shm) {
   Writer w(shared_slices_size(in) + varint_field_size(in.clock) + varint_field_size(in.staleness));
   write_shared_slices(w, 1, 2, in, shm);
+  w.varint_field(3, in.clock);
+  w.varint_field(4, in.staleness);
+  return w.finish();
+}
+
+grpc::ByteBuffer encode(const PullReply& in, const std::vector<size_t>& counts) {
+  SHOAL_CHECK(counts.size() == in.dense.size())
+      << counts.size() << " counts for " << in.dense.size() << " dense slices";
+  const auto count = [&](size_t i) { return counts[i]; };
+  Writer w(shared_slices_size(in, count) + varint_field_size(in.clock) +
+           varint_field_size(in.staleness));
+  for (size_t i = 0; i < in.dense.size(); ++i)
+    w.shared_slice(1, in.dense[i].table, in.dense[i].chunks, counts[i]);
+  for (const SparseSlice& s : in.sparse) w.slice(2, s.table, s.ids, s.values);
   w.varint_field(3, in.clock);
   w.varint_field(4, in.staleness);
   return w.finish();

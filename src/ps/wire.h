@@ -58,6 +58,9 @@ grpc::ByteBuffer encode(std::shared_ptr<const PullReply> in);
 size_t dense_values(const std::vector<DenseSlice>& dense);
 grpc::ByteBuffer encode(const PushRequest& in, const SharedValues& shm);
 grpc::ByteBuffer encode(const PullReply& in, const SharedValues& shm);
+// A reply whose dense values are in the segment already, `counts[i]` of them for dense slice i
+// in slice order (DenseOut, handler.h); its dense slices carry no values.
+grpc::ByteBuffer encode(const PullReply& in, const std::vector<size_t>& counts);
 
 // false when `in` is not a message of that type (truncated or corrupt); UsageError when it is
 // one whose fields fail a check. `out` is only meaningful after true. `shm`: the segment the call

@@ -58,6 +58,25 @@ Batch batch(int t, int64_t begin, int64_t end) {
   return b;
 }
 
+// PS_TRAIN_WIDE=W adds a branch of W units beside the hidden layer, averaged into the output so
+// that training stays as tame as without it: its many values make each server's share of the
+// dense ones large enough to cross through shared memory (docs/ps.md, "Transport").
+int64_t wide_width() {
+  const char* width = std::getenv("PS_TRAIN_WIDE");
+  return width != nullptr && *width != '\0' ? std::atoll(width) : 0;
+}
+
+// The worker's shared segments with servers on its host: memfds named "shoal-ps".
+int shared_segments() {
+  int count = 0;
+  for (const auto& fd : std::filesystem::directory_iterator("/proc/self/fd")) {
+    std::error_code error;
+    const auto target = std::filesystem::read_symlink(fd.path(), error);
+    if (!error && target.string().rfind("/memfd:shoal-ps", 0) == 0) ++count;
+  }
+  return count;
+}
+
 struct NetImpl : torch::nn::Module {
   NetImpl() {
     table =
@@ -66,15 +85,21 @@ struct NetImpl : torch::nn::Module {
                                                           .seed(kSeed)));
     hidden = register_module("hidden", torch::nn::Linear(kIdsPerSample * kDim + kFeatures, 5));
     out = register_module("out", torch::nn::Linear(5, 1));
+    if (wide_width() > 0)
+      wide = register_module("wide",
+                             torch::nn::Linear(kIdsPerSample * kDim + kFeatures, wide_width()));
   }
   torch::Tensor forward(const torch::Tensor& ids, const torch::Tensor& x) {
     return head(table->forward(ids), x);
   }
   torch::Tensor head(const torch::Tensor& rows, const torch::Tensor& x) {
-    return out->forward(torch::tanh(hidden->forward(torch::cat({rows.flatten(1), x}, 1))));
+    const torch::Tensor input = torch::cat({rows.flatten(1), x}, 1);
+    torch::Tensor y = out->forward(torch::tanh(hidden->forward(input)));
+    if (wide) y = y + torch::tanh(wide->forward(input)).mean(1, /*keepdim=*/true);
+    return y;
   }
   shoal::ps::Embedding table{nullptr};
-  torch::nn::Linear hidden{nullptr}, out{nullptr};
+  torch::nn::Linear hidden{nullptr}, out{nullptr}, wide{nullptr};
 };
 TORCH_MODULE(Net);
 
@@ -584,7 +609,7 @@ int main(int argc, char** argv) {
     // Rows 48.. are in no batch: bit-identical to their initial values.
     if (!equals_reference(net, first, rows, initial, 48)) return 1;
     std::cout << "ps train ok: " << kind << ", " << workers << " workers, " << kSteps
-              << " sync steps" << std::endl;
+              << " sync steps, " << shared_segments() << " shared segments" << std::endl;
     return 0;
   } catch (const std::exception& e) {
     std::cout << "error: " << e.what() << std::endl;
