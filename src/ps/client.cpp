@@ -341,16 +341,16 @@ void Client::pull_dense() {
     if (request.dense.empty() && !elastic_) return;  // elastic: the pull seals the step's push
     request.worker = worker_;
     request.clock = clock_;
-    const std::string server = "parameter server " + std::to_string(s);
+    const auto server = [s] { return "parameter server " + std::to_string(s); };
     // Slice i of the reply, `count` values at `values`, into the parameters' chunks it names.
     std::vector<bool> scattered(request.dense.size(), false);
     auto scatter = [&](size_t i, const DenseSlice& slice, const float* from, size_t count) {
       if (i >= request.dense.size()) {
-        throw CommError(server + " answered a pull of " + std::to_string(request.dense.size()) +
+        throw CommError(server() + " answered a pull of " + std::to_string(request.dense.size()) +
                         " dense tables with more");
       }
       if (slice.table != request.dense[i].table || slice.chunks != request.dense[i].chunks) {
-        throw CommError(server + " answered a pull of table " +
+        throw CommError(server() + " answered a pull of table " +
                         std::to_string(request.dense[i].table) + " with other chunks");
       }
       const Dense& dense = dense_.at(static_cast<size_t>(slice.table));
@@ -358,7 +358,7 @@ void Client::pull_dense() {
       size_t length = 0;
       for (int64_t k : slice.chunks) length += static_cast<size_t>(chunk_length(numel, k));
       if (length > count) {
-        throw CommError(server + " answered a pull of '" + dense.name + "' with " +
+        throw CommError(server() + " answered a pull of '" + dense.name + "' with " +
                         std::to_string(count) + " values, fewer than its chunks hold");
       }
       float* values = dense.parameter.data_ptr<float>();
@@ -377,7 +377,7 @@ void Client::pull_dense() {
     PullReply& reply = pulled_[s];
     servers_[s]->pull(request, timeout_, reply, &sink);
     if (reply.dense.size() != request.dense.size()) {
-      throw CommError(server + " answered a pull of " + std::to_string(request.dense.size()) +
+      throw CommError(server() + " answered a pull of " + std::to_string(request.dense.size()) +
                       " dense tables with " + std::to_string(reply.dense.size()));
     }
     if (s == 0) staleness_ = reply.staleness;

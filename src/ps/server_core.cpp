@@ -705,15 +705,14 @@ PullReply ServerCore::pull(const PullRequest& request, const Deadline& deadline)
 // go there straight from the tables when they fit, one pass.
 void ServerCore::fill_reply(const PullRequest& request, PullReply& reply, DenseOut* out) {
   reply.dense.resize(request.dense.size());
-  std::vector<size_t> lengths(request.dense.size(), 0);
+  const auto length_of = [&](const DenseSlice& slice) {
+    const int64_t numel = tables_[static_cast<size_t>(slice.table)].numel;
+    size_t length = 0;
+    for (int64_t chunk : slice.chunks) length += static_cast<size_t>(chunk_length(numel, chunk));
+    return length;
+  };
   size_t total = 0;
-  for (size_t s = 0; s < request.dense.size(); ++s) {
-    const DenseSlice& slice = request.dense[s];
-    const Table& table = tables_[static_cast<size_t>(slice.table)];
-    for (int64_t chunk : slice.chunks)
-      lengths[s] += static_cast<size_t>(chunk_length(table.numel, chunk));
-    total += lengths[s];
-  }
+  for (const DenseSlice& slice : request.dense) total += length_of(slice);
   const bool in_place = out != nullptr && !request.dense.empty() && total <= out->capacity;
   if (out != nullptr) out->counts.clear();
   float* shared = in_place ? out->data : nullptr;
@@ -723,13 +722,14 @@ void ServerCore::fill_reply(const PullRequest& request, PullReply& reply, DenseO
     DenseSlice& out_slice = reply.dense[s];
     out_slice.table = slice.table;
     out_slice.chunks.assign(slice.chunks.begin(), slice.chunks.end());
+    const size_t length = length_of(slice);
     float* dst = shared;
     if (in_place) {
       out_slice.values.clear();
-      out->counts.push_back(lengths[s]);
-      shared += lengths[s];
+      out->counts.push_back(length);
+      shared += length;
     } else {
-      out_slice.values.resize(lengths[s]);
+      out_slice.values.resize(length);
       dst = out_slice.values.data();
     }
     for (int64_t chunk : slice.chunks) {
@@ -745,11 +745,11 @@ void ServerCore::fill_reply(const PullRequest& request, PullReply& reply, DenseO
   for (size_t s = 0; s < request.sparse.size(); ++s) {
     const SparseSlice& slice = request.sparse[s];
     const Table& table = tables_[static_cast<size_t>(slice.table)];
-    SparseSlice& out = reply.sparse[s];
-    out.table = slice.table;
-    out.ids.assign(slice.ids.begin(), slice.ids.end());
-    out.values.resize(slice.ids.size() * static_cast<size_t>(table.dim));
-    float* dst = out.values.data();
+    SparseSlice& out_slice = reply.sparse[s];
+    out_slice.table = slice.table;
+    out_slice.ids.assign(slice.ids.begin(), slice.ids.end());
+    out_slice.values.resize(slice.ids.size() * static_cast<size_t>(table.dim));
+    float* dst = out_slice.values.data();
     for (int64_t id : slice.ids) {
       holder(row_shard(table.spec.name, id, options_.virtual_shards))
           ->read_row(slice.table, id, table.spec, table.dim, dst);

@@ -452,7 +452,7 @@ struct Slices {
   std::vector<SparseSlice>& sparse;
   std::vector<int64_t> dense_odd, sparse_odd;
   std::vector<uint64_t> dense_shared;
-  std::vector<bool> dense_taken;  // by a DenseSink: no values in the slice
+  bool sunk = false;  // shared values left to a DenseSink: those slices carry none
 
   template <typename Slice>
   static Slice& next(std::vector<Slice>& slices, size_t used) {
@@ -479,7 +479,7 @@ struct Slices {
   // take them from it, in slice order; every count is checked against what the segment holds
   // before a value is read.
   void take_shared(const SharedValues* shm, const DenseSink* sink = nullptr) {
-    dense_taken.assign(dense.size(), false);
+    sunk = sink != nullptr;
     size_t at = 0;
     for (size_t i = 0; i < dense.size(); ++i) {
       const uint64_t count = dense_shared[i];
@@ -499,7 +499,6 @@ struct Slices {
                          std::to_string(shm->capacity) + "; expected values within it");
       }
       if (sink == nullptr) dense[i].values.assign(shm->data + at, shm->data + at + count);
-      dense_taken[i] = sink != nullptr;
       at += count;
     }
   }
@@ -509,7 +508,7 @@ struct Slices {
     if (sink == nullptr) return;
     size_t at = 0;
     for (size_t i = 0; i < dense.size(); ++i) {
-      if (dense_taken[i]) (*sink)(i, dense[i], shm->data + at, dense_shared[i]);
+      if (dense_shared[i] > 0) (*sink)(i, dense[i], shm->data + at, dense_shared[i]);
       at += dense_shared[i];
     }
   }
@@ -520,7 +519,7 @@ struct Slices {
   }
   void check(bool values) const {
     for (size_t i = 0; i < dense.size(); ++i) {
-      const bool taken = i < dense_taken.size() && dense_taken[i];
+      const bool taken = sunk && dense_shared[i] > 0;
       check_dense(dense[i], dense_odd[i], "dense[" + std::to_string(i) + "]", values && !taken);
     }
     for (size_t i = 0; i < sparse.size(); ++i) {
