@@ -476,6 +476,38 @@ TEST_F(PsRpcTest, DenseValuesCrossThroughSharedMemoryOnOneHost) {
     ASSERT_EQ(after.dense.at(0).values.at(i),
               first[3 * kChunk + i] + a[3 * kChunk + i] + ramp(kChunk, 1)[i])
         << i;
+
+  // From a source (a worker's push from its gradients): the values are written straight into the
+  // segment and the request's slices stay empty; too few for a segment, they are written into the
+  // slices and go inline.
+  const std::vector<float> b = ramp(kValues, -0.25f), c = ramp(kChunk, 3);
+  auto source_of = [](const std::vector<float>& values) {
+    return DenseSource{{values.size()}, [&values](size_t index, float* out) {
+                         EXPECT_EQ(index, 0u);
+                         std::copy(values.begin(), values.end(), out);
+                       }};
+  };
+  PushRequest sourced{0, 2, 1, {DenseSlice{0, chunks, {}}}, {}};
+  const int shared_before = server.shared_calls();  // the pull of one chunk above went through it
+  EXPECT_TRUE(server.push(sourced, 5s, source_of(b)).counted);
+  EXPECT_EQ(server.shared_calls(), shared_before + 1)
+      << "the sourced push did not go through the segment";
+  EXPECT_TRUE(sourced.dense[0].values.empty());
+  PushRequest sourced_small{0, 3, 1, {DenseSlice{0, {3}, {}}}, {}};
+  EXPECT_TRUE(server.push(sourced_small, 5s, source_of(c)).counted);
+  EXPECT_EQ(server.shared_calls(), shared_before + 1);
+  EXPECT_EQ(sourced_small.dense[0].values, c);
+  PullReply last;
+  server.pull({0, 4, {DenseSlice{0, chunks, {}}}, {}}, 5s, last);
+  const std::vector<float> one_chunk = ramp(kChunk, 1);
+  ASSERT_EQ(last.dense.size(), 1u);
+  ASSERT_EQ(last.dense[0].values.size(), static_cast<size_t>(kValues));
+  for (int64_t i = 0; i < kValues; ++i) {
+    const bool third = i >= 3 * kChunk && i < 4 * kChunk;
+    const float expected_i = first[i] + a[i] + (third ? one_chunk[i - 3 * kChunk] : 0.f) + b[i] +
+                             (third ? c[i - 3 * kChunk] : 0.f);
+    ASSERT_EQ(last.dense[0].values[i], expected_i) << i;
+  }
 }
 
 // A shared segment is the worker's memory: a call that names one the server cannot use (not as

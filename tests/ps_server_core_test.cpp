@@ -578,6 +578,46 @@ TEST(PsServerCore, PushesTakenEqualPushesCopied) {
   EXPECT_NE(copied.value(), 1.f);  // the steps changed the values
 }
 
+// Note [A step's sum on two threads]: a step large enough to be summed on two threads gives
+// the values one thread gives, to the bit, for chunks on either side of the split.
+TEST(PsServerCore, ALargeStepSummedOnTwoThreadsEqualsOneThread) {
+  constexpr int64_t kValues = 20 * kChunkElements + 123;  // 21 chunks, the last one short
+  OptimizerSpec adam;
+  adam.kind = OptimizerSpec::Kind::kAdam;
+  adam.lr = 0.01;
+  std::vector<int64_t> chunks;
+  for (int64_t c = 0; c * kChunkElements < kValues; ++c) chunks.push_back(c);
+  std::vector<float> initial(kValues);
+  for (int64_t i = 0; i < kValues; ++i) initial[i] = std::sin(0.001f * static_cast<float>(i));
+  std::vector<std::vector<float>> after;
+  for (int threads : {1, 2}) {
+    ServerCoreOptions options;
+    options.workers = {0, 1, 2};
+    options.shards = ShardMap(1).shards_of(0);
+    options.sum_threads = threads;
+    ServerCore core(options);
+    RegisterRequest request;
+    request.tables = {dense_spec("big", {kValues}, adam)};
+    request.initial = {DenseSlice{0, chunks, initial}};
+    core.register_tables(request, shoal::Deadline(Ms(0)));
+    for (int64_t clock = 0; clock < 2; ++clock) {
+      for (int32_t w : {1, 2, 0}) {
+        PushRequest push{w, clock, w + 1, {DenseSlice{0, chunks, std::vector<float>(kValues)}}, {}};
+        for (int64_t i = 0; i < kValues; ++i) {
+          push.dense[0].values[i] = std::cos(0.01f * static_cast<float>(i * (w + 1) + clock));
+        }
+        core.push(push, shoal::Deadline(Ms(0)));
+      }
+    }
+    ASSERT_EQ(core.step(), 2);
+    PullRequest pull{0, 2, {DenseSlice{0, chunks, {}}}, {}};
+    after.push_back(core.pull(pull, shoal::Deadline(Ms(0))).dense.at(0).values);
+  }
+  ASSERT_EQ(after[0].size(), static_cast<size_t>(kValues));
+  EXPECT_NE(after[0], initial);
+  for (int64_t i = 0; i < kValues; ++i) ASSERT_EQ(after[1][i], after[0][i]) << "value " << i;
+}
+
 // Note [Pull replies in place]: offered room enough (a worker's segment), a pull writes the dense
 // values there, slice after slice, and leaves none in the reply; offered too little, it answers
 // in the reply as pull() does.

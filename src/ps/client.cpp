@@ -31,8 +31,8 @@ class RemoteEndpoint : public Client::Endpoint {
             const DenseSink* sink) override {
     client_->pull(request, timeout, reply, sink);
   }
-  PushReply push(const PushRequest& request, Duration timeout) override {
-    return client_->push(request, timeout);
+  PushReply push(PushRequest& request, Duration timeout, const DenseSource* source) override {
+    return source ? client_->push(request, timeout, *source) : client_->push(request, timeout);
   }
   LeaseReply lease(const LeaseRequest& request, Duration timeout) override {
     return client_->lease(request, timeout);
@@ -56,8 +56,9 @@ class LocalEndpoint : public Client::Endpoint {
             const DenseSink* /*sink*/) override {
     core_.pull(request, Deadline(timeout), reply);
   }
-  PushReply push(const PushRequest& request, Duration timeout) override {
-    return core_.push(request, Deadline(timeout));
+  PushReply push(PushRequest& request, Duration timeout, const DenseSource* source) override {
+    if (source) source->fill_slices(request.dense);
+    return core_.push_taking(request, Deadline(timeout));
   }
   LeaseReply lease(const LeaseRequest& request, Duration timeout) override {
     return core_.lease(request, Deadline(timeout));
@@ -494,6 +495,11 @@ void Client::step() {
   // server sees every worker's clock (docs/ps.md, "Consistency").
   push_.resize(servers_.size());
   PushRequest::Verdict verdict = PushRequest::Verdict::kDecide;
+  // Note [Pushed values in place]: a push's dense gradients are written by its endpoint where it
+  // sends them from (the shared segment of a server on this host), straight from the parameters'
+  // gradients: one pass over the model's size per step where gathering them into the request and
+  // copying that into the segment were two.
+  std::vector<DenseSource> sources(servers_.size());
   auto push_to = [&](int32_t s) {
     // The request kept from the step before: its slices' storage is refilled, not allocated.
     PushRequest& request = push_[s];
@@ -507,27 +513,32 @@ void Client::step() {
     if (samples == 0) {  // idle: no gradients
       request.dense.clear();
       request.sparse.clear();
-      return servers_[s]->push(request, timeout_);
+      return servers_[s]->push(request, timeout_, nullptr);
     }
+    DenseSource& source = sources[s];
     for (size_t t = 0; t < dense_.size(); ++t) {
       if (!grads[t].defined() || dense_[t].chunks[s].empty()) continue;
       if (used == request.dense.size()) request.dense.emplace_back();
       DenseSlice& slice = request.dense[used++];
       slice.table = static_cast<int32_t>(t);
       slice.chunks = dense_[t].chunks[s];
-      const float* g = grads[t].data_ptr<float>();
-      const int64_t numel = grads[t].numel();
+      slice.values.clear();
       size_t length = 0;
-      for (int64_t k : slice.chunks) length += static_cast<size_t>(chunk_length(numel, k));
-      slice.values.resize(length);
-      float* out = slice.values.data();
+      for (int64_t k : slice.chunks)
+        length += static_cast<size_t>(chunk_length(grads[t].numel(), k));
+      source.counts.push_back(length);
+    }
+    request.dense.resize(used);
+    source.fill = [&request, &grads](size_t i, float* out) {
+      const DenseSlice& slice = request.dense[i];
+      const torch::Tensor& grad = grads[static_cast<size_t>(slice.table)];
+      const float* g = grad.data_ptr<float>();
       for (int64_t k : slice.chunks) {
-        const int64_t n = chunk_length(numel, k);
+        const int64_t n = chunk_length(grad.numel(), k);
         std::memcpy(out, g + chunk_begin(k), static_cast<size_t>(n) * sizeof(float));
         out += n;
       }
-    }
-    request.dense.resize(used);
+    };
     request.sparse.clear();
     for (size_t t = 0; t < sparse_.size(); ++t) {
       const Rows& r = rows[t];
@@ -542,7 +553,7 @@ void Client::step() {
       }
       request.sparse.push_back(std::move(slice));
     }
-    return servers_[s]->push(request, timeout_);
+    return servers_[s]->push(request, timeout_, &source);
   };
   if (backup_workers_ && servers_.size() > 1) {
     // Note [Server 0 decides] (server_core.cpp): server 0's answer goes to the others.

@@ -56,7 +56,10 @@ class Client : public std::enable_shared_from_this<Client> {
     // values where they arrived instead (DenseSink, messages.h; an endpoint may ignore it).
     virtual void pull(const PullRequest& request, Duration timeout, PullReply& reply,
                       const DenseSink* sink) = 0;
-    virtual PushReply push(const PushRequest& request, Duration timeout) = 0;
+    // The request is the caller's, kept from step to step: an endpoint may change it (take its
+    // storage, fill its values). With `source` its dense slices carry no values: the endpoint has
+    // them written where it sends them from (DenseSource, messages.h).
+    virtual PushReply push(PushRequest& request, Duration timeout, const DenseSource* source) = 0;
     virtual LeaseReply lease(const LeaseRequest& request, Duration timeout) = 0;
     virtual MembershipReply membership(const MembershipRequest& request, Duration timeout) = 0;
   };

@@ -106,6 +106,21 @@ struct PullReply {
 using DenseSink =
     std::function<void(size_t index, const DenseSlice& slice, const float* values, size_t count)>;
 
+// Writes a push's dense gradients where the transport sends them from, so that each is copied
+// once, from the model's gradient (Note [Pushed values in place] in client.cpp): dense slice i has
+// `counts[i]` values, which `fill(i, out)` writes to `out`. The request's slices carry none.
+struct DenseSource {
+  std::vector<size_t> counts;
+  std::function<void(size_t index, float* out)> fill;
+  // Where no other place takes them: into the slices' own vectors.
+  void fill_slices(std::vector<DenseSlice>& dense) const {
+    for (size_t i = 0; i < dense.size(); ++i) {
+      dense[i].values.resize(counts.at(i));
+      fill(i, dense[i].values.data());
+    }
+  }
+};
+
 // A worker's gradients for its step `clock`, of the mean loss over its `rows` samples (0: an idle
 // step, with no gradients: the worker had no batch). In sync
 // the server applies, per step, sum_w rows_w * grad_w / sum_w rows_w over the live workers in

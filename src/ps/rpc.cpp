@@ -13,6 +13,7 @@
 #include <chrono>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <optional>
 #include <thread>
 #include <type_traits>
@@ -694,33 +695,51 @@ void RpcClient::pull(const PullRequest& request, Duration timeout, PullReply& re
 }
 
 PushReply RpcClient::push(const PushRequest& request, Duration timeout) {
-  State& state = *state_;
   const auto start = SteadyClock::now();
-  const size_t values = wire_format::dense_values(request.dense);
-  if (values >= kSharedAtLeast && !state.no_segment) {
-    std::unique_lock<std::mutex> lock(state.segment_mutex, std::try_to_lock);
-    SharedSegment* segment = lock.owns_lock() ? state.segment_for(values) : nullptr;
-    if (segment != nullptr) {
-      try {
-        grpc::ByteBuffer reply;
-        state.call("Push", &Methods::push, timeout, wire_format::encode(request, segment->values()),
-                   reply, &segment->handle());
-        ++state.shared_calls;
-        return state.convert<PushReply>("Push", "PushReply", reply);
-      } catch (const SegmentUnusable&) {
-        state.no_segment = true;  // this server cannot map it: values inline from now on
-      } catch (...) {
-        // A server may still answer a call the client gave up on, into this segment: the next
-        // call gets a new one.
-        state.segment.reset();
-        throw;
-      }
-    }
+  if (auto reply = push_shared(request, timeout, nullptr)) return *reply;
+  return push_inline(request,
+                     timeout - std::chrono::duration_cast<Duration>(SteadyClock::now() - start));
+}
+
+PushReply RpcClient::push(PushRequest& request, Duration timeout, const DenseSource& source) {
+  const auto start = SteadyClock::now();
+  if (auto reply = push_shared(request, timeout, &source)) return *reply;
+  source.fill_slices(request.dense);  // in the message, from the request's slices
+  return push_inline(request,
+                     timeout - std::chrono::duration_cast<Duration>(SteadyClock::now() - start));
+}
+
+std::optional<PushReply> RpcClient::push_shared(const PushRequest& request, Duration timeout,
+                                                const DenseSource* source) {
+  State& state = *state_;
+  const size_t values =
+      source ? std::accumulate(source->counts.begin(), source->counts.end(), size_t{0})
+             : wire_format::dense_values(request.dense);
+  if (values < kSharedAtLeast || state.no_segment) return std::nullopt;
+  std::unique_lock<std::mutex> lock(state.segment_mutex, std::try_to_lock);
+  SharedSegment* segment = lock.owns_lock() ? state.segment_for(values) : nullptr;
+  if (segment == nullptr) return std::nullopt;
+  try {
+    grpc::ByteBuffer reply;
+    state.call("Push", &Methods::push, timeout,
+               wire_format::encode(request, segment->values(), source), reply, &segment->handle());
+    ++state.shared_calls;
+    return state.convert<PushReply>("Push", "PushReply", reply);
+  } catch (const SegmentUnusable&) {
+    state.no_segment = true;  // this server cannot map it: values inline from now on
+    return std::nullopt;
+  } catch (...) {
+    // A server may still answer a call the client gave up on, into this segment: the next call
+    // gets a new one.
+    state.segment.reset();
+    throw;
   }
+}
+
+PushReply RpcClient::push_inline(const PushRequest& request, Duration timeout) {
   grpc::ByteBuffer reply;
-  const auto left = timeout - std::chrono::duration_cast<Duration>(SteadyClock::now() - start);
-  state.call("Push", &Methods::push, left, wire_format::encode(request), reply);
-  return state.convert<PushReply>("Push", "PushReply", reply);
+  state_->call("Push", &Methods::push, timeout, wire_format::encode(request), reply);
+  return state_->convert<PushReply>("Push", "PushReply", reply);
 }
 
 int RpcClient::shared_calls() const {

@@ -12,6 +12,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -95,6 +96,9 @@ class RpcClient {
   void pull(const PullRequest& request, Duration timeout, PullReply& reply,
             const DenseSink* sink = nullptr);
   PushReply push(const PushRequest& request, Duration timeout);
+  // The same, with the dense values written by `source` where they are sent from (DenseSource,
+  // messages.h): the request's slices carry none, and are filled when the values go inline.
+  PushReply push(PushRequest& request, Duration timeout, const DenseSource& source);
   // Liveness: returns the index the server was started with.
   int ping(Duration timeout);
   // A batch of the epoch's ledger (server 0).
@@ -102,6 +106,11 @@ class RpcClient {
   MembershipReply membership(const MembershipRequest& request, Duration timeout);
 
  private:
+  // A push through the shared segment, or nullopt where there is none or the values are few.
+  std::optional<PushReply> push_shared(const PushRequest& request, Duration timeout,
+                                       const DenseSource* source);
+  PushReply push_inline(const PushRequest& request, Duration timeout);
+
   struct State;
   std::unique_ptr<State> state_;
 };

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstring>
 #include <optional>
+#include <thread>
 #include <tuple>
 #include <unordered_map>
 
@@ -447,6 +448,37 @@ void ServerCore::apply_ready_steps() {
 // each chunk's optimizer step applied at once from them; the buffered pushes' storage is kept per
 // worker and refilled by the next push (buffer_push). The arithmetic is Note [Sync sum]'s, term
 // for term: results are bit-identical to a sum over whole tables.
+size_t ServerCore::next_chunk(size_t first) const {
+  size_t last = first;
+  while (last < sum_terms_.size() && sum_terms_[last].table == sum_terms_[first].table &&
+         sum_terms_[last].chunk == sum_terms_[first].chunk) {
+    ++last;
+  }
+  return last;
+}
+
+void ServerCore::sum_chunks(size_t first, size_t end, double total, SumScratch& scratch) {
+  scratch.acc.resize(static_cast<size_t>(kChunkElements));
+  scratch.out.resize(static_cast<size_t>(kChunkElements));
+  while (first < end) {
+    const SumTerm& head = sum_terms_[first];
+    const Table& table = tables_[static_cast<size_t>(head.table)];
+    const int64_t length = chunk_length(table.numel, head.chunk);
+    double* acc = scratch.acc.data();
+    std::fill(acc, acc + length, 0.0);
+    const size_t last = next_chunk(first);
+    for (size_t term = first; term < last; ++term) {
+      const double weight = sum_terms_[term].weight;
+      const float* grad = sum_terms_[term].grad;
+      for (int64_t i = 0; i < length; ++i) acc[i] += weight * grad[i];
+    }
+    float* out = scratch.out.data();
+    for (int64_t i = 0; i < length; ++i) out[i] = static_cast<float>(acc[i] / total);
+    apply_chunk(head.table, head.chunk, out);
+    first = last;
+  }
+}
+
 void ServerCore::sum_step(const std::map<int32_t, PushRequest>& pushes) {
   double total = 0;
   for (const auto& [worker, push] : pushes) total += static_cast<double>(push.rows);
@@ -469,26 +501,43 @@ void ServerCore::sum_step(const std::map<int32_t, PushRequest>& pushes) {
   std::sort(sum_terms_.begin(), sum_terms_.end(), [](const SumTerm& a, const SumTerm& b) {
     return std::tie(a.table, a.chunk, a.order) < std::tie(b.table, b.chunk, b.order);
   });
-  sum_acc_.resize(static_cast<size_t>(kChunkElements));
-  sum_out_.resize(static_cast<size_t>(kChunkElements));
-  for (size_t first = 0; first < sum_terms_.size();) {
-    const SumTerm& head = sum_terms_[first];
-    const Table& table = tables_[static_cast<size_t>(head.table)];
-    const int64_t length = chunk_length(table.numel, head.chunk);
-    double* acc = sum_acc_.data();
-    std::fill(acc, acc + length, 0.0);
-    size_t last = first;
-    for (; last < sum_terms_.size() && sum_terms_[last].table == head.table &&
-           sum_terms_[last].chunk == head.chunk;
-         ++last) {
-      const double weight = sum_terms_[last].weight;
-      const float* grad = sum_terms_[last].grad;
-      for (int64_t i = 0; i < length; ++i) acc[i] += weight * grad[i];
+  // Note [A step's sum on two threads]: in sync the workers wait for this sum, so a second
+  // thread takes the chunks from the middle of the model on; each chunk's arithmetic is the same
+  // on either thread, so the result is bit-identical to one thread's.
+  const auto length_at = [&](size_t term) {
+    const SumTerm& t = sum_terms_[term];
+    return static_cast<size_t>(chunk_length(tables_[static_cast<size_t>(t.table)].numel, t.chunk));
+  };
+  size_t values = 0;
+  for (size_t first = 0; first < sum_terms_.size(); first = next_chunk(first)) {
+    values += length_at(first);
+  }
+  size_t split = sum_terms_.size();
+  if (options_.sum_threads > 1 && values >= kSumSplitAtLeast) {
+    size_t below = 0;
+    for (split = 0; split < sum_terms_.size() && 2 * below < values; split = next_chunk(split)) {
+      below += length_at(split);
     }
-    float* out = sum_out_.data();
-    for (int64_t i = 0; i < length; ++i) out[i] = static_cast<float>(acc[i] / total);
-    apply_chunk(head.table, head.chunk, out);
-    first = last;
+  }
+  if (split == sum_terms_.size()) {
+    sum_chunks(0, split, total, sum_scratch_[0]);
+  } else {
+    std::exception_ptr failed;
+    std::thread second([&] {
+      try {
+        sum_chunks(split, sum_terms_.size(), total, sum_scratch_[1]);
+      } catch (...) {
+        failed = std::current_exception();
+      }
+    });
+    try {
+      sum_chunks(0, split, total, sum_scratch_[0]);
+    } catch (...) {
+      second.join();
+      throw;
+    }
+    second.join();
+    if (failed) std::rethrow_exception(failed);
   }
 
   // Sparse: rows are few per step; each row's sum in the order rows first appear.

@@ -61,6 +61,9 @@ struct ServerCoreOptions {
   // Note [Sealed pushes] (server_core.cpp): a push counts only once its worker has sealed it.
   // Elastic jobs set it: a worker may die between its pushes to two servers.
   bool sealed_pushes = false;
+  // Threads a sync step's dense sum runs on when it is large (Note [A step's sum on two
+  // threads], server_core.cpp): 1 or 2.
+  int sum_threads = 2;
 };
 
 // What a worker that leaves does to its push of a step not yet applied (sync): counted with the
@@ -219,8 +222,18 @@ class ServerCore : public Handler {
     const float* grad;
   };
   std::vector<SumTerm> sum_terms_;
-  std::vector<double> sum_acc_;  // one chunk's sum
-  std::vector<float> sum_out_;   // one chunk's gradient, rounded
+  struct SumScratch {
+    std::vector<double> acc;  // one chunk's sum
+    std::vector<float> out;   // one chunk's gradient, rounded
+  };
+  SumScratch sum_scratch_[2];  // one per thread (Note [A step's sum on two threads])
+  // Where a step's dense sum has at least this many values, a second thread takes half.
+  static constexpr size_t kSumSplitAtLeast = 1 << 20;
+  // The term after the last one of sum_terms_[first]'s chunk.
+  size_t next_chunk(size_t first) const;
+  // Sums and applies the chunks of sum_terms_[first, end), which begins and ends at a chunk's
+  // first term.
+  void sum_chunks(size_t first, size_t end, double total, SumScratch& scratch);
 
   mutable std::mutex mutex_;
   std::condition_variable changed_;

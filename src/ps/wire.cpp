@@ -722,30 +722,52 @@ template <typename Message>
 size_t shared_slices_size(const Message& in) {
   return shared_slices_size(in, [&](size_t i) { return in.dense[i].values.size(); });
 }
+// Dense slice i's `count(i)` values written by `put(i, at)` into the segment, in slice order.
+template <typename Message, typename Count, typename Put>
+void write_shared_slices(Writer& w, int dense_field, int sparse_field, const Message& in,
+                         const SharedValues& shm, const Count& count, const Put& put) {
+  size_t total = 0;
+  for (size_t i = 0; i < in.dense.size(); ++i) total += count(i);
+  SHOAL_CHECK(total <= shm.capacity) << total << " values for a shared segment of " << shm.capacity;
+  float* at = shm.data;
+  for (size_t i = 0; i < in.dense.size(); ++i) {
+    const DenseSlice& s = in.dense[i];
+    put(i, at);
+    at += count(i);
+    w.shared_slice(dense_field, s.table, s.chunks, count(i));
+  }
+  for (const SparseSlice& s : in.sparse) w.slice(sparse_field, s.table, s.ids, s.values);
+}
 template <typename Message>
 void write_shared_slices(Writer& w, int dense_field, int sparse_field, const Message& in,
                          const SharedValues& shm) {
-  SHOAL_CHECK(dense_values(in.dense) <= shm.capacity)
-      << dense_values(in.dense) << " values for a shared segment of " << shm.capacity;
-  float* at = shm.data;
-  for (const DenseSlice& s : in.dense) {
-    if (!s.values.empty()) std::memcpy(at, s.values.data(), values_bytes(s.values));
-    at += s.values.size();
-    w.shared_slice(dense_field, s.table, s.chunks, s.values.size());
-  }
-  for (const SparseSlice& s : in.sparse) w.slice(sparse_field, s.table, s.ids, s.values);
+  write_shared_slices(
+      w, dense_field, sparse_field, in, shm, [&](size_t i) { return in.dense[i].values.size(); },
+      [&](size_t i, float* at) {
+        const std::vector<float>& values = in.dense[i].values;
+        if (!values.empty()) std::memcpy(at, values.data(), values_bytes(values));
+      });
 }
 
 }  // namespace
 
-grpc::ByteBuffer encode(const PushRequest& in, const SharedValues& shm) {
+grpc::ByteBuffer encode(const PushRequest& in, const SharedValues& shm, const DenseSource* source) {
+  const auto count = [&](size_t i) {
+    return source ? source->counts.at(i) : in.dense[i].values.size();
+  };
   Writer w(varint_field_size(in.worker) + varint_field_size(in.clock) + varint_field_size(in.rows) +
-           shared_slices_size(in) + varint_field_size(in.epoch) + varint_field_size(in.batch + 1) +
-           varint_field_size(static_cast<int32_t>(in.verdict)));
+           shared_slices_size(in, count) + varint_field_size(in.epoch) +
+           varint_field_size(in.batch + 1) + varint_field_size(static_cast<int32_t>(in.verdict)));
   w.varint_field(1, in.worker);
   w.varint_field(2, in.clock);
   w.varint_field(3, in.rows);
-  write_shared_slices(w, 4, 5, in, shm);
+  if (source) {
+    SHOAL_CHECK(source->counts.size() == in.dense.size())
+        << source->counts.size() << " counts for " << in.dense.size() << " dense slices";
+    write_shared_slices(w, 4, 5, in, shm, count, source->fill);
+  } else {
+    write_shared_slices(w, 4, 5, in, shm);
+  }
   w.varint_field(6, in.epoch);
   w.varint_field(7, in.batch + 1);  // as encode(const PushRequest&)
   w.varint_field(8, static_cast<int32_t>(in.verdict));

@@ -56,7 +56,9 @@ grpc::ByteBuffer encode(std::shared_ptr<const PullReply> in);
 // `shm` in slice order (dense_values(...) of them, which must fit), and each dense slice carries
 // their count (ps.proto's DenseSlice.shared) instead. Sparse values stay in the message.
 size_t dense_values(const std::vector<DenseSlice>& dense);
-grpc::ByteBuffer encode(const PushRequest& in, const SharedValues& shm);
+// With `source`, the push's dense slices carry no values: `source` writes them into `shm`.
+grpc::ByteBuffer encode(const PushRequest& in, const SharedValues& shm,
+                        const DenseSource* source = nullptr);
 grpc::ByteBuffer encode(const PullReply& in, const SharedValues& shm);
 // A reply whose dense values are in the segment already, `counts[i]` of them for dense slice i
 // in slice order (DenseOut, handler.h); its dense slices carry no values.
