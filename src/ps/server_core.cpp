@@ -402,17 +402,19 @@ void ServerCore::seal(int32_t w, int64_t clock) {
       auto node = mine.extract(mine.begin());
       apply(node.mapped().dense, node.mapped().sparse);
       ++step_;
-      finish_batches({{w, node.mapped()}});
+      finish_batch(w, node.mapped());
       take_snapshot_when_due();
     }
   }
   changed_.notify_all();
 }
 
+void ServerCore::finish_batch(int32_t worker, const PushRequest& push) {
+  if (ledger_ && push.batch >= 0) ledger_->done(worker, push.epoch, push.batch);
+}
+
 void ServerCore::finish_batches(const std::map<int32_t, PushRequest>& pushes) {
-  if (!ledger_) return;
-  for (const auto& [worker, push] : pushes)
-    if (push.batch >= 0) ledger_->done(worker, push.epoch, push.batch);
+  for (const auto& [worker, push] : pushes) finish_batch(worker, push);
 }
 
 // Note [Server 0 decides]: with backup workers (replicas_to_aggregate k) a sync step counts the
@@ -666,7 +668,7 @@ PushReply ServerCore::accept_push(const PushRequest& request, PushRequest* take)
   } else if (options_.consistency != Consistency::kSync) {
     apply(request.dense, request.sparse);
     ++step_;
-    finish_batches({{w, request}});
+    finish_batch(w, request);
     take_snapshot_when_due();
   } else if (request.verdict == PushRequest::Verdict::kCounted && request.clock < step_) {
     bad(what, "worker " + std::to_string(w) + "'s push of step " + std::to_string(request.clock) +

@@ -194,6 +194,7 @@ class ServerCore : public Handler {
   // Sealed pushes: worker w's clock is sealed up to `clock`; applies what that completes.
   void seal(int32_t w, int64_t clock);
   // The ledger's batches of applied pushes are done.
+  void finish_batch(int32_t worker, const PushRequest& push);
   void finish_batches(const std::map<int32_t, PushRequest>& pushes);
   // A leaver's ledger batches come back, but for those of its pushes still counted.
   void release_batches(int32_t w);
