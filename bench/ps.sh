@@ -4,6 +4,8 @@
 #   shoal-ps-sync, shoal-ps-async   shoal's parameter server: bench/ps.cpp, shoal::ps::Optimizer under
 #                      `shoal run --servers S -n W`, SHOAL_PS_MODE=sync|async
 #   dp                 shoal's all-reduce DataParallel (bench/ddp.cpp --impl shoal; no servers)
+#   local              every worker trains alone, no communication (bench/ddp.cpp --impl local): the
+#                      bound for every contender on this machine
 #   torch-tutorial     PyTorch's RPC parameter server as its tutorial writes it (bench/ps_torch_rpc.py
 #                      --variant tutorial: the model and its forward/backward on one server, async)
 #   torch-careful-sync, torch-careful-async
@@ -26,7 +28,7 @@
 #   ROUNDS=3 WARMUP=3 STEPS=10    rounds; untimed and timed steps per run
 #   WORKERS="2 4" SERVERS="1 2"   the grid (dp runs once per W: it has no servers; the tutorial
 #                                 only with S = 1: it has one server)
-#   CONTENDERS="shoal-ps-sync shoal-ps-async dp torch-tutorial torch-careful-sync torch-careful-async"
+#   CONTENDERS="shoal-ps-sync shoal-ps-async dp local torch-tutorial torch-careful-sync torch-careful-async"
 #   RAW=FILE                      the raw result lines (default bench/results/ps-DATE.txt)
 #   RUN_TIMEOUT=300               seconds allowed to one run
 set -euo pipefail
@@ -41,7 +43,7 @@ warmup=${WARMUP:-3}
 steps=${STEPS:-10}
 read -r -a workers_grid <<<"${WORKERS:-2 4}"
 read -r -a servers_grid <<<"${SERVERS:-1 2}"
-read -r -a contenders <<<"${CONTENDERS:-shoal-ps-sync shoal-ps-async dp torch-tutorial torch-careful-sync torch-careful-async}"
+read -r -a contenders <<<"${CONTENDERS:-shoal-ps-sync shoal-ps-async dp local torch-tutorial torch-careful-sync torch-careful-async}"
 run_timeout=${RUN_TIMEOUT:-300}
 
 for tool in "$shoal" "$ddp"; do
@@ -51,7 +53,7 @@ done
   { echo "ps.sh: $python has no torch.distributed.rpc; install python3-torch" >&2; exit 2; }
 for contender in "${contenders[@]}"; do
   case $contender in
-    shoal-ps-sync | shoal-ps-async | dp | torch-tutorial | torch-careful-sync | torch-careful-async) ;;
+    shoal-ps-sync | shoal-ps-async | dp | local | torch-tutorial | torch-careful-sync | torch-careful-async) ;;
     *) echo "ps.sh: unknown contender $contender" >&2; exit 2 ;;
   esac
 done
@@ -90,9 +92,9 @@ run() {
   local contender=$1 w=$2 s=$3
   port=$((port + 1))  # a fresh port per run: no wait for the last run's sockets to close
   case $contender in
-    dp)
+    dp | local)
       SHOAL_NUM_THREADS=1 timeout "$run_timeout" "$shoal" run -n "$w" --no-tag-output \
-        "$ddp" --impl shoal --model mlp --warmup "$warmup" --steps "$steps" ;;
+        "$ddp" --impl "${contender/dp/shoal}" --model mlp --warmup "$warmup" --steps "$steps" ;;
     torch-tutorial)
       timeout "$run_timeout" "$python" "$here/ps_torch_rpc.py" --variant tutorial --workers "$w" \
         --servers 1 --warmup "$warmup" --steps "$steps" --port "$port" ;;
@@ -104,12 +106,13 @@ run() {
   esac
 }
 
-# Which (contender, servers) runs a round has for W workers: dp once, the tutorial with one server.
+# Which (contender, servers) runs a round has for W workers: dp and local once, the tutorial with
+# one server.
 runs_for() {
   local w=$1 contender s
   for contender in "${contenders[@]}"; do
     case $contender in
-      dp) echo "dp -" ;;
+      dp | local) echo "$contender -" ;;
       torch-tutorial) echo "torch-tutorial 1" ;;
       *) for s in "${servers_grid[@]}"; do echo "$contender $s"; done ;;
     esac
@@ -140,7 +143,8 @@ for ((round = 0; round < rounds; round++)); do
 done
 echo "load after: $(cut -d' ' -f1-3 /proc/loadavg)"
 
-# Medians over rounds, and each contender beside PyTorch's careful parameter server.
+# Medians over rounds, and each contender beside PyTorch's careful parameter server and its
+# tutorial's.
 "$python" - "$raw" <<'EOF'
 import statistics, sys
 runs = {}
@@ -150,12 +154,14 @@ for line in open(sys.argv[1]):
     f = dict(t.split("=", 1) for t in line.split() if "=" in t)
     runs.setdefault((f["contender"], int(f["workers"]), f["servers"]), []).append(float(f["samples_per_s"]))
 print("\n## samples/s, median over rounds (rounds)")
-print("| workers | servers | contender | samples/s | rounds | / torch-careful (same mode, W, S) |")
-print("|---:|---:|---|---:|---:|---:|")
+print("| workers | servers | contender | samples/s | rounds | / torch-careful (same mode, W, S) | / torch-tutorial (same W) |")
+print("|---:|---:|---|---:|---:|---:|---:|")
 for (c, w, s), v in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
     med = statistics.median(v)
     mode = "sync" if c.endswith("sync") and not c.endswith("async") else "async"
     ref = runs.get((f"torch-careful-{mode}", w, s if s != "-" else "1"))
-    ratio = f"{med / statistics.median(ref):.2f}" if ref and c != "dp" and not c.startswith("torch-careful") else ""
-    print(f"| {w} | {s} | {c} | {med:.1f} | {len(v)} | {ratio} |")
+    ratio = f"{med / statistics.median(ref):.2f}" if ref and c not in ("dp", "local") and not c.startswith("torch-careful") else ""
+    tutorial = runs.get(("torch-tutorial", w, "1"))
+    over_tutorial = f"{med / statistics.median(tutorial):.2f}" if tutorial and not c.startswith("torch-") else ""
+    print(f"| {w} | {s} | {c} | {med:.1f} | {len(v)} | {ratio} | {over_tutorial} |")
 EOF
