@@ -578,6 +578,34 @@ TEST(PsServerCore, PushesTakenEqualPushesCopied) {
   EXPECT_NE(copied.value(), 1.f);  // the steps changed the values
 }
 
+// An elastic job's async pushes wait for their seal in storage taken from the transport's request
+// as sync's do (Note [Taking a push's storage]); applied, they equal pushes that were copied.
+TEST(PsServerCore, UnsealedPushesTakenEqualPushesCopied) {
+  ServerCoreOptions options;
+  options.consistency = Consistency::kAsync;
+  options.sealed_pushes = true;
+  Small copied(options, 1), taken(options, 1);
+  PushRequest request;  // the transport's request, refilled for every push
+  for (int64_t clock = 0; clock < 3; ++clock) {
+    const float grad = 0.25f + 0.125f * static_cast<float>(clock);
+    copied.push(0, clock, grad);
+    request.worker = 0;
+    request.clock = clock;
+    request.rows = 1;
+    request.dense.resize(1);
+    request.dense[0].table = 0;
+    request.dense[0].chunks.assign({0});
+    request.dense[0].values.assign(8, grad);
+    taken.core->push_taking(request, shoal::Deadline(Ms(0)));
+    EXPECT_EQ(taken.core->step(), clock) << "applied before its seal";
+    // The pull of the next clock seals the push.
+    const PullReply a = copied.pull(0, clock + 1, Ms(0)), b = taken.pull(0, clock + 1, Ms(0));
+    ASSERT_EQ(taken.core->step(), clock + 1);
+    EXPECT_EQ(b.dense.at(0).values, a.dense.at(0).values) << "step " << clock;
+  }
+  EXPECT_NE(copied.value(), 1.f);  // the steps changed the values
+}
+
 // Note [A step's sum on two threads]: a step large enough to be summed on two threads gives
 // the values one thread gives, to the bit, for chunks on either side of the split.
 TEST(PsServerCore, ALargeStepSummedOnTwoThreadsEqualsOneThread) {

@@ -403,6 +403,7 @@ void ServerCore::seal(int32_t w, int64_t clock) {
       apply(node.mapped().dense, node.mapped().sparse);
       ++step_;
       finish_batch(w, node.mapped());
+      recycle(w, node.mapped());
       take_snapshot_when_due();
     }
   }
@@ -590,9 +591,13 @@ void ServerCore::sum_step(const std::map<int32_t, PushRequest>& pushes) {
 // held push gets the values, the transport's request gets the held push's storage from an
 // earlier step, of the same sizes, which its next decode refills without allocating. A replica's
 // primary forwards the request after handling it, so ReplicatedHandler keeps Handler's default
-// (a copy); the in-process core of a job of one is called with the client's own request, also
-// copied.
+// (a copy); the in-process core of a job of one takes the client's own request, which the client
+// refills at its next step. An elastic job's unsealed pushes (async, ssp) are held alike.
 void ServerCore::buffer_push(const PushRequest& request, PushRequest* take) {
+  pending_[request.clock].emplace(request.worker, hold(request, take));
+}
+
+PushRequest ServerCore::hold(const PushRequest& request, PushRequest* take) {
   PushRequest held;
   auto spare = spare_.find(request.worker);
   if (spare != spare_.end()) {
@@ -616,14 +621,16 @@ void ServerCore::buffer_push(const PushRequest& request, PushRequest* take) {
     }
   }
   held.sparse = request.sparse;  // rows are few; their storage is not worth keeping
-  pending_[request.clock].emplace(request.worker, std::move(held));
+  return held;
+}
+
+void ServerCore::recycle(int32_t worker, PushRequest& push) {
+  push.sparse.clear();
+  spare_[worker] = std::move(push);
 }
 
 void ServerCore::recycle(std::map<int32_t, PushRequest>& pushes) {
-  for (auto& [worker, push] : pushes) {
-    push.sparse.clear();
-    spare_[worker] = std::move(push);
-  }
+  for (auto& [worker, push] : pushes) recycle(worker, push);
 }
 
 PushReply ServerCore::push(const PushRequest& request, const Deadline& /*deadline*/) {
@@ -664,7 +671,7 @@ PushReply ServerCore::accept_push(const PushRequest& request, PushRequest* take)
   PushReply reply;
   clock_[w] = next + 1;
   if (options_.consistency != Consistency::kSync && options_.sealed_pushes) {
-    unsealed_[w].emplace(request.clock, request);  // applied when sealed
+    unsealed_[w].emplace(request.clock, hold(request, take));  // applied when sealed
   } else if (options_.consistency != Consistency::kSync) {
     apply(request.dense, request.sparse);
     ++step_;

@@ -176,7 +176,10 @@ class ServerCore : public Handler {
   // `take`: the request itself, whose dense slices' storage is swapped with the held push's
   // rather than copied (push_taking); null: copied.
   void buffer_push(const PushRequest& request, PushRequest* take);
+  // The push as held (buffer_push's, and an elastic job's unsealed pushes).
+  PushRequest hold(const PushRequest& request, PushRequest* take);
   // Keeps an applied step's pushes' storage for the workers' next pushes.
+  void recycle(int32_t worker, PushRequest& push);
   void recycle(std::map<int32_t, PushRequest>& pushes);
   // `out`: where the dense values go when they fit (Note [Pull replies in place]), or null.
   void fill_reply(const PullRequest& request, PullReply& reply, DenseOut* out);
