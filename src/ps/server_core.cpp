@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstring>
 #include <optional>
+#include <system_error>
 #include <thread>
 #include <tuple>
 #include <unordered_map>
@@ -444,13 +445,6 @@ void ServerCore::apply_ready_steps() {
   }
 }
 
-// Note [A step's sum without allocations]: a dense model's push is tens of MB; a buffer of that
-// size allocated per step is mmap'ed by glibc and given back at free, so every step faulted its
-// pages in anew (half the cycles of a one-process run). The dense sum is therefore taken chunk by
-// chunk (a chunk is at most kChunkElements values) in two scratch buffers kept by the core, and
-// each chunk's optimizer step applied at once from them; the buffered pushes' storage is kept per
-// worker and refilled by the next push (buffer_push). The arithmetic is Note [Sync sum]'s, term
-// for term: results are bit-identical to a sum over whole tables.
 size_t ServerCore::next_chunk(size_t first) const {
   size_t last = first;
   while (last < sum_terms_.size() && sum_terms_[last].table == sum_terms_[first].table &&
@@ -482,6 +476,13 @@ void ServerCore::sum_chunks(size_t first, size_t end, double total, SumScratch& 
   }
 }
 
+// Note [A step's sum without allocations]: a dense model's push is tens of MB; a buffer of that
+// size allocated per step is mmap'ed by glibc and given back at free, so every step faulted its
+// pages in anew (half the cycles of a one-process run). The dense sum is therefore taken chunk by
+// chunk (a chunk is at most kChunkElements values) in two scratch buffers kept by the core, and
+// each chunk's optimizer step applied at once from them; the buffered pushes' storage is kept per
+// worker and refilled by the next push (buffer_push). The arithmetic is Note [Sync sum]'s, term
+// for term: results are bit-identical to a sum over whole tables.
 void ServerCore::sum_step(const std::map<int32_t, PushRequest>& pushes) {
   double total = 0;
   for (const auto& [worker, push] : pushes) total += static_cast<double>(push.rows);
@@ -522,26 +523,29 @@ void ServerCore::sum_step(const std::map<int32_t, PushRequest>& pushes) {
       below += length_at(split);
     }
   }
-  if (split == sum_terms_.size()) {
-    sum_chunks(0, split, total, sum_scratch_[0]);
-  } else {
-    std::exception_ptr failed;
-    std::thread second([&] {
-      try {
-        sum_chunks(split, sum_terms_.size(), total, sum_scratch_[1]);
-      } catch (...) {
-        failed = std::current_exception();
-      }
-    });
+  std::thread second;
+  std::exception_ptr failed;
+  if (split < sum_terms_.size()) {
     try {
-      sum_chunks(0, split, total, sum_scratch_[0]);
-    } catch (...) {
-      second.join();
-      throw;
+      second = std::thread([this, split, total, &failed] {
+        try {
+          sum_chunks(split, sum_terms_.size(), total, sum_scratch_[1]);
+        } catch (...) {
+          failed = std::current_exception();
+        }
+      });
+    } catch (const std::system_error&) {
+      split = sum_terms_.size();  // no thread to be had: this one sums it all
     }
-    second.join();
-    if (failed) std::rethrow_exception(failed);
   }
+  try {
+    sum_chunks(0, split, total, sum_scratch_[0]);
+  } catch (...) {
+    if (second.joinable()) second.join();
+    throw;
+  }
+  if (second.joinable()) second.join();
+  if (failed) std::rethrow_exception(failed);
 
   // Sparse: rows are few per step; each row's sum in the order rows first appear.
   struct RowSums {
