@@ -356,8 +356,7 @@ void Client::pull_dense() {
       }
       const Dense& dense = dense_.at(static_cast<size_t>(slice.table));
       const int64_t numel = dense.parameter.numel();
-      size_t length = 0;
-      for (int64_t k : slice.chunks) length += static_cast<size_t>(chunk_length(numel, k));
+      const size_t length = chunks_length(numel, slice.chunks);
       if (length > count) {
         throw CommError(server() + " answered a pull of '" + dense.name + "' with " +
                         std::to_string(count) + " values, fewer than its chunks hold");
@@ -523,10 +522,7 @@ void Client::step() {
       slice.table = static_cast<int32_t>(t);
       slice.chunks = dense_[t].chunks[s];
       slice.values.clear();
-      size_t length = 0;
-      for (int64_t k : slice.chunks)
-        length += static_cast<size_t>(chunk_length(grads[t].numel(), k));
-      source.counts.push_back(length);
+      source.counts.push_back(chunks_length(grads[t].numel(), slice.chunks));
     }
     request.dense.resize(used);
     source.fill = [&request, &grads](size_t i, float* out) {

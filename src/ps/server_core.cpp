@@ -768,10 +768,7 @@ PullReply ServerCore::pull(const PullRequest& request, const Deadline& deadline)
 void ServerCore::fill_reply(const PullRequest& request, PullReply& reply, DenseOut* out) {
   reply.dense.resize(request.dense.size());
   const auto length_of = [&](const DenseSlice& slice) {
-    const int64_t numel = tables_[static_cast<size_t>(slice.table)].numel;
-    size_t length = 0;
-    for (int64_t chunk : slice.chunks) length += static_cast<size_t>(chunk_length(numel, chunk));
-    return length;
+    return chunks_length(tables_[static_cast<size_t>(slice.table)].numel, slice.chunks);
   };
   size_t total = 0;
   for (const DenseSlice& slice : request.dense) total += length_of(slice);

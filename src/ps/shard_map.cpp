@@ -21,6 +21,12 @@ int64_t chunk_length(int64_t numel, int64_t chunk) {
   return std::min(kChunkElements, numel - chunk_begin(chunk));
 }
 
+size_t chunks_length(int64_t numel, const std::vector<int64_t>& chunks) {
+  size_t length = 0;
+  for (int64_t chunk : chunks) length += static_cast<size_t>(chunk_length(numel, chunk));
+  return length;
+}
+
 int32_t chunk_shard(const std::string& table, int64_t chunk, int32_t shards) {
   return static_cast<int32_t>(table_key(table, chunk) % static_cast<uint64_t>(shards));
 }

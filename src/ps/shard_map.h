@@ -5,6 +5,7 @@
 // and every server compute the same owner for a chunk or a row without talking.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -29,6 +30,8 @@ uint64_t table_key(const std::string& table, int64_t index);
 int64_t chunk_count(int64_t numel);
 int64_t chunk_begin(int64_t chunk);
 int64_t chunk_length(int64_t numel, int64_t chunk);
+// The number of values of `chunks` together (a dense slice's).
+size_t chunks_length(int64_t numel, const std::vector<int64_t>& chunks);
 
 // The virtual shard of dense chunk `chunk` / sparse row `id` of table `table`.
 int32_t chunk_shard(const std::string& table, int64_t chunk, int32_t shards = kVirtualShards);
