@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Pipeline parallelism (issue "pipeline parallelism", bench/RESULTS.md "pipeline"): a stack of
-# equal blocks, Linear(512, 512) + Tanh x 8, batch 1024, forward and backward of the mean MSE loss,
-# one intra-op thread per process (bench/pipeline.cpp), trained by
+# equal blocks, Linear(512, 512) + Tanh x 8, batch 1024 (BATCH), forward and backward of the mean
+# MSE loss, one intra-op thread per process (bench/pipeline.cpp), trained by
 #   gpipe 1f1b interleaved zb   shoal::pipeline::Pipeline under that schedule (interleaved: v = 2),
 #                               the stack cut into equal stages,
 #   hand                        the same GPipe by hand in plain LibTorch with c10d send/recv,
@@ -11,14 +11,15 @@
 # on p = 2 workers (one core each) and p = 4 (oversubscribed: 4 processes on 2 cores), for m in
 # 2 4 8 16. Every shoal run records SHOAL_TIMELINE; bench/pipeline_trace.py reads from it the
 # bubble, the compute costs and the stashed micro-batches, and shoal::pipeline::simulate() gives
-# the theory at unit costs (f = 1, b = 2, i = w = 1) and at the costs the trace measured.
+# the theory at unit costs (f = 1, b = 2, i = w = 1) and at the costs the trace measured (one per
+# kind; and, replayed by bench/pipeline_trace.py, each stage's own).
 # Contenders take turns within each round in an order that rotates from round to round; the
 # tables give medians over rounds. The load average is recorded before and after each round.
 # One process (local, local-mb) runs only in the rounds of the first p.
 #
 #   bench/pipeline.sh [BUILD_DIR]      (default: build; needs its targets shoal_cli and pipeline)
 #
-# Environment: ROUNDS=3 STEPS=5 WARMUP=2 WORKERS="2 4" MICRO_BATCHES="2 4 8 16"
+# Environment: ROUNDS=3 STEPS=5 WARMUP=2 WORKERS="2 4" MICRO_BATCHES="2 4 8 16" BATCH=1024
 #   CONTENDERS="gpipe 1f1b interleaved zb hand local local-mb" RUN_TIMEOUT=120
 #   RAW=FILE   raw lines (default: bench/results/pipeline-DATE.txt, kept beside RESULTS.md)
 set -euo pipefail
@@ -32,9 +33,15 @@ steps=${STEPS:-5}
 warmup=${WARMUP:-2}
 workers_list=${WORKERS:-2 4}
 micro_batches_list=${MICRO_BATCHES:-2 4 8 16}
+batch=${BATCH:-1024}
 read -r -a contenders <<<"${CONTENDERS:-gpipe 1f1b interleaved zb hand local local-mb}"
 run_timeout=${RUN_TIMEOUT:-120}
 trace_py=$here/pipeline_trace.py
+# glibc's malloc, left to its defaults, gives tensors above its mmap threshold fresh pages and
+# trims the heap after each step, so a step can spend its time in page faults; every contender
+# runs with the tunables bench/ddp.sh uses (its comment says why). A caller's GLIBC_TUNABLES wins
+# (empty: glibc's defaults).
+export GLIBC_TUNABLES=${GLIBC_TUNABLES-glibc.malloc.trim_threshold=1073741824:glibc.malloc.mmap_threshold=33554432}
 
 for tool in "$shoal" "$bench"; do
   [[ -x "$tool" ]] || { echo "pipeline.sh: $tool is missing; build the targets shoal_cli and pipeline" >&2; exit 2; }
@@ -55,18 +62,19 @@ echo "date: $(date -u)"
 echo "cores: $(nproc); $(lscpu | grep 'Model name' | sed 's/  */ /g')"
 echo "os: $(. /etc/os-release && echo "$PRETTY_NAME")"
 echo "load before: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "GLIBC_TUNABLES=$GLIBC_TUNABLES"
 echo "raw lines: $raw"
 {
   echo "# bench/pipeline.sh raw lines: one per run (round, contender, p, m, the program's line, the trace's, simulate()'s)"
-  echo "# date: $(date -u); cores: $(nproc); load before: $(cut -d' ' -f1-3 /proc/loadavg)"
-  echo "# ROUNDS=$rounds STEPS=$steps WARMUP=$warmup WORKERS=\"$workers_list\" MICRO_BATCHES=\"$micro_batches_list\" CONTENDERS=\"${contenders[*]}\""
+  echo "# date: $(date -u); cores: $(nproc); load before: $(cut -d' ' -f1-3 /proc/loadavg); GLIBC_TUNABLES=$GLIBC_TUNABLES"
+  echo "# ROUNDS=$rounds STEPS=$steps WARMUP=$warmup BATCH=$batch WORKERS=\"$workers_list\" MICRO_BATCHES=\"$micro_batches_list\" CONTENDERS=\"${contenders[*]}\""
 } >"$raw"
 
 # The bytes one micro-batch stashes in one stage, per (p, v, m): no job needed.
 for p in $workers_list; do
   for m in $micro_batches_list; do
     for v in 1 2; do
-      "$bench" --impl stash --workers "$p" --stages-per-worker "$v" --micro-batches "$m" >>"$raw"
+      "$bench" --impl stash --batch "$batch" --workers "$p" --stages-per-worker "$v" --micro-batches "$m" >>"$raw"
     done
   done
 done
@@ -74,7 +82,7 @@ done
 # One run: $1 contender, $2 p, $3 m, $4 round. Appends its raw line.
 run_one() {
   local contender=$1 p=$2 m=$3 round=$4 line trace=$work/trace.json log=$work/run.log status=0
-  local args=(--micro-batches "$m" --warmup "$warmup" --steps "$steps")
+  local args=(--batch "$batch" --micro-batches "$m" --warmup "$warmup" --steps "$steps")
   rm -f "$trace"
   case $contender in
     local | local-mb)
@@ -104,7 +112,12 @@ run_one() {
     measured=$("$bench" --impl theory --schedule "$contender" --workers "$p" --stages-per-worker "$v" --micro-batches "$m" --costs "$costs")
     unit=$(echo "$unit" | sed -E 's/.*bubble=([^ ]+).*peak_in_flight=([^ ]+).*/sim_unit_bubble=\1 sim_peak_in_flight=\2/')
     measured=$(echo "$measured" | sed -E 's/.*bubble=([^ ]+).*/sim_measured_bubble=\1/')
-    line="$line $t $unit $measured"
+    # The same lists at each stage's own median costs (stages differ: the first has no input
+    # gradient to compute, the last carries the loss), transfers taking no time.
+    local staged
+    "$bench" --impl theory --schedule "$contender" --workers "$p" --stages-per-worker "$v" --micro-batches "$m" --describe >"$work/lists.txt"
+    staged=$(python3 "$trace_py" replay "$trace" "$work/lists.txt" --warmup "$warmup" | sed -E 's/.*replay_bubble=([^ ]+).*/sim_stage_bubble=\1/')
+    line="$line $t $unit $measured $staged"
   fi
   echo "$line" | tee -a "$raw"
 }

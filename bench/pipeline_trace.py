@@ -192,9 +192,10 @@ def summarize(path):
         print(f"### p = {p}" + (" (oversubscribed: 4 workers on 2 cores)" if int(p) > 2 else ""))
         print()
         print("| schedule | m | step ms | samples/s | x one process | x hand GPipe | bubble "
-              "measured | closed form | simulate() unit | simulate() measured costs | peak "
-              "stash/stage | peak stash/worker | simulate() peak/worker | MiB/stage | runs |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+              "measured | closed form | simulate() unit | simulate() measured costs | simulate() "
+              "per-stage costs | peak stash/stage | peak stash/worker | simulate() peak/worker | "
+              "MiB/stage | runs |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for schedule in ("local-mb", "hand", "gpipe", "1f1b", "interleaved", "zb"):
             for m in sorted({k[2] for k in runs if k[1] == p}, key=int):
                 rows = local_mb.get(m) if schedule == "local-mb" else runs.get((schedule, p, m))
@@ -207,7 +208,7 @@ def summarize(path):
                     name = "hand GPipe (c10d)" if schedule == "hand" else "one process, m in turn"
                     x_hand = "-" if schedule == "local-mb" else x_hand
                     print(f"| {name} | {m} | {med(rows, 'step_ms'):.1f} | {rate:.1f} | "
-                          f"{rate / local_rate:.2f} | {x_hand} | - | - | - | - | - | - | - | - | "
+                          f"{rate / local_rate:.2f} | {x_hand} | - | - | - | - | - | - | - | - | - | "
                           f"{len(rows)} |")
                     continue
                 v = int(rows[0]["v"])
@@ -219,11 +220,15 @@ def summarize(path):
                     for w in range(int(p)))
                 mib = f"{peak * float(st['bytes']) / 2**20:.2f}" if st else "-"
                 name = f"interleaved v={v}" if schedule == "interleaved" else schedule
+                # Raw lines from before the per-stage replay have none.
+                staged = (f"{med(rows, 'sim_stage_bubble'):.3f}"
+                          if all("sim_stage_bubble" in r for r in rows) else "-")
                 print(f"| {name} | {m} | {med(rows, 'step_ms'):.1f} | {rate:.1f} | "
                       f"{rate / local_rate:.2f} | {x_hand} | {med(rows, 'bubble'):.3f} | "
                       f"{closed_form(schedule, int(p), v, int(m)):.3f} | "
                       f"{float(rows[0]['sim_unit_bubble']):.3f} | "
-                      f"{med(rows, 'sim_measured_bubble'):.3f} | {peak} | {worker_peak} | {theory_peak} | "
+                      f"{med(rows, 'sim_measured_bubble'):.3f} | {staged} | {peak} | "
+                      f"{worker_peak} | {theory_peak} | "
                       f"{mib} | "
                       f"{len(rows)} |")
     if stash:

@@ -278,13 +278,13 @@ TEST_P(Collectives, SendRecvRingAndBarrier) {
 
 // Receives match messages by source and tag, not by order (as Gloo's do): every worker sends its
 // successor messages with tags 0..5, small and larger than a shared-memory channel's ring
-// (256 KiB), and posts the receives from its predecessor in reverse order, all at once.
+// (4 MiB), and posts the receives from its predecessor in reverse order, all at once.
 TEST_P(Collectives, ReceivesMatchByTagInAnyOrder) {
   run([] {
     auto& world = shoal::world();
     const int n = world.size(), r = world.rank();
     if (n == 1) return;
-    const std::vector<int64_t> counts = {1, 100000, 7, 0, 300000, 1001};
+    const std::vector<int64_t> counts = {1, 100000, 7, 0, 1200000, 1001};
     const int from = (r + n - 1) % n;
     std::vector<torch::Tensor> in;
     std::vector<shoal::comm::Work> received, sent;

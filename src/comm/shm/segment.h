@@ -40,8 +40,11 @@ struct SegmentSizes {
   // fewer synchronisations per byte and more memory (2 * size * slot_bytes in all).
   size_t slot_bytes = size_t{1} << 20;
   // Bytes of the ring of each ordered pair of members, for send/recv (a power of two). A message
-  // up to this size (less 16 bytes of header) is sent without waiting for the receiver.
-  size_t channel_bytes = size_t{256} << 10;
+  // up to this size (less 16 bytes of header) is sent without waiting for the receiver; a larger
+  // one goes in turns with it, each side woken once per ringful. 4 MiB holds a pipeline's
+  // activation of 1024 x 1024 floats in one go; the kernel gives a ring pages only as it is used,
+  // so pairs that never talk cost address space alone.
+  size_t channel_bytes = size_t{4} << 20;
 };
 
 // A futex word and the count of processes sleeping on it, alone in 128 bytes (two cache lines:
