@@ -725,6 +725,20 @@ TEST(Segments, AnotherGroupsSegmentIsRefused) {
 }
 
 // A member that never joins: the others' join fails at the deadline naming it.
+// Note [Ring size]: 4 MiB rings up to 8 members, then halving to keep the k x k rings within
+// 256 MiB, never under 256 KiB; a size asked for is kept.
+TEST(Segments, RingsShrinkPastEightMembersUnlessASizeIsAsked) {
+  const std::vector<std::pair<int, size_t>> expected = {
+      {1, 4u << 20}, {2, 4u << 20}, {8, 4u << 20}, {9, 2u << 20}, {16, 1u << 20},
+      {17, 512u << 10}, {32, 256u << 10}, {64, 256u << 10}};
+  for (const auto& [members, bytes] : expected) {
+    EXPECT_EQ(Segment::create(members).channel_bytes(), bytes) << members << " members";
+  }
+  SegmentSizes asked;
+  asked.channel_bytes = 8192;
+  EXPECT_EQ(Segment::create(32, asked).channel_bytes(), 8192u);
+}
+
 TEST(Segments, JoinTimesOutNamingTheMissingMember) {
   Child creator([](const Say& say) {
     Segment s = Segment::create(3);

@@ -54,9 +54,11 @@ std::string errno_text() {
 
 }  // namespace
 
-Segment Segment::create(int size, const SegmentSizes& sizes) {
+Segment Segment::create(int size, const SegmentSizes& requested) {
   if (size < 1)
     throw UsageError("shared memory: a group needs at least 1 member, got " + std::to_string(size));
+  SegmentSizes sizes = requested;
+  if (sizes.channel_bytes == 0) sizes.channel_bytes = default_channel_bytes(size);
   if (sizes.channel_bytes < 4096 || (sizes.channel_bytes & (sizes.channel_bytes - 1)) != 0 ||
       sizes.channel_bytes > (size_t{1} << 30)) {
     throw UsageError("shared memory: channel_bytes " + std::to_string(sizes.channel_bytes) +

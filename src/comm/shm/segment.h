@@ -39,13 +39,26 @@ struct SegmentSizes {
   // data through the slots in pieces of this size (double-buffered), so a larger slot means
   // fewer synchronisations per byte and more memory (2 * size * slot_bytes in all).
   size_t slot_bytes = size_t{1} << 20;
-  // Bytes of the ring of each ordered pair of members, for send/recv (a power of two). A message
-  // up to this size (less 16 bytes of header) is sent without waiting for the receiver; a larger
-  // one goes in turns with it, each side woken once per ringful. 4 MiB holds a pipeline's
-  // activation of 1024 x 1024 floats in one go; the kernel gives a ring pages only as it is used,
-  // so pairs that never talk cost address space alone.
-  size_t channel_bytes = size_t{4} << 20;
+  // Bytes of the ring of each ordered pair of members, for send/recv (a power of two; 0: the
+  // group's default_channel_bytes). A message up to this size (less 16 bytes of header) is sent
+  // without waiting for the receiver; a larger one goes in turns with it, each side woken once
+  // per ringful.
+  size_t channel_bytes = 0;
 };
+
+// Note [Ring size]: a ring of 4 MiB takes a message of up to 4 MiB less its 16-byte header in
+// one go, e.g. a pipeline's activation of 512 x 512 floats (1 MiB); with 256 KiB, even one of
+// 128 x 512 floats went in turns (bench/RESULTS.md, "pipeline, 2026-11-28, 19:50-20:20 UTC"). The kernel gives a ring its pages only as they are used, so
+// pairs that never talk cost address space alone; but there are k x k rings, so past 8 members
+// the ring halves until they take at most 256 MiB together, down to 256 KiB (1 GiB at 64).
+inline size_t default_channel_bytes(int members) {
+  constexpr size_t kLargest = size_t{4} << 20, kSmallest = size_t{256} << 10;
+  constexpr size_t kAllRings = size_t{256} << 20;
+  const size_t pairs = static_cast<size_t>(members) * static_cast<size_t>(members);
+  size_t bytes = kLargest;
+  while (bytes > kSmallest && pairs * bytes > kAllRings) bytes /= 2;
+  return bytes;
+}
 
 // A futex word and the count of processes sleeping on it, alone in 128 bytes (two cache lines:
 // adjacent-line prefetchers pull lines in pairs), so that one member's writes never slow down
