@@ -729,8 +729,8 @@ TEST(Segments, AnotherGroupsSegmentIsRefused) {
 // 256 MiB, never under 256 KiB; a size asked for is kept.
 TEST(Segments, RingsShrinkPastEightMembersUnlessASizeIsAsked) {
   const std::vector<std::pair<int, size_t>> expected = {
-      {1, 4u << 20}, {2, 4u << 20}, {8, 4u << 20}, {9, 2u << 20}, {16, 1u << 20},
-      {17, 512u << 10}, {32, 256u << 10}, {64, 256u << 10}};
+      {1, 4u << 20},  {2, 4u << 20},    {8, 4u << 20},    {9, 2u << 20},
+      {16, 1u << 20}, {17, 512u << 10}, {32, 256u << 10}, {64, 256u << 10}};
   for (const auto& [members, bytes] : expected) {
     EXPECT_EQ(Segment::create(members).channel_bytes(), bytes) << members << " members";
   }

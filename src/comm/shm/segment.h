@@ -48,9 +48,10 @@ struct SegmentSizes {
 
 // Note [Ring size]: a ring of 4 MiB takes a message of up to 4 MiB less its 16-byte header in
 // one go, e.g. a pipeline's activation of 512 x 512 floats (1 MiB); with 256 KiB, even one of
-// 128 x 512 floats went in turns (bench/RESULTS.md, "pipeline, 2026-11-28, 19:50-20:20 UTC"). The kernel gives a ring its pages only as they are used, so
-// pairs that never talk cost address space alone; but there are k x k rings, so past 8 members
-// the ring halves until they take at most 256 MiB together, down to 256 KiB (1 GiB at 64).
+// 128 x 512 floats went in turns (bench/RESULTS.md, "pipeline, 2026-11-28, 19:50-20:20 UTC").
+// The kernel gives a ring its pages only as they are used, so pairs that never talk cost address
+// space alone; but there are k x k rings, so past 8 members the ring halves until they take at
+// most 256 MiB together, down to 256 KiB (1 GiB at 64 members).
 inline size_t default_channel_bytes(int members) {
   constexpr size_t kLargest = size_t{4} << 20, kSmallest = size_t{256} << 10;
   constexpr size_t kAllRings = size_t{256} << 20;
