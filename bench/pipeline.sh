@@ -37,11 +37,9 @@ batch=${BATCH:-1024}
 read -r -a contenders <<<"${CONTENDERS:-gpipe 1f1b interleaved zb hand local local-mb}"
 run_timeout=${RUN_TIMEOUT:-120}
 trace_py=$here/pipeline_trace.py
-# glibc's malloc, left to its defaults, gives tensors above its mmap threshold fresh pages and
-# trims the heap after each step, so a step can spend its time in page faults; every contender
-# runs with the tunables bench/ddp.sh uses (its comment says why). A caller's GLIBC_TUNABLES wins
-# (empty: glibc's defaults).
-export GLIBC_TUNABLES=${GLIBC_TUNABLES-glibc.malloc.trim_threshold=1073741824:glibc.malloc.mmap_threshold=33554432}
+# Every contender runs with the malloc tunables that keep the heap (bench/malloc_tunables.sh says
+# why); GLIBC_TUNABLES set by the caller wins.
+source "$here/malloc_tunables.sh"
 
 for tool in "$shoal" "$bench"; do
   [[ -x "$tool" ]] || { echo "pipeline.sh: $tool is missing; build the targets shoal_cli and pipeline" >&2; exit 2; }

@@ -724,7 +724,6 @@ TEST(Segments, AnotherGroupsSegmentIsRefused) {
   EXPECT_NE(refusal(handle_a, 2).find("cannot open /proc/"), std::string::npos);
 }
 
-// A member that never joins: the others' join fails at the deadline naming it.
 // Note [Ring size]: 4 MiB rings up to 8 members, then halving to keep the k x k rings within
 // 256 MiB, never under 256 KiB; a size asked for is kept.
 TEST(Segments, RingsShrinkPastEightMembersUnlessASizeIsAsked) {
@@ -739,6 +738,7 @@ TEST(Segments, RingsShrinkPastEightMembersUnlessASizeIsAsked) {
   EXPECT_EQ(Segment::create(32, asked).channel_bytes(), 8192u);
 }
 
+// A member that never joins: the others' join fails at the deadline naming it.
 TEST(Segments, JoinTimesOutNamingTheMissingMember) {
   Child creator([](const Say& say) {
     Segment s = Segment::create(3);
