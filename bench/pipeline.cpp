@@ -1,5 +1,7 @@
 // Pipeline parallelism: a stack of equal layers (Linear(d, d) + Tanh, L times; by default d = 512,
-// L = 8, batch 1024: about 150 ms a step on one core here) trained by
+// L = 8, batch 1024: about 150 ms a step on one core here; --activation none drops the Tanh, so
+// that a layer's forward, input gradient and weight gradient are one matrix product each, the
+// costs the closed forms of zero-bubble schedules assume) trained by
 //   shoal  shoal::pipeline::Pipeline under a schedule (gpipe, 1f1b, interleaved, zb),
 //   hand   the same GPipe written by hand in plain LibTorch: c10d ProcessGroupGloo send/recv
 //          between the stages, built over the job's store as bench/allreduce.cpp builds it,
@@ -45,6 +47,7 @@ struct Options {
   int micro_batches = 8;
   int stages_per_worker = 0;  // 0: 2 for interleaved, else 1
   int layers = 8;
+  std::string activation = "tanh";  // or "none": Linear layers alone
   int64_t dim = 512;
   int64_t batch = 1024;
   int warmup = 2;
@@ -61,13 +64,19 @@ double median(std::vector<double> values) {
   return n % 2 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
 }
 
-// The stack: layers x (Linear(dim, dim), Tanh), the same on every worker (seed 0).
+// Modules per layer of the stack: Linear and Tanh, or Linear alone.
+int modules_per_layer(const Options& o) {
+  return o.activation == "tanh" ? 2 : 1;
+}
+
+// The stack: layers x (Linear(dim, dim), Tanh), or layers x Linear(dim, dim) with --activation
+// none, the same on every worker (seed 0).
 torch::nn::Sequential make_stack(const Options& o) {
   torch::manual_seed(0);
   torch::nn::Sequential net;
   for (int l = 0; l < o.layers; ++l) {
     net->push_back(torch::nn::Linear(o.dim, o.dim));
-    net->push_back(torch::nn::Tanh());
+    if (o.activation == "tanh") net->push_back(torch::nn::Tanh());
   }
   return net;
 }
@@ -86,21 +95,22 @@ int stages_per_worker(const Options& o) {
 // Equal layers per stage (the stack's modules cut evenly); the stack must divide.
 std::vector<int> even_split(const Options& o, int stages) {
   if (o.layers % stages != 0) {
-    throw shoal::UsageError("pipeline bench: --layers " + std::to_string(o.layers) +
-                            " does not divide into " + std::to_string(stages) +
+    throw shoal::UsageError("--layers " + std::to_string(o.layers) + " does not divide into " +
+                            std::to_string(stages) +
                             " stages; expected a multiple of workers x stages per worker");
   }
-  return std::vector<int>(static_cast<size_t>(stages), 2 * o.layers / stages);
+  return std::vector<int>(static_cast<size_t>(stages), modules_per_layer(o) * o.layers / stages);
 }
 
 void print_line(const Options& o, int workers, int v, const std::vector<double>& step_ms) {
   const double ms = median(step_ms);
   std::printf(
-      "pipeline impl=%s schedule=%s p=%d v=%d m=%d layers=%d dim=%lld batch=%lld steps=%zu "
+      "pipeline impl=%s schedule=%s p=%d v=%d m=%d layers=%d activation=%s dim=%lld batch=%lld "
+      "steps=%zu "
       "step_ms=%.2f min_ms=%.2f samples_per_s=%.1f\n",
       o.impl.c_str(), o.impl == "shoal" ? o.schedule.c_str() : (o.impl == "hand" ? "gpipe" : "-"),
-      workers, v, o.impl == "local" ? 1 : o.micro_batches, o.layers, static_cast<long long>(o.dim),
-      static_cast<long long>(o.batch), step_ms.size(), ms,
+      workers, v, o.impl == "local" ? 1 : o.micro_batches, o.layers, o.activation.c_str(),
+      static_cast<long long>(o.dim), static_cast<long long>(o.batch), step_ms.size(), ms,
       *std::min_element(step_ms.begin(), step_ms.end()), 1000.0 * o.batch / ms);
   std::fflush(stdout);
 }
@@ -300,8 +310,9 @@ size_t heap_in_use() {
 // What one micro-batch's forward leaves alive in one stage of layers / (p v) blocks until its
 // backward: the heap's growth from before its input exists until after the forward, with the
 // output (and so its autograd graph and saved tensors) held. The input counts (the stage keeps it
-// for the backward), and so does the output (the last Tanh saves it). Analytic: each Linear saves
-// its input and each Tanh its output, the same tensors, so (blocks + 1) x rows x dim x 4 bytes.
+// for the backward), and so does the output (the last Tanh saves it; without Tanh it is held
+// alone). Analytic: each Linear saves its input and each Tanh its output, the same tensors, so
+// (layers + 1) x rows x dim x 4 bytes.
 // Median of 5 tries.
 int run_stash(const Options& o) {
   const int stages = o.workers * stages_per_worker(o);
@@ -319,10 +330,11 @@ int run_stash(const Options& o) {
     bytes.push_back(static_cast<double>(after) - static_cast<double>(before));
     output.sum().backward();
   }
-  const double analytic = static_cast<double>(split[0] / 2 + 1) * rows * o.dim * 4;
+  const int layers = split[0] / modules_per_layer(o);
+  const double analytic = static_cast<double>(layers + 1) * rows * o.dim * 4;
   std::printf("stash p=%d v=%d m=%d rows=%lld layers_per_stage=%d bytes=%.0f analytic_bytes=%.0f\n",
               o.workers, stages_per_worker(o), o.micro_batches, static_cast<long long>(rows),
-              split[0] / 2, median(bytes), analytic);
+              layers, median(bytes), analytic);
   return 0;
 }
 
@@ -337,7 +349,10 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved", "zb"}));
   app.add_option("--micro-batches", o.micro_batches, "m")->check(CLI::PositiveNumber);
   app.add_option("--stages-per-worker", o.stages_per_worker, "v (0: 2 for interleaved, else 1)");
-  app.add_option("--layers", o.layers, "Linear + Tanh blocks")->check(CLI::PositiveNumber);
+  app.add_option("--layers", o.layers, "layers: Linear + Tanh, or Linear alone")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--activation", o.activation, "tanh (a Tanh after every Linear) or none")
+      ->check(CLI::IsMember({"tanh", "none"}));
   app.add_option("--dim", o.dim, "features of every layer")->check(CLI::PositiveNumber);
   app.add_option("--batch", o.batch, "rows of the global batch")->check(CLI::PositiveNumber);
   app.add_option("--warmup", o.warmup, "untimed steps")->check(CLI::NonNegativeNumber);

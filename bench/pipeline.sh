@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Pipeline parallelism (issue "pipeline parallelism", bench/RESULTS.md "pipeline"): a stack of
-# equal blocks, Linear(512, 512) + Tanh x 8, batch 1024 (BATCH), forward and backward of the mean
-# MSE loss, one intra-op thread per process (bench/pipeline.cpp), trained by
+# equal layers, Linear(512, 512) + Tanh x 8 (LAYERS; ACTIVATION=none drops the Tanh), batch 1024
+# (BATCH), forward and backward of the mean MSE loss, one intra-op thread per process
+# (bench/pipeline.cpp), trained by
 #   gpipe 1f1b interleaved zb   shoal::pipeline::Pipeline under that schedule (interleaved: v = 2),
 #                               the stack cut into equal stages,
 #   hand                        the same GPipe by hand in plain LibTorch with c10d send/recv,
@@ -20,6 +21,7 @@
 #   bench/pipeline.sh [BUILD_DIR]      (default: build; needs its targets shoal_cli and pipeline)
 #
 # Environment: ROUNDS=3 STEPS=5 WARMUP=2 WORKERS="2 4" MICRO_BATCHES="2 4 8 16" BATCH=1024
+#   LAYERS=8 ACTIVATION=tanh (or none)
 #   CONTENDERS="gpipe 1f1b interleaved zb hand local local-mb" RUN_TIMEOUT=120
 #   RAW=FILE   raw lines (default: bench/results/pipeline-DATE.txt, kept beside RESULTS.md)
 set -euo pipefail
@@ -34,6 +36,8 @@ warmup=${WARMUP:-2}
 workers_list=${WORKERS:-2 4}
 micro_batches_list=${MICRO_BATCHES:-2 4 8 16}
 batch=${BATCH:-1024}
+layers=${LAYERS:-8}
+activation=${ACTIVATION:-tanh}
 read -r -a contenders <<<"${CONTENDERS:-gpipe 1f1b interleaved zb hand local local-mb}"
 run_timeout=${RUN_TIMEOUT:-120}
 trace_py=$here/pipeline_trace.py
@@ -65,14 +69,14 @@ echo "raw lines: $raw"
 {
   echo "# bench/pipeline.sh raw lines: one per run (round, contender, p, m, the program's line, the trace's, simulate()'s)"
   echo "# date: $(date -u); cores: $(nproc); load before: $(cut -d' ' -f1-3 /proc/loadavg); GLIBC_TUNABLES=$GLIBC_TUNABLES"
-  echo "# ROUNDS=$rounds STEPS=$steps WARMUP=$warmup BATCH=$batch WORKERS=\"$workers_list\" MICRO_BATCHES=\"$micro_batches_list\" CONTENDERS=\"${contenders[*]}\""
+  echo "# ROUNDS=$rounds STEPS=$steps WARMUP=$warmup BATCH=$batch LAYERS=$layers ACTIVATION=$activation WORKERS=\"$workers_list\" MICRO_BATCHES=\"$micro_batches_list\" CONTENDERS=\"${contenders[*]}\""
 } >"$raw"
 
 # The bytes one micro-batch stashes in one stage, per (p, v, m): no job needed.
 for p in $workers_list; do
   for m in $micro_batches_list; do
     for v in 1 2; do
-      "$bench" --impl stash --batch "$batch" --workers "$p" --stages-per-worker "$v" --micro-batches "$m" >>"$raw"
+      "$bench" --impl stash --batch "$batch" --layers "$layers" --activation "$activation" --workers "$p" --stages-per-worker "$v" --micro-batches "$m" >>"$raw"
     done
   done
 done
@@ -80,7 +84,7 @@ done
 # One run: $1 contender, $2 p, $3 m, $4 round. Appends its raw line.
 run_one() {
   local contender=$1 p=$2 m=$3 round=$4 line trace=$work/trace.json log=$work/run.log status=0
-  local args=(--batch "$batch" --micro-batches "$m" --warmup "$warmup" --steps "$steps")
+  local args=(--batch "$batch" --layers "$layers" --activation "$activation" --micro-batches "$m" --warmup "$warmup" --steps "$steps")
   rm -f "$trace"
   case $contender in
     local | local-mb)

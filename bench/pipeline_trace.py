@@ -234,9 +234,9 @@ def summarize(path):
     if stash:
         print()
         print("stashed bytes per micro-batch and stage (heap growth over one stage's forward, "
-              "output held; analytic (blocks + 1) x rows x dim x 4):")
+              "output held; analytic (layers + 1) x rows x dim x 4):")
         for (p, v, m), s in sorted(stash.items(), key=lambda kv: tuple(map(int, kv[0]))):
-            print(f"  p={p} v={v} m={m}: rows {s['rows']}, {s['layers_per_stage']} blocks, "
+            print(f"  p={p} v={v} m={m}: rows {s['rows']}, {s['layers_per_stage']} layers, "
                   f"{int(s['bytes'])} B measured, {int(float(s['analytic_bytes']))} B analytic")
 
 
