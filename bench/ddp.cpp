@@ -2,9 +2,12 @@
 // the same model and batch trained with shoal::DataParallel or with a hand-written LibTorch loop
 // that all-reduces each gradient after backward. --impl local averages nothing: each worker
 // trains alone, under the same contention for the cores, which bounds what any way of averaging
-// can reach.
+// can reach. --impl lockstep averages nothing either, but the workers meet at a barrier after
+// every backward, as synchronous training must: it bounds what any synchronous way of averaging
+// can reach, as a step ends only when the slowest worker's backward has.
 //
-//   shoal run -n 2 ddp --impl shoal|hand|local --model mlp|cnn [--batch 64] [--warmup 3] [--steps 20]
+//   shoal run -n 2 ddp --impl shoal|hand|local|lockstep --model mlp|cnn [--batch 64] [--warmup 3]
+//   [--steps 20]
 //                      [--gloo-threads T] [--bucket-mb M] [--no-bucket-view] [--fp16|--bf16]
 //
 // mlp: 784-2048-2048-10 with ReLUs; cnn: the demo's NetImpl (examples/fashion_mnist.cpp). Data
@@ -16,9 +19,10 @@
 //       forward_ms=... backward_ms=... comm_ms=... optim_ms=...
 //
 // weight_abs_sum (the sum of |w| over all weights after training) tells whether two contenders
-// trained alike. samples_per_s counts every worker's samples (workers * batch * steps / slowest worker's time).
-// Phase means are the main worker's: backward_ms is the backward() call (with DataParallel it
-// includes waiting for the last buckets); comm_ms is the hand loop's all-reduces after it.
+// trained alike. samples_per_s counts every worker's samples (workers * batch * steps / slowest
+// worker's time). Phase means are the main worker's: backward_ms is the backward() call (with
+// DataParallel it includes waiting for the last buckets); comm_ms is the hand loop's all-reduces
+// after it.
 
 #include <algorithm>
 #include <chrono>
@@ -42,7 +46,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 struct BenchOptions {
-  std::string impl = "shoal";  // shoal | hand | local
+  std::string impl = "shoal";  // shoal | hand | local | lockstep
   std::string model = "mlp";   // mlp | cnn
   int64_t batch = 64;
   int warmup = 3;
@@ -57,7 +61,8 @@ struct BenchOptions {
 
 [[noreturn]] void usage(const std::string& problem) {
   std::fprintf(stderr,
-               "ddp: %s\nusage: ddp --impl shoal|hand|local --model mlp|cnn [--batch B] [--warmup W] [--steps S] "
+               "ddp: %s\nusage: ddp --impl shoal|hand|local|lockstep --model mlp|cnn [--batch B] "
+               "[--warmup W] [--steps S] "
                "[--gloo-threads T] [--bucket-mb M] [--no-bucket-view] [--fp16|--bf16]\n",
                problem.c_str());
   std::exit(2);
@@ -85,7 +90,8 @@ BenchOptions parse(int argc, char** argv) {
     else if (flag == "--bucket-mb") o.bucket_mb = number;
     else usage("unknown flag '" + flag + "'");
   }
-  if (o.impl != "shoal" && o.impl != "hand" && o.impl != "local") usage("--impl must be shoal, hand or local");
+  if (o.impl != "shoal" && o.impl != "hand" && o.impl != "local" && o.impl != "lockstep")
+    usage("--impl must be shoal, hand, local or lockstep");
   if (o.model != "mlp" && o.model != "cnn") usage("--model must be mlp or cnn");
   if (o.batch < 1 || o.steps < 1 || o.bucket_mb <= 0) usage("expected --batch >= 1, --steps >= 1, --bucket-mb > 0");
   if ((o.fp16 || o.bf16 || !o.bucket_view || !o.weigh) && o.impl != "shoal") {
@@ -166,7 +172,7 @@ int run(const BenchOptions& o, Model model, const std::vector<int64_t>& input_sh
     if (o.fp16) options.comm_hook = shoal::dp::fp16_compress_hook();
     if (o.bf16) options.comm_hook = shoal::dp::bf16_compress_hook();
     shoal_dp = std::make_unique<shoal::DataParallel<typename Model::ContainedType>>(model.ptr(), options);
-  } else if (o.impl != "local" && n > 1) {
+  } else if (o.impl == "hand" && n > 1) {
     // By hand, as a LibTorch program without shoal would: c10d's Gloo group and its collectives.
     auto options = c10d::ProcessGroupGloo::Options::create(std::chrono::seconds(120));
     options->threads = o.gloo_threads > 0 ? o.gloo_threads : 2;
@@ -197,6 +203,7 @@ int run(const BenchOptions& o, Model model, const std::vector<int64_t>& input_sh
         p.mutable_grad().div_(n);
       }
     }
+    if (o.impl == "lockstep") world.barrier();
     const auto t3 = Clock::now();
     optimizer.step();
     const auto t4 = Clock::now();

@@ -18,7 +18,8 @@
 #   MLP_STEPS=10 CNN_STEPS=60 WARMUP=3   timed and untimed steps per run
 #   MODELS="mlp cnn" LINKS="loopback shaped"
 #   CONTENDERS="shoal pytorch pytorch-view hand"; may add "local" (each worker trains alone: no
-#   averaging, the bound for all), shoal's variants (shoal-*, listed in variant_flags below) and
+#   averaging, the bound for all), "lockstep" (no averaging, but a barrier after every backward:
+#   the bound for synchronous averaging, which waits for the slowest worker), shoal's variants (shoal-*, listed in variant_flags below) and
 #   PyTorch's (pytorch-*, in pytorch_flags), e.g. to compare the 16-bit hooks with each other:
 #   CONTENDERS="shoal pytorch pytorch-view hand shoal-fp16 pytorch-fp16 pytorch-view-fp16".
 #   RAW=FILE                   where the raw result lines go (default: bench/results/ddp-DATE.txt,
@@ -87,7 +88,7 @@ pytorch_flags() {
 
 for contender in "${contenders[@]}"; do
   case $contender in
-    shoal | hand | local) ;;
+    shoal | hand | local | lockstep) ;;
     shoal-*) variant_flags "$contender" >/dev/null || exit 2 ;;
     pytorch*) pytorch_flags "$contender" >/dev/null || exit 2 ;;
     *) echo "ddp.sh: unknown contender $contender" >&2; exit 2 ;;
@@ -141,6 +142,7 @@ shoal_args() {
     shoal) impl=shoal ;;
     hand) impl=hand ;;
     local) impl=local ;;
+    lockstep) impl=lockstep ;;
     shoal-*) impl=shoal; flags=$(variant_flags "$contender") ;;
   esac
   echo "$bench --impl $impl --model $model --warmup $warmup --steps $steps $flags"
