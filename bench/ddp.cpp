@@ -6,9 +6,9 @@
 // every backward, as synchronous training must: it bounds what any synchronous way of averaging
 // can reach, as a step ends only when the slowest worker's backward has.
 //
-//   shoal run -n 2 ddp --impl shoal|hand|local|lockstep --model mlp|cnn [--batch 64] [--warmup 3]
-//   [--steps 20]
-//                      [--gloo-threads T] [--bucket-mb M] [--no-bucket-view] [--fp16|--bf16]
+//   shoal run -n 2 ddp --impl shoal|hand|local|lockstep --model mlp|cnn [--batch 64]
+//                      [--warmup 3] [--steps 20] [--gloo-threads T] [--bucket-mb M]
+//                      [--no-bucket-view] [--fp16|--bf16]
 //
 // mlp: 784-2048-2048-10 with ReLUs; cnn: the demo's NetImpl (examples/fashion_mnist.cpp). Data
 // are random (fixed seed per worker), made before timing; loss: cross entropy; SGD, lr 0.01.

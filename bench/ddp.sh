@@ -19,8 +19,9 @@
 #   MODELS="mlp cnn" LINKS="loopback shaped"
 #   CONTENDERS="shoal pytorch pytorch-view hand"; may add "local" (each worker trains alone: no
 #   averaging, the bound for all), "lockstep" (no averaging, but a barrier after every backward:
-#   the bound for synchronous averaging, which waits for the slowest worker), shoal's variants (shoal-*, listed in variant_flags below) and
-#   PyTorch's (pytorch-*, in pytorch_flags), e.g. to compare the 16-bit hooks with each other:
+#   the bound for synchronous averaging, which waits for the slowest worker), shoal's variants
+#   (shoal-*, listed in variant_flags below) and PyTorch's (pytorch-*, in pytorch_flags), e.g. to
+#   compare the 16-bit hooks with each other:
 #   CONTENDERS="shoal pytorch pytorch-view hand shoal-fp16 pytorch-fp16 pytorch-view-fp16".
 #   RAW=FILE                   where the raw result lines go (default: bench/results/ddp-DATE.txt,
 #                              kept in the repository beside RESULTS.md)
