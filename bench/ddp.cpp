@@ -8,7 +8,7 @@
 //
 //   shoal run -n 2 ddp --impl shoal|hand|local|lockstep --model mlp|cnn [--batch 64]
 //                      [--warmup 3] [--steps 20] [--gloo-threads T] [--bucket-mb M]
-//                      [--no-bucket-view] [--fp16|--bf16]
+//                      [--no-bucket-view] [--fp16|--bf16] [--alternate B]
 //
 // mlp: 784-2048-2048-10 with ReLUs; cnn: the demo's NetImpl (examples/fashion_mnist.cpp). Data
 // are random (fixed seed per worker), made before timing; loss: cross entropy; SGD, lr 0.01.
@@ -17,6 +17,19 @@
 //
 //   ddp impl=shoal model=mlp workers=2 batch=64 steps=20 samples_per_s=383.2 step_ms=334.1
 //       forward_ms=... backward_ms=... comm_ms=... optim_ms=...
+//
+// --alternate B takes a comma-separated --impl list (e.g. local,lockstep,shoal) and trains each
+// its own copy of the model (the same initial weights) in the same processes, in blocks of B
+// steps that take turns, the order rotating from cycle to cycle, each block starting at a barrier:
+// noise from the rest of the machine that lasts longer than a cycle falls on all alike, which
+// separate runs minutes apart cannot promise. Each gets --steps steps; one line per contender, and
+// one line comparing each with the first:
+//
+//   ddp_alternate impl=shoal versus=local model=cnn block=10 cycles=100 ratio=0.97
+//       cycle_median=0.97 cycle_q1=0.95 cycle_q3=0.99
+//
+// ratio is the contender's samples/s over the first's; cycle_* are the quartiles of the same ratio
+// taken cycle by cycle (each block's time the slower worker's).
 //
 // weight_abs_sum (the sum of |w| over all weights after training) tells whether two contenders
 // trained alike. samples_per_s counts every worker's samples (workers * batch * steps / slowest
@@ -46,7 +59,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 struct BenchOptions {
-  std::string impl = "shoal";  // shoal | hand | local | lockstep
+  // Each shoal | hand | local | lockstep; several take turns (--alternate).
+  std::vector<std::string> impls{"shoal"};
   std::string model = "mlp";   // mlp | cnn
   int64_t batch = 64;
   int warmup = 3;
@@ -57,13 +71,26 @@ struct BenchOptions {
   bool weigh = true;        // DataParallelOptions::weigh_by_batch_share
   bool fp16 = false;        // average through shoal::dp::fp16_compress_hook()
   bool bf16 = false;        // average through shoal::dp::bf16_compress_hook()
+  int alternate = 0;        // steps per block when the contenders take turns; 0: one contender
 };
+
+std::vector<std::string> split_commas(const std::string& text) {
+  std::vector<std::string> parts;
+  size_t begin = 0;
+  for (;;) {
+    const size_t end = text.find(',', begin);
+    parts.push_back(text.substr(begin, end - begin));
+    if (end == std::string::npos) return parts;
+    begin = end + 1;
+  }
+}
 
 [[noreturn]] void usage(const std::string& problem) {
   std::fprintf(stderr,
                "ddp: %s\nusage: ddp --impl shoal|hand|local|lockstep --model mlp|cnn [--batch B] "
                "[--warmup W] [--steps S] "
-               "[--gloo-threads T] [--bucket-mb M] [--no-bucket-view] [--fp16|--bf16]\n",
+               "[--gloo-threads T] [--bucket-mb M] [--no-bucket-view] [--fp16|--bf16] "
+               "[--alternate B --impl I,I,...]\n",
                problem.c_str());
   std::exit(2);
 }
@@ -78,7 +105,10 @@ BenchOptions parse(int argc, char** argv) {
     if (flag == "--bf16") { o.bf16 = true; continue; }
     if (i + 1 >= argc) usage(flag + " needs a value");
     const std::string value = argv[++i];
-    if (flag == "--impl") { o.impl = value; continue; }
+    if (flag == "--impl") {
+      o.impls = split_commas(value);
+      continue;
+    }
     if (flag == "--model") { o.model = value; continue; }
     char* end = nullptr;
     const double number = std::strtod(value.c_str(), &end);
@@ -88,13 +118,23 @@ BenchOptions parse(int argc, char** argv) {
     else if (flag == "--steps") o.steps = static_cast<int>(number);
     else if (flag == "--gloo-threads") o.gloo_threads = static_cast<int>(number);
     else if (flag == "--bucket-mb") o.bucket_mb = number;
+    else if (flag == "--alternate")
+      o.alternate = static_cast<int>(number);
     else usage("unknown flag '" + flag + "'");
   }
-  if (o.impl != "shoal" && o.impl != "hand" && o.impl != "local" && o.impl != "lockstep")
-    usage("--impl must be shoal, hand, local or lockstep");
+  for (size_t k = 0; k < o.impls.size(); ++k) {
+    const std::string& impl = o.impls[k];
+    if (impl != "shoal" && impl != "hand" && impl != "local" && impl != "lockstep")
+      usage("--impl must be shoal, hand, local or lockstep, got '" + impl + "'");
+    if (std::find(o.impls.begin(), o.impls.begin() + k, impl) != o.impls.begin() + k)
+      usage("--impl names " + impl + " twice");
+  }
+  if (o.impls.size() > 1 && o.alternate < 1)
+    usage("several --impl need --alternate B (steps per block, >= 1)");
+  const bool with_shoal = std::find(o.impls.begin(), o.impls.end(), "shoal") != o.impls.end();
   if (o.model != "mlp" && o.model != "cnn") usage("--model must be mlp or cnn");
   if (o.batch < 1 || o.steps < 1 || o.bucket_mb <= 0) usage("expected --batch >= 1, --steps >= 1, --bucket-mb > 0");
-  if ((o.fp16 || o.bf16 || !o.bucket_view || !o.weigh) && o.impl != "shoal") {
+  if ((o.fp16 || o.bf16 || !o.bucket_view || !o.weigh) && !with_shoal) {
     usage("--fp16, --bf16, --no-bucket-view and --no-weigh need --impl shoal");
   }
   if (o.fp16 && o.bf16) usage("--fp16 and --bf16 exclude each other");
@@ -125,8 +165,22 @@ struct Phases {
 
 double ms(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double, std::milli>(b - a).count(); }
 
+// One contender: its own copy of the model, its way of averaging and its optimizer.
 template <typename Model>
-int run(const BenchOptions& o, Model model, const std::vector<int64_t>& input_shape) {
+struct Trainer {
+  std::string impl;
+  Model model;
+  std::unique_ptr<shoal::DataParallel<typename Model::ContainedType>> dp;
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> raw;
+  std::unique_ptr<torch::optim::SGD> optimizer;
+  std::vector<torch::Tensor> params;
+  Phases sum;
+  double seconds = 0;          // this worker's time in timed steps
+  std::vector<double> blocks;  // this worker's time in each timed block
+};
+
+template <typename Model>
+int run(const BenchOptions& o) {
   auto& world = shoal::world();
   const int n = world.size();
   const auto& job = shoal::job();
@@ -135,6 +189,8 @@ int run(const BenchOptions& o, Model model, const std::vector<int64_t>& input_sh
   torch::manual_seed(1000 + job.rank);
   constexpr int kBatches = 4;
   std::vector<torch::Tensor> inputs, labels;
+  const std::vector<int64_t> input_shape =
+      o.model == "mlp" ? std::vector<int64_t>{784} : std::vector<int64_t>{1, 28, 28};
   for (int b = 0; b < kBatches; ++b) {
     std::vector<int64_t> shape{o.batch};
     shape.insert(shape.end(), input_shape.begin(), input_shape.end());
@@ -160,91 +216,144 @@ int run(const BenchOptions& o, Model model, const std::vector<int64_t>& input_sh
                                        options);
   }
 
-  // The ways to average gradients. Each first makes the model's parameters equal on every worker.
-  std::unique_ptr<shoal::DataParallel<typename Model::ContainedType>> shoal_dp;
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> raw;
-  if (o.impl == "shoal") {
-    shoal::DataParallelOptions options;
-    options.group = group;
-    options.bucket_bytes = static_cast<int64_t>(o.bucket_mb * 1024 * 1024);
-    options.gradient_as_bucket_view = o.bucket_view;
-    options.weigh_by_batch_share = o.weigh;
-    if (o.fp16) options.comm_hook = shoal::dp::fp16_compress_hook();
-    if (o.bf16) options.comm_hook = shoal::dp::bf16_compress_hook();
-    shoal_dp = std::make_unique<shoal::DataParallel<typename Model::ContainedType>>(model.ptr(), options);
-  } else if (o.impl == "hand" && n > 1) {
-    // By hand, as a LibTorch program without shoal would: c10d's Gloo group and its collectives.
-    auto options = c10d::ProcessGroupGloo::Options::create(std::chrono::seconds(120));
-    options->threads = o.gloo_threads > 0 ? o.gloo_threads : 2;
-    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(bind_address));
-    raw = c10::make_intrusive<c10d::ProcessGroupGloo>(c10::make_intrusive<c10d::PrefixStore>("bench/ddp/raw", store),
-                                                     job.rank, n, options);
-    torch::NoGradGuard no_grad;
-    for (auto& p : model->parameters()) {
-      std::vector<at::Tensor> tensors{p};
-      raw->broadcast(tensors)->wait();
+  // The ways to average gradients, each on its own copy of the model (the same initial weights).
+  // Each first makes its model's parameters equal on every worker.
+  std::vector<Trainer<Model>> trainers(o.impls.size());
+  for (size_t k = 0; k < o.impls.size(); ++k) {
+    Trainer<Model>& t = trainers[k];
+    t.impl = o.impls[k];
+    torch::manual_seed(0);
+    t.model = Model();
+    if (t.impl == "shoal") {
+      shoal::DataParallelOptions options;
+      options.group = group;
+      options.bucket_bytes = static_cast<int64_t>(o.bucket_mb * 1024 * 1024);
+      options.gradient_as_bucket_view = o.bucket_view;
+      options.weigh_by_batch_share = o.weigh;
+      if (o.fp16) options.comm_hook = shoal::dp::fp16_compress_hook();
+      if (o.bf16) options.comm_hook = shoal::dp::bf16_compress_hook();
+      t.dp = std::make_unique<shoal::DataParallel<typename Model::ContainedType>>(t.model.ptr(),
+                                                                                  options);
+    } else if (t.impl == "hand" && n > 1) {
+      // By hand, as a LibTorch program without shoal would: c10d's Gloo group and its collectives.
+      auto options = c10d::ProcessGroupGloo::Options::create(std::chrono::seconds(120));
+      options->threads = o.gloo_threads > 0 ? o.gloo_threads : 2;
+      options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(bind_address));
+      t.raw = c10::make_intrusive<c10d::ProcessGroupGloo>(
+          c10::make_intrusive<c10d::PrefixStore>("bench/ddp/raw", store), job.rank, n, options);
+      torch::NoGradGuard no_grad;
+      for (auto& p : t.model->parameters()) {
+        std::vector<at::Tensor> tensors{p};
+        t.raw->broadcast(tensors)->wait();
+      }
     }
+    t.params = t.model->parameters();
+    t.optimizer = std::make_unique<torch::optim::SGD>(t.params, torch::optim::SGDOptions(0.01));
   }
-  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.01));
-  auto params = model->parameters();
 
-  Phases sum;
-  auto step = [&](int i, Phases* phases) {
-    optimizer.zero_grad();
+  auto step = [&](Trainer<Model>& t, int i, Phases* phases) {
+    t.optimizer->zero_grad();
     const auto t0 = Clock::now();
-    auto loss = torch::nn::functional::cross_entropy(model->forward(inputs[i % kBatches]), labels[i % kBatches]);
+    auto loss = torch::nn::functional::cross_entropy(t.model->forward(inputs[i % kBatches]),
+                                                     labels[i % kBatches]);
     const auto t1 = Clock::now();
     loss.backward();
     const auto t2 = Clock::now();
-    if (raw) {
-      for (auto& p : params) {
+    if (t.raw) {
+      for (auto& p : t.params) {
         std::vector<at::Tensor> grads{p.mutable_grad()};
-        raw->allreduce(grads)->wait();
+        t.raw->allreduce(grads)->wait();
         p.mutable_grad().div_(n);
       }
     }
-    if (o.impl == "lockstep") world.barrier();
+    if (t.impl == "lockstep") world.barrier();
     const auto t3 = Clock::now();
-    optimizer.step();
+    t.optimizer->step();
     const auto t4 = Clock::now();
     if (!phases) return;
     phases->forward += ms(t0, t1);
     phases->backward += ms(t1, t2);
     phases->comm += ms(t2, t3);
     phases->optim += ms(t3, t4);
-    if (raw) phases->tail.push_back(ms(t2, t3));
+    if (t.raw) phases->tail.push_back(ms(t2, t3));
   };
 
-  for (int i = 0; i < o.warmup; ++i) step(i, nullptr);
-  world.barrier();
-  const auto start = Clock::now();
-  for (int i = 0; i < o.steps; ++i) step(o.warmup + i, &sum);
-  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-  // The job's throughput is set by its slowest worker.
-  auto slowest = torch::tensor({seconds}, torch::kFloat64);
-  world.all_reduce(slowest, {shoal::comm::ReduceOp::kMax});
-
-  // The communication that no worker could hide: per step, the least any worker waited.
-  double tail_min = 0;
-  if (!sum.tail.empty()) {
-    auto mine = torch::tensor(sum.tail, torch::kFloat64);
-    tail_min = world.all_gather(mine).view({n, -1}).amin(0).mean().template item<double>();
+  for (auto& t : trainers) {
+    for (int i = 0; i < o.warmup; ++i) step(t, i, nullptr);
+  }
+  // One contender: all its steps in one block. Several: blocks of --alternate steps in turn, the
+  // order rotating from cycle to cycle so that none always follows the same one.
+  const int block = o.alternate > 0 ? o.alternate : o.steps;
+  const int cycles = (o.steps + block - 1) / block;
+  for (int c = 0; c < cycles; ++c) {
+    const int first = std::min(c * block, o.steps);
+    const int count = std::min(block, o.steps - first);
+    for (size_t turn = 0; turn < trainers.size(); ++turn) {
+      Trainer<Model>& t = trainers[(c + turn) % trainers.size()];
+      world.barrier();
+      const auto start = Clock::now();
+      for (int i = 0; i < count; ++i) step(t, o.warmup + first + i, &t.sum);
+      const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+      t.seconds += seconds;
+      t.blocks.push_back(seconds);
+    }
   }
 
-  // A fingerprint of the trained weights: contenders that average alike end alike.
-  double weight_sum = 0;
-  for (const auto& p : params) weight_sum += p.detach().to(torch::kFloat64).abs().sum().template item<double>();
+  std::vector<double> job_seconds, weight_sums;
+  std::vector<std::vector<double>> job_blocks;
+  for (auto& t : trainers) {
+    // The job's throughput is set by its slowest worker; so is each block's time.
+    torch::Tensor slowest = torch::tensor({t.seconds}, torch::kFloat64);
+    world.all_reduce(slowest, {shoal::comm::ReduceOp::kMax});
+    job_seconds.push_back(slowest.item<double>());
+    torch::Tensor blocks = torch::tensor(t.blocks, torch::kFloat64);
+    world.all_reduce(blocks, {shoal::comm::ReduceOp::kMax});
+    job_blocks.emplace_back(blocks.data_ptr<double>(), blocks.data_ptr<double>() + blocks.numel());
 
+    // The communication that no worker could hide: per step, the least any worker waited.
+    double tail_min = 0;
+    if (!t.sum.tail.empty()) {
+      auto mine = torch::tensor(t.sum.tail, torch::kFloat64);
+      tail_min = world.all_gather(mine).view({n, -1}).amin(0).mean().template item<double>();
+    }
+
+    // A fingerprint of the trained weights: contenders that average alike end alike.
+    double weight_sum = 0;
+    for (const auto& p : t.params)
+      weight_sum += p.detach().to(torch::kFloat64).abs().sum().template item<double>();
+
+    if (shoal::is_main()) {
+      const double steps = o.steps;
+      std::printf(
+          "ddp impl=%s model=%s workers=%d batch=%lld steps=%d threads=%d gloo_threads=%d "
+          "samples_per_s=%.2f step_ms=%.3f forward_ms=%.3f backward_ms=%.3f comm_ms=%.3f "
+          "optim_ms=%.3f",
+          t.impl.c_str(), o.model.c_str(), n, static_cast<long long>(o.batch), o.steps,
+          at::get_num_threads(), o.gloo_threads > 0 ? o.gloo_threads : 2,
+          n * o.batch * steps / job_seconds.back(), job_seconds.back() * 1e3 / steps,
+          t.sum.forward / steps, t.sum.backward / steps, t.sum.comm / steps, t.sum.optim / steps);
+      if (!t.sum.tail.empty()) std::printf(" tail_min_ms=%.3f", tail_min);
+      if (o.alternate > 0) std::printf(" alternate=%d", o.alternate);
+      std::printf(" weight_abs_sum=%.6f\n", weight_sum);
+    }
+  }
+  // Each contender beside the first: over the whole run, and cycle by cycle.
   if (shoal::is_main()) {
-    const double steps = o.steps;
-    std::printf("ddp impl=%s model=%s workers=%d batch=%lld steps=%d threads=%d gloo_threads=%d "
-                "samples_per_s=%.2f step_ms=%.3f forward_ms=%.3f backward_ms=%.3f comm_ms=%.3f optim_ms=%.3f",
-                o.impl.c_str(), o.model.c_str(), n, static_cast<long long>(o.batch), o.steps, at::get_num_threads(),
-                o.gloo_threads > 0 ? o.gloo_threads : 2,
-                n * o.batch * steps / slowest.item<double>(), slowest.item<double>() * 1e3 / steps, sum.forward / steps,
-                sum.backward / steps, sum.comm / steps, sum.optim / steps);
-    if (!sum.tail.empty()) std::printf(" tail_min_ms=%.3f", tail_min);
-    std::printf(" weight_abs_sum=%.6f\n", weight_sum);
+    for (size_t k = 1; k < trainers.size(); ++k) {
+      std::vector<double> ratios;
+      for (size_t c = 0; c < job_blocks[k].size(); ++c)
+        ratios.push_back(job_blocks[0][c] / job_blocks[k][c]);
+      std::sort(ratios.begin(), ratios.end());
+      auto quantile = [&](double q) {
+        return ratios[static_cast<size_t>(q * (ratios.size() - 1) + 0.5)];
+      };
+      std::printf(
+          "ddp_alternate impl=%s versus=%s model=%s block=%d cycles=%zu ratio=%.4f "
+          "cycle_median=%.4f "
+          "cycle_q1=%.4f cycle_q3=%.4f\n",
+          trainers[k].impl.c_str(), trainers[0].impl.c_str(), o.model.c_str(), block, ratios.size(),
+          job_seconds[0] / job_seconds[k], quantile(0.5), quantile(0.25), quantile(0.75));
+    }
     std::fflush(stdout);
   }
   world.barrier();
@@ -258,7 +367,6 @@ int main(int argc, char** argv) {
   shoal::InitOptions init;
   init.intra_op_threads = 1;  // one intra-op thread per worker, as the PyTorch contender
   shoal::init(init);
-  torch::manual_seed(0);
-  if (options.model == "mlp") return run(options, Mlp(), {784});
-  return run(options, Cnn(), {1, 28, 28});
+  if (options.model == "mlp") return run<Mlp>(options);
+  return run<Cnn>(options);
 }

@@ -26,6 +26,13 @@
 #   RAW=FILE                   where the raw result lines go (default: bench/results/ddp-DATE.txt,
 #                              kept in the repository beside RESULTS.md)
 #   RUN_TIMEOUT=300            seconds allowed to one run (every process is under `timeout`)
+#
+# Where separate runs differ by more than the gap being measured (the CNN beside `local`), bench/ddp
+# alone compares shoal's own contenders in one job, taking turns in blocks of B steps, and prints
+# their ratios itself (bench/ddp.cpp, --alternate), under the same malloc tunables:
+#   source bench/malloc_tunables.sh
+#   build/bin/shoal run -n 2 --no-tag-output build/bench/ddp --model cnn \
+#     --impl local,lockstep,shoal --alternate 10 --steps 1000 --warmup 20
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
