@@ -299,7 +299,7 @@ int run(const BenchOptions& o) {
     }
   }
 
-  std::vector<double> job_seconds, weight_sums;
+  std::vector<double> job_seconds;
   std::vector<std::vector<double>> job_blocks;
   for (auto& t : trainers) {
     // The job's throughput is set by its slowest worker; so is each block's time.
@@ -349,8 +349,7 @@ int run(const BenchOptions& o) {
       };
       std::printf(
           "ddp_alternate impl=%s versus=%s model=%s block=%d cycles=%zu ratio=%.4f "
-          "cycle_median=%.4f "
-          "cycle_q1=%.4f cycle_q3=%.4f\n",
+          "cycle_median=%.4f cycle_q1=%.4f cycle_q3=%.4f\n",
           trainers[k].impl.c_str(), trainers[0].impl.c_str(), o.model.c_str(), block, ratios.size(),
           job_seconds[0] / job_seconds[k], quantile(0.5), quantile(0.25), quantile(0.75));
     }
