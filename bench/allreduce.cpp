@@ -3,7 +3,7 @@
 //
 //   shoal run -n N [--no-tag-output] allreduce [--min-bytes B] [--max-bytes B] [--factor F]
 //                                [--reps R] [--bound-gbit G [--hosts H]] [--sliced [--slice-ms M]]
-//                                [--split K] [--raw FILE]
+//                                [--split K] [--in-place] [--raw FILE]
 //
 // Sizes go from --min-bytes to --max-bytes of float32, multiplied by --factor each step. For each
 // size the contenders take turns within each repetition, in column order on even repetitions and
@@ -20,9 +20,11 @@
 // slices last --slice-ms (default 250, as shoal's).
 // With --split K, a column times raw gloo on the tensor cut into K parts all-reduced at once
 // (the group's 2 threads run two at a time): what splitting large tensors could gain.
-// With --raw FILE, the main worker appends every repetition's times to FILE, one line per size
-// and repetition (the slowest worker's time per operation of each contender, and the order they
-// ran in), from which the table's medians and ratios can be recomputed.
+// With --in-place, a column times shoal on a part of one tensor of Group::empty_shared
+// (docs/comm.md, "Shared buffers"), as DataParallel's buckets are, and the last column is raw
+// gloo's time over it. With --raw FILE, the main worker appends every repetition's times to FILE,
+// one line per size and repetition (the slowest worker's time per operation of each contender, and
+// the order they ran in), from which the table's medians and ratios can be recomputed.
 
 #include <algorithm>
 #include <cerrno>
@@ -56,14 +58,17 @@ struct BenchOptions {
   bool sliced = false;
   int slice_ms = 250;  // shoal's kLivenessPeriod (src/comm/work.cpp)
   int split = 0;  // 0: no "split" column
+  bool in_place = false;  // an "in place" column: shoal on a tensor of Group::empty_shared
   std::string raw;  // where to append the raw lines; empty: nowhere
 };
 
 [[noreturn]] void usage(const std::string& problem) {
-  std::fprintf(stderr,
-               "allreduce: %s\nusage: allreduce [--min-bytes B] [--max-bytes B] [--factor F] "
-               "[--reps R] [--bound-gbit G [--hosts H]] [--sliced [--slice-ms M]] [--split K] [--raw FILE]\n",
-               problem.c_str());
+  std::fprintf(
+      stderr,
+      "allreduce: %s\nusage: allreduce [--min-bytes B] [--max-bytes B] [--factor F] "
+      "[--reps R] [--bound-gbit G [--hosts H]] [--sliced [--slice-ms M]] [--split K] [--in-place] "
+      "[--raw FILE]\n",
+      problem.c_str());
   std::exit(2);
 }
 
@@ -73,6 +78,10 @@ BenchOptions parse(int argc, char** argv) {
     const std::string flag = argv[i];
     if (flag == "--sliced") {
       options.sliced = true;
+      continue;
+    }
+    if (flag == "--in-place") {
+      options.in_place = true;
       continue;
     }
     if (i + 1 >= argc) usage(flag + " needs a value");
@@ -207,17 +216,33 @@ int main(int argc, char** argv) {
                             for (auto& work : works) work->wait();
                           }});
   }
+  // shoal on the same sizes, in one tensor of Group::empty_shared made for the largest: on the
+  // shared-memory path an all-reduce there reads and writes every member's memory in place
+  // (docs/comm.md, "Shared buffers"). Only the correctness check below copies in and out.
+  at::Tensor arena;
+  bool checking = true;
+  if (options.in_place) {
+    arena = world.empty_shared(options.max_bytes / 4, torch::kFloat32).zero_();
+    contenders.push_back({"in place", [&](at::Tensor& t) {
+                            auto part = arena.narrow(0, 0, t.numel());
+                            if (checking) part.copy_(t);
+                            world.all_reduce(part);
+                            if (checking) t.copy_(part);
+                          }});
+  }
   const int kinds = static_cast<int>(contenders.size());
 
   // Both implementations must compute the same sum before their speed means anything.
   for (auto& contender : contenders) {
-    auto ones = torch::ones({1000});
+    auto ones = torch::ones({std::min<int64_t>(1000, options.max_bytes / 4)});
     contender.all_reduce(ones);
     if (!ones.eq(static_cast<float>(n)).all().item<bool>()) {
       std::fprintf(stderr, "allreduce: %s computed a wrong sum\n", contender.name);
       return 1;
     }
   }
+  checking = false;
+  if (options.in_place) arena.zero_();
 
   const bool main_worker = shoal::is_main();
   std::FILE* raw_lines = nullptr;
@@ -239,14 +264,18 @@ int main(int argc, char** argv) {
     std::printf("# all_reduce float32, %d workers on %d host(s), shoal's path: %s, bind %s, %d "
                 "repetitions per size (median), contenders alternate\n",
                 n, hosts, world.path().c_str(), bind_address.c_str(), options.reps);
-    std::printf("| size | shoal ms | raw ms |%s%s shoal GB/s | raw GB/s | shoal/raw |%s\n",
-                options.sliced ? " sliced ms | probed ms |" : "",
-                options.split > 1 ? (" split " + std::to_string(options.split) + " ms |").c_str() : "",
-                link_bytes_per_s > 0 ? " bound ms | shoal/bound | raw/bound |"
-                                     : " memory bound ms | shoal/memory bound |");
-    std::printf("|---:|---:|---:|%s%s---:|---:|---:|%s\n", options.sliced ? "---:|---:|" : "",
-                options.split > 1 ? "---:|" : "",
-                link_bytes_per_s > 0 ? "---:|---:|---:|" : "---:|---:|");
+    std::printf(
+        "| size | shoal ms | raw ms |%s%s%s shoal GB/s | raw GB/s | shoal/raw |%s%s\n",
+        options.sliced ? " sliced ms | probed ms |" : "",
+        options.split > 1 ? (" split " + std::to_string(options.split) + " ms |").c_str() : "",
+        options.in_place ? " in place ms |" : "",
+        link_bytes_per_s > 0 ? " bound ms | shoal/bound | raw/bound |"
+                             : " memory bound ms | shoal/memory bound |",
+        options.in_place ? " in place/raw |" : "");
+    std::printf("|---:|---:|---:|%s%s%s---:|---:|---:|%s%s\n", options.sliced ? "---:|---:|" : "",
+                options.split > 1 ? "---:|" : "", options.in_place ? "---:|" : "",
+                link_bytes_per_s > 0 ? "---:|---:|---:|" : "---:|---:|",
+                options.in_place ? "---:|" : "");
     std::fflush(stdout);
   }
 
@@ -295,7 +324,8 @@ int main(int argc, char** argv) {
     auto bus_gbps = [&](double s) { return bus_factor * bytes / s / 1e9; };
     std::printf("| %s | %.3f | %.3f |", format_size(bytes).c_str(), t[0] * 1e3, t[1] * 1e3);
     if (options.sliced) std::printf(" %.3f | %.3f |", t[2] * 1e3, t[3] * 1e3);
-    if (options.split > 1) std::printf(" %.3f |", t[kinds - 1] * 1e3);
+    if (options.split > 1) std::printf(" %.3f |", t[options.sliced ? 4 : 2] * 1e3);
+    if (options.in_place) std::printf(" %.3f |", t[kinds - 1] * 1e3);
     // The ratio pairs each repetition's two measurements, taken back to back, before the median:
     // noise that comes and goes over seconds then cancels out instead of landing on one side.
     std::vector<double> ratios(options.reps);
@@ -309,6 +339,11 @@ int main(int argc, char** argv) {
       // workers wait; shoal's time over it (the target: within 3x at 16 MiB).
       const double bound = shoal::bench::memory_bound_seconds(bytes);
       std::printf(" %.3f | %.2fx |", bound * 1e3, t[0] / bound);
+    }
+    if (options.in_place) {
+      for (int r = 0; r < options.reps; ++r)
+        ratios[r] = out[options.reps + r] / out[(kinds - 1) * options.reps + r];
+      std::printf(" %.3f |", median(ratios));
     }
     std::printf("\n");
     std::fflush(stdout);

@@ -130,6 +130,39 @@ TEST_P(Collectives, AllReduceEveryOp) {
   });
 }
 
+// Tensors of Group::empty_shared, all-reduced at an offset: in place on the shared-memory path,
+// like any other tensor elsewhere; the same results either way.
+TEST_P(Collectives, AllReduceInSharedBuffers) {
+  run([] {
+    auto& world = shoal::world();
+    const int n = world.size(), r = world.rank();
+    for (auto dtype : kDtypes) {
+      auto arena = world.empty_shared(kCounts.back() + 3, dtype);
+      ASSERT_EQ(arena.sizes(), (std::vector<int64_t>{kCounts.back() + 3}));
+      ASSERT_EQ(arena.scalar_type(), dtype);
+      for (auto count : kCounts) {
+        auto base = ramp(count, dtype);
+        for (auto op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+          if (op == ReduceOp::kAvg && dtype == torch::kInt64) continue;
+          auto t = arena.narrow(0, 3, count);
+          t.copy_(base * (r + 1));
+          world.all_reduce(t, {op});
+          auto expected = op == ReduceOp::kSum ? base * (n * (n + 1) / 2) : base * ((n + 1) / 2.0);
+          ASSERT_TRUE(torch::equal(t, expected.to(dtype)))
+              << "op " << static_cast<int>(op) << " dtype " << dtype << " count " << count;
+        }
+      }
+    }
+    EXPECT_EQ(world.empty_shared(0, torch::kFloat32).numel(), 0);
+    try {
+      world.empty_shared(-1, torch::kFloat32);
+      ADD_FAILURE() << "expected UsageError";
+    } catch (const shoal::UsageError& e) {
+      EXPECT_STREQ(e.what(), "empty_shared: numel -1, expected 0 or more");
+    }
+  });
+}
+
 TEST_P(Collectives, BroadcastFromEveryRoot) {
   run([] {
     auto& world = shoal::world();

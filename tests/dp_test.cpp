@@ -1,7 +1,9 @@
 // DataParallel against its oracle: the same training on one process over the concatenated
 // global batch. Each worker starts from a different random model (DataParallel must broadcast
 // the first worker's), trains on its shard, and ends with the reference's parameters.
+#include <algorithm>
 #include <csignal>
+#include <cstdint>
 #include <numeric>
 
 #include <gtest/gtest.h>
@@ -182,21 +184,31 @@ TEST_P(Equivalence, GradientsAreSlicesOfTheirBuckets) {
       loss_of(net, x[step], y[step], true).backward();
       opt.step();
     }
-    // Every parameter is in exactly one bucket, and the gradients of a bucket share its storage.
+    // Every parameter is in exactly one bucket, and the gradients of a bucket share its storage
+    // and fill one range of it, which no other bucket's overlaps (the buckets of one dtype are
+    // parts of one tensor: Note [Buckets in shared memory]).
     const auto assignment = model.reducer()->bucket_assignment();
     auto params = net->parameters();
     std::vector<int> seen(params.size(), 0);
+    std::vector<std::pair<uintptr_t, uintptr_t>> ranges;
     for (const auto& bucket : assignment) {
       ASSERT_FALSE(bucket.empty());
+      uintptr_t begin = UINTPTR_MAX, end = 0;
+      size_t bytes = 0;
       for (size_t k : bucket) {
         ++seen.at(k);
-        EXPECT_TRUE(params[k].grad().storage().is_alias_of(params[bucket.front()].grad().storage())) << k;
+        const at::Tensor& grad = params[k].grad();
+        EXPECT_TRUE(grad.storage().is_alias_of(params[bucket.front()].grad().storage())) << k;
+        begin = std::min(begin, reinterpret_cast<uintptr_t>(grad.data_ptr()));
+        end = std::max(end, reinterpret_cast<uintptr_t>(grad.data_ptr()) + grad.nbytes());
+        bytes += grad.nbytes();
       }
+      EXPECT_EQ(end - begin, bytes);
+      for (const auto& [b, e] : ranges) EXPECT_TRUE(end <= b || begin >= e);
+      ranges.emplace_back(begin, end);
     }
     EXPECT_EQ(seen, std::vector<int>(params.size(), 1));
     EXPECT_GT(assignment.size(), 1u);
-    EXPECT_FALSE(params[assignment.front().front()].grad().storage().is_alias_of(
-        params[assignment.back().front()].grad().storage()));
   });
 }
 

@@ -13,6 +13,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -23,6 +24,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -202,6 +204,10 @@ uint64_t fnv(const unsigned char* p, size_t n, uint64_t h = 1469598103934665603U
 void grid(LocalGroup& g, const Say& say, const std::vector<size_t>& counts) {
   const int k = g.size(), r = g.rank();
   uint64_t hash = 1469598103934665603ULL;
+  // all_reduce again in a shared buffer, at an offset (Note [All-reduce in shared buffers]).
+  const size_t largest = *std::max_element(counts.begin(), counts.end());
+  const std::shared_ptr<unsigned char> shared = k > 1 ? g.allocate(largest * 8 + 64) : nullptr;
+  if (k > 1 && shared == nullptr) throw std::runtime_error("allocate gave no shared buffer");
   auto check = [&](const char* what, DType t, size_t n, const Buffer& got, const Buffer& want) {
     const size_t e = dtype_size(t);
     for (size_t i = 0; i < n; ++i) {
@@ -222,6 +228,17 @@ void grid(LocalGroup& g, const Say& say, const std::vector<size_t>& counts) {
         check("all_reduce", t, count, data,
               make(t, count, [&](size_t i) { return reduced(t, op, k, i); }));
         hash = fnv(data.data(), count * e, hash);
+        if (shared != nullptr && count > 0) {
+          unsigned char* at = shared.get() + 3 * e;
+          Buffer in = make(t, count, [&](size_t i) { return value(t, r, i); });
+          std::memcpy(at, in.data(), count * e);
+          if (!g.in_shared_buffer(at, count * e))
+            throw std::runtime_error("not in the shared buffer");
+          g.all_reduce(at, count, t, op);
+          Buffer got(at, at + count * e);
+          got.push_back(0);
+          check("all_reduce in a shared buffer", t, count, got, data);  // bit for bit
+        }
         // reduce_scatter with even parts and with uneven ones (the last part largest).
         for (bool even : {true, false}) {
           std::vector<size_t> parts(k);
@@ -467,6 +484,67 @@ TEST(LocalGroup, MismatchedAllToAllCountsRaiseTheSameUsageErrorEverywhereAndTheG
   }
 }
 
+// Note [Checking a call]: members that pass a shared buffer and memory of their own, different
+// places of a shared buffer, or different counts to one all_reduce, or different sizes to one
+// allocate, all raise the same UsageError, and the group goes on.
+TEST(LocalGroup, MismatchedAllReducesRaiseTheSameUsageErrorEverywhereAndTheGroupGoesOn) {
+  Job job(3, [](LocalGroup& g, const Say& say) {
+    const std::shared_ptr<unsigned char> shared = g.allocate(64);
+    if (!g.in_shared_buffer(shared.get(), 64) || g.in_shared_buffer(shared.get() + 1, 64)) {
+      say("wrong extent");
+      return;
+    }
+    auto* floats = reinterpret_cast<float*>(shared.get());
+    std::vector<float> own(16, 1.0f);
+    auto attempt = [&](float* data, size_t count) {
+      try {
+        g.all_reduce(data, count, DType::kFloat32, ReduceOp::kSum);
+        say("no error");
+      } catch (const UsageError& e) {
+        say(std::string("usage: ") + e.what());
+      }
+    };
+    attempt(g.rank() == 1 ? own.data() : floats, 4);
+    attempt(g.rank() == 2 ? floats + 4 : floats, 4);
+    attempt(own.data(), g.rank() == 2 ? 5 : 4);
+    try {
+      g.allocate(g.rank() == 1 ? 128 : 64);
+      say("no error");
+    } catch (const UsageError& e) {
+      say(std::string("usage: ") + e.what());
+    }
+    floats[0] = static_cast<float>(g.rank() + 1);
+    g.all_reduce(floats, 1, DType::kFloat32, ReduceOp::kSum);
+    say("done " + std::to_string(static_cast<int>(floats[0])));
+  });
+  const std::string rule =
+      "; every member must pass the same count, dtype and op, in memory of its own or at the same "
+      "place of the "
+      "same shared buffer";
+  for (int r = 0; r < 3; ++r) {
+    std::string line = job[r].read_line(30s);
+    if (r == 0) line = job[r].read_line(30s);  // after the handle
+    EXPECT_EQ(line,
+              "usage: shared-memory all_reduce: member 1 passed 4 float32 to sum in memory of its "
+              "own, member 0 "
+              "4 float32 to sum at byte 0 of shared buffer 0" +
+                  rule);
+    EXPECT_EQ(job[r].read_line(30s),
+              "usage: shared-memory all_reduce: member 2 passed 4 float32 to sum at byte 16 of "
+              "shared buffer 0, "
+              "member 0 4 float32 to sum at byte 0 of shared buffer 0" +
+                  rule);
+    EXPECT_EQ(job[r].read_line(30s),
+              "usage: shared-memory all_reduce: member 2 passed 5 float32 to sum in memory of its "
+              "own, member 0 "
+              "4 float32 to sum in memory of its own" +
+                  rule);
+    EXPECT_EQ(job[r].read_line(30s),
+              "usage: shared-memory allocate: member 1 asked for 128 bytes, member 0 for 64");
+    EXPECT_EQ(job[r].read_line(30s), "done 6");
+  }
+}
+
 TEST(LocalGroup, ARecvOfAnotherTagOrSizeIsRefused) {
   Job job(2, [](LocalGroup& g, const Say& say) {
     int64_t x = 42;
@@ -524,20 +602,25 @@ TEST(LocalGroup, SendsUpToTheRingDoNotWaitForTheReceiver) {
 
 // ---- faults ------------------------------------------------------------------------------------
 
-// Members all-reduce `count` floats in a loop; each says "running" after its first, and on an
-// error "error <ms since that all_reduce began> <message>".
-Body all_reduce_loop(size_t count, Duration timeout) {
+// Members all-reduce `count` floats in a loop, in memory of their own or in a shared buffer; each
+// says "running" after its first, and on an error "error <ms since that all_reduce began>
+// <message>".
+Body all_reduce_loop(size_t count, Duration timeout, bool shared = false) {
   return [=](LocalGroup& g, const Say& say) {
-    std::vector<float> data(count, 1.0f);
+    std::vector<float> own(shared ? 0 : count);
+    const std::shared_ptr<unsigned char> buffer = shared ? g.allocate(count * 4) : nullptr;
+    if (shared && buffer == nullptr) throw std::runtime_error("allocate gave no shared buffer");
+    float* data = shared ? reinterpret_cast<float*>(buffer.get()) : own.data();
+    std::fill(data, data + count, 1.0f);
     for (int i = 0;; ++i) {
       const auto start = Clock::now();
       try {
-        g.all_reduce(data.data(), count, DType::kFloat32, ReduceOp::kSum, timeout);
+        g.all_reduce(data, count, DType::kFloat32, ReduceOp::kSum, timeout);
       } catch (const CommError& e) {
         say("error " + std::to_string(static_cast<long>(ms_since(start))) + " " + e.what());
         return;
       }
-      std::fill(data.begin(), data.end(), 1.0f);
+      std::fill(data, data + count, 1.0f);
       if (i == 0) say("running");
     }
   };
@@ -549,11 +632,23 @@ void await_running(Job& job) {
     ASSERT_EQ(job[r].read_line(30s), "running") << "member " << r;
 }
 
-class Kill : public ::testing::TestWithParam<size_t> {};
+// (count, in a shared buffer)
+using FaultCase = std::tuple<size_t, bool>;
+
+std::string fault_case_name(const ::testing::TestParamInfo<FaultCase>& info) {
+  return std::to_string(std::get<0>(info.param)) + (std::get<1>(info.param) ? "_shared" : "_own");
+}
+
+// A small all-reduce (one piece), a medium one (a few pieces) and a large one (64 MiB, 32 pieces
+// of the default segment), each in memory of its own and in a shared buffer.
+const auto kFaultCases = ::testing::Combine(
+    ::testing::Values(size_t{1001}, size_t{1} << 18, size_t{1} << 24), ::testing::Bool());
+
+class Kill : public ::testing::TestWithParam<FaultCase> {};
 
 TEST_P(Kill, SurvivorsNameTheKilledMemberWithinTwoSeconds) {
-  const size_t count = GetParam();
-  Job job(3, all_reduce_loop(count, 60s));
+  const auto [count, shared] = GetParam();
+  Job job(3, all_reduce_loop(count, 60s, shared));
   await_running(job);
   ::usleep(50 * 1000);
   const pid_t victim = job[1].pid();
@@ -570,16 +665,13 @@ TEST_P(Kill, SurvivorsNameTheKilledMemberWithinTwoSeconds) {
     EXPECT_EQ(line.find('\n'), std::string::npos);
   }
 }
-// A small all-reduce (one piece), a medium one (a few pieces) and a large one (64 MiB, 32 pieces
-// of the default segment).
-INSTANTIATE_TEST_SUITE_P(Size, Kill,
-                         ::testing::Values(size_t{1001}, size_t{1} << 18, size_t{1} << 24));
+INSTANTIATE_TEST_SUITE_P(Size, Kill, kFaultCases, fault_case_name);
 
-class Stop : public ::testing::TestWithParam<size_t> {};
+class Stop : public ::testing::TestWithParam<FaultCase> {};
 
 TEST_P(Stop, SurvivorsTimeOutAtTheDeadlineNamingTheStoppedMember) {
-  const size_t count = GetParam();
-  Job job(3, all_reduce_loop(count, 600ms));
+  const auto [count, shared] = GetParam();
+  Job job(3, all_reduce_loop(count, 600ms, shared));
   await_running(job);
   const pid_t victim = job[1].pid();
   ::kill(victim, SIGSTOP);
@@ -604,8 +696,7 @@ TEST_P(Stop, SurvivorsTimeOutAtTheDeadlineNamingTheStoppedMember) {
   EXPECT_GE(own_timeouts, 1);
   ::kill(victim, SIGCONT);
 }
-INSTANTIATE_TEST_SUITE_P(Size, Stop,
-                         ::testing::Values(size_t{1001}, size_t{1} << 18, size_t{1} << 24));
+INSTANTIATE_TEST_SUITE_P(Size, Stop, kFaultCases, fault_case_name);
 
 // Links in /proc/*/fd and lines of /proc/*/maps that name `name`, as "pid: what".
 std::vector<std::string> holders_of(const std::string& name) {
@@ -635,21 +726,31 @@ std::vector<std::string> holders_of(const std::string& name) {
   return found;
 }
 
+// The segment and the shared buffers alike (their memfds are named after the segment's tag).
 TEST(Cleanup, NothingOfAGroupIsLeftAfterEveryMemberIsKilled) {
-  auto job = std::make_unique<Job>(3, all_reduce_loop(size_t{1} << 20, 60s));
+  auto job = std::make_unique<Job>(3, all_reduce_loop(size_t{1} << 20, 60s, true));
   const std::string handle = (*job)[0].read_line(30s);
   ASSERT_EQ(handle.rfind("handle shm1 ", 0), 0u) << handle;
   char tag[33] = {};
   ASSERT_EQ(std::sscanf(handle.c_str(), "handle shm1 %*d %*d %*s %32s", tag), 1) << handle;
   const std::string name = std::string("memfd:") + kMemfdPrefix + std::string(tag, 16);
   for (int r = 0; r < 3; ++r) ASSERT_EQ((*job)[r].read_line(30s), "running");
-  // While the job runs, each member holds the segment (member 0 its fd, all a mapping).
+  // While the job runs, each member holds the segment (member 0 its fd, all a mapping) and maps
+  // every member's shared buffer.
   const auto held = holders_of(name);
   for (int r = 0; r < 3; ++r) {
     const std::string pid = std::to_string((*job)[r].pid()) + ":";
     EXPECT_TRUE(
         std::any_of(held.begin(), held.end(), [&](auto& h) { return h.rfind(pid, 0) == 0; }))
         << "member " << r << " does not hold " << name;
+    EXPECT_EQ(std::count_if(held.begin(), held.end(),
+                            [&](auto& h) {
+                              return h.rfind(pid, 0) == 0 &&
+                                     h.find(name + "-0") != std::string::npos;
+                            }),
+              3)
+        << "member " << r
+        << " does not map the 3 shared buffers: " << ::testing::PrintToString(held);
   }
   for (int r = 0; r < 3; ++r) ::kill((*job)[r].pid(), SIGKILL);
   job.reset();  // reaps them

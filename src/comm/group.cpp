@@ -816,6 +816,31 @@ void Group::recv(at::Tensor& tensor, int src, const PointToPointOptions& options
   recv_async(tensor, src, options).wait();
 }
 
+at::Tensor Group::empty_shared(int64_t numel, at::ScalarType dtype) {
+  if (numel < 0)
+    throw UsageError("empty_shared: numel " + std::to_string(numel) + ", expected 0 or more");
+  const auto options = at::TensorOptions().dtype(dtype);
+  if (!state_ || size() == 1 || !state_->shm || numel == 0 || !shm_dtype(dtype))
+    return at::empty({numel}, options);
+  const auto bytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
+  auto memory = std::make_shared<std::shared_ptr<unsigned char>>();
+  launch_waited_at_once([&] {
+    return launch(
+        "empty_shared",
+        [&](Work::State& work) {
+          submit(work, [memory, bytes](shm::LocalGroup& group, Duration timeout) {
+            *memory = group.allocate(bytes, timeout);
+          });
+        },
+        kUnsetTimeout, static_cast<int64_t>(bytes));
+  }).wait();
+  if (!*memory) return at::empty({numel}, options);
+  std::shared_ptr<unsigned char> keep = std::move(*memory);
+  unsigned char* data = keep.get();
+  return at::from_blob(
+      data, {numel}, [keep = std::move(keep)](void*) mutable { keep.reset(); }, options);
+}
+
 Work Group::barrier_async(const BarrierOptions& options) {
   return launch(
       "barrier",

@@ -1,5 +1,7 @@
 #include "shoal/dp/reducer.h"
 
+#include <map>
+
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -29,6 +31,13 @@ struct Reducer::State {
   std::vector<size_t> bucket_of;
   std::vector<size_t> slot_of;
   std::vector<Bucket> buckets;
+  // Note [Buckets in shared memory]: the buckets of each dtype are consecutive parts of one
+  // tensor made once by comm::Group::empty_shared, which on the shared-memory path the members
+  // share: a bucket's all-reduce then reduces every member's bucket where it lies, without copying
+  // it through the group's segment (docs/comm.md, "Shared buffers"). Cutting the buckets again
+  // (rebuild) re-cuts the same memory; every member cuts the same way, so each bucket lies at the
+  // same place on all. Elsewhere it is an ordinary tensor.
+  std::map<at::ScalarType, at::Tensor> arenas;
   std::vector<bool> ready;
   std::vector<size_t> ready_order;  // this backward's gradients, in the order they arrived
   comm::Group group;
@@ -127,6 +136,7 @@ void Reducer::State::assign(const std::vector<size_t>& order) {
     }
   }
   std::vector<Bucket> fresh(groups.size());
+  std::map<at::ScalarType, int64_t> used;
   for (size_t b = 0; b < groups.size(); ++b) {
     Bucket& bucket = fresh[b];
     int64_t total = 0;
@@ -137,7 +147,10 @@ void Reducer::State::assign(const std::vector<size_t>& order) {
       bucket.offsets.push_back(total);
       total += params[k].numel();
     }
-    bucket.buffer = at::zeros({total}, params[groups[b].front()].options().requires_grad(false));
+    const at::ScalarType dtype = params[groups[b].front()].scalar_type();
+    bucket.buffer = arenas.at(dtype).narrow(0, used[dtype], total);
+    bucket.buffer.zero_();
+    used[dtype] += total;
   }
   buckets = std::move(fresh);
   for (size_t k = 0; k < params.size(); ++k) {
@@ -282,6 +295,10 @@ Reducer::Reducer(std::vector<at::Tensor> parameters, comm::Group group, ReducerO
   state.bucket_of.resize(n);
   state.slot_of.resize(n);
   state.ready.assign(n, false);
+  std::map<at::ScalarType, int64_t> numel;
+  for (const auto& p : state.params) numel[p.scalar_type()] += p.numel();
+  for (const auto& [dtype, count] : numel)
+    state.arenas[dtype] = state.group.empty_shared(count, dtype);
   // Reverse registration order approximates the order in which backward produces gradients
   // until the first backward tells (rebuild()).
   std::vector<size_t> reverse(n);

@@ -1,15 +1,13 @@
 #include "shm.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
-#include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <random>
 #include <sstream>
+
+#include "shoal/core/error.h"
 
 namespace shoal::ps::detail {
 namespace {
@@ -17,6 +15,7 @@ namespace {
 // The tag, then room to keep the values 64-byte aligned.
 constexpr size_t kHeaderBytes = 64;
 constexpr size_t kTagBytes = 16;
+constexpr char kMemfdName[] = "shoal-ps";
 
 std::string hex(const unsigned char* bytes, size_t n) {
   static const char* digits = "0123456789abcdef";
@@ -43,34 +42,22 @@ const std::string& boot_id() {
 std::unique_ptr<SharedSegment> SharedSegment::create(size_t floats) {
   if (boot_id().empty()) return nullptr;
   std::unique_ptr<SharedSegment> segment(new SharedSegment());
-  segment->bytes_ = kHeaderBytes + floats * sizeof(float);
-  segment->fd_ = memfd_create("shoal-ps", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-  if (segment->fd_ < 0) return nullptr;
-  if (ftruncate(segment->fd_, static_cast<off_t>(segment->bytes_)) != 0 ||
-      fcntl(segment->fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+  try {
+    segment->memory_ =
+        comm::shm::Mapping::create(kMemfdName, kHeaderBytes + floats * sizeof(float));
+  } catch (const CommError&) {
     return nullptr;
   }
-  void* base = mmap(nullptr, segment->bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, segment->fd_, 0);
-  if (base == MAP_FAILED) return nullptr;
-  segment->base_ = base;
+  unsigned char* base = segment->memory_.data();
   unsigned char tag[kTagBytes];
   std::random_device random;
   for (auto& byte : tag) byte = static_cast<unsigned char>(random());
   std::memcpy(base, tag, kTagBytes);
-  segment->values_ = {reinterpret_cast<float*>(static_cast<char*>(base) + kHeaderBytes), floats};
-  segment->handle_ = "v1 " + std::to_string(getpid()) + " " + std::to_string(segment->fd_) + " " +
-                     boot_id() + " " + hex(tag, kTagBytes) + " " + std::to_string(segment->bytes_);
+  segment->values_ = {reinterpret_cast<float*>(base + kHeaderBytes), floats};
+  segment->handle_ = "v1 " + std::to_string(getpid()) + " " +
+                     std::to_string(segment->memory_.fd()) + " " + boot_id() + " " +
+                     hex(tag, kTagBytes) + " " + std::to_string(segment->memory_.bytes());
   return segment;
-}
-
-SharedSegment::~SharedSegment() {
-  if (base_ != nullptr) munmap(base_, bytes_);
-  if (fd_ >= 0) close(fd_);
-}
-
-SegmentMapping::~SegmentMapping() {
-  if (base_ != nullptr) munmap(base_, bytes_);
-  if (fd_ >= 0) close(fd_);
 }
 
 std::shared_ptr<const SegmentMapping> SegmentMappings::open(const std::string& handle) {
@@ -96,27 +83,16 @@ std::shared_ptr<const SegmentMapping> SegmentMappings::open(const std::string& h
     throw unusable("expected \"v1 <pid> <fd> <boot id> <tag of 32 hex digits> <bytes>\"");
   }
   if (boot != boot_id()) throw unusable("on another host (boot id " + boot_id() + " here)");
-  const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
   std::shared_ptr<SegmentMapping> mapping(new SegmentMapping());
-  mapping->fd_ = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
-  if (mapping->fd_ < 0) throw unusable("cannot open " + path + ": " + std::strerror(errno));
-  struct stat st {};
-  if (fstat(mapping->fd_, &st) != 0 || !S_ISREG(st.st_mode) ||
-      static_cast<unsigned long long>(st.st_size) != bytes) {
-    throw unusable(path + " is not a segment of " + std::to_string(bytes) + " bytes");
+  try {
+    mapping->memory_ =
+        comm::shm::Mapping::open(static_cast<int>(pid), static_cast<int>(fd), kMemfdName, bytes);
+  } catch (const CommError& e) {
+    throw unusable(e.what());
   }
-  const int seals = fcntl(mapping->fd_, F_GET_SEALS);
-  if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
-    throw unusable(path + " is not sealed against shrinking");
-  }
-  void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, mapping->fd_, 0);
-  if (base == MAP_FAILED) throw unusable("cannot map " + path + ": " + std::strerror(errno));
-  mapping->base_ = base;
-  mapping->bytes_ = bytes;
-  if (hex(static_cast<const unsigned char*>(base), kTagBytes) != tag) {
-    throw unusable(path + " does not carry the tag named");
-  }
-  mapping->values_ = {reinterpret_cast<float*>(static_cast<char*>(base) + kHeaderBytes),
+  const unsigned char* base = mapping->memory_.data();
+  if (hex(base, kTagBytes) != tag) throw unusable("it does not carry the tag named");
+  mapping->values_ = {reinterpret_cast<float*>(mapping->memory_.data() + kHeaderBytes),
                       (bytes - kHeaderBytes) / sizeof(float)};
   std::lock_guard<std::mutex> lock(mutex_);
   kept_.emplace_front(handle, mapping);

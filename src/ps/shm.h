@@ -2,13 +2,14 @@
 // the float payloads of a connection's pushes and pulls cross through one segment, while gRPC
 // carries the calls themselves (their deadlines, token and errors). Private to src/ps.
 //
-// Note [Shared segments]: the worker creates the segment as a memfd sealed against shrinking
-// (a server's mapping can never fault past its end, whatever the worker does later) and names it
-// in each call's metadata by a handle "v1 <pid> <fd> <boot id> <tag> <bytes>". A server opens
-// /proc/<pid>/fd/<fd>, which the kernel allows only to processes that may ptrace the worker (the
-// same user), and uses the segment only when the boot id is its own (the same kernel), its size
-// and seals are as named and the random 128-bit tag stands at its start; otherwise the call is
-// refused with SegmentUnusable and the client goes on without the segment.
+// Note [Shared segments]: the worker creates the segment as a memfd ("shoal-ps") sealed against
+// resizing (a server's mapping can never fault past its end, whatever the worker does later) and
+// names it in each call's metadata by a handle "v1 <pid> <fd> <boot id> <tag> <bytes>". A server
+// opens /proc/<pid>/fd/<fd>, which the kernel allows only to processes that may ptrace the worker
+// (the same user), and uses the segment only when the boot id is its own (the same kernel), its
+// name, size and seals are as named and the random 128-bit tag stands at its start; otherwise the
+// call is refused with SegmentUnusable and the client goes on without the segment. Both sides are
+// comm::shm::Mapping, as the collectives' segments and shared buffers are (comm/shm/segment.h).
 #pragma once
 
 #include <cstddef>
@@ -18,6 +19,8 @@
 #include <stdexcept>
 #include <string>
 #include <utility>
+
+#include "comm/shm/segment.h"
 
 namespace shoal::ps::detail {
 
@@ -32,7 +35,6 @@ class SharedSegment {
  public:
   // A segment with room for `floats` values; nullptr when the system refuses one (no memfd).
   static std::unique_ptr<SharedSegment> create(size_t floats);
-  ~SharedSegment();
   SharedSegment(const SharedSegment&) = delete;
   SharedSegment& operator=(const SharedSegment&) = delete;
 
@@ -41,9 +43,7 @@ class SharedSegment {
 
  private:
   SharedSegment() = default;
-  int fd_ = -1;
-  void* base_ = nullptr;
-  size_t bytes_ = 0;
+  comm::shm::Mapping memory_;
   SharedValues values_;
   std::string handle_;
 };
@@ -51,15 +51,12 @@ class SharedSegment {
 // A server's view of a worker's segment.
 class SegmentMapping {
  public:
-  ~SegmentMapping();
   SharedValues values() const { return values_; }
 
  private:
   friend class SegmentMappings;
   SegmentMapping() = default;
-  int fd_ = -1;
-  void* base_ = nullptr;
-  size_t bytes_ = 0;
+  comm::shm::Mapping memory_;
   SharedValues values_;
 };
 

@@ -142,6 +142,16 @@ class Group {
   void barrier(const BarrierOptions& options = {});
   Work barrier_async(const BarrierOptions& options = {});
 
+  // A one-dimensional tensor of `numel` elements of `dtype`, uninitialised, in memory that this
+  // group's members share when the group takes the shared-memory path (docs/comm.md, "Shared
+  // buffers"): an all_reduce of a tensor that lies in it, at the same place on every member,
+  // reads and writes every member's memory directly instead of copying through the group's
+  // segment (PyTorch's symmetric memory, NCCL's registered buffers). Elsewhere (Gloo,
+  // hierarchical, a group of one, a dtype shared memory does not reduce), or when the memory
+  // cannot be had, an ordinary tensor: collectives take it as any other. A collective: every
+  // member calls it in the same order with the same numel and dtype.
+  at::Tensor empty_shared(int64_t numel, at::ScalarType dtype);
+
   // A group of some of this group's members (`ranks` in this group's numbering, any order,
   // no repeats). Called by those members only, in the same order among themselves; the
   // others don't take part. Raises UsageError when this worker is not among `ranks`.

@@ -158,7 +158,7 @@ int LocalGroup::next_buffer(const WaitScope& s) {
 // phases 1 and 2 with the caller's blocks, with one synchronisation per piece.
 void LocalGroup::reduce_blocks(const char* operation, const void* in,
                                const std::vector<size_t>& counts, DType dtype, ReduceOp op,
-                               void* out, bool gather, Duration timeout) {
+                               void* out, bool gather, Duration timeout, Check* check) {
   const size_t e = dtype_size(dtype);
   const int k = size_;
   const std::vector<size_t> offsets = offsets_of(counts);
@@ -178,13 +178,17 @@ void LocalGroup::reduce_blocks(const char* operation, const void* in,
     }
     arrive();
     wait_all(seq_, s);
+    if (check != nullptr && t == 0) {
+      check->mismatch = compare_calls(check->half);
+      if (!check->mismatch.empty()) return;
+    }
     for (int j = 0; j < k; ++j) {
       inputs[j] =
           j == rank_ ? input + (offsets[rank_] + t * l) * e : segment_.slot(b, j) + rank_ * l * e;
     }
-    Bytes* result = gather ? output + (offsets[rank_] + t * l) * e : output + t * l * e;
-    reduce(dtype, op, inputs.data(), k, in_piece(counts[rank_], t, l), result,
-           gather ? mine + rank_ * l * e : nullptr);
+    void* results[2] = {gather ? output + (offsets[rank_] + t * l) * e : output + t * l * e,
+                        mine + rank_ * l * e};
+    reduce(dtype, op, inputs.data(), k, in_piece(counts[rank_], t, l), results, gather ? 2 : 1);
     if (gather) {
       arrive();
       const uint32_t reduced = seq_;
@@ -199,11 +203,169 @@ void LocalGroup::reduce_blocks(const char* operation, const void* in,
   }
 }
 
+// Note [Checking a call]: an all_reduce publishes in the table, before its first synchronisation,
+// what it was given: the shared buffer it lies in (-1: none) and where, the count, dtype and op.
+// After that synchronisation every member compares every row with member 0's, so members that
+// disagree all raise the same UsageError with their counters level (the group stays usable), where
+// they would otherwise wait for a number of pieces that never comes, or reduce in place over
+// memory that is not the others' tensor. Five values in the table cost no synchronisation.
 void LocalGroup::all_reduce(void* data, size_t count, DType dtype, ReduceOp op, Duration timeout) {
   if (size_ == 1 || count == 0) return;
+  const SharedBuffer* buffer = find_shared(data, count * dtype_size(dtype));
+  const size_t offset =
+      buffer ? static_cast<size_t>(static_cast<Bytes*>(data) - buffer->bases[rank_]) : 0;
+  Check check{0, {}};
   run("all_reduce", [&] {
-    reduce_blocks("all_reduce", data, even_split(count, size_), dtype, op, data, true, timeout);
+    check.half = publish({buffer ? buffer->id : -1, static_cast<int64_t>(offset),
+                          static_cast<int64_t>(count), static_cast<int64_t>(dtype),
+                          static_cast<int64_t>(op)});
+    if (buffer == nullptr) {
+      reduce_blocks("all_reduce", data, even_split(count, size_), dtype, op, data, true, timeout,
+                    &check);
+      return;
+    }
+    const WaitScope s = scope("all_reduce", timeout);
+    arrive();
+    wait_all(seq_, s);
+    check.mismatch = compare_calls(check.half);
+    if (check.mismatch.empty()) reduce_in_place(*buffer, offset, count, dtype, op, s);
   });
+  if (!check.mismatch.empty()) throw UsageError("shared-memory all_reduce: " + check.mismatch);
+}
+
+// Note [All-reduce in shared buffers]: when every member's tensor lies at the same offset of its
+// shared buffer (Note [Shared buffers] in segment.h), member r reads block r of every member's
+// tensor where it lies and writes the result into all of them: each member reads and writes 1/k
+// of the buffer k times, and nothing passes through the slots. Against Note [All-reduce]'s copies
+// that is half the bytes a member moves, in one piece with two synchronisations: the first (in
+// all_reduce) says every input is complete, the second that every block is written everywhere, so
+// no member touches another's memory once it has returned. Block r is read and written by member
+// r alone, so the blocks never race; results are those of the copying path, bit for bit (the same
+// member reduces the same block in the same order).
+void LocalGroup::reduce_in_place(const SharedBuffer& buffer, size_t offset, size_t count,
+                                 DType dtype, ReduceOp op, const WaitScope& s) {
+  const size_t e = dtype_size(dtype);
+  const std::vector<size_t> counts = even_split(count, size_);
+  const size_t start = offset + offsets_of(counts)[rank_] * e;
+  std::vector<const void*> inputs(size_);
+  std::vector<void*> outputs(size_);
+  for (int m = 0; m < size_; ++m) {
+    inputs[m] = buffer.bases[m] + start;
+    outputs[m] = buffer.bases[m] + start;
+  }
+  reduce(dtype, op, inputs.data(), size_, counts[rank_], outputs.data(), size_);
+  arrive();
+  wait_all(seq_, s);
+}
+
+const LocalGroup::SharedBuffer* LocalGroup::find_shared(const void* data, size_t bytes) const {
+  const auto* start = static_cast<const Bytes*>(data);
+  for (const SharedBuffer& buffer : shared_) {
+    const Bytes* mine = buffer.bases[rank_];
+    if (start >= mine && start + bytes <= mine + buffer.bytes && !buffer.mine.expired())
+      return &buffer;
+  }
+  return nullptr;
+}
+
+size_t LocalGroup::publish(std::initializer_list<int64_t> values) {
+  const size_t half = table_half_;
+  table_half_ ^= 1;
+  std::copy(values.begin(), values.end(), segment_.published(rank_) + half * (2 * size_ + 2));
+  return half;
+}
+
+const int64_t* LocalGroup::published(int m, size_t half) const {
+  return segment_.published(m) + half * (2 * size_ + 2);
+}
+
+std::string LocalGroup::compare_calls(size_t half) const {
+  auto describe = [](const int64_t* call) {
+    std::string text = std::to_string(call[2]) + " " + dtype_name(static_cast<DType>(call[3])) +
+                       " to " + op_name(static_cast<ReduceOp>(call[4]));
+    if (call[0] < 0) return text + " in memory of its own";
+    return text + " at byte " + std::to_string(call[1]) + " of shared buffer " +
+           std::to_string(call[0]);
+  };
+  const int64_t* first = published(0, half);
+  for (int m = 1; m < size_; ++m) {
+    const int64_t* call = published(m, half);
+    if (!std::equal(call, call + 5, first)) {
+      return "member " + std::to_string(m) + " passed " + describe(call) + ", member 0 " +
+             describe(first) +
+             "; every member must pass the same count, dtype and op, in memory of its own or at "
+             "the same place "
+             "of the same shared buffer";
+    }
+  }
+  return {};
+}
+
+// Note [Shared buffers], continued: each member makes its memfd and publishes its fd; once all have
+// (first synchronisation) each maps the others' through /proc and says whether it could; once all
+// have said so (second), each closes its fd, the mappings keeping the memory. A buffer that some
+// member could not make or map is dropped by all, who then agree on null. Buffers whose owner here
+// has let go are forgotten (their others unmapped) at the next allocation: an all_reduce on them
+// can no longer agree (Note [Checking a call]).
+std::shared_ptr<unsigned char> LocalGroup::allocate(size_t bytes, Duration timeout) {
+  if (bytes == 0) throw UsageError("shared-memory allocate: 0 bytes, expected at least 1");
+  if (size_ == 1) return nullptr;
+  shared_.erase(std::remove_if(shared_.begin(), shared_.end(),
+                               [](const SharedBuffer& b) { return b.mine.expired(); }),
+                shared_.end());
+  std::shared_ptr<unsigned char> result;
+  std::string mismatch;
+  run("allocate", [&] {
+    const WaitScope s = scope("allocate", timeout);
+    const int64_t id = next_shared_id_++;
+    const std::string name = segment_.buffer_name(id);
+    Mapping mine;
+    try {
+      mine = Mapping::create(name, bytes);
+    } catch (const CommError&) {
+      // Not this group's failure: the members agree below to go without.
+    }
+    size_t half = publish({static_cast<int64_t>(bytes), mine.fd()});
+    arrive();
+    wait_all(seq_, s);
+    bool usable = true;
+    for (int m = 0; m < size_; ++m) {
+      const int64_t* row = published(m, half);
+      if (row[0] != published(0, half)[0]) {
+        mismatch = "member " + std::to_string(m) + " asked for " + std::to_string(row[0]) +
+                   " bytes, member 0 for " + std::to_string(published(0, half)[0]);
+        return;
+      }
+      usable = usable && row[1] >= 0;
+    }
+    SharedBuffer buffer;
+    buffer.id = id;
+    buffer.bytes = bytes;
+    buffer.bases.assign(size_, nullptr);
+    for (int m = 0; m < size_ && usable; ++m) {
+      if (m == rank_) continue;
+      try {
+        buffer.others.push_back(Mapping::open(
+            segment_.member(m)->pid, static_cast<int>(published(m, half)[1]), name, bytes));
+        buffer.bases[m] = buffer.others.back().data();
+      } catch (const CommError&) {
+        usable = false;
+      }
+    }
+    half = publish({usable ? 1 : 0});
+    arrive();
+    wait_all(seq_, s);
+    for (int m = 0; m < size_; ++m) usable = usable && published(m, half)[0] == 1;
+    if (!usable) return;
+    mine.close_fd();
+    auto owner = std::make_shared<Mapping>(std::move(mine));
+    result = std::shared_ptr<unsigned char>(owner, owner->data());
+    buffer.bases[rank_] = owner->data();
+    buffer.mine = result;
+    shared_.push_back(std::move(buffer));
+  });
+  if (!mismatch.empty()) throw UsageError("shared-memory allocate: " + mismatch);
+  return result;
 }
 
 void LocalGroup::reduce_scatter(const void* in, void* out, const std::vector<size_t>& counts,
@@ -321,14 +483,14 @@ void LocalGroup::all_to_all(const void* in, const std::vector<size_t>& send_coun
     wait_all(seq_, s);
     size_t largest = 0;
     for (size_t j = 0; j < k && mismatch.empty(); ++j) {
-      const int64_t* sender = segment_.published(j) + half * (2 * k + 2);
+      const int64_t* sender = published(static_cast<int>(j), half);
       if (sender[2 * k] != static_cast<int64_t>(dtype)) {
         mismatch = "member " + std::to_string(j) + " passed dtype " +
                    dtype_name(static_cast<DType>(sender[2 * k])) + ", member " +
                    std::to_string(rank_) + " " + dtype_name(dtype);
       }
       for (size_t m = 0; m < k && mismatch.empty(); ++m) {
-        const int64_t* receiver = segment_.published(m) + half * (2 * k + 2);
+        const int64_t* receiver = published(static_cast<int>(m), half);
         if (sender[m] != receiver[k + j]) {
           mismatch = "member " + std::to_string(j) + " sends " + std::to_string(sender[m]) +
                      " elements to member " + std::to_string(m) + ", which expects " +

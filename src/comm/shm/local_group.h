@@ -13,9 +13,12 @@
 // the segment (Note [Segment by /proc] in segment.h).
 #pragma once
 
-#include <cstddef>
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include "comm/shm/reduce.h"
@@ -56,6 +59,18 @@ class LocalGroup {
                   const std::vector<size_t>& recv_counts, DType dtype,
                   Duration timeout = kUnsetTimeout);
   void barrier(Duration timeout = kUnsetTimeout);
+  // Note [Shared buffers] (segment.h): `bytes` of memory that every member maps, allocated by all
+  // members together (each calls it in the same order with the same bytes; UsageError on every
+  // member otherwise). Returns this member's buffer, which lives while the pointer or a copy of it
+  // does. An all_reduce of a part of it that every member passes at the same offset reads and
+  // writes the members' buffers in place (Note [All-reduce in shared buffers]). Null on every
+  // member alike when some member could not make or map its buffer: the caller then uses memory
+  // of its own, and the collectives copy as usual.
+  std::shared_ptr<unsigned char> allocate(size_t bytes, Duration timeout = kUnsetTimeout);
+  // Whether [data, data + bytes) lies in one of this member's live shared buffers.
+  bool in_shared_buffer(const void* data, size_t bytes) const {
+    return find_shared(data, bytes) != nullptr;
+  }
   // Note [Channels]: messages from one member to another go, in order, through a ring of their
   // own; a send returns once its bytes are in the ring, so one that fits (channel_bytes less a
   // 16-byte header) never waits for the receiver; a larger one waits for the receiver to drain it.
@@ -101,8 +116,34 @@ class LocalGroup {
   void free_after(int b);
   // Piece by piece: every member publishes its parts of blocks other than its own, then member r
   // reduces block r (Note [All-reduce]).
+  // With `check`, the first piece's synchronisation also compares the calls published in half
+  // `check->half` and stops, with what differs in `check->mismatch`, when they disagree.
+  struct Check {
+    size_t half;
+    std::string mismatch;
+  };
   void reduce_blocks(const char* operation, const void* in, const std::vector<size_t>& counts,
-                     DType dtype, ReduceOp op, void* out, bool gather, Duration timeout);
+                     DType dtype, ReduceOp op, void* out, bool gather, Duration timeout,
+                     Check* check = nullptr);
+  // A member's buffer allocated together with the others', and where the others' lie here.
+  struct SharedBuffer {
+    int64_t id = 0;
+    std::weak_ptr<unsigned char> mine;
+    size_t bytes = 0;
+    std::vector<unsigned char*> bases;  // every member's, in member order
+    std::vector<Mapping> others;
+  };
+  // The shared buffer that holds [data, data + bytes) in this member, or null.
+  const SharedBuffer* find_shared(const void* data, size_t bytes) const;
+  // The buffer in place: member r reduces block r of every member's and writes it into all.
+  void reduce_in_place(const SharedBuffer& buffer, size_t offset, size_t count, DType dtype,
+                       ReduceOp op, const WaitScope& scope);
+  // Note [Checking a call]: writes `values` into this member's row of the next half of the
+  // table, and returns that half; after the next synchronisation every member may read them.
+  size_t publish(std::initializer_list<int64_t> values);
+  const int64_t* published(int m, size_t half) const;
+  // What differs between member 0's all_reduce and another's (empty: nothing), from the table.
+  std::string compare_calls(size_t half) const;
   WaitScope scope(const char* operation, Duration timeout, int watch = -1) const;
   // Moves n bytes between the ring of (from, to) and `bytes` (null: padding, or dropped).
   void write_ring(int to, const unsigned char* bytes, size_t n, const WaitScope& scope);
@@ -120,7 +161,9 @@ class LocalGroup {
   uint32_t seq_ = 0;              // this member's counter (Note [Phases])
   uint32_t free_at_[2] = {0, 0};  // the phase after which all members are done with each buffer
   int buffer_ = 0;
-  size_t table_half_ = 0;  // which half of the published table the next all_to_all uses
+  size_t table_half_ = 0;  // which half of the published table the next call uses
+  std::vector<SharedBuffer> shared_;
+  int64_t next_shared_id_ = 0;
   std::string broken_;     // the first error, once broken
   std::atomic<bool> cancelled_{false};
 };

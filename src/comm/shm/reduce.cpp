@@ -26,8 +26,8 @@ constexpr size_t kBlockBytes = 4096;
 
 // `scale` multiplies the result (kAvg); 1 leaves it alone.
 template <typename T, typename Combine>
-void reduce_plain(const void* const* in, int k, size_t n, void* out, void* out2, Combine combine,
-                  T scale = T(1)) {
+void reduce_plain(const void* const* in, int k, size_t n, void* const* out, int outputs,
+                  Combine combine, T scale = T(1)) {
   constexpr size_t kBlock = kBlockBytes / sizeof(T);
   alignas(64) T acc[kBlock];
   for (size_t start = 0; start < n; start += kBlock) {
@@ -40,15 +40,15 @@ void reduce_plain(const void* const* in, int k, size_t n, void* out, void* out2,
     if (scale != T(1)) {
       for (size_t i = 0; i < m; ++i) acc[i] *= scale;
     }
-    std::memcpy(static_cast<T*>(out) + start, acc, m * sizeof(T));
-    if (out2 != nullptr) std::memcpy(static_cast<T*>(out2) + start, acc, m * sizeof(T));
+    for (int o = 0; o < outputs; ++o)
+      std::memcpy(static_cast<T*>(out[o]) + start, acc, m * sizeof(T));
   }
 }
 
 // 16-bit floats: combined in float, rounded back after each step (Note [Fixed summation order]).
 template <float (*kToFloat)(uint16_t), uint16_t (*kFromFloat)(float), typename Combine>
-void reduce_half(const void* const* in, int k, size_t n, void* out, void* out2, Combine combine,
-                 float scale = 1.0f) {
+void reduce_half(const void* const* in, int k, size_t n, void* const* out, int outputs,
+                 Combine combine, float scale = 1.0f) {
   constexpr size_t kBlock = kBlockBytes / sizeof(float);
   float acc[kBlock];
   uint16_t result[kBlock];
@@ -61,8 +61,8 @@ void reduce_half(const void* const* in, int k, size_t n, void* out, void* out2, 
       for (size_t i = 0; i < m; ++i) acc[i] = kToFloat(kFromFloat(combine(acc[i], kToFloat(x[i]))));
     }
     for (size_t i = 0; i < m; ++i) result[i] = kFromFloat(acc[i] * scale);
-    std::memcpy(static_cast<uint16_t*>(out) + start, result, m * 2);
-    if (out2 != nullptr) std::memcpy(static_cast<uint16_t*>(out2) + start, result, m * 2);
+    for (int o = 0; o < outputs; ++o)
+      std::memcpy(static_cast<uint16_t*>(out[o]) + start, result, m * 2);
   }
 }
 
@@ -87,17 +87,18 @@ struct Min {
 };
 
 template <typename T>
-void reduce_typed(ReduceOp op, const void* const* in, int k, size_t n, void* out, void* out2) {
+void reduce_typed(ReduceOp op, const void* const* in, int k, size_t n, void* const* out,
+                  int outputs) {
   switch (op) {
     case ReduceOp::kSum:
-      return reduce_plain<T>(in, k, n, out, out2, Sum<T>());
+      return reduce_plain<T>(in, k, n, out, outputs, Sum<T>());
     case ReduceOp::kMax:
-      return reduce_plain<T>(in, k, n, out, out2, Max<T>());
+      return reduce_plain<T>(in, k, n, out, outputs, Max<T>());
     case ReduceOp::kMin:
-      return reduce_plain<T>(in, k, n, out, out2, Min<T>());
+      return reduce_plain<T>(in, k, n, out, outputs, Min<T>());
     case ReduceOp::kAvg:
       if constexpr (std::is_floating_point_v<T>) {
-        return reduce_plain<T>(in, k, n, out, out2, Sum<T>(), T(1) / static_cast<T>(k));
+        return reduce_plain<T>(in, k, n, out, outputs, Sum<T>(), T(1) / static_cast<T>(k));
       } else {
         throw UsageError("shared memory: avg needs a floating-point dtype");
       }
@@ -105,16 +106,16 @@ void reduce_typed(ReduceOp op, const void* const* in, int k, size_t n, void* out
 }
 
 template <float (*kToFloat)(uint16_t), uint16_t (*kFromFloat)(float)>
-void reduce_16(ReduceOp op, const void* const* in, int k, size_t n, void* out, void* out2) {
+void reduce_16(ReduceOp op, const void* const* in, int k, size_t n, void* const* out, int outputs) {
   switch (op) {
     case ReduceOp::kSum:
-      return reduce_half<kToFloat, kFromFloat>(in, k, n, out, out2, Sum<float>());
+      return reduce_half<kToFloat, kFromFloat>(in, k, n, out, outputs, Sum<float>());
     case ReduceOp::kMax:
-      return reduce_half<kToFloat, kFromFloat>(in, k, n, out, out2, Max<float>());
+      return reduce_half<kToFloat, kFromFloat>(in, k, n, out, outputs, Max<float>());
     case ReduceOp::kMin:
-      return reduce_half<kToFloat, kFromFloat>(in, k, n, out, out2, Min<float>());
+      return reduce_half<kToFloat, kFromFloat>(in, k, n, out, outputs, Min<float>());
     case ReduceOp::kAvg:
-      return reduce_half<kToFloat, kFromFloat>(in, k, n, out, out2, Sum<float>(),
+      return reduce_half<kToFloat, kFromFloat>(in, k, n, out, outputs, Sum<float>(),
                                                1.0f / static_cast<float>(k));
   }
 }
@@ -214,25 +215,25 @@ const char* op_name(ReduceOp op) {
   return "unknown";
 }
 
-void reduce(DType dtype, ReduceOp op, const void* const* in, int k, size_t n, void* out,
-            void* out2) {
+void reduce(DType dtype, ReduceOp op, const void* const* in, int k, size_t n, void* const* out,
+            int outputs) {
   switch (dtype) {
     case DType::kFloat32:
-      return reduce_typed<float>(op, in, k, n, out, out2);
+      return reduce_typed<float>(op, in, k, n, out, outputs);
     case DType::kFloat64:
-      return reduce_typed<double>(op, in, k, n, out, out2);
+      return reduce_typed<double>(op, in, k, n, out, outputs);
     case DType::kInt32:
-      return reduce_typed<int32_t>(op, in, k, n, out, out2);
+      return reduce_typed<int32_t>(op, in, k, n, out, outputs);
     case DType::kInt64:
-      return reduce_typed<int64_t>(op, in, k, n, out, out2);
+      return reduce_typed<int64_t>(op, in, k, n, out, outputs);
     case DType::kUInt8:
-      return reduce_typed<uint8_t>(op, in, k, n, out, out2);
+      return reduce_typed<uint8_t>(op, in, k, n, out, outputs);
     case DType::kInt8:
-      return reduce_typed<int8_t>(op, in, k, n, out, out2);
+      return reduce_typed<int8_t>(op, in, k, n, out, outputs);
     case DType::kFloat16:
-      return reduce_16<half_to_float, float_to_half>(op, in, k, n, out, out2);
+      return reduce_16<half_to_float, float_to_half>(op, in, k, n, out, outputs);
     case DType::kBFloat16:
-      return reduce_16<bfloat16_to_float, float_to_bfloat16>(op, in, k, n, out, out2);
+      return reduce_16<bfloat16_to_float, float_to_bfloat16>(op, in, k, n, out, outputs);
   }
 }
 

@@ -32,11 +32,11 @@ size_t dtype_size(DType dtype);
 const char* dtype_name(DType dtype);
 const char* op_name(ReduceOp op);
 
-// out[i] = in[0][i] op in[1][i] op ... op in[k-1][i] for i < n (Note [Fixed summation order]),
-// also written to out2 when it is not null. An output may be the same buffer as an input (not
-// a shifted overlap).
-void reduce(DType dtype, ReduceOp op, const void* const* in, int k, size_t n, void* out,
-            void* out2);
+// out[o][i] = in[0][i] op in[1][i] op ... op in[k-1][i] for i < n and each of the `outputs`
+// outputs (Note [Fixed summation order]). An output may be the same buffer as an input (not a
+// shifted overlap).
+void reduce(DType dtype, ReduceOp op, const void* const* in, int k, size_t n, void* const* out,
+            int outputs);
 
 // IEEE half and bfloat16 bits to float and back (round to nearest even; NaN stays NaN).
 float half_to_float(uint16_t h);

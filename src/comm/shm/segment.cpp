@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstring>
 #include <sstream>
+#include <utility>
 
 #include "comm/shm/locality.h"
 #include "shoal/core/error.h"
@@ -52,6 +53,30 @@ std::string errno_text() {
   return std::strerror(errno);
 }
 
+// Opens a memfd through /proc that must hold `bytes` and be sealed against resizing; `refused`
+// makes the CommError that names what was wrong.
+template <typename Refused>
+int open_sealed(const std::string& path, size_t bytes, const char* what, const Refused& refused) {
+  const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0)
+    throw refused("cannot open " + path + ": " + errno_text() + " (has its creator ended?)");
+  struct stat st {};
+  std::string wrong;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) ||
+      static_cast<unsigned long long>(st.st_size) != bytes) {
+    wrong = path + " is not a " + what + " of " + std::to_string(bytes) + " bytes";
+  } else if (const int seals = fcntl(fd, F_GET_SEALS);
+             seals < 0 ||
+             (seals & (F_SEAL_SHRINK | F_SEAL_GROW)) != (F_SEAL_SHRINK | F_SEAL_GROW)) {
+    wrong = path + " is not sealed against resizing";
+  }
+  if (!wrong.empty()) {
+    ::close(fd);
+    throw refused(wrong);
+  }
+  return fd;
+}
+
 }  // namespace
 
 Segment Segment::create(int size, const SegmentSizes& requested) {
@@ -74,16 +99,8 @@ Segment Segment::create(int size, const SegmentSizes& requested) {
   if (getrandom(tag, sizeof(tag), 0) != static_cast<ssize_t>(sizeof(tag))) {
     throw CommError("shared memory: getrandom failed: " + errno_text());
   }
-  const std::string name = kMemfdPrefix + hex(tag, 8);
   Segment segment;
-  segment.fd_ = memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
-  if (segment.fd_ < 0) throw CommError("shared memory: memfd_create failed: " + errno_text());
-  if (ftruncate(segment.fd_, static_cast<off_t>(layout.total)) != 0 ||
-      fcntl(segment.fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
-    throw CommError("shared memory: cannot size and seal a segment of " +
-                    std::to_string(layout.total) + " bytes: " + errno_text());
-  }
-  segment.map(segment.fd_, layout.total);
+  segment.memory_ = Mapping::create(kMemfdPrefix + hex(tag, 8), layout.total);
   SegmentHeader* h = segment.header();
   h->magic = kMagic;
   h->version = kVersion;
@@ -93,9 +110,9 @@ Segment Segment::create(int size, const SegmentSizes& requested) {
   h->channel_bytes = sizes.channel_bytes;
   h->total_bytes = layout.total;
   h->failed.store(0);
-  segment.handle_ = "shm1 " + std::to_string(getpid()) + " " + std::to_string(segment.fd_) + " " +
-                    locality_key() + " " + hex(tag, sizeof(tag)) + " " +
-                    std::to_string(layout.total);
+  segment.handle_ = "shm1 " + std::to_string(getpid()) + " " +
+                    std::to_string(segment.memory_.fd()) + " " + locality_key() + " " +
+                    hex(tag, sizeof(tag)) + " " + std::to_string(layout.total);
   return segment;
 }
 
@@ -116,20 +133,9 @@ Segment Segment::open(const std::string& handle, int size) {
   }
   const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
   Segment segment;
-  segment.fd_ = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
-  if (segment.fd_ < 0) {
-    throw refused("cannot open " + path + ": " + errno_text() + " (has its creator ended?)");
-  }
-  struct stat st {};
-  if (fstat(segment.fd_, &st) != 0 || !S_ISREG(st.st_mode) ||
-      static_cast<unsigned long long>(st.st_size) != bytes) {
-    throw refused(path + " is not a segment of " + std::to_string(bytes) + " bytes");
-  }
-  const int seals = fcntl(segment.fd_, F_GET_SEALS);
-  if (seals < 0 || (seals & (F_SEAL_SHRINK | F_SEAL_GROW)) != (F_SEAL_SHRINK | F_SEAL_GROW)) {
-    throw refused(path + " is not sealed against resizing");
-  }
-  segment.map(segment.fd_, bytes);
+  const int opened = open_sealed(path, bytes, "segment", refused);
+  segment.memory_.fd_ = opened;
+  segment.memory_.map(opened, bytes);
   const SegmentHeader* h = segment.header();
   // The tag first: a segment of another job says nothing else that is worth reading.
   if (hex(h->tag, sizeof(h->tag)) != tag) {
@@ -150,72 +156,111 @@ Segment Segment::open(const std::string& handle, int size) {
   return segment;
 }
 
-void Segment::map(int fd, size_t bytes) {
+Mapping Mapping::create(const std::string& name, size_t bytes) {
+  Mapping mapping;
+  mapping.fd_ = memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (mapping.fd_ < 0) throw CommError("shared memory: memfd_create failed: " + errno_text());
+  if (ftruncate(mapping.fd_, static_cast<off_t>(bytes)) != 0 ||
+      fcntl(mapping.fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    throw CommError("shared memory: cannot size and seal a memfd of " + std::to_string(bytes) +
+                    " bytes: " + errno_text());
+  }
+  mapping.map(mapping.fd_, bytes);
+  return mapping;
+}
+
+Mapping Mapping::open(int pid, int fd, const std::string& name, size_t bytes) {
+  const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
+  auto refused = [&](const std::string& why) {
+    return CommError("shared memory: buffer " + path + " refused: " + why);
+  };
+  // The name first: a reused fd number of another file says nothing else worth reading.
+  char link[256];
+  const ssize_t n = readlink(path.c_str(), link, sizeof(link) - 1);
+  const std::string expected = "/memfd:" + name + " (deleted)";
+  if (n < 0) throw refused("cannot read the link: " + errno_text() + " (has its creator ended?)");
+  if (std::string(link, static_cast<size_t>(n)) != expected) {
+    throw refused("it is " + std::string(link, static_cast<size_t>(n)) + ", expected " + expected);
+  }
+  Mapping mapping;
+  mapping.fd_ = open_sealed(path, bytes, "shared buffer", refused);
+  mapping.map(mapping.fd_, bytes);
+  mapping.close_fd();  // the mapping keeps the memory; only the creator's fd is ever opened
+  return mapping;
+}
+
+void Mapping::map(int fd, size_t bytes) {
   void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (base == MAP_FAILED) {
-    throw CommError("shared memory: cannot map a segment of " + std::to_string(bytes) +
+    throw CommError("shared memory: cannot map " + std::to_string(bytes) +
                     " bytes: " + errno_text());
   }
   base_ = base;
   bytes_ = bytes;
 }
 
-Segment::Segment(Segment&& other) noexcept {
+Mapping::Mapping(Mapping&& other) noexcept {
   *this = std::move(other);
 }
 
-Segment& Segment::operator=(Segment&& other) noexcept {
+Mapping& Mapping::operator=(Mapping&& other) noexcept {
   if (this != &other) {
     release();
-    fd_ = other.fd_;
-    base_ = other.base_;
-    bytes_ = other.bytes_;
-    handle_ = std::move(other.handle_);
-    other.fd_ = -1;
-    other.base_ = nullptr;
-    other.bytes_ = 0;
+    fd_ = std::exchange(other.fd_, -1);
+    base_ = std::exchange(other.base_, nullptr);
+    bytes_ = std::exchange(other.bytes_, 0);
   }
   return *this;
 }
 
-Segment::~Segment() {
+Mapping::~Mapping() {
   release();
 }
 
-void Segment::release() {
-  if (base_ != nullptr) munmap(base_, bytes_);
+void Mapping::close_fd() {
   if (fd_ >= 0) ::close(fd_);
-  base_ = nullptr;
   fd_ = -1;
+}
+
+void Mapping::release() {
+  if (base_ != nullptr) munmap(base_, bytes_);
+  close_fd();
+  base_ = nullptr;
+}
+
+std::string Segment::buffer_name(int64_t id) const {
+  return kMemfdPrefix + hex(header()->tag, 8) + "-" + std::to_string(id);
 }
 
 MemberBlock* Segment::member(int m) const {
   const Layout l(header()->size, header()->slot_bytes, header()->channel_bytes);
-  return reinterpret_cast<MemberBlock*>(static_cast<char*>(base_) + l.members) + m;
+  return reinterpret_cast<MemberBlock*>(reinterpret_cast<char*>(memory_.data()) + l.members) + m;
 }
 
 int64_t* Segment::published(int m) const {
   const size_t k = header()->size;
   const Layout l(k, header()->slot_bytes, header()->channel_bytes);
-  return reinterpret_cast<int64_t*>(static_cast<char*>(base_) + l.published) + m * 2 * (2 * k + 2);
+  return reinterpret_cast<int64_t*>(reinterpret_cast<char*>(memory_.data()) + l.published) +
+         m * 2 * (2 * k + 2);
 }
 
 ChannelBlock* Segment::channel(int from, int to) const {
   const size_t k = header()->size;
   const Layout l(k, header()->slot_bytes, header()->channel_bytes);
-  return reinterpret_cast<ChannelBlock*>(static_cast<char*>(base_) + l.channels) + from * k + to;
+  return reinterpret_cast<ChannelBlock*>(reinterpret_cast<char*>(memory_.data()) + l.channels) +
+         from * k + to;
 }
 
 unsigned char* Segment::ring(int from, int to) const {
   const size_t k = header()->size;
   const Layout l(k, header()->slot_bytes, header()->channel_bytes);
-  return static_cast<unsigned char*>(base_) + l.rings + (from * k + to) * header()->channel_bytes;
+  return memory_.data() + l.rings + (from * k + to) * header()->channel_bytes;
 }
 
 unsigned char* Segment::slot(int buffer, int m) const {
   const size_t k = header()->size;
   const Layout l(k, header()->slot_bytes, header()->channel_bytes);
-  return static_cast<unsigned char*>(base_) + l.data + (buffer * k + m) * header()->slot_bytes;
+  return memory_.data() + l.data + (buffer * k + m) * header()->slot_bytes;
 }
 
 }  // namespace shoal::comm::shm

@@ -61,6 +61,44 @@ inline size_t default_channel_bytes(int members) {
   return bytes;
 }
 
+// Note [Shared buffers]: memory that one member allocates and every other member of its group maps
+// too (LocalGroup::allocate), so that a collective on a buffer in it reads and writes each member's
+// buffer where it lies, with no copy through the slots (Note [All-reduce in shared buffers] in
+// local_group.cpp). Made like the segment: a sealed memfd, opened by the others through
+// /proc/<pid>/fd/<fd> while its creator still holds the fd, and freed by the kernel once the last
+// mapping of it is gone. A Mapping is one process's mapping of such a memfd; movable, unmaps on
+// destruction.
+class Mapping {
+ public:
+  // A new memfd named `name` of `bytes` bytes (more than 0), sealed against resizing, mapped.
+  // CommError (one line) when the system refuses.
+  static Mapping create(const std::string& name, size_t bytes);
+  // Member `pid`'s memfd `fd`, which must be named `name` and hold `bytes`, mapped (and its fd
+  // here closed again); CommError naming what was wrong otherwise.
+  static Mapping open(int pid, int fd, const std::string& name, size_t bytes);
+
+  Mapping() = default;
+  Mapping(Mapping&& other) noexcept;
+  Mapping& operator=(Mapping&& other) noexcept;
+  Mapping(const Mapping&) = delete;
+  Mapping& operator=(const Mapping&) = delete;
+  ~Mapping();
+
+  unsigned char* data() const { return static_cast<unsigned char*>(base_); }
+  size_t bytes() const { return bytes_; }
+  int fd() const { return fd_; }
+  // Once the others have opened it: the mapping alone keeps the memory.
+  void close_fd();
+
+ private:
+  friend class Segment;
+  void map(int fd, size_t bytes);
+  void release();
+  int fd_ = -1;
+  void* base_ = nullptr;
+  size_t bytes_ = 0;
+};
+
 // A futex word and the count of processes sleeping on it, alone in 128 bytes (two cache lines:
 // adjacent-line prefetchers pull lines in pairs), so that one member's writes never slow down
 // another's reads of its own word.
@@ -111,20 +149,23 @@ class Segment {
   // naming what was wrong: another host, a gone creator, a wrong tag, size or seals.
   static Segment open(const std::string& handle, int size);
 
-  Segment(Segment&& other) noexcept;
-  Segment& operator=(Segment&& other) noexcept;
+  Segment(Segment&& other) noexcept = default;
+  Segment& operator=(Segment&& other) noexcept = default;
   Segment(const Segment&) = delete;
   Segment& operator=(const Segment&) = delete;
-  ~Segment();
 
+  // The memfd name of the group's shared buffer number `id` (Note [Shared buffers]).
+  std::string buffer_name(int64_t id) const;
   // What the other members pass to open(); only the creator's is valid for that.
   const std::string& handle() const { return handle_; }
   int size() const { return static_cast<int>(header()->size); }
   size_t slot_bytes() const { return header()->slot_bytes; }
   size_t channel_bytes() const { return header()->channel_bytes; }
-  size_t bytes() const { return bytes_; }
+  size_t bytes() const { return memory_.bytes(); }
 
-  SegmentHeader* header() const { return static_cast<SegmentHeader*>(base_); }
+  SegmentHeader* header() const {
+    return static_cast<SegmentHeader*>(static_cast<void*>(memory_.data()));
+  }
   MemberBlock* member(int m) const;
   // Row m of the table where collectives publish small per-member values (all_to_all's sizes):
   // two halves of 2 * size + 2 int64 each, used alternately by successive calls, so that a member
@@ -137,11 +178,7 @@ class Segment {
 
  private:
   Segment() = default;
-  void map(int fd, size_t bytes);
-  void release();
-  int fd_ = -1;
-  void* base_ = nullptr;
-  size_t bytes_ = 0;
+  Mapping memory_;
   std::string handle_;
 };
 
