@@ -294,8 +294,7 @@ std::string LocalGroup::compare_calls(size_t half) const {
       return "member " + std::to_string(m) + " passed " + describe(call) + ", member 0 " +
              describe(first) +
              "; every member must pass the same count, dtype and op, in memory of its own or at "
-             "the same place "
-             "of the same shared buffer";
+             "the same place of the same shared buffer";
     }
   }
   return {};
