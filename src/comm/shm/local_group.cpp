@@ -268,10 +268,15 @@ const LocalGroup::SharedBuffer* LocalGroup::find_shared(const void* data, size_t
   return nullptr;
 }
 
-size_t LocalGroup::publish(std::initializer_list<int64_t> values) {
-  const size_t half = table_half_;
+int64_t* LocalGroup::next_row(size_t& half) {
+  half = table_half_;
   table_half_ ^= 1;
-  std::copy(values.begin(), values.end(), segment_.published(rank_) + half * (2 * size_ + 2));
+  return segment_.published(rank_) + half * (2 * size_ + 2);
+}
+
+size_t LocalGroup::publish(std::initializer_list<int64_t> values) {
+  size_t half = 0;
+  std::copy(values.begin(), values.end(), next_row(half));
   return half;
 }
 
@@ -470,9 +475,8 @@ void LocalGroup::all_to_all(const void* in, const std::vector<size_t>& send_coun
   std::string mismatch;
   run("all_to_all", [&] {
     const WaitScope s = scope("all_to_all", timeout);
-    const size_t half = table_half_;
-    table_half_ ^= 1;
-    int64_t* row = segment_.published(rank_) + half * (2 * k + 2);
+    size_t half = 0;
+    int64_t* row = next_row(half);
     for (size_t m = 0; m < k; ++m) {
       row[m] = static_cast<int64_t>(send_counts[m]);
       row[k + m] = static_cast<int64_t>(recv_counts[m]);

@@ -141,6 +141,8 @@ class LocalGroup {
   // Note [Checking a call]: writes `values` into this member's row of the next half of the
   // table, and returns that half; after the next synchronisation every member may read them.
   size_t publish(std::initializer_list<int64_t> values);
+  // This member's row in the next half of the table (2 * size + 2 values), and that half.
+  int64_t* next_row(size_t& half);
   const int64_t* published(int m, size_t half) const;
   // What differs between member 0's all_reduce and another's (empty: nothing), from the table.
   std::string compare_calls(size_t half) const;
