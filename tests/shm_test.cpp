@@ -368,6 +368,41 @@ TEST(LocalGroup, AllReduceLargerThanTheDefaultSegment) {
   }
 }
 
+// Note [Taking chunks]: in a shared buffer, the members awake take the chunks of an all-reduce.
+// In each round another member arrives 20 ms after the others, which sleep by then (Note
+// [Spinning]), and it finds every chunk left to it; in the last round all arrive together. Every
+// round's result is the closed form, whoever reduced what, for a buffer of a few chunks and for
+// one cut into the most chunks a call has.
+TEST(LocalGroup, InPlaceAllReducesAreRightWhoeverTakesTheChunks) {
+  for (int k : {2, 3}) {
+    Job job(k, [&](LocalGroup& g, const Say& say) {
+      uint64_t hash = 1469598103934665603ULL;
+      for (size_t count : {size_t{70001}, size_t{5000003}}) {
+        const std::shared_ptr<unsigned char> shared = g.allocate(count * 4 + 64);
+        if (shared == nullptr) throw std::runtime_error("allocate gave no shared buffer");
+        unsigned char* at = shared.get() + 12;
+        for (int late = 0; late <= k; ++late) {
+          Buffer in = make(DType::kFloat32, count,
+                           [&](size_t i) { return value(DType::kFloat32, g.rank(), i + late); });
+          std::memcpy(at, in.data(), count * 4);
+          if (g.rank() == late) std::this_thread::sleep_for(20ms);
+          g.all_reduce(at, count, DType::kFloat32, ReduceOp::kSum);
+          Buffer want = make(DType::kFloat32, count, [&](size_t i) {
+            return reduced(DType::kFloat32, ReduceOp::kSum, k, i + late);
+          });
+          if (std::memcmp(at, want.data(), count * 4) != 0) {
+            throw std::runtime_error("count " + std::to_string(count) + ", member " +
+                                     std::to_string(late) + " late: not the closed form");
+          }
+          hash = fnv(at, count * 4, hash);
+        }
+      }
+      say("done " + std::to_string(hash));
+    });
+    expect_done_and_equal(job.finish());
+  }
+}
+
 // ---- the executor's lanes ------------------------------------------------------------------------
 
 // Note [Running on the waiter] (executor.cpp): a waiter runs the operation at the front of an idle

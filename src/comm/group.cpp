@@ -17,18 +17,14 @@
 namespace shoal::comm {
 namespace {
 
-// Set while a blocking collective launches the operation it will wait for at once: Group::submit
-// then leaves the lane's thread asleep, and the caller runs the operation (Note [Running on the
-// waiter] in shm/executor.cpp).
+// Set by RunOnWaiter: Group::submit then leaves the lane's thread asleep, and the caller runs the
+// operation (Note [Running on the waiter] in shm/executor.cpp).
 thread_local bool waited_at_once = false;
 
 // Launches with waited_at_once set; the flag ends with the launch, taken or not.
 template <typename Launch>
 Work launch_waited_at_once(Launch&& launch) {
-  waited_at_once = true;
-  struct Reset {
-    ~Reset() { waited_at_once = false; }
-  } reset;
+  RunOnWaiter promise;
   return launch();
 }
 
@@ -182,6 +178,13 @@ void count_sent(int64_t bytes) {
 }
 
 }  // namespace
+
+RunOnWaiter::RunOnWaiter() {
+  waited_at_once = true;
+}
+RunOnWaiter::~RunOnWaiter() {
+  waited_at_once = false;
+}
 
 int64_t sent_bytes() {
   return sent.load(std::memory_order_relaxed);

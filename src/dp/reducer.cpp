@@ -1,6 +1,7 @@
 #include "shoal/dp/reducer.h"
 
 #include <map>
+#include <optional>
 
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
@@ -30,6 +31,7 @@ struct Reducer::State {
   std::vector<unsigned> weight_hooks;  // with weigh_by_batch_share: one per parameter
   std::vector<size_t> bucket_of;
   std::vector<size_t> slot_of;
+  std::vector<const void*> slice_data;  // where each parameter's slice of its bucket starts
   std::vector<Bucket> buckets;
   // Note [Buckets in shared memory]: the buckets of each dtype are consecutive parts of one
   // tensor made once by comm::Group::empty_shared, which on the shared-memory path the members
@@ -79,11 +81,12 @@ struct Reducer::State {
     return alias;
   }
 
+  // Whether the parameter's .grad is its slice of its bucket. Asked for every parameter in every
+  // backward, twice: a comparison of addresses, where making the slice's tensor cost a few
+  // microseconds each time (tens a step on a small model).
   bool is_alias(size_t index) const {
     const at::Tensor& grad = params[index].grad();
-    if (!grad.defined()) return false;
-    const Bucket& bucket = buckets[bucket_of[index]];
-    return grad.data_ptr() == slice(bucket, slot_of[index]).data_ptr() && grad.is_contiguous();
+    return grad.defined() && grad.data_ptr() == slice_data[index] && grad.is_contiguous();
   }
 };
 
@@ -153,6 +156,8 @@ void Reducer::State::assign(const std::vector<size_t>& order) {
     used[dtype] += total;
   }
   buckets = std::move(fresh);
+  for (size_t k = 0; k < params.size(); ++k)
+    slice_data[k] = slice(buckets[bucket_of[k]], slot_of[k]).data_ptr();
   for (size_t k = 0; k < params.size(); ++k) {
     if (!aliased[k].defined()) continue;
     auto alias = grad_alias(k);
@@ -180,12 +185,12 @@ void Reducer::State::on_grad_ready(size_t index, const std::shared_ptr<State>& s
   ready[index] = true;
   ready_order.push_back(index);
   Bucket& bucket = buckets[bucket_of[index]];
-  auto view = slice(bucket, slot_of[index]);
   at::Tensor& grad = params[index].mutable_grad();
   if (is_alias(index)) {
     // Backward accumulated straight into the bucket.
-    if (prescale) view.mul_(1.0 / group.size());
+    if (prescale) grad.mul_(1.0 / group.size());
   } else {
+    auto view = slice(bucket, slot_of[index]);
     if (prescale) {
       at::mul_out(view, grad.reshape(-1), at::scalar_tensor(1.0 / group.size(), view.options()));
     } else {
@@ -209,6 +214,10 @@ void Reducer::State::start(Bucket& bucket) {
          {"params", static_cast<int64_t>(bucket.params.size())},
          {"bytes", static_cast<int64_t>(bucket.buffer.nbytes())}});
   }
+  // The last bucket is the one finalize() waits for next, with nothing left to overlap it: it
+  // runs there, on the thread that waits (comm::RunOnWaiter).
+  std::optional<comm::RunOnWaiter> promise;
+  if (&bucket == &buckets.back()) promise.emplace();
   bucket.work = options.hook ? options.hook(group, bucket.buffer)
                              : group.all_reduce_async(bucket.buffer, {prescale ? comm::ReduceOp::kSum
                                                                                : comm::ReduceOp::kAvg});
@@ -294,6 +303,7 @@ Reducer::Reducer(std::vector<at::Tensor> parameters, comm::Group group, ReducerO
   const size_t n = state.params.size();
   state.bucket_of.resize(n);
   state.slot_of.resize(n);
+  state.slice_data.resize(n);
   state.ready.assign(n, false);
   std::map<at::ScalarType, int64_t> numel;
   for (const auto& p : state.params) numel[p.scalar_type()] += p.numel();

@@ -95,6 +95,21 @@ int64_t sent_bytes();
 // The same rule everywhere in shoal (collectives, data sharding, split SBP).
 Sizes split_sizes(int64_t length, int parts);
 
+// Promises, for its scope, that the calling thread waits for the first operation it launches
+// before it launches another. On the shared-memory path that operation then runs on the thread
+// that waits for it, instead of waking the group's own thread and being woken by it (two hand-offs
+// between threads, the larger part of a small all-reduce's time; Note [Running on the waiter] in
+// src/comm/shm/executor.cpp). Blocking collectives make this promise themselves; DataParallel
+// makes it for the bucket it launches last. A promise not kept costs no deadlock, only time: the
+// operation, and those launched after it, run once one of them is waited for.
+class RunOnWaiter {
+ public:
+  RunOnWaiter();
+  ~RunOnWaiter();
+  RunOnWaiter(const RunOnWaiter&) = delete;
+  RunOnWaiter& operator=(const RunOnWaiter&) = delete;
+};
+
 class Group {
  public:
   // The group of all `size` workers, meeting through `store`. Every worker calls this with its

@@ -135,7 +135,7 @@ class LocalGroup {
   };
   // The shared buffer that holds [data, data + bytes) in this member, or null.
   const SharedBuffer* find_shared(const void* data, size_t bytes) const;
-  // The buffer in place: member r reduces block r of every member's and writes it into all.
+  // The buffer in place: the members take chunks of it, and reduce each into every member's.
   void reduce_in_place(const SharedBuffer& buffer, size_t offset, size_t count, DType dtype,
                        ReduceOp op, const WaitScope& scope);
   // Note [Checking a call]: writes `values` into this member's row of the next half of the

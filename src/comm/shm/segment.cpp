@@ -18,7 +18,7 @@ namespace shoal::comm::shm {
 namespace {
 
 constexpr uint64_t kMagic = 0x6d68732d6c616f73ULL;  // "shoal-shm"
-constexpr uint32_t kVersion = 2;
+constexpr uint32_t kVersion = 3;
 constexpr size_t kPage = 4096;
 
 size_t round_up(size_t n, size_t to) {
@@ -110,6 +110,7 @@ Segment Segment::create(int size, const SegmentSizes& requested) {
   h->channel_bytes = sizes.channel_bytes;
   h->total_bytes = layout.total;
   h->failed.store(0);
+  h->next_chunk.store(0);
   segment.handle_ = "shm1 " + std::to_string(getpid()) + " " +
                     std::to_string(segment.memory_.fd()) + " " + locality_key() + " " +
                     hex(tag, sizeof(tag)) + " " + std::to_string(layout.total);

@@ -136,6 +136,10 @@ struct SegmentHeader {
   int32_t failure_kind;
   int32_t failure_member;
   char failure[500];
+  // Note [Taking chunks] (local_group.cpp): the call that last took a chunk of an all-reduce in
+  // shared buffers (high 32 bits: its phase) and the next chunk to take (low 32 bits). Alone in
+  // its cache lines: every member's reduction writes it.
+  alignas(128) std::atomic<uint64_t> next_chunk;
 };
 
 // One mapping of a group's segment, created or opened. Movable, not copyable; unmaps and closes
