@@ -266,8 +266,7 @@ void LocalGroup::reduce_in_place(const SharedBuffer& buffer, size_t offset, size
   const uint64_t chunks = ceil_div(count, per_chunk);
   const uint64_t call = static_cast<uint64_t>(seq_) << 32;
   std::atomic<uint64_t>& next = segment_.header()->next_chunk;
-  std::vector<const void*> inputs(size_);
-  std::vector<void*> outputs(size_);
+  std::vector<void*> chunk_at(size_);  // every member's chunk: read, then written with the result
   for (;;) {
     uint64_t seen = next.load(std::memory_order_relaxed);
     uint64_t chunk = 0;
@@ -277,11 +276,8 @@ void LocalGroup::reduce_in_place(const SharedBuffer& buffer, size_t offset, size
              !next.compare_exchange_weak(seen, call | (chunk + 1), std::memory_order_relaxed));
     if (chunk >= chunks) break;
     const size_t first = chunk * per_chunk;
-    for (int m = 0; m < size_; ++m) {
-      inputs[m] = buffer.bases[m] + offset + first * e;
-      outputs[m] = buffer.bases[m] + offset + first * e;
-    }
-    reduce(dtype, op, inputs.data(), size_, std::min(per_chunk, count - first), outputs.data(),
+    for (int m = 0; m < size_; ++m) chunk_at[m] = buffer.bases[m] + offset + first * e;
+    reduce(dtype, op, chunk_at.data(), size_, std::min(per_chunk, count - first), chunk_at.data(),
            size_);
   }
   arrive();
