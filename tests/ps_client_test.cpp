@@ -73,6 +73,23 @@ TEST(PsTrain, AJobOfOneTrainsWithoutServers) {
   }
 }
 
+// A bad SHOAL_PS_MODE is one line however the job runs: a job of one (no servers) refuses it when
+// its ps::Optimizer is made, before a step; `shoal run --servers` before it starts any process.
+TEST(PsTrain, AnUnknownModeIsTheSameUsageErrorWithAndWithoutServers) {
+  const std::string line =
+      "SHOAL_PS_MODE=bogus; expected sync, async or ssp:S (bounded staleness of S steps)";
+  ::setenv("SHOAL_PS_MODE", "bogus", 1);
+  const RunResult alone = run_shoal({"-n", "1", kTrain, "sgd"}, 60s);
+  const RunResult served = run_shoal({"--servers", "1", "-n", "2", kTrain, "sgd"}, 60s);
+  ::unsetenv("SHOAL_PS_MODE");
+  EXPECT_EQ(alone.exit_code, 1) << alone.out << alone.err;
+  EXPECT_NE(alone.out.find("error: " + line + "\n"), std::string::npos) << alone.out;
+  EXPECT_EQ(alone.out.find("ps train ok"), std::string::npos) << alone.out;
+  EXPECT_EQ(served.exit_code, 2) << served.out << served.err;
+  EXPECT_EQ(served.err, "shoal run: " + line + "\n");
+  EXPECT_EQ(served.out, "");
+}
+
 // The oracle can fail: in async each push is applied alone, which is not the one process's step.
 TEST(PsTrain, AsyncIsNotTheOneProcessRun) {
   ::setenv("SHOAL_PS_MODE", "async", 1);

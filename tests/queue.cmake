@@ -31,3 +31,9 @@ add_dependencies(queue_slurm_test shoal_cli elastic_worker)
 shoal_add_test(queue_restart_test queue_restart_test.cpp PROPERTIES RESOURCE_LOCK timing)
 target_link_libraries(queue_restart_test PRIVATE shoal_queue_http)
 add_dependencies(queue_restart_test shoal_cli elastic_worker)
+
+# The scheduler as a service (docs/queue.md, "Running the queue"): an agent stopped, a second
+# scheduler, a port in use, flags, REST errors, half-open clients.
+shoal_add_test(queue_service_test queue_service_test.cpp PROPERTIES RESOURCE_LOCK timing)
+target_link_libraries(queue_service_test PRIVATE shoal_queue_http)
+add_dependencies(queue_service_test shoal_cli elastic_worker)

@@ -204,6 +204,21 @@ namespace {
   std::fflush(nullptr);
   std::exit(1);
 }
+
+// Note [A leave is not the end]
+// A worker that leaves on SIGTERM exits 0, as one whose training finished does: to whoever
+// started it, the two look alike. A queue's agent tells them apart by the file that
+// SHOAL_LEAVE_NOTE names, which a leave writes before its exit: an exit 0 without it is the
+// program's own end (docs/queue.md, "When a job is done").
+void note_leave(int64_t step) {
+  const char* path = std::getenv("SHOAL_LEAVE_NOTE");
+  if (path == nullptr || *path == '\0') return;
+  if (std::FILE* file = std::fopen(path, "w")) {
+    std::fprintf(file, "left after step %lld\n", static_cast<long long>(step));
+    std::fclose(file);
+  }
+}
+
 }  // namespace
 
 void State::next_epoch() {
@@ -266,6 +281,7 @@ void State::check_world() {
     }
     std::fprintf(stderr, "shoal elastic: %s leaves the job after step %lld (SIGTERM)\n",
                  view.describe(view.rank).c_str(), static_cast<long long>(version_));
+    note_leave(version_);
     elastic.rendezvous().leave();
     std::fflush(nullptr);
     std::exit(0);

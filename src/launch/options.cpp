@@ -7,6 +7,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "../ps/mode.h"
 #include "process.h"
 #include "shoal/core/error.h"
 #include "shoal/runtime/job.h"
@@ -203,6 +204,7 @@ void validate_servers(const RawFlags& raw, const CLI::App& app, LaunchOptions& o
     }
     return;
   }
+  ps::mode_from_environment();  // a bad SHOAL_PS_MODE is refused before any server starts
   if (options.ps_backup_workers > 0) {
     // docs/ps.md, "Consistency": TensorFlow's SyncReplicasOptimizer's replicas_to_aggregate.
     if (options.elastic) {
@@ -214,10 +216,9 @@ void validate_servers(const RawFlags& raw, const CLI::App& app, LaunchOptions& o
                        " leaves no worker to aggregate; expected fewer than the job's " +
                        std::to_string(options.world_size()) + " workers");
     }
-    const char* mode = std::getenv("SHOAL_PS_MODE");
-    if (mode != nullptr && std::string(mode) != "sync") {
+    if (ps::mode_from_environment().kind != ps::Mode::kSync) {
       throw UsageError("--ps-backup-workers is for sync parameter servers; SHOAL_PS_MODE is " +
-                       std::string(mode) + " (unset it, or set it to sync)");
+                       std::string(std::getenv("SHOAL_PS_MODE")) + " (unset it, or set it to sync)");
     }
   }
   if (options.elastic) {

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "../ps/connect.h"
+#include "../ps/mode.h"
 #include "../ps/replica.h"
 #include "../ps/rpc.h"
 #include "../ps/server_core.h"
@@ -55,17 +56,11 @@ std::unique_ptr<ps::detail::Handler> make_handler(const std::string& kind, const
     throw UsageError("SHOAL_PS_WORKERS is not set; expected the job's worker count");
   }
   ps::detail::ServerCoreOptions options;
-  if (mode == "sync") {
-    options.consistency = ps::detail::Consistency::kSync;
-  } else if (mode == "async") {
-    options.consistency = ps::detail::Consistency::kAsync;
-  } else if (mode.rfind("ssp:", 0) == 0 && mode.size() > 4 &&
-             mode.find_first_not_of("0123456789", 4) == std::string::npos) {
-    options.consistency = ps::detail::Consistency::kBoundedStaleness;
-    options.staleness = std::stoll(mode.substr(4));
-  } else {
-    throw UsageError("--mode " + mode + "; expected sync, async or ssp:S (S a step count)");
-  }
+  const ps::Mode parsed = ps::parse_mode(mode, "--mode");  // checked at the flags
+  options.consistency = parsed.kind == ps::Mode::kSync    ? ps::detail::Consistency::kSync
+                        : parsed.kind == ps::Mode::kAsync ? ps::detail::Consistency::kAsync
+                                                          : ps::detail::Consistency::kBoundedStaleness;
+  options.staleness = parsed.staleness;
   for (int w = 0; w < *workers; ++w) options.workers.push_back(w);
   // An elastic job's workers die, leave and join (docs/ps.md, "Elastic workers").
   options.sealed_pushes = env::get_bool(env, "SHOAL_PS_ELASTIC").value_or(false);
@@ -293,6 +288,7 @@ int ps_server_command(const std::vector<std::string>& args) {
   try {
     std::vector<std::string> reversed(args.rbegin(), args.rend());
     app.parse(reversed);
+    ps::parse_mode(mode, app.count("--mode") > 0 ? "--mode" : "SHOAL_PS_MODE");
     if (index < 0) throw UsageError("--index " + std::to_string(index) + "; expected 0 or more");
     if (port < 0 || port > 65535) {
       throw UsageError("--port " + std::to_string(port) + "; expected 0 to 65535");

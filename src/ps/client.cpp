@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "connect.h"
+#include "mode.h"
 #include "rpc.h"
 #include "server_core.h"
 #include "shoal/comm/group.h"
@@ -249,8 +250,7 @@ void Client::train_on(data::Sampler& sampler) {
         "shoal::ps::Optimizer::train_on: called twice; expected one loader per optimizer (the "
         "servers keep one ledger of batches)");
   }
-  const std::string mode = env::get(env::current(), "SHOAL_PS_MODE").value_or("sync");
-  async_ = mode == "async";
+  async_ = mode_from_environment().kind == Mode::kAsync;
   sampler.lease_from(std::make_shared<Leases>(weak_from_this()));
   leasing_ = true;
 }
@@ -631,6 +631,9 @@ std::shared_ptr<detail::Client> make_client(torch::nn::Module& model,
         "shoal::ps::Optimizer before shoal::init(); expected shoal::init() first, as for "
         "DataParallel");
   }
+  // A job of one trains without servers, a job with servers through them: either refuses a bad
+  // SHOAL_PS_MODE with the same line, before anything trains.
+  mode_from_environment();
   return std::make_shared<detail::Client>(model, spec, options);
 }
 

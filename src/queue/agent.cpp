@@ -60,6 +60,7 @@ struct Worker {
   int64_t started_ms = 0;
   std::optional<Clock::time_point> kill_at;  // SIGTERM sent; SIGKILL then
   bool leave_sent = false;
+  std::string leave_note;  // SHOAL_LEAVE_NOTE: written when the program leaves on a SIGTERM
   std::string exit;
   bool success = false;
 };
@@ -158,6 +159,19 @@ class Agent {
       worker.running = false;
       worker.exit = change.exit;
       worker.success = change.success;
+      // Note [An agent that stops]: an exit 0 is the end of the training only when nobody asked
+      // the worker to leave (Note [A leave is not the end], src/elastic/state.cpp).
+      const bool ordered = worker.leave_sent || worker.kill_at.has_value();
+      const bool left = change.success && ::access(worker.leave_note.c_str(), F_OK) == 0;
+      if (!ordered && stopping_ && (left || !change.success)) {
+        worker.success = false;
+        worker.exit = std::string(left ? "left" : "ended") +
+                      " when its agent was stopped (SIGTERM to the agent): " + change.exit;
+      } else if (!ordered && left) {
+        worker.success = false;
+        worker.exit = "left the job after a SIGTERM that its agent did not send: " + change.exit;
+      }
+      ::unlink(worker.leave_note.c_str());
       worker.kill_at.reset();
     }
     return changed;
@@ -288,6 +302,11 @@ class Agent {
       base["SHOAL_QUEUE_JOB"] = std::to_string(job);
       base["SHOAL_QUEUE_WORKER"] = std::to_string(id);
       base["SHOAL_QUEUE_HOST"] = options_.host;
+      const std::string log_dir = options_.dir + "/job-" + std::to_string(job);
+      ::mkdir(log_dir.c_str(), 0755);
+      w.leave_note = log_dir + "/worker-" + std::to_string(id) + ".left";
+      ::unlink(w.leave_note.c_str());
+      base["SHOAL_LEAVE_NOTE"] = w.leave_note;
       WorkerLaunch launch;
       launch.worker = id;
       launch.job = job;
@@ -295,8 +314,6 @@ class Agent {
       launch.env = launch::to_envp(launch::elastic_worker_environment(base, place));
       launch.argv = spec.at("argv").get<std::vector<std::string>>();
       launch.cwd = spec.value("cwd", std::string("/"));
-      const std::string log_dir = options_.dir + "/job-" + std::to_string(job);
-      ::mkdir(log_dir.c_str(), 0755);
       launch.log = log_dir + "/worker-" + std::to_string(id) + ".log";
       w.pid = engine_->start(launch);
     } catch (const std::exception& e) {
@@ -326,7 +343,14 @@ class Agent {
     }
   }
 
+  // Note [An agent that stops]
+  // SIGTERM to an agent drains its host: its workers leave at their next commit (a job loses no
+  // sample) and the agent's last heartbeat says it stops, so the scheduler counts the host lost
+  // at once and replaces those workers elsewhere, each a failure of its job, as when a host is
+  // lost. A worker that leaves because its agent stops exits 0 as one that finished does; the
+  // agent reports it as the failure it is (docs/queue.md, "When a job is done").
   void stop_everything() {
+    stopping_ = true;
     for (auto& [id, w] : workers_) {
       if (w.running) engine_->signal(id, SIGTERM);
     }
@@ -353,7 +377,9 @@ class Agent {
     members_.clear();
     // Tell the scheduler how they ended, if it listens.
     try {
-      client_.post("/agent/heartbeat", report());
+      json last = report();
+      last["stopping"] = true;
+      client_.post("/agent/heartbeat", last);
     } catch (const Error&) {
     }
   }
@@ -372,6 +398,7 @@ class Agent {
   std::map<int64_t, JobMember> members_;
   std::string advertise_;
   bool unreachable_ = false;
+  bool stopping_ = false;  // SIGTERM or SIGINT came: the workers' ends are the agent's doing
   int nudge_fd_ = -1;
   int nudge_port_ = 0;
 };

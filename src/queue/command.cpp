@@ -100,6 +100,19 @@ struct Connection {
   }
 };
 
+// Parses `args` into `app`. With --help it prints the command's usage and its flags instead,
+// and returns false: the command then exits 0.
+bool parse(CLI::App& app, const std::vector<std::string>& args) {
+  try {
+    std::vector<std::string> reversed(args.rbegin(), args.rend());
+    app.parse(reversed);
+    return true;
+  } catch (const CLI::CallForHelp&) {
+    std::cout << app.help();
+    return false;
+  }
+}
+
 int parse_priority(const std::string& text) {
   if (text == "low") return -100;
   if (text == "normal") return 0;
@@ -167,8 +180,7 @@ int submit(const std::vector<std::string>& args) {
   app.add_option("--name", name, "a name to show");
   // CLI11 takes flags up to the program; the program's own flags stay its own.
   app.prefix_command();
-  std::vector<std::string> reversed(args.rbegin(), args.rend());
-  app.parse(reversed);
+  if (!parse(app, args)) return 0;
   program = app.remaining();
   if (program.empty())
     throw UsageError("expected the program to run: shoal queue submit [FLAGS] PROGRAM [ARGS...]");
@@ -208,8 +220,7 @@ int ls(const std::vector<std::string>& args) {
   CLI::App app("List the queue's jobs", "shoal queue ls");
   Connection connection;
   connection.add_flags(app);
-  std::vector<std::string> reversed(args.rbegin(), args.rend());
-  app.parse(reversed);
+  if (!parse(app, args)) return 0;
   print_jobs(connection.client().get("/jobs"), std::cout);
   return 0;
 }
@@ -231,8 +242,7 @@ int show(const std::vector<std::string>& args) {
   connection.add_flags(app);
   std::string id;
   app.add_option("job", id, "the job's id")->required();
-  std::vector<std::string> reversed(args.rbegin(), args.rend());
-  app.parse(reversed);
+  if (!parse(app, args)) return 0;
   const json job = connection.client().get("/jobs/" + std::to_string(parse_job(id)));
   std::cout << "job " << job.at("id").get<int64_t>() << ": " << job.at("state").get<std::string>()
             << " (" << job.value("reason", "") << ")\n";
@@ -274,8 +284,7 @@ int cancel(const std::vector<std::string>& args) {
   connection.add_flags(app);
   std::string id;
   app.add_option("job", id, "the job's id")->required();
-  std::vector<std::string> reversed(args.rbegin(), args.rend());
-  app.parse(reversed);
+  if (!parse(app, args)) return 0;
   const int64_t job = parse_job(id);
   connection.client().del("/jobs/" + std::to_string(job));
   std::cout << "cancelled job " << job << std::endl;
@@ -290,8 +299,7 @@ int top(const std::vector<std::string>& args) {
   int iterations = 0;
   app.add_option("--interval", interval, "seconds between refreshes");
   app.add_option("-n,--iterations", iterations, "refreshes before exiting (default: until Ctrl-C)");
-  std::vector<std::string> reversed(args.rbegin(), args.rend());
-  app.parse(reversed);
+  if (!parse(app, args)) return 0;
   HttpClient client = connection.client();
   const bool terminal = ::isatty(1) != 0;
   for (int i = 0; iterations == 0 || i < iterations; ++i) {
@@ -340,7 +348,8 @@ int serve_command(const std::vector<std::string>& args) {
   options.scheduler.state_dir = default_state_dir();
   app.add_option("--state-dir", options.scheduler.state_dir,
                  "the database, token and address (default $SHOAL_QUEUE_DIR or ~/.shoal-queue)");
-  app.add_option("--host", options.bind_host, "the address to listen on");
+  app.add_option("--host", options.bind_host,
+                 "the address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)");
   app.add_option("--port", options.port, "the port (0: any free one)");
   app.add_option("--token-file", options.token_file,
                  "the queue's token (default STATE_DIR/token, made if missing)");
@@ -363,9 +372,19 @@ int serve_command(const std::vector<std::string>& args) {
   app.add_flag("--no-local-agent", no_agent,
                "do not run this host's agent (hosts come from `shoal agent`)");
   app.add_option("--slots", options.local_slots, "the local agent's --slots");
-  std::vector<std::string> reversed(args.rbegin(), args.rend());
-  app.parse(reversed);
+  if (!parse(app, args)) return 0;
   options.local_agent = !no_agent;
+  if (options.port < 0 || options.port > 65535) {
+    throw UsageError("--port expects a port from 0 (any free one) to 65535, not " +
+                     std::to_string(options.port));
+  }
+  if (options.local_slots < 0) {
+    throw UsageError("--slots expects a count of workers, 0 or more (0: cores x --oversubscribe), "
+                     "not " + std::to_string(options.local_slots));
+  }
+  if (options.scheduler.host_timeout <= 0 || options.scheduler.below_min_grace < 0) {
+    throw UsageError("--host-timeout must be above 0 and --below-min-grace not negative");
+  }
   if (resize_by == "restart") {
     options.scheduler.resize_by = ResizeBy::kRestart;
   } else if (resize_by != "leave") {
@@ -443,8 +462,7 @@ int agent_command(const std::vector<std::string>& args) {
                    "with --engine slurm: the Slurm node this agent speaks for");
     app.add_option("--partition", options.partition,
                    "with --engine slurm: the partition to submit to (default: Slurm's)");
-    std::vector<std::string> reversed(args.rbegin(), args.rend());
-    app.parse(reversed);
+    if (!parse(app, args)) return 0;
     if (options.engine != "local" && options.engine != "slurm") {
       throw UsageError("--engine expects local or slurm, not '" + options.engine + "'");
     }

@@ -27,6 +27,19 @@ constexpr int64_t kNever = INT64_MIN / 2;
 // The due time of a worker that starts once the job's workers of before are all gone.
 constexpr int64_t kOnceGone = INT64_MAX / 2;
 constexpr int kMaxPriority = 1000000;
+// What one submission may hold (docs/queue.md, "Submitting"): every job is kept in the database
+// and served to every client and dashboard refresh, so none may be large.
+constexpr size_t kMaxName = 200;
+constexpr size_t kMaxPath = 4096;
+constexpr size_t kMaxArgvBytes = 128 * 1024;
+constexpr size_t kMaxEnvBytes = 256 * 1024;
+
+void check_size(const std::string& what, size_t size, size_t most, const std::string& unit) {
+  if (size > most) {
+    throw UsageError(what + " has " + std::to_string(size) + " " + unit + "; at most " +
+                     std::to_string(most) + " are accepted");
+  }
+}
 
 // A failed worker's replacement waits 1 s, then twice as long after each further failure of the
 // job, up to 30 s (as `shoal run --max-restarts`).
@@ -56,10 +69,13 @@ JobSpec JobSpec::from_json(const json& body) {
   if (!body.contains("argv") || !body.at("argv").is_array() || body.at("argv").empty()) {
     throw UsageError("argv must be a non-empty array: the program and its arguments");
   }
+  size_t argv_bytes = 0;
   for (const auto& arg : body.at("argv")) {
     if (!arg.is_string()) throw UsageError("argv must hold strings, not " + arg.dump());
     spec.argv.push_back(arg.get<std::string>());
+    argv_bytes += spec.argv.back().size() + 1;
   }
+  check_size("argv", argv_bytes, kMaxArgvBytes, "bytes");
   const std::string& program = spec.argv[0];
   if (program.empty() || program[0] != '/') {
     throw UsageError("the program must be an absolute path, not '" + program + "'");
@@ -71,14 +87,23 @@ JobSpec JobSpec::from_json(const json& body) {
   if (S_ISDIR(info.st_mode) || ::access(program.c_str(), X_OK) != 0) {
     throw UsageError("program '" + program + "' is not an executable file");
   }
+  if (body.contains("name") && !body.at("name").is_string())
+    throw UsageError("name must be a string, not " + body.at("name").dump());
   spec.name = body.value("name", std::string());
+  check_size("the name", spec.name.size(), kMaxName, "bytes");
+  if (body.contains("cwd") && !body.at("cwd").is_string())
+    throw UsageError("cwd must be a string, not " + body.at("cwd").dump());
   spec.cwd = body.value("cwd", std::string("/"));
+  check_size("cwd", spec.cwd.size(), kMaxPath, "bytes");
   if (body.contains("env")) {
     if (!body.at("env").is_object()) throw UsageError("env must be an object of strings");
+    size_t env_bytes = 0;
     for (const auto& [key, value] : body.at("env").items()) {
       if (!value.is_string()) throw UsageError("env." + key + " must be a string");
       spec.env[key] = value.get<std::string>();
+      env_bytes += key.size() + spec.env[key].size() + 2;
     }
+    check_size("env", env_bytes, kMaxEnvBytes, "bytes");
   }
   if (body.contains("priority") && !body.at("priority").is_number_integer()) {
     throw UsageError("--priority must be an integer (higher runs first), not " +
@@ -915,8 +940,11 @@ json Scheduler::heartbeat(const json& report) {
       slots > 0 ? slots
                 : std::max(1, static_cast<int>(std::floor(cores * s.options.oversubscribe + 1e-9)));
   const int64_t agent_pid = report.value("pid", int64_t{0});
-  if (is_new || !host.alive || host.cores != cores || host.capacity != capacity ||
-      host.agent_pid != agent_pid) {
+  // An agent's last heartbeat as it stops (SIGTERM): its workers have left, each a failure
+  // (Note [An agent that stops]), and the host is gone until an agent beats for it again.
+  const bool stopping = report.value("stopping", false);
+  if (!stopping && (is_new || !host.alive || host.cores != cores || host.capacity != capacity ||
+                    host.agent_pid != agent_pid)) {
     if (is_new || !host.alive) {
       s.event(0, "host",
               "host " + name + " (agent pid " + std::to_string(agent_pid) + ") with " +
@@ -955,9 +983,24 @@ json Scheduler::heartbeat(const json& report) {
     }
     forget.push_back(id);
   }
+  if (stopping && host.alive) {
+    host.alive = false;
+    s.dirty_hosts.insert(name);
+    s.event(0, "host-lost",
+            "host " + name + " lost: its agent (pid " + std::to_string(agent_pid) + ") stopped");
+    for (auto& [id, w] : s.workers) {
+      if (w.host == name && w.state != "exited")
+        s.on_exit(w, "was lost with host " + name + " (its agent stopped)", false, now);
+    }
+    freed = true;
+  }
   // A worker that ended freed a slot: the policy runs now, so that what it decides (a waiting
   // job's start, a replacement) is in this very answer rather than in the host's next one.
   if (freed) s.tick();
+  if (stopping) {
+    s.flush();
+    return json{{"workers", json::array()}, {"jobs", json::object()}, {"forget", forget}};
+  }
   const json members = report.value("members", json::object());
   for (const auto& [job_id, address] : members.items()) {
     auto it = s.jobs.find(std::stoll(job_id));

@@ -4,12 +4,15 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <fstream>
 #include <iostream>
 #include <map>
@@ -36,6 +39,10 @@ void on_scheduler_stop_signal(int) {
   if (auto* server = g_server.load()) server->stop();
 }
 
+// The largest request body the API reads: a job's spec with its whole environment, or an
+// agent's heartbeat.
+constexpr size_t kMaxBody = size_t{1} << 20;
+
 void reply(httplib::Response& response, int status, const json& body) {
   response.status = status;
   response.set_content(body.dump(), "application/json");
@@ -59,6 +66,17 @@ void handle(httplib::Response& response, Body body, int missing = 400) {
   } catch (const std::exception& e) {
     refuse(response, 500, e.what());
   }
+}
+
+// The ID of /jobs/ID; an id that is not one is a job that does not exist (404).
+int64_t job_id(const std::string& text) {
+  try {
+    size_t used = 0;
+    const long long id = std::stoll(text, &used);
+    if (used == text.size() && id > 0) return id;
+  } catch (const std::exception&) {
+  }
+  throw UsageError("no job '" + text + "': a job's id is a positive integer");
 }
 
 bool process_alive(pid_t pid) {
@@ -85,6 +103,100 @@ std::string read_file(const std::string& path) {
 std::string reachable_address(const std::string& bind_host) {
   return bind_host.empty() || bind_host == "0.0.0.0" ? "127.0.0.1" : bind_host;
 }
+
+// An integer query parameter of a REST request; `fallback` when absent.
+int64_t integer_param(const httplib::Request& request, const std::string& name, int64_t fallback,
+                      int64_t low, int64_t high) {
+  if (!request.has_param(name.c_str())) return fallback;
+  const std::string text = request.get_param_value(name.c_str());
+  try {
+    size_t used = 0;
+    const long long value = std::stoll(text, &used);
+    if (used == text.size() && value >= low && value <= high) return value;
+  } catch (const std::exception&) {
+  }
+  throw UsageError(name + " expects an integer from " + std::to_string(low) + " to " +
+                   std::to_string(high) + ", not '" + text + "'");
+}
+
+// Note [One scheduler per state]
+// Two schedulers on one state directory would both adopt its agent, both answer its heartbeats
+// and both run the policy, each undoing the other's orders. The first holds an exclusive lock on
+// STATE_DIR/lock (flock: the kernel drops it when the process dies, even by SIGKILL, so a
+// scheduler started after a kill -9 takes over at once) and keeps its pid and address in the
+// file, for the line that refuses a second one. The descriptor is close-on-exec: the local agent,
+// which outlives a SIGKILLed scheduler, must not inherit the lock.
+class StateLock {
+ public:
+  explicit StateLock(const std::string& dir) : path_(dir + "/lock") {
+    fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    if (fd_ < 0) {
+      throw UsageError("cannot open " + path_ + ": " + std::strerror(errno) +
+                       "; expected a state directory this user may write");
+    }
+    if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+      std::string holder = read_file(path_);
+      ::close(fd_);
+      fd_ = -1;
+      throw UsageError("another scheduler (" + (holder.empty() ? "starting" : holder) +
+                       ") serves the state in " + dir +
+                       "; stop it first, or pass another --state-dir");
+    }
+    describe("pid " + std::to_string(::getpid()));
+  }
+  ~StateLock() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  StateLock(const StateLock&) = delete;
+  StateLock& operator=(const StateLock&) = delete;
+
+  // What a second scheduler's refusal names: "pid 812, serving on 127.0.0.1:7460".
+  void describe(const std::string& holder) {
+    const std::string line = holder + "\n";
+    if (::ftruncate(fd_, 0) != 0 || ::pwrite(fd_, line.data(), line.size(), 0) < 0) return;
+  }
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+};
+
+// Note [Clients cannot stall the scheduler]
+// cpp-httplib serves connections from a pool of 8 threads by default, and a connection holds its
+// thread until its request is read or its read times out (5 s a read): eight clients that sent
+// half a request stalled the API, and thirty starved the agents' heartbeats until the scheduler
+// counted its own host lost. Here every connection gets a thread of its own, up to kConnections
+// at once (the accept loop waits beyond that), so a slow client holds only its own thread. The
+// policy's rounds run on a thread of their own and take the scheduler's lock only between
+// requests' reads and writes, never during them.
+class ThreadPerConnection : public httplib::TaskQueue {
+ public:
+  static constexpr size_t kConnections = 256;
+
+  void enqueue(std::function<void()> serve) override {
+    std::unique_lock<std::mutex> lock(mutex_);
+    room_.wait(lock, [&] { return live_ < kConnections; });
+    ++live_;
+    std::thread([this, serve = std::move(serve)] {
+      serve();
+      std::lock_guard<std::mutex> done(mutex_);
+      --live_;
+      room_.notify_all();
+    }).detach();
+  }
+
+  // A connection's thread ends within its read timeout and keep-alive wait; the server waits for
+  // them (at most 15 s), since each runs the server's code.
+  void shutdown() override {
+    std::unique_lock<std::mutex> lock(mutex_);
+    room_.wait_for(lock, std::chrono::seconds(15), [&] { return live_ == 0; });
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable room_;
+  size_t live_ = 0;
+};
 
 // The local agent runs detached (its own session, no death signal): a scheduler that is
 // SIGKILLed leaves it and its workers training. A restarted scheduler adopts it.
@@ -185,6 +297,7 @@ int serve(const ServeOptions& options) {
   if (::stat(dir.c_str(), &info) != 0 || !S_ISDIR(info.st_mode)) {
     throw UsageError("--state-dir " + dir + " is not a directory that can be made");
   }
+  StateLock lock(dir);
   const std::string token_file = options.token_file.empty() ? dir + "/token" : options.token_file;
   std::string token;
   if (::access(token_file.c_str(), F_OK) == 0) {
@@ -196,6 +309,29 @@ int serve(const ServeOptions& options) {
 
   Scheduler scheduler(options.scheduler);
   httplib::Server server;
+  server.new_task_queue = [] { return new ThreadPerConnection(); };
+  server.set_payload_max_length(kMaxBody);
+  // A port in use is an error (SO_REUSEADDR only: cpp-httplib's default adds SO_REUSEPORT, with
+  // which two schedulers both listened on 0.0.0.0:7460 and the kernel split the clients).
+  server.set_socket_options([](int fd) {
+    const int yes = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+  });
+  // Answers that no handler wrote (an unknown path or method, a body over the limit, a request
+  // that is not HTTP) carry the API's one-line JSON error too.
+  server.set_error_handler([](const httplib::Request& request, httplib::Response& response) {
+    if (!response.body.empty()) return;
+    std::string why;
+    if (response.status == 404) {
+      why = "no such request: " + request.method + " " + request.path +
+            "; the REST API is in docs/queue.md";
+    } else if (response.status == 413) {
+      why = "the request's body is over " + std::to_string(kMaxBody) + " bytes";
+    } else {
+      why = "malformed HTTP request (status " + std::to_string(response.status) + ")";
+    }
+    response.set_content(json{{"error", why}}.dump(), "application/json");
+  });
   server.set_pre_routing_handler([&](const httplib::Request& request, httplib::Response& response) {
     if (request.path == "/" && request.method == "GET")
       return httplib::Server::HandlerResponse::Unhandled;
@@ -204,8 +340,7 @@ int serve(const ServeOptions& options) {
         header.rfind("Bearer ", 0) == 0 ? header.substr(7) : request.get_param_value("token");
     if (given != token) {
       refuse(response, 401,
-             "the queue's token is missing or wrong: pass --token-file (the scheduler's " +
-                 token_file + ") or set SHOAL_QUEUE_TOKEN");
+             "the queue's token is missing or wrong: pass --token-file or set SHOAL_QUEUE_TOKEN");
       return httplib::Server::HandlerResponse::Handled;
     }
     return httplib::Server::HandlerResponse::Unhandled;
@@ -229,16 +364,16 @@ int serve(const ServeOptions& options) {
   server.Get("/jobs", [&](const httplib::Request&, httplib::Response& response) {
     handle(response, [&] { return scheduler.jobs(); });
   });
-  server.Get(R"(/jobs/(\d+))", [&](const httplib::Request& request, httplib::Response& response) {
+  server.Get(R"(/jobs/([^/]+))", [&](const httplib::Request& request, httplib::Response& response) {
     handle(
-        response, [&] { return scheduler.job(std::stoll(request.matches[1])); }, 404);
+        response, [&] { return scheduler.job(job_id(request.matches[1])); }, 404);
   });
-  server.Delete(R"(/jobs/(\d+))",
+  server.Delete(R"(/jobs/([^/]+))",
                 [&](const httplib::Request& request, httplib::Response& response) {
                   handle(
                       response,
                       [&] {
-                        const int64_t id = std::stoll(request.matches[1]);
+                        const int64_t id = job_id(request.matches[1]);
                         scheduler.cancel(id);
                         decide_now();
                         return json{{"id", id}, {"state", "cancelled"}};
@@ -250,10 +385,8 @@ int serve(const ServeOptions& options) {
   });
   server.Get("/events", [&](const httplib::Request& request, httplib::Response& response) {
     handle(response, [&] {
-      const std::string since = request.get_param_value("since");
-      const std::string limit = request.get_param_value("limit");
-      return scheduler.events(since.empty() ? 0 : std::stoll(since),
-                              limit.empty() ? 1000 : std::stoi(limit));
+      return scheduler.events(integer_param(request, "since", 0, 0, INT64_MAX),
+                              static_cast<int>(integer_param(request, "limit", 1000, 1, 100000)));
     });
   });
   server.Get("/metrics", [&](const httplib::Request&, httplib::Response& response) {
@@ -279,9 +412,12 @@ int serve(const ServeOptions& options) {
     port = server.bind_to_any_port(options.bind_host.c_str());
   } else if (!server.bind_to_port(options.bind_host.c_str(), port)) {
     throw UsageError("cannot listen on " + options.bind_host + ":" + std::to_string(port) +
-                     " (in use?); pass another --port");
+                     ": the port is in use or the address is not this host's; pass another "
+                     "--port or --host");
   }
   if (port <= 0) throw UsageError("cannot listen on " + options.bind_host);
+  lock.describe("pid " + std::to_string(::getpid()) + ", serving on " +
+                reachable_address(options.bind_host) + ":" + std::to_string(port));
   {
     const std::string address = dir + "/address";
     std::ofstream(address + ".tmp") << reachable_address(options.bind_host) << ":" << port << "\n";
@@ -307,6 +443,14 @@ int serve(const ServeOptions& options) {
     while (!done) {
       try {
         decide_now();
+        // The local agent this scheduler runs is started again if it dies (docs/queue.md,
+        // "Agents"); its workers died with it and are replaced as any lost host's are.
+        if (agent > 0 && g_stopped == 0 && !process_alive(agent)) {
+          ::waitpid(agent, nullptr, WNOHANG);
+          std::cerr << "shoal queue: the local agent (pid " << agent
+                    << ") ended; starting it again" << std::endl;
+          agent = start_local_agent(options, port, token_file);
+        }
       } catch (const std::exception& e) {
         std::cerr << "shoal queue: " << e.what() << std::endl;
       }

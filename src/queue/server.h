@@ -10,7 +10,7 @@ namespace shoal::queue {
 
 struct ServeOptions {
   SchedulerOptions scheduler;
-  std::string bind_host = "0.0.0.0";
+  std::string bind_host = "127.0.0.1";  // loopback unless told (docs/queue.md, "Security")
   int port = 7460;          // 0: any free port (written to STATE_DIR/address either way)
   std::string token_file;   // default STATE_DIR/token, made on first start (mode 600)
   bool local_agent = true;  // start (or adopt) the agent of this host

@@ -5,9 +5,11 @@
 // so the test can tell that the two nodes really were apart and met over the veth link.
 //   multihost_worker [--exit-rank R | --kill-rank R]
 // With --exit-rank, worker R exits with code 3 once every worker has printed its line; with
-// --kill-rank, it SIGKILLs itself then. The others keep all-reducing until the group fails.
+// --kill-rank, it SIGKILLs itself then, printing "failing at MS" (wall-clock milliseconds) first.
+// The others keep all-reducing until the group fails.
 #include <signal.h>
 
+#include <chrono>
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
@@ -66,6 +68,12 @@ int main(int argc, char** argv) {
   world.barrier();
   if (failing_rank >= 0) {
     if (rank == failing_rank) {
+      // The moment of the failure, for the test to time the launchers' exits from.
+      std::printf("failing at %lld ms\n",
+                  static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                             std::chrono::system_clock::now().time_since_epoch())
+                                             .count()));
+      std::fflush(stdout);
       if (kill) raise(SIGKILL);
       return 3;
     }

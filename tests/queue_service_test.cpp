@@ -1,0 +1,343 @@
+// The scheduler as a service on a shared machine (docs/queue.md, "Running the queue"): an agent
+// that is stopped loses its workers as a failure and never ends a job; one scheduler per state
+// directory and per port; flags and REST errors as documented; clients that send half a request
+// stall neither the API nor the agents' heartbeats.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <atomic>
+
+#include <httplib.h>
+
+#include "queue_support.h"
+
+namespace shoal::testing {
+namespace {
+
+// The job's events of `kind`.
+std::vector<std::string> events_of(const json& job, const std::string& kind) {
+  std::vector<std::string> out;
+  for (const auto& e : job.at("events")) {
+    if (e.value("kind", "") == kind) out.push_back(e.at("message"));
+  }
+  return out;
+}
+
+// The scheduler's events of `kind` (jobs' and its own).
+std::vector<std::string> queue_events(const Queue& queue, const std::string& kind) {
+  std::vector<std::string> out;
+  for (const auto& e : json(queue.client().get("/events?since=0&limit=100000").at("events"))) {
+    if (e.at("kind") == kind) out.push_back(e.at("message"));
+  }
+  return out;
+}
+
+int64_t agent_pid(const Queue& queue) {
+  return std::atoll(read_text(queue.dir() + "/agent.pid").c_str());
+}
+
+// docs/queue.md, "When a job is done": SIGTERM to a host's agent drains it. Its workers leave at
+// a commit and the job loses them as it loses a host: two failures, never `done`. The scheduler
+// starts its local agent again, the replacements resume from the commit the leavers kept, and the
+// job ends done with every sample trained on once.
+TEST(QueueService, AnAgentStoppedWithSigtermIsAFailureAndTheJobTrainsOn) {
+  Queue queue("agent-stop", {"--slots", "2"});
+  const int64_t id =
+      queue.submit("--min 2 --max 2 " + kWorker + " " + queue.dir() + "/out 3 30");
+  ASSERT_TRUE(eventually([&] { return queue.staying(id).size() == 2 && queue.steps(id) >= 5; },
+                         60s))
+      << queue.job(id).dump(1);
+  const int64_t first_agent = agent_pid(queue);
+  ASSERT_TRUE(alive(first_agent));
+  const auto stopped = Clock::now();
+  ASSERT_EQ(::kill(static_cast<pid_t>(first_agent), SIGTERM), 0);
+
+  // Both workers are failures of the job, recorded within the agent's stop (10 s) and a beat.
+  ASSERT_TRUE(eventually([&] { return queue.job(id).at("failures") == 2; }, 20s))
+      << queue.job(id).dump(1);
+  std::cout << "[ measured ] the agent's SIGTERM to both failures recorded: "
+            << seconds_since(stopped) << " s" << std::endl;
+  EXPECT_EQ(queue.state(id), "running") << queue.job(id).dump(1);
+  for (const auto& w : json(queue.job(id).at("worker_list"))) {
+    if (w.at("state") != "exited") continue;
+    EXPECT_NE(w.at("exit").get<std::string>().find(
+                  "left when its agent was stopped (SIGTERM to the agent): exited with code 0"),
+              std::string::npos)
+        << w.dump();
+  }
+  const auto lost = queue_events(queue, "host-lost");
+  ASSERT_EQ(lost.size(), 1u);
+  EXPECT_NE(lost[0].find("its agent (pid " + std::to_string(first_agent) + ") stopped"),
+            std::string::npos)
+      << lost[0];
+
+  // The scheduler's own agent comes back; the job trains again and finishes.
+  ASSERT_TRUE(eventually(
+      [&] { return agent_pid(queue) != first_agent && alive(agent_pid(queue)); }, 15s))
+      << read_text(queue.dir() + "/serve.log");
+  ASSERT_TRUE(eventually([&] { return finished(queue, id); }, 120s)) << queue.job(id).dump(1);
+  const json job = queue.job(id);
+  EXPECT_EQ(job.at("failures"), 2);
+  EXPECT_TRUE(events_of(job, "failed").empty()) << job.dump(1);
+  EXPECT_NE(job.at("reason").get<std::string>().find("training finished"), std::string::npos);
+  expect_every_sample_once(queue.dir() + "/out", 3);
+  EXPECT_EQ(queue.logs(id).size(), 4u) << "two workers, then their two replacements";
+}
+
+// Note [A leave is not the end]: a SIGTERM that the agent did not send (someone's `kill -TERM`
+// of a worker) makes the worker leave at a commit and exit 0; the job counts a failure, replaces
+// it, and is done only when its training ends.
+TEST(QueueService, AWorkerThatLeavesOnSomeonesSigtermIsReplacedNotTheEndOfTheJob) {
+  Queue queue("stray-term", {"--slots", "2"});
+  const int64_t id =
+      queue.submit("--min 1 --max 2 " + kWorker + " " + queue.dir() + "/out 3 30");
+  ASSERT_TRUE(eventually([&] { return queue.staying(id).size() == 2 && queue.steps(id) >= 5; },
+                         60s))
+      << queue.job(id).dump(1);
+  const auto workers = queue.staying(id);
+  ASSERT_EQ(::kill(static_cast<pid_t>(workers.rbegin()->second), SIGTERM), 0);
+  ASSERT_TRUE(eventually([&] { return queue.job(id).at("failures") == 1; }, 30s))
+      << queue.job(id).dump(1);
+  EXPECT_EQ(queue.state(id), "running");
+  bool named = false;
+  for (const auto& w : json(queue.job(id).at("worker_list"))) {
+    named = named || w.at("exit").get<std::string>().find(
+                         "left the job after a SIGTERM that its agent did not send: exited with "
+                         "code 0") != std::string::npos;
+  }
+  EXPECT_TRUE(named) << queue.job(id).dump(1);
+  ASSERT_TRUE(eventually([&] { return finished(queue, id); }, 120s)) << queue.job(id).dump(1);
+  EXPECT_EQ(queue.job(id).at("failures"), 1);
+  expect_every_sample_once(queue.dir() + "/out", 3);
+}
+
+// Note [One scheduler per state]: a second scheduler on the same state is refused with one line
+// naming the first, and changes nothing of it; one on another state but the same port is refused
+// too, rather than sharing the port.
+TEST(QueueService, ASecondSchedulerOnTheSameStateOrPortIsRefused) {
+  Queue queue("one-per-state", {"--slots", "2"});
+  ASSERT_TRUE(eventually([&] { return !queue.client().get("/nodes").at("nodes").empty(); }, 15s));
+  const std::string address = read_text(queue.dir() + "/address");
+  const int64_t agent = agent_pid(queue);
+
+  std::string out;
+  auto started = Clock::now();
+  EXPECT_EQ(shell(std::string(SHOAL_BIN) + " queue serve --state-dir " + queue.dir() +
+                      " --port 0 2>&1",
+                  &out),
+            2);
+  EXPECT_LT(seconds_since(started), 10);
+  EXPECT_EQ(out, "shoal queue serve: another scheduler (pid " + std::to_string(queue.pid()) +
+                     ", serving on 127.0.0.1:" + std::to_string(queue.port()) +
+                     ") serves the state in " + queue.dir() +
+                     "; stop it first, or pass another --state-dir\n");
+  EXPECT_EQ(read_text(queue.dir() + "/address"), address);
+  EXPECT_EQ(agent_pid(queue), agent);
+  EXPECT_TRUE(alive(agent));
+
+  const std::string other = queue.dir() + "-other";
+  shell("rm -rf " + other);
+  started = Clock::now();
+  EXPECT_EQ(shell(std::string(SHOAL_BIN) + " queue serve --no-local-agent --state-dir " + other +
+                      " --port " + std::to_string(queue.port()) + " 2>&1",
+                  &out),
+            2);
+  EXPECT_LT(seconds_since(started), 10);
+  EXPECT_EQ(out, "shoal queue serve: cannot listen on 127.0.0.1:" + std::to_string(queue.port()) +
+                     ": the port is in use or the address is not this host's; pass another "
+                     "--port or --host\n");
+  EXPECT_EQ(read_text(other + "/address"), "");
+  shell("rm -rf " + other);
+
+  // The first one's lock goes with it, even by SIGKILL: a scheduler started after takes over.
+  queue.kill9();
+  queue.start(0);
+  EXPECT_TRUE(eventually(
+      [&] { return queue.client().get("/nodes").at("nodes").at(0).at("alive") == true; }, 15s));
+}
+
+TEST(QueueService, FlagsAreCheckedAsDocumented) {
+  const std::string dir = std::string(::testing::TempDir()) + "shoal-queue-flags-" +
+                          std::to_string(::getpid());
+  const std::string serve =
+      std::string(SHOAL_BIN) + " queue serve --no-local-agent --state-dir " + dir + " ";
+  std::string out;
+  EXPECT_EQ(shell(serve + "--port 99999 2>&1", &out), 2);
+  EXPECT_EQ(out,
+            "shoal queue serve: --port expects a port from 0 (any free one) to 65535, not 99999\n");
+  EXPECT_EQ(shell(serve + "--port 0 --slots -1 2>&1", &out), 2);
+  EXPECT_EQ(out,
+            "shoal queue serve: --slots expects a count of workers, 0 or more (0: cores x "
+            "--oversubscribe), not -1\n");
+  EXPECT_EQ(read_text(dir + "/address"), "");
+  shell("rm -rf " + dir);
+
+  // Each command's --help lists its flags.
+  const std::map<std::string, std::vector<std::string>> flags = {
+      {"serve", {"--state-dir", "--port", "--slots", "--cooldown", "--no-local-agent"}},
+      {"submit", {"--min", "--max", "--priority", "--preemptible", "--max-restarts", "--name"}},
+      {"ls", {"--queue", "--token-file"}},
+      {"show", {"--queue", "job"}},
+      {"cancel", {"--queue", "job"}},
+      {"top", {"--interval", "--iterations"}},
+  };
+  for (const auto& [command, names] : flags) {
+    EXPECT_EQ(shell(std::string(SHOAL_BIN) + " queue " + command + " --help 2>&1", &out), 0)
+        << command;
+    for (const std::string& name : names)
+      EXPECT_NE(out.find(name), std::string::npos) << command << " --help lacks " << name << ":\n"
+                                                   << out;
+  }
+  EXPECT_EQ(shell(std::string(SHOAL_BIN) + " agent --help 2>&1", &out), 0);
+  for (const std::string name : {"--queue", "--slots", "--engine", "--dir"})
+    EXPECT_NE(out.find(name), std::string::npos) << out;
+}
+
+// Every refused request answers with its status and the API's one-line JSON error.
+TEST(QueueService, RestErrorsAreOneLineJson) {
+  Queue queue("rest", {"--slots", "1"});
+  std::string token = read_text(queue.dir() + "/token");
+  while (!token.empty() && token.back() == '\n') token.pop_back();
+  httplib::Client http("127.0.0.1", queue.port());
+  http.set_read_timeout(10, 0);
+  const httplib::Headers auth = {{"Authorization", "Bearer " + token}};
+  const auto expect_error = [&](const httplib::Result& result, int status,
+                                const std::string& error, const std::string& what) {
+    ASSERT_TRUE(result) << what;
+    EXPECT_EQ(result->status, status) << what << ": " << result->body;
+    EXPECT_EQ(result->get_header_value("Content-Type"), "application/json") << what;
+    json body;
+    ASSERT_NO_THROW(body = json::parse(result->body)) << what << ": " << result->body;
+    EXPECT_EQ(body, json({{"error", error}})) << what;
+  };
+  expect_error(http.Get("/events?since=abc", auth), 400,
+               "since expects an integer from 0 to 9223372036854775807, not 'abc'", "since=abc");
+  expect_error(http.Get("/events?limit=0", auth), 400,
+               "limit expects an integer from 1 to 100000, not '0'", "limit=0");
+  expect_error(http.Get("/jobs/abc", auth), 404,
+               "no job 'abc': a job's id is a positive integer", "/jobs/abc");
+  expect_error(http.Get("/jobs/7", auth), 404, "no job 7", "/jobs/7");
+  expect_error(http.Get("/nothing", auth), 404,
+               "no such request: GET /nothing; the REST API is in docs/queue.md", "/nothing");
+  expect_error(http.Put("/jobs", auth, "{}", "application/json"), 404,
+               "no such request: PUT /jobs; the REST API is in docs/queue.md", "PUT /jobs");
+  expect_error(http.Get("/jobs"), 401,
+               "the queue's token is missing or wrong: pass --token-file or set SHOAL_QUEUE_TOKEN",
+               "no token");
+  const json job = {{"argv", {kWorker}}, {"name", std::string(300, 'n')}};
+  expect_error(http.Post("/jobs", auth, job.dump(), "application/json"), 400,
+               "the name has 300 bytes; at most 200 are accepted", "a long name");
+  const json huge = {{"argv", {kWorker}}, {"name", std::string(8 << 20, 'n')}};
+  expect_error(http.Post("/jobs", auth, huge.dump(), "application/json"), 413,
+               "the request's body is over 1048576 bytes", "an 8 MiB name");
+  EXPECT_TRUE(json(queue.client().get("/jobs").at("jobs")).empty()) << "a refused job was kept";
+}
+
+// Note [Clients cannot stall the scheduler]: forty connections that each send a request line and
+// a Host header and never finish, opened again as the scheduler drops them, for longer than the
+// host timeout: the API answers within a second throughout, no heartbeat is late enough to lose
+// the host, the job keeps its workers, and it ends with every sample once.
+TEST(QueueService, HalfOpenConnectionsStallNeitherTheApiNorTheHeartbeats) {
+  Queue queue("slow-clients", {"--slots", "2"});
+  const int64_t id =
+      queue.submit("--min 2 --max 2 " + kWorker + " " + queue.dir() + "/out 6 150");
+  ASSERT_TRUE(eventually([&] { return queue.staying(id).size() == 2 && queue.steps(id) >= 3; },
+                         60s))
+      << queue.job(id).dump(1);
+  const auto workers = queue.staying(id);
+
+  constexpr int kConnections = 40;
+  std::atomic<bool> stop{false};
+  std::atomic<int> held{0};
+  std::thread attacker([&] {
+    std::vector<int> fds(kConnections, -1);
+    const std::string half = "GET /jobs HTTP/1.1\r\nHost: queue\r\n";
+    while (!stop) {
+      int open = 0;
+      for (int& fd : fds) {
+        // A connection the scheduler closed (its read timed out) is opened again.
+        if (fd >= 0) {
+          char byte;
+          const ssize_t got = ::recv(fd, &byte, 1, MSG_DONTWAIT);
+          if (got == 0 || (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK)) {
+            ::close(fd);
+            fd = -1;
+          }
+        }
+        if (fd < 0) {
+          fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+          sockaddr_in to{};
+          to.sin_family = AF_INET;
+          to.sin_port = htons(static_cast<uint16_t>(queue.port()));
+          ::inet_pton(AF_INET, "127.0.0.1", &to.sin_addr);
+          if (::connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof(to)) != 0 ||
+              ::send(fd, half.data(), half.size(), MSG_NOSIGNAL) < 0) {
+            ::close(fd);
+            fd = -1;
+          }
+        }
+        open += fd >= 0 ? 1 : 0;
+      }
+      held = open;
+      std::this_thread::sleep_for(50ms);
+    }
+    for (int fd : fds) {
+      if (fd >= 0) ::close(fd);
+    }
+  });
+
+  // Once all are open (a connection past the listen backlog waits for a SYN to be resent, 1 s),
+  // for 12 s (the host timeout is 5 s): the API's answer time, and how stale the scheduler's last
+  // heartbeat from the host ever was.
+  if (!eventually([&] { return held == kConnections; }, 10s)) {
+    stop = true;
+    attacker.join();
+    FAIL() << "the attacker opened only " << held << " connections in 10 s";
+  }
+  const auto start = Clock::now();
+  double slowest_answer = 0;
+  int64_t stalest_beat_ms = 0;
+  int min_held = kConnections;
+  std::string unanswered;
+  while (seconds_since(start) < 12) {
+    const auto asked = Clock::now();
+    json nodes = json{{"nodes", json::array()}};
+    try {
+      nodes = queue.client().get("/nodes");
+    } catch (const Error& e) {
+      unanswered = e.what();
+    }
+    slowest_answer = std::max(slowest_answer, seconds_since(asked));
+    const int64_t now_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                               std::chrono::system_clock::now().time_since_epoch())
+                               .count();
+    for (const auto& node : nodes.at("nodes"))
+      stalest_beat_ms = std::max(stalest_beat_ms, now_ms - node.at("last_seen_ms").get<int64_t>());
+    min_held = std::min(min_held, held.load());
+    std::this_thread::sleep_for(200ms);
+  }
+  stop = true;
+  attacker.join();
+  std::cout << "[ measured ] " << min_held << "+ half-open connections held for 12 s: slowest API "
+            << "answer " << slowest_answer << " s, stalest heartbeat " << stalest_beat_ms
+            << " ms, hosts lost " << queue_events(queue, "host-lost").size() << ", failures "
+            << queue.job(id).at("failures") << std::endl;
+  EXPECT_GE(min_held, kConnections) << "the attacker could not hold its connections";
+  EXPECT_LT(slowest_answer, 1.0);
+  EXPECT_EQ(unanswered, "");
+  EXPECT_LT(stalest_beat_ms, 5000);
+  EXPECT_TRUE(queue_events(queue, "host-lost").empty());
+  EXPECT_EQ(queue.job(id).at("failures"), 0);
+  EXPECT_EQ(queue.staying(id), workers);
+
+  const auto dropped = Clock::now();
+  queue.client().get("/jobs");
+  EXPECT_LT(seconds_since(dropped), 1.0);
+  ASSERT_TRUE(eventually([&] { return finished(queue, id); }, 120s)) << queue.job(id).dump(1);
+  EXPECT_EQ(queue.job(id).at("failures"), 0);
+  expect_every_sample_once(queue.dir() + "/out", 6);
+}
+
+}  // namespace
+}  // namespace shoal::testing
