@@ -197,12 +197,15 @@ class Serve {
                                      dir,
                                      "--port",
                                      "0",
+                                     "--agent-port",
+                                     "0",
                                      "--slots",
                                      std::to_string(o.slots),
                                      "--cooldown",
                                      format(o.cooldown),
                                      "--grow-idle",
                                      format(o.grow_idle)};
+    if (::geteuid() == 0) argv.push_back("--allow-root-jobs");  // its jobs run as its user
     if (contender == Contender::kCheckpointRestart) {
       argv.push_back("--resize-by");
       argv.push_back("restart");

@@ -37,3 +37,9 @@ add_dependencies(queue_restart_test shoal_cli elastic_worker)
 shoal_add_test(queue_service_test queue_service_test.cpp PROPERTIES RESOURCE_LOCK timing)
 target_link_libraries(queue_service_test PRIVATE shoal_queue_http)
 add_dependencies(queue_service_test shoal_cli elastic_worker)
+
+# The queue's security model (docs/queue.md, "Security"): credentials, users and the Unix users
+# their jobs run as, allowed programs, the dashboard's login. Cases that need root skip without.
+shoal_add_test(queue_security_test queue_security_test.cpp PROPERTIES RESOURCE_LOCK timing)
+target_link_libraries(queue_security_test PRIVATE shoal_queue_http)
+add_dependencies(queue_security_test shoal_cli elastic_worker)

@@ -152,7 +152,7 @@ TEST(QueueService, ASecondSchedulerOnTheSameStateOrPortIsRefused) {
 
   // The first one's lock goes with it, even by SIGKILL: a scheduler started after takes over.
   queue.kill9();
-  queue.start(0);
+  queue.start(queue.port(), queue.agent_port());
   EXPECT_TRUE(eventually(
       [&] { return queue.client().get("/nodes").at("nodes").at(0).at("alive") == true; }, 15s));
 }

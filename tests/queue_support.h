@@ -11,6 +11,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -112,21 +113,41 @@ class Queue {
 
   const std::string& dir() const { return dir_; }
   int port() const { return port_; }
+  int agent_port() const { return agent_port_; }  // the agents' heartbeats
+  bool tls() const { return tls_; }
+  // The scheduler's certificate, which its clients verify it by (when tls()).
+  std::string ca_file() const { return dir_ + "/tls/cert.pem"; }
+  // [https://]HOST:PORT of its agents' port, from `host`'s side.
+  std::string agent_address(const std::string& host) const {
+    return (tls_ ? "https://" : "") + host + ":" + std::to_string(agent_port_);
+  }
   pid_t pid() const { return pid_; }
 
-  // Starts the scheduler on `port` (0: any) and waits until it listens.
-  void start(int port) {
+  // Starts the scheduler on `port` and `agent_port` (0: any) and waits until it listens. The
+  // tests run as root, and their jobs with them (--allow-root-jobs; tests/queue_service_test.cpp
+  // checks the queue that refuses it).
+  void start(int port, int agent_port = 0) {
     ::unlink((dir_ + "/address").c_str());
-    std::vector<std::string> args = {
-        SHOAL_BIN, "queue", "serve", "--state-dir", dir_, "--port", std::to_string(port)};
+    std::vector<std::string> args = {SHOAL_BIN,     "queue", "serve", "--state-dir",
+                                     dir_,          "--port", std::to_string(port),
+                                     "--agent-port", std::to_string(agent_port)};
+    if (::geteuid() == 0 &&
+        std::find(flags_.begin(), flags_.end(), "--run-as") == flags_.end()) {
+      args.push_back("--allow-root-jobs");
+    }
     args.insert(args.end(), flags_.begin(), flags_.end());
     const std::string log = dir_ + "/serve.log";
     pid_ = spawn_logged(args, {}, log);
     ASSERT_TRUE(eventually([&] { return !read_text(dir_ + "/address").empty(); }, 15s))
         << read_text(log);
-    const std::string address = read_text(dir_ + "/address");
+    // https://HOST:PORT when the queue speaks TLS (on any address but loopback, by default).
+    std::string address = read_text(dir_ + "/address");
+    tls_ = address.rfind("https://", 0) == 0;
+    if (tls_) address = address.substr(8);
     host_ = address.substr(0, address.find(':'));
     port_ = std::stoi(address.substr(address.find(':') + 1));
+    const std::string agents = read_text(dir_ + "/agent-address");
+    agent_port_ = std::stoi(agents.substr(agents.rfind(':') + 1));
   }
 
   void kill9() {
@@ -153,6 +174,7 @@ class Queue {
   queue::HttpClient client() const {
     std::string token = read_text(dir_ + "/token");
     while (!token.empty() && token.back() == '\n') token.pop_back();
+    if (tls_) return queue::HttpClient("https://" + host_ + ":" + std::to_string(port_), token, ca_file());
     return queue::HttpClient(host_, port_, token);
   }
 
@@ -233,6 +255,8 @@ class Queue {
   pid_t pid_ = -1;
   std::string host_ = "127.0.0.1";  // where it listens, from its address file
   int port_ = 0;
+  int agent_port_ = 0;
+  bool tls_ = false;
 };
 
 // elastic_worker's OUT: every sample of every epoch trained on exactly once, in committed steps.
@@ -259,7 +283,7 @@ inline bool finished(const Queue& queue, int64_t job) {
   return view.at("state") == "done" && view.at("workers") == 0;
 }
 
-// One `shoal agent --queue HOST:PORT --token-file QUEUE/token ARGS...`, for queues served with
+// One `shoal agent --queue HOST:AGENT_PORT --token-file QUEUE/agent-token ARGS...`, for queues served with
 // --no-local-agent (tests/queue_slurm_test.cpp) or on other hosts (tests/queue_multihost_test.cpp,
 // where `prefix` runs it in a network namespace and `host` is the scheduler's address there).
 // Its log is DIR.log, beside its --dir DIR; `env` is added to the test's environment
@@ -274,10 +298,16 @@ class Agent {
     std::vector<std::string> argv = std::move(prefix);
     for (const std::string& arg :
          {std::string(SHOAL_BIN), std::string("agent"), std::string("--queue"),
-          host + ":" + std::to_string(queue.port()), std::string("--token-file"),
-          queue.dir() + "/token", std::string("--dir"), dir_}) {
+          queue.agent_address(host), std::string("--token-file"), queue.dir() + "/agent-token",
+          std::string("--dir"), dir_}) {
       argv.push_back(arg);
     }
+    if (queue.tls()) {
+      argv.push_back("--ca-cert");
+      argv.push_back(queue.ca_file());
+    }
+    // As the queue's own jobs, which run as the tests' user (Queue::start).
+    if (::geteuid() == 0) argv.push_back("--allow-root-workers");
     argv.insert(argv.end(), args.begin(), args.end());
     std::vector<std::string> entries;
     for (char** entry = environ; *entry != nullptr; ++entry) {
@@ -456,6 +486,7 @@ inline json expect_a_killed_scheduler_to_leave_jobs_training(Queue& queue) {
   const json before = queue.job(first);
   const auto workers = queue.staying(first);
   const int port = queue.port();
+  const int agent_port = queue.agent_port();
 
   queue.kill9();
   const int steps = queue.steps(first);
@@ -463,7 +494,7 @@ inline json expect_a_killed_scheduler_to_leave_jobs_training(Queue& queue) {
       << "the job did not train on while the scheduler was down";
   EXPECT_THROW(queue.client().get("/jobs"), CommError);
 
-  queue.start(port);
+  queue.start(port, agent_port);
   EXPECT_EQ(queue.staying(first), workers);  // the same workers, the same processes
   const int64_t second =
       queue.submit("--min 1 --max 1 " + kWorker + " " + queue.dir() + "/b.out 2 50");

@@ -1,5 +1,6 @@
 #include "agent.h"
 
+#include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
@@ -7,7 +8,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -76,12 +79,15 @@ class Agent {
       : options_(std::move(options)),
         engine_(std::move(engine)),
         capacity_(engine_->capacity()),
-        client_(options_.queue_host, options_.queue_port, options_.token) {
+        client_(options_.queue_address, options_.token, options_.ca_file) {
     // Where the scheduler nudges this agent to beat at once (Note [Nudges] in server.cpp); without
     // it the agent only beats on its own cadence.
     nudge_fd_ = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    // It listens on the address the scheduler's datagrams come to (the route towards it), not
+    // on every interface of the host (docs/queue.md, "Security").
     sockaddr_in any{};
     any.sin_family = AF_INET;
+    ::inet_pton(AF_INET, address_towards_queue().c_str(), &any.sin_addr);
     socklen_t length = sizeof(any);
     if (nudge_fd_ >= 0 && ::bind(nudge_fd_, reinterpret_cast<sockaddr*>(&any), sizeof(any)) == 0 &&
         ::getsockname(nudge_fd_, reinterpret_cast<sockaddr*>(&any), &length) == 0) {
@@ -98,8 +104,8 @@ class Agent {
     sigemptyset(&action.sa_mask);
     ::sigaction(SIGTERM, &action, nullptr);
     ::sigaction(SIGINT, &action, nullptr);
-    std::cerr << "shoal agent: host " << options_.host << " reports to " << options_.queue_host
-              << ":" << options_.queue_port << std::endl;
+    std::cerr << "shoal agent: host " << options_.host << " reports to "
+              << options_.queue_address << std::endl;
     // Between beats the agent looks at its workers every kWatch: a worker that started or ended
     // is reported at once, so that the scheduler's answer (a waiting job's start, a
     // replacement) comes without waiting out the rest of the beat.
@@ -272,6 +278,7 @@ class Agent {
     gossip.seeds = spec.value("seeds", std::vector<std::string>{});
     gossip.token = token;
     gossip.advertise_host = advertise_;
+    gossip.bind_host = advertise_;  // the route the job's other hosts reach it by, not every one
     gossip.meta = json{{"role", "agent"}, {"min", spec.at("min")}, {"max", spec.at("max")},
                        {"quorum", false}, {"last_call_ms", 1000},  {"run_id", spec.at("run_id")}}
                       .dump();
@@ -314,6 +321,17 @@ class Agent {
       launch.env = launch::to_envp(launch::elastic_worker_environment(base, place));
       launch.argv = spec.at("argv").get<std::vector<std::string>>();
       launch.cwd = spec.value("cwd", std::string("/"));
+      launch.user = job_user(spec.value("run_as", std::string()));
+      if (launch.user) {
+        // The worker writes its leave note beside its log, and reads the job's token.
+        ::chmod(log_dir.c_str(), 0700);
+        for (const std::string& path : {log_dir, m.token_file}) {
+          if (::chown(path.c_str(), launch.user->uid, launch.user->gid) != 0) {
+            throw Error("cannot give " + path + " to user " + launch.user->name + ": " +
+                        std::strerror(errno));
+          }
+        }
+      }
       launch.log = log_dir + "/worker-" + std::to_string(id) + ".log";
       w.pid = engine_->start(launch);
     } catch (const std::exception& e) {
@@ -326,6 +344,23 @@ class Agent {
       std::cerr << "shoal agent: worker " << id << " of job " << job << " " << w.exit << std::endl;
     }
     workers_[id] = w;
+  }
+
+  // The user a job's workers run as when it is not this agent's (docs/queue.md, "Security");
+  // UsageError when this agent may not or cannot start them as `run_as`.
+  std::optional<UnixUser> job_user(const std::string& run_as) const {
+    if (run_as.empty()) return std::nullopt;  // a job of before users: as the agent's
+    UnixUser user = unix_user(run_as);
+    if (user.uid == 0 && !options_.allow_root_workers) {
+      throw UsageError("this agent does not start workers as root (shoal agent "
+                       "--allow-root-workers)");
+    }
+    if (user.uid == ::geteuid()) return std::nullopt;
+    if (::geteuid() != 0) {
+      throw UsageError("the agent runs as " + current_user() + " and cannot start workers as " +
+                       user.name + "; run the agent as root, or the job as " + current_user());
+    }
+    return user;
   }
 
   void terminate(Worker& w, std::chrono::seconds grace) {

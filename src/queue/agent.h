@@ -16,6 +16,8 @@ namespace shoal::queue {
 struct AgentOptions {
   std::string queue_host;
   int queue_port = 0;
+  std::string queue_address;  // [https://]HOST:PORT of the scheduler's agents' port
+  std::string ca_file;        // with https: the scheduler's certificate
   std::string token;
   std::string host;  // the name the scheduler knows this host by; default: the host name
                      // (with Slurm: the node's name)
@@ -25,6 +27,7 @@ struct AgentOptions {
   std::string engine = "local";  // "local" or "slurm"
   std::string slurm_node;        // with Slurm: the node this agent speaks for
   std::string partition;         // with Slurm: the partition to submit to ("": Slurm's default)
+  bool allow_root_workers = false;  // start workers of jobs that run as root
 };
 
 // Runs until SIGTERM or SIGINT, then stops its workers (SIGTERM, then SIGKILL after 10 s) and

@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <ctime>
 #include <iomanip>
 #include <iostream>
@@ -33,7 +34,12 @@ std::string default_state_dir() {
   return std::string(home != nullptr && *home != '\0' ? home : "/tmp") + "/.shoal-queue";
 }
 
-std::pair<std::string, int> parse_address(const std::string& text, const std::string& flag) {
+// HOST and PORT of [https://]HOST:PORT.
+std::pair<std::string, int> parse_address(const std::string& address, const std::string& flag) {
+  std::string text = address;
+  for (const char* scheme : {"https://", "http://"}) {
+    if (text.rfind(scheme, 0) == 0) text = text.substr(std::strlen(scheme));
+  }
   const auto colon = text.rfind(':');
   int port = 0;
   if (colon != std::string::npos && colon > 0) {
@@ -46,7 +52,7 @@ std::pair<std::string, int> parse_address(const std::string& text, const std::st
     }
   }
   if (port <= 0 || port > 65535) {
-    throw UsageError(flag + " expects HOST:PORT, not '" + text + "'");
+    throw UsageError(flag + " expects HOST:PORT or https://HOST:PORT, not '" + address + "'");
   }
   return {text.substr(0, colon), port};
 }
@@ -63,15 +69,29 @@ std::string first_line(const std::string& path) {
 struct Connection {
   std::string queue;
   std::string token_file;
+  std::string ca_file;
 
   void add_flags(CLI::App& app) {
     app.add_option("--queue", queue,
-                   "the scheduler's HOST:PORT (default: $SHOAL_QUEUE, else the local one's)");
+                   "the scheduler's [https://]HOST:PORT (default: $SHOAL_QUEUE, else the local "
+                   "one's)");
     app.add_option("--token-file", token_file,
                    "the queue's token (default: $SHOAL_QUEUE_TOKEN, else the local one's)");
+    app.add_option("--ca-cert", ca_file,
+                   "with https: the scheduler's certificate (default: $SHOAL_QUEUE_CA, else the "
+                   "local one's STATE_DIR/tls/cert.pem)");
   }
 
-  HttpClient client() const {
+  std::string ca() const {
+    if (!ca_file.empty()) return ca_file;
+    if (const char* from_env = std::getenv("SHOAL_QUEUE_CA"); from_env != nullptr && *from_env)
+      return from_env;
+    const std::string local = default_state_dir() + "/tls/cert.pem";
+    return ::access(local.c_str(), R_OK) == 0 ? local : "";
+  }
+
+  // HOST:PORT of the scheduler's API.
+  std::string address() const {
     const std::string dir = default_state_dir();
     std::string address = queue;
     if (address.empty()) {
@@ -84,7 +104,17 @@ struct Connection {
           "`shoal queue serve` on this machine (it writes " +
           dir + "/address)");
     }
-    auto [host, port] = parse_address(address, "--queue");
+    parse_address(address, "--queue");
+    return address;
+  }
+
+  std::string base_url() const {
+    const std::string at = address();
+    return at.rfind("https://", 0) == 0 ? at : "http://" + at;
+  }
+
+  HttpClient client() const {
+    const std::string dir = default_state_dir();
     std::string token;
     if (!token_file.empty()) {
       token = elastic::read_token_file(token_file, "--token-file");
@@ -96,7 +126,7 @@ struct Connection {
     } else {
       throw UsageError("the queue's token is needed: pass --token-file or set SHOAL_QUEUE_TOKEN");
     }
-    return HttpClient(host, port, token);
+    return HttpClient(address(), token, ca());
   }
 };
 
@@ -342,6 +372,60 @@ int top(const std::vector<std::string>& args) {
   return 0;
 }
 
+// `shoal queue user add NAME [--run-as U] [--allow-root]`, `user rm NAME`, `user ls`: the
+// admin's (docs/queue.md, "Security").
+int user(const std::vector<std::string>& args) {
+  CLI::App app("Manage the queue's users (the admin's token): add prints a new user's token once",
+               "shoal queue user");
+  Connection connection;
+  connection.add_flags(app);
+  std::string action;
+  std::string name;
+  std::string run_as;
+  bool allow_root = false;
+  app.add_option("action", action, "add, rm or ls")->required();
+  app.add_option("name", name, "the user's name (add, rm)");
+  app.add_option("--run-as", run_as, "add: the Unix user the user's jobs run as (default: NAME)");
+  app.add_flag("--allow-root", allow_root, "add: the user's jobs may run as root");
+  if (!parse(app, args)) return 0;
+  HttpClient client = connection.client();
+  if (action == "ls") {
+    const json users = client.get("/users");
+    for (const auto& u : users.at("users")) {
+      std::cout << u.at("name").get<std::string>() << " runs as "
+                << u.at("run_as").get<std::string>()
+                << (u.at("allow_root").get<bool>() ? " (root allowed)" : "") << "\n";
+    }
+    return 0;
+  }
+  if (name.empty()) throw UsageError(action + " expects a user's name");
+  if (action == "add") {
+    const json answer =
+        client.post("/users", {{"name", name}, {"run_as", run_as}, {"allow_root", allow_root}});
+    std::cout << answer.at("token").get<std::string>() << std::endl;
+    return 0;
+  }
+  if (action == "rm") {
+    client.del("/users/" + name);
+    std::cout << "removed user " << name << std::endl;
+    return 0;
+  }
+  throw UsageError("expected add, rm or ls, not '" + action + "'");
+}
+
+// `shoal queue dashboard`: the dashboard's address with a one-time login code (Note [Tokens out
+// of URLs], src/queue/access.h).
+int dashboard(const std::vector<std::string>& args) {
+  CLI::App app("Print the dashboard's address, with a login code good for 60 s and one use",
+               "shoal queue dashboard");
+  Connection connection;
+  connection.add_flags(app);
+  if (!parse(app, args)) return 0;
+  const json answer = connection.client().post("/login/code", json::object());
+  std::cout << connection.base_url() << answer.at("path").get<std::string>() << std::endl;
+  return 0;
+}
+
 int serve_command(const std::vector<std::string>& args) {
   CLI::App app("Run the queue's scheduler (and this host's agent)", "shoal queue serve");
   ServeOptions options;
@@ -350,9 +434,23 @@ int serve_command(const std::vector<std::string>& args) {
                  "the database, token and address (default $SHOAL_QUEUE_DIR or ~/.shoal-queue)");
   app.add_option("--host", options.bind_host,
                  "the address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)");
-  app.add_option("--port", options.port, "the port (0: any free one)");
-  app.add_option("--token-file", options.token_file,
-                 "the queue's token (default STATE_DIR/token, made if missing)");
+  app.add_option("--port", options.port, "the users' API and dashboard (0: any free port)");
+  app.add_option("--agent-port", options.agent_port,
+                 "the agents' heartbeats (default 7461; 0: any free port)");
+  app.add_option("--token-file", options.access.token_file,
+                 "the admin's token (default STATE_DIR/token, made if missing)");
+  app.add_option("--run-as", options.access.run_as,
+                 "the Unix user the admin's jobs run as (default: the scheduler's)");
+  app.add_flag("--allow-root-jobs", options.access.allow_root_jobs,
+               "the admin's jobs may run as root (and the local agent may start them)");
+  app.add_option("--tls", options.tls,
+                 "HTTPS on both ports: auto (the default: on unless --host is loopback), on, off");
+  app.add_option("--tls-cert", options.tls_cert,
+                 "the certificate to serve (PEM; default: one made in STATE_DIR/tls)");
+  app.add_option("--tls-key", options.tls_key, "its private key (PEM)");
+  app.add_option("--allow-programs", options.access.allowed_programs,
+                 "directories whose programs jobs may run (default: any program)")
+      ->delimiter(',');
   app.add_option("--cooldown", options.scheduler.policy.cooldown,
                  "seconds between two resizes of one job");
   app.add_option("--grow-idle", options.scheduler.policy.grow_idle,
@@ -374,9 +472,18 @@ int serve_command(const std::vector<std::string>& args) {
   app.add_option("--slots", options.local_slots, "the local agent's --slots");
   if (!parse(app, args)) return 0;
   options.local_agent = !no_agent;
-  if (options.port < 0 || options.port > 65535) {
-    throw UsageError("--port expects a port from 0 (any free one) to 65535, not " +
-                     std::to_string(options.port));
+  for (const auto& [flag, port] : {std::pair<std::string, int>{"--port", options.port},
+                                   {"--agent-port", options.agent_port}}) {
+    if (port < 0 || port > 65535) {
+      throw UsageError(flag + " expects a port from 0 (any free one) to 65535, not " +
+                       std::to_string(port));
+    }
+  }
+  if (options.tls_cert.empty() != options.tls_key.empty())
+    throw UsageError("--tls-cert and --tls-key go together; pass both, or neither");
+  if (options.port != 0 && options.port == options.agent_port) {
+    throw UsageError("--port and --agent-port are both " + std::to_string(options.port) +
+                     "; expected two ports (users and agents do not share one)");
   }
   if (options.local_slots < 0) {
     throw UsageError("--slots expects a count of workers, 0 or more (0: cores x --oversubscribe), "
@@ -401,7 +508,8 @@ int serve_command(const std::vector<std::string>& args) {
 
 int queue_command(const std::vector<std::string>& args) {
   const std::string usage =
-      "usage: shoal queue serve|submit|ls|show|cancel|top [FLAGS]; see docs/queue.md";
+      "usage: shoal queue serve|submit|ls|show|cancel|top|user|dashboard [FLAGS]; see "
+      "docs/queue.md";
   if (args.empty()) {
     std::cerr << "shoal queue: expected a command; " << usage << std::endl;
     return 2;
@@ -415,6 +523,8 @@ int queue_command(const std::vector<std::string>& args) {
     if (command == "show") return show(rest);
     if (command == "cancel") return cancel(rest);
     if (command == "top") return top(rest);
+    if (command == "user") return user(rest);
+    if (command == "dashboard") return dashboard(rest);
     if (command == "-h" || command == "--help" || command == "help") {
       std::cout << usage << std::endl;
       return 0;
@@ -445,8 +555,10 @@ int agent_command(const std::vector<std::string>& args) {
     AgentOptions options;
     std::string queue;
     std::string token_file;
-    app.add_option("--queue", queue, "the scheduler's HOST:PORT")->required();
-    app.add_option("--token-file", token_file, "the queue's token (or set SHOAL_QUEUE_TOKEN)");
+    app.add_option("--queue", queue, "the scheduler's agent address HOST:AGENT_PORT")->required();
+    app.add_option("--token-file", token_file,
+                   "the agents' token: a copy of the scheduler's STATE_DIR/agent-token (or set "
+                   "SHOAL_QUEUE_TOKEN)");
     app.add_option(
         "--host", options.host,
         "this host's name in the queue (default: its host name; with Slurm, the node's)");
@@ -462,6 +574,11 @@ int agent_command(const std::vector<std::string>& args) {
                    "with --engine slurm: the Slurm node this agent speaks for");
     app.add_option("--partition", options.partition,
                    "with --engine slurm: the partition to submit to (default: Slurm's)");
+    app.add_option("--ca-cert", options.ca_file,
+                   "with an https:// --queue: the scheduler's certificate (a copy of its "
+                   "STATE_DIR/tls/cert.pem)");
+    app.add_flag("--allow-root-workers", options.allow_root_workers,
+                 "start workers whose job runs as root (default: refuse them)");
     if (!parse(app, args)) return 0;
     if (options.engine != "local" && options.engine != "slurm") {
       throw UsageError("--engine expects local or slurm, not '" + options.engine + "'");
@@ -475,6 +592,7 @@ int agent_command(const std::vector<std::string>& args) {
                        " is for --engine slurm; this agent's engine is " + options.engine);
     }
     std::tie(options.queue_host, options.queue_port) = parse_address(queue, "--queue");
+    options.queue_address = queue;
     if (!token_file.empty()) {
       options.token = elastic::read_token_file(token_file, "--token-file");
     } else if (const char* from_env = std::getenv("SHOAL_QUEUE_TOKEN");

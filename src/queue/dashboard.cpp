@@ -1,6 +1,7 @@
-// The dashboard: one page, no framework. It reads the token from its own address
-// (http://HOST:PORT/?token=...), polls the REST API every second, and draws the jobs, each
-// host's workers over time and the decisions with their reasons. See docs/queue.md, "Dashboard".
+// The dashboard: one page, no framework. Its requests carry the session cookie that its login
+// set (Note [Tokens out of URLs], src/queue/access.h); it polls the REST API every second, and
+// draws the jobs, each host's workers over time and the decisions with their reasons. See
+// docs/queue.md, "Dashboard".
 //
 // The timeline is drawn from the workers' own start and end times (GET /jobs/ID), not from what
 // the page happened to see while it was open: a page opened after a shrink still shows the
@@ -53,7 +54,6 @@ svg .bar-label { fill: #fff; font-weight: bold; } svg .marker-label { fill: #444
 <thead><tr><th>time</th><th>job</th><th>kind</th><th>what and why</th></tr></thead>
 <tbody></tbody></table>
 <script>
-const token = new URLSearchParams(location.search).get('token') || '';
 // Dark enough for the white labels on the bars.
 const colours = ['#4e79a7', '#e8762b', '#c8434a', '#3f9a94', '#4c9443', '#b8961c', '#9b659a',
                  '#d9707e', '#8a6249', '#7f7f7f'];
@@ -69,7 +69,8 @@ const events = [];  // the last events seen, oldest first, for the timeline's ma
 let since = 0;
 
 async function api(path) {
-  const response = await fetch(path, {headers: {Authorization: 'Bearer ' + token}});
+  const response = await fetch(path, {credentials: 'same-origin'});
+  if (response.status === 401) location.assign('/login');  // the session ended
   const body = await response.json();
   if (!response.ok) throw new Error(body.error || response.statusText);
   return body;

@@ -9,8 +9,11 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
+
+#include "access.h"
 
 namespace shoal::queue {
 
@@ -23,6 +26,9 @@ struct WorkerLaunch {
   std::vector<std::string> env;   // "NAME=value": the program's whole environment
   std::string cwd;
   std::string log;  // the program's stdout and stderr, appended
+  // The Unix user to run it as when it is not the agent's (the agent is then root): the engine
+  // starts the program as that user (docs/queue.md, "Security"). Unset: as the agent's user.
+  std::optional<UnixUser> user;
 };
 
 // What became of a started worker since the last poll.

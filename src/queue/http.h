@@ -15,7 +15,11 @@ namespace shoal::queue {
 
 class HttpClient {
  public:
+  // Plain HTTP to HOST:PORT.
   HttpClient(const std::string& host, int port, std::string token);
+  // `address` is HOST:PORT (plain HTTP) or https://HOST:PORT, whose certificate must be the one in
+  // `ca_file` (the scheduler's STATE_DIR/tls/cert.pem or a copy; docs/queue.md, "Security").
+  HttpClient(const std::string& address, std::string token, const std::string& ca_file);
   ~HttpClient();
 
   // Raise CommError when the scheduler cannot be reached or does not answer within 5 s, and
@@ -25,7 +29,10 @@ class HttpClient {
   nlohmann::json del(const std::string& path);
 
  private:
+  void configure();
+
   std::string where_;
+  bool tls_ = false;
   std::string token_;
   std::unique_ptr<httplib::Client> client_;
 };

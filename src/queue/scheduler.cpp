@@ -5,10 +5,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <set>
 
 #include "../elastic/token.h"
+#include "access.h"
 #include "shoal/core/error.h"
 
 namespace shoal::queue {
@@ -121,6 +124,8 @@ JobSpec JobSpec::from_json(const json& body) {
   }
   spec.preemptible = body.value("preemptible", false);
   spec.max_restarts = int_field(body, "max_restarts", 3, 0, 1000);
+  spec.owner = body.value("owner", std::string("admin"));
+  spec.run_as = body.value("run_as", std::string());
   return spec;
 }
 
@@ -133,7 +138,9 @@ json JobSpec::to_json() const {
               {"min", min_workers},
               {"max", max_workers},
               {"preemptible", preemptible},
-              {"max_restarts", max_restarts}};
+              {"max_restarts", max_restarts},
+              {"owner", owner},
+              {"run_as", run_as}};
 }
 
 struct Scheduler::Impl {
@@ -766,6 +773,8 @@ struct Scheduler::Impl {
              {"max", job.spec.max_workers},
              {"preemptible", job.spec.preemptible},
              {"max_restarts", job.spec.max_restarts},
+             {"owner", job.spec.owner},
+             {"run_as", job.spec.run_as},
              {"state", job.state},
              {"reason", job.reason},
              {"submitted_ms", job.submitted_ms},
@@ -811,8 +820,15 @@ int64_t Scheduler::submit(const JobSpec& spec) {
     job.run_id = "q" + std::to_string(id) + "-" + elastic::random_hex(8);
     // Durable commits by default: a preempted job resumes from its last one (docs/queue.md).
     const std::string dir = impl_->options.state_dir + "/jobs/" + std::to_string(id);
-    ::mkdir((impl_->options.state_dir + "/jobs").c_str(), 0755);
-    ::mkdir(dir.c_str(), 0755);
+    ::mkdir((impl_->options.state_dir + "/jobs").c_str(), 0711);
+    ::mkdir(dir.c_str(), 0700);
+    // The job's workers write there as its user (docs/queue.md, "Security").
+    if (!spec.run_as.empty()) {
+      const UnixUser user = unix_user(spec.run_as);
+      if (user.uid != ::geteuid() && ::chown(dir.c_str(), user.uid, user.gid) != 0) {
+        throw Error("cannot give " + dir + " to user " + user.name + ": " + std::strerror(errno));
+      }
+    }
     if (job.spec.env.count("SHOAL_CHECKPOINT") == 0)
       job.spec.env["SHOAL_CHECKPOINT"] = dir + "/commit.ckpt";
     db.exec("UPDATE jobs SET doc = ? WHERE id = ?", {Impl::job_doc(job).dump(), id});
@@ -1046,6 +1062,7 @@ json Scheduler::heartbeat(const json& report) {
                          {"min", job.spec.min_workers},
                          {"max", job.spec.max_workers},
                          {"priority", job.spec.priority},
+                         {"run_as", job.spec.run_as},
                          {"seeds", seeds}};
     }
   }

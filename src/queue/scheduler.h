@@ -53,6 +53,10 @@ struct JobSpec {
   int max_workers = 1;
   bool preemptible = false;
   int max_restarts = 3;
+  // Set by the scheduler, not the submitter (docs/queue.md, "Security"): whose job it is, and
+  // the Unix user its workers run as.
+  std::string owner = "admin";
+  std::string run_as;
 
   // Raises UsageError with one line naming what is wrong; see docs/queue.md, "Submitting".
   static JobSpec from_json(const nlohmann::json& body);

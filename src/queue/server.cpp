@@ -22,7 +22,8 @@
 
 #include <httplib.h>
 
-#include "../elastic/token.h"
+#include "listener.h"
+#include "tls.h"
 #include "shoal/core/error.h"
 
 namespace shoal::queue {
@@ -31,13 +32,21 @@ using nlohmann::json;
 
 namespace {
 
-std::atomic<httplib::Server*> g_server{nullptr};
+std::atomic<Listener*> g_listeners[2] = {nullptr, nullptr};
 volatile sig_atomic_t g_stopped = 0;
 
 void on_scheduler_stop_signal(int) {
   g_stopped = 1;
-  if (auto* server = g_server.load()) server->stop();
+  for (auto& listener : g_listeners) {
+    if (Listener* l = listener.load()) l->stop();
+  }
 }
+
+// A request its sender may not make (403).
+class Forbidden : public UsageError {
+ public:
+  using UsageError::UsageError;
+};
 
 // The largest request body the API reads: a job's spec with its whole environment, or an
 // agent's heartbeat.
@@ -58,6 +67,8 @@ template <typename Body>
 void handle(httplib::Response& response, Body body, int missing = 400) {
   try {
     reply(response, 200, body());
+  } catch (const Forbidden& e) {
+    refuse(response, 403, e.what());
   } catch (const UsageError& e) {
     const std::string what = e.what();
     refuse(response, what.rfind("no job ", 0) == 0 ? missing : 400, what);
@@ -161,46 +172,10 @@ class StateLock {
   int fd_ = -1;
 };
 
-// Note [Clients cannot stall the scheduler]
-// cpp-httplib serves connections from a pool of 8 threads by default, and a connection holds its
-// thread until its request is read or its read times out (5 s a read): eight clients that sent
-// half a request stalled the API, and thirty starved the agents' heartbeats until the scheduler
-// counted its own host lost. Here every connection gets a thread of its own, up to kConnections
-// at once (the accept loop waits beyond that), so a slow client holds only its own thread. The
-// policy's rounds run on a thread of their own and take the scheduler's lock only between
-// requests' reads and writes, never during them.
-class ThreadPerConnection : public httplib::TaskQueue {
- public:
-  static constexpr size_t kConnections = 256;
-
-  void enqueue(std::function<void()> serve) override {
-    std::unique_lock<std::mutex> lock(mutex_);
-    room_.wait(lock, [&] { return live_ < kConnections; });
-    ++live_;
-    std::thread([this, serve = std::move(serve)] {
-      serve();
-      std::lock_guard<std::mutex> done(mutex_);
-      --live_;
-      room_.notify_all();
-    }).detach();
-  }
-
-  // A connection's thread ends within its read timeout and keep-alive wait; the server waits for
-  // them (at most 15 s), since each runs the server's code.
-  void shutdown() override {
-    std::unique_lock<std::mutex> lock(mutex_);
-    room_.wait_for(lock, std::chrono::seconds(15), [&] { return live_ == 0; });
-  }
-
- private:
-  std::mutex mutex_;
-  std::condition_variable room_;
-  size_t live_ = 0;
-};
-
 // The local agent runs detached (its own session, no death signal): a scheduler that is
 // SIGKILLed leaves it and its workers training. A restarted scheduler adopts it.
-pid_t start_local_agent(const ServeOptions& options, int port, const std::string& token_file) {
+pid_t start_local_agent(const ServeOptions& options, const std::string& agent_address,
+                        const std::string& token_file, const std::string& ca_file) {
   const std::string dir = options.scheduler.state_dir;
   const std::string pid_file = dir + "/agent.pid";
   const pid_t running = static_cast<pid_t>(std::atoll(read_file(pid_file).c_str()));
@@ -211,9 +186,14 @@ pid_t start_local_agent(const ServeOptions& options, int port, const std::string
   }
   std::vector<std::string> args = {
       "/proc/self/exe", "agent",
-      "--queue",        reachable_address(options.bind_host) + ":" + std::to_string(port),
+      "--queue",        agent_address,
       "--token-file",   token_file,
       "--dir",          dir + "/agent"};
+  if (!ca_file.empty()) {
+    args.push_back("--ca-cert");
+    args.push_back(ca_file);
+  }
+  if (options.access.allow_root_jobs) args.push_back("--allow-root-workers");
   if (options.local_slots > 0) {
     args.push_back("--slots");
     args.push_back(std::to_string(options.local_slots));
@@ -288,6 +268,43 @@ class Nudges {
   std::map<std::string, sockaddr_in> agents_;
 };
 
+// The bearer token of a request: its Authorization header (never its URL: Note [Tokens out of
+// URLs], src/queue/access.h).
+std::string bearer(const httplib::Request& request) {
+  const std::string header = request.get_header_value("Authorization");
+  return header.rfind("Bearer ", 0) == 0 ? header.substr(7) : std::string();
+}
+
+std::string cookie(const httplib::Request& request, const std::string& name) {
+  const std::string header = request.get_header_value("Cookie");
+  for (size_t at = 0; at < header.size();) {
+    const size_t end = std::min(header.find(';', at), header.size());
+    std::string pair = header.substr(at, end - at);
+    pair.erase(0, pair.find_first_not_of(' '));
+    if (pair.rfind(name + "=", 0) == 0) return pair.substr(name.size() + 1);
+    at = end + 1;
+  }
+  return "";
+}
+
+void write_address(const std::string& path, const std::string& address) {
+  std::ofstream(path + ".tmp") << address << "\n";
+  ::rename((path + ".tmp").c_str(), path.c_str());
+}
+
+bool loopback(const std::string& host) {
+  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
+}
+
+constexpr const char* kLoginPage = R"HTML(<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>shoal queue: log in</title></head>
+<body style="font: 14px sans-serif; margin: 24px">
+<h1 style="font-size: 20px">shoal queue</h1>
+<p>Open the link that <code>shoal queue dashboard</code> prints, or paste a token of the queue.</p>
+<form method="post" action="/login"><input type="password" name="token" size="40" autofocus>
+<button>Log in</button></form></body></html>
+)HTML";
+
 }  // namespace
 
 int serve(const ServeOptions& options) {
@@ -298,56 +315,121 @@ int serve(const ServeOptions& options) {
     throw UsageError("--state-dir " + dir + " is not a directory that can be made");
   }
   StateLock lock(dir);
-  const std::string token_file = options.token_file.empty() ? dir + "/token" : options.token_file;
-  std::string token;
-  if (::access(token_file.c_str(), F_OK) == 0) {
-    token = elastic::read_token_file(token_file, "the queue's token file");
-  } else {
-    token = elastic::make_token();
-    elastic::write_token_file(token_file, token);
-  }
-
+  AccessOptions access_options = options.access;
+  access_options.state_dir = dir;
+  Access access(access_options);
+  Sessions sessions;
+  if (options.tls != "auto" && options.tls != "on" && options.tls != "off")
+    throw UsageError("--tls expects auto, on or off, not '" + options.tls + "'");
+  const bool tls = options.tls == "on" || (options.tls == "auto" && !loopback(options.bind_host));
+  TlsFiles certificate{options.tls_cert, options.tls_key};
+  if (tls && certificate.cert.empty()) certificate = ensure_certificate(dir + "/tls");
+  if (!tls) certificate = TlsFiles{};
   Scheduler scheduler(options.scheduler);
-  httplib::Server server;
-  server.new_task_queue = [] { return new ThreadPerConnection(); };
-  server.set_payload_max_length(kMaxBody);
-  // A port in use is an error (SO_REUSEADDR only: cpp-httplib's default adds SO_REUSEPORT, with
-  // which two schedulers both listened on 0.0.0.0:7460 and the kernel split the clients).
-  server.set_socket_options([](int fd) {
-    const int yes = 1;
-    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
-  });
-  // Answers that no handler wrote (an unknown path or method, a body over the limit, a request
-  // that is not HTTP) carry the API's one-line JSON error too.
-  server.set_error_handler([](const httplib::Request& request, httplib::Response& response) {
-    if (!response.body.empty()) return;
-    std::string why;
-    if (response.status == 404) {
-      why = "no such request: " + request.method + " " + request.path +
-            "; the REST API is in docs/queue.md";
-    } else if (response.status == 413) {
-      why = "the request's body is over " + std::to_string(kMaxBody) + " bytes";
-    } else {
-      why = "malformed HTTP request (status " + std::to_string(response.status) + ")";
+  // Other users may pass through the state directory to their jobs' own directories
+  // (STATE_DIR/jobs/ID, theirs), and read nothing else of it.
+  ::chmod(dir.c_str(), 0711);
+  for (const char* file : {"/queue.db", "/queue.db-wal", "/queue.db-shm"})
+    ::chmod((dir + file).c_str(), 0600);
+  Listener api({options.bind_host, options.port, "--port", 256, kMaxBody, certificate.cert,
+                certificate.key});
+  Listener agents({options.bind_host, options.agent_port, "--agent-port", 64, kMaxBody,
+                   certificate.cert, certificate.key});
+  httplib::Server& server = api.http();
+
+  // Who sent a request to the users' API: the admin or a user, by the token in its header or
+  // its session cookie. The agents' token is not one of them.
+  const auto principal = [&](const httplib::Request& request) -> std::optional<Principal> {
+    std::optional<Principal> who = access.identify(bearer(request));
+    if (!who) {
+      const std::string session = cookie(request, "shoal_session");
+      if (!session.empty()) who = sessions.find(session);
     }
-    response.set_content(json{{"error", why}}.dump(), "application/json");
-  });
+    if (who && who->kind == Principal::kAgent) return std::nullopt;
+    return who;
+  };
+  const auto must_be = [&](const httplib::Request& request) {
+    std::optional<Principal> who = principal(request);
+    if (!who) throw UsageError("the request's credentials ended");  // checked at routing
+    return *who;
+  };
   server.set_pre_routing_handler([&](const httplib::Request& request, httplib::Response& response) {
-    if (request.path == "/" && request.method == "GET")
-      return httplib::Server::HandlerResponse::Unhandled;
-    const std::string header = request.get_header_value("Authorization");
-    const std::string given =
-        header.rfind("Bearer ", 0) == 0 ? header.substr(7) : request.get_param_value("token");
-    if (given != token) {
-      refuse(response, 401,
-             "the queue's token is missing or wrong: pass --token-file or set SHOAL_QUEUE_TOKEN");
+    if (request.path == "/login") return httplib::Server::HandlerResponse::Unhandled;
+    if (principal(request)) return httplib::Server::HandlerResponse::Unhandled;
+    if (request.path == "/" && request.method == "GET") {
+      response.set_redirect("/login");
       return httplib::Server::HandlerResponse::Handled;
     }
-    return httplib::Server::HandlerResponse::Unhandled;
+    refuse(response, 401,
+           "the queue's token is missing or wrong: pass --token-file or set SHOAL_QUEUE_TOKEN");
+    return httplib::Server::HandlerResponse::Handled;
   });
+  const auto start_session = [&](httplib::Response& response, const std::string& session) {
+    response.set_header("Set-Cookie", "shoal_session=" + session +
+                                          "; Path=/; HttpOnly; SameSite=Strict; Max-Age=43200" +
+                                          (tls ? "; Secure" : ""));
+    response.set_redirect("/");
+  };
   server.Get("/", [](const httplib::Request&, httplib::Response& response) {
     response.set_content(dashboard_html(), "text/html; charset=utf-8");
   });
+  server.Get("/login", [&](const httplib::Request& request, httplib::Response& response) {
+    if (!request.has_param("code")) {
+      response.set_content(kLoginPage, "text/html; charset=utf-8");
+      return;
+    }
+    if (auto session = sessions.redeem(request.get_param_value("code"))) {
+      start_session(response, *session);
+    } else {
+      refuse(response, 401,
+             "the login code is unknown, spent or expired; `shoal queue dashboard` prints a new "
+             "one");
+    }
+  });
+  server.Post("/login", [&](const httplib::Request& request, httplib::Response& response) {
+    std::optional<Principal> who = access.identify(request.get_param_value("token"));
+    if (!who || who->kind == Principal::kAgent) {
+      refuse(response, 401, "the queue's token is missing or wrong");
+      return;
+    }
+    start_session(response, sessions.open(*who));
+  });
+  server.Post("/login/code", [&](const httplib::Request& request, httplib::Response& response) {
+    handle(response, [&] {
+      const std::string code = sessions.code_for(must_be(request));
+      return json{{"code", code}, {"path", "/login?code=" + code}};
+    });
+  });
+
+  const auto admin_only = [&](const httplib::Request& request) {
+    if (must_be(request).kind != Principal::kAdmin)
+      throw Forbidden("only the queue's admin may manage users");
+  };
+  server.Get("/users", [&](const httplib::Request& request, httplib::Response& response) {
+    handle(response, [&] {
+      admin_only(request);
+      return access.users();
+    });
+  });
+  server.Post("/users", [&](const httplib::Request& request, httplib::Response& response) {
+    handle(response, [&] {
+      admin_only(request);
+      const json body = json::parse(request.body);
+      const std::string name = body.at("name");
+      const std::string token = access.add_user(name, body.value("run_as", std::string()),
+                                                body.value("allow_root", false));
+      return json{{"name", name}, {"token", token}};
+    });
+  });
+  server.Delete(R"(/users/([^/]+))",
+                [&](const httplib::Request& request, httplib::Response& response) {
+                  handle(response, [&] {
+                    admin_only(request);
+                    access.remove_user(request.matches[1]);
+                    return json{{"name", std::string(request.matches[1])}, {"removed", true}};
+                  });
+                });
+
   Nudges nudges;
   // A decision that may change orders is carried to the agents at once (Note [Nudges]).
   const auto decide_now = [&] {
@@ -356,7 +438,11 @@ int serve(const ServeOptions& options) {
   };
   server.Post("/jobs", [&](const httplib::Request& request, httplib::Response& response) {
     handle(response, [&] {
-      const int64_t id = scheduler.submit(JobSpec::from_json(json::parse(request.body)));
+      const Principal who = must_be(request);
+      JobSpec spec = JobSpec::from_json(json::parse(request.body));
+      spec.owner = who.name;
+      spec.run_as = access.authorize(who, spec.argv.at(0));
+      const int64_t id = scheduler.submit(spec);
       decide_now();
       return json{{"id", id}};
     });
@@ -374,6 +460,12 @@ int serve(const ServeOptions& options) {
                       response,
                       [&] {
                         const int64_t id = job_id(request.matches[1]);
+                        const Principal who = must_be(request);
+                        const std::string owner = scheduler.job(id).value("owner", "admin");
+                        if (who.kind != Principal::kAdmin && owner != who.name) {
+                          throw Forbidden("job " + std::to_string(id) + " is " + owner +
+                                          "'s; only its owner or the admin may cancel it");
+                        }
                         scheduler.cancel(id);
                         decide_now();
                         return json{{"id", id}, {"state", "cancelled"}};
@@ -392,37 +484,42 @@ int serve(const ServeOptions& options) {
   server.Get("/metrics", [&](const httplib::Request&, httplib::Response& response) {
     handle(response, [&] { return scheduler.metrics(); });
   });
-  server.Post("/agent/heartbeat",
-              [&](const httplib::Request& request, httplib::Response& response) {
-                handle(response, [&] {
-                  const json report = json::parse(request.body);
-                  if (report.contains("nudge_port") && report.contains("host")) {
-                    nudges.learn(report.at("host").get<std::string>(), request.remote_addr,
-                                 report.at("nudge_port").get<int>());
-                  }
-                  json orders = scheduler.heartbeat(report);
-                  // Its policy round may have changed other hosts' orders.
-                  nudges.send(scheduler.take_news());
-                  return orders;
-                });
-              });
 
-  int port = options.port;
-  if (port == 0) {
-    port = server.bind_to_any_port(options.bind_host.c_str());
-  } else if (!server.bind_to_port(options.bind_host.c_str(), port)) {
-    throw UsageError("cannot listen on " + options.bind_host + ":" + std::to_string(port) +
-                     ": the port is in use or the address is not this host's; pass another "
-                     "--port or --host");
-  }
-  if (port <= 0) throw UsageError("cannot listen on " + options.bind_host);
-  lock.describe("pid " + std::to_string(::getpid()) + ", serving on " +
-                reachable_address(options.bind_host) + ":" + std::to_string(port));
-  {
-    const std::string address = dir + "/address";
-    std::ofstream(address + ".tmp") << reachable_address(options.bind_host) << ":" << port << "\n";
-    ::rename((address + ".tmp").c_str(), address.c_str());
-  }
+  // The agents' listener: heartbeats, with the agents' token only.
+  agents.http().set_pre_routing_handler([&](const httplib::Request& request,
+                                            httplib::Response& response) {
+    std::optional<Principal> who = access.identify(bearer(request));
+    if (who && who->kind == Principal::kAgent) return httplib::Server::HandlerResponse::Unhandled;
+    refuse(response, 401,
+           "the agents' token is missing or wrong: pass shoal agent --token-file with a copy of "
+           "the scheduler's STATE_DIR/agent-token");
+    return httplib::Server::HandlerResponse::Handled;
+  });
+  agents.http().Post("/agent/heartbeat",
+                     [&](const httplib::Request& request, httplib::Response& response) {
+                       handle(response, [&] {
+                         const json report = json::parse(request.body);
+                         if (report.contains("nudge_port") && report.contains("host")) {
+                           nudges.learn(report.at("host").get<std::string>(),
+                                        request.remote_addr, report.at("nudge_port").get<int>());
+                         }
+                         json orders = scheduler.heartbeat(report);
+                         // Its policy round may have changed other hosts' orders.
+                         nudges.send(scheduler.take_news());
+                         return orders;
+                       });
+                     });
+
+  const int port = api.port();
+  const int agent_port = agents.port();
+  // Clients find the scheme in the address files: https:// when TLS is on.
+  const std::string scheme = tls ? "https://" : "";
+  const std::string here = reachable_address(options.bind_host);
+  const std::string address = scheme + here + ":" + std::to_string(port);
+  const std::string agent_address = scheme + here + ":" + std::to_string(agent_port);
+  lock.describe("pid " + std::to_string(::getpid()) + ", serving on " + address);
+  write_address(dir + "/address", address);
+  write_address(dir + "/agent-address", agent_address);
 
   struct sigaction action {};
   action.sa_handler = on_scheduler_stop_signal;
@@ -430,12 +527,17 @@ int serve(const ServeOptions& options) {
   ::sigaction(SIGTERM, &action, nullptr);
   ::sigaction(SIGINT, &action, nullptr);
   ::signal(SIGPIPE, SIG_IGN);
-  g_server = &server;
+  g_listeners[0] = &api;
+  g_listeners[1] = &agents;
 
-  std::cerr << "shoal queue: serving on " << options.bind_host << ":" << port << ", state in "
-            << dir << std::endl;
+  std::cerr << "shoal queue: serving on " << scheme << options.bind_host << ":" << port
+            << " (agents on " << agent_port << "), state in " << dir << std::endl;
   pid_t agent = -1;
-  if (options.local_agent) agent = start_local_agent(options, port, token_file);
+  const std::string agent_token_file = access.agent_token_file();
+  const auto local_agent = [&] {
+    return start_local_agent(options, agent_address, agent_token_file, certificate.cert);
+  };
+  if (options.local_agent) agent = local_agent();
 
   std::atomic<bool> done{false};
   std::thread ticker([&] {
@@ -449,7 +551,7 @@ int serve(const ServeOptions& options) {
           ::waitpid(agent, nullptr, WNOHANG);
           std::cerr << "shoal queue: the local agent (pid " << agent
                     << ") ended; starting it again" << std::endl;
-          agent = start_local_agent(options, port, token_file);
+          agent = local_agent();
         }
       } catch (const std::exception& e) {
         std::cerr << "shoal queue: " << e.what() << std::endl;
@@ -457,8 +559,13 @@ int serve(const ServeOptions& options) {
       std::this_thread::sleep_for(period);
     }
   });
-  if (g_stopped == 0) server.listen_after_bind();
-  g_server = nullptr;
+  std::thread agents_thread([&] {
+    if (g_stopped == 0) agents.serve();
+  });
+  if (g_stopped == 0) api.serve();
+  agents.stop();
+  agents_thread.join();
+  g_listeners[0] = g_listeners[1] = nullptr;
   done = true;
   ticker.join();
   if (agent > 0) {

@@ -1,6 +1,7 @@
 #include "engine.h"
 
 #include <fcntl.h>
+#include <grp.h>
 #include <linux/close_range.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -34,6 +35,8 @@ pid_t spawn(WorkerLaunch launch) {
   const int log_fd = ::open(launch.log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
   if (log_fd < 0) throw UsageError("cannot open " + launch.log + ": " + std::strerror(errno));
   const int null_fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+  std::vector<gid_t> groups;
+  if (launch.user) groups.assign(launch.user->groups.begin(), launch.user->groups.end());
   const pid_t agent = ::getpid();
   const pid_t pid = ::fork();
   if (pid < 0) {
@@ -52,6 +55,14 @@ pid_t spawn(WorkerLaunch launch) {
     ::dup2(log_fd, 1);
     ::dup2(log_fd, 2);
     ::syscall(SYS_close_range, 3, ~0U, 0);
+    // The job's user, before anything of the job's runs: groups first, the uid last (after it,
+    // no way back).
+    if (launch.user && (::setgroups(groups.size(), groups.data()) != 0 ||
+                        ::setgid(launch.user->gid) != 0 || ::setuid(launch.user->uid) != 0)) {
+      const char message[] = "shoal agent: cannot become the job's user\n";
+      (void)!::write(2, message, sizeof(message) - 1);
+      ::_exit(127);
+    }
     if (::chdir(launch.cwd.c_str()) != 0) {
       const char message[] = "shoal agent: cannot change to the job's directory\n";
       (void)!::write(2, message, sizeof(message) - 1);

@@ -243,6 +243,12 @@ int64_t SlurmEngine::start(const WorkerLaunch& launch) {
                                    "--error=" + launch.log,
                                    "--open-mode=append"};
   if (!options_.partition.empty()) argv.push_back("--partition=" + options_.partition);
+  // Slurm runs a batch job as the user who submitted it: this agent's. A job of another user is
+  // refused rather than run as the agent (docs/queue.md, "Security").
+  if (launch.user) {
+    throw UsageError("the Slurm engine runs workers as its agent's user, not as " +
+                     launch.user->name + "; run a Slurm agent as " + launch.user->name);
+  }
   // Higher in the queue is lower nice in Slurm. Only an operator (root, SlurmUser) may go below
   // 0; others keep Slurm's own priority for the queue's high jobs.
   long nice = -static_cast<long>(launch.priority);
