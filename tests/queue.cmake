@@ -3,6 +3,10 @@ add_executable(queue_policy_test queue_policy_test.cpp)
 target_link_libraries(queue_policy_test PRIVATE shoal_queue_policy GTest::gtest_main)
 target_compile_options(queue_policy_test PRIVATE ${SHOAL_WARNINGS})
 gtest_discover_tests(queue_policy_test DISCOVERY_TIMEOUT 60 PROPERTIES TIMEOUT 60)
+add_executable(queue_throughput_test queue_throughput_test.cpp)
+target_link_libraries(queue_throughput_test PRIVATE shoal_queue_policy GTest::gtest_main)
+target_compile_options(queue_throughput_test PRIVATE ${SHOAL_WARNINGS})
+gtest_discover_tests(queue_throughput_test DISCOVERY_TIMEOUT 60 PROPERTIES TIMEOUT 60)
 
 # The queue end to end: the real `shoal queue serve` with its agent and elastic training jobs.
 # Timing-sensitive (a first step within 5 s of submission): the resource lock `timing`.

@@ -5,6 +5,7 @@
 // (SHOAL_DASHBOARD_SCREENSHOT=PATH keeps it; docs/queue-dashboard.png is one).
 #include <algorithm>
 #include <cstdlib>
+#include <regex>
 
 #include "queue_support.h"
 
@@ -194,6 +195,10 @@ TEST_F(QueueDashboard, ShowsTheJobsTheirWorkersAndTheDecisionsOfAShrink) {
     ASSERT_FALSE(row.empty()) << "no row for job " << id << " in " << dom;
     EXPECT_EQ(cell(row, "id"), std::to_string(id));
     EXPECT_EQ(cell(row, "name"), name);
+    // Its measured throughput beside the worker count it was measured at, once there is one.
+    const std::string throughput = cell(row, "throughput");
+    EXPECT_TRUE(std::regex_match(throughput, std::regex("-|[0-9]+ samples/s at [0-9]+ workers?")))
+        << throughput;
     const auto& [before, after] = states[id];
     const std::string shown = cell(row, "state");
     EXPECT_TRUE(step(before) <= step(shown) && step(shown) <= step(after) &&

@@ -157,6 +157,54 @@ TEST(QueueService, ASecondSchedulerOnTheSameStateOrPortIsRefused) {
       [&] { return queue.client().get("/nodes").at("nodes").at(0).at("alive") == true; }, 15s));
 }
 
+// docs/queue.md, "Throughput": a job's samples per second, from its first worker's progress,
+// at its worker count. Each step of elastic_worker sleeps STEP_MS (100 here) and trains the global
+// batch of 10, so it cannot exceed 100 samples/s.
+// Note [Outages]: a scheduler down for 4 s leaves an outage of about 4 s in /metrics and an event.
+TEST(QueueService, ThroughputAndSchedulerOutagesAreRecorded) {
+  Queue queue("throughput", {"--slots", "2"});
+  const int64_t id =
+      queue.submit("--min 2 --max 2 " + kWorker + " " + queue.dir() + "/out 4 100");
+  ASSERT_TRUE(eventually(
+      [&] { return !queue.job(id).at("throughput").at("samples_per_s").is_null(); }, 60s))
+      << queue.job(id).dump(1);
+  const json throughput = queue.job(id).at("throughput");
+  const double rate = throughput.at("samples_per_s");
+  std::cout << "[ measured ] " << rate << " samples/s at " << throughput.at("world")
+            << " workers (at most 100)" << std::endl;
+  EXPECT_EQ(throughput.at("world"), 2);
+  EXPECT_GT(rate, 10.0);
+  EXPECT_LE(rate, 100.0 * 1.02);
+  EXPECT_DOUBLE_EQ(throughput.at("by_world").at("2").get<double>(), rate);
+
+  const auto wall_ms = [] {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(
+               std::chrono::system_clock::now().time_since_epoch())
+        .count();
+  };
+  EXPECT_TRUE(json(queue.client().get("/metrics").at("outages")).empty());
+  const int64_t killed = wall_ms();
+  queue.kill9();
+  std::this_thread::sleep_for(4s);
+  queue.start(queue.port(), queue.agent_port());
+  const int64_t started = wall_ms();
+  const json outages = queue.client().get("/metrics").at("outages");
+  ASSERT_EQ(outages.size(), 1u) << outages.dump();
+  const int64_t from = outages[0].at("from_ms"), to = outages[0].at("to_ms");
+  EXPECT_GE(from, killed - 1100);  // the last second it was known alive
+  EXPECT_LE(from, killed);
+  EXPECT_GE(to, killed + 4000);
+  EXPECT_LE(to, started);
+  const auto noted = queue_events(queue, "outage");
+  ASSERT_EQ(noted.size(), 1u);
+  EXPECT_EQ(noted[0].rfind("no scheduler ran for ", 0), 0u) << noted[0];
+  // The measured rates survive the restart (kept on disk when they move by more than a tenth).
+  EXPECT_NEAR(queue.job(id).at("throughput").at("by_world").at("2").get<double>(), rate,
+              0.1 * rate);
+  ASSERT_TRUE(eventually([&] { return finished(queue, id); }, 120s)) << queue.job(id).dump(1);
+  expect_every_sample_once(queue.dir() + "/out", 4);
+}
+
 TEST(QueueService, FlagsAreCheckedAsDocumented) {
   const std::string dir = std::string(::testing::TempDir()) + "shoal-queue-flags-" +
                           std::to_string(::getpid());

@@ -220,7 +220,11 @@ class Queue {
       if (listing == nullptr) continue;
       while (const dirent* entry = ::readdir(listing)) {
         const std::string name = entry->d_name;
-        if (name.rfind("worker-", 0) != 0) continue;
+        // worker-ID.log; beside it the agent keeps worker-ID.left and worker-ID.progress.
+        if (name.rfind("worker-", 0) != 0 || name.size() < 4 ||
+            name.compare(name.size() - 4, 4, ".log") != 0) {
+          continue;
+        }
         out[std::atoll(name.c_str() + 7)] = read_text(dir + "/" + name);
       }
       ::closedir(listing);

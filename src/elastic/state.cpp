@@ -13,6 +13,7 @@
 #include "../checkpoint/contents.h"
 #include "../core/hash.h"
 #include "durable.h"
+#include "notes.h"
 #include "shoal/core/error.h"
 #include "shoal/global/nn.h"
 #include "shoal/runtime/init.h"
@@ -111,6 +112,12 @@ void State::commit() {
     }
   }
   snapshot();
+  // The job's progress for a queue that runs it, from its first worker, twice a second.
+  if (!shoal::is_initialized() || shoal::rank() == 0) {
+    note_progress({version_, epoch_, sampler_.epoch() * sampler_.dataset_size() + sampler_.cursor(),
+                   shoal::is_initialized() ? shoal::world_size() : 1},
+                  500, progress_at_ms_, progress_world_);
+  }
   if (shoal::is_initialized() && shoal::job().elastic) {
     // A worker the others declared dead trains in a group they left: nothing it does from here
     // is the job's (see Note [Sharing the newest commit]). Checked after the snapshot, so that
@@ -203,20 +210,6 @@ namespace {
   }
   std::fflush(nullptr);
   std::exit(1);
-}
-
-// Note [A leave is not the end]
-// A worker that leaves on SIGTERM exits 0, as one whose training finished does: to whoever
-// started it, the two look alike. A queue's agent tells them apart by the file that
-// SHOAL_LEAVE_NOTE names, which a leave writes before its exit: an exit 0 without it is the
-// program's own end (docs/queue.md, "When a job is done").
-void note_leave(int64_t step) {
-  const char* path = std::getenv("SHOAL_LEAVE_NOTE");
-  if (path == nullptr || *path == '\0') return;
-  if (std::FILE* file = std::fopen(path, "w")) {
-    std::fprintf(file, "left after step %lld\n", static_cast<long long>(step));
-    std::fclose(file);
-  }
 }
 
 }  // namespace

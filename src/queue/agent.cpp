@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <fstream>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -64,6 +65,7 @@ struct Worker {
   std::optional<Clock::time_point> kill_at;  // SIGTERM sent; SIGKILL then
   bool leave_sent = false;
   std::string leave_note;  // SHOAL_LEAVE_NOTE: written when the program leaves on a SIGTERM
+  std::string progress;    // SHOAL_PROGRESS_FILE: the job's progress, from its first worker
   std::string exit;
   bool success = false;
 };
@@ -188,13 +190,20 @@ class Agent {
     for (const auto& [id, w] : workers_) {
       // One still waiting to start (in Slurm's queue) stays "starting" in the scheduler.
       if (w.running && w.pid == 0) continue;
-      list.push_back({{"id", id},
-                      {"job", w.job},
-                      {"pid", w.pid},
-                      {"running", w.running},
-                      {"started_ms", w.started_ms},
-                      {"exit", w.exit},
-                      {"success", w.success}});
+      json entry = {{"id", id},
+                    {"job", w.job},
+                    {"pid", w.pid},
+                    {"running", w.running},
+                    {"started_ms", w.started_ms},
+                    {"exit", w.exit},
+                    {"success", w.success}};
+      // The job's progress, if this worker writes it (the first one does: src/elastic/notes.h).
+      if (w.running && !w.progress.empty()) {
+        std::ifstream in(w.progress);
+        const json progress = json::parse(in, nullptr, false);
+        if (in && progress.is_object()) entry["progress"] = progress;
+      }
+      list.push_back(entry);
     }
     json members = json::object();
     for (const auto& [job, member] : members_)
@@ -314,6 +323,9 @@ class Agent {
       w.leave_note = log_dir + "/worker-" + std::to_string(id) + ".left";
       ::unlink(w.leave_note.c_str());
       base["SHOAL_LEAVE_NOTE"] = w.leave_note;
+      w.progress = log_dir + "/worker-" + std::to_string(id) + ".progress";
+      ::unlink(w.progress.c_str());
+      base["SHOAL_PROGRESS_FILE"] = w.progress;
       WorkerLaunch launch;
       launch.worker = id;
       launch.job = job;

@@ -10,7 +10,8 @@
 // decisions of the policy are marked on the timeline where they were taken.
 //
 // Stable ids for tests and scripts (tests/queue_dashboard_test.cpp): a row `job-ID` per job (its
-// cells have the classes name, state, ...), a section `host-NAME` per host with its lanes
+// cells have the classes name, state, throughput, ...), a group of class `outage` per scheduler
+// outage on each host's timeline, a section `host-NAME` per host with its lanes
 // (`slot N` labels) and a bar `worker-ID` per worker, a row `event-ID` per event (class
 // `kind-KIND`, `decision` for the policy's own, `chatter` for a single worker's, hidden unless
 // asked for), and <body data-polls="N"> once N polls have been drawn.
@@ -29,7 +30,7 @@ h3 { font-size: 14px; margin: 8px 0 2px; font-weight: normal; } h3 b { font-weig
 table { border-collapse: collapse; }
 td, th { padding: 3px 14px 3px 0; text-align: left; vertical-align: top; }
 th { border-bottom: 1px solid #999; font-weight: 600; } tbody tr { border-bottom: 1px solid #eee; }
-td.id, td.priority, td.workers, td.range, td.resizes { text-align: right; }
+td.id, td.priority, td.workers, td.range, td.throughput, td.resizes { text-align: right; }
 .state-running, .state-waiting, .state-failed { font-weight: 600; }
 .state-running { color: #16794c; } .state-waiting { color: #a66b00; } .state-failed { color: #b00; }
 .state-done, .state-cancelled { color: #666; }
@@ -46,7 +47,8 @@ svg .bar-label { fill: #fff; font-weight: bold; } svg .marker-label { fill: #444
 <h1>shoal queue</h1><div id="summary">connecting...</div><div id="error"></div>
 <h2>Jobs</h2>
 <table id="jobs"><thead><tr><th>job</th><th>name</th><th>state</th><th>priority</th>
-<th>workers</th><th>min-max</th><th>resizes</th><th>reason</th></tr></thead><tbody></tbody></table>
+<th>workers</th><th>min-max</th><th>throughput</th><th>resizes</th><th>reason</th></tr></thead>
+<tbody></tbody></table>
 <h2>Workers per host over time</h2><div id="hosts"></div>
 <h2>Decisions
 <label><input type="checkbox" id="show-chatter"> with each worker's start and end</label></h2>
@@ -103,10 +105,24 @@ function drawJobs(jobs) {
     name.append(swatch, jobName(j));
     row.append(el('td', j.id, 'id'), name, el('td', j.state, 'state state-' + j.state),
                el('td', j.priority, 'priority'), el('td', j.workers, 'workers'),
-               el('td', j.min + '-' + j.max, 'range'), el('td', j.resizes, 'resizes'),
-               el('td', j.reason, 'reason'));
+               el('td', j.min + '-' + j.max, 'range'), throughputCell(j.throughput),
+               el('td', j.resizes, 'resizes'), el('td', j.reason, 'reason'));
     body.appendChild(row);
   }
+}
+
+// The job's measured samples per second beside the worker count they were measured at (docs/
+// queue.md, "Throughput"), with every count's last measurement in its title.
+function throughputCell(t) {
+  const cell = el('td', '-', 'throughput');
+  if (!t) return cell;
+  if (t.samples_per_s !== null) {
+    cell.textContent = Math.round(t.samples_per_s) + ' samples/s at ' + t.world +
+                       (t.world === 1 ? ' worker' : ' workers');
+  }
+  const each = Object.entries(t.by_world).map(([w, r]) => w + ': ' + Math.round(r));
+  if (each.length) cell.title = 'samples/s by workers, ' + each.join(', ');
+  return cell;
 }
 
 // A tick step of about a tenth of the span, from a list of round durations.
@@ -124,7 +140,7 @@ function startOf(w, now) {
   return w.started_ms || (w.state === 'exited' && w.ended_ms) || now;
 }
 
-function drawHosts(nodes, workers, names, now) {
+function drawHosts(nodes, workers, names, now, outages) {
   const box = document.getElementById('hosts');
   box.replaceChildren();
   // The window: from the oldest worker shown, at least 30 seconds and at most 30 minutes.
@@ -170,6 +186,19 @@ function drawHosts(nodes, workers, names, now) {
       if (k > 0) {
         chart.appendChild(svg('line', {x1: left, x2: width - right, y1: y, y2: y, stroke: '#fff'}));
       }
+    }
+    // Note [Outages] in src/queue/scheduler.cpp: no scheduler ran here, so no decision was taken.
+    for (const o of outages) {
+      if (o.to_ms < from) continue;
+      const g = svg('g', {class: 'outage', 'data-from': o.from_ms, 'data-to': o.to_ms});
+      g.appendChild(svg('rect', {x: x(o.from_ms), y: top, height: lanes * lane,
+                                 width: Math.max(x(o.to_ms) - x(o.from_ms), 2),
+                                 fill: '#555', 'fill-opacity': 0.25}));
+      g.appendChild(svg('text', {x: x(o.from_ms) + 3, y: top + lanes * lane - 4,
+                                 class: 'marker-label'}, 'no scheduler'));
+      g.appendChild(svg('title', {}, 'no scheduler ran from ' + clock(o.from_ms) + ' to ' +
+                                     clock(o.to_ms)));
+      chart.appendChild(g);
     }
     const step = tickStep(now - from);
     for (let t = Math.ceil(from / step) * step; t <= now; t += step) {
@@ -249,7 +278,7 @@ async function poll() {
     const workers = details.flatMap(j => j.worker_list);
     drawJobs(jobs.jobs);
     addEvents(fresh.events, names);
-    drawHosts(nodes.nodes, workers, names, now);
+    drawHosts(nodes.nodes, workers, names, now, metrics.outages || []);
     document.getElementById('summary').textContent = metrics.workers + ' of ' + metrics.capacity +
         ' slots used; ' + metrics.resizes + ' resizes, ' + metrics.preemptions + ' preemptions, ' +
         metrics.preemption_cycles + ' preemption cycles, ' + metrics.failures +

@@ -13,6 +13,7 @@
 #include "../elastic/token.h"
 #include "access.h"
 #include "shoal/core/error.h"
+#include "throughput.h"
 
 namespace shoal::queue {
 
@@ -30,6 +31,8 @@ constexpr int64_t kNever = INT64_MIN / 2;
 // The due time of a worker that starts once the job's workers of before are all gone.
 constexpr int64_t kOnceGone = INT64_MAX / 2;
 constexpr int kMaxPriority = 1000000;
+// A gap longer than this since the scheduler was last alive is an outage (Note [Outages]).
+constexpr int64_t kOutageMs = 3000;
 // What one submission may hold (docs/queue.md, "Submitting"): every job is kept in the database
 // and served to every client and dashboard refresh, so none may be large.
 constexpr size_t kMaxName = 200;
@@ -188,6 +191,7 @@ struct Scheduler::Impl {
     bool owed = false;  // lost workers to another job since it last grew
     std::vector<Restart> restarting;
     std::map<std::string, std::string> members;  // host -> its agent's membership address
+    Throughput throughput;  // from its first worker's progress (docs/queue.md, "Throughput")
   };
   struct Host {
     std::string name;
@@ -219,6 +223,7 @@ struct Scheduler::Impl {
     std::string message;
   };
   std::vector<Event> pending_events;
+  int64_t alive_ms = 0;  // last written to meta (Note [Outages])
 
   explicit Impl(SchedulerOptions opts)
       : options(std::move(opts)), db(options.state_dir + "/queue.db") {
@@ -229,6 +234,14 @@ struct Scheduler::Impl {
         "CREATE TABLE IF NOT EXISTS workers (id INTEGER PRIMARY KEY, job INTEGER, host TEXT, "
         "state TEXT, doc TEXT)");
     db.exec("CREATE TABLE IF NOT EXISTS hosts (name TEXT PRIMARY KEY, doc TEXT)");
+    // Note [Outages]: the scheduler writes the time it was last alive every second; a scheduler
+    // that starts on a state whose last alive time is more than a few seconds old records the
+    // gap as an outage, which the dashboard marks (no decision was taken in it, and the jobs
+    // trained on).
+    db.exec("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER)");
+    db.exec(
+        "CREATE TABLE IF NOT EXISTS outages (id INTEGER PRIMARY KEY AUTOINCREMENT, from_ms "
+        "INTEGER, to_ms INTEGER)");
     db.exec(
         "CREATE TABLE IF NOT EXISTS events (id INTEGER PRIMARY KEY AUTOINCREMENT, time_ms "
         "INTEGER, job INTEGER, kind TEXT, message TEXT)");
@@ -259,7 +272,8 @@ struct Scheduler::Impl {
                 {"cycles", job.cycles},
                 {"owed", job.owed},
                 {"restarting", restarting},
-                {"members", job.members}};
+                {"members", job.members},
+                {"throughput", job.throughput.to_json()}};
   }
 
   static Job job_from_doc(int64_t id, const json& doc) {
@@ -286,6 +300,7 @@ struct Scheduler::Impl {
       job.restarting.push_back({r.at("host"), r.at("due_ms"), r.value("resize", false)});
     }
     job.members = doc.value("members", std::map<std::string, std::string>{});
+    job.throughput.restore(doc.value("throughput", json()));
     return job;
   }
 
@@ -332,6 +347,16 @@ struct Scheduler::Impl {
       host.last_seen = now;
       hosts[host.name] = host;
     }
+    for (const auto& row : db.query("SELECT value FROM meta WHERE key = 'alive_ms'")) {
+      const int64_t alive = row[0].integer;
+      if (now - alive > kOutageMs) {
+        db.exec("INSERT INTO outages (from_ms, to_ms) VALUES (?, ?)", {alive, now});
+        event(0, "outage",
+              "no scheduler ran for " + std::to_string((now - alive) / 1000) +
+                  " s (no decisions were taken; the jobs trained on)");
+      }
+    }
+    alive(now);
     int running = 0;
     for (const auto& [id, w] : workers) running += w.state != "exited" ? 1 : 0;
     event(0, "scheduler",
@@ -339,6 +364,13 @@ struct Scheduler::Impl {
               std::to_string(running) + " live workers, " + std::to_string(hosts.size()) +
               " hosts in " + options.state_dir + "/queue.db");
     flush();
+  }
+
+  // Note [Outages]
+  void alive(int64_t now) {
+    if (now - alive_ms < 1000) return;
+    alive_ms = now;
+    db.exec("INSERT OR REPLACE INTO meta (key, value) VALUES ('alive_ms', ?)", {now});
   }
 
   void event(int64_t job, std::string kind, std::string message) {
@@ -729,6 +761,7 @@ struct Scheduler::Impl {
 
   void tick() {
     const int64_t now = now_ms();
+    alive(now);
     check_hosts(now);
     check_jobs(now);
     restart_when_gone(now);
@@ -784,7 +817,8 @@ struct Scheduler::Impl {
              {"resizes", job.resizes},
              {"preemptions", job.preemptions},
              {"cycles", job.cycles},
-             {"restarting", static_cast<int>(job.restarting.size())}};
+             {"restarting", static_cast<int>(job.restarting.size())},
+             {"throughput", job.throughput.to_json()}};
     int live = 0;
     json list = json::array();
     for (const auto& [id, w] : workers) {
@@ -931,7 +965,13 @@ json Scheduler::metrics() const {
   int capacity = 0, used = 0;
   for (const auto& [name, host] : impl_->hosts) capacity += host.alive ? host.capacity : 0;
   for (const auto& [id, w] : impl_->workers) used += w.state != "exited" ? 1 : 0;
+  json outages = json::array();
+  for (const auto& row : impl_->db.query(
+           "SELECT from_ms, to_ms FROM outages ORDER BY id DESC LIMIT 20")) {
+    outages.push_back({{"from_ms", row[0].integer}, {"to_ms", row[1].integer}});
+  }
   return json{{"jobs", states},
+              {"outages", outages},
               {"resizes", resizes},
               {"preemptions", preemptions},
               {"preemption_cycles", cycles},
@@ -980,6 +1020,13 @@ json Scheduler::heartbeat(const json& report) {
     auto it = s.workers.find(id);
     if (it == s.workers.end() || it->second.host != name) continue;  // not ours: the orders lack it
     Impl::Worker& w = it->second;
+    if (entry.contains("progress")) {
+      const json& p = entry.at("progress");
+      if (s.jobs.at(w.job).throughput.add(p.value("time_ms", int64_t{0}),
+                                          p.value("samples", int64_t{0}), p.value("world", 1))) {
+        s.dirty_jobs.insert(w.job);
+      }
+    }
     if (entry.value("running", false)) {
       if (w.state == "starting") {
         w.state = "running";

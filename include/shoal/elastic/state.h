@@ -177,6 +177,8 @@ class State {
   std::unique_ptr<Vote> vote_;
   std::unique_ptr<DurableCommits> durable_;
   bool recorded_ = false;  // a commit of this round was recorded for newcomers
+  int64_t progress_at_ms_ = 0;  // the last progress written for a queue (src/elastic/notes.h)
+  int progress_world_ = 0;
 };
 
 // Runs `train` and, in an elastic job, recovers from the loss of a worker (CommError) and from

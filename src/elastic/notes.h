@@ -1,0 +1,27 @@
+// What an elastic worker tells whoever started it (a queue's agent), through files that its
+// environment names: that it left on a SIGTERM rather than finished (SHOAL_LEAVE_NOTE; Note [A
+// leave is not the end]), and how far the job has trained (SHOAL_PROGRESS_FILE), from which the
+// queue measures each job's throughput at each worker count (docs/queue.md, "Throughput").
+#pragma once
+
+#include <cstdint>
+
+namespace shoal::elastic {
+
+// Writes "left after step N" to SHOAL_LEAVE_NOTE's file, if set.
+void note_leave(int64_t step);
+
+// The job's committed progress, as the first worker sees it at a commit.
+struct Progress {
+  int64_t version = 0;  // commits so far
+  int64_t epoch = 0;
+  int64_t samples = 0;  // samples trained on in committed steps, over all epochs
+  int world = 1;
+};
+
+// Replaces SHOAL_PROGRESS_FILE's file, if set, with `progress` as one line of JSON and the wall
+// clock in milliseconds, written to a temporary name and renamed. At most every `every_ms`
+// (`last_ms` keeps the time of the last write); a world change is written at once.
+void note_progress(const Progress& progress, int64_t every_ms, int64_t& last_ms, int& last_world);
+
+}  // namespace shoal::elastic
