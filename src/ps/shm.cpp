@@ -7,6 +7,7 @@
 #include <random>
 #include <sstream>
 
+#include "../core/hash.h"
 #include "shoal/core/error.h"
 
 namespace shoal::ps::detail {
@@ -17,15 +18,7 @@ constexpr size_t kHeaderBytes = 64;
 constexpr size_t kTagBytes = 16;
 constexpr char kMemfdName[] = "shoal-ps";
 
-std::string hex(const unsigned char* bytes, size_t n) {
-  static const char* digits = "0123456789abcdef";
-  std::string out;
-  for (size_t i = 0; i < n; ++i) {
-    out += digits[bytes[i] >> 4];
-    out += digits[bytes[i] & 15];
-  }
-  return out;
-}
+using shoal::detail::hex;
 
 }  // namespace
 

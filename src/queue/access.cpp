@@ -13,6 +13,7 @@
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
 
+#include "../core/hash.h"
 #include "../elastic/token.h"
 #include "shoal/core/error.h"
 
@@ -26,13 +27,7 @@ std::string sha256_hex(const std::string& text) {
   unsigned char digest[EVP_MAX_MD_SIZE];
   unsigned int length = 0;
   EVP_Digest(text.data(), text.size(), digest, &length, EVP_sha256(), nullptr);
-  static const char* hex = "0123456789abcdef";
-  std::string out;
-  for (unsigned int i = 0; i < length; ++i) {
-    out += hex[digest[i] >> 4];
-    out += hex[digest[i] & 15];
-  }
-  return out;
+  return shoal::detail::hex(digest, length);
 }
 
 bool same(const std::string& a, const std::string& b) {
@@ -219,12 +214,16 @@ int64_t session_clock_ms() {
 }
 }  // namespace
 
+void Sessions::forget_expired(std::map<std::string, Entry>& entries, int64_t now) {
+  for (auto it = entries.begin(); it != entries.end();)
+    it = it->second.expires_ms < now ? entries.erase(it) : std::next(it);
+}
+
 std::string Sessions::code_for(const Principal& who) {
   const std::string code = elastic::make_token();
   std::lock_guard<std::mutex> lock(mutex_);
   const int64_t now = session_clock_ms();
-  for (auto it = codes_.begin(); it != codes_.end();)
-    it = it->second.expires_ms < now ? codes_.erase(it) : std::next(it);
+  forget_expired(codes_, now);
   codes_[code] = Entry{who, now + kCodeMs};
   return code;
 }
@@ -246,8 +245,7 @@ std::string Sessions::open(const Principal& who) {
   const std::string session = elastic::make_token() + elastic::make_token();
   std::lock_guard<std::mutex> lock(mutex_);
   const int64_t now = session_clock_ms();
-  for (auto it = sessions_.begin(); it != sessions_.end();)
-    it = it->second.expires_ms < now ? sessions_.erase(it) : std::next(it);
+  forget_expired(sessions_, now);
   sessions_[session] = Entry{who, now + kSessionMs};
   return session;
 }

@@ -100,6 +100,8 @@ class Sessions {
     Principal who;
     int64_t expires_ms = 0;
   };
+  static void forget_expired(std::map<std::string, Entry>& entries, int64_t now);
+
   mutable std::mutex mutex_;
   std::map<std::string, Entry> codes_;
   std::map<std::string, Entry> sessions_;

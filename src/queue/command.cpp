@@ -256,12 +256,7 @@ int ls(const std::vector<std::string>& args) {
 }
 
 int64_t parse_job(const std::string& text) {
-  try {
-    size_t used = 0;
-    const long long id = std::stoll(text, &used);
-    if (used == text.size() && id > 0) return id;
-  } catch (const std::exception&) {
-  }
+  if (auto id = parse_job_id(text)) return *id;
   throw UsageError("expected a job id (a positive integer), not '" + text + "'");
 }
 

@@ -69,6 +69,16 @@ int int_field(const json& body, const char* name, int fallback, int low, int hig
 
 }  // namespace
 
+std::optional<int64_t> parse_job_id(const std::string& text) {
+  try {
+    size_t used = 0;
+    const long long id = std::stoll(text, &used);
+    if (used == text.size() && id > 0) return id;
+  } catch (const std::exception&) {
+  }
+  return std::nullopt;
+}
+
 JobSpec JobSpec::from_json(const json& body) {
   if (!body.is_object()) throw UsageError("a job must be a JSON object");
   JobSpec spec;

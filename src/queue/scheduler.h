@@ -63,6 +63,10 @@ struct JobSpec {
   nlohmann::json to_json() const;
 };
 
+// A job's id written as text (a REST path, a command's argument); nullopt when the text is not a
+// positive integer.
+std::optional<int64_t> parse_job_id(const std::string& text);
+
 class Scheduler {
  public:
   explicit Scheduler(SchedulerOptions options);

@@ -81,12 +81,7 @@ void handle(httplib::Response& response, Body body, int missing = 400) {
 
 // The ID of /jobs/ID; an id that is not one is a job that does not exist (404).
 int64_t job_id(const std::string& text) {
-  try {
-    size_t used = 0;
-    const long long id = std::stoll(text, &used);
-    if (used == text.size() && id > 0) return id;
-  } catch (const std::exception&) {
-  }
+  if (auto id = parse_job_id(text)) return *id;
   throw UsageError("no job '" + text + "': a job's id is a positive integer");
 }
 

@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "comm/shm/locality.h"
+#include "core/hash.h"
 #include "shoal/core/error.h"
 
 namespace shoal::comm::shm {
@@ -39,15 +40,7 @@ struct Layout {
 };
 static_assert(sizeof(SegmentHeader) <= kPage, "the header fits its page");
 
-std::string hex(const unsigned char* bytes, size_t n) {
-  static const char* digits = "0123456789abcdef";
-  std::string out;
-  for (size_t i = 0; i < n; ++i) {
-    out += digits[bytes[i] >> 4];
-    out += digits[bytes[i] & 15];
-  }
-  return out;
-}
+using shoal::detail::hex;
 
 std::string errno_text() {
   return std::strerror(errno);

@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "../../core/hash.h"
 #include "shoal/core/error.h"
 
 namespace shoal::elastic::etcd {
@@ -17,13 +18,7 @@ std::string digest(const std::string& token) {
   unsigned int size = 0;
   HMAC(EVP_sha256(), token.data(), static_cast<int>(token.size()), reinterpret_cast<const unsigned char*>(kText.data()),
        kText.size(), mac, &size);
-  static const char* kHex = "0123456789abcdef";
-  std::string hex;
-  for (unsigned int i = 0; i < size; ++i) {
-    hex += kHex[mac[i] >> 4];
-    hex += kHex[mac[i] & 15];
-  }
-  return hex;
+  return shoal::detail::hex(mac, size);
 }
 
 }  // namespace
