@@ -147,13 +147,7 @@ int parse_priority(const std::string& text) {
   if (text == "low") return -100;
   if (text == "normal") return 0;
   if (text == "high") return 100;
-  try {
-    size_t used = 0;
-    const long value = std::stol(text, &used);
-    if (used == text.size() && value >= -1000000 && value <= 1000000)
-      return static_cast<int>(value);
-  } catch (const std::exception&) {
-  }
+  if (auto value = parse_integer(text, -1000000, 1000000)) return static_cast<int>(*value);
   throw UsageError(
       "--priority expects an integer from -1000000 to 1000000 (higher first) or "
       "low, normal, high; not '" +
@@ -439,7 +433,8 @@ int serve_command(const std::vector<std::string>& args) {
   app.add_flag("--allow-root-jobs", options.access.allow_root_jobs,
                "the admin's jobs may run as root (and the local agent may start them)");
   app.add_option("--tls", options.tls,
-                 "HTTPS on both ports: auto (the default: on unless --host is loopback), on, off");
+                 "HTTPS on both ports: auto (the default: on unless --host is loopback and no "
+                 "--tls-cert is given), on, off");
   app.add_option("--tls-cert", options.tls_cert,
                  "the certificate to serve (PEM; default: one made in STATE_DIR/tls)");
   app.add_option("--tls-key", options.tls_key, "its private key (PEM)");

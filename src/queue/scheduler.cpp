@@ -69,11 +69,11 @@ int int_field(const json& body, const char* name, int fallback, int low, int hig
 
 }  // namespace
 
-std::optional<int64_t> parse_job_id(const std::string& text) {
+std::optional<int64_t> parse_integer(const std::string& text, int64_t low, int64_t high) {
   try {
     size_t used = 0;
-    const long long id = std::stoll(text, &used);
-    if (used == text.size() && id > 0) return id;
+    const long long value = std::stoll(text, &used);
+    if (used == text.size() && value >= low && value <= high) return value;
   } catch (const std::exception&) {
   }
   return std::nullopt;

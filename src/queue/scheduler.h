@@ -63,9 +63,15 @@ struct JobSpec {
   nlohmann::json to_json() const;
 };
 
+// The integer `text` spells, whole, when it lies in [low, high]; else nullopt. One parser for the
+// REST API's and the command line's numbers.
+std::optional<int64_t> parse_integer(const std::string& text, int64_t low, int64_t high);
+
 // A job's id written as text (a REST path, a command's argument); nullopt when the text is not a
 // positive integer.
-std::optional<int64_t> parse_job_id(const std::string& text);
+inline std::optional<int64_t> parse_job_id(const std::string& text) {
+  return parse_integer(text, 1, INT64_MAX);
+}
 
 class Scheduler {
  public:

@@ -12,7 +12,6 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <fstream>
 #include <iostream>
 #include <map>
@@ -115,12 +114,7 @@ int64_t integer_param(const httplib::Request& request, const std::string& name, 
                       int64_t low, int64_t high) {
   if (!request.has_param(name.c_str())) return fallback;
   const std::string text = request.get_param_value(name.c_str());
-  try {
-    size_t used = 0;
-    const long long value = std::stoll(text, &used);
-    if (used == text.size() && value >= low && value <= high) return value;
-  } catch (const std::exception&) {
-  }
+  if (auto value = parse_integer(text, low, high)) return *value;
   throw UsageError(name + " expects an integer from " + std::to_string(low) + " to " +
                    std::to_string(high) + ", not '" + text + "'");
 }
@@ -316,10 +310,14 @@ int serve(const ServeOptions& options) {
   Sessions sessions;
   if (options.tls != "auto" && options.tls != "on" && options.tls != "off")
     throw UsageError("--tls expects auto, on or off, not '" + options.tls + "'");
-  const bool tls = options.tls == "on" || (options.tls == "auto" && !loopback(options.bind_host));
+  // A certificate given is one to serve: --tls auto turns on with it even on loopback, and --tls
+  // off beside it is a contradiction rather than a flag silently ignored.
+  if (options.tls == "off" && !options.tls_cert.empty())
+    throw UsageError("--tls off with --tls-cert; expected one of them");
+  const bool tls = options.tls == "on" ||
+                   (options.tls == "auto" && (!loopback(options.bind_host) || !options.tls_cert.empty()));
   TlsFiles certificate{options.tls_cert, options.tls_key};
   if (tls && certificate.cert.empty()) certificate = ensure_certificate(dir + "/tls");
-  if (!tls) certificate = TlsFiles{};
   Scheduler scheduler(options.scheduler);
   // Other users may pass through the state directory to their jobs' own directories
   // (STATE_DIR/jobs/ID, theirs), and read nothing else of it.

@@ -15,7 +15,8 @@ struct ServeOptions {
   std::string bind_host = "127.0.0.1";  // loopback unless told (docs/queue.md, "Security")
   int port = 7460;          // the users' API; 0: any free port (written to STATE_DIR/address)
   int agent_port = 7461;    // the agents' heartbeats; 0: any (STATE_DIR/agent-address)
-  // HTTPS for both ports: "on", "off", or "auto" (on unless bind_host is a loopback address),
+  // HTTPS for both ports: "on", "off", or "auto" (on unless bind_host is a loopback address and
+  // no tls_cert is given),
   // with the admin's certificate and key or one made in STATE_DIR/tls (src/queue/tls.h).
   std::string tls = "auto";
   std::string tls_cert;
