@@ -168,7 +168,7 @@ class Agent {
       worker.exit = change.exit;
       worker.success = change.success;
       // Note [An agent that stops]: an exit 0 is the end of the training only when nobody asked
-      // the worker to leave (Note [A leave is not the end], src/elastic/state.cpp).
+      // the worker to leave (Note [A leave is not the end], src/elastic/notes.cpp).
       const bool ordered = worker.leave_sent || worker.kill_at.has_value();
       const bool left = change.success && ::access(worker.leave_note.c_str(), F_OK) == 0;
       if (!ordered && stopping_ && (left || !change.success)) {
@@ -180,6 +180,7 @@ class Agent {
         worker.exit = "left the job after a SIGTERM that its agent did not send: " + change.exit;
       }
       ::unlink(worker.leave_note.c_str());
+      ::unlink(worker.progress.c_str());
       worker.kill_at.reset();
     }
     return changed;
