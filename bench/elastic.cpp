@@ -84,7 +84,7 @@ int main(int argc, char** argv) {
       for (auto& b : loader.epoch(epoch)) {
         if (done >= steps) break;
         optimizer.zero_grad();
-        torch::nn::functional::cross_entropy(net->forward(b.data), b.target).backward();
+        torch::nn::functional::cross_entropy(model(b.data), b.target).backward();
         optimizer.step();
         ++done;
         if (commit_every > 0 && done % commit_every == 0) {

@@ -223,7 +223,7 @@ std::pair<double, double> measure_hand(const Plan& plan,
   auto step = [&] {
     optimizer.zero_grad();
     // The mean over this worker's rows; DataParallel averages the data-parallel workers' gradients.
-    const auto l = (model->forward(rows) * target).mean();
+    const auto l = (model(rows) * target).mean();
     l.backward();
     optimizer.step();
     loss = l.item<double>();

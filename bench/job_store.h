@@ -3,6 +3,7 @@
 #pragma once
 
 #include "shoal/shoal.h"
+#include "comm/store.h"
 
 inline shoal::comm::StorePtr open_job_store() {
   const auto& job = shoal::job();

@@ -169,7 +169,8 @@ int main(int argc, char** argv) {
     } else {
       dp_optimizer->zero_grad();
     }
-    torch::binary_cross_entropy_with_logits(model->forward(b.ids, b.dense), b.label).backward();
+    const auto logits = dp ? dp->forward(b.ids, b.dense) : model->forward(b.ids, b.dense);
+    torch::binary_cross_entropy_with_logits(logits, b.label).backward();
     if (on_servers)
       ps_optimizer->step();
     else

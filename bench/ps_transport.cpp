@@ -38,7 +38,7 @@
 
 #include "ps/rpc.h"
 #include "ps/sum_handler.h"
-#include "shoal/comm/store.h"
+#include "comm/store.h"
 
 namespace {
 

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "core/timeline_start.h"
 #include "shoal/core/timeline.h"
 
 namespace {

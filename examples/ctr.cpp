@@ -20,7 +20,7 @@
 #include "cli.h"
 #include "shoal/data/synthetic_ctr.h"
 #include "shoal/ps/ps.h"
-#include "shoal/runtime/init.h"
+#include "shoal/init.h"
 
 namespace {
 

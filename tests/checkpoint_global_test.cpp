@@ -649,6 +649,81 @@ TEST(GlobalCheckpoint, BadFilesAndOtherModelsRaiseOnEveryWorkerAndChangeNothing)
       dir.workers());
 }
 
+// The plain modules of one process with the names and shapes of Tiny's parameters.
+struct PlainTinyImpl : torch::nn::Module {
+  explicit PlainTinyImpl(int64_t hidden = 8) {
+    embed = register_module("embed", torch::nn::Embedding(kVocabulary, kDim));
+    up = register_module("up", torch::nn::Linear(kDim, hidden));
+    down = register_module("down", torch::nn::Linear(hidden, kDim));
+    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kDim})));
+  }
+  torch::nn::Embedding embed{nullptr};
+  torch::nn::Linear up{nullptr}, down{nullptr};
+  torch::nn::LayerNorm norm{nullptr};
+};
+TORCH_MODULE(PlainTiny);
+
+// `module`'s parameters against `whole` by name: the same names, the same values.
+void expect_whole(const torch::nn::Module& module,
+                  const std::vector<std::pair<std::string, torch::Tensor>>& whole, const std::string& context) {
+  const auto named = module.named_parameters();
+  ASSERT_EQ(named.size(), whole.size()) << context;
+  for (const auto& [name, value] : whole) {
+    const auto* found = named.find(name);
+    ASSERT_NE(found, nullptr) << context << ": " << name;
+    ASSERT_EQ(found->sizes(), value.sizes()) << context << ": " << name;
+    EXPECT_TRUE(torch::equal(*found, value)) << context << ": " << name;
+  }
+}
+
+// Whatever holds the global layers (a torch::nn::Sequential) and whatever reference a global
+// model is passed through (torch::nn::Module&), save writes the whole model: the file loads into
+// one process's plain modules of the whole shapes with the whole values.
+TEST(GlobalCheckpoint, SequentialsAndBaseReferencesSaveTheWholeModel) {
+  ScratchDir dir;
+  run_workers(
+      2,
+      [&] {
+        const g::nn::Layout layout{g::Placement::all(), {0}};  // tensor-parallel over both workers
+        shoal::LoadOptions alone;
+        alone.group = shoal::comm::Group::single();
+
+        torch::manual_seed(5);
+        torch::nn::Sequential layers(g::nn::Linear(kDim, 8, layout.placement, layout.column()),
+                                     g::nn::Linear(8, kDim, layout.placement, layout.row()));
+        std::vector<std::pair<std::string, torch::Tensor>> layers_whole;
+        for (const auto& item : layers->named_children()) {
+          auto& layer = dynamic_cast<g::nn::Module&>(*item.value());
+          for (auto& [name, value] : whole_values(layer)) layers_whole.emplace_back(item.key() + "." + name, value);
+        }
+        ASSERT_EQ(layers_whole.size(), 4u);
+        shoal::save(dir.file("sequential.pt"), *layers);
+        torch::nn::Sequential plain(torch::nn::Linear(kDim, 8), torch::nn::Linear(8, kDim));
+        shoal::load(dir.file("sequential.pt"), *plain, alone);
+        expect_whole(*plain, layers_whole, "a Sequential of global layers");
+
+        torch::manual_seed(6);
+        Tiny model(layout);
+        const auto model_whole = whole_values(*model);
+        const torch::nn::Module& base = *model;
+        shoal::save(dir.file("base.pt"), base);
+        PlainTiny plain_model;
+        shoal::load(dir.file("base.pt"), *plain_model, alone);
+        expect_whole(*plain_model, model_whole, "a global model through torch::nn::Module&");
+
+        // And back through the same references: each worker takes its pieces again.
+        torch::manual_seed(7);
+        Tiny other(layout);
+        torch::nn::Module& other_base = *other;
+        shoal::load(dir.file("base.pt"), other_base);
+        const auto reloaded = whole_values(*other);
+        ASSERT_EQ(reloaded.size(), model_whole.size());
+        for (size_t i = 0; i < reloaded.size(); ++i)
+          EXPECT_TRUE(torch::equal(reloaded[i].second, model_whole[i].second)) << reloaded[i].first;
+      },
+      dir.workers());
+}
+
 // A parameter whose value is a sum of the workers' pieces has no piece to take back on load.
 class SummedImpl : public g::nn::Module {
  public:

@@ -28,7 +28,7 @@
 #include "shoal/core/error.h"
 #include "shoal/data/loader.h"
 #include "shoal/dp/data_parallel.h"
-#include "shoal/runtime/init.h"
+#include "shoal/init.h"
 
 namespace {
 

@@ -9,9 +9,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "dp/replication.h"
 #include "harness.h"
 #include "shoal/data/torch_sampler.h"
-#include "shoal/runtime/world.h"
 #include "shoal/shoal.h"
 
 namespace {
@@ -187,7 +187,7 @@ TEST_P(Equivalence, GradientsAreSlicesOfTheirBuckets) {
     // Every parameter is in exactly one bucket, and the gradients of a bucket share its storage
     // and fill one range of it, which no other bucket's overlaps (the buckets of one dtype are
     // parts of one tensor: Note [Buckets in shared memory]).
-    const auto assignment = model.reducer()->bucket_assignment();
+    const auto assignment = model.bucket_assignment();
     auto params = net->parameters();
     std::vector<int> seen(params.size(), 0);
     std::vector<std::pair<uintptr_t, uintptr_t>> ranges;
@@ -377,12 +377,16 @@ struct UnevenCase {
 };
 void PrintTo(const UnevenCase& c, std::ostream* out) { *out << c.name; }
 
-enum class Feed { kShoalLoader, kTorchLoader };
+// kTorchLoaderPrefetching: torch's loader with two worker threads, which asks the sampler for
+// batches ahead of the one the program trains on.
+enum class Feed { kShoalLoader, kTorchLoader, kTorchLoaderPrefetching };
 
 // Trains on one process over each global batch (the reference), and data parallel on this
 // worker's share from `feed`, for 3 epochs of SGD with momentum; with `accumulate`, two batches
-// per optimizer step (no_sync on the first). The oracle: the same parameters to 1e-5.
-void train_on_uneven_shares(const UnevenCase& c, Feed feed, bool accumulate) {
+// per optimizer step (no_sync on the first); with `evaluate`, a second loader (5 evaluation
+// samples a batch, cut 2, 2, 1) hands out a batch between each training forward and its
+// backward, which the model evaluates. The oracle: the same parameters to 1e-5.
+void train_on_uneven_shares(const UnevenCase& c, Feed feed, bool accumulate, bool evaluate = false) {
   constexpr int kEpochs = 3;
   torch::manual_seed(7);
   const auto x = torch::randn({c.samples, kIn});
@@ -411,14 +415,30 @@ void train_on_uneven_shares(const UnevenCase& c, Feed feed, bool accumulate) {
   Mlp net;
   shoal::DataParallel model(net);
   torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  shoal::data::SamplerOptions evaluation;
+  evaluation.batch_size = 5;
+  auto evaluation_loader = shoal::data::make_loader(Rows(torch::randn({5, kIn}), torch::randint(kOut, {5})), evaluation);
   int64_t step = 0;
+  // The loss goes through the wrapper's forward, which sees the batch (Note [Weighing gradients
+  // by batch share], dp/data_parallel.h).
+  auto loss_through_model = [&](const torch::Tensor& data, const torch::Tensor& target) {
+    auto loss = torch::nn::functional::cross_entropy(model(data, false), target);
+    if (evaluate) {
+      torch::NoGradGuard no_grad;
+      for (auto& batch : evaluation_loader.epoch(step)) {
+        model(batch.data, false);
+        break;
+      }
+    }
+    return loss;
+  };
   auto train = [&](const torch::Tensor& data, const torch::Tensor& target) {
     if (!accumulate || step % 2 == 0) opt.zero_grad();
     if (accumulate && step % 2 == 0) {
       auto guard = model.no_sync();
-      loss_of(net, data, target, false).backward();
+      loss_through_model(data, target).backward();
     } else {
-      loss_of(net, data, target, false).backward();
+      loss_through_model(data, target).backward();
       opt.step();
     }
     ++step;
@@ -429,8 +449,10 @@ void train_on_uneven_shares(const UnevenCase& c, Feed feed, bool accumulate) {
       for (auto& batch : loader.epoch(epoch)) train(batch.data, batch.target);
     }
   } else {
+    const size_t workers = feed == Feed::kTorchLoaderPrefetching ? 2 : 0;
     auto loader = torch::data::make_data_loader<shoal::data::RandomSampler>(
-        Rows(x, y).map(torch::data::transforms::Stack<>()), c.batch);
+        Rows(x, y).map(torch::data::transforms::Stack<>()),
+        torch::data::DataLoaderOptions(c.batch).workers(workers));
     for (int epoch = 0; epoch < kEpochs; ++epoch) {
       for (auto& batch : *loader) train(batch.data, batch.target);
     }
@@ -449,6 +471,14 @@ TEST_P(UnevenShares, TorchLoaderWithShoalSamplerEqualsOneProcess) {
 }
 TEST_P(UnevenShares, NoSyncAccumulationEqualsOneProcess) {
   run_workers(3, [] { train_on_uneven_shares(GetParam(), Feed::kShoalLoader, true); });
+}
+// The share of the batch trained on, not of one torch's loader fetched ahead of it.
+TEST_P(UnevenShares, PrefetchingTorchLoaderEqualsOneProcess) {
+  run_workers(3, [] { train_on_uneven_shares(GetParam(), Feed::kTorchLoaderPrefetching, false); });
+}
+// The training batch's share, not the evaluation batch's handed out after its forward.
+TEST_P(UnevenShares, EvaluationLoaderBesideTrainingEqualsOneProcess) {
+  run_workers(3, [] { train_on_uneven_shares(GetParam(), Feed::kShoalLoader, false, true); });
 }
 
 INSTANTIATE_TEST_SUITE_P(Cuts, UnevenShares,
@@ -531,7 +561,9 @@ TEST(DataParallel, ABackwardThatFailsAfterItsAllReduceIsNotCountedAsSynchronized
         return work;
       };
       shoal::DataParallel model(net, dp);
-      const uint64_t before = shoal::runtime::synchronized_backwards();
+      const auto replication = shoal::dp::replication_of(net->fc1->weight);
+      ASSERT_NE(replication, nullptr);
+      const uint64_t before = replication->synchronized_backwards();
       try {
         loss_of(net, x[0].narrow(0, shoal::rank() * kPerWorker, kPerWorker),
                 y[0].narrow(0, shoal::rank() * kPerWorker, kPerWorker), false)
@@ -540,7 +572,7 @@ TEST(DataParallel, ABackwardThatFailsAfterItsAllReduceIsNotCountedAsSynchronized
       } catch (const shoal::CommError& e) {
         EXPECT_NE(std::string(e.what()).find("worker 0"), std::string::npos) << e.what();
       }
-      EXPECT_EQ(shoal::runtime::synchronized_backwards(), before);
+      EXPECT_EQ(replication->synchronized_backwards(), before);
     }, options);
     if (shoal::testing::is_worker()) continue;  // a worker of the other path's call
     ASSERT_EQ(exits.size(), 2u);
@@ -559,7 +591,7 @@ TEST(DataParallel, AJobOfOneIsPlainTraining) {
     torch::manual_seed(0);
     Mlp net;
     shoal::DataParallel model(net);
-    EXPECT_EQ(model.replicator().reducer(), nullptr);
+    EXPECT_TRUE(model.bucket_assignment().empty());
     torch::optim::SGD ref_opt(reference->parameters(), 0.1), opt(net->parameters(), 0.1);
     for (int64_t step = 0; step < kSteps; ++step) {
       ref_opt.zero_grad();

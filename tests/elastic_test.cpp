@@ -19,6 +19,7 @@
 #include <torch/torch.h>
 
 #include "elastic/etcd/client.h"
+#include "elastic/state_access.h"
 #include "elastic_support.h"
 
 namespace {
@@ -211,6 +212,42 @@ INSTANTIATE_TEST_SUITE_P(Commits, ElasticChangedParameters, ::testing::Values(tr
 
 namespace {
 
+// A second model trains beside the committed one, under its own DataParallel (a GAN's other
+// half) or as a global model under GradientSync, and a worker dies right after that model's
+// step: the committed model has not changed since its commit on any survivor, so the job goes
+// on from there without copies (Note [Commits without copies]) and ends with the one-process
+// parameters. Whether a commit may skip its copy is asked of the committed model's own
+// DataParallel: the backwards of the model beside do not count.
+class ElasticBeside : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ElasticBeside, AnotherModelsBackwardsDoNotMakeTheCommitStale) {
+  const std::string beside = GetParam();
+  constexpr int kEpochs = 3;
+  const Outcome reference = one_process(kEpochs);
+  const std::string out = temp_path("beside_" + beside);
+  const std::string token = temp_path("beside_" + beside + ".token");
+  ::setenv("ELASTIC_WORKER_BESIDE", beside.c_str(), 1);
+  ::setenv("ELASTIC_WORKER_DIE_BESIDE", "10", 1);
+  ShoalRun job({"--min", "1", "--max", "3", "-n", "3", "--token-file", token, kWorker, out,
+                std::to_string(kEpochs), "20"});
+  ::unsetenv("ELASTIC_WORKER_BESIDE");
+  ::unsetenv("ELASTIC_WORKER_DIE_BESIDE");
+  const RunResult result = job.wait(120s);
+  ASSERT_FALSE(result.timed_out) << result.err;
+  EXPECT_NE(result.err.find("was killed by signal 9 (SIGKILL)"), std::string::npos) << result.err;
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  const Outcome outcome = read_outcome(out);
+  expect_each_sample_once(outcome, kEpochs);
+  expect_same_parameters(outcome, reference);
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, ElasticBeside, ::testing::Values("dp", "global"),
+                         [](const auto& info) { return info.param; });
+
+}  // namespace
+
+namespace {
+
 // "step S world W lr=L" lines: (world, lr) in order.
 std::vector<std::pair<int, double>> rates(const std::string& out) {
   static const std::regex line(R"(step \d+ world (\d+) lr=(\S+))");
@@ -364,7 +401,7 @@ TEST(ElasticState, RestoreReturnsToTheLastCommit) {
   step();
   state.value("seen") = torch::tensor({9});
   ASSERT_FALSE(net->weight.detach().equal(weight));
-  state.restore();
+  shoal::elastic::StateAccess::restore(state);
   EXPECT_TRUE(net->weight.detach().equal(weight));
   EXPECT_EQ(sampler.cursor(), cursor);
   EXPECT_EQ(state.value("seen").item<int64_t>(), 7);
@@ -373,7 +410,7 @@ TEST(ElasticState, RestoreReturnsToTheLastCommit) {
   torch::manual_seed(5);
   step();
   const auto once = net->weight.detach().clone();
-  state.restore();
+  shoal::elastic::StateAccess::restore(state);
   torch::manual_seed(5);
   step();
   EXPECT_TRUE(net->weight.detach().equal(once));
@@ -639,6 +676,23 @@ struct WithGlobalLayer : torch::nn::Module {
   torch::nn::Linear plain{nullptr};
   shoal::global::nn::Linear sharded{nullptr};
 };
+
+// An elastic job's first round is formed by shoal::init(), above the parts that would join by
+// themselves: DataParallel before it says so, at once, rather than joining as a static job.
+TEST(ElasticState, DataParallelBeforeInitAsksForInit) {
+  const std::string out = temp_path("no_init");
+  const std::string token = temp_path("no_init.token");
+  ::setenv("ELASTIC_WORKER_NO_INIT", "1", 1);
+  ShoalRun job({"--min", "1", "--max", "2", "-n", "1", "--token-file", token, kWorker, out, "1"});
+  ::unsetenv("ELASTIC_WORKER_NO_INIT");
+  const RunResult result = job.wait(60s);
+  ASSERT_FALSE(result.timed_out) << result.err;
+  EXPECT_NE(result.exit_code, 0) << result.out;
+  EXPECT_NE(result.err.find("DataParallel in an elastic job (shoal run --min/--max) before shoal::init(): call "
+                            "shoal::init() first; it joins the job's first round"),
+            std::string::npos)
+      << result.err;
+}
 
 TEST(ElasticState, RefusesGlobalParameters) {
   // Global tensors need the job (a job of one here, nothing having started this process).

@@ -22,11 +22,11 @@
 #include <gtest/gtest.h>
 
 #include "netns.h"
-#include "shoal/comm/store.h"
+#include "comm/store.h"
 #include "shoal/core/env.h"
 #include "shoal/core/error.h"
 #include "shoal/core/timeline.h"
-#include "shoal/runtime/init.h"
+#include "shoal/init.h"
 
 extern char** environ;
 

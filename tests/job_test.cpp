@@ -14,6 +14,7 @@
 #include <torch/torch.h>
 
 #include "harness.h"
+#include "comm/store.h"
 #include "shoal/shoal.h"
 
 namespace {

@@ -30,7 +30,7 @@
 
 #include "harness.h"
 #include "shoal_run.h"
-#include "shoal/comm/store.h"
+#include "comm/store.h"
 
 extern char** environ;
 

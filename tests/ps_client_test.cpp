@@ -18,7 +18,7 @@
 #include "error_of.h"
 #include "shoal/data/loader.h"
 #include "shoal/ps/ps.h"
-#include "shoal/runtime/init.h"
+#include "shoal/init.h"
 #include "shoal_run.h"
 #include "test_paths.h"
 

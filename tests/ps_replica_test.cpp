@@ -28,7 +28,7 @@
 #include "ps/shard_map.h"
 #include "ps/snapshot.h"
 #include "ps_support.h"
-#include "shoal/comm/store.h"
+#include "comm/store.h"
 #include "shoal_run.h"
 #include "test_paths.h"
 

@@ -1,4 +1,4 @@
-// plain.cpp made data parallel (docs/getting-started.md): two lines added, two changed.
+// plain.cpp made data parallel (docs/getting-started.md): two lines added, three changed.
 //   shoal run -n 4 distributed DATA_DIR MODEL_OUT [EPOCHS]
 #include <torch/torch.h>
 #include <shoal/shoal.h>
@@ -22,7 +22,7 @@ int main(int argc, char** argv) {
   for (int epoch = 0; epoch < epochs; ++epoch) {
     for (auto& batch : *loader) {
       optimizer.zero_grad();
-      auto loss = torch::nn::functional::cross_entropy(net->forward(batch.data), batch.target);
+      auto loss = torch::nn::functional::cross_entropy(model(batch.data), batch.target);
       loss.backward();
       optimizer.step();
     }

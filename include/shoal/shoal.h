@@ -6,6 +6,7 @@
 #pragma once
 
 #include "shoal/checkpoint/checkpoint.h"
+#include "shoal/comm/address.h"
 #include "shoal/comm/group.h"
 #include "shoal/comm/store.h"
 #include "shoal/comm/work.h"
@@ -23,5 +24,6 @@
 #include "shoal/global/tensor.h"
 #include "shoal/pipeline/pipeline.h"
 #include "shoal/ps/ps.h"
+#include "shoal/init.h"
 #include "shoal/runtime/init.h"
 #include "shoal/runtime/job.h"

@@ -15,6 +15,7 @@
 #include "container.h"
 #include "contents.h"
 #include "core/error_text.h"
+#include "whole.h"
 #include "shoal/core/error.h"
 #include "shoal/runtime/init.h"
 
@@ -161,8 +162,15 @@ comm::Group checkpoint_group(const std::optional<comm::Group>& group, const std:
 
 namespace {
 
+// A model some of whose parameters are pieces of whole values (a global model's layers, wherever
+// they sit) is saved whole (whole.h); any other is saved as the module holds it.
 void save_checkpoint(const std::string& path, const torch::nn::Module& module, const torch::optim::Optimizer* optimizer,
                      const data::SamplerState* loader_state, const SaveOptions& options) {
+  if (!checkpoint::pieces_of(module).empty()) {
+    // Only read; the optimizer's state map is reached through the non-const accessor.
+    checkpoint::save_whole(path, module, const_cast<torch::optim::Optimizer*>(optimizer), loader_state, options);
+    return;
+  }
   comm::Group group = checkpoint::checkpoint_group(options.group, path, "shoal::save");
   checkpoint::save_payload(
       path, group,
@@ -172,6 +180,7 @@ void save_checkpoint(const std::string& path, const torch::nn::Module& module, c
 
 std::optional<data::SamplerState> load_checkpoint(const std::string& path, torch::nn::Module& module,
                                                   torch::optim::Optimizer* optimizer, const LoadOptions& options) {
+  if (!checkpoint::pieces_of(module).empty()) return checkpoint::load_whole(path, module, optimizer, options);
   comm::Group group = checkpoint::checkpoint_group(options.group, path, "shoal::load");
   const std::string payload = checkpoint::read_payload(path, group, options.timeout);
   return checkpoint::restore_contents(path, payload, module, optimizer, options.extras);

@@ -1,6 +1,6 @@
 // save and load's collective halves, for the checkpoints of models that no one worker holds
 // whole (a pipeline's, src/pipeline/checkpoint.cpp; a
-// global model's, global.cpp). Private to shoal's sources.
+// global model's, whole.cpp). Private to shoal's sources.
 #pragma once
 
 #include <functional>

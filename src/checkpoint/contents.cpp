@@ -29,7 +29,7 @@ using torch::serialize::OutputArchive;
 constexpr const char* kModuleKey = "module";
 constexpr const char* kOptimizerKey = "optimizer";
 constexpr const char* kOptimizerTypeKey = "optimizer_type";
-// A global model's optimizer state, by parameter name (global.cpp).
+// A global model's optimizer state, by parameter name (whole.cpp).
 constexpr const char* kOptimizerByNameKey = "optimizer_by_name";
 constexpr const char* kLoaderKey = "loader";
 constexpr const char* kExtrasKey = "extras";

@@ -12,6 +12,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include "comm/shm/executor.h"
+#include "comm/store.h"
 #include "shoal/comm/group.h"
 #include "shoal/comm/work.h"
 #include "shoal/core/timeline.h"

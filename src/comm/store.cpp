@@ -1,4 +1,4 @@
-#include "shoal/comm/store.h"
+#include "comm/store.h"
 
 #include <arpa/inet.h>
 #include <netdb.h>

@@ -1,5 +1,7 @@
 #include "shoal/core/timeline.h"
 
+#include "core/timeline_start.h"
+
 #include <fcntl.h>
 #include <pthread.h>
 #include <sys/file.h>

@@ -11,7 +11,7 @@
 #include "shoal/comm/group.h"
 #include "shoal/core/error.h"
 #include "shoal/data/torch_sampler.h"
-#include "shoal/runtime/batch_share.h"
+#include "runtime/world.h"
 #include "shoal/runtime/init.h"
 
 namespace shoal::data {
@@ -31,9 +31,7 @@ void check_world(int rank, int world_size) {
 }
 
 // A program may leave shoal::init() to its loader or to DataParallel, whichever comes first.
-void join_job() {
-  if (!is_initialized()) init();
-}
+void join_job() { runtime::join_implicitly("a shoal sampler"); }
 
 // Two functions because the order in which a call's arguments are evaluated is unspecified.
 int job_rank() {
@@ -229,20 +227,23 @@ void DistributedSampler::reset(c10::optional<size_t> new_size) {
   }
 }
 
+// Note [A last batch smaller than the worker count]
+// torch's loader refuses an empty request, so when a global batch of g samples is cut over more
+// workers than it has (n > g), every worker must still get at least one. The batch is then
+// repeated k = ceil(n / g) times and the g * k rows cut over the workers: each sample appears k
+// times, so every worker's mean loss weighed by its rows (Note [Weighing gradients by batch
+// share], shoal/dp/data_parallel.h) sums to the mean over the g samples, as one process gets it.
 c10::optional<std::vector<size_t>> DistributedSampler::next(size_t batch_size) {
   if (epoch_ < 0) reset();  // torch's loader resets first; a direct caller may not
   const int64_t global = std::min(static_cast<int64_t>(batch_size), size_ - cursor_);
-  if (global <= 0 || (drop_last_ && global < static_cast<int64_t>(batch_size))) {
-    runtime::set_batch_share(std::nullopt);
-    return c10::nullopt;
-  }
-  const comm::Sizes shares = comm::split_sizes(global, world_size_);
+  if (global <= 0 || (drop_last_ && global < static_cast<int64_t>(batch_size))) return c10::nullopt;
+  const int64_t copies = (world_size_ + global - 1) / global;  // 1 unless world_size_ > global
+  const comm::Sizes shares = comm::split_sizes(global * copies, world_size_);
   const int64_t offset = std::accumulate(shares.begin(), shares.begin() + rank_, int64_t{0});
   std::vector<size_t> indices;
-  for (int64_t i = 0; i < shares[rank_]; ++i) indices.push_back(permutation_[static_cast<size_t>(cursor_ + offset + i)]);
-  // torch's loader refuses an empty request: a share of 0 trains on one sample weighed 0.
-  if (indices.empty()) indices.push_back(permutation_[static_cast<size_t>(cursor_)]);
-  runtime::set_batch_share(runtime::BatchShare{shares[rank_], global, world_size_});
+  for (int64_t i = 0; i < shares[rank_]; ++i) {
+    indices.push_back(permutation_[static_cast<size_t>(cursor_ + (offset + i) % global)]);
+  }
   cursor_ += global;
   return indices;
 }

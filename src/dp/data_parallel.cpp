@@ -3,9 +3,12 @@
 #include <map>
 #include <sstream>
 
+#include <ATen/core/grad_mode.h>
+
+#include "dp/replicator.h"
 #include "shoal/core/error.h"
 #include "shoal/runtime/init.h"
-#include "shoal/runtime/world.h"
+#include "runtime/world.h"
 
 namespace shoal::dp {
 namespace {
@@ -119,11 +122,14 @@ void broadcast_from_first(comm::Group& group, const std::vector<at::Tensor>& ten
 Replicator::Replicator(std::shared_ptr<torch::nn::Module> module, DataParallelOptions options)
     : module_(std::move(module)), options_(std::move(options)) {
   if (!module_) throw UsageError("DataParallel: the module is null");
+  if (options_.batch_dim < 0) {
+    throw UsageError("DataParallel: batch_dim must be 0 or more, got " + std::to_string(options_.batch_dim));
+  }
   if (options_.group) {
     bind(*options_.group, true);
     return;
   }
-  if (!is_initialized()) init();  // a program may leave joining the job to DataParallel
+  runtime::join_implicitly("DataParallel");  // a program may leave joining the job to it
   // An elastic job's members synchronize through elastic::State, which every member of a
   // round reaches together; a newcomer's constructor must not start a collective of its own.
   const bool elastic = shoal::job().elastic;
@@ -167,6 +173,7 @@ void Replicator::bind(comm::Group group, bool synchronize) {
   reducer.gradient_as_bucket_view = options_.gradient_as_bucket_view;
   reducer.hook = options_.comm_hook;
   reducer.weigh_by_batch_share = options_.weigh_by_batch_share;
+  reducer.replication = replication_;
   reducer_ = std::make_unique<Reducer>(std::move(trainable), group_, std::move(reducer));
   reducer_->set_sync(sync_);
   if (options_.broadcast_buffers && !module_->buffers().empty()) {
@@ -176,6 +183,30 @@ void Replicator::bind(comm::Group group, bool synchronize) {
 
 void Replicator::broadcast_buffers() {
   if (group_.size() > 1) broadcast_from_first(group_, module_->buffers());
+}
+
+// See Note [Weighing gradients by batch share] (shoal/dp/data_parallel.h). Whether to count is
+// decided by what every worker's program does alike (grad mode, the input's presence and rank),
+// so that every member starts the count's all-reduce.
+void Replicator::before_forward(const at::Tensor* input) {
+  if (!reducer_ || !options_.weigh_by_batch_share || input == nullptr || !at::GradMode::is_enabled()) return;
+  if (!input->defined() || input->dim() <= options_.batch_dim) {
+    throw UsageError("DataParallel: the forward's first tensor has " +
+                     std::to_string(input->defined() ? input->dim() : 0) +
+                     " dimensions; expected its samples along dimension " + std::to_string(options_.batch_dim) +
+                     " (DataParallelOptions::batch_dim), or weigh_by_batch_share = false");
+  }
+  reducer_->count_batch(input->size(options_.batch_dim));
+}
+
+std::shared_ptr<Replicator> make_replicator(std::shared_ptr<torch::nn::Module> module, DataParallelOptions options) {
+  return std::make_shared<Replicator>(std::move(module), std::move(options));
+}
+void set_sync(Replicator& replicator, bool sync) { replicator.set_sync(sync); }
+bool sync(const Replicator& replicator) { return replicator.sync(); }
+void before_forward(Replicator& replicator, const at::Tensor* input) { replicator.before_forward(input); }
+std::vector<std::vector<size_t>> bucket_assignment(const Replicator& replicator) {
+  return replicator.reducer() ? replicator.reducer()->bucket_assignment() : std::vector<std::vector<size_t>>{};
 }
 
 }  // namespace shoal::dp

@@ -1,6 +1,7 @@
-#include "shoal/dp/reducer.h"
+#include "dp/reducer.h"
 
 #include <map>
+#include <mutex>
 #include <optional>
 
 #include <torch/csrc/autograd/engine.h>
@@ -10,8 +11,6 @@
 
 #include "shoal/core/error.h"
 #include "shoal/core/timeline.h"
-#include "shoal/runtime/batch_share.h"
-#include "shoal/runtime/world.h"
 
 namespace shoal::dp {
 
@@ -56,6 +55,28 @@ struct Reducer::State {
   bool sync = true;
   bool in_backward = false;
   size_t next_bucket = 0;  // the first bucket not yet started
+
+  // The last forward's batch (Note [Weighing gradients by batch share]): this worker's rows and,
+  // once `count` is waited for, the group's, in `rows`.
+  std::mutex batch_mutex;
+  at::Tensor rows;  // int64 [1]
+  int64_t local_rows = 0;
+  comm::Work count;
+  bool counting = false;
+  double weight = 1.0;
+
+  // The factor this worker's gradient is weighed by in this backward: n * local / global, 1 when
+  // no forward counted its batch. Waits for the count when it is still in flight.
+  double batch_weight() {
+    std::lock_guard<std::mutex> lock(batch_mutex);
+    if (counting) {
+      counting = false;
+      count.wait();
+      const int64_t global = rows.item<int64_t>();
+      weight = global > 0 ? static_cast<double>(local_rows) * group.size() / static_cast<double>(global) : 1.0;
+    }
+    return weight;
+  }
 
   void assign(const std::vector<size_t>& order);
   void begin_backward(const std::shared_ptr<State>& self);
@@ -102,6 +123,7 @@ class GradReady : public torch::autograd::FunctionPostHook {
     if (auto state = state_.lock()) state->on_grad_ready(index_, state);
     return outputs;
   }
+  std::shared_ptr<Reducer::State> state() const { return state_.lock(); }
 
  private:
   std::weak_ptr<Reducer::State> state_;
@@ -225,7 +247,7 @@ void Reducer::State::start(Bucket& bucket) {
 
 void Reducer::State::finalize() {
   // The program's optimizer step comes next. See Note [Copying a commit in the background].
-  runtime::before_parameters_change();
+  if (options.replication) options.replication->before_parameters_change();
   // Buckets with parameters that got no gradient here: their share of the average is zero. A
   // .grad that is the bucket's slice keeps its value apart, in case it is to stay untouched.
   for (; next_bucket < buckets.size(); ++next_bucket) {
@@ -269,7 +291,7 @@ void Reducer::State::finalize() {
   // Counted only once every collective of this backward has returned (the rebuild's broadcast and
   // the buffers' included): a worker whose backward raised never reaches the optimizer's step, so
   // an elastic commit must still find its parameters unchanged (Note [Commits without copies]).
-  runtime::count_synchronized_backward();
+  if (options.replication) options.replication->count_synchronized_backward();
 }
 
 // After the first synchronized backward, the buckets are cut again in the order the first
@@ -323,30 +345,82 @@ Reducer::Reducer(std::vector<at::Tensor> parameters, comm::Group group, ReducerO
   }
   if (state.options.weigh_by_batch_share) {
     // Before accumulation, so that no_sync steps of different shares accumulate exactly too.
-    const int workers = state.group.size();
+    std::weak_ptr<State> weak = state_;
     for (auto& param : state.params) {
-      state.weight_hooks.push_back(param.register_hook([workers](const at::Tensor& grad) -> at::Tensor {
-        const double weight = runtime::gradient_weight(workers);
+      state.weight_hooks.push_back(param.register_hook([weak](const at::Tensor& grad) -> at::Tensor {
+        auto self = weak.lock();
+        const double weight = self ? self->batch_weight() : 1.0;
         if (weight == 1.0) return {};
-        if (weight == 0.0) return at::zeros_like(grad);
+        if (weight == 0.0) return at::zeros_like(grad);  // not 0 * NaN from a mean over no rows
         return grad * weight;
       }));
     }
   }
-  // See Note [Copying a commit in the background] (runtime/world.h): finalize() calls
-  // before_parameters_change() at the end of every synchronized backward.
-  runtime::count_parameter_change_announcer(+1);
 }
 
 Reducer::~Reducer() {
-  runtime::count_parameter_change_announcer(-1);
+  {
+    // A count in flight writes into `rows`: let it end before the state can go.
+    std::lock_guard<std::mutex> lock(state_->batch_mutex);
+    if (state_->counting) {
+      try {
+        state_->count.wait();
+      } catch (const std::exception&) {
+        // the group broke; nothing waits for this count
+      }
+    }
+  }
   for (size_t k = 0; k < state_->weight_hooks.size(); ++k) state_->params[k].remove_hook(state_->weight_hooks[k]);
   for (size_t k = 0; k < state_->accumulators.size(); ++k) state_->accumulators[k]->del_post_hook(state_->hook_keys[k]);
+}
+
+void Reducer::count_batch(int64_t rows) {
+  State& state = *state_;
+  if (!state.options.weigh_by_batch_share) return;
+  std::lock_guard<std::mutex> lock(state.batch_mutex);
+  // A count no backward asked for (a forward whose loss was not used) ends first: every member
+  // started it, and it has long completed.
+  if (state.counting) state.count.wait();
+  state.local_rows = rows;
+  state.rows = at::full({1}, rows, at::kLong);
+  state.count = state.group.all_reduce_async(state.rows, {comm::ReduceOp::kSum});
+  state.counting = true;
 }
 
 void Reducer::set_sync(bool sync) { state_->sync = sync; }
 bool Reducer::sync() const { return state_->sync; }
 void Reducer::set_after_backward(std::function<void()> callback) { state_->after_backward = std::move(callback); }
+
+int Replication::add_waiter(std::function<void()> wait) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  waiters_.emplace(++last_id_, std::move(wait));
+  return last_id_;
+}
+
+void Replication::remove_waiter(int id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  waiters_.erase(id);
+}
+
+void Replication::before_parameters_change() {
+  std::vector<std::function<void()>> waiters;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& [id, wait] : waiters_) waiters.push_back(wait);
+  }
+  for (auto& wait : waiters) wait();
+}
+
+std::shared_ptr<Replication> replication_of(const at::Tensor& parameter) {
+  const auto accumulator = torch::autograd::impl::try_get_grad_accumulator(parameter);
+  if (!accumulator) return nullptr;
+  for (const auto& hook : accumulator->post_hooks()) {
+    if (const auto* ready = dynamic_cast<const GradReady*>(hook.get())) {
+      if (auto state = ready->state()) return state->options.replication;
+    }
+  }
+  return nullptr;
+}
 
 std::vector<std::vector<size_t>> Reducer::bucket_assignment() const {
   std::vector<std::vector<size_t>> assignment;

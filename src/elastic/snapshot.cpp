@@ -2,6 +2,7 @@
 
 #include "snapshot.h"
 
+#include <algorithm>
 #include <cstring>
 #include <future>
 #include <sstream>
@@ -10,7 +11,6 @@
 
 #include "shoal/core/error.h"
 #include "shoal/runtime/init.h"
-#include "shoal/runtime/world.h"
 
 namespace shoal::elastic {
 namespace {
@@ -83,10 +83,11 @@ std::vector<at::Tensor> module_tensors(torch::nn::Module& module) {
 }  // namespace
 
 // Note [Commits without copies]
-// In an elastic job with DataParallel, every worker holds the same parameters and optimizer
-// state, and only the optimizer's step changes them, after a backward whose all-reduce completed.
-// So commit() records only where it is (the parameters' version counters, which torch raises at
-// in-place changes, and the count of DataParallel backwards whose collectives all returned, after
+// In an elastic job where a DataParallel replicates each of the module's trainable parameters,
+// every worker holds the same parameters and optimizer state, and only the optimizer's step
+// changes them, after a backward whose all-reduce completed. So commit() records only where it is
+// (the parameters' version counters, which torch raises at in-place changes, and the count of
+// those DataParallels' backwards whose collectives all returned, after
 // which the program's step may change the parameters through .data(), which those counters do
 // not see), not a copy, which would cost a memory pass over the model and its optimizer state
 // per step (bench/RESULTS.md, "elastic"). At a failure, a worker where neither moved still holds
@@ -100,7 +101,10 @@ std::vector<at::Tensor> module_tensors(torch::nn::Module& module) {
 // unchanged. Only a collective between the end of backward and commit() can fail with every
 // survivor changed; sync() then raises UsageError (a retry could not help), and
 // StateOptions::copy_parameters is the way to run such
-// a program (or the collective moves before the backward).
+// a program (or the collective moves before the backward). Whether a DataParallel replicates a
+// parameter, and how many backwards it completed, is asked of that parameter
+// (dp::replication_of): another model's DataParallel, or a GradientSync beside it, counts its own
+// backwards, which change nothing here.
 
 void State::snapshot() {
   torch::NoGradGuard no_grad;
@@ -127,10 +131,13 @@ void State::snapshot() {
   s.warmup_from = warmup_from_;
   s.warmup_done = warmup_done_;
 
-  if (!copies_parameters()) {
+  const auto replicated = replications();
+  if (!replicated.empty() && !options_.copy_parameters) {
     // LibTorch's optimizers step through .data(), which torch's version counters do not see:
     // what is counted is the backwards after which a step may have come.
-    s.backwards = runtime::synchronized_backwards();
+    s.replications.assign(replicated.begin(), replicated.end());
+    s.backwards = 0;
+    for (const auto& r : replicated) s.backwards += r->synchronized_backwards();
     s.parameter_versions.clear();
     for (const auto& p : params) s.parameter_versions.push_back(static_cast<int64_t>(p._version()));
     for (size_t i = 0; i < params.size(); ++i) s.tensors[i] = at::Tensor();
@@ -138,6 +145,7 @@ void State::snapshot() {
     return;
   }
   s.parameter_versions.clear();
+  s.replications.clear();
   auto copy = [this, &s, params] {
     torch::NoGradGuard no_grad;
     for (size_t i = 0; i < params.size(); ++i) s.tensors[i] = copy_into(params[i], s.tensors[i]);
@@ -162,18 +170,31 @@ void State::snapshot() {
       s.optimizer_bytes = bytes.str();
     }
   };
-  if (runtime::parameter_changes_announced()) {
-    if (parameter_waiter_ == 0)
-      parameter_waiter_ = runtime::add_parameter_waiter([this] { wait_copy(); });
-    copying_ = std::async(std::launch::async, copy);
-  } else {
+  // See Note [Copying a commit in the background] (src/dp/replication.h).
+  if (replicated.empty()) {
     copy();
+    return;
   }
+  waiters_.erase(std::remove_if(waiters_.begin(), waiters_.end(), [](const auto& w) { return w.first.expired(); }),
+                 waiters_.end());
+  for (const auto& r : replicated) {
+    const bool known = std::any_of(waiters_.begin(), waiters_.end(),
+                                   [&](const auto& w) { return w.first.lock() == r; });
+    if (!known) waiters_.emplace_back(r, r->add_waiter([this] { wait_copy(); }));
+  }
+  copying_ = std::async(std::launch::async, copy);
 }
 
-bool State::copies_parameters() const {
-  return options_.copy_parameters || !shoal::is_initialized() || !shoal::job().elastic ||
-         !runtime::parameter_changes_announced();
+std::vector<std::shared_ptr<dp::Replication>> State::replications() const {
+  if (!shoal::is_initialized() || !shoal::job().elastic) return {};
+  std::vector<std::shared_ptr<dp::Replication>> found;
+  for (const auto& p : module_.parameters()) {
+    if (!p.requires_grad()) continue;  // no optimizer step changes it
+    auto replication = dp::replication_of(p);
+    if (!replication) return {};
+    if (std::find(found.begin(), found.end(), replication) == found.end()) found.push_back(std::move(replication));
+  }
+  return found;
 }
 
 bool State::parameters_changed() const {
@@ -184,7 +205,13 @@ bool State::parameters_changed() const {
     if (static_cast<int64_t>(params[i]._version()) != committed_->parameter_versions[i])
       return true;
   }
-  return runtime::synchronized_backwards() != committed_->backwards;
+  uint64_t backwards = 0;
+  for (const auto& weak : committed_->replications) {
+    const auto replication = weak.lock();
+    if (!replication) return true;  // its DataParallel is gone: nothing says what happened since
+    backwards += replication->synchronized_backwards();
+  }
+  return backwards != committed_->backwards;
 }
 
 void State::wait_copy() {

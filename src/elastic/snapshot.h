@@ -9,6 +9,7 @@
 
 #include <torch/optim.h>
 
+#include "dp/replication.h"
 #include "shoal/elastic/state.h"
 
 namespace shoal::elastic {
@@ -16,8 +17,10 @@ namespace shoal::elastic {
 struct State::Snapshot {
   std::vector<at::Tensor>
       tensors;  // the module's parameters (undefined when not copied), then its buffers
-  std::vector<int64_t> parameter_versions;  // without a copy: the parameters' version counters
-  uint64_t backwards = 0;                   // and runtime::synchronized_backwards()
+  std::vector<int64_t> parameter_versions;  // without a copy: the parameters' version counters,
+  // the DataParallels that replicate them and the sum of their synchronized backwards
+  std::vector<std::weak_ptr<dp::Replication>> replications;
+  uint64_t backwards = 0;
   std::map<std::string, std::unique_ptr<torch::optim::OptimizerParamState>> optimizer_state;
   bool optimizer_serialized = false;  // not one of LibTorch's optimizers: optimizer_bytes instead
   std::string optimizer_bytes;

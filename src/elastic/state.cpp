@@ -12,13 +12,15 @@
 
 #include "../checkpoint/contents.h"
 #include "../core/hash.h"
+#include "dp/replication.h"
 #include "durable.h"
 #include "notes.h"
 #include "shoal/core/error.h"
 #include "shoal/global/nn.h"
 #include "shoal/runtime/init.h"
-#include "shoal/runtime/world.h"
+#include "runtime/world.h"
 #include "snapshot.h"
+#include "state_access.h"
 #include "world.h"
 
 namespace shoal::elastic {
@@ -87,7 +89,9 @@ State::State(torch::nn::Module& module, torch::optim::Optimizer& optimizer, data
 }
 
 State::~State() {
-  if (parameter_waiter_ != 0) runtime::remove_parameter_waiter(parameter_waiter_);
+  for (auto& [replication, id] : waiters_) {
+    if (auto live = replication.lock()) live->remove_waiter(id);
+  }
   if (copying_.valid()) copying_.wait();
 }
 
@@ -429,9 +433,9 @@ void State::apply_policy() {
 
 void run(State& state, const std::function<void()>& train) {
   if (!shoal::is_initialized() || !shoal::job().elastic) {
-    state.sync();
+    StateAccess::sync(state);
     train();
-    state.finish();
+    StateAccess::finish(state);
     return;
   }
   struct sigaction action {
@@ -448,8 +452,8 @@ void run(State& state, const std::function<void()>& train) {
   std::string why;
   for (;;) {
     try {
-      state.restore();
-      state.sync();
+      StateAccess::restore(state);
+      StateAccess::sync(state);
       if (!why.empty() && shoal::is_main()) {
         std::fprintf(stderr,
                      "shoal elastic: round %lld: %d workers, from step %lld (epoch %lld) on; %s\n",
@@ -458,7 +462,7 @@ void run(State& state, const std::function<void()>& train) {
                      why.c_str());
       }
       train();
-      state.finish();
+      StateAccess::finish(state);
       return;
     } catch (const Reform& reform) {
       why = reform.why;

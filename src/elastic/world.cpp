@@ -1,5 +1,7 @@
 #include "world.h"
 
+#include "join.h"
+
 #include <unistd.h>
 
 #include <cstdlib>
@@ -241,9 +243,8 @@ runtime::World ElasticWorld::form(const View& view) {
   return make_world(view, std::move(group));
 }
 
-namespace {
-// shoal::init() joins elastic jobs through here (runtime is a lower layer than elastic).
-const bool registered = (runtime::register_elastic_join(&ElasticWorld::join), true);
-}  // namespace
+runtime::World join(const runtime::Joining& joining) {
+  return ElasticWorld::join(joining.job, joining.env, joining.connect_timeout, joining.timeout);
+}
 
 }  // namespace shoal::elastic

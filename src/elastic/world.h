@@ -7,9 +7,9 @@
 #include <vector>
 
 #include "rendezvous.h"
-#include "shoal/comm/store.h"
+#include "comm/store.h"
 #include "shoal/core/env.h"
-#include "shoal/runtime/world.h"
+#include "runtime/world.h"
 
 namespace shoal::elastic {
 

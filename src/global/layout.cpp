@@ -9,7 +9,7 @@
 #include "layout.h"
 #include "shoal/core/error.h"
 #include "shoal/runtime/init.h"
-#include "shoal/runtime/world.h"
+#include "runtime/world.h"
 
 namespace shoal::global {
 namespace {

@@ -6,8 +6,10 @@
 #include <map>
 #include <set>
 
+#include "dp/reducer.h"
 #include "layout.h"
 #include "shoal/core/error.h"
+#include "shoal/runtime/init.h"
 
 namespace shoal::global::nn {
 
@@ -20,6 +22,40 @@ std::vector<std::pair<std::string, GlobalTensor>> Module::named_global_parameter
     for (const auto& [name, value] : module->globals_) all.emplace_back(prefix + name, value);
   }
   return all;
+}
+
+std::vector<std::pair<std::string, checkpoint::Piece>> Module::pieces() const {
+  std::vector<std::pair<std::string, checkpoint::Piece>> pieces;
+  for (const auto& [name, value] : globals_) {
+    checkpoint::Piece piece;
+    piece.local = value.to_local();
+    piece.held_here = value.is_local();
+    piece.shape = value.shape();
+    piece.holders = static_cast<int>(value.placement().size());
+    piece.first_holder = value.placement().ranks().front() == shoal::rank();
+    const GlobalTensor layout = value;
+    piece.gather = [layout](const at::Tensor& like_local) {
+      torch::NoGradGuard no_grad;
+      const at::Tensor local = layout.is_local() ? like_local.detach() : layout.to_local().detach();
+      at::Tensor whole = GlobalTensor(local, layout.placement(), layout.sbp(), layout.shape()).full();
+      return shoal::rank() == 0 ? whole : at::Tensor();
+    };
+    piece.cut = [layout](const at::Tensor& whole) {
+      if (!layout.is_local()) return at::Tensor();
+      torch::NoGradGuard no_grad;
+      return GlobalTensor::from_full(whole.detach(), layout.placement(), layout.sbp()).to_local().contiguous().clone();
+    };
+    const auto& sbp = value.sbp();
+    for (int axis = 0; axis < static_cast<int>(sbp.axes().size()); ++axis) {
+      if (sbp[axis].is_partial_sum()) {
+        piece.refusal = "is " + value.describe() + ", partial_sum on mesh axis " + std::to_string(axis) +
+                        "; expected split or broadcast on every axis (a saved value is whole)";
+        break;
+      }
+    }
+    pieces.emplace_back(name, std::move(piece));
+  }
+  return pieces;
 }
 
 GlobalTensor Module::register_global_parameter(const std::string& name, const GlobalTensor& value) {
@@ -117,6 +153,10 @@ std::vector<int> piece_holders(const GlobalTensor& parameter) {
   }
   return ranks;
 }
+
+GradientSync::~GradientSync() = default;
+GradientSync::GradientSync(GradientSync&&) noexcept = default;
+GradientSync& GradientSync::operator=(GradientSync&&) noexcept = default;
 
 GradientSync::GradientSync(const std::shared_ptr<Module>& module, GradientSyncOptions options) {
   SHOAL_CHECK(module != nullptr) << "GradientSync of a null module";

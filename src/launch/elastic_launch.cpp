@@ -18,7 +18,7 @@
 #include "launcher.h"
 #include "nodes.h"
 #include "process.h"
-#include "shoal/comm/store.h"
+#include "comm/store.h"
 #include "shoal/core/error.h"
 #include "signals.h"
 #include "watchdog.h"

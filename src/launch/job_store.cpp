@@ -5,7 +5,7 @@
 
 #include <exception>
 
-#include "shoal/comm/store.h"
+#include "comm/store.h"
 #include "shoal/core/error.h"
 
 namespace shoal::launch {

@@ -1,7 +1,7 @@
 // The launchers' view of the job's store (a c10d TCPStore): the keys through which the launchers
 // of a job's nodes agree on it, record how workers ended and stop together.
 //
-// This is the only launcher file that includes c10d (through shoal/comm/store.h): LibTorch's
+// This is the only launcher file that includes c10d (through src/comm/store.h): LibTorch's
 // headers cost ~10 s per translation unit. Every method may raise CommError naming the store's
 // address when the store cannot be reached; none of them blocks waiting for a key.
 #pragma once

@@ -30,7 +30,12 @@ void Launcher::add_ps_environment(env::Environment& env) const {
   env["SHOAL_PS_WORKERS"] = std::to_string(options_.nproc_per_node * options_.nnodes);
   env["SHOAL_JOB_TOKEN"] = ps_token_;
   // The servers seal pushes, and the workers join by themselves (docs/ps.md, "Elastic workers").
-  if (ps_elastic()) env["SHOAL_PS_ELASTIC"] = "1";
+  // The workers share no group either: each is a world of its own (SHOAL_SEPARATE_WORKERS, which
+  // shoal::init() reads).
+  if (ps_elastic()) {
+    env["SHOAL_PS_ELASTIC"] = "1";
+    env["SHOAL_SEPARATE_WORKERS"] = "1";
+  }
   if (options_.ps_backup_workers > 0)
     env["SHOAL_PS_BACKUP_WORKERS"] = std::to_string(options_.ps_backup_workers);
 }

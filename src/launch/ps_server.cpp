@@ -18,7 +18,7 @@
 #include "../ps/shard_map.h"
 #include "../ps/snapshot.h"
 #include "../ps/sum_handler.h"
-#include "shoal/comm/store.h"
+#include "comm/store.h"
 #include "shoal/core/env.h"
 #include "shoal/core/error.h"
 

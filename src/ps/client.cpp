@@ -13,7 +13,7 @@
 #include "rpc.h"
 #include "server_core.h"
 #include "shoal/comm/group.h"
-#include "shoal/comm/store.h"
+#include "comm/store.h"
 #include "shoal/core/env.h"
 #include "shoal/core/error.h"
 #include "shoal/runtime/init.h"

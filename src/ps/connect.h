@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "rpc.h"
-#include "shoal/comm/store.h"
+#include "comm/store.h"
 #include "shoal/core/env.h"
 
 namespace shoal::ps::detail {

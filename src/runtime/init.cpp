@@ -13,8 +13,10 @@
 #include <ATen/Parallel.h>
 
 #include "shoal/core/error.h"
+#include "comm/store.h"
+#include "core/timeline_start.h"
 #include "shoal/core/timeline.h"
-#include "shoal/runtime/world.h"
+#include "runtime/world.h"
 
 namespace shoal {
 namespace {
@@ -28,11 +30,6 @@ struct Runtime {
 // Deliberately never destroyed: at exit, peers may still hold connections to this process's
 // group, and c10d's destructor would wait for their operations.
 Runtime* the_runtime = nullptr;
-
-runtime::ElasticJoin& elastic_join() {
-  static runtime::ElasticJoin join;
-  return join;
-}
 
 // Callbacks by id, called in the order they were added.
 class Callbacks {
@@ -56,13 +53,6 @@ Callbacks& world_listeners() {
   return listeners;
 }
 
-Callbacks& parameter_waiters() {
-  static Callbacks waiters;
-  return waiters;
-}
-
-std::atomic<int> announcers{0};
-std::atomic<uint64_t> backwards{0};
 
 Runtime& current() {
   if (the_runtime == nullptr) throw UsageError("shoal::init() has not been called");
@@ -265,31 +255,44 @@ std::string unnamed_job_token() {
 
 }  // namespace
 
-void init(const InitOptions& options) {
+namespace runtime {
+
+Joining prepare(const InitOptions& options) {
   if (the_runtime != nullptr) throw UsageError("shoal::init() was already called in this process");
-  const auto env = env::current();
-  auto state = std::make_unique<Runtime>();
+  Joining joining;
+  joining.env = env::current();
   try {
-    state->job = discover_job(env, options.master);
-    timeline::start(env, state->job.rank, timeline_job(state->job));
+    joining.job = discover_job(joining.env, options.master);
+    timeline::start(joining.env, joining.job.rank, timeline_job(joining.job));
   } catch (const UsageError& e) {
-    tell_the_job(env, options, e.what());
+    tell_the_job(joining.env, options, e.what());
     throw;
   }
-  const JobSpec& job = state->job;
-  set_threads(options, job, env);
-  const Duration timeout = default_timeout(options, env);
+  set_threads(options, joining.job, joining.env);
+  joining.connect_timeout = options.connect_timeout;
+  joining.timeout = default_timeout(options, joining.env);
+  return joining;
+}
 
-  if (job.elastic) {
-    SHOAL_CHECK(elastic_join() != nullptr) << "the elastic part did not register how to join";
-    auto world = elastic_join()(job, env, options.connect_timeout, timeout);
-    state->job = std::move(world.job);
-    state->world = std::move(world.group);
-  } else if (job.master_addr.empty()) {
-    state->world = comm::Group::single();
-  } else if (env::get_bool(env, "SHOAL_PS_ELASTIC").value_or(false)) {
-    // An elastic parameter-server job (docs/ps.md, "Elastic workers"): workers train through the
-    // servers, come and go, and share no group; each is a world of its own.
+void start(World world) {
+  auto state = std::make_unique<Runtime>();
+  state->job = std::move(world.job);
+  state->world = std::move(world.group);
+  the_runtime = state.release();
+}
+
+void start(Joining joining, const InitOptions& options) {
+  if (joining.job.elastic) {
+    throw UsageError("an elastic job (shoal run --min/--max) is joined by shoal::init(), which forms its rounds");
+  }
+  const env::Environment& env = joining.env;
+  const Duration timeout = joining.timeout;
+  auto state = std::make_unique<Runtime>();
+  state->job = std::move(joining.job);
+  const JobSpec& job = state->job;
+  if (job.master_addr.empty() || env::get_bool(env, "SHOAL_SEPARATE_WORKERS").value_or(false)) {
+    // A job of one, or one whose workers share no group (an elastic parameter-server job, whose
+    // workers train through the servers and come and go, docs/ps.md): each a world of its own.
     state->world = comm::Group::single();
   } else {
     state->store = open_job_store(state->job, options.connect_timeout);
@@ -331,6 +334,18 @@ void init(const InitOptions& options) {
   the_runtime = state.release();
 }
 
+void join_implicitly(const std::string& who) {
+  if (the_runtime != nullptr) return;
+  if (env::get_bool(env::current(), "SHOAL_ELASTIC").value_or(false)) {
+    throw UsageError(who + " in an elastic job (shoal run --min/--max) before shoal::init(): call shoal::init() "
+                     "first; it joins the job's first round");
+  }
+  const InitOptions options;
+  start(prepare(options), options);
+}
+
+}  // namespace runtime
+
 bool is_initialized() { return the_runtime != nullptr; }
 int world_size() { return current().job.world_size; }
 bool is_main() { return current().job.rank == 0; }
@@ -340,8 +355,6 @@ const JobSpec& job() { return current().job; }
 comm::Group& world() { return current().world; }
 
 namespace runtime {
-
-void register_elastic_join(ElasticJoin join) { elastic_join() = std::move(join); }
 
 void replace_world(World world) {
   Runtime& state = current();
@@ -354,13 +367,6 @@ void replace_world(World world) {
 int add_world_listener(std::function<void()> listener) { return world_listeners().add(std::move(listener)); }
 void remove_world_listener(int id) { world_listeners().remove(id); }
 
-void before_parameters_change() { parameter_waiters().call_all(); }
-int add_parameter_waiter(std::function<void()> wait) { return parameter_waiters().add(std::move(wait)); }
-void remove_parameter_waiter(int id) { parameter_waiters().remove(id); }
-void count_parameter_change_announcer(int delta) { announcers += delta; }
-bool parameter_changes_announced() { return announcers.load() > 0; }
-void count_synchronized_backward() { ++backwards; }
-uint64_t synchronized_backwards() { return backwards.load(); }
 
 }  // namespace runtime
 

@@ -21,6 +21,13 @@
 // ELASTIC_WORKER_TERM_AT=K sends every worker SIGTERM from itself, the last one right after
 // commit K and the others right before it, so that the last one's vote at K does not yet ask to
 // leave (Note [The last to be stopped] in src/elastic/state.cpp).
+// ELASTIC_WORKER_BESIDE=dp|global trains a second model beside the committed one at the start
+// of every step, on the same features, under its own DataParallel ("dp", as a GAN's other half)
+// or as a global model under GradientSync ("global"), with its own optimizer; it is not part of
+// the elastic state, and is built again for each new world. ELASTIC_WORKER_DIE_BESIDE=K makes
+// the last worker SIGKILL itself right after that step, in the step after commit K: the others'
+// committed model has not changed since its commit, though the model beside it has.
+// ELASTIC_WORKER_NO_INIT=1 leaves out shoal::init(), so that DataParallel comes first.
 #include <signal.h>
 #include <unistd.h>
 
@@ -28,10 +35,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <iomanip>
 #include <iostream>
 #include <thread>
 
+#include <shoal/global/nn.h>
 #include <shoal/shoal.h>
 #include <torch/torch.h>
 
@@ -80,7 +89,8 @@ int main(int argc, char** argv) {
   const int step_ms = argc > 3 ? std::atoi(argv[3]) : 0;
   const std::string policy = argc > 4 ? argv[4] : "global";
 
-  shoal::init();
+  const char* no_init = std::getenv("ELASTIC_WORKER_NO_INIT");
+  if (no_init == nullptr || std::string(no_init) != "1") shoal::init();
   torch::manual_seed(1);
   auto net = std::make_shared<Net>();
   torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
@@ -114,6 +124,41 @@ int main(int argc, char** argv) {
   shoal::elastic::State state(net, optimizer, loader, state_options);
   state.value("counts") = torch::zeros({epochs, kSamples}, torch::kLong);
 
+  // The model beside (ELASTIC_WORKER_BESIDE): a step of its own on a batch's features.
+  const char* beside_kind = std::getenv("ELASTIC_WORKER_BESIDE");
+  const std::string beside = beside_kind != nullptr ? beside_kind : "";
+  const int64_t die_beside = flag("ELASTIC_WORKER_DIE_BESIDE");
+  std::function<void(const torch::Tensor&)> beside_step;
+  auto build_beside = [&] {
+    namespace g = shoal::global;
+    if (beside == "dp") {
+      auto other = std::make_shared<Net>();
+      auto other_model = std::make_shared<shoal::DataParallel<Net>>(other);
+      auto other_optimizer = std::make_shared<torch::optim::SGD>(other->parameters(), 0.01);
+      beside_step = [other_model, other_optimizer](const torch::Tensor& features) {
+        other_optimizer->zero_grad();
+        (*other_model)(features).pow(2).mean().backward();
+        other_optimizer->step();
+      };
+    } else if (beside == "global") {
+      g::nn::Layout layout;  // every worker, data parallel
+      auto other = g::nn::Linear(kFeatures, kClasses, layout.placement, layout.replicated());
+      auto sync = std::make_shared<g::nn::GradientSync>(other);
+      auto other_optimizer = std::make_shared<torch::optim::SGD>(other->parameters(), 0.01);
+      beside_step = [other, sync, other_optimizer, layout](const torch::Tensor& features) mutable {
+        other_optimizer->zero_grad();
+        const auto x = g::GlobalTensor::from_local(features, layout.placement, g::NdSbp{g::split(0)});
+        const auto out = other->forward(x);
+        g::mean(out * out).backward();
+        other_optimizer->step();
+      };
+    }
+  };
+  if (!beside.empty()) {
+    build_beside();
+    state.on_reset(build_beside);
+  }
+
   shoal::elastic::run(state, [&] {
     std::cout << "train pid=" << getpid() << " rank=" << shoal::rank()
               << " world=" << shoal::world_size() << " step=" << state.version()
@@ -122,9 +167,16 @@ int main(int argc, char** argv) {
       for (auto& batch : loader.epoch(state.epoch())) {
         auto features = batch.data.narrow(1, 0, kFeatures);
         auto indices = batch.data.select(1, kFeatures).to(torch::kLong);
+        if (beside_step) {
+          beside_step(features);
+          if (state.version() == die_beside && shoal::rank() == shoal::world_size() - 1 &&
+              shoal::world_size() > 1) {
+            ::kill(::getpid(), SIGKILL);
+          }
+        }
         optimizer.zero_grad();
         // The plain mean over this worker's share: DataParallel weighs it by the share.
-        auto loss = torch::nn::functional::cross_entropy(net->forward(features), batch.target);
+        auto loss = torch::nn::functional::cross_entropy(model(features), batch.target);
         // What every worker trained on in this step, summed over the workers.
         auto seen = torch::zeros({kSamples}, torch::kLong);
         seen.index_add_(0, indices, torch::ones_like(indices));

@@ -70,7 +70,7 @@ void train(int rank) {
   for (int64_t epoch = 0; epoch < kEpochs; ++epoch) {
     for (auto& batch : loader.epoch(epoch)) {
       optimizer.zero_grad();
-      auto loss = torch::mse_loss(net->forward(batch.data), batch.target);
+      auto loss = torch::mse_loss(model(batch.data), batch.target);
       loss.backward();
       optimizer.step();
       // The job's mean loss of the step: each worker's mean weighed by its share of the batch.

@@ -30,7 +30,7 @@
 #include "shoal/comm/group.h"
 #include "shoal/data/loader.h"
 #include "shoal/ps/ps.h"
-#include "shoal/runtime/init.h"
+#include "shoal/init.h"
 
 namespace {
 

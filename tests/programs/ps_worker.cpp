@@ -28,7 +28,7 @@
 
 #include "ps/connect.h"
 #include "ps/shard_map.h"
-#include "shoal/comm/store.h"
+#include "comm/store.h"
 
 using namespace shoal;
 using namespace shoal::ps::detail;

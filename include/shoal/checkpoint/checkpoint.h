@@ -31,9 +31,6 @@ namespace shoal {
 namespace pipeline {
 class Pipeline;
 }
-namespace global::nn {
-class Module;
-}
 
 // The program's own values, saved alongside: a step count, a learning rate, an RNG state.
 // Tensors of any dtype and shape, e.g. extras["lr"] = torch::tensor(0.01).
@@ -60,6 +57,19 @@ struct LoadOptions {
 
 // Writes `path`: the module's parameters and buffers (what Module::save writes), the
 // optimizer's state, the loader's state and options.extras.
+//
+// A module some of whose parameters are pieces of larger values (checkpoint::Savable, which the
+// layers of shoal::global::nn implement), anywhere in its tree and passed by any reference, is
+// saved whole: every worker of the job calls save and load (options.group must be empty or the
+// world). save gathers each whole value, and the optimizer's per-parameter state (SGD, Adam,
+// AdamW, Adagrad, RMSprop) keyed by the parameter's name as a whole value too, from the workers
+// that hold them; the first worker writes what the same model built on one process writes, so a
+// one-process program loads it. load checks every name and shape against the model on every
+// worker before any change (UsageError on every worker, naming the first mismatch, with nothing
+// changed) and each worker keeps its piece of each value and the state of the parameters its own
+// optimizer holds. The plan (placements, SBP, worker count) may differ between save and load.
+// Such a model must hold no plain parameter beside its pieces, and a piece that cannot be whole
+// (a partial_sum value) is refused. See docs/checkpoint.md, "Global models".
 void save(const std::string& path, const torch::nn::Module& module, const torch::optim::Optimizer& optimizer,
           const data::SamplerState& loader_state, const SaveOptions& options = {});
 void save(const std::string& path, const torch::nn::Module& module, const torch::optim::Optimizer& optimizer,
@@ -79,28 +89,6 @@ data::SamplerState load(const std::string& path, torch::nn::Module& module, torc
 // Restores the module only (for evaluation, or a new optimizer); the file's optimizer and
 // loader state are not used.
 void load(const std::string& path, torch::nn::Module& module, const LoadOptions& options = {});
-
-// A model of global layers (global::nn::Module), whole: every worker of the job calls these
-// (options.group must be empty or the world). save gathers each global parameter's whole value,
-// and the optimizer's per-parameter state (SGD, Adam, AdamW, Adagrad, RMSprop) keyed by the
-// parameter's name as a whole value too, from the workers that hold them; the first worker
-// writes what shoal::save(path, model) of the same model built on one process writes for the
-// module, so a one-process program loads it with either overload. load checks every name and
-// shape against the model on every worker before any change (UsageError on every worker, naming
-// the first mismatch, with nothing changed) and each worker keeps its piece of each value and
-// the state of the parameters its own optimizer holds. The plan (placements, SBP, worker count)
-// may differ between save and load. partial_sum parameters are refused. See docs/checkpoint.md,
-// "Global models". A global::nn::Module argument picks these overloads over the ones above.
-void save(const std::string& path, const global::nn::Module& module,
-          const torch::optim::Optimizer& optimizer, const data::SamplerState& loader_state,
-          const SaveOptions& options = {});
-void save(const std::string& path, const global::nn::Module& module,
-          const torch::optim::Optimizer& optimizer, const SaveOptions& options = {});
-void save(const std::string& path, const global::nn::Module& module,
-          const SaveOptions& options = {});
-data::SamplerState load(const std::string& path, global::nn::Module& module,
-                        torch::optim::Optimizer& optimizer, const LoadOptions& options = {});
-void load(const std::string& path, global::nn::Module& module, const LoadOptions& options = {});
 
 // A pipeline's model, whole: every worker of the job calls it. Each stage's layers travel from
 // the worker that holds them (the first replica's, with a data axis) to the first worker, which

@@ -27,7 +27,6 @@
 
 #include "shoal/core/error.h"
 #include "shoal/data/sampler.h"
-#include "shoal/runtime/batch_share.h"
 
 namespace shoal::data {
 
@@ -100,19 +99,11 @@ class Loader {
    private:
     // The cursor moves past a batch when it is handed out, and only once it has loaded: a
     // checkpoint taken in the loop's body, after the step, resumes with the next batch.
-    // The batch's share of the global batch is recorded for DataParallel (Note [Weighing
-    // gradients by batch share], runtime/batch_share.h).
     void fetch() {
       batch_.reset();
       Sampler& sampler = loader_->sampler_;
-      if (sampler.epoch_done()) {
-        runtime::set_batch_share(std::nullopt);
-        return;
-      }
-      const auto indices = sampler.batch();
-      batch_ = loader_->load(indices);
-      runtime::set_batch_share(runtime::BatchShare{static_cast<int64_t>(indices.size()),
-                                                   sampler.global_batch_at_cursor(), sampler.world_size()});
+      if (sampler.epoch_done()) return;
+      batch_ = loader_->load(sampler.batch());
       sampler.advance();
     }
 

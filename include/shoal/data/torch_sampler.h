@@ -8,12 +8,14 @@
 // the GLOBAL batch and give back this worker's contiguous slice of it, as data::Sampler does
 // (the same permutation for the same seed and epoch, cut by comm::split_sizes). Each begin() of
 // the loader starts the next epoch (0, 1, ...) unless set_epoch() chose one, PyTorch's
-// DistributedSampler.set_epoch. They record each batch's share for DataParallel (Note
-// [Weighing gradients by batch share], runtime/batch_share.h), exactly when torch's loader runs
-// with workers = 0 (its default), which asks for indices as it hands a batch out.
+// DistributedSampler.set_epoch. DataParallel weighs each worker's gradient by the rows of the
+// batch that goes through its forward (Note [Weighing gradients by batch share],
+// shoal/dp/data_parallel.h), so the result is one process's whatever torch's loader prefetches.
 //
-// Limits, beside data::Loader: torch's loader refuses an empty request, so a worker whose share
-// of a small last batch is 0 gets one sample of that batch, weighed 0; its drop_last compares a
+// Limits, beside data::Loader: torch's loader refuses an empty request, so when a last batch
+// has fewer samples than there are workers, it is repeated until every worker has one (Note [A
+// last batch smaller than the worker count], src/data/sampler.cpp): exact for a mean loss, but
+// those samples count more than once in batch-norm statistics; its drop_last compares a
 // worker's share with the global batch size and would drop every batch, so it must stay false
 // (RandomSampler(size, /*drop_last=*/true) drops a short last batch instead); elastic jobs need
 // data::Loader, which elastic::State re-shards. See docs/data.md.

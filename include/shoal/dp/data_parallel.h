@@ -3,40 +3,69 @@
 //
 //   auto net = std::make_shared<Net>();        // or a TORCH_MODULE holder
 //   shoal::DataParallel model(net);             // broadcasts, checks, hooks in
-//   ... net->forward(x) / model->forward(x), loss.backward(), optimizer.step() as before
+//   ... model(x) (or model.forward(x)), loss.backward(), optimizer.step() as before
 //
-// The module is used exactly as before; DataParallel only adds autograd hooks and keeps the
-// workers' copies equal. See docs/dp.md.
+// The module is the program's as before; DataParallel adds autograd hooks, keeps the workers'
+// copies equal, and sees each batch as it goes through its forward. See docs/dp.md.
+//
+// Note [Weighing gradients by batch share]
+// A global batch of B samples is cut among the n workers as b_0, ..., b_{n-1}, and worker i's
+// loss is the mean over its b_i samples, with gradient g_i. One process on the whole batch gets
+// the gradient of the mean over all B, which is sum_i (b_i / B) g_i. Averaging with equal
+// weights, sum_i g_i / n, equals it only when every b_i = B / n; with 64 samples over 3 workers
+// (22, 21, 21), or a last batch smaller than the worker count, it does not. So DataParallel's
+// forward reads b_i from the batch itself (its first tensor argument's size along
+// DataParallelOptions::batch_dim) and starts a one-number all-reduce that gives B while the
+// forward computes; backward scales each incoming gradient by n * b_i / B before averaging:
+// exactly the one-process gradient, with no change to the user's loss and whatever loader made
+// the batch (one that prefetches, an evaluation loader beside training, a program's own
+// tensors). When every share is equal the weight is 1 and nothing is scaled. A share of 0 weighs
+// the gradient by 0 (not by multiplication, which would keep a NaN from an empty batch's mean).
+// The weight is exact for losses reduced by a mean over the batch (every torch loss's default),
+// and is applied before gradients accumulate, so no_sync() steps of different shares add up
+// exactly too. Only forwards under grad mode count (an evaluation under torch::NoGradGuard does
+// not), and such a forward is a collective: every worker makes it. A module called directly
+// (net->forward(x)) is not seen, and its gradients are averaged with equal weights, as PyTorch's
+// DDP does.
 #pragma once
 
 #include <memory>
 #include <optional>
+#include <type_traits>
 #include <utility>
+#include <vector>
 
+#include <ATen/ATen.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
 #include "shoal/comm/group.h"
 #include "shoal/dp/comm_hooks.h"
-#include "shoal/dp/reducer.h"
 
 namespace shoal {
 
 struct DataParallelOptions {
   // Gradients are averaged in buckets of about this many bytes (PyTorch: bucket_cap_mb=25).
   int64_t bucket_bytes = 25 * 1024 * 1024;
-  // See dp::ReducerOptions::find_unused_parameters.
+  // Agree after each backward on which parameters got a gradient on any worker, and leave the
+  // .grad of those that got none anywhere untouched (as a single process would). One more small
+  // all-reduce per step. Without it such parameters get a zero gradient.
   bool find_unused_parameters = false;
-  // See dp::ReducerOptions::gradient_as_bucket_view.
+  // Each parameter's .grad is its slice of its bucket once the first synchronized backward has
+  // run (PyTorch's gradient_as_bucket_view): backward accumulates into the bucket and the
+  // average is left in place, two copies of every gradient fewer per step.
   bool gradient_as_bucket_view = true;
   // Broadcast buffers (e.g. batch-norm running statistics) from the first worker after each
   // synchronized backward, so every worker's next forward sees the same buffers.
   bool broadcast_buffers = true;
-  // Weigh each worker's gradient by its share of the global batch, as a shoal loader or sampler
-  // reports it, so that uneven shares still give the one-process gradient of a mean loss (Note
-  // [Weighing gradients by batch share] in runtime/batch_share.h). Off: equal weights, as
-  // PyTorch's DDP (e.g. for a loss summed rather than averaged over the batch).
+  // Weigh each worker's gradient by its share of the global batch that went through forward, so
+  // that uneven shares still give the one-process gradient of a mean loss (Note [Weighing
+  // gradients by batch share] above). Off: equal weights, as PyTorch's DDP (e.g. for a loss
+  // summed rather than averaged over the batch).
   bool weigh_by_batch_share = true;
+  // The dimension of the forward's first tensor argument that counts the batch's samples (1 for
+  // a sequence-first input, [T, B, ...]).
+  int64_t batch_dim = 0;
   // How a bucket is averaged; empty: an all-reduce in the gradients' dtype.
   dp::CommHook comm_hook;
   // The workers to replicate over; empty: shoal::world(), followed as an elastic job's world
@@ -46,36 +75,27 @@ struct DataParallelOptions {
 
 namespace dp {
 
-// The part of DataParallel that does not depend on the module's type.
-class Replicator {
- public:
-  Replicator(std::shared_ptr<torch::nn::Module> module, DataParallelOptions options);
-  ~Replicator();
-  Replicator(const Replicator&) = delete;
-  Replicator& operator=(const Replicator&) = delete;
-  void set_sync(bool sync) {
-    if (reducer_) reducer_->set_sync(sync);
-    sync_ = sync;
+// What DataParallel does for any module's type (src/dp/replicator.h); DataParallel<M> reaches it
+// through these calls only.
+class Replicator;
+std::shared_ptr<Replicator> make_replicator(std::shared_ptr<torch::nn::Module> module, DataParallelOptions options);
+void set_sync(Replicator& replicator, bool sync);
+bool sync(const Replicator& replicator);
+// Before the module's forward, with its first tensor argument (null when it has none).
+void before_forward(Replicator& replicator, const at::Tensor* input);
+std::vector<std::vector<size_t>> bucket_assignment(const Replicator& replicator);
+
+namespace detail {
+inline const at::Tensor* first_tensor() { return nullptr; }
+template <typename First, typename... Rest>
+const at::Tensor* first_tensor(const First& first, const Rest&... rest) {
+  if constexpr (std::is_convertible_v<const First*, const at::Tensor*>) {
+    return &first;
+  } else {
+    return first_tensor(rest...);
   }
-  bool sync() const { return sync_; }
-  // Null in a job of one, where there is nothing to average.
-  const Reducer* reducer() const { return reducer_.get(); }
-  // Copies the first worker's buffers to every worker.
-  void broadcast_buffers();
-
- private:
-  // Averages over `group` from now on, with new buckets. With `synchronize`, first checks that
-  // every worker has the same model and copies the first worker's values to all (a collective);
-  // in an elastic job elastic::State does that when the world changes.
-  void bind(comm::Group group, bool synchronize);
-
-  std::shared_ptr<torch::nn::Module> module_;
-  DataParallelOptions options_;
-  comm::Group group_;
-  std::unique_ptr<Reducer> reducer_;
-  bool sync_ = true;
-  int world_listener_ = 0;  // set while following shoal::world()
-};
+}
+}  // namespace detail
 
 }  // namespace dp
 
@@ -83,7 +103,7 @@ template <typename ModuleType>
 class DataParallel {
  public:
   explicit DataParallel(std::shared_ptr<ModuleType> module, DataParallelOptions options = {})
-      : module_(std::move(module)), replicator_(std::make_unique<dp::Replicator>(module_, std::move(options))) {}
+      : module_(std::move(module)), replicator_(dp::make_replicator(module_, std::move(options))) {}
 
   explicit DataParallel(torch::nn::ModuleHolder<ModuleType> holder, DataParallelOptions options = {})
       : DataParallel(holder.ptr(), std::move(options)) {}
@@ -92,28 +112,31 @@ class DataParallel {
   const ModuleType* operator->() const { return module_.get(); }
   ModuleType& operator*() { return *module_; }
   const std::shared_ptr<ModuleType>& module() const { return module_; }
-  // The engine that averages gradients (its buckets); null in a job of one.
-  const dp::Reducer* reducer() const { return replicator_->reducer(); }
+  // The buckets gradients are averaged in, as lists of parameter indices (in the order of the
+  // parameters that require grad); empty in a job of one, where nothing is averaged.
+  std::vector<std::vector<size_t>> bucket_assignment() const { return dp::bucket_assignment(*replicator_); }
 
-  // Calls the module's forward.
+  // Calls the module's forward, seeing the batch on the way (Note [Weighing gradients by batch
+  // share]).
   template <typename... Args>
   decltype(auto) forward(Args&&... args) {
+    dp::before_forward(*replicator_, dp::detail::first_tensor(args...));
     return module_->forward(std::forward<Args>(args)...);
   }
   template <typename... Args>
   decltype(auto) operator()(Args&&... args) {
-    return module_->forward(std::forward<Args>(args)...);
+    return forward(std::forward<Args>(args)...);
   }
 
   // Within the returned guard's scope, backward accumulates gradients locally only; the first
   // backward after it averages everything accumulated (gradient accumulation, PyTorch's no_sync).
   class NoSync {
    public:
-    explicit NoSync(dp::Replicator& replicator) : replicator_(&replicator), before_(replicator.sync()) {
-      replicator.set_sync(false);
+    explicit NoSync(dp::Replicator& replicator) : replicator_(&replicator), before_(dp::sync(replicator)) {
+      dp::set_sync(replicator, false);
     }
     ~NoSync() {
-      if (replicator_) replicator_->set_sync(before_);
+      if (replicator_) dp::set_sync(*replicator_, before_);
     }
     NoSync(NoSync&& other) noexcept : replicator_(std::exchange(other.replicator_, nullptr)), before_(other.before_) {}
     NoSync(const NoSync&) = delete;
@@ -126,11 +149,9 @@ class DataParallel {
   };
   [[nodiscard]] NoSync no_sync() { return NoSync(*replicator_); }
 
-  const dp::Replicator& replicator() const { return *replicator_; }
-
  private:
   std::shared_ptr<ModuleType> module_;
-  std::unique_ptr<dp::Replicator> replicator_;
+  std::shared_ptr<dp::Replicator> replicator_;
 };
 
 template <typename ModuleType>

@@ -30,6 +30,10 @@
 
 #include "shoal/data/sampler.h"
 
+namespace shoal::dp {
+class Replication;  // src/dp/replication.h
+}  // namespace shoal::dp
+
 namespace shoal::elastic {
 
 // What changes when the number of workers changes.
@@ -77,6 +81,7 @@ struct StateOptions {
 };
 
 class DurableCommits;
+struct StateAccess;  // run()'s and the tests' way to restore, sync and finish (src/elastic/state_access.h)
 
 class State {
  public:
@@ -125,19 +130,21 @@ class State {
   // ("lr0") values; for a program's own schedule under kScaleLearningRate.
   void set_base_learning_rates(std::vector<double> rates) { base_rates_ = std::move(rates); }
 
+  struct Snapshot;
+
+ private:
+  friend struct StateAccess;
   // For run(): back to the last commit, and sharing the newest commit after a new round.
   void restore();
   void sync();
   // After the training function returned: ends what commit() left in flight.
   void finish();
 
-  struct Snapshot;
-
- private:
   void snapshot();
   void wait_copy();
-  // Whether commit() copies the parameters and the optimizer's state (see StateOptions).
-  bool copies_parameters() const;
+  // The DataParallels that replicate the module's trainable parameters, one each; empty when a
+  // parameter has none, and commit() must copy (see StateOptions).
+  std::vector<std::shared_ptr<dp::Replication>> replications() const;
   // Some parameter changed since the last commit, which kept no copy of them.
   bool parameters_changed() const;
   void apply_policy();
@@ -169,9 +176,10 @@ class State {
   // restore() found the parameters changed since the commit, which kept no copy: sync() must
   // bring them from another worker.
   bool needs_parameters_ = false;
-  // See Note [Copying a commit in the background] (shoal/runtime/world.h).
+  // See Note [Copying a commit in the background] (src/dp/replication.h): a waiter on each
+  // replication, which joins copying_.
   std::future<void> copying_;
-  int parameter_waiter_ = 0;
+  std::vector<std::pair<std::weak_ptr<dp::Replication>, int>> waiters_;
   // The previous commit's vote on changing the world, in flight (see check_world).
   struct Vote;
   std::unique_ptr<Vote> vote_;

@@ -21,19 +21,28 @@
 #include <utility>
 #include <vector>
 
-#include "shoal/dp/reducer.h"
+#include "shoal/checkpoint/savable.h"
 #include "shoal/global/ops.h"
+
+namespace shoal::dp {
+class Reducer;  // src/dp/reducer.h
+}  // namespace shoal::dp
 
 namespace shoal::global::nn {
 
-// A torch module with global parameters.
-class Module : public torch::nn::Module {
+// A torch module with global parameters. A checkpoint saves each whole (checkpoint::Savable):
+// shoal::save of any module that holds such layers writes what one process would.
+class Module : public torch::nn::Module, public checkpoint::Savable {
  public:
   using torch::nn::Module::Module;
 
   // The global parameters of this module and of its submodules, named as named_parameters()
   // names their local pieces.
   std::vector<std::pair<std::string, GlobalTensor>> named_global_parameters();
+
+  // Its own global parameters as pieces of whole values (gathered and cut along their placement
+  // and SBP); a partial_sum one is refused.
+  std::vector<std::pair<std::string, checkpoint::Piece>> pieces() const override;
 
  protected:
   // Makes `value` a parameter that requires grad: its local piece joins parameters() under
@@ -135,6 +144,9 @@ struct GradientSyncOptions {
 class GradientSync {
  public:
   explicit GradientSync(const std::shared_ptr<Module>& module, GradientSyncOptions options = {});
+  ~GradientSync();
+  GradientSync(GradientSync&&) noexcept;
+  GradientSync& operator=(GradientSync&&) noexcept;
   template <typename ModuleType>
   explicit GradientSync(const torch::nn::ModuleHolder<ModuleType>& holder,
                         GradientSyncOptions options = {})

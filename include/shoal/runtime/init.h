@@ -1,4 +1,5 @@
-// Joining the job: the one call a program adds to become distributed.
+// The job this process belongs to: init()'s options (shoal/init.h joins), the worker's place in
+// the job and the world group.
 #pragma once
 
 #include <string>
@@ -21,11 +22,6 @@ struct InitOptions {
   // (cores on this host / workers on this host), at least 1.
   int intra_op_threads = 0;
 };
-
-// Joins the job that started this process (shoal run, torchrun, Open MPI, Slurm), or makes a
-// job of one when nothing did. Call once, before anything else of shoal's. A second call
-// raises UsageError. See docs/runtime.md.
-void init(const InitOptions& options = {});
 
 bool is_initialized();
 

@@ -1,6 +1,9 @@
-// Checkpoints of global models: each parameter's whole value gathered from its pieces on save,
-// cut into this worker's piece again on load, so that a file crosses plans. See
+// Checkpoints of models whose parameters are pieces of whole values (a global model's layers,
+// wherever they sit in the module tree, checkpoint::Savable): each whole value gathered from its
+// pieces on save, cut into this worker's piece again on load, so that a file crosses plans. See
 // docs/checkpoint.md, "Global models".
+#include "whole.h"
+
 #include <map>
 #include <memory>
 #include <optional>
@@ -16,41 +19,26 @@
 #include "contents.h"
 #include "optimizer_state.h"
 #include "shoal/checkpoint/checkpoint.h"
+#include "shoal/checkpoint/savable.h"
 #include "shoal/core/error.h"
-#include "shoal/global/nn.h"
 #include "shoal/runtime/init.h"
 
-namespace shoal {
+namespace shoal::checkpoint {
 namespace {
 
-namespace g = global;
-using checkpoint::NamedState;
-using checkpoint::state_key;
-using checkpoint::StateRefs;
 using torch::serialize::OutputArchive;
 
-// One global parameter of the model, under its first name (a tied weight has several).
+// One piece of the model, under its first name (a tied weight has several).
 struct Parameter {
   std::string name;
-  g::GlobalTensor value;
-  const c10::TensorImpl* impl() const { return value.to_local().unsafeGetTensorImpl(); }
+  Piece piece;
+  const c10::TensorImpl* impl() const { return piece.local.unsafeGetTensorImpl(); }
 };
 
-std::vector<Parameter> global_parameters(const g::nn::Module& module) {
-  std::vector<Parameter> parameters;
-  std::set<const c10::TensorImpl*> seen;
-  // named_global_parameters only reads; it is not const because it returns handles.
-  for (auto& [name, value] : const_cast<g::nn::Module&>(module).named_global_parameters()) {
-    if (seen.insert(value.to_local().unsafeGetTensorImpl()).second)
-      parameters.push_back({name, value});
-  }
-  return parameters;
-}
-
-// The group of a global model's save or load: the world.
+// The group of a save or load of whole values: the world.
 comm::Group world_group(const std::optional<comm::Group>& group, const std::string& path,
                         const char* operation) {
-  comm::Group chosen = checkpoint::checkpoint_group(group, path, operation);
+  comm::Group chosen = checkpoint_group(group, path, operation);
   if (group && (!is_initialized() || chosen.members() != world().members())) {
     throw UsageError(std::string(operation) +
                      " of a global model: options.group is not the world; expected it empty (every "
@@ -60,20 +48,14 @@ comm::Group world_group(const std::optional<comm::Group>& group, const std::stri
 }
 
 // What this worker can tell is wrong with the model and optimizer alone; empty when nothing is.
-std::string check_model(const g::nn::Module& module, const torch::optim::Optimizer* optimizer,
+std::string check_model(const torch::nn::Module& module, const torch::optim::Optimizer* optimizer,
                         const std::vector<Parameter>& parameters, const char* operation) {
   const std::string prefix = std::string(operation) + " of a global model: ";
   std::set<const c10::TensorImpl*> pieces;
   for (const auto& parameter : parameters) {
     pieces.insert(parameter.impl());
-    const auto& sbp = parameter.value.sbp();
-    for (int axis = 0; axis < static_cast<int>(sbp.axes().size()); ++axis) {
-      if (sbp[axis].is_partial_sum()) {
-        return prefix + "parameter '" + parameter.name + "' is " + parameter.value.describe() +
-               ", partial_sum on mesh axis " + std::to_string(axis) +
-               "; expected split or broadcast on every axis (a saved value is whole)";
-      }
-    }
+    if (!parameter.piece.refusal.empty())
+      return prefix + "parameter '" + parameter.name + "' " + parameter.piece.refusal;
   }
   for (const auto& item : module.named_parameters()) {
     if (!pieces.count(item.value().unsafeGetTensorImpl())) {
@@ -83,8 +65,7 @@ std::string check_model(const g::nn::Module& module, const torch::optim::Optimiz
     }
   }
   if (optimizer == nullptr) return "";
-  if (const std::string unsupported = checkpoint::unsupported_optimizer(*optimizer);
-      !unsupported.empty())
+  if (const std::string unsupported = unsupported_optimizer(*optimizer); !unsupported.empty())
     return prefix + unsupported;
   for (const auto& group : optimizer->param_groups()) {
     for (const auto& p : group.params()) {
@@ -108,21 +89,11 @@ std::set<const c10::TensorImpl*> held_by(const torch::optim::Optimizer& optimize
   return held;
 }
 
-// The whole value of `local` (this worker's piece of a tensor laid out as `parameter`; anything
-// outside its placement). Collective among all workers; only the first keeps the result.
-at::Tensor gather(const at::Tensor& local, const g::GlobalTensor& parameter) {
-  torch::NoGradGuard no_grad;
-  const at::Tensor piece = parameter.is_local() ? local.detach() : parameter.to_local().detach();
-  at::Tensor whole =
-      g::GlobalTensor(piece, parameter.placement(), parameter.sbp(), parameter.shape()).full();
-  return rank() == 0 ? whole : at::Tensor();
-}
-
 // Gathers the optimizer's state of every parameter from the workers that hold its pieces (see
 // Note [Optimizer state by name]). Collective among all workers.
 std::vector<NamedState> gather_state(comm::Group& group, torch::optim::Optimizer& optimizer,
                                      const std::vector<Parameter>& parameters, Duration timeout) {
-  const checkpoint::StateKind& kind = *checkpoint::state_kind_of(optimizer);
+  const StateKind& kind = *state_kind_of(optimizer);
   const auto held = held_by(optimizer);
   const auto n = static_cast<int64_t>(parameters.size());
   const auto k = static_cast<int64_t>(kind.fields.size());
@@ -133,16 +104,15 @@ std::vector<NamedState> gather_state(comm::Group& group, torch::optim::Optimizer
   std::vector<StateRefs> refs(parameters.size());
   for (int64_t i = 0; i < n; ++i) {
     const auto& parameter = parameters[static_cast<size_t>(i)];
-    if (!parameter.value.is_local() || !held.count(parameter.impl())) continue;
-    auto entry = optimizer.state().find(state_key(parameter.value.to_local()));
+    if (!parameter.piece.held_here || !held.count(parameter.impl())) continue;
+    auto entry = optimizer.state().find(state_key(parameter.piece.local));
     if (entry == optimizer.state().end()) continue;
     refs[static_cast<size_t>(i)] = kind.refs(*entry->second);
     const StateRefs& mine = refs[static_cast<size_t>(i)];
     counts[i][0] = 1;
     for (int64_t f = 0; f < k; ++f)
       counts[i][f + 1] = mine.fields[static_cast<size_t>(f)]->defined();
-    if (mine.step != nullptr && parameter.value.placement().ranks().front() == rank())
-      counts[i][k + 1] = *mine.step;
+    if (mine.step != nullptr && parameter.piece.first_holder) counts[i][k + 1] = *mine.step;
   }
   comm::AllReduceOptions sum;
   sum.timeout = timeout;
@@ -152,7 +122,7 @@ std::vector<NamedState> gather_state(comm::Group& group, torch::optim::Optimizer
   std::vector<NamedState> saved;
   for (int64_t i = 0; i < n; ++i) {
     const auto& parameter = parameters[static_cast<size_t>(i)];
-    const int64_t holders = counts[i][0], members = parameter.value.placement().size();
+    const int64_t holders = counts[i][0], members = parameter.piece.holders;
     if (holders == 0) continue;  // no step taken for it yet
     auto uneven = [&](const std::string& what, int64_t count) {
       return UsageError("shoal::save of a global model: the optimizer has " + what +
@@ -170,8 +140,8 @@ std::vector<NamedState> gather_state(comm::Group& group, torch::optim::Optimizer
       if (defined != holders) throw uneven("'" + field + "'", defined);
       const StateRefs& mine = refs[static_cast<size_t>(i)];
       const at::Tensor local =
-          parameter.value.is_local() ? *mine.fields[static_cast<size_t>(f)] : at::Tensor();
-      state.fields.emplace_back(field, gather(local, parameter.value));
+          parameter.piece.held_here ? *mine.fields[static_cast<size_t>(f)] : at::Tensor();
+      state.fields.emplace_back(field, parameter.piece.gather(local));
     }
     saved.push_back(std::move(state));
   }
@@ -195,100 +165,108 @@ void write_whole(const torch::nn::Module& module, OutputArchive& archive,
   }
 }
 
-void save_global(const std::string& path, const g::nn::Module& module,
-                 torch::optim::Optimizer* optimizer, const data::SamplerState* loader_state,
-                 const SaveOptions& options) {
+}  // namespace
+
+std::vector<std::pair<std::string, Piece>> pieces_of(const torch::nn::Module& module) {
+  std::vector<std::pair<std::string, Piece>> found;
+  std::set<const c10::TensorImpl*> seen;
+  for (const auto& item : module.named_modules()) {
+    const auto* savable = dynamic_cast<const Savable*>(item.value().get());
+    if (savable == nullptr) continue;
+    const std::string prefix = item.key().empty() ? "" : item.key() + ".";
+    for (auto& [name, piece] : savable->pieces()) {
+      if (seen.insert(piece.local.unsafeGetTensorImpl()).second)
+        found.emplace_back(prefix + name, std::move(piece));
+    }
+  }
+  return found;
+}
+
+namespace {
+
+std::vector<Parameter> parameters_of(const torch::nn::Module& module) {
+  std::vector<Parameter> parameters;
+  for (auto& [name, piece] : pieces_of(module)) parameters.push_back({name, std::move(piece)});
+  return parameters;
+}
+
+}  // namespace
+
+void save_whole(const std::string& path, const torch::nn::Module& module,
+                torch::optim::Optimizer* optimizer, const data::SamplerState* loader_state,
+                const SaveOptions& options) {
   comm::Group group = world_group(options.group, path, "shoal::save");
-  const auto parameters = global_parameters(module);
-  checkpoint::agree(group, check_model(module, optimizer, parameters, "shoal::save"),
-                    options.timeout);
+  const auto parameters = parameters_of(module);
+  agree(group, check_model(module, optimizer, parameters, "shoal::save"), options.timeout);
   std::map<const c10::TensorImpl*, at::Tensor> whole;  // on the first worker
   for (const auto& parameter : parameters) {
-    at::Tensor value = gather(parameter.value.to_local(), parameter.value);
+    at::Tensor value = parameter.piece.gather(parameter.piece.local);
     // As Module::save writes it: the flag is part of the file.
     if (value.defined())
-      whole[parameter.impl()] = value.set_requires_grad(parameter.value.requires_grad());
+      whole[parameter.impl()] = value.set_requires_grad(parameter.piece.local.requires_grad());
   }
   std::vector<NamedState> state;
   if (optimizer != nullptr) state = gather_state(group, *optimizer, parameters, options.timeout);
-  checkpoint::save_payload(
+  save_payload(
       path, group,
       [&] {
         auto write_module = [&](OutputArchive& archive) { write_whole(module, archive, whole); };
         if (optimizer == nullptr)
-          return checkpoint::serialize_contents(write_module, {}, "", loader_state, options.extras);
-        return checkpoint::serialize_contents(
-            write_module,
-            [&](OutputArchive& archive) { checkpoint::write_state_by_name(archive, state); },
-            checkpoint::optimizer_type(*optimizer), loader_state, options.extras);
+          return serialize_contents(write_module, {}, "", loader_state, options.extras);
+        return serialize_contents(
+            write_module, [&](OutputArchive& archive) { write_state_by_name(archive, state); },
+            optimizer_type(*optimizer), loader_state, options.extras);
       },
       options.timeout);
 }
 
-// This worker's piece of `whole`, a value laid out as `parameter`; undefined outside its placement.
-at::Tensor piece_of(const at::Tensor& whole, const g::GlobalTensor& parameter) {
-  if (!parameter.is_local()) return at::Tensor();
-  torch::NoGradGuard no_grad;
-  return g::GlobalTensor::from_full(whole.detach(), parameter.placement(), parameter.sbp())
-      .to_local()
-      .contiguous()
-      .clone();
-}
+namespace {
 
 // The optimizer's new state: the file's, for the pieces this worker's optimizer holds. Checks
 // everything first; UsageError naming the first mismatch.
-checkpoint::StateMap plan_state(const std::string& path, checkpoint::PlannedContents& planned,
-                                const torch::optim::Optimizer& optimizer,
-                                const std::vector<Parameter>& parameters) {
-  checkpoint::require_state_by_name(path, planned.has_optimizer_by_name, planned.optimizer_type);
+StateMap plan_state(const std::string& path, PlannedContents& planned,
+                    const torch::optim::Optimizer& optimizer, const std::vector<Parameter>& parameters) {
+  require_state_by_name(path, planned.has_optimizer_by_name, planned.optimizer_type);
   std::set<std::string> names;
-  std::vector<checkpoint::StateTarget> targets;
+  std::vector<StateTarget> targets;
   for (const auto& parameter : parameters) {
     names.insert(parameter.name);
-    if (!parameter.value.is_local()) continue;  // a placeholder has no state to take
-    const g::GlobalTensor value = parameter.value;
-    targets.push_back(
-        {{parameter.name}, value.shape(), value.to_local(), [value](const at::Tensor& whole) {
-           return piece_of(whole, value);
-         }});
+    if (!parameter.piece.held_here) continue;  // a placeholder has no state to take
+    targets.push_back({{parameter.name}, parameter.piece.shape, parameter.piece.local, parameter.piece.cut});
   }
-  return checkpoint::plan_state_by_name(path, planned.optimizer_by_name, planned.optimizer_type,
-                                        optimizer, targets, &names);
+  return plan_state_by_name(path, planned.optimizer_by_name, planned.optimizer_type, optimizer, targets,
+                            &names);
 }
 
-std::optional<data::SamplerState> load_global(const std::string& path, g::nn::Module& module,
-                                              torch::optim::Optimizer* optimizer,
-                                              const LoadOptions& options) {
+}  // namespace
+
+std::optional<data::SamplerState> load_whole(const std::string& path, torch::nn::Module& module,
+                                             torch::optim::Optimizer* optimizer, const LoadOptions& options) {
   comm::Group group = world_group(options.group, path, "shoal::load");
-  const auto parameters = global_parameters(module);
-  checkpoint::agree(group, check_model(module, optimizer, parameters, "shoal::load"),
-                    options.timeout);
-  const std::string payload = checkpoint::read_payload(path, group, options.timeout);
-  checkpoint::WholeValues whole;
-  for (const auto& parameter : parameters) {
-    const g::GlobalTensor value = parameter.value;
-    whole[parameter.impl()] = {value.shape(),
-                               [value](const at::Tensor& w) { return piece_of(w, value); }};
-  }
+  const auto parameters = parameters_of(module);
+  agree(group, check_model(module, optimizer, parameters, "shoal::load"), options.timeout);
+  const std::string payload = read_payload(path, group, options.timeout);
+  WholeValues whole;
+  for (const auto& parameter : parameters) whole[parameter.impl()] = {parameter.piece.shape, parameter.piece.cut};
   // Every worker checks the file against its model and optimizer before any worker changes
   // anything.
   std::string error;
-  checkpoint::PlannedContents planned;
-  checkpoint::StateMap state;
+  PlannedContents planned;
+  StateMap state;
   try {
-    planned = checkpoint::plan_contents(path, payload, module, whole, options.extras != nullptr);
+    planned = plan_contents(path, payload, module, whole, options.extras != nullptr);
     if (optimizer != nullptr) state = plan_state(path, planned, *optimizer, parameters);
   } catch (const UsageError& e) {
     error = e.what();
   }
-  checkpoint::agree(group, error, options.timeout);
+  agree(group, error, options.timeout);
   // Exactly the file's state: a parameter without an entry starts afresh, as before a first step.
   // The state of placeholders (an optimizer over all of parameters() holds them) stays: it is
   // empty, and Adagrad expects an entry for every parameter it holds.
   if (optimizer != nullptr) {
     for (const auto& parameter : parameters) {
-      if (parameter.value.is_local()) continue;
-      auto entry = optimizer->state().find(state_key(parameter.value.to_local()));
+      if (parameter.piece.held_here) continue;
+      auto entry = optimizer->state().find(state_key(parameter.piece.local));
       if (entry != optimizer->state().end()) state[entry->first] = std::move(entry->second);
     }
     optimizer->state() = std::move(state);
@@ -298,32 +276,4 @@ std::optional<data::SamplerState> load_global(const std::string& path, g::nn::Mo
   return planned.loader_state;
 }
 
-}  // namespace
-
-void save(const std::string& path, const global::nn::Module& module,
-          const torch::optim::Optimizer& optimizer, const data::SamplerState& loader_state,
-          const SaveOptions& options) {
-  // Only read; the state map is reached through the non-const accessor.
-  save_global(path, module, const_cast<torch::optim::Optimizer*>(&optimizer), &loader_state,
-              options);
-}
-
-void save(const std::string& path, const global::nn::Module& module,
-          const torch::optim::Optimizer& optimizer, const SaveOptions& options) {
-  save_global(path, module, const_cast<torch::optim::Optimizer*>(&optimizer), nullptr, options);
-}
-
-void save(const std::string& path, const global::nn::Module& module, const SaveOptions& options) {
-  save_global(path, module, nullptr, nullptr, options);
-}
-
-data::SamplerState load(const std::string& path, global::nn::Module& module,
-                        torch::optim::Optimizer& optimizer, const LoadOptions& options) {
-  return load_global(path, module, &optimizer, options).value_or(data::SamplerState{});
-}
-
-void load(const std::string& path, global::nn::Module& module, const LoadOptions& options) {
-  load_global(path, module, nullptr, options);
-}
-
-}  // namespace shoal
+}  // namespace shoal::checkpoint

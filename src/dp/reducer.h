@@ -9,7 +9,7 @@
 // end of backward (an autograd engine callback) buckets not yet started (their parameters got no
 // gradient here) are started with zeros in place of the missing gradients, every bucket is
 // waited for, and the averages are written to the parameters' .grad.
-// See docs/dp.md.
+// See docs/dp.md. Internal to shoal: DataParallel (src/dp/replicator.h) and GradientSync hold it.
 #pragma once
 
 #include <cstdint>
@@ -19,6 +19,7 @@
 
 #include <ATen/ATen.h>
 
+#include "dp/replication.h"
 #include "shoal/comm/group.h"
 #include "shoal/dp/comm_hooks.h"
 
@@ -39,11 +40,15 @@ struct ReducerOptions {
   // How a bucket is averaged. Empty: gradients are scaled by 1/n on their way into the bucket
   // and the bucket is summed (what allreduce_hook() gives, with one pass fewer).
   CommHook hook;
-  // Weigh each incoming gradient by this worker's share of the global batch, so that the
-  // average is the gradient of the whole batch's mean loss even when the shares are uneven
-  // (DataParallel; see Note [Weighing gradients by batch share] in runtime/batch_share.h).
-  // GradientSync leaves it off: a global loss is already the whole batch's mean.
+  // Weigh each incoming gradient by this worker's share of the batch count_batch() last
+  // counted, so that the average is the gradient of the whole batch's mean loss even when the
+  // shares are uneven (DataParallel; Note [Weighing gradients by batch share],
+  // shoal/dp/data_parallel.h). GradientSync leaves it off: a global loss is already the whole
+  // batch's mean.
   bool weigh_by_batch_share = false;
+  // DataParallel's: told before each optimizer step may change the parameters, and of each
+  // synchronized backward (src/dp/replication.h). Null for GradientSync.
+  std::shared_ptr<Replication> replication;
 };
 
 class Reducer {
@@ -53,6 +58,11 @@ class Reducer {
   ~Reducer();
   Reducer(const Reducer&) = delete;
   Reducer& operator=(const Reducer&) = delete;
+
+  // With weigh_by_batch_share: this worker's forward is on `rows` samples. Starts counting the
+  // group's samples (a small all-reduce, which every member starts at the same forward); the
+  // backwards until the next count weigh this worker's gradient by n * rows / (the group's).
+  void count_batch(int64_t rows);
 
   // While false, backward accumulates gradients locally only (no_sync).
   void set_sync(bool sync);

@@ -1,0 +1,49 @@
+// What a module implements when its tensors are pieces of larger values, so that a checkpoint
+// saves the whole values and loads each worker's piece of them (the idea of PyTorch's Stateful
+// for distributed checkpoints: named whole tensors out, named whole tensors in). A global model's
+// layers (shoal::global::nn::Module) implement it; shoal::save and shoal::load find it on any
+// module of the tree they are given, whatever holds those layers (a torch::nn::Sequential, a
+// module of the program's) and through whatever reference. See docs/checkpoint.md.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+namespace shoal::checkpoint {
+
+// One parameter of a module that is this worker's piece of a whole value.
+struct Piece {
+  // The parameter, as the module registered it (also the optimizer's key for its state); a
+  // placeholder on a worker that holds no piece of it.
+  at::Tensor local;
+  bool held_here = true;
+  // The whole value's shape.
+  std::vector<int64_t> shape;
+  // How many workers hold a piece of it, and whether this one is the first of them (whose
+  // optimizer step count is saved).
+  int holders = 1;
+  bool first_holder = true;
+  // The whole value of a tensor laid out as `local` (the parameter itself, or a field of its
+  // optimizer state). A collective of every worker of the job (one that holds no piece passes
+  // anything); the job's first worker gets the value, the others an undefined tensor.
+  std::function<at::Tensor(const at::Tensor& like_local)> gather;
+  // This worker's piece of `whole`; undefined when it holds none.
+  std::function<at::Tensor(const at::Tensor& whole)> cut;
+  // Why its value cannot be saved whole (for instance, a partial sum that no worker holds), in a
+  // phrase; empty when it can.
+  std::string refusal;
+};
+
+class Savable {
+ public:
+  virtual ~Savable() = default;
+  // The pieces among this module's own parameters (registered on it, not on its children), with
+  // their names in named_parameters(/*recurse=*/false).
+  virtual std::vector<std::pair<std::string, Piece>> pieces() const = 0;
+};
+
+}  // namespace shoal::checkpoint

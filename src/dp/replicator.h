@@ -1,0 +1,48 @@
+// What DataParallel does for any module's type: checks and broadcasts the model, holds the
+// Reducer over the current world (a new one when an elastic job's world changes) and the
+// module's Replication, which outlives those reducers. Internal to shoal; DataParallel<M>
+// reaches it through the calls in shoal/dp/data_parallel.h.
+#pragma once
+
+#include <memory>
+
+#include "dp/reducer.h"
+#include "dp/replication.h"
+#include "shoal/dp/data_parallel.h"
+
+namespace shoal::dp {
+
+class Replicator {
+ public:
+  Replicator(std::shared_ptr<torch::nn::Module> module, DataParallelOptions options);
+  ~Replicator();
+  Replicator(const Replicator&) = delete;
+  Replicator& operator=(const Replicator&) = delete;
+
+  void set_sync(bool sync) {
+    if (reducer_) reducer_->set_sync(sync);
+    sync_ = sync;
+  }
+  bool sync() const { return sync_; }
+  void before_forward(const at::Tensor* input);
+  // Null in a job of one, where there is nothing to average.
+  const Reducer* reducer() const { return reducer_.get(); }
+  // Copies the first worker's buffers to every worker.
+  void broadcast_buffers();
+
+ private:
+  // Averages over `group` from now on, with new buckets. With `synchronize`, first checks that
+  // every worker has the same model and copies the first worker's values to all (a collective);
+  // in an elastic job elastic::State does that when the world changes.
+  void bind(comm::Group group, bool synchronize);
+
+  std::shared_ptr<torch::nn::Module> module_;
+  DataParallelOptions options_;
+  comm::Group group_;
+  std::shared_ptr<Replication> replication_ = std::make_shared<Replication>();
+  std::unique_ptr<Reducer> reducer_;
+  bool sync_ = true;
+  int world_listener_ = 0;  // set while following shoal::world()
+};
+
+}  // namespace shoal::dp
