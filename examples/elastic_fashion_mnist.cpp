@@ -93,7 +93,7 @@ int main(int argc, char** argv) {
       static_cast<torch::optim::SGDOptions&>(optimizer.param_groups()[0].options()).lr(rate);
       for (auto& batch : loader.epoch(state.epoch())) {
         optimizer.zero_grad();
-        auto loss = torch::nn::functional::cross_entropy(model(batch.data), batch.target);
+        auto loss = torch::nn::functional::cross_entropy(model(batch.data), batch.target);  // shoal
         loss.backward();
         optimizer.step();
         state.commit();  // shoal

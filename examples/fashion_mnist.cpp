@@ -150,7 +150,7 @@ int main(int argc, char** argv) {
       Progress progress(epoch, options.epochs, loader.sampler().batches_remaining());
       for (auto& batch : batches) {
         optimizer.zero_grad();
-        auto loss = torch::nn::functional::cross_entropy(model(batch.data), batch.target);
+        auto loss = torch::nn::functional::cross_entropy(model(batch.data), batch.target);  // shoal
         loss.backward();
         optimizer.step();
         progress.step(batch.data.size(0), loss);
