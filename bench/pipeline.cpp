@@ -163,7 +163,7 @@ int run_shoal(const Options& o) {
   const int v = stages_per_worker(o);
   pp::PipelineOptions po;
   po.micro_batches = o.micro_batches;
-  po.schedule = o.schedule;
+  po.schedule = shoal::pipeline::parse_schedule_kind(o.schedule);
   po.stages_per_worker = v;
   po.split = even_split(o, world.size() * v);
   pp::Pipeline pipe(make_stack(o), po);

@@ -151,7 +151,7 @@ int serve(int store_port, const std::vector<int64_t>& sizes, int reps) {
   store_options.port = store_port;
   const comm::StorePtr store = comm::open_store(store_options);
   SumHandler handler;  // chunks of 1024 values, as `shoal ps-server` has them
-  ServerOptions options;
+  RpcServerOptions options;
   options.host = "127.0.0.1";
   options.token = kToken;
   RpcServer server(handler, options);

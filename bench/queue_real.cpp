@@ -9,7 +9,7 @@
 //   ckpt-restart  `shoal queue serve --resize-by restart`: the policy's decisions as for elastic,
 //                 but every shrink and grow stops the whole job at a commit and starts it again
 //                 at its new size from that commit (Note [Resizing by restart] in
-//                 src/queue/scheduler.cpp), as Kubeflow's elastic PyTorchJob and Ray Train do.
+//                 src/queue/scheduler_jobs.cpp), as Kubeflow's elastic PyTorchJob and Ray Train do.
 //
 //   queue_real [--jobs 10] [--seed 1] [--slots 4] [--step-ms 150] [--load 1.5] ...
 //

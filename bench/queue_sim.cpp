@@ -187,7 +187,7 @@ class Simulation {
     double paused_until = -kInf;  // restarting: none of its workers makes progress before this
     double first_start = -1;
     double finish = -1;
-    bool owed = false;  // lost workers since it last grew or restarted (scheduler.cpp's `owed`)
+    bool owed = false;  // lost workers since it last grew or restarted (src/queue/scheduler_impl.h's `owed`)
     int resizes = 0, preemptions = 0, cycles = 0;
     double running_seconds = 0, worker_seconds = 0;  // while running; of progressing workers
   };
@@ -357,7 +357,7 @@ void Simulation::apply(const q::Action& action) {
         ++job.cycles;
         job.owed = false;
       }
-      // A start is no resize (src/queue/scheduler.cpp's apply()).
+      // A start is no resize (src/queue/scheduler_jobs.cpp's apply()).
       add_workers(Phase::kActive, kInf);
       break;
     case q::Action::kGrow:

@@ -1,5 +1,5 @@
 # The parameter server's transport (docs/ps.md, "Transport"): gRPC and protobuf from Debian
-# (libgrpc++-dev, protobuf-compiler-grpc). gRPC's headers reach only src/ps/rpc.cpp and wire.cpp.
+# (libgrpc++-dev, protobuf-compiler-grpc). gRPC's headers reach only src/ps/rpc_server.cpp, rpc_client.cpp and wire.cpp.
 find_package(Protobuf REQUIRED)
 find_package(gRPC CONFIG REQUIRED)
 find_program(SHOAL_GRPC_CPP_PLUGIN grpc_cpp_plugin REQUIRED)
@@ -27,7 +27,8 @@ target_link_libraries(shoal_ps_proto_objects PUBLIC gRPC::grpc++ protobuf::libpr
 # Service, client, the wire checks, the store-and-sum handler and how workers find servers.
 add_library(shoal_ps_rpc_objects OBJECT
   src/ps/wire.cpp
-  src/ps/rpc.cpp
+  src/ps/rpc_server.cpp
+  src/ps/rpc_client.cpp
   src/ps/sum_handler.cpp
   src/ps/connect.cpp
   src/ps/replica.cpp

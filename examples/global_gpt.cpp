@@ -213,7 +213,7 @@ int main(int argc, char** argv) {
     if (plan.pipeline) {
       pp::PipelineOptions options;
       options.micro_batches = micro_batches;
-      options.schedule = schedule;
+      options.schedule = shoal::pipeline::parse_schedule_kind(schedule);
       options.batch = plan.batch.axes();
       pipe = std::make_unique<pp::Pipeline>(model->layers, options);
     } else {

@@ -54,7 +54,7 @@ int main(int argc, char** argv) {
   std::vector<torch::Tensor> parameters = net->parameters();
   if (!plain) {
     pp::PipelineOptions options;
-    options.schedule = schedule;
+    options.schedule = shoal::pipeline::parse_schedule_kind(schedule);
     options.micro_batches = micro_batches;
     pipe = std::make_unique<pp::Pipeline>(net, options);
     parameters = pipe->parameters();

@@ -15,7 +15,7 @@
 #include <gtest/gtest.h>
 
 #include "harness.h"
-#include "launch/process.h"
+#include "proc/process.h"
 
 namespace {
 
@@ -26,7 +26,7 @@ void kill_descendants() {
   std::vector<pid_t> stopped;
   for (bool found = true; found;) {
     found = false;
-    std::vector<pid_t> walk = shoal::launch::child_processes();
+    std::vector<pid_t> walk = shoal::proc::child_processes();
     for (size_t i = 0; i < walk.size(); ++i) {
       const pid_t pid = walk[i];
       if (std::find(stopped.begin(), stopped.end(), pid) == stopped.end()) {
@@ -34,7 +34,7 @@ void kill_descendants() {
         stopped.push_back(pid);
         found = true;
       }
-      for (pid_t child : shoal::launch::child_processes(pid)) walk.push_back(child);
+      for (pid_t child : shoal::proc::child_processes(pid)) walk.push_back(child);
     }
   }
   for (pid_t pid : stopped) ::kill(pid, SIGKILL);

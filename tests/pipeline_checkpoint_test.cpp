@@ -178,7 +178,7 @@ TEST_F(PipelineCheckpoint, ResumesUnderAnotherPlan) {
       [] {
         pp::PipelineOptions o;
         o.micro_batches = 4;
-        o.schedule = "1f1b";
+        o.schedule = shoal::pipeline::ScheduleKind::k1F1B;
         pp::Pipeline pipe(mlp(0), o);
         train(pipe, 0, 3);
         shoal::save((dir() / "step3.pt").string(), pipe);
@@ -190,7 +190,7 @@ TEST_F(PipelineCheckpoint, ResumesUnderAnotherPlan) {
       [] {
         pp::PipelineOptions o;
         o.micro_batches = 4;
-        o.schedule = "zb";
+        o.schedule = shoal::pipeline::ScheduleKind::kZeroBubbleH1;
         o.split = {5, 2};
         pp::Pipeline pipe(mlp(7), o);
         shoal::load((dir() / "step3.pt").string(), pipe);
@@ -204,7 +204,7 @@ TEST_F(PipelineCheckpoint, ResumesUnderAnotherPlan) {
       [] {
         pp::PipelineOptions o;
         o.micro_batches = 4;
-        o.schedule = "gpipe";
+        o.schedule = shoal::pipeline::ScheduleKind::kGPipe;
         o.placements = {{0, 1}, {2, 3}};
         pp::Pipeline pipe(mlp(8), o);
         shoal::load((dir() / "step3.pt").string(), pipe);
@@ -240,7 +240,7 @@ TEST_F(PipelineCheckpoint, ResumesWithItsOptimizerStateUnderAnotherPlan) {
       [] {
         pp::PipelineOptions o;
         o.micro_batches = 4;
-        o.schedule = "1f1b";
+        o.schedule = shoal::pipeline::ScheduleKind::k1F1B;
         pp::Pipeline pipe(mlp(0), o);
         auto opt = adam(pipe.parameters());
         train(pipe, opt, 0, 3);
@@ -254,7 +254,7 @@ TEST_F(PipelineCheckpoint, ResumesWithItsOptimizerStateUnderAnotherPlan) {
       [] {
         pp::PipelineOptions o;
         o.micro_batches = 4;
-        o.schedule = "zb";
+        o.schedule = shoal::pipeline::ScheduleKind::kZeroBubbleH1;
         o.split = {5, 2};
         pp::Pipeline pipe(mlp(7), o);
         torch::optim::SGD sgd(pipe.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
@@ -286,7 +286,7 @@ TEST_F(PipelineCheckpoint, ResumesWithItsOptimizerStateUnderAnotherPlan) {
       [] {
         pp::PipelineOptions o;
         o.micro_batches = 4;
-        o.schedule = "gpipe";
+        o.schedule = shoal::pipeline::ScheduleKind::kGPipe;
         o.placements = {{0, 1}, {2, 3}};
         pp::Pipeline pipe(mlp(8), o);
         auto opt = adam(pipe.parameters());

@@ -106,7 +106,7 @@ TEST_P(GlobalSchedules, LossAndGradientsEqualOneProcess) {
     const auto initial = wholes(net);
     pp::PipelineOptions options;
     options.micro_batches = c.micro_batches;
-    options.schedule = c.schedule;
+    options.schedule = shoal::pipeline::parse_schedule_kind(c.schedule);
     options.batch = {g::split(0)};
     pp::Pipeline pipe(net, options);
     ASSERT_TRUE(pipe.is_global());

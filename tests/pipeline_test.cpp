@@ -155,7 +155,7 @@ TEST_P(Schedules, LossAndGradientsEqualOneProcess) {
     const int p = grid.workers;
     for (int m : {1, p, 2 * p + 1}) {
       pp::PipelineOptions options;
-      options.schedule = grid.schedule;
+      options.schedule = shoal::pipeline::parse_schedule_kind(grid.schedule);
       options.micro_batches = m;
       // 13 rows: no m of the grid divides it, so micro-batches are uneven.
       const std::string what =
@@ -280,7 +280,7 @@ TEST(Pipeline, StashedMicroBatchesAreWhatTheSimulationCountsAndGrowWithRows) {
           p == 2 ? std::vector<int64_t>{4, 6, 3} : std::vector<int64_t>{4, 6, 5, 3};
       for (const char* schedule : {"gpipe", "1f1b", "zb"}) {
         pp::PipelineOptions options;
-        options.schedule = schedule;
+        options.schedule = shoal::pipeline::parse_schedule_kind(schedule);
         options.micro_batches = 2 * p;
         options.split = std::vector<int>(static_cast<size_t>(p), 1);
         pp::Pipeline pipe(linears(p), options);
@@ -316,7 +316,7 @@ TEST(Pipeline, EvaluateGivesTheOneProcessLossAndNoGradient) {
     for (const std::string schedule : {"1f1b", "interleaved"}) {
       pp::PipelineOptions options;
       options.micro_batches = 3;
-      options.schedule = schedule;
+      options.schedule = shoal::pipeline::parse_schedule_kind(schedule);
       pp::Pipeline pipe(mlp(), options);
       auto [x, y] = batch(7, 5, 3, 3);
       const double want = torch::mse_loss(mlp()->forward(x), y).item<double>();
@@ -376,7 +376,7 @@ TEST(Pipeline, TiedWeightsGradientSummedOverStagesAndCopiesStayEqual) {
     auto reference = tied_model();
     pp::PipelineOptions options;
     options.micro_batches = 4;
-    options.schedule = "1f1b";
+    options.schedule = shoal::pipeline::ScheduleKind::k1F1B;
     options.split = {1, 3, 1};  // the tie between the first and the last worker
     pp::Pipeline pipe(net, options);
     torch::optim::SGD opt(pipe.parameters(), 0.1);
@@ -434,7 +434,7 @@ TEST(Pipeline, TimelineRecordsEveryActionOfTheSchedule) {
       2,
       [] {
         pp::PipelineOptions options;
-        options.schedule = "zb";
+        options.schedule = shoal::pipeline::ScheduleKind::kZeroBubbleH1;
         options.micro_batches = 3;
         pp::Pipeline pipe(mlp(), options);
         auto [x, y] = batch(7, 5, 3, 0);
@@ -487,7 +487,7 @@ TEST(Pipeline, StagesReplicatedOverADataAxisTrainAsOneProcess) {
   run_workers(4, [] {
     for (const std::string schedule : {"gpipe", "1f1b", "interleaved", "zb"}) {
       pp::PipelineOptions options;
-      options.schedule = schedule;
+      options.schedule = shoal::pipeline::parse_schedule_kind(schedule);
       options.micro_batches = 3;  // 13 rows: 7 and 6 per replica, micro-batches of 3, 2, 2 and 2
       options.placements = {{0, 1}, {2, 3}};
       if (schedule == "interleaved") options.placements = {{0, 1}, {2, 3}, {0, 1}, {2, 3}};
@@ -659,7 +659,7 @@ TEST(PipelineErrors, PlacementsTheScheduleForbidsAreUsageErrors) {
       }
     };
     pp::PipelineOptions options;
-    options.schedule = "1f1b";
+    options.schedule = shoal::pipeline::ScheduleKind::k1F1B;
     options.placements = {{1}, {1}};
     expect_usage(options,
                  "pipeline: stages 0 and 1 are both placed on [1], but the 1f1b schedule runs one "
@@ -676,7 +676,7 @@ TEST(PipelineErrors, PlacementsTheScheduleForbidsAreUsageErrors) {
                  "pipeline: stage 0's placement [0, 1] as 1x2 is a mesh; a stage's placement is a "
                  "line of workers (its data axis)");
     // Interleaved puts stage s on the (s % p)-th placement: 0, 1, 0, 1, not 0, 1, 1, 0.
-    options.schedule = "interleaved";
+    options.schedule = shoal::pipeline::ScheduleKind::kInterleaved1F1B;
     options.placements = {{0}, {1}, {1}, {0}};
     expect_usage(options,
                  "pipeline: the interleaved 1F1B (v = 2) schedule runs stage 2 on the worker of "

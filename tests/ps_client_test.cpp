@@ -99,6 +99,38 @@ TEST(PsTrain, AsyncIsNotTheOneProcessRun) {
   EXPECT_NE(run.out.find("[0] parameter "), std::string::npos) << run.out;
 }
 
+// The mode is the program's option (ps::ServerOptions::mode): the servers, started before any
+// worker, take it from the workers' registration (Note [The mode comes with the workers]).
+// async from the option is not the one-process run (as AsyncIsNotTheOneProcessRun through
+// SHOAL_PS_MODE); SHOAL_PS_MODE=sync overrides the option, and the run is the one-process one
+// again; workers that ask for different modes are refused with one line.
+TEST(PsTrain, TheModeIsTheProgramsOptionAndTheEnvironmentOverridesIt) {
+  ::setenv("PS_TRAIN_OPTION_MODE", "async", 1);
+  const RunResult chosen = run_shoal({"--servers", "2", "-n", "3", kTrain, "sgd"}, 120s);
+  ::setenv("SHOAL_PS_MODE", "sync", 1);
+  const RunResult overridden = run_shoal({"--servers", "2", "-n", "3", kTrain, "sgd"}, 120s);
+  ::unsetenv("SHOAL_PS_MODE");
+  ::setenv("PS_TRAIN_OPTION_MODE", "sync,async", 1);
+  const RunResult mixed = run_shoal({"--servers", "1", "-n", "2", kTrain, "sgd"}, 120s);
+  ::unsetenv("PS_TRAIN_OPTION_MODE");
+  EXPECT_EQ(chosen.exit_code, 1) << chosen.out << chosen.err;
+  EXPECT_NE(chosen.out.find("[0] parameter "), std::string::npos) << chosen.out;
+  EXPECT_EQ(overridden.exit_code, 0) << overridden.out << overridden.err;
+  EXPECT_NE(overridden.out.find("ps train ok: sgd, 3 workers"), std::string::npos) << overridden.out;
+  // Whichever worker registers first sets the mode; the other is refused (its line names the
+  // server and the call, then the server's sentence).
+  EXPECT_EQ(mixed.exit_code, 1) << mixed.out << mixed.err;
+  const bool one_refused =
+      mixed.out.find("parameter server: worker 1 trains in mode async, worker 0 in sync; "
+                     "expected one mode for the whole job (ps::ServerOptions::mode, or "
+                     "SHOAL_PS_MODE)\n") != std::string::npos ||
+      mixed.out.find("parameter server: worker 0 trains in mode sync, worker 1 in async; "
+                     "expected one mode for the whole job (ps::ServerOptions::mode, or "
+                     "SHOAL_PS_MODE)\n") != std::string::npos;
+  EXPECT_TRUE(one_refused) << mixed.out;
+  EXPECT_EQ(mixed.out.find("ps train ok"), std::string::npos) << mixed.out;
+}
+
 // ps::Optimizer::train_on (docs/ps.md, "Leased batches"): three workers (one slowed) lease the
 // batches of two epochs of 50 samples from the servers' ledger; worker 0 checks that every sample
 // was trained once per epoch, in every mode, and in sync that the servers' values equal one
@@ -285,7 +317,7 @@ TEST(PsTrain, ALauncherJoinsARunningElasticJobMidEpoch) {
 
 // Backup workers (shoal run --ps-backup-workers 1: each sync step applies the first two of three
 // workers' pushes) on two servers. Worker 1, slowed, mostly comes late; server 0's answer decides
-// on both servers (Note [Server 0 decides] in src/ps/server_core.cpp), and a late push's batch
+// on both servers (Note [Server 0 decides] in src/ps/server_steps.cpp), and a late push's batch
 // goes back into the epoch. Every sample is trained once per epoch in the steps that count (each
 // batch's last), and the servers' values equal one process trained on those batches step by step,
 // which fails if one server applied a push the other dropped.

@@ -51,7 +51,7 @@ std::unique_ptr<ServerCore> registered_core(Consistency consistency, int32_t agg
   OptimizerSpec sgd;
   sgd.lr = 0.5;
   sgd.momentum = 0.9;
-  RegisterRequest request{0, {shoal::testing::dense_spec("w", {kValues}, sgd)}, {}};
+  RegisterRequest request{0, {shoal::testing::dense_spec("w", {kValues}, sgd)}, {}, ""};
   request.initial = {{0, {0}, std::vector<float>(kValues, 1.0f)}};
   core->register_tables(request, Deadline(10s));
   return core;
@@ -136,7 +136,7 @@ TEST(PsReplicaCore, AReloadedCoreAdoptsTheWorkersClocksAndLosesTheStepsSinceItsS
   OptimizerSpec sgd;
   sgd.lr = 0.5;
   sgd.momentum = 0.9;
-  RegisterRequest request{0, {shoal::testing::dense_spec("w", {kValues}, sgd)}, {}};
+  RegisterRequest request{0, {shoal::testing::dense_spec("w", {kValues}, sgd)}, {}, ""};
   request.initial = {{0, {0}, std::vector<float>(kValues, 1.0f)}};
   restarted.register_tables(request, Deadline(10s));
 
@@ -186,7 +186,7 @@ struct Pair {
     return std::make_unique<ServerCore>(options);
   }
   static std::unique_ptr<RpcServer> serve(Handler& handler) {
-    ServerOptions options;
+    RpcServerOptions options;
     options.host = "127.0.0.1";
     options.token = kToken;
     return std::make_unique<RpcServer>(handler, options);
@@ -200,7 +200,7 @@ RegisterRequest registration() {
   OptimizerSpec sgd;
   sgd.lr = 0.5;
   sgd.momentum = 0.9;
-  RegisterRequest request{0, {shoal::testing::dense_spec("w", {kValues}, sgd)}, {}};
+  RegisterRequest request{0, {shoal::testing::dense_spec("w", {kValues}, sgd)}, {}, ""};
   request.initial = {{0, {0}, std::vector<float>(kValues, 1.0f)}};
   return request;
 }
@@ -255,7 +255,7 @@ TEST(PsReplicaPair, APrimaryWhoseBackupIsGoneServesAlone) {
 }
 
 // A server that answers, even with an error, is not failed over from (Note [Which UNAVAILABLE
-// fails over] in src/ps/rpc.cpp).
+// fails over] in src/ps/rpc_client.cpp).
 TEST(PsReplicaPair, ARefusalIsNotAFailover) {
   Pair pair;
   RpcClient client(0, {Pair::address(*pair.primary_server), Pair::address(*pair.backup_server)},
@@ -529,7 +529,7 @@ TEST(PsSnapshotLaunch, SnapshotsOfThreeServersLoadOntoAnyCountAndEqualOneProcess
         held.chunks.push_back(k);
         held.values.resize(held.values.size() + chunk_length(kDense, k), 0.0f);
       }
-      core.register_tables({0, {dense, sparse}, {held}}, Deadline(10s));
+      core.register_tables({0, {dense, sparse}, {held}, ""}, Deadline(10s));
       for (const auto& [shard, bytes] : snapshot->shards) core.load_shard(shard, bytes);
       held.values.clear();
       const PullReply pulled = core.pull({0, 0, {held}, {}}, Deadline(10s));
@@ -621,7 +621,7 @@ TEST(PsSnapshotLaunch, AKilledServerIsRestartedFromItsSnapshotAndTheJobSaysWhatW
     held.values.resize(held.values.size() + chunk_length(kDense, k), 0.0f);
   }
   ASSERT_FALSE(held.chunks.empty());
-  core.register_tables({0, {dense, sparse}, {held}}, Deadline(10s));
+  core.register_tables({0, {dense, sparse}, {held}, ""}, Deadline(10s));
   for (const auto& [shard, bytes] : snapshot->shards) core.load_shard(shard, bytes);
   held.values.clear();
   const PullReply loaded = core.pull({0, 0, {held}, {}}, Deadline(10s));

@@ -394,7 +394,8 @@ TEST(PsServerCore, SyncEqualsOneProcessOnTheConcatenatedBatch) {
 // A one-table server for the clock tests: "w" of 8 floats, SGD with lr 1, so a value is its
 // start minus the sum of the gradients applied.
 struct Small {
-  explicit Small(ServerCoreOptions options, int32_t workers = 3) {
+  // `mode`: the registering worker's (RegisterRequest::mode; empty: the server's).
+  explicit Small(ServerCoreOptions options, int32_t workers = 3, const std::string& mode = "") {
     for (int32_t w = 0; w < workers; ++w) options.workers.push_back(w);
     options.shards = ShardMap(1).shards_of(0);
     core = std::make_unique<ServerCore>(options);
@@ -404,6 +405,7 @@ struct Small {
     request.tables = {dense_spec("w", {8}, sgd),
                       sparse_spec("emb", 100, 4, {InitSpec::Kind::kUniform, -1, 1}, sgd)};
     request.initial = {DenseSlice{0, {0}, std::vector<float>(8, 1.f)}};
+    request.mode = mode;
     core->register_tables(request, shoal::Deadline(Ms(0)));
   }
   PullReply pull(int32_t worker, int64_t clock, Duration timeout) {
@@ -533,6 +535,66 @@ TEST(PsServerCore, AsyncNeverWaits) {
   EXPECT_EQ(server.core->staleness(), kSteps);
   EXPECT_EQ(server.core->step(), 2 * kSteps);
   EXPECT_NEAR(server.value(), 1 - kSteps * 0.03f, 1e-5);
+}
+
+// Note [The mode comes with the workers]: a server started without a mode trains in the first
+// registration's, and refuses a worker that names another, or that a fixed mode does not allow.
+TEST(PsServerCore, TheModeComesWithTheWorkersRegistration) {
+  ServerCoreOptions from_workers;
+  from_workers.mode_from_workers = true;
+  // Worker 0 asks for async: its pull two steps ahead of workers 1 and 2, which never push,
+  // is answered at once (a zero timeout fails a pull that has to wait).
+  Small async(from_workers, 3, "async");
+  async.push(0, 0, 0.5f);
+  EXPECT_NO_THROW(async.pull(0, 1, Ms(0)));
+  // Worker 0 asks for sync: the same pull waits for the others' pushes of step 0.
+  Small sync(from_workers, 3, "sync");
+  sync.push(0, 0, 0.5f);
+  EXPECT_THROW(sync.pull(0, 1, Ms(0)), shoal::CommError);
+
+  OptimizerSpec sgd;
+  sgd.lr = 1;
+  RegisterRequest other;
+  other.worker = 1;
+  other.tables = {dense_spec("w", {8}, sgd),
+                  sparse_spec("emb", 100, 4, {InitSpec::Kind::kUniform, -1, 1}, sgd)};
+  other.mode = "ssp:0";  // bounded staleness 0 is sync
+  EXPECT_NO_THROW(sync.core->register_tables(other, shoal::Deadline(Ms(0))));
+  other.mode = "async";
+  try {
+    sync.core->register_tables(other, shoal::Deadline(Ms(0)));
+    ADD_FAILURE() << "a worker in another mode was not refused";
+  } catch (const shoal::UsageError& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "parameter server: worker 1 trains in mode async, worker 0 in sync; expected one "
+              "mode for the whole job (ps::ServerOptions::mode, or SHOAL_PS_MODE)");
+  }
+
+  // A server started in a mode refuses workers of another.
+  ServerCoreOptions fixed;
+  fixed.consistency = Consistency::kBoundedStaleness;
+  fixed.staleness = 2;
+  EXPECT_NO_THROW(Small(fixed, 3, "ssp:2"));
+  try {
+    Small refused(fixed, 3, "async");
+    ADD_FAILURE() << "a worker in another mode than the server's was not refused";
+  } catch (const shoal::UsageError& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "parameter server: worker 0 trains in mode async; expected ssp:2, the servers' "
+              "--mode (or SHOAL_PS_MODE where shoal run started them)");
+  }
+  // Backup workers (replicas_to_aggregate) take a sync step's first pushes: no other mode.
+  ServerCoreOptions backup = from_workers;
+  backup.replicas_to_aggregate = 2;
+  try {
+    Small refused(backup, 3, "ssp:1");
+    ADD_FAILURE() << "backup workers in bounded staleness were not refused";
+  } catch (const shoal::UsageError& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "parameter server: worker 0 trains in mode ssp:1; shoal run --ps-backup-workers "
+              "expects sync (drop one of them)");
+  }
+  EXPECT_NO_THROW(Small(backup, 3, "sync"));
 }
 
 std::vector<float> everything(ServerCore& core, int32_t worker, int64_t clock) {

@@ -1,5 +1,5 @@
 // Resizing by checkpoint-restart (`shoal queue serve --resize-by restart`; docs/queue.md,
-// "Policy", and Note [Resizing by restart] in src/queue/scheduler.cpp): the baseline that
+// "Policy", and Note [Resizing by restart] in src/queue/scheduler_jobs.cpp): the baseline that
 // bench/queue_real runs beside shoal's own resizing. The policy decides as it does with leave;
 // each shrink or grow stops every worker of the job at one commit and starts the job again at
 // its new size from that commit.

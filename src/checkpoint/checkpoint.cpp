@@ -15,6 +15,7 @@
 #include "container.h"
 #include "contents.h"
 #include "core/error_text.h"
+#include "file.h"
 #include "whole.h"
 #include "shoal/core/error.h"
 #include "shoal/runtime/init.h"
@@ -86,9 +87,7 @@ void save_payload(const std::string& path, comm::Group& group, const std::functi
   std::exception_ptr unexpected;
   if (group.rank() == kRoot) {
     try {
-      const std::string payload = make_payload();
-      const std::string header = checkpoint::encode_header(payload);
-      checkpoint::write_file_atomically(path, {header, payload});
+      checkpoint::write_file(path, make_payload());
     } catch (const UsageError& e) {
       ok = false;
       error = e.what();
@@ -212,3 +211,29 @@ void load(const std::string& path, torch::nn::Module& module, const LoadOptions&
 }
 
 }  // namespace shoal
+
+namespace shoal::checkpoint {
+
+std::string encode_payload(const torch::nn::Module& module, const torch::optim::Optimizer* optimizer,
+                           const data::SamplerState* loader_state, const CheckpointExtras& extras) {
+  return serialize_contents(module, optimizer, loader_state, extras);
+}
+
+std::optional<data::SamplerState> decode_payload(const std::string& what, std::string_view payload,
+                                                 torch::nn::Module& module,
+                                                 torch::optim::Optimizer* optimizer,
+                                                 CheckpointExtras* extras) {
+  return restore_contents(what, payload, module, optimizer, extras);
+}
+
+void write_file(const std::string& path, std::string_view payload) {
+  const std::string header = encode_header(payload);
+  write_file_atomically(path, {header, payload});
+}
+
+std::string read_file(const std::string& path) {
+  const std::string file = read_whole_file(path);
+  return std::string(open_container(path, file));
+}
+
+}  // namespace shoal::checkpoint

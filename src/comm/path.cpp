@@ -11,6 +11,7 @@
 #include "comm/shm/locality.h"
 #include "shoal/core/env.h"
 #include "shoal/core/error.h"
+#include "data_path.h"
 #include "state.h"
 
 namespace shoal::comm {
@@ -254,6 +255,66 @@ void open_paths(Group::State& state, const Deadline& deadline,
   // the group's own (Note [Creating a group ends with a barrier]).
   wait_for_members(state, state.prefix + "/across/connected", deadline);
   state.hierarchy = std::move(hierarchy);
+}
+
+namespace {
+
+// Note [Hierarchical all-reduce] as a data path (Note [Data paths]); the other operations take
+// the flat path over all members.
+class HierarchicalPath final : public DataPath {
+ public:
+  HierarchicalPath(const Hierarchy& hierarchy, DataPath& flat) : hierarchy_(hierarchy), flat_(flat) {}
+
+  bool all_reduce(Work::State& work, const at::Tensor& buffer, ReduceOp op) override {
+    if (hierarchy_.local) {
+      const auto dtype = *shm_dtype(buffer.scalar_type());
+      // The lane is the hierarchy's own, so the hierarchy outlives what runs on it.
+      work.shm_task = hierarchy_.local->submit(
+          [hierarchy = &hierarchy_, buffer, dtype, op, deadline = work.deadline](shm::LocalGroup& group) {
+            hierarchical_all_reduce(*hierarchy, group, buffer, dtype, to_shm(op), to_backend(op),
+                                    deadline.remaining());
+          });
+      return true;
+    }
+    // Alone on its host: the step across hosts is all there is.
+    std::vector<at::Tensor> tensors{buffer};
+    c10d::AllreduceOptions options;
+    options.reduceOp = to_backend(op);
+    work.backend_work = hierarchy_.across->allreduce(tensors, options);
+    return false;
+  }
+  void broadcast(Work::State& work, const at::Tensor& buffer, int root) override {
+    flat_.broadcast(work, buffer, root);
+  }
+  void all_gather(Work::State& work, const at::Tensor& input, const Sizes& sizes,
+                  int rank) override {
+    flat_.all_gather(work, input, sizes, rank);
+  }
+  void all_to_all(Work::State& work, const at::Tensor& input, const at::Tensor& output,
+                  const Sizes& send, const Sizes& recv) override {
+    flat_.all_to_all(work, input, output, send, recv);
+  }
+  void reduce_scatter(Work::State& work, const at::Tensor& input, const Sizes& sizes, int rank,
+                      ReduceOp op) override {
+    flat_.reduce_scatter(work, input, sizes, rank, op);
+  }
+  void send(Work::State& work, const at::Tensor& buffer, int dst, int tag) override {
+    flat_.send(work, buffer, dst, tag);
+  }
+  void recv(Work::State& work, const at::Tensor& buffer, int src, int tag) override {
+    flat_.recv(work, buffer, src, tag);
+  }
+  void barrier(Work::State& work) override { flat_.barrier(work); }
+
+ private:
+  const Hierarchy& hierarchy_;
+  DataPath& flat_;
+};
+
+}  // namespace
+
+std::unique_ptr<DataPath> hierarchical_path(const Hierarchy& hierarchy, DataPath& flat) {
+  return std::make_unique<HierarchicalPath>(hierarchy, flat);
 }
 
 void hierarchical_all_reduce(const Hierarchy& hierarchy, shm::LocalGroup& local,

@@ -19,6 +19,9 @@
 
 namespace shoal::comm {
 
+class DataPath;
+class ShmPath;
+
 // The all-reduce of a group across hosts with several members on some host (Note [Hierarchical
 // all-reduce] in path.cpp).
 struct Hierarchy {
@@ -48,6 +51,11 @@ struct Group::State {
   std::unique_ptr<shm::Executor> shm;
   // Across hosts, with members sharing some host: the hierarchical all-reduce; null otherwise.
   std::unique_ptr<Hierarchy> hierarchy;
+  // The paths over the three above (Note [Data paths] in data_path.h), each null when what it
+  // uses is; declared after them, so that they end first.
+  std::unique_ptr<DataPath> gloo_path;
+  std::unique_ptr<ShmPath> shm_path;
+  std::unique_ptr<DataPath> hierarchical_path;
   StorePtr store;           // the job's store, unprefixed; null in a group of one
   std::string prefix;       // this group's key prefix in the store
   GroupOptions options;
@@ -70,6 +78,14 @@ struct Group::State {
 
   ~State();
 };
+
+// "0, 1, 2": ranks or sizes, as messages list them.
+template <typename Int>
+std::string join(const std::vector<Int>& values) {
+  std::string text;
+  for (size_t i = 0; i < values.size(); ++i) text += (i ? ", " : "") + std::to_string(values[i]);
+  return text;
+}
 
 // How often a blocked wait (an operation's, or a connect's) asks who is gone. A member killed
 // outright is usually reported by its path at once, but only to the workers that talk to it

@@ -168,7 +168,7 @@ void Replicator::bind(comm::Group group, bool synchronize) {
     if (p.requires_grad()) trainable.push_back(p);
   }
   ReducerOptions reducer;
-  reducer.bucket_bytes = options_.bucket_bytes;
+  static_cast<BucketOptions&>(reducer) = options_;
   reducer.find_unused_parameters = options_.find_unused_parameters;
   reducer.gradient_as_bucket_view = options_.gradient_as_bucket_view;
   reducer.hook = options_.comm_hook;

@@ -21,14 +21,12 @@
 
 #include "dp/replication.h"
 #include "shoal/comm/group.h"
+#include "shoal/dp/buckets.h"
 #include "shoal/dp/comm_hooks.h"
 
 namespace shoal::dp {
 
-struct ReducerOptions {
-  int64_t bucket_bytes = 25 * 1024 * 1024;
-  // The first bucket is kept small so that communication starts early in backward.
-  int64_t first_bucket_bytes = 1024 * 1024;
+struct ReducerOptions : BucketOptions {
   // Agree after each backward on which parameters got a gradient on any worker, and leave the
   // .grad of those that got none anywhere untouched (as a single process would). One more small
   // all-reduce per step. Without it such parameters get a zero gradient.

@@ -6,8 +6,7 @@
 #include <string_view>
 #include <vector>
 
-#include "../checkpoint/atomic_file.h"
-#include "../checkpoint/container.h"
+#include "checkpoint/file.h"
 #include "shoal/core/env.h"
 #include "shoal/core/error.h"
 
@@ -38,8 +37,7 @@ void DurableCommits::write(int64_t version, std::string payload) {
   // The payload is serialized by the caller at its commit (the next step changes the
   // parameters); only the disk's part runs beside the training.
   writing_ = std::async(std::launch::async, [path = path_, payload = std::move(payload)] {
-    const std::string header = checkpoint::encode_header(payload);
-    checkpoint::write_file_atomically(path, {header, payload});
+    checkpoint::write_file(path, payload);
   });
 }
 
@@ -50,8 +48,7 @@ void DurableCommits::wait() {
 std::optional<std::string> DurableCommits::read() const {
   struct stat info {};
   if (::stat(path_.c_str(), &info) != 0 && errno == ENOENT) return std::nullopt;
-  const std::string file = checkpoint::read_whole_file(path_);
-  return std::string(checkpoint::open_container(path_, file));
+  return checkpoint::read_file(path_);
 }
 
 }  // namespace shoal::elastic

@@ -10,7 +10,7 @@
 #include <torch/optim.h>
 #include <torch/serialize.h>
 
-#include "../checkpoint/contents.h"
+#include "checkpoint/file.h"
 #include "../core/hash.h"
 #include "dp/replication.h"
 #include "durable.h"
@@ -160,12 +160,12 @@ std::string State::serialize() const {
   for (auto& g : optimizer_.param_groups()) rates.push_back(g.options().get_lr());
   extras[kRatesKey] = at::tensor(rates, at::kDouble);
   const auto sampler_state = sampler_.state();
-  return checkpoint::serialize_contents(module_, &optimizer_, &sampler_state, extras);
+  return checkpoint::encode_payload(module_, &optimizer_, &sampler_state, extras);
 }
 
 void State::deserialize(const std::string& what, std::string_view payload) {
   shoal::CheckpointExtras extras;
-  auto sampler_state = checkpoint::restore_contents(what, payload, module_, &optimizer_, &extras);
+  auto sampler_state = checkpoint::decode_payload(what, payload, module_, &optimizer_, &extras);
   for (const char* key : {kEpochKey, kVersionKey, kRatesKey}) {
     if (extras.count(key) == 0) {
       throw UsageError(what + " has no " + key + ": expected the commit of an elastic::State");

@@ -11,7 +11,7 @@
 #include "etcd/job.h"
 #include "etcd/rendezvous.h"
 #include "gossip/rendezvous.h"
-#include "token.h"
+#include "core/token.h"
 #include "shoal/core/error.h"
 #include "shoal/runtime/job.h"
 

@@ -158,7 +158,7 @@ GradientSync::~GradientSync() = default;
 GradientSync::GradientSync(GradientSync&&) noexcept = default;
 GradientSync& GradientSync::operator=(GradientSync&&) noexcept = default;
 
-GradientSync::GradientSync(const std::shared_ptr<Module>& module, GradientSyncOptions options) {
+GradientSync::GradientSync(const std::shared_ptr<Module>& module, BucketOptions options) {
   SHOAL_CHECK(module != nullptr) << "GradientSync of a null module";
   std::set<const c10::TensorImpl*> global;
   // Parameters by the workers their gradients are summed over, in registration order.
@@ -182,8 +182,7 @@ GradientSync::GradientSync(const std::shared_ptr<Module>& module, GradientSyncOp
     }
   }
   dp::ReducerOptions reducer;
-  reducer.bucket_bytes = options.bucket_bytes;
-  reducer.first_bucket_bytes = options.first_bucket_bytes;
+  static_cast<BucketOptions&>(reducer) = options;
   reducer.hook = [](comm::Group& group, at::Tensor& bucket) {
     return group.all_reduce_async(bucket);
   };  // a sum

@@ -11,7 +11,7 @@
 #include "../elastic/etcd/client.h"
 #include "../elastic/etcd/job.h"
 #include "../elastic/gossip/swim.h"
-#include "worker_env.h"
+#include "proc/worker_env.h"
 
 namespace shoal::launch {
 
@@ -22,7 +22,7 @@ class ElasticAgent {
   std::string etcd_prefix;
   std::string token_file;  // what workers read the token from
   bool owns_token_file = false;
-  ElasticPlace place;
+  proc::ElasticPlace place;
   // A worker of this launcher finished the training. Only then may it delete the job's keys in
   // etcd: a job whose workers all died keeps its recorded commits (Note [The job's recorded
   // commits]), so that a newcomer, or a launcher that joins it later, does not start it

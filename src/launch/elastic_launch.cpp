@@ -13,11 +13,11 @@
 
 #include <nlohmann/json.hpp>
 
-#include "../elastic/token.h"
+#include "core/token.h"
 #include "elastic_agent.h"
 #include "launcher.h"
 #include "nodes.h"
-#include "process.h"
+#include "proc/process.h"
 #include "comm/store.h"
 #include "shoal/core/error.h"
 #include "signals.h"
@@ -30,38 +30,21 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// A failed worker's first restart waits this long; each further one twice as long, up to the cap.
-constexpr Duration kFirstBackoff{1000};
-constexpr Duration kMaxBackoff{30000};
 // An elastic worker given SIGTERM leaves at its next commit; give it that long.
 constexpr Duration kElasticStopGrace{10000};
 
-std::string agent_meta(const ElasticPlace& place) {
-  return nlohmann::json{{"role", "agent"},
-                        {"min", place.min_workers},
-                        {"max", place.max_workers},
-                        {"quorum", place.quorum},
-                        {"last_call_ms", place.last_call.count()},
-                        {"run_id", place.run_id}}
-      .dump();
-}
-
 // A joining launcher takes the job's settings from any agent already in it.
-bool adopt_job_settings(const elastic::gossip::Gossip& membership, ElasticPlace& place) {
+bool adopt_job_settings(const elastic::gossip::Gossip& membership, proc::ElasticPlace& place) {
   for (const auto& member : membership.members()) {
     if (member.id == membership.id()) continue;
-    try {
-      auto meta = nlohmann::json::parse(member.meta);
-      if (meta.value("role", "") != "agent") continue;
-      place.min_workers = meta.at("min").get<int>();
-      place.max_workers = meta.at("max").get<int>();
-      place.quorum = meta.at("quorum").get<bool>();
-      place.last_call = Duration(meta.at("last_call_ms").get<int64_t>());
-      place.run_id = meta.at("run_id").get<std::string>();
-      return true;
-    } catch (const std::exception&) {
-      continue;
-    }
+    const auto settings = proc::parse_agent_metadata(member.meta);
+    if (!settings) continue;
+    place.min_workers = settings->min_workers;
+    place.max_workers = settings->max_workers;
+    place.quorum = settings->quorum;
+    place.last_call = settings->last_call;
+    place.run_id = settings->run_id;
+    return true;
   }
   return false;
 }
@@ -75,7 +58,7 @@ std::string default_token_path(const std::string& run_id) {
 
 int Launcher::run_elastic() {
   agent_ = std::make_unique<ElasticAgent>();
-  ElasticPlace& place = agent_->place;
+  proc::ElasticPlace& place = agent_->place;
   place.local_world_size = options_.nproc_per_node;
   place.last_call = options_.last_call;
   place.rendezvous_timeout = options_.rendezvous_timeout;
@@ -83,7 +66,7 @@ int Launcher::run_elastic() {
   std::string token;
   if (options_.joins()) {
     if (!options_.token_file.empty()) {
-      token = elastic::read_token_file(options_.token_file, "--token-file");
+      token = read_token_file(options_.token_file, "--token-file");
       agent_->token_file = options_.token_file;
     } else if (const char* from_env = std::getenv("SHOAL_JOB_TOKEN");
                from_env != nullptr && *from_env != '\0') {
@@ -98,10 +81,10 @@ int Launcher::run_elastic() {
     place.max_workers = options_.max_workers;
     place.quorum = options_.quorum;
     place.run_id = make_run_id();
-    token = elastic::make_token();
+    token = make_token();
     agent_->token_file =
         options_.token_file.empty() ? default_token_path(place.run_id) : options_.token_file;
-    elastic::write_token_file(agent_->token_file, token);
+    write_token_file(agent_->token_file, token);
     agent_->owns_token_file = true;
   }
   if (options_.etcd.empty()) {
@@ -132,7 +115,7 @@ int Launcher::run_elastic() {
 }
 
 void Launcher::join_gossip(const std::string& token) {
-  ElasticPlace& place = agent_->place;
+  proc::ElasticPlace& place = agent_->place;
   elastic::gossip::Options membership;
   if (options_.joins()) {
     membership.seeds = {options_.join_host + ":" + std::to_string(options_.join_port)};
@@ -143,7 +126,7 @@ void Launcher::join_gossip(const std::string& token) {
     membership.advertise_host = options_.master_host.empty() ? "127.0.0.1" : options_.master_host;
   }
   membership.token = token;
-  membership.meta = agent_meta(place);
+  membership.meta = proc::agent_metadata(place);
   membership.join_timeout = options_.connect_timeout;
   try {
     agent_->membership = elastic::gossip::Gossip::start(membership);
@@ -156,7 +139,7 @@ void Launcher::join_gossip(const std::string& token) {
       throw UsageError("--join " + options_.join_host + ":" + std::to_string(options_.join_port) +
                        ": no launcher of the job is in its membership to tell its --min/--max");
     }
-    agent_->membership->set_meta(agent_meta(place));
+    agent_->membership->set_meta(proc::agent_metadata(place));
   } else {
     say("elastic job of " + std::to_string(place.min_workers) + " to " +
         std::to_string(place.max_workers) + " workers; to add workers: shoal run --join " +
@@ -168,7 +151,7 @@ void Launcher::join_gossip(const std::string& token) {
 // With etcd the launcher keeps no membership of its own: the job's record in etcd carries its
 // settings and its token's digest, and its workers register themselves.
 void Launcher::join_etcd(const std::string& token) {
-  ElasticPlace& place = agent_->place;
+  proc::ElasticPlace& place = agent_->place;
   if (options_.joins()) place.run_id = options_.join_run_id;
   place.etcd = options_.etcd;
   elastic::etcd::JobRecord record;
@@ -213,7 +196,7 @@ void Launcher::start_elastic_workers() {
             ? "[" + std::string(options_.joins() ? "+" : "") + std::to_string(i) + "] "
             : "";
     auto worker = std::make_unique<Worker>(i, i, prefix, out_, err_);
-    worker->envp = to_envp(elastic_worker_environment(base, agent_->place));
+    worker->envp = proc::to_envp(proc::elastic_worker_environment(base, agent_->place));
     try {
       spawn(*worker);
     } catch (const Error& e) {
@@ -227,7 +210,7 @@ void Launcher::start_elastic_workers() {
   }
 }
 
-void Launcher::on_elastic_failure(Worker& worker, const ExitStatus& status) {
+void Launcher::on_elastic_failure(Worker& worker, const proc::ExitStatus& status) {
   if (exit_code_ == 0) exit_code_ = status.shell_code();
   if (worker.restarts >= options_.max_restarts) {
     say("worker " + std::to_string(worker.local_rank) + " " + status.describe() +
@@ -237,8 +220,7 @@ void Launcher::on_elastic_failure(Worker& worker, const ExitStatus& status) {
     if (ps_elastic()) check_min_workers(worker, status);
     return;
   }
-  const Duration backoff =
-      std::min(kMaxBackoff, kFirstBackoff * (int64_t{1} << std::min(worker.restarts, 5)));
+  const Duration backoff = proc::restart_backoff(worker.restarts);
   say("worker " + std::to_string(worker.local_rank) + " " + status.describe() +
       "; restarting it in " + format_duration(backoff));
   worker.restart_at = Clock::now() + backoff;

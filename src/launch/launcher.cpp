@@ -12,12 +12,12 @@
 #include "job_store.h"
 #include "nodes.h"
 #include "ps_server.h"
-#include "process.h"
+#include "proc/process.h"
 #include "shoal/core/error.h"
 #include "signals.h"
 #include "watchdog.h"
 #include "worker.h"
-#include "worker_env.h"
+#include "proc/worker_env.h"
 
 namespace shoal::launch {
 namespace {
@@ -33,7 +33,7 @@ constexpr Duration kKillLimit{5000};
 constexpr Duration kMaxSleep{1000};
 
 // Pumps one worker stream; at its EOF, writes its last incomplete line and closes it.
-void forward(Fd& pipe, LineForwarder& lines, int max_reads) {
+void forward(proc::Fd& pipe, LineForwarder& lines, int max_reads) {
   if (pipe.valid() && !pump(pipe, lines, max_reads)) {
     lines.finish();
     pipe.reset();
@@ -47,7 +47,7 @@ Launcher::Launcher(LaunchOptions options)
 
 Launcher::~Launcher() {
   for (auto& worker : workers_) {
-    if (worker->running()) signal_group(worker->pid, SIGKILL);
+    if (worker->running()) proc::signal_group(worker->pid, SIGKILL);
   }
 }
 
@@ -65,7 +65,7 @@ int Launcher::run() {
   try {
     store_ = open_job_store(options_, *signals_, own_run_id);
   } catch (const Interrupted& interrupted) {
-    say("received " + signal_name(interrupted.signal()) + " before the workers started");
+    say("received " + proc::signal_name(interrupted.signal()) + " before the workers started");
     return 128 + interrupted.signal();
   }
   nodes_ = std::make_unique<NodeGroup>(*store_, options_, *signals_, err_);
@@ -82,8 +82,8 @@ int Launcher::run() {
     // After the first workers are counted: a launcher that joins finds the room they left.
     if (ps_elastic()) publish_ps_job();
   } catch (const Interrupted& interrupted) {
-    say("received " + signal_name(interrupted.signal()) + " before the workers started");
-    nodes_->report_failure(node + "'s launcher received " + signal_name(interrupted.signal()));
+    say("received " + proc::signal_name(interrupted.signal()) + " before the workers started");
+    nodes_->report_failure(node + "'s launcher received " + proc::signal_name(interrupted.signal()));
     nodes_->finish();
     return 128 + interrupted.signal();
   } catch (const Error& e) {
@@ -107,7 +107,7 @@ void Launcher::start_workers(const std::string& run_id, int port) {
   env::Environment base = env::current();
   if (options_.servers > 0) add_ps_environment(base);
   for (int i = 0; i < options_.nproc_per_node; ++i) {
-    WorkerPlace place;
+    proc::WorkerPlace place;
     place.local_rank = i;
     place.local_world_size = options_.nproc_per_node;
     place.node_rank = options_.node_rank;
@@ -118,7 +118,7 @@ void Launcher::start_workers(const std::string& run_id, int port) {
     const std::string prefix =
         options_.tags_output() ? "[" + std::to_string(place.rank()) + "] " : std::string();
     auto worker = std::make_unique<Worker>(i, place.rank(), prefix, out_, err_);
-    worker->envp = to_envp(worker_environment(base, place));
+    worker->envp = proc::to_envp(proc::worker_environment(base, place));
     if (ps_elastic()) set_ps_worker(*worker);
     try {
       if (ps_elastic()) reserve_workers(1);  // fits: -n <= --max, and no launcher joined yet
@@ -138,7 +138,7 @@ void Launcher::start_workers(const std::string& run_id, int port) {
 void Launcher::spawn(Worker& worker) {
   std::vector<std::string> argv{options_.program};
   argv.insert(argv.end(), options_.program_args.begin(), options_.program_args.end());
-  ProcessSpec spec;
+  proc::ProcessSpec spec;
   spec.path = options_.program_path;
   if (worker.server) {
     argv = {"shoal", "ps-server", "--index", std::to_string(worker.rank)};
@@ -148,11 +148,11 @@ void Launcher::spawn(Worker& worker) {
   spec.argv = argv;
   spec.env = worker.envp;
   spec.signal_mask = signals_->original_mask();
-  ChildProcess child;
+  proc::ChildProcess child;
   pid_t watched = -1;
   try {
     // See Note [No orphans] (watchdog.h): the guard learns the group before the program runs.
-    child = start_process(spec, [&](pid_t group) { watchdog_->watch(watched = group); });
+    child = proc::start_process(spec, [&](pid_t group) { watchdog_->watch(watched = group); });
   } catch (const Error&) {
     if (watched > 0) watchdog_->forget(watched);  // the child was reaped: the group is gone
     throw;
@@ -169,7 +169,7 @@ bool Launcher::any_running() const {
 
 void Launcher::signal_running(int signal) {
   for (auto& worker : workers_) {
-    if (worker->running()) signal_group(worker->pid, signal);
+    if (worker->running()) proc::signal_group(worker->pid, signal);
   }
 }
 
@@ -272,7 +272,7 @@ void Launcher::reap() {
     // Anything else reaped is an orphaned descendant (we are a subreaper) or the guard.
     for (auto& worker : workers_) {
       if (worker->pid == pid && !worker->exit) {
-        on_exit(*worker, ExitStatus::from_wait_status(status));
+        on_exit(*worker, proc::ExitStatus::from_wait_status(status));
         break;
       }
     }
@@ -297,7 +297,7 @@ void Launcher::close_output(Worker& worker) {
   }
 }
 
-void Launcher::on_exit(Worker& worker, const ExitStatus& status) {
+void Launcher::on_exit(Worker& worker, const proc::ExitStatus& status) {
   if (worker.server) {
     on_server_exit(worker, status);
     return;
@@ -308,7 +308,7 @@ void Launcher::on_exit(Worker& worker, const ExitStatus& status) {
   if (status.success()) any_success_ = true;
   drain(worker);
   // Note [No orphans] (watchdog.h): whatever the worker left behind in its group goes with it.
-  signal_group(worker.pid, SIGKILL);
+  proc::signal_group(worker.pid, SIGKILL);
   watchdog_->forget(worker.pid);
   // Left first, then no longer counted: the servers stop once no worker is counted.
   if (ps_elastic() && !stopping_) leave_servers(worker);
@@ -317,7 +317,7 @@ void Launcher::on_exit(Worker& worker, const ExitStatus& status) {
   if (options_.servers > 0) stop_servers_after_workers();
 }
 
-void Launcher::on_failure(Worker& worker, const ExitStatus& status) {
+void Launcher::on_failure(Worker& worker, const proc::ExitStatus& status) {
   if (options_.elastic) {
     on_elastic_failure(worker, status);
     return;
@@ -351,9 +351,9 @@ void Launcher::on_signal(int signal) {
   stopping_ = true;
   exit_code_ = 128 + signal;
   kill_at_ = Clock::now() + options_.stop_grace;
-  say("received " + signal_name(signal) + "; stopping the workers");
+  say("received " + proc::signal_name(signal) + "; stopping the workers");
   if (nodes_) nodes_->report_failure("node " + std::to_string(options_.node_rank) + "'s launcher received " +
-                         signal_name(signal));
+                         proc::signal_name(signal));
 }
 
 void Launcher::check_nodes() {
@@ -377,7 +377,7 @@ void Launcher::check_nodes() {
 void Launcher::kill_leftovers() {
   const pid_t guard = watchdog_->guard_pid();
   std::vector<pid_t> leftovers;
-  for (pid_t pid : child_processes()) {
+  for (pid_t pid : proc::child_processes()) {
     if (pid != guard) leftovers.push_back(pid);
   }
   for (pid_t pid : leftovers) ::kill(pid, SIGKILL);

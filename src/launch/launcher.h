@@ -18,6 +18,10 @@
 #include "output.h"
 #include "shoal/core/env.h"
 
+namespace shoal::proc {
+struct ExitStatus;
+}
+
 namespace shoal::launch {
 
 class ElasticAgent;
@@ -26,7 +30,6 @@ class NodeGroup;
 class PsMembership;
 class SignalSet;
 class Watchdog;
-struct ExitStatus;
 
 class Launcher {
  public:
@@ -52,8 +55,8 @@ class Launcher {
   void spawn(Worker& worker);
   void supervise();
   void reap();
-  void on_exit(Worker& worker, const ExitStatus& status);
-  void on_failure(Worker& worker, const ExitStatus& status);
+  void on_exit(Worker& worker, const proc::ExitStatus& status);
+  void on_failure(Worker& worker, const proc::ExitStatus& status);
   void on_signal(int signal);
   void check_nodes();
   void begin_stop(int signal);
@@ -69,7 +72,7 @@ class Launcher {
   void start_servers(const std::string& run_id, int port);
   // SHOAL_PS_SERVERS and SHOAL_JOB_TOKEN, for workers and servers alike.
   void add_ps_environment(env::Environment& env) const;
-  void on_server_exit(Worker& server, const ExitStatus& status);
+  void on_server_exit(Worker& server, const proc::ExitStatus& status);
   std::string server_name(const Worker& server) const;
   void stop_servers_after_workers();
   // Several nodes (docs/ps.md, "Processes"): node 0 publishes its server flags under kServersKey
@@ -89,7 +92,7 @@ class Launcher {
   bool ps_elastic() const { return options_.elastic && options_.servers > 0; }
   void set_ps_worker(Worker& worker);
   void leave_servers(Worker& worker);
-  void check_min_workers(const Worker& lost, const ExitStatus& status);
+  void check_min_workers(const Worker& lost, const proc::ExitStatus& status);
   // The job's keys (kept by the first launcher's store) through which launchers that join
   // (`shoal run --servers S --join HOST:PORT`) find the job: its first workers' count, its --max,
   // its mode, and the workers running over all launchers.
@@ -118,7 +121,7 @@ class Launcher {
   void join_gossip(const std::string& token);
   void join_etcd(const std::string& token);
   void start_elastic_workers();
-  void on_elastic_failure(Worker& worker, const ExitStatus& status);
+  void on_elastic_failure(Worker& worker, const proc::ExitStatus& status);
   void restart_due(TimePoint now);
   std::optional<TimePoint> next_restart() const;
 

@@ -9,7 +9,7 @@
 #include <algorithm>
 #include <cerrno>
 
-#include "../elastic/token.h"
+#include "core/token.h"
 #include "shoal/core/error.h"
 
 namespace shoal::launch {
@@ -36,7 +36,7 @@ bool is_listening(const LaunchOptions& options) {
   if (rc != 0) return false;  // perhaps a passing DNS failure: try again
   bool listening = false;
   for (addrinfo* entry = found; entry != nullptr && !listening; entry = entry->ai_next) {
-    Fd socket(::socket(entry->ai_family, entry->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC,
+    proc::Fd socket(::socket(entry->ai_family, entry->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC,
                        entry->ai_protocol));
     if (!socket.valid()) continue;
     if (::connect(socket.get(), entry->ai_addr, entry->ai_addrlen) == 0) {
@@ -57,7 +57,7 @@ bool is_listening(const LaunchOptions& options) {
 // a short message; c10d's own failure (a port taken in between) is still reported, at length.
 bool port_in_use(int port) {
   for (int family : {AF_INET6, AF_INET}) {
-    Fd socket(::socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    proc::Fd socket(::socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0));
     if (!socket.valid()) continue;  // no IPv6 here: try IPv4
     int yes = 1, no = 0;
     ::setsockopt(socket.get(), SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
@@ -112,7 +112,7 @@ std::unique_ptr<JobStore> open_job_store(const LaunchOptions& options, SignalSet
                            options.master_described_as);
 }
 
-std::string make_run_id() { return elastic::random_hex(16); }
+std::string make_run_id() { return random_hex(16); }
 
 NodeGroup::NodeGroup(JobStore& store, const LaunchOptions& options, SignalSet& signals,
                      Sink& messages)

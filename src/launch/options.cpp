@@ -8,7 +8,7 @@
 #include <CLI/CLI.hpp>
 
 #include "../ps/mode.h"
-#include "process.h"
+#include "proc/process.h"
 #include "shoal/core/error.h"
 #include "shoal/runtime/job.h"
 
@@ -392,7 +392,7 @@ std::optional<LaunchOptions> parse_run_command(const std::vector<std::string>& a
     throw UsageError("no program given; usage: shoal run [OPTIONS] PROGRAM [ARGS...]");
   }
   options.program = program.front();
-  options.program_path = resolve_program(options.program);
+  options.program_path = proc::resolve_program(options.program);
   options.program_args.assign(program.begin() + 1, program.end());
   return options;
 }

@@ -67,7 +67,7 @@ void LineForwarder::finish() {
   sink_->write(batch_);
 }
 
-bool pump(const Fd& pipe, LineForwarder& forwarder, int max_reads) {
+bool pump(const proc::Fd& pipe, LineForwarder& forwarder, int max_reads) {
   char buffer[64 * 1024];
   for (int i = 0; i < max_reads; ++i) {
     ssize_t got = ::read(pipe.get(), buffer, sizeof(buffer));

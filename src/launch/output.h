@@ -9,7 +9,7 @@
 #include <string>
 #include <utility>
 
-#include "fd.h"
+#include "proc/fd.h"
 
 namespace shoal::launch {
 
@@ -50,6 +50,6 @@ class LineForwarder {
 
 // Reads what is available on a non-blocking pipe into forwarder, at most max_reads chunks so that
 // one chatty worker cannot starve the others. Returns false at EOF (or on a read error).
-bool pump(const Fd& pipe, LineForwarder& forwarder, int max_reads);
+bool pump(const proc::Fd& pipe, LineForwarder& forwarder, int max_reads);
 
 }  // namespace shoal::launch

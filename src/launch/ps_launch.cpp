@@ -9,15 +9,15 @@
 #include <sstream>
 #include <cstdlib>
 
-#include "../elastic/token.h"
+#include "core/token.h"
 #include "job_store.h"
 #include "launcher.h"
 #include "nodes.h"
-#include "process.h"
+#include "proc/process.h"
 #include "ps_server.h"
 #include "watchdog.h"
 #include "worker.h"
-#include "worker_env.h"
+#include "proc/worker_env.h"
 
 namespace shoal::launch {
 
@@ -46,7 +46,7 @@ void Launcher::choose_ps_token() {
   if (given && !given->empty()) {
     ps_token_ = *given;
   } else if (options_.hosts_store()) {
-    ps_token_ = elastic::make_token();
+    ps_token_ = make_token();
   }
   // Several nodes: node 0's reaches the others through the job's store, before they join.
   if (options_.nnodes > 1 && options_.hosts_store()) store_->put(kTokenKey, ps_token_);
@@ -82,7 +82,7 @@ void Launcher::start_servers(const std::string& run_id, int port) {
                                    {"--snapshot-dir", options_.ps_snapshot_dir, "--snapshot-every",
                                     std::to_string(options_.ps_snapshot_every)});
       }
-      server->envp = to_envp(env);
+      server->envp = proc::to_envp(env);
       spawn(*server);
       workers_.push_back(std::move(server));
     }
@@ -95,10 +95,10 @@ std::string Launcher::server_name(const Worker& server) const {
          std::to_string(server.rank);
 }
 
-void Launcher::on_server_exit(Worker& server, const ExitStatus& status) {
+void Launcher::on_server_exit(Worker& server, const proc::ExitStatus& status) {
   server.exit = status;
   drain(server);
-  signal_group(server.pid, SIGKILL);
+  proc::signal_group(server.pid, SIGKILL);
   watchdog_->forget(server.pid);
   if (stopping_ || (servers_stopping_ && status.success())) return;
   const std::string what = server_name(server) + " " + status.describe();
@@ -175,7 +175,7 @@ void Launcher::stop_servers_after_workers() {
   }
   servers_stopping_ = true;
   for (auto& worker : workers_) {
-    if (worker->server && worker->running()) signal_group(worker->pid, SIGTERM);
+    if (worker->server && worker->running()) proc::signal_group(worker->pid, SIGTERM);
   }
   kill_at_ = std::chrono::steady_clock::now() + options_.stop_grace;
 }
@@ -204,7 +204,8 @@ void Launcher::publish_ps_job() {
   store_->put(kServersKey, servers_flags());
   store_->put(kTokenKey, ps_token_);
   const char* mode = std::getenv("SHOAL_PS_MODE");
-  store_->put(kModeKey, mode != nullptr && *mode != '\0' ? mode : "sync");
+  // Empty: the program's (ps::ServerOptions::mode); joining launchers' workers get the same.
+  store_->put(kModeKey, mode != nullptr ? mode : "");
   say("elastic parameter-server job; more workers join it with: shoal run --servers " +
       std::to_string(options_.servers) + " --join " + options_.master_addr() + ":" +
       std::to_string(store_->port()) + " [-n K] PROGRAM");
@@ -335,7 +336,7 @@ void Launcher::watch_joiners() {
   }
 }
 
-void Launcher::check_min_workers(const Worker& lost, const ExitStatus& status) {
+void Launcher::check_min_workers(const Worker& lost, const proc::ExitStatus& status) {
   int left = 0;
   for (const auto& worker : workers_) {
     if (!worker->server && (worker->running() || worker->restart_at)) ++left;
@@ -381,15 +382,19 @@ int Launcher::run_ps_join() {
   ps_joiner_ = static_cast<int>(store_->add(kJoinersKey, 1));
   env::Environment base = env::current();
   add_ps_environment(base);
-  base["SHOAL_PS_MODE"] = mode;
+  if (mode.empty()) {
+    base.erase("SHOAL_PS_MODE");
+  } else {
+    base["SHOAL_PS_MODE"] = mode;
+  }
   for (int i = 0; i < count; ++i) {
-    WorkerPlace place;
+    proc::WorkerPlace place;
     place.local_rank = i;
     place.local_world_size = count;
     place.master_addr = options_.join_host;
     place.master_port = options_.join_port;
     place.run_id = run_id;
-    env::Environment env = worker_environment(base, place);
+    env::Environment env = proc::worker_environment(base, place);
     // Ranks after the first launcher's: shoal::is_main() stays its worker 0's.
     for (const char* name : {"SHOAL_RANK", "RANK", "ROLE_RANK"})
       env[name] = std::to_string(ps_first_workers_ + i);
@@ -397,7 +402,7 @@ int Launcher::run_ps_join() {
       env[name] = std::to_string(ps_first_workers_ + count);
     const std::string prefix = options_.tags_output() ? "[" + std::to_string(i) + "] " : "";
     auto worker = std::make_unique<Worker>(i, ps_first_workers_ + i, prefix, out_, err_);
-    worker->envp = to_envp(env);
+    worker->envp = proc::to_envp(env);
     set_ps_worker(*worker);
     try {
       spawn(*worker);

@@ -56,11 +56,16 @@ std::unique_ptr<ps::detail::Handler> make_handler(const std::string& kind, const
     throw UsageError("SHOAL_PS_WORKERS is not set; expected the job's worker count");
   }
   ps::detail::ServerCoreOptions options;
-  const ps::Mode parsed = ps::parse_mode(mode, "--mode");  // checked at the flags
-  options.consistency = parsed.kind == ps::Mode::kSync    ? ps::detail::Consistency::kSync
-                        : parsed.kind == ps::Mode::kAsync ? ps::detail::Consistency::kAsync
-                                                          : ps::detail::Consistency::kBoundedStaleness;
-  options.staleness = parsed.staleness;
+  if (mode.empty()) {
+    // The workers' (Note [The mode comes with the workers] in src/ps/server_registry.cpp).
+    options.mode_from_workers = true;
+  } else {
+    const ps::Mode parsed = ps::parse_mode(mode, "--mode");  // checked at the flags
+    options.consistency = parsed.kind == ps::Mode::kSync    ? ps::detail::Consistency::kSync
+                          : parsed.kind == ps::Mode::kAsync ? ps::detail::Consistency::kAsync
+                                                            : ps::detail::Consistency::kBoundedStaleness;
+    options.staleness = parsed.staleness;
+  }
   for (int w = 0; w < *workers; ++w) options.workers.push_back(w);
   // An elastic job's workers die, leave and join (docs/ps.md, "Elastic workers").
   options.sealed_pushes = env::get_bool(env, "SHOAL_PS_ELASTIC").value_or(false);
@@ -161,7 +166,7 @@ int serve(int index, const std::string& host, int port, const std::string& handl
       std::cerr << e.what() << "; serving alone" << std::endl;
     }
   }
-  ps::detail::ServerOptions options;
+  ps::detail::RpcServerOptions options;
   options.host = host;
   options.port = port;
   options.index = index;
@@ -239,7 +244,7 @@ int64_t PsMembership::leave_servers(int worker, Duration timeout) {
     state_->clients =
         ps::detail::connect_servers(comm::open_store(options), state_->servers, state_->token, left());
   }
-  // Note [Joins and leaves] (src/ps/server_core.cpp): fenced off everywhere first, so that no
+  // Note [Joins and leaves] (src/ps/server_membership.cpp): fenced off everywhere first, so that no
   // seal of the dead process lands after its sealed clock was read.
   int64_t sealed = 0;
   for (auto& client : state_->clients) {
@@ -262,7 +267,7 @@ int ps_server_command(const std::vector<std::string>& args) {
   std::string snapshot_dir;
   int64_t snapshot_every = 100;
   bool restore = false;
-  std::string mode = env::get(env::current(), "SHOAL_PS_MODE").value_or("sync");
+  std::string mode = env::get(env::current(), "SHOAL_PS_MODE").value_or("");
   CLI::App app("Serves one parameter server of a job (started by shoal run --servers).",
                "shoal ps-server");
   app.add_option("--index", index, "The server's index in the job, 0 to S-1")->required();
@@ -284,11 +289,12 @@ int ps_server_command(const std::vector<std::string>& args) {
   app.add_flag("--restore", restore,
                "Restarted: load the newest snapshot of this server's shards from --snapshot-dir");
   app.add_option("--mode", mode,
-                 "sync, async or ssp:S (bounded staleness S); default SHOAL_PS_MODE, else sync");
+                 "sync, async or ssp:S (bounded staleness S); default SHOAL_PS_MODE, else the "
+                 "workers' (ps::ServerOptions::mode)");
   try {
     std::vector<std::string> reversed(args.rbegin(), args.rend());
     app.parse(reversed);
-    ps::parse_mode(mode, app.count("--mode") > 0 ? "--mode" : "SHOAL_PS_MODE");
+    if (!mode.empty()) ps::parse_mode(mode, app.count("--mode") > 0 ? "--mode" : "SHOAL_PS_MODE");
     if (index < 0) throw UsageError("--index " + std::to_string(index) + "; expected 0 or more");
     if (port < 0 || port > 65535) {
       throw UsageError("--port " + std::to_string(port) + "; expected 0 to 65535");

@@ -9,7 +9,7 @@
 
 #include "launcher.h"
 #include "options.h"
-#include "process.h"
+#include "proc/process.h"
 #include "ps_server.h"
 #include "shoal/core/error.h"
 
@@ -41,7 +41,7 @@ int run_command(const std::vector<std::string>& args) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  shoal::launch::keep_standard_streams_open();
+  shoal::proc::keep_standard_streams_open();
   const std::vector<std::string> args(argv + 1, argv + argc);
   if (!args.empty() && args[0] == "run") return run_command({args.begin() + 1, args.end()});
   // The parameter servers that `shoal run --servers` starts (docs/ps.md).

@@ -7,7 +7,7 @@
 #include <exception>
 #include <vector>
 
-#include "fd.h"
+#include "proc/fd.h"
 #include "shoal/core/timeout.h"
 
 namespace shoal::launch {
@@ -48,7 +48,7 @@ class SignalSet {
   const sigset_t& original_mask() const { return original_mask_; }
 
  private:
-  Fd fd_;
+  proc::Fd fd_;
   sigset_t original_mask_;
   struct sigaction original_pipe_action_;
 };

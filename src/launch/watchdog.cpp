@@ -68,7 +68,7 @@ constexpr int kMaxGroups = 65536;
 }  // namespace
 
 Watchdog::Watchdog() {
-  Pipe pipe = make_pipe();
+  proc::Pipe pipe = proc::make_pipe();
   guard_ = ::fork();
   if (guard_ < 0) throw Error(std::string("cannot fork the guard process: ") + std::strerror(errno));
   if (guard_ == 0) {

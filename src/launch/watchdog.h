@@ -16,7 +16,7 @@
 
 #include <sys/types.h>
 
-#include "fd.h"
+#include "proc/fd.h"
 
 namespace shoal::launch {
 
@@ -40,7 +40,7 @@ class Watchdog {
   void send(char op, pid_t pgid);
 
   pid_t guard_ = -1;
-  Fd pipe_;
+  proc::Fd pipe_;
 };
 
 }  // namespace shoal::launch

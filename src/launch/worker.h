@@ -8,10 +8,10 @@
 #include <string>
 #include <vector>
 
-#include "fd.h"
+#include "proc/fd.h"
 #include "launcher.h"
 #include "output.h"
-#include "process.h"
+#include "proc/process.h"
 
 namespace shoal::launch {
 
@@ -22,11 +22,11 @@ struct Launcher::Worker {
   int local_rank;
   int rank;
   pid_t pid = -1;  // also its process group
-  Fd out;
-  Fd err;
+  proc::Fd out;
+  proc::Fd err;
   LineForwarder out_lines;
   LineForwarder err_lines;
-  std::optional<ExitStatus> exit;
+  std::optional<proc::ExitStatus> exit;
   std::vector<std::string> envp;  // kept for restarts
   int restarts = 0;
   bool server = false;  // a parameter server (`shoal ps-server --index <rank>`), not a worker

@@ -61,7 +61,7 @@ void place_stages(Pipeline::State& state, const std::vector<global::Placement>& 
     throw UsageError("pipeline: expected micro_batches >= 1, got " +
                      std::to_string(o.micro_batches));
   }
-  const ScheduleKind kind = parse_schedule_kind(o.schedule);
+  const ScheduleKind kind = o.schedule;
   const bool interleaved = kind == ScheduleKind::kInterleaved1F1B;
   int v = o.stages_per_worker == 0 ? (interleaved ? 2 : 1) : o.stages_per_worker;
   if (v < 1) {
@@ -72,7 +72,7 @@ void place_stages(Pipeline::State& state, const std::vector<global::Placement>& 
   }
   if (o.custom_schedule) v = o.custom_schedule->stages / std::max(o.custom_schedule->workers, 1);
   if (!interleaved && !o.custom_schedule && v != 1) {
-    throw UsageError("pipeline: the " + o.schedule +
+    throw UsageError("pipeline: the " + schedule_kind_name(o.schedule) +
                      " schedule runs one stage per worker; "
                      "stages_per_worker = " +
                      std::to_string(v) + " needs schedule \"interleaved\"");
@@ -156,14 +156,15 @@ void place_stages(Pipeline::State& state, const std::vector<global::Placement>& 
         if (placements[s] == placements[t] && v == 1) {
           throw UsageError("pipeline: stages " + std::to_string(s) + " and " + std::to_string(t) +
                            " are both placed on " + placements[s].describe() + ", but the " +
-                           o.schedule +
+                           schedule_kind_name(o.schedule) +
                            " schedule runs one stage per worker (schedule \"interleaved\" runs "
                            "several)");
         }
       }
     }
     throw UsageError("pipeline: " + std::to_string(stages) + " stages on " + std::to_string(p) +
-                     " placements, but the " + o.schedule + " schedule runs " + std::to_string(v) +
+                     " placements, but the " + schedule_kind_name(o.schedule) + " schedule runs " +
+                     std::to_string(v) +
                      " stages on each worker");
   }
 

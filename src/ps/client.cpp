@@ -71,6 +71,7 @@ class LocalEndpoint : public Client::Endpoint {
  private:
   static ServerCoreOptions options() {
     ServerCoreOptions options;
+    options.mode_from_workers = true;  // one worker: every mode trains alike
     options.workers = {0};
     options.shards.resize(kVirtualShards);
     std::iota(options.shards.begin(), options.shards.end(), 0);
@@ -139,13 +140,14 @@ InitSpec init_spec(const RowInit& init) {
 
 }  // namespace
 
-Client::Client(torch::nn::Module& model, const OptimizerSpec& optimizer, const PsOptions& options)
+Client::Client(torch::nn::Module& model, const OptimizerSpec& optimizer, const ps::ServerOptions& options)
     : timeout_(options.timeout == kUnsetTimeout ? shoal::world().timeout() : options.timeout),
       servers_(open_servers(timeout_)),
       map_(static_cast<int32_t>(servers_.size())),
       worker_(worker_id()),
       elastic_(env::get_bool(env::current(), "SHOAL_PS_ELASTIC").value_or(false)),
-      backup_workers_(env::get_int(env::current(), "SHOAL_PS_BACKUP_WORKERS", 0).value_or(0) > 0) {
+      backup_workers_(env::get_int(env::current(), "SHOAL_PS_BACKUP_WORKERS", 0).value_or(0) > 0),
+      mode_(resolve_mode(options.mode)) {
   const int32_t server_count = map_.servers();
   std::vector<TableSpec> tables;
   for (const auto& item : model.named_parameters(/*recurse=*/true)) {
@@ -185,7 +187,7 @@ Client::Client(torch::nn::Module& model, const OptimizerSpec& optimizer, const P
   }
 
   for_each_server([&](int32_t s) {
-    RegisterRequest request{worker_, tables, {}};
+    RegisterRequest request{worker_, tables, {}, mode_name(mode_)};
     // The first worker's values create the dense tables (docs/ps.md, "Sharding").
     if (worker_ == 0) {
       for (size_t t = 0; t < dense_.size(); ++t) {
@@ -250,7 +252,7 @@ void Client::train_on(data::Sampler& sampler) {
         "shoal::ps::Optimizer::train_on: called twice; expected one loader per optimizer (the "
         "servers keep one ledger of batches)");
   }
-  async_ = mode_from_environment().kind == Mode::kAsync;
+  async_ = mode_.kind == Mode::kAsync;
   sampler.lease_from(std::make_shared<Leases>(weak_from_this()));
   leasing_ = true;
 }
@@ -552,7 +554,7 @@ void Client::step() {
     return servers_[s]->push(request, timeout_, &source);
   };
   if (backup_workers_ && servers_.size() > 1) {
-    // Note [Server 0 decides] (server_core.cpp): server 0's answer goes to the others.
+    // Note [Server 0 decides] (server_steps.cpp): server 0's answer goes to the others.
     verdict = push_to(0).counted ? PushRequest::Verdict::kCounted : PushRequest::Verdict::kDropped;
     for_each_server([&](int32_t s) {
       if (s > 0) push_to(s);
@@ -625,33 +627,33 @@ detail::OptimizerSpec spec_of(const torch::optim::AdamOptions& o) {
 
 std::shared_ptr<detail::Client> make_client(torch::nn::Module& model,
                                             const detail::OptimizerSpec& spec,
-                                            const PsOptions& options) {
+                                            const ps::ServerOptions& options) {
   if (!shoal::is_initialized()) {
     throw UsageError(
         "shoal::ps::Optimizer before shoal::init(); expected shoal::init() first, as for "
         "DataParallel");
   }
   // A job of one trains without servers, a job with servers through them: either refuses a bad
-  // SHOAL_PS_MODE with the same line, before anything trains.
-  mode_from_environment();
+  // mode (SHOAL_PS_MODE or ServerOptions::mode) with the same line, before anything trains.
+  resolve_mode(options.mode);
   return std::make_shared<detail::Client>(model, spec, options);
 }
 
 }  // namespace
 
 Optimizer::Optimizer(torch::nn::Module& model, const torch::optim::SGDOptions& options,
-                     PsOptions ps)
-    : client_(make_client(model, spec_of(options), ps)) {
+                     ServerOptions servers)
+    : client_(make_client(model, spec_of(options), servers)) {
   client_->bind();
 }
 Optimizer::Optimizer(torch::nn::Module& model, const torch::optim::AdagradOptions& options,
-                     PsOptions ps)
-    : client_(make_client(model, spec_of(options), ps)) {
+                     ServerOptions servers)
+    : client_(make_client(model, spec_of(options), servers)) {
   client_->bind();
 }
 Optimizer::Optimizer(torch::nn::Module& model, const torch::optim::AdamOptions& options,
-                     PsOptions ps)
-    : client_(make_client(model, spec_of(options), ps)) {
+                     ServerOptions servers)
+    : client_(make_client(model, spec_of(options), servers)) {
   client_->bind();
 }
 Optimizer::~Optimizer() = default;

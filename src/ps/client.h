@@ -19,6 +19,7 @@
 #include <torch/torch.h>
 
 #include "messages.h"
+#include "mode.h"
 #include "shard_map.h"
 #include "shoal/core/timeout.h"
 #include "shoal/data/sampler.h"
@@ -30,7 +31,7 @@ class Client : public std::enable_shared_from_this<Client> {
  public:
   // Takes the model's dense parameters and ps::Embedding tables, registers them on every
   // server (the first worker's values create the dense tables) and loads the first pull.
-  Client(torch::nn::Module& model, const OptimizerSpec& optimizer, const PsOptions& options);
+  Client(torch::nn::Module& model, const OptimizerSpec& optimizer, const ps::ServerOptions& options);
   ~Client();
   // Hands the model's ps::Embedding modules this client (called once, after construction).
   void bind();
@@ -83,7 +84,7 @@ class Client : public std::enable_shared_from_this<Client> {
                                                int64_t count,
                                                std::vector<std::vector<int64_t>>* at) const;
   void pull_dense();
-  // An elastic job's worker joins every server (Note [Joins and leaves] in server_core.cpp).
+  // An elastic job's worker joins every server (Note [Joins and leaves] in server_membership.cpp).
   void join();
   const Sparse& sparse_of(const EmbeddingImpl& table) const {
     return sparse_.at(static_cast<size_t>(table.table_) - dense_.size());
@@ -97,17 +98,19 @@ class Client : public std::enable_shared_from_this<Client> {
 
   Duration timeout_;  // before servers_: opening them takes it
   bool leasing_ = false;
-  bool async_ = false;  // SHOAL_PS_MODE=async: an idle step waits a moment, nothing paces it
+  bool async_ = false;  // mode async: an idle step waits a moment, nothing paces it
   std::optional<LeaseReply> leased_;
   std::vector<std::unique_ptr<Endpoint>> servers_;
   ShardMap map_;
   int32_t worker_ = 0;
   // An elastic job (SHOAL_PS_ELASTIC): the worker joins by itself, and every step pulls from every
-  // server, which seals its push there (Note [Sealed pushes] in server_core.cpp).
+  // server, which seals its push there (Note [Sealed pushes] in server_membership.cpp).
   bool elastic_ = false;
   // shoal run --ps-backup-workers: a step pushes to server 0 first, whose answer (counted or
-  // dropped) goes with the push to the others (Note [Server 0 decides] in server_core.cpp).
+  // dropped) goes with the push to the others (Note [Server 0 decides] in server_steps.cpp).
   bool backup_workers_ = false;
+  // The consistency mode this worker registers with (ServerOptions::mode, or SHOAL_PS_MODE).
+  Mode mode_;
   std::vector<Dense> dense_;
   std::vector<Sparse> sparse_;  // table index dense_.size() + i
   int64_t clock_ = 0;

@@ -5,7 +5,7 @@
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
-#include "../elastic/token.h"
+#include "core/token.h"
 
 namespace shoal::ps::detail {
 namespace {
@@ -50,7 +50,7 @@ std::string lost_primary_key(int index) {
 std::string job_token(const env::Environment& env) {
   if (auto token = env::get(env, "SHOAL_JOB_TOKEN"); token && !token->empty()) return *token;
   if (auto path = env::get(env, "SHOAL_JOB_TOKEN_FILE"); path && !path->empty()) {
-    return elastic::read_token_file(*path, "SHOAL_JOB_TOKEN_FILE");
+    return read_token_file(*path, "SHOAL_JOB_TOKEN_FILE");
   }
   throw UsageError(
       "the parameter servers need the job's token: set SHOAL_JOB_TOKEN or "

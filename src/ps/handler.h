@@ -20,7 +20,7 @@ class NotFoundError : public UsageError {
 };
 
 // Where a handler may write a pull reply's dense values itself rather than into the reply (a
-// worker's shared segment, Note [Pull replies in place] in server_core.cpp): `capacity` floats at
+// worker's shared segment, Note [Pull replies in place] in server_registry.cpp): `capacity` floats at
 // `data`. A handler that writes there puts slice i's values right after slice i - 1's, leaves the
 // reply's dense `values` empty and sets `counts`, one per dense slice; `counts` empty: it did not.
 struct DenseOut {

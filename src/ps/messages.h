@@ -80,6 +80,10 @@ struct RegisterRequest {
   // The registration that carries them creates the tables (the client sends them from the first
   // worker only); one without them waits for it. Later registrations' values are not read.
   std::vector<DenseSlice> initial;
+  // The worker's consistency mode as src/ps/mode.h names it ("sync", "async", "ssp:S"): the
+  // servers train in the first registration's mode and refuse a worker that names another.
+  // Empty: the server's own (the transport's tests).
+  std::string mode;
 };
 
 // Read values for the step a worker is about to train (`clock`: its number of pushed steps).
@@ -135,7 +139,7 @@ struct PushRequest {
   // that keeps the ledger: it is done when this push is applied.
   int64_t epoch = 0;
   int64_t batch = -1;
-  // Backup workers with several servers (Note [Server 0 decides] in server_core.cpp): server 0
+  // Backup workers with several servers (Note [Server 0 decides] in server_steps.cpp): server 0
   // decides whether a push of a step counts; the worker passes its answer on to the others.
   enum class Verdict : int32_t { kDecide = 0, kCounted = 1, kDropped = 2 };
   Verdict verdict = Verdict::kDecide;
@@ -159,7 +163,7 @@ struct LeaseReply {
 };
 
 // A worker joins or leaves the live set of an elastic job (docs/ps.md, "Elastic workers"; Note
-// [Joins and leaves] in server_core.cpp). kJoin: `worker` is live from step `clock` on (raised to
+// [Joins and leaves] in server_membership.cpp). kJoin: `worker` is live from step `clock` on (raised to
 // the server's own step, or its slowest worker's clock); the reply is the clock it joined at.
 // kFence: the worker is gone (its launcher saw it exit): the server takes no further request of
 // it and answers its sealed clock. kLeave: the worker leaves with `clock`, the highest sealed

@@ -31,6 +31,27 @@ inline Mode parse_mode(const std::string& text, const std::string& source) {
                    "; expected sync, async or ssp:S (bounded staleness of S steps)");
 }
 
+// The mode's name, as parse_mode reads it ("sync", "async", "ssp:S").
+inline std::string mode_name(const Mode& mode) {
+  switch (mode.kind) {
+    case Mode::kSync:
+      return "sync";
+    case Mode::kAsync:
+      return "async";
+    case Mode::kBoundedStaleness:
+      break;
+  }
+  return mode.staleness == 0 ? "sync" : "ssp:" + std::to_string(mode.staleness);
+}
+
+// The mode a worker trains in: SHOAL_PS_MODE when set (it overrides the program's choice), else
+// `option` (ps::ServerOptions::mode), else sync.
+inline Mode resolve_mode(const std::string& option) {
+  const char* text = std::getenv("SHOAL_PS_MODE");
+  if (text != nullptr && *text != '\0') return parse_mode(text, "SHOAL_PS_MODE");
+  return option.empty() ? Mode{} : parse_mode(option, "ps::ServerOptions::mode");
+}
+
 // SHOAL_PS_MODE, sync when unset or empty.
 inline Mode mode_from_environment() {
   const char* text = std::getenv("SHOAL_PS_MODE");

@@ -61,7 +61,7 @@ PushReply ReplicatedHandler::push(const PushRequest& request, const Deadline& de
   if (auto peer = backup()) {
     try {
       if (!reply.counted && request.verdict == PushRequest::Verdict::kDecide) {
-        // Note [Server 0 decides] (server_core.cpp): the backup drops what the primary dropped.
+        // Note [Server 0 decides] (server_steps.cpp): the backup drops what the primary dropped.
         PushRequest dropped{request.worker, request.clock, request.rows, {}, {},
                             request.epoch,  request.batch, PushRequest::Verdict::kDropped};
         peer->push(dropped, forward_timeout(deadline));

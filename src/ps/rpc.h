@@ -27,7 +27,7 @@ inline constexpr const char* kTokenMetadata = "shoal-job-token";
 // The gRPC metadata key that names the worker's shared segment (Note [Shared segments], shm.h).
 inline constexpr const char* kSegmentMetadata = "shoal-ps-shm";
 
-struct ServerOptions {
+struct RpcServerOptions {
   std::string host = "0.0.0.0";  // the interface to listen on
   int port = 0;                  // 0: any free port (see RpcServer::port)
   int index = 0;                 // the server's index in the job, answered by Ping
@@ -38,7 +38,7 @@ class RpcServer {
  public:
   // Listens and serves on gRPC's threads until shutdown(). UsageError (one line) when the
   // address cannot be bound or the token is empty.
-  RpcServer(Handler& handler, const ServerOptions& options);
+  RpcServer(Handler& handler, const RpcServerOptions& options);
   ~RpcServer();  // shutdown(0)
   RpcServer(const RpcServer&) = delete;
   RpcServer& operator=(const RpcServer&) = delete;

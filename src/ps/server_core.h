@@ -18,6 +18,11 @@
 #include "handler.h"
 #include "ledger.h"
 #include "messages.h"
+#include "server_leases.h"
+#include "server_membership.h"
+#include "server_registry.h"
+#include "server_snapshots.h"
+#include "server_steps.h"
 #include "shard_map.h"
 #include "shoal/core/timeout.h"
 #include "table.h"
@@ -38,6 +43,10 @@ enum class Consistency {
 struct ServerCoreOptions {
   Consistency consistency = Consistency::kSync;
   int64_t staleness = 0;              // kBoundedStaleness: the bound s
+  // Note [The mode comes with the workers]: when set, consistency and staleness are the first
+  // registration's mode (RegisterRequest::mode) rather than the two fields above; every later
+  // registration must name the same. When not set, a registration naming another mode is refused.
+  bool mode_from_workers = false;
   int32_t replicas_to_aggregate = 0;  // kSync: pushes a step takes (0: all live workers)
   std::vector<int32_t> workers;       // the live workers at the start
   std::vector<int32_t> shards;        // the virtual shards this server holds
@@ -58,11 +67,11 @@ struct ServerCoreOptions {
   };
   std::function<std::optional<Restored>()> restore;
   std::function<void(int64_t snapshot_step, int64_t adopted_step)> on_adopted;
-  // Note [Sealed pushes] (server_core.cpp): a push counts only once its worker has sealed it.
+  // Note [Sealed pushes] (server_membership.cpp): a push counts only once its worker has sealed it.
   // Elastic jobs set it: a worker may die between its pushes to two servers.
   bool sealed_pushes = false;
   // Threads a sync step's dense sum runs on when it is large (Note [A step's sum on two
-  // threads], server_core.cpp): 1 or 2.
+  // threads], server_sum.cpp): 1 or 2.
   int sum_threads = 2;
 };
 
@@ -116,7 +125,7 @@ class ServerCore : public Handler {
   int64_t sealed_clock(int32_t worker) const;
   void leave(int32_t worker, int64_t sealed);
 
-  // Note [Joins and leaves] (server_core.cpp), with sealed_pushes: a worker joins at a clock
+  // Note [Joins and leaves] (server_membership.cpp), with sealed_pushes: a worker joins at a clock
   // (returns the clock it is live from), and a lost one is fenced off before it leaves (returns
   // its sealed clock); after that the server takes no request of it and it cannot join again.
   int64_t join(int32_t worker, int64_t clock);
@@ -148,115 +157,33 @@ class ServerCore : public Handler {
   void load_shard(int32_t shard, const std::string& bytes);
 
  private:
+  // The options, checked (UsageError naming the first that does not fit), with bounded staleness
+  // 0 taken as sync.
+  static ServerCoreOptions checked(ServerCoreOptions options);
   // push and push_taking: `take` is the request itself when its storage may be taken.
   PushReply accept_push(const PushRequest& request, PushRequest* take);
   // pull and pull_into.
   void answer_pull(const PullRequest& request, const Deadline& deadline, PullReply& reply,
                    DenseOut* out);
-  struct Table {
-    TableSpec spec;
-    int64_t numel = 0;  // dense
-    int64_t dim = 0;    // sparse
-  };
-
-  void check_slices(const char* what, const std::vector<DenseSlice>& dense,
-                    const std::vector<SparseSlice>& sparse, bool with_values) const;
-  const Table& table_at(const char* what, int32_t index) const;
-  std::vector<TableSpec> specs() const;
-  bool holds_dense_chunks(const std::vector<TableSpec>& tables) const;
-  VirtualShard* holder(int32_t shard);
-  void apply(const std::vector<DenseSlice>& dense, const std::vector<SparseSlice>& sparse);
-  // One dense chunk's optimizer step with the gradient `grad` (the chunk's length of values).
-  void apply_chunk(int32_t table, int64_t chunk, const float* grad);
-  void apply_ready_steps();  // sync: applies the open step while it is complete
-  // Sync: applies one step's pushes (Note [Sync sum]); allocates nothing for dense tables once the
-  // first step has sized the scratch buffers (Note [A step's sum without allocations]).
-  void sum_step(const std::map<int32_t, PushRequest>& pushes);
-  // Sync: holds a push in pending_ until its step, in storage reused from the worker's last one.
-  // `take`: the request itself, whose dense slices' storage is swapped with the held push's
-  // rather than copied (push_taking); null: copied.
-  void buffer_push(const PushRequest& request, PushRequest* take);
-  // The push as held (buffer_push's, and an elastic job's unsealed pushes).
-  PushRequest hold(const PushRequest& request, PushRequest* take);
-  // Keeps an applied step's pushes' storage for the workers' next pushes.
-  void recycle(int32_t worker, PushRequest& push);
-  void recycle(std::map<int32_t, PushRequest>& pushes);
-  // `out`: where the dense values go when they fit (Note [Pull replies in place]), or null.
-  void fill_reply(const PullRequest& request, PullReply& reply, DenseOut* out);
-  void take_snapshot_when_due();  // see ServerCoreOptions::snapshot_every
-  void load_shard_locked(int32_t shard, const std::string& bytes);
-  // Note [Clocks after a reload]: takes worker w's clock from its first request after a reload.
+  // Note [Clocks after a reload] (server_snapshots.cpp): takes worker w's clock from its first
+  // request after a reload.
   void adopt(int32_t w, int64_t clock);
-  bool lost_push(int32_t w, int64_t clock) const;
-  bool step_complete(int64_t clock) const;
-  // Whether worker w joined after step `clock` (its push of that step is not waited for).
-  bool joined_after(int32_t w, int64_t clock) const {
-    auto it = joined_at_.find(w);
-    return it != joined_at_.end() && it->second > clock;
-  }
   // Sealed pushes: worker w's clock is sealed up to `clock`; applies what that completes.
   void seal(int32_t w, int64_t clock);
-  // The ledger's batches of applied pushes are done.
-  void finish_batch(int32_t worker, const PushRequest& push);
-  void finish_batches(const std::map<int32_t, PushRequest>& pushes);
-  // A leaver's ledger batches come back, but for those of its pushes still counted.
-  void release_batches(int32_t w);
   int64_t slowest_clock() const;
-  // UsageError naming the live workers, when `w` is not one of them.
-  void check_live(const char* what, int32_t w) const;
-  std::string describe_sync_wait(int64_t step) const;
-  std::string describe_staleness_wait(int64_t needed) const;
 
+  // The locked façade: every public method takes mutex_ and calls the parts below, which take no
+  // lock of their own; changed_ wakes the requests that wait (pulls, registrations) whenever a
+  // step, a clock or the live set changes. options_ comes first: the parts keep a reference.
   ServerCoreOptions options_;
-  std::map<int32_t, VirtualShard> shards_;
-  // By virtual shard: its entry in shards_ (map nodes do not move), or nullptr if not held here.
-  std::vector<VirtualShard*> held_;
-  bool holds(int32_t shard) const {
-    return shard >= 0 && static_cast<size_t>(shard) < held_.size() &&
-           held_[static_cast<size_t>(shard)] != nullptr;
-  }
-  std::vector<Table> tables_;
-  // Note [A step's sum without allocations]: storage kept from step to step.
-  std::map<int32_t, PushRequest> spare_;  // per worker: an applied push's, for its next push
-  struct SumTerm {
-    int32_t table;
-    int64_t chunk;
-    size_t order;   // the push's place in worker order
-    double weight;  // its rows
-    const float* grad;
-  };
-  std::vector<SumTerm> sum_terms_;
-  struct SumScratch {
-    std::vector<double> acc;  // one chunk's sum
-    std::vector<float> out;   // one chunk's gradient, rounded
-  };
-  SumScratch sum_scratch_[2];  // one per thread (Note [A step's sum on two threads])
-  // Where a step's dense sum has at least this many values, a second thread takes half.
-  static constexpr size_t kSumSplitAtLeast = 1 << 20;
-  // The term after the last one of sum_terms_[first]'s chunk.
-  size_t next_chunk(size_t first) const;
-  // Sums and applies the chunks of sum_terms_[first, end), which begins and ends at a chunk's
-  // first term.
-  void sum_chunks(size_t first, size_t end, double total, SumScratch& scratch);
-
   mutable std::mutex mutex_;
   std::condition_variable changed_;
-  std::set<int32_t> live_;
-  std::map<int32_t, int64_t> clock_;  // pushes received, per worker ever live
-  int64_t step_ = 0;
   int64_t pulls_waiting_ = 0;
-  bool registered_ = false;
-  std::map<int64_t, std::map<int32_t, PushRequest>> pending_;  // sync: step -> worker -> push
-  std::map<int32_t, PushReply> last_reply_;  // per worker: the reply to its last push
-  bool adopting_ = false;              // reloaded: the workers' clocks are not all known yet
-  int64_t restored_step_ = -1;         // the snapshot's step
-  std::map<int32_t, int64_t> adopted_;  // per worker: the clock it showed first after a reload
-  std::map<int32_t, int64_t> sealed_;   // sealed_pushes: per worker, its sealed clock
-  std::map<int32_t, int64_t> joined_at_;  // per worker: the step it joined at (0: from the start)
-  std::set<int32_t> gone_;                // fenced off: no request of these is taken
-  // sealed_pushes, not sync: pushes received and not yet sealed, per worker by clock.
-  std::map<int32_t, std::map<int64_t, PushRequest>> unsealed_;
-  std::optional<Ledger> ledger_;
+  ServerRegistry registry_;      // the tables and shards, registration, the mode
+  ServerMembership membership_;  // live workers, clocks, sealed clocks, joins and fences
+  ServerLeases leases_;          // the epoch's ledger
+  ServerSnapshots snapshots_;    // snapshots, and a restarted server's reload
+  ServerSteps steps_;            // the step, the pushes waiting for it, and its sum
 };
 
 }  // namespace shoal::ps::detail

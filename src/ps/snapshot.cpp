@@ -26,7 +26,7 @@ namespace {
 //   uint64 fnv1a of everything before it
 // The name repeats step, index and servers so that a directory listing finds the newest file
 // without opening the others.
-constexpr char kMagic[8] = {'S', 'H', 'O', 'A', 'L', 'P', 'S', '1'};
+constexpr char kSnapshotMagic[8] = {'S', 'H', 'O', 'A', 'L', 'P', 'S', '1'};
 
 template <typename T>
 void append(std::string& out, T value) {
@@ -97,13 +97,13 @@ std::optional<std::map<int32_t, std::string>> read_file(const std::string& path,
   std::stringstream buffer;
   buffer << in.rdbuf();
   const std::string bytes = buffer.str();
-  if (bytes.size() < sizeof(kMagic) + sizeof(uint64_t)) return std::nullopt;
+  if (bytes.size() < sizeof(kSnapshotMagic) + sizeof(uint64_t)) return std::nullopt;
   const size_t body = bytes.size() - sizeof(uint64_t);
   uint64_t checksum = 0;
   std::memcpy(&checksum, bytes.data() + body, sizeof(checksum));
   if (checksum != shoal::detail::fnv1a(std::string_view(bytes.data(), body))) return std::nullopt;
-  if (std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) != 0) return std::nullopt;
-  size_t at = sizeof(kMagic);
+  if (std::memcmp(bytes.data(), kSnapshotMagic, sizeof(kSnapshotMagic)) != 0) return std::nullopt;
+  size_t at = sizeof(kSnapshotMagic);
   int64_t step = 0;
   int32_t index = 0, servers = 0, count = 0;
   if (!take(bytes, at, step) || !take(bytes, at, index) || !take(bytes, at, servers) ||
@@ -130,7 +130,7 @@ std::optional<std::map<int32_t, std::string>> read_file(const std::string& path,
 
 void write_snapshot(const std::string& dir, int index, int servers, int64_t step,
                     const std::map<int32_t, std::string>& shards, int keep) {
-  std::string bytes(kMagic, sizeof(kMagic));
+  std::string bytes(kSnapshotMagic, sizeof(kSnapshotMagic));
   append(bytes, step);
   append(bytes, static_cast<int32_t>(index));
   append(bytes, static_cast<int32_t>(servers));

@@ -173,7 +173,7 @@ size_t VirtualShard::row_count() const {
 // step count (int64), float count (uint64), floats (values, then the optimizer state).
 namespace {
 
-constexpr char kMagic[] = "shoal-ps-shard 1";
+constexpr char kShardMagic[] = "shoal-ps-shard 1";
 
 template <typename T>
 void put(std::string& out, T value) {
@@ -220,7 +220,7 @@ class Reader {
 }  // namespace
 
 std::string VirtualShard::save(const std::vector<TableSpec>& tables) const {
-  std::string out(kMagic, sizeof(kMagic) - 1);
+  std::string out(kShardMagic, sizeof(kShardMagic) - 1);
   put(out, id_);
   put(out, static_cast<uint64_t>(chunks_.size()));
   for (const auto& [key, entry] : chunks_)
@@ -239,10 +239,10 @@ std::string VirtualShard::save(const std::vector<TableSpec>& tables) const {
 VirtualShard VirtualShard::load(int32_t id, const std::vector<TableSpec>& tables,
                                 const std::string& bytes, int32_t virtual_shards) {
   Reader in(id, bytes);
-  std::string magic(sizeof(kMagic) - 1, '\0');
+  std::string magic(sizeof(kShardMagic) - 1, '\0');
   in.read(magic.data(), magic.size());
-  if (magic != kMagic)
-    in.fail("not a shard snapshot (expected it to start with \"" + std::string(kMagic) + "\")");
+  if (magic != kShardMagic)
+    in.fail("not a shard snapshot (expected it to start with \"" + std::string(kShardMagic) + "\")");
   const auto saved = in.get<int32_t>();
   if (saved != id) in.fail("it holds virtual shard " + std::to_string(saved));
   VirtualShard shard(id);

@@ -14,7 +14,7 @@
 #include <openssl/evp.h>
 
 #include "../core/hash.h"
-#include "../elastic/token.h"
+#include "core/token.h"
 #include "shoal/core/error.h"
 
 namespace shoal::queue {
@@ -36,9 +36,9 @@ bool same(const std::string& a, const std::string& b) {
 
 // The token in `path`, made (mode 600) when the file does not exist yet.
 std::string token_at(const std::string& path, const std::string& described_as) {
-  if (::access(path.c_str(), F_OK) == 0) return elastic::read_token_file(path, described_as);
-  const std::string token = elastic::make_token();
-  elastic::write_token_file(path, token);
+  if (::access(path.c_str(), F_OK) == 0) return read_token_file(path, described_as);
+  const std::string token = make_token();
+  write_token_file(path, token);
   return token;
 }
 
@@ -160,7 +160,7 @@ std::string Access::add_user(const std::string& name, const std::string& run_as,
     throw UsageError("user '" + name +
                      "' would run jobs as root; expected --run-as another user, or --allow-root");
   }
-  const std::string token = elastic::make_token();
+  const std::string token = make_token();
   std::lock_guard<std::mutex> lock(mutex_);
   if (users_.count(name) > 0) {
     throw UsageError("user '" + name + "' exists; remove it first to give it a new token");
@@ -220,7 +220,7 @@ void Sessions::forget_expired(std::map<std::string, Entry>& entries, int64_t now
 }
 
 std::string Sessions::code_for(const Principal& who) {
-  const std::string code = elastic::make_token();
+  const std::string code = make_token();
   std::lock_guard<std::mutex> lock(mutex_);
   const int64_t now = session_clock_ms();
   forget_expired(codes_, now);
@@ -242,7 +242,7 @@ std::optional<std::string> Sessions::redeem(const std::string& code) {
 }
 
 std::string Sessions::open(const Principal& who) {
-  const std::string session = elastic::make_token() + elastic::make_token();
+  const std::string session = make_token() + make_token();
   std::lock_guard<std::mutex> lock(mutex_);
   const int64_t now = session_clock_ms();
   forget_expired(sessions_, now);

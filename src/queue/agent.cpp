@@ -22,11 +22,11 @@
 #include <nlohmann/json.hpp>
 
 #include "../elastic/gossip/swim.h"
-#include "../elastic/token.h"
-#include "../launch/worker_env.h"
+#include "core/token.h"
 #include "engine.h"
 #include "http.h"
 #include "local/engine.h"
+#include "proc/worker_env.h"
 #include "shoal/comm/address.h"
 #include "shoal/core/error.h"
 #include "slurm/engine.h"
@@ -40,6 +40,9 @@ namespace {
 
 constexpr auto kBeat = std::chrono::milliseconds(500);
 constexpr auto kWatch = std::chrono::milliseconds(50);
+// What the agent tells a job's workers and its other agents (Note [An elastic job's settings in its
+// agents' metadata]) of how long a round waits for late joiners.
+constexpr Duration kLastCall{1000};
 // A worker asked to leave leaves at its next commit; one that has not after this long is killed.
 constexpr auto kLeaveGrace = std::chrono::seconds(120);
 // A worker to be stopped (its job cancelled, failed or requeued) gets SIGTERM, then SIGKILL.
@@ -283,15 +286,18 @@ class Agent {
     const std::string token = spec.at("token");
     member.token_file = options_.dir + "/job-" + std::to_string(job) + ".token";
     ::unlink(member.token_file.c_str());
-    elastic::write_token_file(member.token_file, token);
+    write_token_file(member.token_file, token);
     elastic::gossip::Options gossip;
     gossip.seeds = spec.value("seeds", std::vector<std::string>{});
     gossip.token = token;
     gossip.advertise_host = advertise_;
     gossip.bind_host = advertise_;  // the route the job's other hosts reach it by, not every one
-    gossip.meta = json{{"role", "agent"}, {"min", spec.at("min")}, {"max", spec.at("max")},
-                       {"quorum", false}, {"last_call_ms", 1000},  {"run_id", spec.at("run_id")}}
-                      .dump();
+    proc::ElasticPlace settings;
+    settings.min_workers = spec.at("min");
+    settings.max_workers = spec.at("max");
+    settings.last_call = kLastCall;
+    settings.run_id = spec.at("run_id");
+    gossip.meta = proc::agent_metadata(settings);
     member.gossip = elastic::gossip::Gossip::start(gossip);
     return members_.emplace(job, std::move(member)).first->second;
   }
@@ -306,13 +312,13 @@ class Agent {
     try {
       if (advertise_.empty()) advertise_ = address_towards_queue();
       JobMember& m = member(job, spec);
-      launch::ElasticPlace place;
+      proc::ElasticPlace place;
       place.local_world_size = local_workers;
       place.min_workers = spec.at("min");
       place.max_workers = spec.at("max");
       place.seeds = m.gossip->address();
       place.token_file = m.token_file;
-      place.last_call = std::chrono::milliseconds(1000);
+      place.last_call = kLastCall;
       place.rendezvous_timeout = std::chrono::seconds(600);
       place.run_id = spec.at("run_id");
       env::Environment base = spec.at("env").get<env::Environment>();
@@ -331,7 +337,7 @@ class Agent {
       launch.worker = id;
       launch.job = job;
       launch.priority = spec.value("priority", 0);
-      launch.env = launch::to_envp(launch::elastic_worker_environment(base, place));
+      launch.env = proc::to_envp(proc::elastic_worker_environment(base, place));
       launch.argv = spec.at("argv").get<std::vector<std::string>>();
       launch.cwd = spec.value("cwd", std::string("/"));
       launch.user = job_user(spec.value("run_as", std::string()));

@@ -13,8 +13,8 @@
 
 #include <CLI/CLI.hpp>
 
-#include "../elastic/token.h"
-#include "../launch/process.h"
+#include "core/token.h"
+#include "proc/process.h"
 #include "agent.h"
 #include "command.h"
 #include "http.h"
@@ -117,12 +117,12 @@ struct Connection {
     const std::string dir = default_state_dir();
     std::string token;
     if (!token_file.empty()) {
-      token = elastic::read_token_file(token_file, "--token-file");
+      token = read_token_file(token_file, "--token-file");
     } else if (const char* from_env = std::getenv("SHOAL_QUEUE_TOKEN");
                from_env != nullptr && *from_env != '\0') {
       token = from_env;
     } else if (::access((dir + "/token").c_str(), R_OK) == 0) {
-      token = elastic::read_token_file(dir + "/token", "the queue's token file");
+      token = read_token_file(dir + "/token", "the queue's token file");
     } else {
       throw UsageError("the queue's token is needed: pass --token-file or set SHOAL_QUEUE_TOKEN");
     }
@@ -221,7 +221,7 @@ int submit(const std::vector<std::string>& args) {
     char cwd[4096];
     if (::getcwd(cwd, sizeof(cwd)) != nullptr) path = std::string(cwd) + "/" + path;
   }
-  path = launch::resolve_program(path);
+  path = proc::resolve_program(path);
   std::vector<std::string> argv = program;
   argv[0] = path;
   char cwd[4096] = "/";
@@ -584,7 +584,7 @@ int agent_command(const std::vector<std::string>& args) {
     std::tie(options.queue_host, options.queue_port) = parse_address(queue, "--queue");
     options.queue_address = queue;
     if (!token_file.empty()) {
-      options.token = elastic::read_token_file(token_file, "--token-file");
+      options.token = read_token_file(token_file, "--token-file");
     } else if (const char* from_env = std::getenv("SHOAL_QUEUE_TOKEN");
                from_env != nullptr && *from_env != '\0') {
       options.token = from_env;

@@ -187,7 +187,7 @@ function drawHosts(nodes, workers, names, now, outages) {
         chart.appendChild(svg('line', {x1: left, x2: width - right, y1: y, y2: y, stroke: '#fff'}));
       }
     }
-    // Note [Outages] in src/queue/scheduler.cpp: no scheduler ran here, so no decision was taken.
+    // Note [Outages] in src/queue/scheduler_storage.cpp: no scheduler ran here, so no decision was taken.
     for (const o of outages) {
       if (o.to_ms < from) continue;
       const g = svg('g', {class: 'outage', 'data-from': o.from_ms, 'data-to': o.to_ms});

@@ -1,6 +1,6 @@
 // The queue's policy: given what runs where and what waits, which jobs start, shrink, grow or are
 // preempted, and why. A pure function of a snapshot, with no clock and no I/O of its own, so that
-// the scheduler (scheduler.cpp) and the simulation of a large cluster (bench/queue) run the very
+// the scheduler (scheduler_jobs.cpp) and the simulation of a large cluster (bench/queue) run the very
 // same decisions. See docs/queue.md, "Policy".
 #pragma once
 

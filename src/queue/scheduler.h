@@ -20,16 +20,16 @@
 
 #include <nlohmann/json.hpp>
 
-#include "db.h"
 #include "policy.h"
+#include "scheduler_views.h"
 
 namespace shoal::queue {
 
 // How a running job changes size. kLeave is shoal's: a shrink is a graceful leave of some
 // workers, a grow a join, and the workers that stay keep their processes. kRestart is how
 // Kubeflow's elastic PyTorchJob and Ray Train resize: the whole job stops at a commit and starts
-// again at its new size from that commit (Note [Resizing by restart], scheduler.cpp). The policy
-// decides the same in both; only how its shrinks and grows are carried out differs.
+// again at its new size from that commit (Note [Resizing by restart], scheduler_jobs.cpp). The
+// policy decides the same in both; only how its shrinks and grows are carried out differs.
 enum class ResizeBy { kLeave, kRestart };
 
 struct SchedulerOptions {
@@ -73,6 +73,36 @@ inline std::optional<int64_t> parse_job_id(const std::string& text) {
   return parse_integer(text, 1, INT64_MAX);
 }
 
+// The answer to an agent's heartbeat, its orders (Note [Desired state]): the whole list of workers
+// its host should run, what the agent needs to start each job's workers, and the ended workers
+// the scheduler has recorded (the agent stops reporting them).
+struct Orders {
+  struct Worker {
+    int64_t id = 0;
+    int64_t job = 0;
+    bool leave = false;
+    bool stop = false;
+  };
+  struct Job {
+    std::vector<std::string> argv;
+    std::string cwd;
+    std::map<std::string, std::string> env;
+    std::string token;
+    std::string run_id;
+    int min_workers = 1;
+    int max_workers = 1;
+    int priority = 0;
+    std::string run_as;
+    std::vector<std::string> seeds;  // membership addresses of the job on its other hosts
+  };
+  std::vector<Worker> workers;
+  std::map<int64_t, Job> jobs;  // by job id: one for each job of `workers`
+  std::vector<int64_t> forget;
+};
+
+// The reply's JSON, which the agent (agent.cpp) reads (nlohmann's to_json: `json(orders)`).
+void to_json(nlohmann::json& out, const Orders& orders);
+
 class Scheduler {
  public:
   explicit Scheduler(SchedulerOptions options);
@@ -81,15 +111,17 @@ class Scheduler {
   // The REST API's operations (server.cpp). Times are wall-clock milliseconds.
   int64_t submit(const JobSpec& spec);
   void cancel(int64_t job);  // UsageError when there is no such job or it has ended
-  nlohmann::json jobs() const;
-  nlohmann::json job(int64_t id) const;  // UsageError when there is no such job
-  nlohmann::json nodes() const;
-  nlohmann::json events(int64_t since, int limit) const;
-  nlohmann::json metrics() const;
+  // The views (scheduler_views.h), in the order of their ids (a host's: of its name).
+  std::vector<JobInfo> jobs() const;
+  JobDetails job(int64_t id) const;  // UsageError when there is no such job
+  std::vector<HostInfo> nodes() const;
+  // The events after id `since`, `limit` at most.
+  std::vector<EventInfo> events(int64_t since, int limit) const;
+  QueueMetrics metrics() const;
 
-  // An agent's heartbeat: what its host runs and what ended there; the reply is its orders
-  // (Note [Desired state]).
-  nlohmann::json heartbeat(const nlohmann::json& report);
+  // An agent's heartbeat: what its host runs and what ended there (the JSON the agent posts,
+  // read as it comes); the reply is its orders (Note [Desired state]).
+  Orders heartbeat(const nlohmann::json& report);
 
   // One round of the policy; the server calls it a few times a second.
   void tick();

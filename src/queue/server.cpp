@@ -441,11 +441,11 @@ int serve(const ServeOptions& options) {
     });
   });
   server.Get("/jobs", [&](const httplib::Request&, httplib::Response& response) {
-    handle(response, [&] { return scheduler.jobs(); });
+    handle(response, [&] { return json{{"jobs", scheduler.jobs()}}; });
   });
   server.Get(R"(/jobs/([^/]+))", [&](const httplib::Request& request, httplib::Response& response) {
     handle(
-        response, [&] { return scheduler.job(job_id(request.matches[1])); }, 404);
+        response, [&] { return json(scheduler.job(job_id(request.matches[1]))); }, 404);
   });
   server.Delete(R"(/jobs/([^/]+))",
                 [&](const httplib::Request& request, httplib::Response& response) {
@@ -454,7 +454,7 @@ int serve(const ServeOptions& options) {
                       [&] {
                         const int64_t id = job_id(request.matches[1]);
                         const Principal who = must_be(request);
-                        const std::string owner = scheduler.job(id).value("owner", "admin");
+                        const std::string owner = scheduler.job(id).owner;
                         if (who.kind != Principal::kAdmin && owner != who.name) {
                           throw Forbidden("job " + std::to_string(id) + " is " + owner +
                                           "'s; only its owner or the admin may cancel it");
@@ -466,16 +466,18 @@ int serve(const ServeOptions& options) {
                       404);
                 });
   server.Get("/nodes", [&](const httplib::Request&, httplib::Response& response) {
-    handle(response, [&] { return scheduler.nodes(); });
+    handle(response, [&] { return json{{"nodes", scheduler.nodes()}}; });
   });
   server.Get("/events", [&](const httplib::Request& request, httplib::Response& response) {
     handle(response, [&] {
-      return scheduler.events(integer_param(request, "since", 0, 0, INT64_MAX),
-                              static_cast<int>(integer_param(request, "limit", 1000, 1, 100000)));
+      const std::vector<EventInfo> events =
+          scheduler.events(integer_param(request, "since", 0, 0, INT64_MAX),
+                           static_cast<int>(integer_param(request, "limit", 1000, 1, 100000)));
+      return json{{"events", events}};
     });
   });
   server.Get("/metrics", [&](const httplib::Request&, httplib::Response& response) {
-    handle(response, [&] { return scheduler.metrics(); });
+    handle(response, [&] { return json(scheduler.metrics()); });
   });
 
   // The agents' listener: heartbeats, with the agents' token only.

@@ -522,6 +522,20 @@ int elastic_check(const std::string& dir, const std::string& mode) {
 
 }  // namespace
 
+// The mode the program asks for (ps::ServerOptions::mode), as a test sets it: PS_TRAIN_OPTION_MODE
+// is a comma-separated list whose entry at this worker's rank (or its last) is this worker's.
+shoal::ps::ServerOptions server_options() {
+  shoal::ps::ServerOptions options;
+  const char* modes = std::getenv("PS_TRAIN_OPTION_MODE");
+  if (modes == nullptr) return options;
+  std::vector<std::string> list;
+  std::stringstream in(modes);
+  for (std::string mode; std::getline(in, mode, ',');) list.push_back(mode);
+  if (!list.empty())
+    options.mode = list[std::min<size_t>(static_cast<size_t>(shoal::rank()), list.size() - 1)];
+  return options;
+}
+
 int main(int argc, char** argv) {
   if (argc == 3 && (std::string(argv[1]) == "elastic" || std::string(argv[1]) == "backup")) {
     try {
@@ -564,12 +578,14 @@ int main(int argc, char** argv) {
     Net net;
     std::unique_ptr<shoal::ps::Optimizer> optimizer;
     if (kind == "sgd")
-      optimizer =
-          std::make_unique<shoal::ps::Optimizer>(*net, torch::optim::SGDOptions(0.1).momentum(0.9));
+      optimizer = std::make_unique<shoal::ps::Optimizer>(
+          *net, torch::optim::SGDOptions(0.1).momentum(0.9), server_options());
     else if (kind == "adagrad")
-      optimizer = std::make_unique<shoal::ps::Optimizer>(*net, torch::optim::AdagradOptions(0.1));
+      optimizer = std::make_unique<shoal::ps::Optimizer>(*net, torch::optim::AdagradOptions(0.1),
+                                                         server_options());
     else
-      optimizer = std::make_unique<shoal::ps::Optimizer>(*net, torch::optim::AdamOptions(0.05));
+      optimizer = std::make_unique<shoal::ps::Optimizer>(*net, torch::optim::AdamOptions(0.05),
+                                                         server_options());
     // The reference starts from worker 0's dense values, which every worker now holds.
     torch::manual_seed(0);
     Net first;

@@ -136,7 +136,7 @@ int main(int argc, char** argv) {
     sparse.init = {InitSpec::Kind::kNormal, 0, 1};
     const torch::Tensor first = torch::linspace(-1, 1, kDense);
     for (const auto& server : servers) {
-      RegisterRequest registration{rank, {dense, sparse}, {}};
+      RegisterRequest registration{rank, {dense, sparse}, {}, ""};
       // The first worker creates the tables, with the dense one's first values.
       if (rank == 0) registration.initial = {dense_slice(route, server->index(), first)};
       server->register_tables(registration, timeout);

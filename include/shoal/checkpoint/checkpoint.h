@@ -28,9 +28,6 @@
 #include "shoal/data/sampler.h"
 
 namespace shoal {
-namespace pipeline {
-class Pipeline;
-}
 
 // The program's own values, saved alongside: a step count, a learning rate, an RNG state.
 // Tensors of any dtype and shape, e.g. extras["lr"] = torch::tensor(0.01).
@@ -90,25 +87,7 @@ data::SamplerState load(const std::string& path, torch::nn::Module& module, torc
 // loader state are not used.
 void load(const std::string& path, torch::nn::Module& module, const LoadOptions& options = {});
 
-// A pipeline's model, whole: every worker of the job calls it. Each stage's layers travel from
-// the worker that holds them (the first replica's, with a data axis) to the first worker, which
-// writes what shoal::save(path, net) of the whole Sequential writes on one process ("0.weight",
-// ...), with options.extras. options.group must be empty (the pipeline's workers are the world).
-void save(const std::string& path, const pipeline::Pipeline& pipe, const SaveOptions& options = {});
-// The same with the optimizer's state (SGD, Adam, AdamW, Adagrad, RMSprop; over
-// pipe.parameters()) keyed by parameter name in the whole Sequential, from the workers that hold
-// each layer, so that it follows the layers to another split, or to the plain Sequential on one
-// process (shoal::load(path, *net, optimizer)).
-void save(const std::string& path, const pipeline::Pipeline& pipe,
-          const torch::optim::Optimizer& optimizer, const SaveOptions& options = {});
-// Loads a checkpoint of the whole Sequential (saved from a pipeline of any split, workers,
-// schedule or data axis, or from the plain module) into the layers this worker holds. Every
-// worker checks the file against its layers before any changes: a missing name or a wrong shape
-// anywhere is a UsageError on every worker, naming it, with nothing changed.
-void load(const std::string& path, pipeline::Pipeline& pipe, const LoadOptions& options = {});
-// The same with the optimizer's state, saved by name (shoal::save(path, pipe, optimizer)): each
-// worker sets the state of the parameters its optimizer holds, exactly the file's.
-void load(const std::string& path, pipeline::Pipeline& pipe, torch::optim::Optimizer& optimizer,
-          const LoadOptions& options = {});
+// A pipeline's model (shoal::pipeline::Pipeline) is saved and loaded by the overloads that
+// shoal/pipeline/pipeline.h declares beside it.
 
 }  // namespace shoal

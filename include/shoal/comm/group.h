@@ -18,9 +18,7 @@
 
 namespace shoal::comm {
 
-namespace shm {
-class LocalGroup;
-}
+class DataPath;
 
 enum class ReduceOp { kSum, kAvg, kMax, kMin };
 
@@ -188,10 +186,9 @@ class Group {
   // `bytes` (this worker's tensor) and `peer` (-1: none) are what the timeline records.
   Work launch(const char* op, const std::function<void(Work::State&)>& start, Duration timeout,
               int64_t bytes, int peer = -1);
-  // The shared-memory path (docs/comm.md): whether it takes `tensor`, and handing it an operation
-  // that runs with the time left of `work`'s deadline.
-  bool on_shared_memory(const at::Tensor& tensor) const;
-  void submit(Work::State& work, std::function<void(shm::LocalGroup&, Duration)> operation);
+  // The path an operation on `tensor` takes (Note [Data paths], src/comm/data_path.h); null: a
+  // point-to-point or a barrier, which take the shared segment whatever their dtype.
+  DataPath& path_for(const at::Tensor* tensor) const;
   std::shared_ptr<State> state_;
 };
 

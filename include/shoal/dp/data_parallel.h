@@ -40,13 +40,14 @@
 #include <torch/nn/pimpl.h>
 
 #include "shoal/comm/group.h"
+#include "shoal/dp/buckets.h"
 #include "shoal/dp/comm_hooks.h"
 
 namespace shoal {
 
-struct DataParallelOptions {
-  // Gradients are averaged in buckets of about this many bytes (PyTorch: bucket_cap_mb=25).
-  int64_t bucket_bytes = 25 * 1024 * 1024;
+// bucket_bytes and first_bucket_bytes come from BucketOptions (shoal/dp/buckets.h), which
+// GradientSync takes too.
+struct DataParallelOptions : BucketOptions {
   // Agree after each backward on which parameters got a gradient on any worker, and leave the
   // .grad of those that got none anywhere untouched (as a single process would). One more small
   // all-reduce per step. Without it such parameters get a zero gradient.

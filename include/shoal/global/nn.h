@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "shoal/checkpoint/savable.h"
+#include "shoal/dp/buckets.h"
 #include "shoal/global/ops.h"
 
 namespace shoal::dp {
@@ -130,12 +131,6 @@ TORCH_MODULE(TransformerBlock);
 // workers GradientSync sums its gradient over. This worker must be a member.
 std::vector<int> piece_holders(const GlobalTensor& parameter);
 
-struct GradientSyncOptions {
-  // As DataParallel's: gradients are summed in buckets of about this many bytes.
-  int64_t bucket_bytes = 25 * 1024 * 1024;
-  int64_t first_bucket_bytes = 1024 * 1024;
-};
-
 // Sums the partial_sum gradients of a module's broadcast parameters during backward. For each
 // parameter, the workers summed over are those holding the same piece: along the mesh axes on
 // which it is broadcast. Parameters with the same such workers share buckets. Construct it once
@@ -143,13 +138,13 @@ struct GradientSyncOptions {
 // torch parameter has no layout to say how its gradient is shared).
 class GradientSync {
  public:
-  explicit GradientSync(const std::shared_ptr<Module>& module, GradientSyncOptions options = {});
+  explicit GradientSync(const std::shared_ptr<Module>& module, BucketOptions options = {});
   ~GradientSync();
   GradientSync(GradientSync&&) noexcept;
   GradientSync& operator=(GradientSync&&) noexcept;
   template <typename ModuleType>
   explicit GradientSync(const torch::nn::ModuleHolder<ModuleType>& holder,
-                        GradientSyncOptions options = {})
+                        BucketOptions options = {})
       : GradientSync(std::static_pointer_cast<Module>(holder.ptr()), std::move(options)) {}
 
   // The workers each bucketed set of parameters is summed over (job ranks), one list per set.

@@ -6,7 +6,7 @@
 //   auto net = torch::nn::Sequential(...);
 //   pp::PipelineOptions opts;
 //   opts.micro_batches = 8;
-//   opts.schedule = "1f1b";                        // "gpipe", "1f1b", "interleaved", "zb"
+//   opts.schedule = shoal::pipeline::ScheduleKind::k1F1B;  // or kGPipe, kInterleaved1F1B, ...
 //   pp::Pipeline pipe(net, opts);                  // stage s on worker s, split by parameter count
 //   torch::optim::SGD opt(pipe.parameters(), 0.1); // this worker's stages' parameters
 //   for (...) {
@@ -46,6 +46,7 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/types.h>
 
+#include "shoal/checkpoint/checkpoint.h"
 #include "shoal/core/timeout.h"
 #include "shoal/global/placement.h"
 #include "shoal/global/tensor.h"
@@ -67,8 +68,9 @@ struct PipelineOptions {
   // The batch is cut along dim 0 into this many micro-batches (the first ones a row more when it
   // does not divide, as comm::split_sizes cuts).
   int micro_batches = 1;
-  // "gpipe", "1f1b", "interleaved" or "zb" (parse_schedule_kind).
-  std::string schedule = "1f1b";
+  // Which generated schedule runs (schedule.h); parse_schedule_kind reads a name ("gpipe",
+  // "1f1b", "interleaved", "zb"), as a --schedule flag takes it. custom_schedule below replaces it.
+  ScheduleKind schedule = ScheduleKind::k1F1B;
   // Stages per worker (v). 0: 2 for "interleaved", 1 for the others.
   int stages_per_worker = 0;
   // Layers per stage, in order (their sum is the number of layers). Empty: as many stages as
@@ -182,3 +184,30 @@ class Pipeline {
 std::vector<int> balanced_split(const std::vector<int64_t>& weights, int parts);
 
 }  // namespace shoal::pipeline
+
+namespace shoal {
+
+// Checkpoints of a pipeline (docs/checkpoint.md, "Pipelines"), beside shoal::save and
+// shoal::load of a module (shoal/checkpoint/checkpoint.h), with the same contract.
+// A pipeline's model, whole: every worker of the job calls it. Each stage's layers travel from
+// the worker that holds them (the first replica's, with a data axis) to the first worker, which
+// writes what shoal::save(path, net) of the whole Sequential writes on one process ("0.weight",
+// ...), with options.extras. options.group must be empty (the pipeline's workers are the world).
+void save(const std::string& path, const pipeline::Pipeline& pipe, const SaveOptions& options = {});
+// The same with the optimizer's state (SGD, Adam, AdamW, Adagrad, RMSprop; over
+// pipe.parameters()) keyed by parameter name in the whole Sequential, from the workers that hold
+// each layer, so that it follows the layers to another split, or to the plain Sequential on one
+// process (shoal::load(path, *net, optimizer)).
+void save(const std::string& path, const pipeline::Pipeline& pipe,
+          const torch::optim::Optimizer& optimizer, const SaveOptions& options = {});
+// Loads a checkpoint of the whole Sequential (saved from a pipeline of any split, workers,
+// schedule or data axis, or from the plain module) into the layers this worker holds. Every
+// worker checks the file against its layers before any changes: a missing name or a wrong shape
+// anywhere is a UsageError on every worker, naming it, with nothing changed.
+void load(const std::string& path, pipeline::Pipeline& pipe, const LoadOptions& options = {});
+// The same with the optimizer's state, saved by name (shoal::save(path, pipe, optimizer)): each
+// worker sets the state of the parameters its optimizer holds, exactly the file's.
+void load(const std::string& path, pipeline::Pipeline& pipe, torch::optim::Optimizer& optimizer,
+          const LoadOptions& options = {});
+
+}  // namespace shoal

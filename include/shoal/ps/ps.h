@@ -8,7 +8,7 @@
 //   shoal::ps::Optimizer optimizer(*net, torch::optim::AdagradOptions(0.02));
 //   ... optimizer.zero_grad(); loss.backward(); optimizer.step(); ...
 //
-// started with `shoal run --servers 2 -n 4 ./train` (SHOAL_PS_MODE=sync|async|ssp:S). Nothing in
+// started with `shoal run --servers 2 -n 4 ./train` (the mode: ServerOptions::mode). Nothing in
 // the program names a server or a worker. Run without servers (one process), the same program
 // trains with the servers' update rules in-process.
 #pragma once
@@ -88,7 +88,14 @@ class EmbeddingImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Embedding);
 
-struct PsOptions {
+// How a ps::Optimizer trains with the job's servers.
+struct ServerOptions {
+  // The consistency mode (docs/ps.md, "Consistency"): "sync" (every step applies the mean of all
+  // workers' gradients), "ssp:S" (bounded staleness: a worker runs at most S steps ahead of the
+  // slowest) or "async" (nothing waits). Empty: sync. SHOAL_PS_MODE, when set, overrides it (as
+  // for every worker of the job, so that a run can change it without a rebuild). The servers
+  // take the mode from the workers' registration; every worker must ask for the same one.
+  std::string mode;
   // The deadline of every pull and push (a sync pull waits for the slowest worker's push);
   // kUnsetTimeout: the job's collective timeout (SHOAL_TIMEOUT, else 10 minutes).
   Duration timeout = kUnsetTimeout;
@@ -108,10 +115,10 @@ struct PsOptions {
 // Needs shoal::init(); without servers (a job of one) the update runs in this process.
 class Optimizer {
  public:
-  Optimizer(torch::nn::Module& model, const torch::optim::SGDOptions& options, PsOptions ps = {});
+  Optimizer(torch::nn::Module& model, const torch::optim::SGDOptions& options, ServerOptions servers = {});
   Optimizer(torch::nn::Module& model, const torch::optim::AdagradOptions& options,
-            PsOptions ps = {});
-  Optimizer(torch::nn::Module& model, const torch::optim::AdamOptions& options, PsOptions ps = {});
+            ServerOptions servers = {});
+  Optimizer(torch::nn::Module& model, const torch::optim::AdamOptions& options, ServerOptions servers = {});
   ~Optimizer();
   Optimizer(const Optimizer&) = delete;
   Optimizer& operator=(const Optimizer&) = delete;

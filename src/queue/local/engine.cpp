@@ -13,7 +13,7 @@
 #include <cstring>
 #include <set>
 
-#include "../../launch/process.h"
+#include "proc/process.h"
 #include "shoal/core/error.h"
 
 namespace shoal::queue::local {
@@ -99,7 +99,7 @@ int64_t LocalEngine::start(const WorkerLaunch& launch) {
 
 void LocalEngine::signal(int64_t worker, int signal) {
   auto it = running_.find(worker);
-  if (it != running_.end()) launch::signal_group(it->second.pid, signal);
+  if (it != running_.end()) proc::signal_group(it->second.pid, signal);
 }
 
 std::vector<WorkerChange> LocalEngine::poll() {
@@ -111,7 +111,7 @@ std::vector<WorkerChange> LocalEngine::poll() {
       ++it;
       continue;
     }
-    const auto exit = launch::ExitStatus::from_wait_status(status);
+    const auto exit = proc::ExitStatus::from_wait_status(status);
     changes.push_back(
         WorkerChange{it->first, it->second.pid, true, exit.describe(), exit.success()});
     ended_jobs.insert(it->second.job);

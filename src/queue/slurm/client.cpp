@@ -7,7 +7,7 @@
 
 #include <cerrno>
 
-#include "../../launch/process.h"
+#include "proc/process.h"
 #include "shoal/core/error.h"
 
 namespace shoal::queue::slurm {
@@ -54,13 +54,13 @@ std::string ClientResult::error_line() const {
 
 ClientResult run_client(const std::vector<std::string>& argv, const std::vector<std::string>& env,
                         std::chrono::milliseconds timeout) {
-  launch::ProcessSpec spec;
+  proc::ProcessSpec spec;
   spec.path = argv.at(0);
   spec.argv = argv;
   spec.env = env;
   sigemptyset(&spec.signal_mask);
   const auto deadline = Clock::now() + timeout;
-  launch::ChildProcess child = launch::start_process(spec, [](pid_t) {});
+  proc::ChildProcess child = proc::start_process(spec, [](pid_t) {});
   ClientResult result;
   bool out_open = true;
   bool err_open = true;
@@ -68,7 +68,7 @@ ClientResult run_client(const std::vector<std::string>& argv, const std::vector<
     const auto left =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
     if (left <= 0) {
-      launch::signal_group(child.pid, SIGKILL);
+      proc::signal_group(child.pid, SIGKILL);
       while (::waitpid(child.pid, nullptr, 0) < 0 && errno == EINTR) {
       }
       std::string command = argv[0].substr(argv[0].rfind('/') + 1);
@@ -86,14 +86,14 @@ ClientResult run_client(const std::vector<std::string>& argv, const std::vector<
   int status = 0;
   while (::waitpid(child.pid, &status, WNOHANG) == 0) {
     if (Clock::now() >= deadline) {
-      launch::signal_group(child.pid, SIGKILL);
+      proc::signal_group(child.pid, SIGKILL);
       while (::waitpid(child.pid, &status, 0) < 0 && errno == EINTR) {
       }
       break;
     }
     ::usleep(5000);
   }
-  result.exit_code = launch::ExitStatus::from_wait_status(status).shell_code();
+  result.exit_code = proc::ExitStatus::from_wait_status(status).shell_code();
   return result;
 }
 

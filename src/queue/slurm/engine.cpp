@@ -14,7 +14,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "../../launch/process.h"
+#include "proc/process.h"
 #include "client.h"
 #include "shoal/core/error.h"
 
@@ -97,7 +97,7 @@ bool ended_state(const std::string& state) {
 SlurmEngine::SlurmEngine(SlurmOptions options) : options_(std::move(options)) {
   for (const char* name : {"sbatch", "scancel", "squeue", "scontrol"}) {
     try {
-      tools_[name] = launch::resolve_program(name);
+      tools_[name] = proc::resolve_program(name);
     } catch (const UsageError&) {
       throw UsageError(std::string("the Slurm engine needs Slurm's ") + name +
                        " on PATH (package slurm-client); it was not found");
@@ -334,7 +334,7 @@ void SlurmEngine::signal(int64_t worker, int signal) {
     scancel(job, {});
   } else {
     // --batch: to the batch step's own process, the step wrapper, which passes it on.
-    scancel(job, {"--batch", "--signal=" + launch::signal_name(signal).substr(3)});
+    scancel(job, {"--batch", "--signal=" + proc::signal_name(signal).substr(3)});
   }
 }
 

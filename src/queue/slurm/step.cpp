@@ -15,7 +15,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "../../launch/process.h"
+#include "proc/process.h"
 
 extern char** environ;
 
@@ -107,7 +107,7 @@ int run_step(const std::string& prefix, const std::vector<std::string>& argv) {
     if (signal < 0) continue;
     if (signal != SIGCHLD) {
       ::kill(pid, signal);
-      const std::string name = launch::signal_name(signal);
+      const std::string name = proc::signal_name(signal);
       if (std::find(passed_on.begin(), passed_on.end(), name) == passed_on.end())
         passed_on.push_back(name);
       continue;
@@ -115,7 +115,7 @@ int run_step(const std::string& prefix, const std::vector<std::string>& argv) {
     int status = 0;
     const pid_t ended = ::waitpid(pid, &status, WNOHANG);
     if (ended != pid) continue;
-    const auto exit = launch::ExitStatus::from_wait_status(status);
+    const auto exit = proc::ExitStatus::from_wait_status(status);
     write_exit(prefix, exit.describe(), exit.success(), passed_on);
     return exit.shell_code();
   }

@@ -12,7 +12,7 @@
 
 #include "shoal/core/error.h"
 
-namespace shoal::launch {
+namespace shoal::proc {
 
 class Fd {
  public:
@@ -52,4 +52,4 @@ inline Pipe make_pipe(int extra_flags = 0) {
   return Pipe{Fd(fds[0]), Fd(fds[1])};
 }
 
-}  // namespace shoal::launch
+}  // namespace shoal::proc

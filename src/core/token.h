@@ -4,7 +4,7 @@
 
 #include <string>
 
-namespace shoal::elastic {
+namespace shoal {
 
 // `digits` random hex digits, from the system's random device.
 std::string random_hex(int digits);
@@ -19,4 +19,4 @@ void write_token_file(const std::string& path, const std::string& token);
 // is empty, or can be read by other users (its mode is not 600 or 400).
 std::string read_token_file(const std::string& path, const std::string& described_as);
 
-}  // namespace shoal::elastic
+}  // namespace shoal

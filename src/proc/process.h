@@ -11,7 +11,7 @@
 
 #include "fd.h"
 
-namespace shoal::launch {
+namespace shoal::proc {
 
 // How a process ended, from waitpid's status.
 struct ExitStatus {
@@ -69,4 +69,4 @@ std::vector<pid_t> child_processes(pid_t pid = ::getpid());
 // kill(-pgid, signal), ignoring a group that is already gone.
 void signal_group(pid_t pgid, int signal);
 
-}  // namespace shoal::launch
+}  // namespace shoal::proc

@@ -2,7 +2,9 @@
 
 #include <algorithm>
 
-namespace shoal::launch {
+#include <nlohmann/json.hpp>
+
+namespace shoal::proc {
 
 env::Environment worker_environment(const env::Environment& base, const WorkerPlace& place) {
   env::Environment env = base;
@@ -77,4 +79,30 @@ std::vector<std::string> to_envp(const env::Environment& env) {
   return entries;
 }
 
-}  // namespace shoal::launch
+std::string agent_metadata(const ElasticPlace& place) {
+  return nlohmann::json{{"role", "agent"},
+                        {"min", place.min_workers},
+                        {"max", place.max_workers},
+                        {"quorum", place.quorum},
+                        {"last_call_ms", place.last_call.count()},
+                        {"run_id", place.run_id}}
+      .dump();
+}
+
+std::optional<ElasticPlace> parse_agent_metadata(const std::string& metadata) {
+  const auto meta = nlohmann::json::parse(metadata, nullptr, /*allow_exceptions=*/false);
+  if (!meta.is_object() || meta.value("role", "") != "agent") return std::nullopt;
+  try {
+    ElasticPlace place;
+    place.min_workers = meta.at("min").get<int>();
+    place.max_workers = meta.at("max").get<int>();
+    place.quorum = meta.at("quorum").get<bool>();
+    place.last_call = Duration(meta.at("last_call_ms").get<int64_t>());
+    place.run_id = meta.at("run_id").get<std::string>();
+    return place;
+  } catch (const nlohmann::json::exception&) {
+    return std::nullopt;
+  }
+}
+
+}  // namespace shoal::proc

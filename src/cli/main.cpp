@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "../queue/command.h"
-#include "process.h"
+#include "queue/command.h"
+#include "proc/process.h"
 
 namespace {
 
@@ -46,7 +46,7 @@ int exec_run(char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  shoal::launch::keep_standard_streams_open();
+  shoal::proc::keep_standard_streams_open();
   std::vector<std::string> args(argv + 1, argv + argc);
   if (args.empty()) {
     std::cerr << "shoal: expected a command (run, queue, agent); see shoal --help" << std::endl;

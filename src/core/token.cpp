@@ -1,4 +1,4 @@
-#include "token.h"
+#include "core/token.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -12,7 +12,7 @@
 
 #include "shoal/core/error.h"
 
-namespace shoal::elastic {
+namespace shoal {
 
 std::string random_hex(int digits) {
   std::random_device device;
@@ -58,4 +58,4 @@ std::string read_token_file(const std::string& path, const std::string& describe
   return token;
 }
 
-}  // namespace shoal::elastic
+}  // namespace shoal

@@ -17,7 +17,7 @@
 
 #include "shoal/core/error.h"
 
-namespace shoal::launch {
+namespace shoal::proc {
 namespace {
 
 std::string check_executable(const std::string& path, const std::string& program) {
@@ -212,4 +212,4 @@ void signal_group(pid_t pgid, int signal) {
   if (pgid > 0) ::kill(-pgid, signal);
 }
 
-}  // namespace shoal::launch
+}  // namespace shoal::proc

@@ -1,0 +1,163 @@
+#include "server_sum.h"
+
+#include <algorithm>
+#include <exception>
+#include <system_error>
+#include <thread>
+#include <tuple>
+#include <unordered_map>
+
+#include "server_core.h"
+#include "server_registry.h"
+
+namespace shoal::ps::detail {
+
+ServerSum::ServerSum(const ServerCoreOptions& options, ServerRegistry& registry)
+    : options_(options), registry_(registry) {}
+
+// Note [Sync sum]: step c applies sum_w rows_w * grad_w / sum_w rows_w over the pushes it took,
+// accumulated in double in worker order (std::map), then rounded once: deterministic, and the
+// gradient of the mean loss over the workers' concatenated batches. A chunk or row that no push
+// names is not stepped, as a parameter without a gradient in torch.
+
+// Note [A step's sum without allocations]: a dense model's push is tens of MB; a buffer of that
+// size allocated per step is mmap'ed by glibc and given back at free, so every step faulted its
+// pages in anew (half the cycles of a one-process run). The dense sum is therefore taken chunk by
+// chunk (a chunk is at most kChunkElements values) in two scratch buffers kept by the core, and
+// each chunk's optimizer step applied at once from them; the buffered pushes' storage is kept per
+// worker and refilled by the next push (buffer_push). The arithmetic is Note [Sync sum]'s, term
+// for term: results are bit-identical to a sum over whole tables.
+void ServerSum::sum_step(const std::map<int32_t, PushRequest>& pushes) {
+  double total = 0;
+  for (const auto& [worker, push] : pushes) total += static_cast<double>(push.rows);
+
+  // Dense: every (table, chunk, push) named, sorted so that a chunk's terms are adjacent and in
+  // worker order (pushes is ordered by worker).
+  sum_terms_.clear();
+  size_t order = 0;
+  for (const auto& [worker, push] : pushes) {
+    for (const auto& slice : push.dense) {
+      const ServerRegistry::Table& table = registry_.table(slice.table);
+      const float* grad = slice.values.data();
+      for (int64_t chunk : slice.chunks) {
+        sum_terms_.push_back({slice.table, chunk, order, static_cast<double>(push.rows), grad});
+        grad += chunk_length(table.numel, chunk);
+      }
+    }
+    ++order;
+  }
+  std::sort(sum_terms_.begin(), sum_terms_.end(), [](const SumTerm& a, const SumTerm& b) {
+    return std::tie(a.table, a.chunk, a.order) < std::tie(b.table, b.chunk, b.order);
+  });
+  // Note [A step's sum on two threads]: in sync the workers wait for this sum, so a second
+  // thread takes the chunks from the middle of the model on; each chunk's arithmetic is the same
+  // on either thread, so the result is bit-identical to one thread's.
+  const auto length_at = [&](size_t term) {
+    const SumTerm& t = sum_terms_[term];
+    return static_cast<size_t>(chunk_length(registry_.table(t.table).numel, t.chunk));
+  };
+  size_t values = 0;
+  for (size_t first = 0; first < sum_terms_.size(); first = next_chunk(first)) {
+    values += length_at(first);
+  }
+  size_t split = sum_terms_.size();
+  if (options_.sum_threads > 1 && values >= kSumSplitAtLeast) {
+    size_t below = 0;
+    for (split = 0; split < sum_terms_.size() && 2 * below < values; split = next_chunk(split)) {
+      below += length_at(split);
+    }
+  }
+  std::thread second;
+  std::exception_ptr failed;
+  if (split < sum_terms_.size()) {
+    try {
+      second = std::thread([this, split, total, &failed] {
+        try {
+          sum_chunks(split, sum_terms_.size(), total, sum_scratch_[1]);
+        } catch (...) {
+          failed = std::current_exception();
+        }
+      });
+    } catch (const std::system_error&) {
+      split = sum_terms_.size();  // no thread to be had: this one sums it all
+    }
+  }
+  try {
+    sum_chunks(0, split, total, sum_scratch_[0]);
+  } catch (...) {
+    if (second.joinable()) second.join();
+    throw;
+  }
+  if (second.joinable()) second.join();
+  if (failed) std::rethrow_exception(failed);
+
+  // Sparse: rows are few per step; each row's sum in the order rows first appear.
+  struct RowSums {
+    std::unordered_map<int64_t, size_t> at;
+    std::vector<int64_t> ids;
+    std::vector<double> acc;
+  };
+  std::map<int32_t, RowSums> rows;
+  for (const auto& [worker, push] : pushes) {
+    const auto weight = static_cast<double>(push.rows);
+    for (const auto& slice : push.sparse) {
+      const ServerRegistry::Table& table = registry_.table(slice.table);
+      const float* grad = slice.values.data();
+      const auto dim = static_cast<size_t>(table.dim);
+      RowSums& sums = rows[slice.table];
+      sums.at.reserve(sums.at.size() + slice.ids.size());
+      for (int64_t id : slice.ids) {
+        auto [it, fresh] = sums.at.emplace(id, sums.ids.size());
+        if (fresh) {
+          sums.ids.push_back(id);
+          sums.acc.resize(sums.acc.size() + dim, 0.0);
+        }
+        double* acc = sums.acc.data() + it->second * dim;
+        for (size_t i = 0; i < dim; ++i) acc[i] += weight * grad[i];
+        grad += dim;
+      }
+    }
+  }
+  if (rows.empty()) return;
+  std::vector<SparseSlice> sparse;
+  for (auto& [table, sums] : rows) {
+    SparseSlice slice{table, std::move(sums.ids), std::vector<float>(sums.acc.size())};
+    for (size_t i = 0; i < sums.acc.size(); ++i)
+      slice.values[i] = static_cast<float>(sums.acc[i] / total);
+    sparse.push_back(std::move(slice));
+  }
+  registry_.apply({}, sparse);
+}
+
+size_t ServerSum::next_chunk(size_t first) const {
+  size_t last = first;
+  while (last < sum_terms_.size() && sum_terms_[last].table == sum_terms_[first].table &&
+         sum_terms_[last].chunk == sum_terms_[first].chunk) {
+    ++last;
+  }
+  return last;
+}
+
+void ServerSum::sum_chunks(size_t first, size_t end, double total, SumScratch& scratch) {
+  scratch.acc.resize(static_cast<size_t>(kChunkElements));
+  scratch.out.resize(static_cast<size_t>(kChunkElements));
+  while (first < end) {
+    const SumTerm& head = sum_terms_[first];
+    const ServerRegistry::Table& table = registry_.table(head.table);
+    const int64_t length = chunk_length(table.numel, head.chunk);
+    double* acc = scratch.acc.data();
+    std::fill(acc, acc + length, 0.0);
+    const size_t last = next_chunk(first);
+    for (size_t term = first; term < last; ++term) {
+      const double weight = sum_terms_[term].weight;
+      const float* grad = sum_terms_[term].grad;
+      for (int64_t i = 0; i < length; ++i) acc[i] += weight * grad[i];
+    }
+    float* out = scratch.out.data();
+    for (int64_t i = 0; i < length; ++i) out[i] = static_cast<float>(acc[i] / total);
+    registry_.apply_chunk(head.table, head.chunk, out);
+    first = last;
+  }
+}
+
+}  // namespace shoal::ps::detail
