@@ -73,9 +73,10 @@ set(CPACK_DEBIAN_PACKAGE_SECTION science)
 set(CPACK_DEBIAN_RUNTIME_PACKAGE_NAME shoal)
 # The `shoal` command serves parameter servers over gRPC: libgrpc++1.51, libgrpc29 (libgpr),
 # libabsl20220623 and libprotobuf32; its job queue keeps its state in SQLite (libsqlite3-0) and
-# speaks HTTP through cpp-httplib (libcpp-httplib0.11).
+# speaks HTTP through cpp-httplib (libcpp-httplib0.11); its processes log through spdlog
+# (libspdlog1.10, which brings libfmt9 along).
 set(CPACK_DEBIAN_RUNTIME_PACKAGE_DEPENDS
-    "libtorch1.13, libssl3, zlib1g, libgrpc++1.51, libgrpc29, libabsl20220623, libprotobuf32, libsqlite3-0, libcpp-httplib0.11, libstdc++6, libgcc-s1, libc6")
+    "libtorch1.13, libssl3, zlib1g, libgrpc++1.51, libgrpc29, libabsl20220623, libprotobuf32, libsqlite3-0, libcpp-httplib0.11, libspdlog1.10, libstdc++6, libgcc-s1, libc6")
 set(CPACK_DEBIAN_RUNTIME_PACKAGE_RECOMMENDS "libopenblas0-openmp")
 set(CPACK_DEBIAN_DEVELOPMENT_PACKAGE_NAME shoal-dev)
 set(CPACK_DEBIAN_DEVELOPMENT_PACKAGE_SECTION libdevel)

@@ -41,7 +41,7 @@ constexpr const char* kWorkerCall = "SHOAL_TEST_WORKER_CALL";
 bool is_job_variable(const std::string& name) {
   static const std::set<std::string> settings = {"SHOAL_COMM",     "SHOAL_COMM_FLAT_BELOW", "SHOAL_SHM_SPINS",
                                                  "SHOAL_TIMELINE", "SHOAL_TIMELINE_MAX_EVENTS",
-                                                 "SHOAL_SOCKET_IFNAME", "SHOAL_ELASTIC_DEBUG"};
+                                                 "SHOAL_SOCKET_IFNAME", "SHOAL_ELASTIC_DEBUG", "SHOAL_LOG_LEVEL"};
   if (settings.count(name) > 0) return false;
   static const char* prefixes[] = {"SHOAL_", "OMPI_", "SLURM_", "TORCHELASTIC_"};
   for (auto* prefix : prefixes) {

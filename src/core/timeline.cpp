@@ -19,6 +19,7 @@
 #include <thread>
 
 #include "shoal/core/error.h"
+#include "core/log.h"
 
 namespace shoal::timeline {
 namespace detail {
@@ -231,10 +232,9 @@ class Recorder {
       if (release_lane >= 0) lanes_[release_lane] = false;
       if (written_ + static_cast<int64_t>(buffer_.size()) >= max_events_) {
         if (dropped_++ == 0) {
-          std::fprintf(stderr,
-                       "shoal timeline: worker %d reached SHOAL_TIMELINE_MAX_EVENTS=%lld; later "
-                       "events are dropped\n",
-                       rank_, static_cast<long long>(max_events_));
+          log::warn("shoal timeline: worker " + std::to_string(rank_) +
+                    " reached SHOAL_TIMELINE_MAX_EVENTS=" + std::to_string(max_events_) +
+                    "; later events are dropped");
         }
         return;
       }
@@ -294,8 +294,8 @@ class Recorder {
     }
     if (!error.empty() && !warned_write_) {
       warned_write_ = true;
-      std::fprintf(stderr, "shoal timeline: %s; events of worker %d are lost\n", error.c_str(),
-                   rank);
+      log::warn("shoal timeline: " + error + "; events of worker " + std::to_string(rank) +
+                " are lost");
     }
     in_flush = false;
   }

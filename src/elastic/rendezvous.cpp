@@ -4,6 +4,7 @@
 #include <cstdlib>
 
 #include "shoal/core/error.h"
+#include "core/log.h"
 
 namespace shoal::elastic {
 
@@ -13,11 +14,7 @@ std::string View::describe(int rank) const {
 }
 
 bool debugging() {
-  static const bool on = [] {
-    const char* value = std::getenv("SHOAL_ELASTIC_DEBUG");
-    return value != nullptr && *value != '\0' && std::string(value) != "0";
-  }();
-  return on;
+  return log::enabled(log::Level::kDebug);
 }
 
 void round_timed_out(int64_t round, Duration waited, const std::string& waiting_for) {

@@ -87,7 +87,8 @@ class ViewChooser {
   std::chrono::steady_clock::time_point since_;
 };
 
-// SHOAL_ELASTIC_DEBUG=1 (not "0"): the backends log every phase a worker publishes on stderr.
+// Whether the log shows debug lines (SHOAL_LOG_LEVEL=debug, or SHOAL_ELASTIC_DEBUG=1; core/log.h):
+// the backends then log every phase a worker publishes.
 bool debugging();
 
 // The CommError of a round that did not close before next()'s deadline.

@@ -22,6 +22,7 @@
 #include "snapshot.h"
 #include "state_access.h"
 #include "world.h"
+#include "core/log.h"
 
 namespace shoal::elastic {
 namespace {
@@ -276,8 +277,8 @@ void State::check_world() {
         if (group.rank() == 0) durable_->wait();
       }
     }
-    std::fprintf(stderr, "shoal elastic: %s leaves the job after step %lld (SIGTERM)\n",
-                 view.describe(view.rank).c_str(), static_cast<long long>(version_));
+    log::info("shoal elastic: " + view.describe(view.rank) + " leaves the job after step " +
+              std::to_string(version_) + " (SIGTERM)");
     note_leave(version_);
     elastic.rendezvous().leave();
     std::fflush(nullptr);
@@ -455,11 +456,10 @@ void run(State& state, const std::function<void()>& train) {
       StateAccess::restore(state);
       StateAccess::sync(state);
       if (!why.empty() && shoal::is_main()) {
-        std::fprintf(stderr,
-                     "shoal elastic: round %lld: %d workers, from step %lld (epoch %lld) on; %s\n",
-                     static_cast<long long>(elastic.view().round), shoal::world_size(),
-                     static_cast<long long>(state.version()), static_cast<long long>(state.epoch()),
-                     why.c_str());
+        log::info("shoal elastic: round " + std::to_string(elastic.view().round) + ": " +
+                  std::to_string(shoal::world_size()) + " workers, from step " +
+                  std::to_string(state.version()) + " (epoch " + std::to_string(state.epoch()) +
+                  ") on; " + why);
       }
       train();
       StateAccess::finish(state);

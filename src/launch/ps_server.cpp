@@ -21,6 +21,7 @@
 #include "comm/store.h"
 #include "shoal/core/env.h"
 #include "shoal/core/error.h"
+#include "core/log.h"
 
 namespace shoal::launch {
 namespace {
@@ -87,16 +88,16 @@ std::unique_ptr<ps::detail::Handler> make_handler(const std::string& kind, const
          shards = options.shards]() -> std::optional<ps::detail::ServerCoreOptions::Restored> {
       auto snapshot = ps::detail::read_newest_snapshot(snapshots->dir(), shards);
       if (!snapshot) {
-        std::cerr << "no complete snapshot of this server's shards in " << snapshots->dir()
-                  << "; starting from the first registration's values" << std::endl;
+        log::warn(log::line("no complete snapshot of this server's shards in ", snapshots->dir(),
+                            "; starting from the first registration's values"));
         return std::nullopt;
       }
       return ps::detail::ServerCoreOptions::Restored{snapshot->step, std::move(snapshot->shards)};
     };
     options.on_adopted = [index](int64_t snapshot_step, int64_t adopted_step) {
-      std::cerr << "parameter server " << index << " restarted from step " << snapshot_step << "; "
-                << std::max<int64_t>(adopted_step - snapshot_step, 0) << " steps of its shards lost"
-                << std::endl;
+      log::warn(log::line("parameter server ", index, " restarted from step ", snapshot_step, "; ",
+                          std::max<int64_t>(adopted_step - snapshot_step, 0),
+                          " steps of its shards lost"));
     };
   }
   return std::make_unique<ps::detail::ServerCore>(std::move(options));
@@ -163,7 +164,7 @@ int serve(int index, const std::string& host, int port, const std::string& handl
           *core, connect_backup(store, index, token, kBackupWait));
     } catch (const CommError& e) {
       // Workers find no backup either (it never published), so they never fail over to it.
-      std::cerr << e.what() << "; serving alone" << std::endl;
+      log::warn(log::line(e.what(), "; serving alone"));
     }
   }
   ps::detail::RpcServerOptions options;

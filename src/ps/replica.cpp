@@ -1,4 +1,5 @@
 #include "replica.h"
+#include "core/log.h"
 
 #include <iostream>
 
@@ -21,8 +22,8 @@ void ReplicatedHandler::lose_backup(const std::shared_ptr<RpcClient>& backup,
   std::lock_guard<std::mutex> lock(mutex_);
   if (backup_ != backup) return;  // another call lost it first
   backup_.reset();
-  std::cerr << "lost the backup of parameter server " << backup->index() << " ("
-            << backup->address() << "); serving alone: " << why << std::endl;
+  log::warn("lost the backup of parameter server " + std::to_string(backup->index()) + " (" +
+            backup->address() + "); serving alone: " + why);
 }
 
 Duration ReplicatedHandler::forward_timeout(const Deadline& deadline) {

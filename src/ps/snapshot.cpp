@@ -15,6 +15,7 @@
 
 #include "../core/hash.h"
 #include "shoal/core/error.h"
+#include "core/log.h"
 
 namespace shoal::ps::detail {
 namespace {
@@ -246,7 +247,7 @@ void SnapshotWriter::run() {
     try {
       write_snapshot(dir_, index_, servers_, next.step, next.shards);
     } catch (const std::exception& e) {
-      std::cerr << e.what() << std::endl;
+      log::error(e.what());
     }
     lock.lock();
   }

@@ -30,6 +30,7 @@
 #include "shoal/comm/address.h"
 #include "shoal/core/error.h"
 #include "slurm/engine.h"
+#include "core/log.h"
 
 namespace shoal::queue {
 
@@ -109,8 +110,8 @@ class Agent {
     sigemptyset(&action.sa_mask);
     ::sigaction(SIGTERM, &action, nullptr);
     ::sigaction(SIGINT, &action, nullptr);
-    std::cerr << "shoal agent: host " << options_.host << " reports to "
-              << options_.queue_address << std::endl;
+    log::info(
+        log::line("shoal agent: host ", options_.host, " reports to ", options_.queue_address));
     // Between beats the agent looks at its workers every kWatch: a worker that started or ended
     // is reported at once, so that the scheduler's answer (a waiting job's start, a
     // replacement) comes without waiting out the rest of the beat.
@@ -225,12 +226,12 @@ class Agent {
     json orders;
     try {
       orders = client_.post("/agent/heartbeat", report());
-      if (unreachable_) std::cerr << "shoal agent: the scheduler answers again" << std::endl;
+      if (unreachable_) log::info(log::line("shoal agent: the scheduler answers again"));
       unreachable_ = false;
     } catch (const Error& e) {
       // The workers train on while the scheduler is down (docs/queue.md, "Failures").
       if (!unreachable_) {
-        std::cerr << "shoal agent: " << e.what() << "; the workers go on, retrying" << std::endl;
+        log::warn(log::line("shoal agent: ", e.what(), "; the workers go on, retrying"));
       }
       unreachable_ = true;
       return;
@@ -360,7 +361,7 @@ class Agent {
       w.running = false;
       w.pid = -1;
       w.exit = "could not start: " + failure;
-      std::cerr << "shoal agent: worker " << id << " of job " << job << " " << w.exit << std::endl;
+      log::info(log::line("shoal agent: worker ", id, " of job ", job, " ", w.exit));
     }
     workers_[id] = w;
   }

@@ -1,4 +1,4 @@
-// The scheduler's public face: what a user submits (JobSpec) and the Scheduler object, whose
+// The scheduler's public face: what a user submits (Submission) and the Scheduler object, whose
 // work the scheduler_*.cpp files share (their list is in scheduler_impl.h).
 #include "scheduler.h"
 
@@ -55,9 +55,9 @@ std::optional<int64_t> parse_integer(const std::string& text, int64_t low, int64
   return std::nullopt;
 }
 
-JobSpec JobSpec::from_json(const json& body) {
+Submission Submission::from_json(const json& body) {
   if (!body.is_object()) throw UsageError("a job must be a JSON object");
-  JobSpec spec;
+  Submission spec;
   if (!body.contains("argv") || !body.at("argv").is_array() || body.at("argv").empty()) {
     throw UsageError("argv must be a non-empty array: the program and its arguments");
   }
@@ -118,7 +118,7 @@ JobSpec JobSpec::from_json(const json& body) {
   return spec;
 }
 
-json JobSpec::to_json() const {
+json Submission::to_json() const {
   return json{{"name", name},
               {"argv", argv},
               {"cwd", cwd},

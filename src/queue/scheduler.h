@@ -43,7 +43,7 @@ struct SchedulerOptions {
 };
 
 // What a user submits (POST /jobs).
-struct JobSpec {
+struct Submission {
   std::string name;
   std::vector<std::string> argv;  // argv[0]: the program, an absolute path
   std::string cwd;
@@ -59,7 +59,7 @@ struct JobSpec {
   std::string run_as;
 
   // Raises UsageError with one line naming what is wrong; see docs/queue.md, "Submitting".
-  static JobSpec from_json(const nlohmann::json& body);
+  static Submission from_json(const nlohmann::json& body);
   nlohmann::json to_json() const;
 };
 
@@ -109,7 +109,7 @@ class Scheduler {
   ~Scheduler();
 
   // The REST API's operations (server.cpp). Times are wall-clock milliseconds.
-  int64_t submit(const JobSpec& spec);
+  int64_t submit(const Submission& spec);
   void cancel(int64_t job);  // UsageError when there is no such job or it has ended
   // The views (scheduler_views.h), in the order of their ids (a host's: of its name).
   std::vector<JobInfo> jobs() const;

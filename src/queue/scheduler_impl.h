@@ -68,7 +68,7 @@ struct Scheduler::Impl {
   };
   struct Job {
     int64_t id = 0;
-    JobSpec spec;
+    Submission spec;
     std::string state = "waiting";  // waiting, running, done, failed, cancelled
     std::string reason;
     int64_t submitted_ms = 0;

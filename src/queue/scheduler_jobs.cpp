@@ -17,7 +17,7 @@
 
 namespace shoal::queue {
 
-int64_t Scheduler::submit(const JobSpec& spec) {
+int64_t Scheduler::submit(const Submission& spec) {
   std::lock_guard<std::mutex> lock(impl_->mutex);
   auto& db = impl_->db;
   Impl::Job job;

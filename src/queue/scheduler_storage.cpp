@@ -62,7 +62,7 @@ json Scheduler::Impl::job_doc(const Job& job) {
 Scheduler::Impl::Job Scheduler::Impl::job_from_doc(int64_t id, const json& doc) {
   Job job;
   job.id = id;
-  job.spec = JobSpec::from_json(doc.at("spec"));
+  job.spec = Submission::from_json(doc.at("spec"));
   job.state = doc.at("state");
   job.reason = doc.value("reason", "");
   job.submitted_ms = doc.value("submitted_ms", int64_t{0});

@@ -24,6 +24,7 @@
 #include "listener.h"
 #include "tls.h"
 #include "shoal/core/error.h"
+#include "core/log.h"
 
 namespace shoal::queue {
 
@@ -169,8 +170,8 @@ pid_t start_local_agent(const ServeOptions& options, const std::string& agent_ad
   const std::string pid_file = dir + "/agent.pid";
   const pid_t running = static_cast<pid_t>(std::atoll(read_file(pid_file).c_str()));
   if (process_alive(running)) {
-    std::cerr << "shoal queue: adopting the running agent of this host (pid " << running << ")"
-              << std::endl;
+    log::info(
+        log::line("shoal queue: adopting the running agent of this host (pid ", running, ")"));
     return running;
   }
   std::vector<std::string> args = {
@@ -432,7 +433,7 @@ int serve(const ServeOptions& options) {
   server.Post("/jobs", [&](const httplib::Request& request, httplib::Response& response) {
     handle(response, [&] {
       const Principal who = must_be(request);
-      JobSpec spec = JobSpec::from_json(json::parse(request.body));
+      Submission spec = Submission::from_json(json::parse(request.body));
       spec.owner = who.name;
       spec.run_as = access.authorize(who, spec.argv.at(0));
       const int64_t id = scheduler.submit(spec);
@@ -525,8 +526,8 @@ int serve(const ServeOptions& options) {
   g_listeners[0] = &api;
   g_listeners[1] = &agents;
 
-  std::cerr << "shoal queue: serving on " << scheme << options.bind_host << ":" << port
-            << " (agents on " << agent_port << "), state in " << dir << std::endl;
+  log::info(log::line("shoal queue: serving on ", scheme, options.bind_host, ":", port,
+                      " (agents on ", agent_port, "), state in ", dir));
   pid_t agent = -1;
   const std::string agent_token_file = access.agent_token_file();
   const auto local_agent = [&] {
@@ -544,12 +545,12 @@ int serve(const ServeOptions& options) {
         // "Agents"); its workers died with it and are replaced as any lost host's are.
         if (agent > 0 && g_stopped == 0 && !process_alive(agent)) {
           ::waitpid(agent, nullptr, WNOHANG);
-          std::cerr << "shoal queue: the local agent (pid " << agent
-                    << ") ended; starting it again" << std::endl;
+          log::warn(
+              log::line("shoal queue: the local agent (pid ", agent, ") ended; starting it again"));
           agent = local_agent();
         }
       } catch (const std::exception& e) {
-        std::cerr << "shoal queue: " << e.what() << std::endl;
+        log::warn(log::line("shoal queue: ", e.what()));
       }
       std::this_thread::sleep_for(period);
     }
@@ -570,7 +571,7 @@ int serve(const ServeOptions& options) {
     }
     ::unlink((dir + "/agent.pid").c_str());
   }
-  std::cerr << "shoal queue: stopped" << std::endl;
+  log::info(log::line("shoal queue: stopped"));
   return 0;
 }
 

@@ -27,9 +27,9 @@ size_t round_up(size_t n, size_t to) {
 }
 
 // Where each part of a segment starts; creator and openers compute it from the same header.
-struct Layout {
+struct SegmentLayout {
   size_t members, published, channels, rings, data, total;
-  Layout(size_t k, size_t slot_bytes, size_t channel_bytes) {
+  SegmentLayout(size_t k, size_t slot_bytes, size_t channel_bytes) {
     members = kPage;
     published = round_up(members + k * sizeof(MemberBlock), 128);
     channels = round_up(published + k * 2 * (2 * k + 2) * sizeof(int64_t), kPage);
@@ -87,7 +87,7 @@ Segment Segment::create(int size, const SegmentSizes& requested) {
                      " must be at least 4096");
   }
   const size_t slot_bytes = round_up(sizes.slot_bytes, 128);  // keeps every slot 128-byte aligned
-  const Layout layout(size, slot_bytes, sizes.channel_bytes);
+  const SegmentLayout layout(size, slot_bytes, sizes.channel_bytes);
   unsigned char tag[16];
   if (getrandom(tag, sizeof(tag), 0) != static_cast<ssize_t>(sizeof(tag))) {
     throw CommError("shared memory: getrandom failed: " + errno_text());
@@ -144,7 +144,7 @@ Segment Segment::open(const std::string& handle, int size) {
     throw refused("it is for " + std::to_string(h->size) + " members, the group has " +
                   std::to_string(size));
   }
-  if (Layout(h->size, h->slot_bytes, h->channel_bytes).total != bytes || h->total_bytes != bytes) {
+  if (SegmentLayout(h->size, h->slot_bytes, h->channel_bytes).total != bytes || h->total_bytes != bytes) {
     throw refused("its header does not describe its " + std::to_string(bytes) + " bytes");
   }
   return segment;
@@ -227,33 +227,33 @@ std::string Segment::buffer_name(int64_t id) const {
 }
 
 MemberBlock* Segment::member(int m) const {
-  const Layout l(header()->size, header()->slot_bytes, header()->channel_bytes);
+  const SegmentLayout l(header()->size, header()->slot_bytes, header()->channel_bytes);
   return reinterpret_cast<MemberBlock*>(reinterpret_cast<char*>(memory_.data()) + l.members) + m;
 }
 
 int64_t* Segment::published(int m) const {
   const size_t k = header()->size;
-  const Layout l(k, header()->slot_bytes, header()->channel_bytes);
+  const SegmentLayout l(k, header()->slot_bytes, header()->channel_bytes);
   return reinterpret_cast<int64_t*>(reinterpret_cast<char*>(memory_.data()) + l.published) +
          m * 2 * (2 * k + 2);
 }
 
 ChannelBlock* Segment::channel(int from, int to) const {
   const size_t k = header()->size;
-  const Layout l(k, header()->slot_bytes, header()->channel_bytes);
+  const SegmentLayout l(k, header()->slot_bytes, header()->channel_bytes);
   return reinterpret_cast<ChannelBlock*>(reinterpret_cast<char*>(memory_.data()) + l.channels) +
          from * k + to;
 }
 
 unsigned char* Segment::ring(int from, int to) const {
   const size_t k = header()->size;
-  const Layout l(k, header()->slot_bytes, header()->channel_bytes);
+  const SegmentLayout l(k, header()->slot_bytes, header()->channel_bytes);
   return memory_.data() + l.rings + (from * k + to) * header()->channel_bytes;
 }
 
 unsigned char* Segment::slot(int buffer, int m) const {
   const size_t k = header()->size;
-  const Layout l(k, header()->slot_bytes, header()->channel_bytes);
+  const SegmentLayout l(k, header()->slot_bytes, header()->channel_bytes);
   return memory_.data() + l.data + (buffer * k + m) * header()->slot_bytes;
 }
 

@@ -15,6 +15,7 @@
 #include "probe.h"
 #include "session.h"
 #include "shoal/core/error.h"
+#include "core/log.h"
 
 namespace shoal::elastic::etcd {
 
@@ -158,8 +159,8 @@ std::shared_ptr<const EtcdRendezvous::Table> EtcdRendezvous::table() const {
 void EtcdRendezvous::publish(const std::string& phase, int64_t round) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (debugging()) {
-    std::fprintf(stderr, "shoal elastic debug: pid %d (%s): %s round %lld\n", self_.pid, self_.id.c_str(),
-                 phase.c_str(), static_cast<long long>(round));
+    log::debug("shoal elastic debug: pid " + std::to_string(self_.pid) + " (" + self_.id +
+               "): " + phase + " round " + std::to_string(round));
   }
   session_->publish(Json{{"host", self_.host},
                          {"pid", self_.pid},
@@ -189,10 +190,9 @@ bool EtcdRendezvous::rejoin(Duration timeout) {
   } catch (const CommError&) {
     return false;
   }
-  std::fprintf(stderr,
-               "shoal elastic: etcd no longer has this worker (pid %d): it was silent longer than its lease of %s, "
-               "or another worker found its store closed; it joins again as a new worker\n",
-               fresh.pid, format_duration(options_.lease_ttl).c_str());
+  log::warn("shoal elastic: etcd no longer has this worker (pid " + std::to_string(fresh.pid) +
+            "): it was silent longer than its lease of " + format_duration(options_.lease_ttl) +
+            ", or another worker found its store closed; it joins again as a new worker");
   std::lock_guard<std::mutex> lock(mutex_);
   session_.swap(session);  // the old one stops when `session` goes
   self_ = fresh;

@@ -11,6 +11,7 @@
 #include <tuple>
 
 #include "shoal/core/error.h"
+#include "core/log.h"
 
 namespace shoal::elastic::etcd {
 namespace {
@@ -91,8 +92,8 @@ void Session::leave() {
   try {
     client_.revoke(lease_);
   } catch (const CommError& e) {
-    std::fprintf(stderr, "shoal elastic: could not tell etcd that this worker leaves (%s); its lease expires in %s\n",
-                 e.what(), format_duration(ttl_).c_str());
+    log::warn(std::string("shoal elastic: could not tell etcd that this worker leaves (") +
+              e.what() + "); its lease expires in " + format_duration(ttl_));
   }
 }
 

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "shoal/core/error.h"
+#include "core/log.h"
 
 namespace shoal::elastic::gossip {
 namespace {
@@ -112,8 +113,9 @@ void GossipRendezvous::publish(const std::string& phase, int64_t round, const st
       seen += " [" + std::to_string(w.meta.pid) + " " + to_string(w.member.status) + " " + w.meta.phase + " " +
               std::to_string(w.meta.round) + " view " + std::to_string(w.meta.view.size()) + "]";
     }
-    std::fprintf(stderr, "shoal elastic debug: pid %d: %s round %lld, view of %zu; sees%s\n", self_.pid,
-                 phase.c_str(), static_cast<long long>(round), view.size(), seen.c_str());
+    log::debug("shoal elastic debug: pid " + std::to_string(self_.pid) + ": " + phase + " round " +
+               std::to_string(round) + ", view of " + std::to_string(view.size()) + "; sees" +
+               seen);
   }
   phase_ = phase;
   round_ = round;
@@ -133,10 +135,8 @@ void GossipRendezvous::publish(const std::string& phase, int64_t round, const st
 
 void GossipRendezvous::rejoin_if_declared_dead() {
   if (gossip_->self_status() != Status::kDead) return;
-  std::fprintf(stderr,
-               "shoal elastic: the job declared this worker (pid %d) dead after it was silent; it joins "
-               "again as a new worker\n",
-               self_.pid);
+  log::warn("shoal elastic: the job declared this worker (pid " + std::to_string(self_.pid) +
+            ") dead after it was silent; it joins again as a new worker");
   gossip_.reset();
   prev_round_ = -1;
   prev_rank_ = -1;

@@ -10,6 +10,7 @@
 
 #include "shoal/core/error.h"
 #include "state.h"
+#include "core/log.h"
 
 namespace shoal::elastic::gossip {
 namespace {
@@ -377,10 +378,9 @@ void Gossip::State::handle_bad_token(const std::string& payload, const sockaddr_
   ++refused;
   const std::string sender = udp::to_string(from);
   if (logged_senders.size() < 1024 && logged_senders.insert(sender).second) {
-    std::fprintf(stderr,
-                 "shoal gossip: dropped a datagram from %s: it lacks the job's token (a process of another "
-                 "job, or one given another token); further ones from there are only counted\n",
-                 sender.c_str());
+    log::warn("shoal gossip: dropped a datagram from " + sender +
+              ": it lacks the job's token (a process of another job, or one given another token); "
+              "further ones from there are only counted");
   }
   // A joiner with the wrong token is told so, rather than left to time out. Rate-limited per
   // sender; the answer is smaller than the request, so it amplifies nothing.

@@ -15,6 +15,7 @@
 
 #include "proc/process.h"
 #include "shoal/core/error.h"
+#include "core/log.h"
 
 namespace shoal::queue::local {
 
@@ -91,9 +92,8 @@ int64_t LocalEngine::start(const WorkerLaunch& launch) {
   // Placed while the child still loads its program, before it starts any thread of its own
   // (and a cgroup move takes every thread of the process anyway).
   const std::string how = weights_.place(pid, launch.job, launch.priority);
-  std::fprintf(stderr, "shoal agent: worker %lld of job %lld (pid %d, priority %d): %s\n",
-               static_cast<long long>(launch.worker), static_cast<long long>(launch.job),
-               static_cast<int>(pid), launch.priority, how.c_str());
+  log::info(log::line("shoal agent: worker ", launch.worker, " of job ", launch.job, " (pid ", pid,
+                      ", priority ", launch.priority, "): ", how));
   return pid;
 }
 

@@ -17,6 +17,7 @@
 #include "proc/process.h"
 #include "client.h"
 #include "shoal/core/error.h"
+#include "core/log.h"
 
 extern char** environ;
 
@@ -138,8 +139,8 @@ SlurmEngine::SlurmEngine(SlurmOptions options) : options_(std::move(options)) {
                        " (its partitions: " + (partitions.empty() ? "none" : partitions) + ")");
     }
   }
-  std::cerr << "shoal agent: Slurm node " << options_.node << " with " << capacity_.cores << " CPUs"
-            << (options_.partition.empty() ? "" : ", partition " + options_.partition) << std::endl;
+  log::info(log::line("shoal agent: Slurm node ", options_.node, " with ", capacity_.cores, " CPUs",
+                      (options_.partition.empty() ? "" : ", partition " + options_.partition)));
   find_predecessors();
 }
 
@@ -150,13 +151,13 @@ void SlurmEngine::find_predecessors() {
                          "--format=%i|%j|%o"},
                         client_env(), options_.command_timeout);
   } catch (const Error& e) {
-    std::cerr << "shoal agent: " << e.what()
-              << "; Slurm jobs an earlier agent left here are not followed" << std::endl;
+    log::warn(log::line("shoal agent: ", e.what(),
+                        "; Slurm jobs an earlier agent left here are not followed"));
     return;
   }
   if (result.exit_code != 0) {
-    std::cerr << "shoal agent: squeue failed: " << result.error_line()
-              << "; Slurm jobs an earlier agent left here are not followed" << std::endl;
+    log::warn(log::line("shoal agent: squeue failed: ", result.error_line(),
+                        "; Slurm jobs an earlier agent left here are not followed"));
     return;
   }
   std::string ids;
@@ -178,9 +179,9 @@ void SlurmEngine::find_predecessors() {
     ids += (ids.empty() ? "" : ", ") + id + " (worker " + std::to_string(worker) + ")";
   }
   if (!ids.empty()) {
-    std::cerr << "shoal agent: Slurm jobs of an earlier agent with this --dir still pend or run: "
-              << ids << "; each is followed if the scheduler still lists its worker here"
-              << std::endl;
+    log::info(log::line(
+        "shoal agent: Slurm jobs of an earlier agent with this --dir still pend or run: ", ids,
+        "; each is followed if the scheduler still lists its worker here"));
   }
 }
 
@@ -208,9 +209,9 @@ int64_t SlurmEngine::start(const WorkerLaunch& launch) {
     job.id = it->second.id;
     job.pid = std::atoll(read_first_line(job.prefix + ".pid").c_str());
     predecessors_.erase(it);
-    std::cerr << "shoal agent: worker " << launch.worker << " of job " << launch.job
-              << " is Slurm job " << job.id << " on " << options_.node
-              << ", submitted by an earlier agent: followed, not submitted again" << std::endl;
+    log::info(log::line("shoal agent: worker ", launch.worker, " of job ", launch.job,
+                        " is Slurm job ", job.id, " on ", options_.node,
+                        ", submitted by an earlier agent: followed, not submitted again"));
     const int64_t pid = job.pid;
     jobs_[launch.worker] = std::move(job);
     return pid;
@@ -292,8 +293,8 @@ int64_t SlurmEngine::start(const WorkerLaunch& launch) {
     throw Error("sbatch to node " + options_.node + " answered '" + result.out +
                 "'; expected a job id (--parsable)");
   }
-  std::cerr << "shoal agent: worker " << launch.worker << " of job " << launch.job
-            << " is Slurm job " << job.id << " on " << options_.node << std::endl;
+  log::info(log::line("shoal agent: worker ", launch.worker, " of job ", launch.job,
+                      " is Slurm job ", job.id, " on ", options_.node));
   jobs_[launch.worker] = std::move(job);
   return 0;
 }
@@ -308,11 +309,11 @@ void SlurmEngine::scancel(const Job& job, const std::vector<std::string>& flags)
     if (result.exit_code != 0 &&
         result.err.find("already completing or completed") == std::string::npos &&
         result.err.find("Invalid job id") == std::string::npos) {
-      std::cerr << "shoal agent: scancel of Slurm job " << job.id
-                << " failed: " << result.error_line() << std::endl;
+      log::warn(log::line("shoal agent: scancel of Slurm job ", job.id,
+                          " failed: ", result.error_line()));
     }
   } catch (const Error& e) {
-    std::cerr << "shoal agent: " << e.what() << std::endl;
+    log::warn(log::line("shoal agent: ", e.what()));
   }
 }
 
@@ -347,7 +348,7 @@ std::optional<std::map<std::string, std::pair<std::string, std::string>>> SlurmE
         {tool("squeue"), "--noheader", "--states=all", "--jobs=" + ids, "--format=%i|%T|%r"},
         client_env(), options_.command_timeout);
   } catch (const Error& e) {
-    if (!squeue_failing_) std::cerr << "shoal agent: " << e.what() << "; retrying" << std::endl;
+    if (!squeue_failing_) log::warn(log::line("shoal agent: ", e.what(), "; retrying"));
     squeue_failing_ = true;
     return std::nullopt;
   }
@@ -356,13 +357,12 @@ std::optional<std::map<std::string, std::pair<std::string, std::string>>> SlurmE
   // none of the ids it says "Invalid job id specified".
   if (result.exit_code != 0 && result.err.find("Invalid job id") == std::string::npos) {
     if (!squeue_failing_) {
-      std::cerr << "shoal agent: squeue failed: " << result.error_line() << "; retrying"
-                << std::endl;
+      log::warn(log::line("shoal agent: squeue failed: ", result.error_line(), "; retrying"));
     }
     squeue_failing_ = true;
     return std::nullopt;
   }
-  if (squeue_failing_) std::cerr << "shoal agent: squeue answers again" << std::endl;
+  if (squeue_failing_) log::info(log::line("shoal agent: squeue answers again"));
   squeue_failing_ = false;
   std::istringstream lines(result.out);
   for (std::string line; std::getline(lines, line);) {
@@ -426,8 +426,8 @@ std::vector<WorkerChange> SlurmEngine::poll() {
     const std::string state = found == known->end() ? "" : found->second.first;
     if (!state.empty() && !ended_state(state)) {
       if (state == "PENDING" && job.state != "PENDING") {
-        std::cerr << "shoal agent: Slurm job " << job.id << " (worker " << it->first
-                  << ") is pending: " << found->second.second << std::endl;
+        log::info(log::line("shoal agent: Slurm job ", job.id, " (worker ", it->first,
+                            ") is pending: ", found->second.second));
       }
       job.state = state;
       job.gone_since.reset();

@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "proc/process.h"
+#include "core/log.h"
 
 extern char** environ;
 
@@ -94,7 +95,7 @@ int run_step(const std::string& prefix, const std::vector<std::string>& argv) {
     ::waitpid(pid, nullptr, 0);
     const std::string why =
         "could not start: cannot execute '" + argv[0] + "': " + std::strerror(error);
-    std::cerr << "shoal agent: " << why << std::endl;
+    log::error(log::line("shoal agent: ", why));
     write_exit(prefix, why, false);
     return 127;
   }
