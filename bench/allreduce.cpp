@@ -30,12 +30,12 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
 
+#include <CLI/CLI.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/torch.h>
@@ -62,52 +62,33 @@ struct BenchOptions {
   std::string raw;  // where to append the raw lines; empty: nowhere
 };
 
-[[noreturn]] void usage(const std::string& problem) {
-  std::fprintf(
-      stderr,
-      "allreduce: %s\nusage: allreduce [--min-bytes B] [--max-bytes B] [--factor F] "
-      "[--reps R] [--bound-gbit G [--hosts H]] [--sliced [--slice-ms M]] [--split K] [--in-place] "
-      "[--raw FILE]\n",
-      problem.c_str());
-  std::exit(2);
-}
-
-BenchOptions parse(int argc, char** argv) {
-  BenchOptions options;
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    if (flag == "--sliced") {
-      options.sliced = true;
-      continue;
+// The flags, each checked by its validator; --max-bytes against --min-bytes in the final callback.
+void add_flags(CLI::App& app, BenchOptions& o) {
+  constexpr int64_t kMaxBytes = int64_t{1} << 40;
+  app.add_option("--min-bytes", o.min_bytes, "Smallest size, in bytes (default 4096)")
+      ->check(CLI::Range(int64_t{4}, kMaxBytes));
+  app.add_option("--max-bytes", o.max_bytes, "Largest size, in bytes (default 64 MiB)")
+      ->check(CLI::Range(int64_t{4}, kMaxBytes));
+  app.add_option("--factor", o.factor, "Size step (default 4)")->check(CLI::Range(2, 1024));
+  app.add_option("--reps", o.reps, "Repetitions per size (default 9)")->check(CLI::PositiveNumber);
+  app.add_option("--bound-gbit", o.bound_gbit, "The shaped link's rate, Gbit/s (default: none)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--hosts", o.hosts, "Hosts the workers are on, for the link's bound (default 1)")
+      ->check(CLI::PositiveNumber);
+  app.add_flag("--sliced", o.sliced, "Also time raw gloo waited on as shoal's Work::wait does");
+  app.add_option("--slice-ms", o.slice_ms, "Those waits' slices, ms (default 250)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--split", o.split, "Also time raw gloo on the tensor cut into K parts")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("--in-place", o.in_place, "Also time shoal on a tensor of Group::empty_shared");
+  app.add_option("--raw", o.raw, "Append every repetition's times to this file");
+  app.callback([&o] {
+    if (o.max_bytes < o.min_bytes) {
+      throw CLI::ValidationError("--max-bytes", "expected at least --min-bytes " +
+                                                    std::to_string(o.min_bytes) + ", got " +
+                                                    std::to_string(o.max_bytes));
     }
-    if (flag == "--in-place") {
-      options.in_place = true;
-      continue;
-    }
-    if (i + 1 >= argc) usage(flag + " needs a value");
-    const char* value = argv[++i];
-    if (flag == "--raw") {
-      options.raw = value;
-      continue;
-    }
-    char* end = nullptr;
-    const double number = std::strtod(value, &end);
-    if (*end != '\0' || number < 0) usage(flag + ": expected a non-negative number, got '" + value + "'");
-    if (flag == "--min-bytes") options.min_bytes = static_cast<int64_t>(number);
-    else if (flag == "--max-bytes") options.max_bytes = static_cast<int64_t>(number);
-    else if (flag == "--factor") options.factor = static_cast<int>(number);
-    else if (flag == "--reps") options.reps = static_cast<int>(number);
-    else if (flag == "--bound-gbit") options.bound_gbit = number;
-    else if (flag == "--hosts") options.hosts = static_cast<int>(number);
-    else if (flag == "--split") options.split = static_cast<int>(number);
-    else if (flag == "--slice-ms") options.slice_ms = static_cast<int>(number);
-    else usage("unknown flag '" + flag + "'");
-  }
-  if (options.min_bytes < 4 || options.max_bytes < options.min_bytes || options.factor < 2 ||
-      options.reps < 1 || options.hosts < 1) {
-    usage("expected 4 <= --min-bytes <= --max-bytes, --factor >= 2, --reps >= 1, --hosts >= 1");
-  }
-  return options;
+  });
 }
 
 c10::intrusive_ptr<c10d::ProcessGroupGloo> make_raw_group(const shoal::comm::StorePtr& store,
@@ -145,7 +126,11 @@ struct Contender {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const BenchOptions options = parse(argc, argv);
+  CLI::App app{
+      "All-reduce bus bandwidth: shoal's Group::all_reduce beside c10d's ProcessGroupGloo"};
+  BenchOptions options;
+  add_flags(app, options);
+  CLI11_PARSE(app, argc, argv);
   shoal::init();
   auto& world = shoal::world();
   const int n = world.size();

@@ -40,12 +40,12 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include <CLI/CLI.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/torch.h>
@@ -74,71 +74,45 @@ struct BenchOptions {
   int alternate = 0;        // steps per block when the contenders take turns; 0: one contender
 };
 
-std::vector<std::string> split_commas(const std::string& text) {
-  std::vector<std::string> parts;
-  size_t begin = 0;
-  for (;;) {
-    const size_t end = text.find(',', begin);
-    parts.push_back(text.substr(begin, end - begin));
-    if (end == std::string::npos) return parts;
-    begin = end + 1;
-  }
-}
-
-[[noreturn]] void usage(const std::string& problem) {
-  std::fprintf(stderr,
-               "ddp: %s\nusage: ddp --impl shoal|hand|local|lockstep --model mlp|cnn [--batch B] "
-               "[--warmup W] [--steps S] "
-               "[--gloo-threads T] [--bucket-mb M] [--no-bucket-view] [--fp16|--bf16] "
-               "[--alternate B --impl I,I,...]\n",
-               problem.c_str());
-  std::exit(2);
-}
-
-BenchOptions parse(int argc, char** argv) {
-  BenchOptions o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    if (flag == "--no-bucket-view") { o.bucket_view = false; continue; }
-    if (flag == "--no-weigh") { o.weigh = false; continue; }
-    if (flag == "--fp16") { o.fp16 = true; continue; }
-    if (flag == "--bf16") { o.bf16 = true; continue; }
-    if (i + 1 >= argc) usage(flag + " needs a value");
-    const std::string value = argv[++i];
-    if (flag == "--impl") {
-      o.impls = split_commas(value);
-      continue;
+// The flags, each checked by its validator; what needs two is checked in the final callback.
+void add_flags(CLI::App& app, BenchOptions& o) {
+  app.add_option("--impl", o.impls,
+                 "shoal, hand, local or lockstep; several, comma-separated, with --alternate")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"shoal", "hand", "local", "lockstep"}));
+  app.add_option("--model", o.model, "mlp or cnn (default mlp)")
+      ->check(CLI::IsMember({"mlp", "cnn"}));
+  app.add_option("--batch", o.batch, "Samples per worker and step (default 64)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--warmup", o.warmup, "Untimed steps (default 3)")->check(CLI::NonNegativeNumber);
+  app.add_option("--steps", o.steps, "Timed steps (default 20)")->check(CLI::PositiveNumber);
+  app.add_option("--gloo-threads", o.gloo_threads,
+                 "Threads of a group of its own (default: shoal's)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--bucket-mb", o.bucket_mb, "DataParallel's bucket size, MB (default 25)")
+      ->check(CLI::PositiveNumber);
+  app.add_flag_callback(
+      "--no-bucket-view", [&o] { o.bucket_view = false; },
+      "DataParallelOptions::gradient_as_bucket_view = false");
+  app.add_flag_callback(
+      "--no-weigh", [&o] { o.weigh = false; }, "DataParallelOptions::weigh_by_batch_share = false");
+  CLI::Option* fp16 = app.add_flag("--fp16", o.fp16, "Average through dp::fp16_compress_hook()");
+  app.add_flag("--bf16", o.bf16, "Average through dp::bf16_compress_hook()")->excludes(fp16);
+  app.add_option("--alternate", o.alternate, "Steps per block when several --impl take turns")
+      ->check(CLI::NonNegativeNumber);
+  app.callback([&o] {
+    for (size_t k = 0; k < o.impls.size(); ++k) {
+      if (std::find(o.impls.begin(), o.impls.begin() + k, o.impls[k]) != o.impls.begin() + k)
+        throw CLI::ValidationError("--impl", "names " + o.impls[k] + " twice");
     }
-    if (flag == "--model") { o.model = value; continue; }
-    char* end = nullptr;
-    const double number = std::strtod(value.c_str(), &end);
-    if (*end != '\0' || number < 0) usage(flag + ": expected a non-negative number, got '" + value + "'");
-    if (flag == "--batch") o.batch = static_cast<int64_t>(number);
-    else if (flag == "--warmup") o.warmup = static_cast<int>(number);
-    else if (flag == "--steps") o.steps = static_cast<int>(number);
-    else if (flag == "--gloo-threads") o.gloo_threads = static_cast<int>(number);
-    else if (flag == "--bucket-mb") o.bucket_mb = number;
-    else if (flag == "--alternate")
-      o.alternate = static_cast<int>(number);
-    else usage("unknown flag '" + flag + "'");
-  }
-  for (size_t k = 0; k < o.impls.size(); ++k) {
-    const std::string& impl = o.impls[k];
-    if (impl != "shoal" && impl != "hand" && impl != "local" && impl != "lockstep")
-      usage("--impl must be shoal, hand, local or lockstep, got '" + impl + "'");
-    if (std::find(o.impls.begin(), o.impls.begin() + k, impl) != o.impls.begin() + k)
-      usage("--impl names " + impl + " twice");
-  }
-  if (o.impls.size() > 1 && o.alternate < 1)
-    usage("several --impl need --alternate B (steps per block, >= 1)");
-  const bool with_shoal = std::find(o.impls.begin(), o.impls.end(), "shoal") != o.impls.end();
-  if (o.model != "mlp" && o.model != "cnn") usage("--model must be mlp or cnn");
-  if (o.batch < 1 || o.steps < 1 || o.bucket_mb <= 0) usage("expected --batch >= 1, --steps >= 1, --bucket-mb > 0");
-  if ((o.fp16 || o.bf16 || !o.bucket_view || !o.weigh) && !with_shoal) {
-    usage("--fp16, --bf16, --no-bucket-view and --no-weigh need --impl shoal");
-  }
-  if (o.fp16 && o.bf16) usage("--fp16 and --bf16 exclude each other");
-  return o;
+    if (o.impls.size() > 1 && o.alternate < 1)
+      throw CLI::ValidationError("--impl", "several need --alternate B (steps per block, >= 1)");
+    const bool with_shoal = std::find(o.impls.begin(), o.impls.end(), "shoal") != o.impls.end();
+    if ((o.fp16 || o.bf16 || !o.bucket_view || !o.weigh) && !with_shoal) {
+      throw CLI::ValidationError(
+          "--fp16, --bf16, --no-bucket-view and --no-weigh need --impl shoal");
+    }
+  });
 }
 
 struct MlpImpl : torch::nn::Module {
@@ -364,7 +338,10 @@ int run(const BenchOptions& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const BenchOptions options = parse(argc, argv);
+  CLI::App app{"Data-parallel training throughput: shoal::DataParallel beside a hand-written loop"};
+  BenchOptions options;
+  add_flags(app, options);
+  CLI11_PARSE(app, argc, argv);
   shoal::InitOptions init;
   init.intra_op_threads = 1;  // one intra-op thread per worker, as the PyTorch contender
   shoal::init(init);

@@ -9,9 +9,9 @@
 // after the first 3 of the last round.
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <string>
 
+#include <CLI/CLI.hpp>
 #include <torch/torch.h>
 
 #include "shoal/shoal.h"
@@ -42,19 +42,16 @@ class RandomImages : public torch::data::datasets::Dataset<RandomImages> {
 }  // namespace
 
 int main(int argc, char** argv) {
+  CLI::App app{"Elastic training of bench/ddp's MLP under shoal::elastic::run (bench/elastic.py)"};
   int64_t steps = 200;
   int commit_every = 1;
   int64_t batch = 64;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string flag = argv[i];
-    if (flag == "--steps") steps = std::atoll(argv[i + 1]);
-    else if (flag == "--commit-every") commit_every = std::atoi(argv[i + 1]);
-    else if (flag == "--batch") batch = std::atoll(argv[i + 1]);
-    else {
-      std::fprintf(stderr, "elastic: unknown flag %s\n", flag.c_str());
-      return 2;
-    }
-  }
+  app.add_option("--steps", steps, "Steps to train (default 200)")->check(CLI::PositiveNumber);
+  app.add_option("--commit-every", commit_every, "Steps between commits; 0: none (default 1)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--batch", batch, "Samples per worker and step (default 64)")
+      ->check(CLI::PositiveNumber);
+  CLI11_PARSE(app, argc, argv);
   shoal::InitOptions init;
   init.intra_op_threads = 1;
   shoal::init(init);

@@ -9,7 +9,7 @@
 //   SHOAL_PS_MODE=sync shoal run --servers S -n W ps_ctr --impl ps [--vocabulary 100000] ...
 //   shoal run -n W ps_ctr --impl dp [--vocabulary 100000] ...
 //
-// Same data (shoal::data::SyntheticCtr with the given vocabulary per field; each worker trains
+// Same data (shoal::datasets::SyntheticCtr with the given vocabulary per field; each worker trains
 // its own --batch samples per step, different on every worker), same model (DeepFM: first-order
 // weights and 8-wide embeddings of 26 fields in one table each, an MLP 64-32 beside them), same
 // optimizer (Adagrad, lr 0.02). Batches are made before anything is timed. After --warmup
@@ -36,6 +36,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "shoal/datasets/synthetic_ctr.h"
 #include "shoal/shoal.h"
 
 namespace {
@@ -132,11 +133,11 @@ int main(int argc, char** argv) {
   const bool on_servers = impl == "ps";
 
   // Worker r's batch of step i: samples (i * n + r) * batch ... + batch - 1 of the set.
-  shoal::data::SyntheticCtrOptions data;
+  shoal::datasets::SyntheticCtrOptions data;
   data.vocabulary = vocabulary;
   data.size = (warmup + steps) * n * batch;
-  const shoal::data::SyntheticCtr set(data);
-  std::vector<shoal::data::CtrBatch> batches;
+  const shoal::datasets::SyntheticCtr set(data);
+  std::vector<shoal::datasets::CtrBatch> batches;
   for (int i = 0; i < warmup + steps; ++i)
     batches.push_back(set.range((i * n + rank) * batch, batch));
 

@@ -70,18 +70,6 @@ class EchoService : public grpc::Service {
 };
 constexpr int kWarmup = 2;
 
-int64_t parse_size(const std::string& text) {
-  const int64_t n = std::stoll(text);
-  switch (text.back()) {
-    case 'K':
-      return n << 10;
-    case 'M':
-      return n << 20;
-    default:
-      return n;
-  }
-}
-
 // Enough round trips that a batch takes tens of milliseconds at least.
 int iterations_for(int64_t bytes) {
   return static_cast<int>(std::clamp<int64_t>((128 << 20) / bytes, 8, 1000));
@@ -333,16 +321,15 @@ int measure(const comm::StorePtr& store, const std::vector<int64_t>& sizes, int 
 int main(int argc, char** argv) {
   CLI::App app("The parameter server's transport candidates, side by side (docs/ps.md)");
   int reps = 5;
-  std::string sizes_text = "4K,64K,512K,2M,8M";
-  app.add_option("--reps", reps, "Repetitions per size and transport (default 5)");
-  app.add_option("--sizes", sizes_text, "Payload sizes (default 4K,64K,512K,2M,8M)");
+  std::vector<int64_t> sizes = {4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20};
+  app.add_option("--reps", reps, "Repetitions per size and transport (default 5)")
+      ->check(CLI::PositiveNumber);
+  // AsSizeValue(false): K and M are 1024 and 1024^2, as the sizes the tables print.
+  app.add_option("--sizes", sizes, "Payload sizes in bytes (default 4K,64K,512K,2M,8M)")
+      ->delimiter(',')
+      ->transform(CLI::AsSizeValue(false))
+      ->check(CLI::Range(int64_t{4}, int64_t{1} << 32));
   CLI11_PARSE(app, argc, argv);
-  std::vector<int64_t> sizes;
-  for (size_t at = 0; at < sizes_text.size();) {
-    const size_t comma = std::min(sizes_text.find(',', at), sizes_text.size());
-    sizes.push_back(parse_size(sizes_text.substr(at, comma - at)));
-    at = comma + 1;
-  }
   int ports[2];
   if (::pipe(ports) != 0) return 1;
   const pid_t child = ::fork();  // before any thread: the server process starts clean

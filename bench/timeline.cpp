@@ -5,8 +5,9 @@
 //   /tmp/shoal-slice-bench.json)
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <string>
+
+#include <CLI/CLI.hpp>
 
 #include "core/timeline_start.h"
 #include "shoal/core/timeline.h"
@@ -27,25 +28,13 @@ double ns_per_slice(int64_t slices) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  CLI::App app{"The cost of one timeline slice, off and on"};
   int64_t slices = 1000000;
   std::string path = "/tmp/shoal-slice-bench.json";
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string flag = argv[i];
-    if (flag == "--slices") {
-      slices = std::atoll(argv[i + 1]);
-    } else if (flag == "--file") {
-      path = argv[i + 1];
-    } else {
-      std::fprintf(stderr,
-                   "timeline_slice: unknown flag '%s'; expected --slices N or --file PATH\n",
-                   flag.c_str());
-      return 2;
-    }
-  }
-  if (slices < 1) {
-    std::fprintf(stderr, "timeline_slice: expected --slices >= 1\n");
-    return 2;
-  }
+  app.add_option("--slices", slices, "Slices timed each way (default 1000000)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--file", path, "The timeline's file (default /tmp/shoal-slice-bench.json)");
+  CLI11_PARSE(app, argc, argv);
   const double off = ns_per_slice(slices);
   shoal::timeline::start(
       {{"SHOAL_TIMELINE", path}, {"SHOAL_TIMELINE_MAX_EVENTS", std::to_string(slices)}}, 0,

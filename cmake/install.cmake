@@ -6,12 +6,14 @@ include(CMakePackageConfigHelpers)
 
 set(SHOAL_CMAKE_DIR ${CMAKE_INSTALL_LIBDIR}/cmake/shoal)
 
-install(TARGETS shoal EXPORT shoalTargets
+# shoal_datasets: the demo datasets' library (shoal::datasets, include/shoal/datasets/).
+install(TARGETS shoal shoal_datasets EXPORT shoalTargets
   LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT runtime NAMELINK_COMPONENT development)
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/shoal DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}
   COMPONENT development)
 
-# find_package(shoal): shoal::shoal, which brings shoal::torch (cmake/shoalTorch.cmake) along.
+# find_package(shoal): shoal::shoal, which brings shoal::torch (cmake/shoalTorch.cmake) along, and
+# shoal::datasets for a program that uses the demo datasets.
 install(EXPORT shoalTargets NAMESPACE shoal:: DESTINATION ${SHOAL_CMAKE_DIR}
   COMPONENT development)
 configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/shoalConfig.cmake.in
@@ -73,7 +75,7 @@ set(CPACK_DEBIAN_PACKAGE_SECTION science)
 set(CPACK_DEBIAN_RUNTIME_PACKAGE_NAME shoal)
 # The `shoal` command serves parameter servers over gRPC: libgrpc++1.51, libgrpc29 (libgpr),
 # libabsl20220623 and libprotobuf32; its job queue keeps its state in SQLite (libsqlite3-0) and
-# speaks HTTP through cpp-httplib (libcpp-httplib0.11); its processes log through spdlog
+# speaks HTTP through cpp-httplib (libcpp-httplib0.11), as the library does to etcd; its processes log through spdlog
 # (libspdlog1.10, which brings libfmt9 along).
 set(CPACK_DEBIAN_RUNTIME_PACKAGE_DEPENDS
     "libtorch1.13, libssl3, zlib1g, libgrpc++1.51, libgrpc29, libabsl20220623, libprotobuf32, libsqlite3-0, libcpp-httplib0.11, libspdlog1.10, libstdc++6, libgcc-s1, libc6")

@@ -1,4 +1,4 @@
-// DeepFM on shoal::data::SyntheticCtr, a click-through-rate set whose best possible logloss and
+// DeepFM on shoal::datasets::SyntheticCtr, a click-through-rate set whose best possible logloss and
 // AUC are known (docs/data.md, "Synthetic CTR"), trained on parameter servers (docs/ps.md). The
 // embedding tables (one row per id of every field: 2.6 million rows at the defaults) live on the
 // servers, which update only the rows a step touched; the dense layers too. Prints a progress
@@ -18,7 +18,7 @@
 #include <CLI/CLI.hpp>
 
 #include "cli.h"
-#include "shoal/data/synthetic_ctr.h"
+#include "shoal/datasets/synthetic_ctr.h"
 #include "shoal/ps/ps.h"
 #include "shoal/init.h"
 
@@ -75,7 +75,7 @@ int main(int argc, char** argv) {
   int epochs = 1, dim = 8, reports = 10;
   double lr = 0.02;
   uint64_t seed = 0;
-  shoal::data::SyntheticCtrOptions data;
+  shoal::datasets::SyntheticCtrOptions data;
   CLI::App app{"DeepFM on a synthetic click-through-rate set with a known optimum.", "ctr"};
   app.add_option("--samples", samples, "training samples (the set's first N)")
       ->check(examples::positive());
@@ -99,7 +99,7 @@ int main(int argc, char** argv) {
   shoal::init();
   data.seed = seed;
   data.size = samples + test_samples;
-  const shoal::data::SyntheticCtr set(data);
+  const shoal::datasets::SyntheticCtr set(data);
   torch::manual_seed(0);
   DeepFm model(data.fields, data.vocabulary, data.dense, dim, std::vector<int64_t>{64, 32});
   shoal::ps::Optimizer optimizer(*model, torch::optim::AdagradOptions(lr));
@@ -112,7 +112,7 @@ int main(int argc, char** argv) {
     model->eval();
     const auto p = torch::sigmoid(model->forward(test.ids, test.dense));
     model->train();
-    return std::make_pair(shoal::data::logloss(p, test.label), shoal::data::auc(p, test.label));
+    return std::make_pair(shoal::datasets::logloss(p, test.label), shoal::datasets::auc(p, test.label));
   };
 
   const int64_t steps = (samples + batch - 1) / batch;
@@ -158,8 +158,8 @@ int main(int argc, char** argv) {
     }
   }
   if (!shoal::is_main()) return 0;
-  const double bayes_logloss = shoal::data::logloss(test.probability, test.label);
-  const double bayes_auc = shoal::data::auc(test.probability, test.label);
+  const double bayes_logloss = shoal::datasets::logloss(test.probability, test.label);
+  const double bayes_auc = shoal::datasets::auc(test.probability, test.label);
   const auto [logloss, auc] = evaluate();
   std::printf("test logloss %.4f (Bayes %.4f)  AUC %.4f (Bayes %.4f, ratio %.4f)\n", logloss,
               bayes_logloss, auc, bayes_auc, auc / bayes_auc);

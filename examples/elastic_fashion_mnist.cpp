@@ -18,14 +18,14 @@
 #include <CLI/CLI.hpp>
 
 #include "fashion_mnist_net.h"
-#include "shoal/data/fashion_mnist.h"
+#include "shoal/datasets/fashion_mnist.h"
 #include "shoal/shoal.h"
 
 namespace {
 
 // The fraction of `test` that `net` gets right. Each worker scores its share; one all-reduce
 // adds up the hits.
-double test_accuracy(fashion_mnist::Net& net, const shoal::data::FashionMnist& test) {
+double test_accuracy(fashion_mnist::Net& net, const shoal::datasets::FashionMnist& test) {
   torch::NoGradGuard no_grad;
   net->eval();
   const int64_t n = test.images().size(0);
@@ -63,9 +63,9 @@ int main(int argc, char** argv) {
   fashion_mnist::Net net;
   shoal::DataParallel model(net);  // shoal
 
-  using shoal::data::FashionMnist;
-  FashionMnist train(shoal::data::kFashionMnistRoot, FashionMnist::Split::kTrain);
-  FashionMnist test(shoal::data::kFashionMnistRoot, FashionMnist::Split::kTest);
+  using shoal::datasets::FashionMnist;
+  FashionMnist train(shoal::datasets::kFashionMnistRoot, FashionMnist::Split::kTrain);
+  FashionMnist test(shoal::datasets::kFashionMnistRoot, FashionMnist::Split::kTest);
   if (limit > 0) {
     train = train.head(limit);
     test = test.head(std::max<int64_t>(1, limit / 6));

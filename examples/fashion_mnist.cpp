@@ -16,6 +16,7 @@
 
 #include "cli.h"
 #include "fashion_mnist_net.h"
+#include "shoal/datasets/fashion_mnist.h"
 #include "shoal/shoal.h"
 
 namespace {
@@ -68,7 +69,7 @@ class Progress {
 };
 
 // Each worker scores its share of the test set; one all-reduce adds up the hits.
-double test_accuracy(Net& net, const shoal::data::FashionMnist& test) {
+double test_accuracy(Net& net, const shoal::datasets::FashionMnist& test) {
   torch::NoGradGuard no_grad;
   net->eval();
   const int64_t n = test.images().size(0);
@@ -114,9 +115,9 @@ int main(int argc, char** argv) {
     Net net;
     shoal::DataParallel model(net);  // shoal
 
-    using shoal::data::FashionMnist;
-    FashionMnist train(shoal::data::kFashionMnistRoot, FashionMnist::Split::kTrain);
-    FashionMnist test(shoal::data::kFashionMnistRoot, FashionMnist::Split::kTest);
+    using shoal::datasets::FashionMnist;
+    FashionMnist train(shoal::datasets::kFashionMnistRoot, FashionMnist::Split::kTrain);
+    FashionMnist test(shoal::datasets::kFashionMnistRoot, FashionMnist::Split::kTest);
     if (options.limit > 0) train = train.head(options.limit);
     shoal::data::LoaderOptions loading;
     loading.batch_size = options.batch_size;  // the global batch
@@ -134,7 +135,7 @@ int main(int argc, char** argv) {
     // checkpoint, on however many workers this run has.
     int64_t first_epoch = 0;
     if (options.resume) {
-      loader.sampler().load_state(shoal::load(options.checkpoint, *net, optimizer));  // shoal
+      shoal::load(options.checkpoint, *net, optimizer, loader.sampler());  // shoal
       first_epoch = loader.sampler().epoch() + (loader.sampler().epoch_done() ? 1 : 0);
       if (shoal::is_main()) {
         std::printf("resumed from %s at epoch %lld\n", options.checkpoint.c_str(),
@@ -155,7 +156,7 @@ int main(int argc, char** argv) {
         optimizer.step();
         progress.step(batch.data.size(0), loss);
       }
-      shoal::save(options.checkpoint, *net, optimizer, loader.sampler().state());  // shoal
+      shoal::save(options.checkpoint, *net, optimizer, loader.sampler());  // shoal
       const double accuracy = test_accuracy(net, test);
       if (shoal::is_main()) {
         std::printf("epoch %lld/%d: test accuracy %.2f%%, checkpoint %s\n",

@@ -183,10 +183,18 @@ TEST(Checkpoint, RoundTripRestoresTrainingExactly) {
     loader_state.dataset_size = 100;
     loader_state.epoch = 2;
     loader_state.cursor = 40;
+    // A sampler standing there, and one for the same data standing at the start.
+    shoal::data::SamplerOptions sampler_options;
+    sampler_options.batch_size = 10;
+    sampler_options.shuffle = loader_state.shuffle;
+    sampler_options.seed = loader_state.seed;
+    shoal::data::Sampler sampler(loader_state.dataset_size, sampler_options, 0, 1);
+    sampler.load_state(loader_state);
+    shoal::data::Sampler restored_sampler(loader_state.dataset_size, sampler_options, 0, 1);
     shoal::SaveOptions save_options;
     save_options.extras["lr"] = torch::tensor(0.01, torch::kFloat64);
     save_options.extras["best loss.v2"] = torch::tensor({1.5f, 2.5f});  // any name
-    shoal::save(path, *net, optimizer, loader_state, save_options);
+    shoal::save(path, *net, optimizer, sampler, save_options);
     EXPECT_EQ(dir.listing(), std::set<std::string>{"ckpt.pt"});  // no temporary file left
 
     torch::manual_seed(2);
@@ -196,7 +204,8 @@ TEST(Checkpoint, RoundTripRestoresTrainingExactly) {
     shoal::CheckpointExtras extras;
     shoal::LoadOptions load_options;
     load_options.extras = &extras;
-    const auto restored = shoal::load(path, *copy, copy_optimizer, load_options);
+    shoal::load(path, *copy, copy_optimizer, restored_sampler, load_options);
+    const auto restored = restored_sampler.state();
 
     expect_same(snapshot(copy, copy_optimizer), snapshot(net, optimizer), "after load");
     EXPECT_EQ(restored.seed, loader_state.seed);
@@ -240,15 +249,33 @@ TEST(Checkpoint, PartsAreOptional) {
                         "shoal::load(path, module)"});
     expect_same(snapshot(copy, copy_optimizer), before, "after a failed load");
 
-    // Module and optimizer without a loader state: a default SamplerState comes back.
+    // Module and optimizer without a loader state: loading a loader from it is refused, with
+    // nothing changed; without the loader it loads.
     shoal::save(dir.file("no_loader.pt"), *net, optimizer);
-    const auto state = shoal::load(dir.file("no_loader.pt"), *copy, copy_optimizer);
-    EXPECT_EQ(state.dataset_size, 0);
-    EXPECT_EQ(state.cursor, 0);
+    shoal::data::Sampler sampler(100, {}, 0, 1);
+    sampler.set_epoch(3);
+    expect_usage_error([&] { shoal::load(dir.file("no_loader.pt"), *copy, copy_optimizer, sampler); },
+                       {"checkpoint " + dir.file("no_loader.pt") + " holds no loader state",
+                        "or load it without the loader"});
+    expect_same(snapshot(copy, copy_optimizer), before, "after a failed load");
+    EXPECT_EQ(sampler.epoch(), 3);
+    shoal::load(dir.file("no_loader.pt"), *copy, copy_optimizer);
     expect_same(snapshot(copy, copy_optimizer), snapshot(net, optimizer));
 
     // A file with everything loads into the module alone (evaluation).
-    shoal::save(dir.file("all.pt"), *net, optimizer, shoal::data::SamplerState{});
+    shoal::save(dir.file("all.pt"), *net, optimizer, sampler);
+    // Its loader state is checked with the rest, before anything changes: a loader over another
+    // dataset refuses it, and neither the model, the optimizer nor the loader changes.
+    shoal::data::Sampler other_data(50, {}, 0, 1);
+    other_data.set_epoch(1);
+    train(copy, copy_optimizer, 0, 1);  // so that it differs from the file
+    const auto trained = snapshot(copy, copy_optimizer);
+    expect_usage_error([&] { shoal::load(dir.file("all.pt"), *copy, copy_optimizer, other_data); },
+                       {"checkpoint " + dir.file("all.pt") +
+                        ": Sampler: the state was saved for a dataset of 100 samples; this one has 50"});
+    expect_same(snapshot(copy, copy_optimizer), trained, "after a refused loader state");
+    EXPECT_EQ(other_data.epoch(), 1);
+    EXPECT_EQ(other_data.cursor(), 0);
     Net eval;
     shoal::load(dir.file("all.pt"), *eval);
     EXPECT_TRUE(torch::equal(eval->fc2->weight, net->fc2->weight));
@@ -339,7 +366,7 @@ TEST(Checkpoint, ResumesOnADifferentNumberOfWorkers) {
       train_step(net, optimizer, batch);
       if (++steps == kStepsBefore) break;
     }
-    shoal::save(path, *net, optimizer, loader.sampler().state());
+    shoal::save(path, *net, optimizer, loader.sampler());
   }, dir.workers());
 
   // Three workers, each from a different random model, load it and finish the epoch.
@@ -348,11 +375,10 @@ TEST(Checkpoint, ResumesOnADifferentNumberOfWorkers) {
     Net net(8, false);
     auto optimizer = make_adam(net);
     auto loader = shoal::data::make_loader(Points(), loader_options());
-    const auto state = shoal::load(path, *net, optimizer);
-    EXPECT_EQ(state.epoch, 0);
-    EXPECT_EQ(state.cursor, kStepsBefore * kGlobalBatch);
+    shoal::load(path, *net, optimizer, loader.sampler());
+    EXPECT_EQ(loader.sampler().epoch(), 0);
+    EXPECT_EQ(loader.sampler().cursor(), kStepsBefore * kGlobalBatch);
     for (auto& p : net->parameters()) EXPECT_EQ(adam_state(optimizer, p)->step(), kStepsBefore);
-    loader.sampler().load_state(state);
 
     // The oracle: one process training on every global batch of the epoch from the same start.
     torch::manual_seed(10);  // worker 0's model in the first run
@@ -369,7 +395,7 @@ TEST(Checkpoint, ResumesOnADifferentNumberOfWorkers) {
 
     shoal::DataParallel model(net);
     int64_t steps = 0;
-    for (auto& batch : loader.epoch(state.epoch)) {
+    for (auto& batch : loader.epoch(loader.sampler().epoch())) {
       EXPECT_EQ(batch.data.size(0), kGlobalBatch / 3);
       train_step(net, optimizer, batch);
       ++steps;
@@ -414,7 +440,7 @@ class BadFiles : public ::testing::TestWithParam<int> {};
 std::string prepare(const ScratchDir& dir, Net& net, torch::optim::Optimizer& optimizer) {
   train(net, optimizer, 0, 2);
   const std::string good = dir.file("good.pt");
-  shoal::save(good, *net, optimizer, shoal::data::SamplerState{});
+  shoal::save(good, *net, optimizer, shoal::data::Sampler(16, {}, 0, 1));
   train(net, optimizer, 2, 1);
   return good;
 }

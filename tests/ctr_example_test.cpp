@@ -19,7 +19,7 @@ namespace fs = std::filesystem;
 
 TEST(CtrExample, LearnsTowardsTheBayesOptimum) {
   const std::string example =
-      fs::path(SHOAL_TEST_PROGRAMS_DIR).parent_path() / "examples" / "ctr";
+      fs::path(test_programs_dir()).parent_path() / "examples" / "ctr";
   const auto run = run_shoal(
       {"-n", "1", example, "--samples", "200000", "--test-samples", "20000", "--reports", "2"},
       120s);
@@ -59,7 +59,7 @@ Result result_of(const RunResult& run) {
 
 TEST(CtrExample, OnServersSyncReachesTheBayesAucAndAsyncFollows) {
   const std::string example =
-      fs::path(SHOAL_TEST_PROGRAMS_DIR).parent_path() / "examples" / "ctr";
+      fs::path(test_programs_dir()).parent_path() / "examples" / "ctr";
   const std::vector<std::string> args = {
       "--servers", "2", "-n", "2", example, "--samples", "1000000", "--test-samples", "20000",
       "--vocabulary", "10000", "--zipf", "1.3", "--factor-scale", "0.3", "--lr", "0.05",

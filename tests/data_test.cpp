@@ -8,7 +8,7 @@
 
 #include "error_of.h"
 #include "shoal/core/error.h"
-#include "shoal/data/fashion_mnist.h"
+#include "shoal/datasets/fashion_mnist.h"
 
 namespace {
 
@@ -38,30 +38,30 @@ TEST_F(IdxFiles, ReadsShapeAndValues) {
   std::vector<unsigned char> bytes = {0, 0, 8, 3, 0, 0, 0, 2, 0, 0, 0, 2, 0, 0, 0, 3};
   for (int i = 0; i < 12; ++i) bytes.push_back(static_cast<unsigned char>(i));
   write_gz(dir_ / "x.gz", bytes);
-  auto t = shoal::data::read_idx_gz((dir_ / "x.gz").string(), 3);
+  auto t = shoal::datasets::read_idx_gz((dir_ / "x.gz").string(), 3);
   EXPECT_EQ(t.sizes(), (std::vector<int64_t>{2, 2, 3}));
   EXPECT_TRUE(torch::equal(t, torch::arange(12, torch::kUInt8).view({2, 2, 3})));
 }
 
 TEST_F(IdxFiles, MissingMalformedAndTruncatedFilesNameTheProblem) {
   const auto path = (dir_ / "x.gz").string();
-  EXPECT_EQ(error_of([&] { shoal::data::read_idx_gz(path, 1); }).rfind(path + ": cannot open (", 0), 0u);
+  EXPECT_EQ(error_of([&] { shoal::datasets::read_idx_gz(path, 1); }).rfind(path + ": cannot open (", 0), 0u);
 
   write_gz(dir_ / "x.gz", {0, 0, 13, 1, 0, 0, 0, 1, 7});
-  EXPECT_EQ(error_of([&] { shoal::data::read_idx_gz(path, 1); }),
+  EXPECT_EQ(error_of([&] { shoal::datasets::read_idx_gz(path, 1); }),
             path + ": not an IDX file of unsigned bytes with 1 dimensions: magic 00000d01, expected 00000801");
 
   write_gz(dir_ / "x.gz", {0, 0, 8, 1, 0, 0, 0, 5, 1, 2});
-  EXPECT_EQ(error_of([&] { shoal::data::read_idx_gz(path, 1); }),
+  EXPECT_EQ(error_of([&] { shoal::datasets::read_idx_gz(path, 1); }),
             path + ": truncated or corrupt IDX file: expected 5 bytes of data, read 2");
 
   write_gz(dir_ / "x.gz", {0, 0});
-  EXPECT_EQ(error_of([&] { shoal::data::read_idx_gz(path, 1); }),
+  EXPECT_EQ(error_of([&] { shoal::datasets::read_idx_gz(path, 1); }),
             path + ": truncated or corrupt IDX file: expected 4 bytes of header, read 2");
 }
 
 TEST(FashionMnist, DebianCopyLoads) {
-  shoal::data::FashionMnist test(shoal::data::kFashionMnistRoot, shoal::data::FashionMnist::Split::kTest);
+  shoal::datasets::FashionMnist test(shoal::datasets::kFashionMnistRoot, shoal::datasets::FashionMnist::Split::kTest);
   EXPECT_EQ(test.size().value(), 10000u);
   EXPECT_EQ(test.images().sizes(), (std::vector<int64_t>{10000, 1, 28, 28}));
   EXPECT_GE(test.images().min().item<float>(), 0.0f);

@@ -55,8 +55,9 @@ class Demo : public ::testing::Test {
   }
 
   std::vector<std::string> demo(int workers, const std::string& checkpoint, int64_t limit, int epochs) const {
-    return {"-n",      std::to_string(workers), SHOAL_FASHION_MNIST, "--limit", std::to_string(limit),
-            "--epochs", std::to_string(epochs),  "--checkpoint",      dir_ + "/" + checkpoint};
+    return {"-n",           std::to_string(workers), fashion_mnist_program(),
+            "--limit",      std::to_string(limit),   "--epochs", std::to_string(epochs),
+            "--checkpoint", dir_ + "/" + checkpoint};
   }
 
   std::string dir_;

@@ -22,7 +22,7 @@ namespace shoal::testing::elastic {
 
 using namespace std::chrono_literals;
 
-inline const std::string kWorker = std::string(SHOAL_TEST_PROGRAMS_DIR) + "/elastic_worker";
+inline const std::string kWorker = test_programs_dir() + "/elastic_worker";
 inline constexpr int kSamples = 240;
 
 struct Outcome {

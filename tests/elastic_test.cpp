@@ -719,7 +719,7 @@ TEST(ElasticState, RefusesGlobalParameters) {
 namespace {
 
 const std::string kExample =
-    std::string(SHOAL_TEST_PROGRAMS_DIR) + "/../examples/elastic_fashion_mnist";
+    shoal::testing::test_programs_dir() + "/../examples/elastic_fashion_mnist";
 
 // "after S steps: test accuracy A, parameter checksum C": {A, C}.
 std::pair<double, double> example_result(const std::string& out) {

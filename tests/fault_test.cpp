@@ -24,6 +24,8 @@
 namespace {
 
 using shoal::testing::run_workers;
+using shoal::testing::shoal_bin;
+using shoal::testing::test_programs_dir;
 using Clock = std::chrono::steady_clock;
 
 constexpr auto kTimeout = std::chrono::seconds(5);
@@ -219,7 +221,7 @@ TEST(ShoalRun, KilledWorkerStopsTheJobWithNoOrphans) {
   namespace fs = std::filesystem;
   const fs::path pids = fs::temp_directory_path() / ("shoal-fault-" + std::to_string(getpid()));
   fs::create_directories(pids);
-  const std::string command = std::string(SHOAL_BIN) + " run -n 3 " + SHOAL_TEST_PROGRAMS_DIR +
+  const std::string command = shoal_bin() + " run -n 3 " + test_programs_dir() +
                               "/fault_worker 1 " + pids.string() + " 2>" + (pids / "stderr").string();
   auto start = Clock::now();
   int status = std::system(command.c_str());

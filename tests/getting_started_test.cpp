@@ -53,8 +53,8 @@ size_t lines_not_kept(const std::vector<std::string>& a, const std::vector<std::
 }
 
 TEST(GettingStartedChange, TheDistributedProgramAddsTwoLinesAndChangesTwo) {
-  const auto plain = code_lines(SHOAL_EXAMPLES_SOURCE_DIR "/getting_started/plain.cpp");
-  const auto distributed = code_lines(SHOAL_EXAMPLES_SOURCE_DIR "/getting_started/distributed.cpp");
+  const auto plain = code_lines(examples_source_dir() + "/getting_started/plain.cpp");
+  const auto distributed = code_lines(examples_source_dir() + "/getting_started/distributed.cpp");
   ASSERT_GT(plain.size(), 20u);
   EXPECT_EQ(distributed.size() - plain.size(), 2u) << "lines added";
   EXPECT_EQ(lines_not_kept(distributed, plain), 3u) << "lines of the plain program changed";
@@ -65,8 +65,8 @@ TEST(GettingStartedChange, TheDistributedProgramAddsTwoLinesAndChangesTwo) {
 // group, the sampler and its set_epoch, the per-worker batch size, the wrapper's forward, a save
 // on one rank, and the teardown.
 TEST(GettingStartedChange, PyTorchDdpAddsNineLinesAndChangesThree) {
-  const auto plain = code_lines(SHOAL_EXAMPLES_SOURCE_DIR "/getting_started/pytorch_plain.py");
-  const auto ddp = code_lines(SHOAL_EXAMPLES_SOURCE_DIR "/getting_started/pytorch_ddp.py");
+  const auto plain = code_lines(examples_source_dir() + "/getting_started/pytorch_plain.py");
+  const auto ddp = code_lines(examples_source_dir() + "/getting_started/pytorch_ddp.py");
   ASSERT_GT(plain.size(), 20u);
   EXPECT_EQ(ddp.size() - plain.size(), 9u) << "lines added";
   EXPECT_EQ(lines_not_kept(ddp, plain), 3u) << "lines of the plain program changed";
@@ -104,7 +104,7 @@ class GettingStartedRun : public ::testing::Test {
 };
 
 TEST_F(GettingStartedRun, ThreeWorkersEndWhereOneProcessEnds) {
-  const std::string program = SHOAL_EXAMPLES_DIR "/getting_started_distributed";
+  const std::string program = examples_dir() + "/getting_started_distributed";
   const RunResult one = run_shoal({"-n", "1", program, dir_, dir_ + "/one.pt", "1"}, 300s);
   ASSERT_EQ(one.exit_code, 0) << one.out << one.err;
   const RunResult three = run_shoal({"-n", "3", program, dir_, dir_ + "/three.pt", "1"}, 300s);
@@ -120,7 +120,7 @@ TEST_F(GettingStartedRun, ThreeWorkersEndWhereOneProcessEnds) {
 }
 
 TEST_F(GettingStartedRun, ThePlainProgramRuns) {
-  const RunResult plain = run_shoal({"-n", "1", SHOAL_EXAMPLES_DIR "/getting_started_plain", dir_, dir_ + "/plain.pt", "1"}, 300s);
+  const RunResult plain = run_shoal({"-n", "1", examples_dir() + "/getting_started_plain", dir_, dir_ + "/plain.pt", "1"}, 300s);
   ASSERT_EQ(plain.exit_code, 0) << plain.out << plain.err;
   EXPECT_EQ(parameters(dir_ + "/plain.pt").size(), 4u);
 }
@@ -131,7 +131,7 @@ TEST_F(GettingStartedRun, ThePyTorchDdpProgramRuns) {
     GTEST_SKIP() << "Debian's python3-torch is not installed (scripts/setup.sh installs it)";
   }
   // Debian 12's torchrun crashes at start on Python 3.11 unless its redirects are given.
-  const std::string command = "cd " SHOAL_EXAMPLES_SOURCE_DIR "/getting_started && timeout 300 /usr/bin/python3 -m "
+  const std::string command = "cd " + examples_source_dir() + "/getting_started && timeout 300 /usr/bin/python3 -m "
                               "torch.distributed.run --redirects=2 --tee=2 --log_dir=" + dir_ + "/logs --nproc_per_node 2 "
                               "pytorch_ddp.py " + dir_ + " " + dir_ + "/ddp.pt 1 > " + dir_ + "/ddp.out 2>&1";
   ASSERT_EQ(std::system(command.c_str()), 0) << command;

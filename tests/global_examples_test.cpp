@@ -19,7 +19,7 @@ using namespace std::chrono_literals;
 namespace fs = std::filesystem;
 
 std::string example(const std::string& name) {
-  return fs::path(SHOAL_TEST_PROGRAMS_DIR).parent_path() / "examples" / name;
+  return fs::path(test_programs_dir()).parent_path() / "examples" / name;
 }
 
 // The first worker's lines, without shoal run's "[0] " prefix.

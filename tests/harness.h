@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "shoal/core/timeout.h"
-#include "test_paths.h"  // SHOAL_BIN, SHOAL_TEST_PROGRAMS_DIR
+#include "test_paths.h"  // shoal_bin(), test_programs_dir()
 
 namespace shoal::testing {
 

@@ -15,6 +15,7 @@
 
 #include "harness.h"
 #include "comm/store.h"
+#include "runtime/job_discovery.h"
 #include "shoal/shoal.h"
 
 namespace {

@@ -1,6 +1,6 @@
-// `shoal run` from the outside: the real binary (SHOAL_BIN) runs shell-script workers written into
-// a temporary directory, and each test asserts on its exit code, its two output streams, files
-// the workers leave behind, and which processes are still alive.
+// `shoal run` from the outside: the real binary (shoal_bin()) runs shell-script workers written
+// into a temporary directory, and each test asserts on its exit code, its two output streams,
+// files the workers leave behind, and which processes are still alive.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>

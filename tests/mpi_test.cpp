@@ -26,10 +26,11 @@ namespace {
 using shoal::testing::Command;
 using shoal::testing::CommandResult;
 using shoal::testing::launched_results;
+using shoal::testing::test_programs_dir;
 using shoal::testing::TwoHosts;
 
-const std::string kWorker = std::string(SHOAL_TEST_PROGRAMS_DIR) + "/launched_worker";
-const std::string kHostWorker = std::string(SHOAL_TEST_PROGRAMS_DIR) + "/host_worker";
+const std::string kWorker = test_programs_dir() + "/launched_worker";
+const std::string kHostWorker = test_programs_dir() + "/host_worker";
 
 std::vector<std::string> mpirun(int n, std::vector<std::string> extra = {}) {
   // As root Open MPI wants to be told; --oversubscribe: more ranks than this machine's cores.

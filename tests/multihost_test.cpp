@@ -33,6 +33,8 @@ namespace {
 
 namespace fs = std::filesystem;
 using shoal::testing::shell;
+using shoal::testing::shoal_bin;
+using shoal::testing::test_programs_dir;
 using shoal::testing::TwoHosts;
 using Clock = std::chrono::steady_clock;
 using namespace std::chrono_literals;
@@ -167,11 +169,11 @@ class MultiHost : public ::testing::Test {
 
   // `shoal run` for node `node` in its namespace, with the worker and its arguments.
   std::vector<std::string> launcher(int node, const std::vector<std::string>& worker_args) const {
-    std::vector<std::string> argv{"ip", "netns", "exec", hosts_.name(node), SHOAL_BIN, "run",
+    std::vector<std::string> argv{"ip", "netns", "exec", hosts_.name(node), shoal_bin(), "run",
                                   "-n", "2", "--nnodes", "2", "--node-rank", std::to_string(node),
                                   "--master", std::string(kAddressA) + ":" + std::to_string(kMasterPort),
                                   "--connect-timeout", "15",
-                                  std::string(SHOAL_TEST_PROGRAMS_DIR) + "/multihost_worker"};
+                                  test_programs_dir() + "/multihost_worker"};
     argv.insert(argv.end(), worker_args.begin(), worker_args.end());
     return argv;
   }
@@ -280,10 +282,10 @@ TEST_P(MultiHostFailure, BothLaunchersExitNonZero) {
 TEST_F(MultiHost, ParameterServersOnBothHostsTrainAsOneProcess) {
   auto start_node = [&](int node, const std::string& servers) {
     const std::vector<std::string> argv{
-        "ip", "netns", "exec", hosts_.name(node), SHOAL_BIN, "run", "-n", "2", "--nnodes", "2",
+        "ip", "netns", "exec", hosts_.name(node), shoal_bin(), "run", "-n", "2", "--nnodes", "2",
         "--node-rank", std::to_string(node), "--master",
         std::string(kAddressA) + ":" + std::to_string(kMasterPort), "--connect-timeout", "15",
-        "--servers", servers, std::string(SHOAL_TEST_PROGRAMS_DIR) + "/ps_worker"};
+        "--servers", servers, test_programs_dir() + "/ps_worker"};
     const std::string tag = "ps-node" + std::to_string(node);
     return std::make_unique<Process>(argv, dir_ / (tag + ".out"), dir_ / (tag + ".err"));
   };

@@ -15,7 +15,7 @@ using namespace std::chrono_literals;
 namespace fs = std::filesystem;
 
 std::string example() {
-  return fs::path(SHOAL_TEST_PROGRAMS_DIR).parent_path() / "examples" / "pipeline_mlp";
+  return fs::path(test_programs_dir()).parent_path() / "examples" / "pipeline_mlp";
 }
 
 std::vector<double> losses(const RunResult& result) {

@@ -7,5 +7,3 @@ foreach(test ps_shard_test ps_optimizer_test ps_server_core_test ps_ledger_test)
   target_include_directories(${test} PRIVATE ${PROJECT_SOURCE_DIR}/src)
 endforeach()
 target_link_libraries(ps_optimizer_test PRIVATE nlohmann_json::nlohmann_json)
-target_compile_definitions(ps_optimizer_test PRIVATE
-  SHOAL_PS_FIXTURES="${CMAKE_CURRENT_SOURCE_DIR}/fixtures/ps")

@@ -27,7 +27,7 @@ namespace {
 
 using namespace std::chrono_literals;
 
-const std::string kTrain = std::string(SHOAL_TEST_PROGRAMS_DIR) + "/ps_train";
+const std::string kTrain = test_programs_dir() + "/ps_train";
 
 TEST(PsTrain, SyncOnServersEqualsOneProcessForEveryOptimizer) {
   for (int servers : {1, 2, 3}) {

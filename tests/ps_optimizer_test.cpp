@@ -13,6 +13,7 @@
 #include "ps/table.h"
 #include "ps_support.h"
 #include "shoal/core/error.h"
+#include "test_paths.h"
 
 namespace {
 
@@ -20,6 +21,7 @@ using namespace shoal::ps::detail;
 using shoal::UsageError;
 using shoal::testing::error_of;
 using shoal::testing::near_relative;
+using shoal::testing::tests_source_dir;
 using shoal::testing::to_vector;
 
 // ---------------------------------------------------------------------------------------------
@@ -111,7 +113,7 @@ TEST(PsOptimizer, DenseChunksFollowTorchOptim) {
 }
 
 nlohmann::json load_fixtures() {
-  const std::string path = SHOAL_PS_FIXTURES "/sparse_optimizers.json";
+  const std::string path = tests_source_dir() + "/fixtures/ps/sparse_optimizers.json";
   std::ifstream in(path);
   if (!in) throw std::runtime_error("cannot read " + path);
   return nlohmann::json::parse(in);

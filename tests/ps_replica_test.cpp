@@ -38,6 +38,7 @@ namespace {
 using namespace std::chrono_literals;
 using shoal::UsageError;
 using shoal::testing::error_of;
+using shoal::testing::test_programs_dir;
 
 constexpr int64_t kValues = 8;
 
@@ -360,7 +361,7 @@ TEST(PsSnapshotFiles, TheNewestCompleteStepIsReadAndDamagedFilesAreSkipped) {
 // ---------------------------------------------------------------------------------------------
 // Real processes: `shoal run --servers 2 --ps-replicas 2 -n 3 ps_worker`.
 
-const std::string kWorker = std::string(SHOAL_TEST_PROGRAMS_DIR) + "/ps_worker";
+const std::string kWorker = test_programs_dir() + "/ps_worker";
 
 int64_t monotonic_ns() {
   timespec now{};

@@ -38,6 +38,8 @@ namespace {
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 namespace pb = ::shoal::ps::wire;
+using shoal::testing::shoal_bin;
+using shoal::testing::test_programs_dir;
 
 const std::string kToken = "0123456789abcdef0123456789abcdef";
 constexpr int64_t kChunk = 1024;  // the server's chunk length (SumHandler's default)
@@ -60,11 +62,13 @@ class ServerProcess {
     std::vector<char*> envp;
     for (auto& entry : env) envp.push_back(entry.data());
     envp.push_back(nullptr);
-    const char* argv[] = {SHOAL_BIN,   "ps-server", "--index", index_text.c_str(),
-                          "--handler", "sum",       nullptr};
+    // Read before the fork: the child only calls execve.
+    const std::string& shoal = shoal_bin();
+    const char* argv[] = {shoal.c_str(), "ps-server", "--index", index_text.c_str(),
+                          "--handler",   "sum",       nullptr};
     pid_ = ::fork();
     if (pid_ == 0) {
-      ::execve(SHOAL_BIN, const_cast<char**>(argv), envp.data());
+      ::execve(shoal.c_str(), const_cast<char**>(argv), envp.data());
       ::_exit(127);
     }
   }
@@ -851,7 +855,7 @@ TEST(PsRpc, ConnectingWithoutServersTimesOutNamingTheFirstMissing) {
   EXPECT_LT(seconds_since(start), 0.3 + 10);
 }
 
-const std::string kWorker = std::string(SHOAL_TEST_PROGRAMS_DIR) + "/ps_worker";
+const std::string kWorker = test_programs_dir() + "/ps_worker";
 
 // The parameter server's core behind the real transport, in real processes: every worker checks
 // after each sync step that the servers hold what one process applying the mean gradient of all

@@ -102,7 +102,7 @@ TEST(QueueRestart, AJobResizedByRestartResumesFromItsCommitAndLosesNoSample) {
 
 TEST(QueueRestart, AnUnknownResizeModeIsRefusedWithOneLine) {
   std::string out;
-  const int code = shell(std::string(SHOAL_BIN) + " queue serve --resize-by stop 2>&1", &out);
+  const int code = shell(shoal_bin() + " queue serve --resize-by stop 2>&1", &out);
   EXPECT_EQ(code, 2) << out;
   EXPECT_EQ(out, "shoal queue serve: --resize-by expects leave or restart, not 'stop'\n");
 }

@@ -1,7 +1,7 @@
 // The scheduler as a service on a shared machine (docs/queue.md, "Running the queue"): an agent
 // that is stopped loses its workers as a failure and never ends a job; one scheduler per state
-// directory and per port; flags and REST errors as documented; clients that send half a request
-// stall neither the API nor the agents' heartbeats.
+// directory and per port; flags and REST errors as documented; a malformed heartbeat refused whole;
+// clients that send half a request stall neither the API nor the agents' heartbeats.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -123,7 +123,7 @@ TEST(QueueService, ASecondSchedulerOnTheSameStateOrPortIsRefused) {
 
   std::string out;
   auto started = Clock::now();
-  EXPECT_EQ(shell(std::string(SHOAL_BIN) + " queue serve --state-dir " + queue.dir() +
+  EXPECT_EQ(shell(shoal_bin() + " queue serve --state-dir " + queue.dir() +
                       " --port 0 2>&1",
                   &out),
             2);
@@ -139,7 +139,7 @@ TEST(QueueService, ASecondSchedulerOnTheSameStateOrPortIsRefused) {
   const std::string other = queue.dir() + "-other";
   shell("rm -rf " + other);
   started = Clock::now();
-  EXPECT_EQ(shell(std::string(SHOAL_BIN) + " queue serve --no-local-agent --state-dir " + other +
+  EXPECT_EQ(shell(shoal_bin() + " queue serve --no-local-agent --state-dir " + other +
                       " --port " + std::to_string(queue.port()) + " 2>&1",
                   &out),
             2);
@@ -209,7 +209,7 @@ TEST(QueueService, FlagsAreCheckedAsDocumented) {
   const std::string dir = std::string(::testing::TempDir()) + "shoal-queue-flags-" +
                           std::to_string(::getpid());
   const std::string serve =
-      std::string(SHOAL_BIN) + " queue serve --no-local-agent --state-dir " + dir + " ";
+      shoal_bin() + " queue serve --no-local-agent --state-dir " + dir + " ";
   std::string out;
   EXPECT_EQ(shell(serve + "--port 99999 2>&1", &out), 2);
   EXPECT_EQ(out,
@@ -231,13 +231,13 @@ TEST(QueueService, FlagsAreCheckedAsDocumented) {
       {"top", {"--interval", "--iterations"}},
   };
   for (const auto& [command, names] : flags) {
-    EXPECT_EQ(shell(std::string(SHOAL_BIN) + " queue " + command + " --help 2>&1", &out), 0)
+    EXPECT_EQ(shell(shoal_bin() + " queue " + command + " --help 2>&1", &out), 0)
         << command;
     for (const std::string& name : names)
       EXPECT_NE(out.find(name), std::string::npos) << command << " --help lacks " << name << ":\n"
                                                    << out;
   }
-  EXPECT_EQ(shell(std::string(SHOAL_BIN) + " agent --help 2>&1", &out), 0);
+  EXPECT_EQ(shell(shoal_bin() + " agent --help 2>&1", &out), 0);
   for (const std::string name : {"--queue", "--slots", "--engine", "--dir"})
     EXPECT_NE(out.find(name), std::string::npos) << out;
 }
@@ -280,6 +280,63 @@ TEST(QueueService, RestErrorsAreOneLineJson) {
   expect_error(http.Post("/jobs", auth, huge.dump(), "application/json"), 413,
                "the request's body is over 1048576 bytes", "an 8 MiB name");
   EXPECT_TRUE(json(queue.client().get("/jobs").at("jobs")).empty()) << "a refused job was kept";
+}
+
+// Note [A heartbeat is read whole] (src/queue/heartbeat.h): a report with a field missing or of the
+// wrong type is refused whole, with 400 and one line naming the field, and nothing of it is
+// applied. Each report below also changes the host's cores and its agent's pid, which a report
+// applied in part took before it reached the bad field; the scheduler's views stay as they were.
+TEST(QueueService, AMalformedHeartbeatIsRefusedWholeWithOneLine) {
+  Queue queue("bad-beat", {"--no-local-agent", "--host-timeout", "60"});
+  std::string token = read_text(queue.dir() + "/agent-token");
+  while (!token.empty() && token.back() == '\n') token.pop_back();
+  httplib::Client agents("127.0.0.1", queue.agent_port());
+  agents.set_read_timeout(10, 0);
+  const httplib::Headers auth = {{"Authorization", "Bearer " + token}};
+  const json beat = {{"host", "ghost"}, {"cores", 2}, {"slots", 0}, {"pid", 4242},
+                     {"nudge_port", 0}, {"workers", json::array()}, {"members", json::object()}};
+  const auto accepted = agents.Post("/agent/heartbeat", auth, beat.dump(), "application/json");
+  ASSERT_TRUE(accepted);
+  ASSERT_EQ(accepted->status, 200) << accepted->body;
+  const auto views = [&] {
+    return json{{"nodes", queue.client().get("/nodes")},
+                {"jobs", queue.client().get("/jobs")},
+                {"events", queue.client().get("/events?since=0&limit=100000")}};
+  };
+  const json before = views();
+  ASSERT_EQ(before.at("nodes").at("nodes").size(), 1u) << before.dump();
+
+  json changed = beat;
+  changed["cores"] = 8;
+  changed["pid"] = 4343;
+  json mistyped = changed;
+  mistyped["workers"] = json::array({{{"id", 1},
+                                      {"job", 1},
+                                      {"pid", 99},
+                                      {"running", "yes"},
+                                      {"started_ms", 0},
+                                      {"exit", ""},
+                                      {"success", false}}});
+  json missing = changed;
+  missing.erase("slots");
+  json not_a_job = changed;
+  not_a_job["members"] = {{"first", "127.0.0.1:7000"}};
+  const std::vector<std::pair<json, std::string>> refused = {
+      {mistyped, "heartbeat: field 'workers[0].running' is a string; expected true or false"},
+      {missing,
+       "heartbeat: field 'slots' is missing; expected the host's slots, an integer (0: from its "
+       "cores)"},
+      {not_a_job,
+       "heartbeat: field 'members' has the key 'first'; expected job ids (positive integers) as "
+       "keys"},
+  };
+  for (const auto& [report, error] : refused) {
+    const auto answer = agents.Post("/agent/heartbeat", auth, report.dump(), "application/json");
+    ASSERT_TRUE(answer) << error;
+    EXPECT_EQ(answer->status, 400) << answer->body;
+    EXPECT_EQ(answer->body, json({{"error", error}}).dump());
+  }
+  EXPECT_EQ(views(), before);
 }
 
 // Note [Clients cannot stall the scheduler]: forty connections that each send a request line and

@@ -349,7 +349,7 @@ TEST(QueueSlurm, BadAgentFlagsAreRefusedWithOneLine) {
   };
   for (const auto& c : cases) {
     std::string out;
-    EXPECT_EQ(shell(std::string(SHOAL_BIN) + " agent --queue 127.0.0.1:1 --token-file /dev/null " +
+    EXPECT_EQ(shell(shoal_bin() + " agent --queue 127.0.0.1:1 --token-file /dev/null " +
                         c.args,
                     &out),
               2)
@@ -362,7 +362,7 @@ TEST(QueueSlurm, BadAgentFlagsAreRefusedWithOneLine) {
   const std::string token = cluster.dir() + "/token";
   std::ofstream(token) << "secret\n";
   ::chmod(token.c_str(), 0600);
-  const std::string agent = "env SLURM_CONF=" + slurm_conf + " " + SHOAL_BIN +
+  const std::string agent = "env SLURM_CONF=" + slurm_conf + " " + shoal_bin() +
                             " agent --queue 127.0.0.1:1 --token-file " + token + " --engine slurm ";
   std::string out;
   EXPECT_EQ(shell(agent + "--slurm-node n9", &out), 2);

@@ -38,7 +38,7 @@ using nlohmann::json;
 using Clock = std::chrono::steady_clock;
 using namespace std::chrono_literals;
 
-inline const std::string kWorker = std::string(SHOAL_TEST_PROGRAMS_DIR) + "/elastic_worker";
+inline const std::string kWorker = test_programs_dir() + "/elastic_worker";
 
 inline double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
@@ -128,7 +128,7 @@ class Queue {
   // checks the queue that refuses it).
   void start(int port, int agent_port = 0) {
     ::unlink((dir_ + "/address").c_str());
-    std::vector<std::string> args = {SHOAL_BIN,     "queue", "serve", "--state-dir",
+    std::vector<std::string> args = {shoal_bin(),   "queue", "serve", "--state-dir",
                                      dir_,          "--port", std::to_string(port),
                                      "--agent-port", std::to_string(agent_port)};
     if (::geteuid() == 0 &&
@@ -180,7 +180,7 @@ class Queue {
 
   // `shoal queue ARGS` with this queue's directory; its exit code, and stdout and stderr in `out`.
   int cli(const std::string& args, std::string* out) const {
-    return shell("env SHOAL_QUEUE_DIR=" + dir_ + " " + SHOAL_BIN + " queue " + args, out);
+    return shell("env SHOAL_QUEUE_DIR=" + dir_ + " " + shoal_bin() + " queue " + args, out);
   }
 
   int64_t submit(const std::string& args) const {
@@ -301,7 +301,7 @@ class Agent {
       : dir_(dir) {
     std::vector<std::string> argv = std::move(prefix);
     for (const std::string& arg :
-         {std::string(SHOAL_BIN), std::string("agent"), std::string("--queue"),
+         {shoal_bin(), std::string("agent"), std::string("--queue"),
           queue.agent_address(host), std::string("--token-file"), queue.dir() + "/agent-token",
           std::string("--dir"), dir_}) {
       argv.push_back(arg);

@@ -4,15 +4,17 @@
 #include <functional>
 #include <map>
 #include <numeric>
+#include <string>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include "error_of.h"
 #include "harness.h"
+#include "shoal/checkpoint/savable.h"
 #include "shoal/comm/group.h"
 #include "shoal/core/error.h"
-#include "shoal/data/fashion_mnist.h"
+#include "shoal/datasets/fashion_mnist.h"
 #include "shoal/data/loader.h"
 #include "shoal/data/sampler.h"
 #include "shoal/runtime/init.h"
@@ -246,6 +248,111 @@ TEST(Sampler, BadInputNamesTheValue) {
 
 }
 
+// state_dict() is state() as named 0-dim int64 tensors; load_state_dict() is load_state().
+TEST(Sampler, StateDictRestoresAsLoadStateDoes) {
+  const SamplerOptions options{8, true, LastBatch::kKeep, false, 11};
+  auto original = workers(97, options, 3);
+  for (auto& s : original) s.set_epoch(4);
+  for (int k = 0; k < 5; ++k) step(original);
+  const shoal::checkpoint::StateDict saved = original[0].state_dict();
+  const std::map<std::string, int64_t> expected_values{
+      {"seed", 11}, {"shuffle", 1}, {"dataset_size", 97}, {"epoch", 4}, {"cursor", 40}};
+  ASSERT_EQ(saved.size(), expected_values.size());
+  for (const auto& [name, value] : expected_values) {
+    SCOPED_TRACE(name);
+    ASSERT_EQ(saved.count(name), 1u);
+    EXPECT_EQ(saved.at(name).dim(), 0);
+    EXPECT_EQ(saved.at(name).scalar_type(), torch::kInt64);
+    EXPECT_EQ(saved.at(name).item<int64_t>(), value);
+  }
+  const shoal::data::SamplerState position = original[0].state();
+  std::vector<Indices> expected;
+  while (!original[0].epoch_done()) expected.push_back(step(original));
+
+  auto by_dict = workers(97, options, 3);
+  auto by_state = workers(97, options, 3);
+  for (int r = 0; r < 3; ++r) {
+    by_dict[r].check_state_dict(saved);
+    by_dict[r].load_state_dict(saved);
+    by_dict[r].set_epoch(4);
+    by_state[r].load_state(position);
+    by_state[r].set_epoch(4);
+  }
+  std::vector<Indices> got, got_by_state;
+  while (!by_dict[0].epoch_done()) got.push_back(step(by_dict));
+  while (!by_state[0].epoch_done()) got_by_state.push_back(step(by_state));
+  EXPECT_EQ(got, expected);
+  EXPECT_EQ(got_by_state, expected);
+
+  // The seed is stored as its bits: one over 2^63 is a negative int64 and comes back whole.
+  const SamplerOptions high{8, true, LastBatch::kKeep, false, ~uint64_t{0}};
+  Sampler first(97, high, 0, 1), second(97, high, 0, 1);
+  first.set_epoch(2);
+  first.advance();
+  const auto bits = first.state_dict();
+  EXPECT_EQ(bits.at("seed").item<int64_t>(), -1);
+  second.load_state_dict(bits);
+  second.set_epoch(2);
+  EXPECT_EQ(second.batch(), first.batch());
+  EXPECT_EQ(second.state().seed, ~uint64_t{0});
+}
+
+// Each refusal is one line naming the first thing wrong, and neither check_state_dict nor
+// load_state_dict changes the sampler: it hands out the same batch after as before.
+TEST(Sampler, StateDictRefusalsChangeNothing) {
+  Sampler s(60000, {4, true, LastBatch::kKeep, false, 1}, 0, 2);
+  s.set_epoch(3);
+  s.advance();
+  s.advance();
+  const Indices before = s.batch();
+  const auto good = s.state_dict();
+  auto refused = [&](const std::function<void(shoal::checkpoint::StateDict&)>& spoil) {
+    shoal::checkpoint::StateDict state = good;
+    spoil(state);
+    const std::string message = error_of([&] { s.check_state_dict(state); });
+    EXPECT_EQ(error_of([&] { s.load_state_dict(state); }), message);
+    EXPECT_EQ(s.batch(), before);
+    EXPECT_EQ(s.epoch(), 3);
+    EXPECT_EQ(s.cursor(), 8);
+    return message;
+  };
+  auto set = [](const char* name, torch::Tensor value) {
+    return [name, value](shoal::checkpoint::StateDict& state) { state[name] = value; };
+  };
+
+  EXPECT_EQ(refused([](auto& state) { state.erase("cursor"); }),
+            "Sampler: the state has no \"cursor\"; expected the names seed, shuffle, dataset_size, epoch "
+            "and cursor");
+  EXPECT_EQ(refused(set("epoch", torch::tensor(3.0))),
+            "Sampler: the state's \"epoch\" is a Float tensor of shape []; expected a 0-dim integer tensor");
+  EXPECT_EQ(refused(set("cursor", torch::tensor({int64_t{8}}))),
+            "Sampler: the state's \"cursor\" is a Long tensor of shape [1]; expected a 0-dim integer tensor");
+  EXPECT_EQ(refused(set("shuffle", torch::tensor(true))),
+            "Sampler: the state's \"shuffle\" is a Bool tensor of shape []; expected a 0-dim integer tensor");
+  EXPECT_EQ(refused(set("seed", torch::Tensor())),
+            "Sampler: the state's \"seed\" is an undefined tensor; expected a 0-dim integer tensor");
+  EXPECT_EQ(refused(set("shuffle", torch::tensor(int64_t{2}))),
+            "Sampler: the state's shuffle = 2 is out of range: expected 0 or 1");
+  // What load_state() refuses, in its words.
+  EXPECT_EQ(refused(set("dataset_size", torch::tensor(int64_t{50000}))),
+            "Sampler: the state was saved for a dataset of 50000 samples; this one has 60000");
+  EXPECT_EQ(refused(set("seed", torch::tensor(int64_t{2}))),
+            "Sampler: the state was saved with seed 2; this sampler's seed is 1");
+  EXPECT_EQ(refused(set("shuffle", torch::tensor(int64_t{0}))),
+            "Sampler: the state was saved with shuffle = false; this sampler has shuffle = true");
+  EXPECT_EQ(refused(set("epoch", torch::tensor(int64_t{-1}))),
+            "Sampler: the state's epoch = -1 is out of range: expected at least 0");
+  EXPECT_EQ(refused(set("cursor", torch::tensor(int64_t{60001}))),
+            "Sampler: the state's cursor = 60001 is out of range: expected 0 <= cursor <= dataset_size = 60000");
+
+  // Integers of other widths are accepted.
+  auto narrow = good;
+  narrow["cursor"] = torch::tensor(12, torch::kInt32);
+  s.check_state_dict(narrow);
+  s.load_state_dict(narrow);
+  EXPECT_EQ(s.cursor(), 12);
+}
+
 // A sampler of the job joins it when the program has not: here, started by nothing, a job of one.
 TEST(Sampler, JoinsTheJobItselfWhenTheProgramDidNot) {
   if (shoal::is_initialized()) GTEST_SKIP() << "an earlier test in this process joined a job (ctest runs one per process)";
@@ -400,7 +507,7 @@ TEST(Loader, BadInput) {
 }
 
 TEST(Loader, FashionMnist) {
-  shoal::data::FashionMnist test(shoal::data::kFashionMnistRoot, shoal::data::FashionMnist::Split::kTest);
+  shoal::datasets::FashionMnist test(shoal::datasets::kFashionMnistRoot, shoal::datasets::FashionMnist::Split::kTest);
   const auto images = test.images();
   const auto labels = test.labels();
   shoal::data::LoaderOptions options;

@@ -32,7 +32,9 @@ ShoalRun::ShoalRun(const std::vector<std::string>& args) : ShoalRun(args, "") {}
 ShoalRun::ShoalRun(const std::vector<std::string>& args, const std::string& netns)
     : start_(Clock::now()) {
   std::vector<std::string> argv{"shoal", "run"};
-  if (!netns.empty()) argv = {"ip", "netns", "exec", netns, SHOAL_BIN, "run"};
+  // Read before the fork: the child only calls execv.
+  const std::string& shoal = shoal_bin();
+  if (!netns.empty()) argv = {"ip", "netns", "exec", netns, shoal, "run"};
   argv.insert(argv.end(), args.begin(), args.end());
   std::vector<char*> c_argv;
   for (auto& arg : argv) c_argv.push_back(arg.data());
@@ -45,7 +47,7 @@ ShoalRun::ShoalRun(const std::vector<std::string>& args, const std::string& netn
     ::dup2(out[1], STDOUT_FILENO);
     ::dup2(err[1], STDERR_FILENO);
     if (netns.empty()) {
-      ::execv(SHOAL_BIN, c_argv.data());
+      ::execv(shoal.c_str(), c_argv.data());
     } else {
       ::execvp("ip", c_argv.data());
     }

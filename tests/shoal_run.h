@@ -1,4 +1,4 @@
-// The `shoal run` command from the outside, for tests: the real binary (SHOAL_BIN) in a child
+// The `shoal run` command from the outside, for tests: the real binary (shoal_bin()) in a child
 // process, its stdout and stderr captured apart, every wait with a deadline.
 #pragma once
 

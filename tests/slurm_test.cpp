@@ -23,8 +23,9 @@ using shoal::testing::CommandResult;
 using shoal::testing::launched_results;
 using shoal::testing::SlurmCluster;
 using shoal::testing::SlurmNode;
+using shoal::testing::test_programs_dir;
 
-const std::string kWorker = std::string(SHOAL_TEST_PROGRAMS_DIR) + "/launched_worker";
+const std::string kWorker = test_programs_dir() + "/launched_worker";
 constexpr std::chrono::seconds kRunLimit{120};  // a failure bound for one srun
 
 #define SKIP_WITHOUT_SLURM() \

@@ -1,4 +1,4 @@
-// shoal::data::SyntheticCtr: samples that are a pure function of (seed, index), ids that follow
+// shoal::datasets::SyntheticCtr: samples that are a pure function of (seed, index), ids that follow
 // the power law, labels drawn with the hidden model's probability, and auc()/logloss() against
 // their definitions.
 #include <gtest/gtest.h>
@@ -13,13 +13,13 @@
 
 #include "error_of.h"
 #include "shoal/core/error.h"
-#include "shoal/data/synthetic_ctr.h"
+#include "shoal/datasets/synthetic_ctr.h"
 
 namespace {
 
-using shoal::data::CtrBatch;
-using shoal::data::SyntheticCtr;
-using shoal::data::SyntheticCtrOptions;
+using shoal::datasets::CtrBatch;
+using shoal::datasets::SyntheticCtr;
+using shoal::datasets::SyntheticCtrOptions;
 
 SyntheticCtrOptions small(uint64_t seed = 7) {
   SyntheticCtrOptions o;
@@ -102,13 +102,13 @@ TEST(SyntheticCtr, LabelsAreDrawnWithTheHiddenProbability) {
   const auto entropy = -(p * p.log() + (1 - p) * (1 - p).log());
   const auto loss = -(y * p.log() + (1 - y) * (1 - p).log());
   const double sigma = (loss - entropy).std().item<double>() / std::sqrt(static_cast<double>(n));
-  EXPECT_NEAR(shoal::data::logloss(batch.probability, batch.label), entropy.mean().item<double>(),
+  EXPECT_NEAR(shoal::datasets::logloss(batch.probability, batch.label), entropy.mean().item<double>(),
               5 * sigma);
   // The set carries signal: the Bayes AUC is well above chance, the logloss below the base rate's.
   const double rate = y.mean().item<double>();
   const double base = -(rate * std::log(rate) + (1 - rate) * std::log(1 - rate));
-  EXPECT_LT(shoal::data::logloss(batch.probability, batch.label), base - 0.05);
-  EXPECT_GT(shoal::data::auc(batch.probability, batch.label), 0.7);
+  EXPECT_LT(shoal::datasets::logloss(batch.probability, batch.label), base - 0.05);
+  EXPECT_GT(shoal::datasets::auc(batch.probability, batch.label), 0.7);
   // Dense features are standard normal.
   EXPECT_NEAR(batch.dense.mean().item<double>(), 0.0, 0.01);
   EXPECT_NEAR(batch.dense.var().item<double>(), 1.0, 0.02);
@@ -132,9 +132,9 @@ TEST(SyntheticCtr, AucIsThePairwiseOrderingProbability) {
       wins += scores[i] > scores[j] ? 1.0 : scores[i] == scores[j] ? 0.5 : 0.0;
     }
   }
-  EXPECT_NEAR(shoal::data::auc(torch::tensor(scores), torch::tensor(labels)), wins / pairs, 1e-12);
+  EXPECT_NEAR(shoal::datasets::auc(torch::tensor(scores), torch::tensor(labels)), wins / pairs, 1e-12);
   // A constant score orders nothing.
-  EXPECT_DOUBLE_EQ(shoal::data::auc(torch::zeros({n}), torch::tensor(labels)), 0.5);
+  EXPECT_DOUBLE_EQ(shoal::datasets::auc(torch::zeros({n}), torch::tensor(labels)), 0.5);
 }
 
 TEST(SyntheticCtr, BadInputIsAUsageErrorNamingIt) {
@@ -153,9 +153,9 @@ TEST(SyntheticCtr, BadInputIsAUsageErrorNamingIt) {
             "SyntheticCtr: sample 200000 is out of range; expected 0..199999");
   EXPECT_EQ(error_of([&] { set.range(199'990, 20); }),
             "SyntheticCtr: samples 199990..200009 are out of range; expected 0..199999");
-  EXPECT_EQ(error_of([] { shoal::data::auc(torch::ones({4}), torch::zeros({4})); }),
+  EXPECT_EQ(error_of([] { shoal::datasets::auc(torch::ones({4}), torch::zeros({4})); }),
             "auc: all 4 labels are 0; expected both classes");
-  EXPECT_EQ(error_of([] { shoal::data::auc(torch::ones({4}), torch::zeros({3})); }),
+  EXPECT_EQ(error_of([] { shoal::datasets::auc(torch::ones({4}), torch::zeros({3})); }),
             "auc: 4 scores for 3 labels; expected as many of each");
 }
 

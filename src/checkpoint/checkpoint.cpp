@@ -164,32 +164,34 @@ namespace {
 // A model some of whose parameters are pieces of whole values (a global model's layers, wherever
 // they sit) is saved whole (whole.h); any other is saved as the module holds it.
 void save_checkpoint(const std::string& path, const torch::nn::Module& module, const torch::optim::Optimizer* optimizer,
-                     const data::SamplerState* loader_state, const SaveOptions& options) {
+                     const checkpoint::Stateful* loader, const SaveOptions& options) {
+  const std::optional<checkpoint::StateDict> loader_state =
+      loader != nullptr ? std::optional(loader->state_dict()) : std::nullopt;
+  const checkpoint::StateDict* state = loader_state ? &*loader_state : nullptr;
   if (!checkpoint::pieces_of(module).empty()) {
     // Only read; the optimizer's state map is reached through the non-const accessor.
-    checkpoint::save_whole(path, module, const_cast<torch::optim::Optimizer*>(optimizer), loader_state, options);
+    checkpoint::save_whole(path, module, const_cast<torch::optim::Optimizer*>(optimizer), state, options);
     return;
   }
   comm::Group group = checkpoint::checkpoint_group(options.group, path, "shoal::save");
   checkpoint::save_payload(
-      path, group,
-      [&] { return checkpoint::serialize_contents(module, optimizer, loader_state, options.extras); },
+      path, group, [&] { return checkpoint::serialize_contents(module, optimizer, state, options.extras); },
       options.timeout);
 }
 
-std::optional<data::SamplerState> load_checkpoint(const std::string& path, torch::nn::Module& module,
-                                                  torch::optim::Optimizer* optimizer, const LoadOptions& options) {
-  if (!checkpoint::pieces_of(module).empty()) return checkpoint::load_whole(path, module, optimizer, options);
+void load_checkpoint(const std::string& path, torch::nn::Module& module, torch::optim::Optimizer* optimizer,
+                     checkpoint::Stateful* loader, const LoadOptions& options) {
+  if (!checkpoint::pieces_of(module).empty()) return checkpoint::load_whole(path, module, optimizer, loader, options);
   comm::Group group = checkpoint::checkpoint_group(options.group, path, "shoal::load");
   const std::string payload = checkpoint::read_payload(path, group, options.timeout);
-  return checkpoint::restore_contents(path, payload, module, optimizer, options.extras);
+  checkpoint::restore_contents(path, payload, module, optimizer, options.extras, loader);
 }
 
 }  // namespace
 
 void save(const std::string& path, const torch::nn::Module& module, const torch::optim::Optimizer& optimizer,
-          const data::SamplerState& loader_state, const SaveOptions& options) {
-  save_checkpoint(path, module, &optimizer, &loader_state, options);
+          const checkpoint::Stateful& loader, const SaveOptions& options) {
+  save_checkpoint(path, module, &optimizer, &loader, options);
 }
 
 void save(const std::string& path, const torch::nn::Module& module, const torch::optim::Optimizer& optimizer,
@@ -201,13 +203,18 @@ void save(const std::string& path, const torch::nn::Module& module, const SaveOp
   save_checkpoint(path, module, nullptr, nullptr, options);
 }
 
-data::SamplerState load(const std::string& path, torch::nn::Module& module, torch::optim::Optimizer& optimizer,
-                        const LoadOptions& options) {
-  return load_checkpoint(path, module, &optimizer, options).value_or(data::SamplerState{});
+void load(const std::string& path, torch::nn::Module& module, torch::optim::Optimizer& optimizer,
+          checkpoint::Stateful& loader, const LoadOptions& options) {
+  load_checkpoint(path, module, &optimizer, &loader, options);
+}
+
+void load(const std::string& path, torch::nn::Module& module, torch::optim::Optimizer& optimizer,
+          const LoadOptions& options) {
+  load_checkpoint(path, module, &optimizer, nullptr, options);
 }
 
 void load(const std::string& path, torch::nn::Module& module, const LoadOptions& options) {
-  load_checkpoint(path, module, nullptr, options);
+  load_checkpoint(path, module, nullptr, nullptr, options);
 }
 
 }  // namespace shoal
@@ -215,15 +222,15 @@ void load(const std::string& path, torch::nn::Module& module, const LoadOptions&
 namespace shoal::checkpoint {
 
 std::string encode_payload(const torch::nn::Module& module, const torch::optim::Optimizer* optimizer,
-                           const data::SamplerState* loader_state, const CheckpointExtras& extras) {
-  return serialize_contents(module, optimizer, loader_state, extras);
+                           const Stateful* loader, const CheckpointExtras& extras) {
+  if (loader == nullptr) return serialize_contents(module, optimizer, nullptr, extras);
+  const StateDict state = loader->state_dict();
+  return serialize_contents(module, optimizer, &state, extras);
 }
 
-std::optional<data::SamplerState> decode_payload(const std::string& what, std::string_view payload,
-                                                 torch::nn::Module& module,
-                                                 torch::optim::Optimizer* optimizer,
-                                                 CheckpointExtras* extras) {
-  return restore_contents(what, payload, module, optimizer, extras);
+void decode_payload(const std::string& what, std::string_view payload, torch::nn::Module& module,
+                    torch::optim::Optimizer* optimizer, CheckpointExtras* extras, Stateful* loader) {
+  restore_contents(what, payload, module, optimizer, extras, loader);
 }
 
 void write_file(const std::string& path, std::string_view payload) {

@@ -189,27 +189,43 @@ void check_optimizer_state(const std::string& path, InputArchive& archive, torch
   }
 }
 
-data::SamplerState read_loader_state(InputArchive& archive) {
-  data::SamplerState state;
-  state.seed = static_cast<uint64_t>(read_int(archive, "seed"));
-  state.shuffle = read_int(archive, "shuffle") != 0;
-  state.dataset_size = read_int(archive, "dataset_size");
-  state.epoch = read_int(archive, "epoch");
-  state.cursor = read_int(archive, "cursor");
-  return state;
+// Named tensors (extras, a loader's state) go in as values, not keys: keys of an archive can't
+// be any string (a '.' nests).
+void write_named(OutputArchive& archive, const std::map<std::string, at::Tensor>& named, const std::string& what) {
+  archive.write("size", c10::IValue(static_cast<int64_t>(named.size())));
+  int64_t i = 0;
+  for (const auto& [name, value] : named) {
+    if (!value.defined()) {
+      throw UsageError("shoal::save: " + what + "[\"" + name + "\"] is an undefined tensor; expected a tensor");
+    }
+    archive.write("name/" + std::to_string(i), c10::IValue(name));
+    archive.write("value/" + std::to_string(i), value.detach());
+    ++i;
+  }
 }
 
-CheckpointExtras read_extras(InputArchive& archive) {
-  CheckpointExtras extras;
+std::map<std::string, at::Tensor> read_named(InputArchive& archive) {
+  std::map<std::string, at::Tensor> named;
   const int64_t size = read_int(archive, "size");
   for (int64_t i = 0; i < size; ++i) {
     c10::IValue name;
     archive.read("name/" + std::to_string(i), name);
     at::Tensor value;
     archive.read("value/" + std::to_string(i), value);
-    extras[name.toStringRef()] = value;
+    named[name.toStringRef()] = value;
   }
-  return extras;
+  return named;
+}
+
+// A loader's state. Files written before the loader was a checkpoint::Stateful hold the
+// sampler's five fields as integers under their own keys; they read as the same names.
+StateDict read_loader_state(InputArchive& archive) {
+  c10::IValue size;
+  if (archive.try_read("size", size)) return read_named(archive);
+  StateDict state;
+  for (const char* key : {"seed", "shuffle", "dataset_size", "epoch", "cursor"})
+    state[key] = at::scalar_tensor(read_int(archive, key), at::kLong);
+  return state;
 }
 
 }  // namespace
@@ -225,7 +241,7 @@ struct OptimizerPart {
 };
 
 std::string serialize(const std::function<void(OutputArchive&)>& write_module,
-                      const OptimizerPart& optimizer, const data::SamplerState* loader_state,
+                      const OptimizerPart& optimizer, const StateDict* loader_state,
                       const CheckpointExtras& extras) {
   OutputArchive archive(std::make_shared<torch::jit::CompilationUnit>());
   OutputArchive module_archive(archive.compilation_unit());
@@ -244,27 +260,12 @@ std::string serialize(const std::function<void(OutputArchive&)>& write_module,
   }
   if (loader_state != nullptr) {
     OutputArchive loader(archive.compilation_unit());
-    // The seed's bits, as an int64: archives hold signed integers.
-    loader.write("seed", c10::IValue(static_cast<int64_t>(loader_state->seed)));
-    loader.write("shuffle", c10::IValue(static_cast<int64_t>(loader_state->shuffle)));
-    loader.write("dataset_size", c10::IValue(loader_state->dataset_size));
-    loader.write("epoch", c10::IValue(loader_state->epoch));
-    loader.write("cursor", c10::IValue(loader_state->cursor));
+    write_named(loader, *loader_state, "the loader's state_dict()");
     archive.write(kLoaderKey, loader);
   }
   if (!extras.empty()) {
-    // Names go in as values, not keys: keys of an archive can't be any string (a '.' nests).
     OutputArchive extras_archive(archive.compilation_unit());
-    extras_archive.write("size", c10::IValue(static_cast<int64_t>(extras.size())));
-    int64_t i = 0;
-    for (const auto& [name, value] : extras) {
-      if (!value.defined()) {
-        throw UsageError("shoal::save: extras[\"" + name + "\"] is an undefined tensor; expected a tensor");
-      }
-      extras_archive.write("name/" + std::to_string(i), c10::IValue(name));
-      extras_archive.write("value/" + std::to_string(i), value.detach());
-      ++i;
-    }
+    write_named(extras_archive, extras, "extras");
     archive.write(kExtrasKey, extras_archive);
   }
   std::string payload;
@@ -278,7 +279,7 @@ std::string serialize(const std::function<void(OutputArchive&)>& write_module,
 }  // namespace
 
 std::string serialize_contents(const torch::nn::Module& module, const torch::optim::Optimizer* optimizer,
-                               const data::SamplerState* loader_state, const CheckpointExtras& extras) {
+                               const StateDict* loader_state, const CheckpointExtras& extras) {
   return serialize([&module](OutputArchive& archive) { module.save(archive); }, {optimizer, {}, {}},
                    loader_state, extras);
 }
@@ -291,7 +292,7 @@ std::string serialize_contents(const std::function<void(OutputArchive&)>& write_
 std::string serialize_contents(const std::function<void(OutputArchive&)>& write_module,
                                const std::function<void(OutputArchive&)>& write_optimizer,
                                const std::string& optimizer_type,
-                               const data::SamplerState* loader_state,
+                               const StateDict* loader_state,
                                const CheckpointExtras& extras) {
   return serialize(write_module, {nullptr, write_optimizer, optimizer_type}, loader_state, extras);
 }
@@ -325,7 +326,7 @@ PlannedContents read_parts(const std::string& path, std::string_view payload, bo
       planned.loader_state = read_loader_state(loader_archive);
     InputArchive extras_archive;
     if (with_extras && archive.try_read(kExtrasKey, extras_archive))
-      planned.extras = read_extras(extras_archive);
+      planned.extras = read_named(extras_archive);
   });
   return planned;
 }
@@ -380,7 +381,7 @@ std::function<void()> plan_layers(const std::string& path, std::string_view payl
       plan_module(path, layer_archive, *layer, std::to_string(index) + ".", copies);
     }
     InputArchive extras_archive;
-    if (extras != nullptr && archive.try_read(kExtrasKey, extras_archive)) saved_extras = read_extras(extras_archive);
+    if (extras != nullptr && archive.try_read(kExtrasKey, extras_archive)) saved_extras = read_named(extras_archive);
   } catch (const UsageError&) {
     throw;
   } catch (const std::exception& error) {
@@ -396,15 +397,28 @@ std::function<void()> plan_layers(const std::string& path, std::string_view payl
   };
 }
 
-std::optional<data::SamplerState> restore_contents(const std::string& path, std::string_view payload,
-                                                   torch::nn::Module& module, torch::optim::Optimizer* optimizer,
-                                                   CheckpointExtras* extras) {
+void check_loader_state(const std::string& path, const std::optional<StateDict>& saved,
+                        const Stateful& loader) {
+  if (!saved) {
+    throw UsageError(where(path) + " holds no loader state: it was saved without one; expected one saved "
+                     "with shoal::save(path, module, optimizer, loader.sampler()), or load it without "
+                     "the loader");
+  }
+  try {
+    loader.check_state_dict(*saved);
+  } catch (const UsageError& error) {
+    throw UsageError(where(path) + ": " + error.what());
+  }
+}
+
+void restore_contents(const std::string& path, std::string_view payload, torch::nn::Module& module,
+                      torch::optim::Optimizer* optimizer, CheckpointExtras* extras, Stateful* loader) {
   // Reading: nothing of the caller's changes here. A payload that passed its checksum but does
   // not parse was written by something other than shoal::save (or a different LibTorch).
   InputArchive archive, module_archive, optimizer_archive;
   std::vector<Copy> copies;
   std::optional<StateMap> state_by_name;
-  std::optional<data::SamplerState> loader_state;
+  std::optional<StateDict> loader_state;
   CheckpointExtras saved_extras;
   try {
     archive.load_from(payload.data(), payload.size());
@@ -450,8 +464,9 @@ std::optional<data::SamplerState> restore_contents(const std::string& path, std:
     }
     InputArchive loader_archive;
     if (archive.try_read(kLoaderKey, loader_archive)) loader_state = read_loader_state(loader_archive);
+    if (loader != nullptr) check_loader_state(path, loader_state, *loader);
     InputArchive extras_archive;
-    if (extras != nullptr && archive.try_read(kExtrasKey, extras_archive)) saved_extras = read_extras(extras_archive);
+    if (extras != nullptr && archive.try_read(kExtrasKey, extras_archive)) saved_extras = read_named(extras_archive);
   } catch (const UsageError&) {
     throw;
   } catch (const std::exception& error) {
@@ -481,7 +496,7 @@ std::optional<data::SamplerState> restore_contents(const std::string& path, std:
     for (auto& copy : copies) copy.target.copy_(copy.value);
   }
   if (extras != nullptr) *extras = std::move(saved_extras);
-  return loader_state;
+  if (loader != nullptr) loader->load_state_dict(*loader_state);
 }
 
 }  // namespace shoal::checkpoint

@@ -15,7 +15,7 @@
 #include <torch/serialize/output-archive.h>
 
 #include "shoal/checkpoint/checkpoint.h"
-#include "shoal/data/sampler.h"
+#include "shoal/checkpoint/savable.h"
 
 namespace shoal::checkpoint {
 
@@ -23,10 +23,10 @@ namespace shoal::checkpoint {
 inline std::string where(const std::string& path) { return "checkpoint " + path; }
 
 // The payload: a torch::serialize archive of the module (as Module::save writes it), and of
-// the optimizer and the loader state when not null, and of the extras when not empty.
-// UsageError for an undefined extra.
+// the optimizer and the loader's state (a Stateful's state_dict()) when not null, and of the
+// extras when not empty. UsageError for an undefined extra or loader tensor.
 std::string serialize_contents(const torch::nn::Module& module, const torch::optim::Optimizer* optimizer,
-                               const data::SamplerState* loader_state, const CheckpointExtras& extras);
+                               const StateDict* loader_state, const CheckpointExtras& extras);
 
 // The same payload with the module's archive written by `write_module` (a module gathered from
 // pieces that no one process holds whole, as a pipeline's).
@@ -47,7 +47,7 @@ using WholeValues = std::map<const c10::TensorImpl*, WholeValue>;
 std::string serialize_contents(
     const std::function<void(torch::serialize::OutputArchive&)>& write_module,
     const std::function<void(torch::serialize::OutputArchive&)>& write_optimizer,
-    const std::string& optimizer_type, const data::SamplerState* loader_state,
+    const std::string& optimizer_type, const StateDict* loader_state,
     const CheckpointExtras& extras);
 
 // A payload read and checked against a model, with nothing of the caller's changed yet.
@@ -56,9 +56,14 @@ struct PlannedContents {
   bool has_optimizer_by_name = false;
   torch::serialize::InputArchive optimizer_by_name;
   std::string optimizer_type;
-  std::optional<data::SamplerState> loader_state;
+  std::optional<StateDict> loader_state;
   CheckpointExtras extras;  // read only when asked for
 };
+
+// Checks the file's loader state against `loader` (not null): UsageError, naming the checkpoint,
+// when the file has none or `loader` refuses it. Changes nothing.
+void check_loader_state(const std::string& path, const std::optional<StateDict>& saved,
+                        const Stateful& loader);
 
 // The parts of `payload` other than the module: the optimizer's state by name and its type (or
 // the type only, for LibTorch's format), the loader state, and the extras when asked for.
@@ -83,12 +88,11 @@ std::function<void()> plan_layers(const std::string& path, std::string_view payl
                                   const std::map<int, torch::nn::Module*>& layers, int layer_count,
                                   CheckpointExtras* extras);
 
-// Restores `module`, and `optimizer` and `extras` when not null, from `payload`, a verified
-// payload of the checkpoint at `path`; returns the loader state when the payload has one.
-// Everything is checked before anything changes: UsageError naming the first mismatch (a
-// parameter's name and shapes, the optimizer's type, a missing part), with nothing changed.
-std::optional<data::SamplerState> restore_contents(const std::string& path, std::string_view payload,
-                                                   torch::nn::Module& module, torch::optim::Optimizer* optimizer,
-                                                   CheckpointExtras* extras);
+// Restores `module`, and `optimizer`, `extras` and `loader` when not null, from `payload`, a
+// verified payload of the checkpoint at `path`. Everything is checked before anything changes:
+// UsageError naming the first mismatch (a parameter's name and shapes, the optimizer's type, a
+// missing part, a loader state the loader refuses), with nothing changed.
+void restore_contents(const std::string& path, std::string_view payload, torch::nn::Module& module,
+                      torch::optim::Optimizer* optimizer, CheckpointExtras* extras, Stateful* loader);
 
 }  // namespace shoal::checkpoint

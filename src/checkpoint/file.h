@@ -12,22 +12,20 @@
 #include <torch/optim/optimizer.h>
 
 #include "shoal/checkpoint/checkpoint.h"
-#include "shoal/data/sampler.h"
+#include "shoal/checkpoint/savable.h"
 
 namespace shoal::checkpoint {
 
-// The payload shoal::save writes for `module`, and `optimizer` and `loader_state` when not null,
-// with `extras` (docs/checkpoint.md, "The file").
+// The payload shoal::save writes for `module`, and `optimizer` and `loader`'s state when not
+// null, with `extras` (docs/checkpoint.md, "The file").
 std::string encode_payload(const torch::nn::Module& module, const torch::optim::Optimizer* optimizer,
-                           const data::SamplerState* loader_state, const CheckpointExtras& extras);
+                           const Stateful* loader, const CheckpointExtras& extras);
 
-// Restores `module`, and `optimizer` and `extras` when not null, from `payload` (described as
-// `what` in errors); returns the loader state when the payload has one. Everything is checked
-// before anything changes: UsageError naming the first mismatch, with nothing changed.
-std::optional<data::SamplerState> decode_payload(const std::string& what, std::string_view payload,
-                                                 torch::nn::Module& module,
-                                                 torch::optim::Optimizer* optimizer,
-                                                 CheckpointExtras* extras);
+// Restores `module`, and `optimizer`, `extras` and `loader` when not null, from `payload`
+// (described as `what` in errors). Everything is checked before anything changes: UsageError
+// naming the first mismatch, with nothing changed.
+void decode_payload(const std::string& what, std::string_view payload, torch::nn::Module& module,
+                    torch::optim::Optimizer* optimizer, CheckpointExtras* extras, Stateful* loader);
 
 // Replaces the file at `path` with a checkpoint file of `payload` (header and payload), atomically
 // under crashes: `path` holds the old file or the new one, never a part. UsageError naming the

@@ -193,7 +193,7 @@ std::vector<Parameter> parameters_of(const torch::nn::Module& module) {
 }  // namespace
 
 void save_whole(const std::string& path, const torch::nn::Module& module,
-                torch::optim::Optimizer* optimizer, const data::SamplerState* loader_state,
+                torch::optim::Optimizer* optimizer, const StateDict* loader_state,
                 const SaveOptions& options) {
   comm::Group group = world_group(options.group, path, "shoal::save");
   const auto parameters = parameters_of(module);
@@ -240,8 +240,8 @@ StateMap plan_state(const std::string& path, PlannedContents& planned,
 
 }  // namespace
 
-std::optional<data::SamplerState> load_whole(const std::string& path, torch::nn::Module& module,
-                                             torch::optim::Optimizer* optimizer, const LoadOptions& options) {
+void load_whole(const std::string& path, torch::nn::Module& module, torch::optim::Optimizer* optimizer,
+                Stateful* loader, const LoadOptions& options) {
   comm::Group group = world_group(options.group, path, "shoal::load");
   const auto parameters = parameters_of(module);
   agree(group, check_model(module, optimizer, parameters, "shoal::load"), options.timeout);
@@ -256,6 +256,7 @@ std::optional<data::SamplerState> load_whole(const std::string& path, torch::nn:
   try {
     planned = plan_contents(path, payload, module, whole, options.extras != nullptr);
     if (optimizer != nullptr) state = plan_state(path, planned, *optimizer, parameters);
+    if (loader != nullptr) check_loader_state(path, planned.loader_state, *loader);
   } catch (const UsageError& e) {
     error = e.what();
   }
@@ -273,7 +274,7 @@ std::optional<data::SamplerState> load_whole(const std::string& path, torch::nn:
   }
   planned.copy_module();
   if (options.extras != nullptr) *options.extras = std::move(planned.extras);
-  return planned.loader_state;
+  if (loader != nullptr) loader->load_state_dict(*planned.loader_state);
 }
 
 }  // namespace shoal::checkpoint

@@ -28,8 +28,8 @@ std::vector<std::pair<std::string, Piece>> pieces_of(const torch::nn::Module& mo
 // worker, naming the first mismatch, with nothing changed) and each worker keeps its piece of
 // each value and the state of the parameters its own optimizer holds.
 void save_whole(const std::string& path, const torch::nn::Module& module, torch::optim::Optimizer* optimizer,
-                const data::SamplerState* loader_state, const SaveOptions& options);
-std::optional<data::SamplerState> load_whole(const std::string& path, torch::nn::Module& module,
-                                             torch::optim::Optimizer* optimizer, const LoadOptions& options);
+                const StateDict* loader_state, const SaveOptions& options);
+void load_whole(const std::string& path, torch::nn::Module& module, torch::optim::Optimizer* optimizer,
+                Stateful* loader, const LoadOptions& options);
 
 }  // namespace shoal::checkpoint

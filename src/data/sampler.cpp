@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "../core/hash.h"
+#include "batch_source.h"
 #include "shoal/comm/group.h"
 #include "shoal/core/error.h"
 #include "shoal/data/torch_sampler.h"
@@ -58,7 +59,8 @@ std::vector<size_t> epoch_permutation(int64_t size, uint64_t seed, int64_t epoch
 }
 
 Sampler::Sampler(int64_t dataset_size, const SamplerOptions& options, int rank, int world_size)
-    : options_(options), dataset_size_(dataset_size), rank_(rank), world_size_(world_size) {
+    : options_(options), dataset_size_(dataset_size), rank_(rank), world_size_(world_size),
+      source_(std::make_unique<detail::CursorSource>()) {
   if (dataset_size < 0) throw UsageError(out_of_range("dataset_size", dataset_size, "at least 0"));
   if (options.batch_size < 1) throw UsageError(out_of_range("batch_size", options.batch_size, "at least 1"));
   check_world(rank, world_size);
@@ -67,6 +69,21 @@ Sampler::Sampler(int64_t dataset_size, const SamplerOptions& options, int rank, 
 
 Sampler::Sampler(int64_t dataset_size, const SamplerOptions& options)
     : Sampler(dataset_size, options, job_rank(), job_world_size()) {}
+
+Sampler::Sampler(const Sampler& other)
+    : checkpoint::Stateful(other), options_(other.options_), dataset_size_(other.dataset_size_),
+      rank_(other.rank_), world_size_(other.world_size_), epoch_(other.epoch_), cursor_(other.cursor_),
+      restored_(other.restored_), permutation_(other.permutation_),
+      source_(other.source_ ? other.source_->clone() : nullptr) {}
+
+Sampler& Sampler::operator=(const Sampler& other) {
+  *this = Sampler(other);
+  return *this;
+}
+
+Sampler::Sampler(Sampler&& other) noexcept = default;
+Sampler& Sampler::operator=(Sampler&& other) noexcept = default;
+Sampler::~Sampler() = default;
 
 void Sampler::set_epoch(int64_t epoch) {
   if (epoch < 0) throw UsageError(out_of_range("epoch", epoch, "at least 0"));
@@ -83,7 +100,7 @@ void Sampler::set_epoch(int64_t epoch) {
   }
   epoch_ = epoch;
   cursor_ = 0;
-  lease_.reset();
+  source_->start_epoch();
 }
 
 void Sampler::lease_from(std::shared_ptr<BatchLeases> leases) {
@@ -92,19 +109,17 @@ void Sampler::lease_from(std::shared_ptr<BatchLeases> leases) {
         "Sampler: leased batches (an elastic parameter-server job) with LastBatch::kPad; expected "
         "kKeep or kDrop");
   }
-  leases_ = std::move(leases);
-  lease_size_ = options_.per_worker ? options_.batch_size
-                                    : (options_.batch_size + world_size_ - 1) / world_size_;
-  lease_.reset();
+  if (!leases) {
+    source_ = std::make_unique<detail::CursorSource>();
+    return;
+  }
+  const int64_t lease_size = options_.per_worker ? options_.batch_size
+                                                 : (options_.batch_size + world_size_ - 1) / world_size_;
+  source_ = std::make_unique<detail::LeasedSource>(std::move(leases), lease_size,
+                                                   options_.last_batch == LastBatch::kDrop);
 }
 
-const BatchLeases::Lease& Sampler::current_lease() const {
-  if (!lease_) {
-    lease_ = leases_->next(epoch_, dataset_size_, lease_size_,
-                           options_.last_batch == LastBatch::kDrop);
-  }
-  return *lease_;
-}
+bool Sampler::leased() const { return source_->leased(); }
 
 void Sampler::reshard(int rank, int world_size) {
   check_world(rank, world_size);
@@ -125,43 +140,10 @@ int64_t Sampler::batches_from(int64_t position) const {
 
 int64_t Sampler::batches_per_epoch() const { return batches_from(0); }
 int64_t Sampler::batches_remaining() const { return batches_from(cursor_); }
-bool Sampler::epoch_done() const {
-  if (leases_) return current_lease().kind == BatchLeases::Lease::Kind::kEpochDone;
-  return batches_remaining() == 0;
-}
-
-int64_t Sampler::global_batch_at_cursor() const {
-  if (epoch_done()) return 0;
-  if (leases_) return current_lease().end - current_lease().begin;  // this worker's, leased
-  if (options_.last_batch == LastBatch::kKeep) return std::min(global_batch_size(), dataset_size_ - cursor_);
-  return global_batch_size();  // kDrop: only full batches remain; kPad: filled up
-}
-
-std::vector<size_t> Sampler::batch() const {
-  if (leases_) {
-    const auto& lease = current_lease();
-    if (lease.kind != BatchLeases::Lease::Kind::kBatch) return {};
-    return {permutation_.begin() + lease.begin, permutation_.begin() + lease.end};
-  }
-  const comm::Sizes shares = comm::split_sizes(global_batch_at_cursor(), world_size_);
-  const int64_t offset = std::accumulate(shares.begin(), shares.begin() + rank_, int64_t{0});
-  std::vector<size_t> indices(static_cast<size_t>(shares[rank_]));
-  for (size_t i = 0; i < indices.size(); ++i) {
-    // Wraps around only for kPad's last batch.
-    const int64_t position = (cursor_ + offset + static_cast<int64_t>(i)) % dataset_size_;
-    indices[i] = permutation_[static_cast<size_t>(position)];
-  }
-  return indices;
-}
-
-void Sampler::advance() {
-  if (leases_) {
-    lease_.reset();  // the next epoch_done() leases the next batch
-    return;
-  }
-  if (epoch_done()) return;
-  cursor_ = std::min(dataset_size_, cursor_ + global_batch_size());
-}
+bool Sampler::epoch_done() const { return source_->epoch_done(*this); }
+int64_t Sampler::global_batch_at_cursor() const { return source_->global_batch_at_cursor(*this); }
+std::vector<size_t> Sampler::batch() const { return source_->batch(*this); }
+void Sampler::advance() { cursor_ = source_->advance(*this); }
 
 SamplerState Sampler::state() const {
   SamplerState state;
@@ -173,7 +155,7 @@ SamplerState Sampler::state() const {
   return state;
 }
 
-void Sampler::load_state(const SamplerState& state) {
+void Sampler::check_state(const SamplerState& state) const {
   if (state.dataset_size != dataset_size_) {
     throw UsageError("Sampler: the state was saved for a dataset of " + std::to_string(state.dataset_size) +
                      " samples; this one has " + std::to_string(dataset_size_));
@@ -192,6 +174,10 @@ void Sampler::load_state(const SamplerState& state) {
     throw UsageError(out_of_range("the state's cursor", state.cursor,
                                   "0 <= cursor <= dataset_size = " + std::to_string(dataset_size_)));
   }
+}
+
+void Sampler::load_state(const SamplerState& state) {
+  check_state(state);
   set_epoch(state.epoch);
   cursor_ = state.cursor;
   restored_ = true;
@@ -199,7 +185,124 @@ void Sampler::load_state(const SamplerState& state) {
 
 namespace {
 
+at::Tensor int64_scalar(int64_t value) { return at::scalar_tensor(value, at::kLong); }
+
+// The integer `state` holds under `key`; UsageError when it holds none, or not as a 0-dim
+// integer tensor.
+int64_t integer_at(const checkpoint::StateDict& state, const std::string& key) {
+  const auto found = state.find(key);
+  if (found == state.end()) {
+    throw UsageError("Sampler: the state has no \"" + key +
+                     "\"; expected the names seed, shuffle, dataset_size, epoch and cursor");
+  }
+  const at::Tensor& value = found->second;
+  const std::string named = "Sampler: the state's \"" + key + "\" is ";
+  const char* expected = "; expected a 0-dim integer tensor";
+  if (!value.defined()) throw UsageError(named + "an undefined tensor" + expected);
+  if (value.dim() != 0 || !at::isIntegralType(value.scalar_type(), /*includeBool=*/false)) {
+    throw UsageError(named + "a " + c10::toString(value.scalar_type()) + " tensor of shape " +
+                     c10::str(value.sizes()) + expected);
+  }
+  return value.item<int64_t>();
+}
+
+// The SamplerState a state_dict() holds, checked for its form only (check_state judges it).
+SamplerState from_state_dict(const checkpoint::StateDict& dict) {
+  SamplerState state;
+  state.seed = static_cast<uint64_t>(integer_at(dict, "seed"));
+  const int64_t shuffle = integer_at(dict, "shuffle");
+  if (shuffle != 0 && shuffle != 1) throw UsageError(out_of_range("the state's shuffle", shuffle, "0 or 1"));
+  state.shuffle = shuffle == 1;
+  state.dataset_size = integer_at(dict, "dataset_size");
+  state.epoch = integer_at(dict, "epoch");
+  state.cursor = integer_at(dict, "cursor");
+  return state;
+}
+
 }  // namespace
+
+checkpoint::StateDict Sampler::state_dict() const {
+  const SamplerState position = state();
+  return {
+      {"seed", int64_scalar(static_cast<int64_t>(position.seed))},  // the bits: a uint64 over 2^63 is negative
+      {"shuffle", int64_scalar(position.shuffle ? 1 : 0)},
+      {"dataset_size", int64_scalar(position.dataset_size)},
+      {"epoch", int64_scalar(position.epoch)},
+      {"cursor", int64_scalar(position.cursor)},
+  };
+}
+
+void Sampler::check_state_dict(const checkpoint::StateDict& state) const { check_state(from_state_dict(state)); }
+
+void Sampler::load_state_dict(const checkpoint::StateDict& state) { load_state(from_state_dict(state)); }
+
+// ----- The two sources of batches (batch_source.h) -----
+
+namespace detail {
+
+std::unique_ptr<BatchSource> CursorSource::clone() const { return std::make_unique<CursorSource>(*this); }
+
+bool CursorSource::epoch_done(const Sampler& sampler) const { return sampler.batches_remaining() == 0; }
+
+int64_t CursorSource::global_batch_at_cursor(const Sampler& sampler) const {
+  if (epoch_done(sampler)) return 0;
+  if (sampler.options().last_batch == LastBatch::kKeep) {
+    return std::min(sampler.global_batch_size(), sampler.dataset_size() - sampler.cursor());
+  }
+  return sampler.global_batch_size();  // kDrop: only full batches remain; kPad: filled up
+}
+
+std::vector<size_t> CursorSource::batch(const Sampler& sampler) const {
+  const int rank = sampler.rank();
+  const comm::Sizes shares = comm::split_sizes(global_batch_at_cursor(sampler), sampler.world_size());
+  const int64_t offset = std::accumulate(shares.begin(), shares.begin() + rank, int64_t{0});
+  const std::vector<size_t>& permutation = sampler.permutation();
+  std::vector<size_t> indices(static_cast<size_t>(shares[rank]));
+  for (size_t i = 0; i < indices.size(); ++i) {
+    // Wraps around only for kPad's last batch.
+    const int64_t position = (sampler.cursor() + offset + static_cast<int64_t>(i)) % sampler.dataset_size();
+    indices[i] = permutation[static_cast<size_t>(position)];
+  }
+  return indices;
+}
+
+int64_t CursorSource::advance(const Sampler& sampler) {
+  if (epoch_done(sampler)) return sampler.cursor();
+  return std::min(sampler.dataset_size(), sampler.cursor() + sampler.global_batch_size());
+}
+
+LeasedSource::LeasedSource(std::shared_ptr<BatchLeases> leases, int64_t lease_size, bool drop_last)
+    : leases_(std::move(leases)), lease_size_(lease_size), drop_last_(drop_last) {}
+
+std::unique_ptr<BatchSource> LeasedSource::clone() const { return std::make_unique<LeasedSource>(*this); }
+
+const BatchLeases::Lease& LeasedSource::current(const Sampler& sampler) const {
+  if (!lease_) lease_ = leases_->next(sampler.epoch(), sampler.dataset_size(), lease_size_, drop_last_);
+  return *lease_;
+}
+
+bool LeasedSource::epoch_done(const Sampler& sampler) const {
+  return current(sampler).kind == BatchLeases::Lease::Kind::kEpochDone;
+}
+
+int64_t LeasedSource::global_batch_at_cursor(const Sampler& sampler) const {
+  if (epoch_done(sampler)) return 0;
+  return current(sampler).end - current(sampler).begin;  // this worker's, leased
+}
+
+std::vector<size_t> LeasedSource::batch(const Sampler& sampler) const {
+  const BatchLeases::Lease& lease = current(sampler);
+  if (lease.kind != BatchLeases::Lease::Kind::kBatch) return {};
+  const std::vector<size_t>& permutation = sampler.permutation();
+  return {permutation.begin() + lease.begin, permutation.begin() + lease.end};
+}
+
+int64_t LeasedSource::advance(const Sampler& sampler) {
+  lease_.reset();  // the next question leases the next batch
+  return sampler.cursor();
+}
+
+}  // namespace detail
 
 DistributedSampler::DistributedSampler(int64_t size, bool shuffle, bool drop_last, uint64_t seed)
     : size_(size), shuffle_(shuffle), drop_last_(drop_last), seed_(seed), rank_(job_rank()),

@@ -82,7 +82,8 @@ struct Reducer::State {
   void begin_backward(const std::shared_ptr<State>& self);
   void on_grad_ready(size_t index, const std::shared_ptr<State>& self);
   void start_ready_buckets();
-  void start(Bucket& bucket);
+  // Starts the bucket's average, or with `sum` that all-reduce (sum_gradients()).
+  void start(Bucket& bucket, const comm::AllReduceOptions* sum = nullptr);
   void finalize();
   void rebuild();
 
@@ -227,7 +228,7 @@ void Reducer::State::start_ready_buckets() {
   while (next_bucket < buckets.size() && buckets[next_bucket].pending == 0) start(buckets[next_bucket++]);
 }
 
-void Reducer::State::start(Bucket& bucket) {
+void Reducer::State::start(Bucket& bucket, const comm::AllReduceOptions* sum) {
   if (timeline::enabled()) {
     const auto index = static_cast<int64_t>(&bucket - buckets.data());
     bucket.slice = timeline::AsyncSlice(
@@ -240,6 +241,10 @@ void Reducer::State::start(Bucket& bucket) {
   // runs there, on the thread that waits (comm::RunOnWaiter).
   std::optional<comm::RunOnWaiter> promise;
   if (&bucket == &buckets.back()) promise.emplace();
+  if (sum) {
+    bucket.work = group.all_reduce_async(bucket.buffer, *sum);
+    return;
+  }
   bucket.work = options.hook ? options.hook(group, bucket.buffer)
                              : group.all_reduce_async(bucket.buffer, {prescale ? comm::ReduceOp::kSum
                                                                                : comm::ReduceOp::kAvg});
@@ -336,6 +341,7 @@ Reducer::Reducer(std::vector<at::Tensor> parameters, comm::Group group, ReducerO
   std::vector<size_t> reverse(n);
   for (size_t k = 0; k < n; ++k) reverse[k] = n - 1 - k;
   state.assign(reverse);
+  if (!state.options.during_backward) return;
 
   for (size_t k = 0; k < n; ++k) {
     auto accumulator = torch::autograd::impl::grad_accumulator(state.params[k]);
@@ -385,6 +391,54 @@ void Reducer::count_batch(int64_t rows) {
   state.rows = at::full({1}, rows, at::kLong);
   state.count = state.group.all_reduce_async(state.rows, {comm::ReduceOp::kSum});
   state.counting = true;
+}
+
+void Reducer::sum_gradients(const std::vector<at::Tensor>& since, Duration timeout) {
+  State& state = *state_;
+  SHOAL_CHECK(!state.options.during_backward) << "sum_gradients() on a reducer that sums during backward";
+  SHOAL_CHECK(since.empty() || since.size() == state.params.size())
+      << "sum_gradients() given " << since.size() << " earlier gradients for " << state.params.size() << " parameters";
+  const auto earlier = [&](size_t index) { return since.empty() ? at::Tensor() : since[index]; };
+  const comm::AllReduceOptions sum{comm::ReduceOp::kSum, timeout};
+  // Each bucket is filled with the gains and started before the next is filled.
+  for (auto& bucket : state.buckets) {
+    for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
+      const size_t index = bucket.params[slot];
+      const at::Tensor& param = state.params[index];
+      auto view = state.slice(bucket, slot);
+      const at::Tensor before = earlier(index);
+      if (param.is_meta() || !param.grad().defined()) {
+        view.zero_();
+      } else if (state.is_alias(index)) {
+        if (before.defined()) view.sub_(before.reshape(-1));  // backward accumulated in the bucket
+      } else if (before.defined()) {
+        at::sub_out(view, param.grad().reshape(-1), before.reshape(-1));
+      } else {
+        view.copy_(param.grad().reshape(-1));
+      }
+    }
+    state.start(bucket, &sum);
+  }
+  for (auto& bucket : state.buckets) {
+    bucket.work.wait();
+    bucket.slice.end();
+    for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
+      const size_t index = bucket.params[slot];
+      at::Tensor& param = state.params[index];
+      if (param.is_meta()) continue;
+      auto view = state.slice(bucket, slot);
+      const at::Tensor before = earlier(index);
+      if (before.defined()) view.add_(before.reshape(-1));
+      if (state.is_alias(index)) continue;
+      if (state.options.gradient_as_bucket_view) {
+        param.mutable_grad() = state.grad_alias(index);
+      } else if (param.grad().defined()) {
+        param.mutable_grad().copy_(view.view_as(param));
+      } else {
+        param.mutable_grad() = view.view_as(param).clone();
+      }
+    }
+  }
 }
 
 void Reducer::set_sync(bool sync) { state_->sync = sync; }

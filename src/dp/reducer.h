@@ -9,7 +9,10 @@
 // end of backward (an autograd engine callback) buckets not yet started (their parameters got no
 // gradient here) are started with zeros in place of the missing gradients, every bucket is
 // waited for, and the averages are written to the parameters' .grad.
-// See docs/dp.md. Internal to shoal: DataParallel (src/dp/replicator.h) and GradientSync hold it.
+// Built with during_backward off, it attaches nothing to autograd and sums the same buckets when
+// called (sum_gradients()): the pipeline's sums of a step's gradients.
+// See docs/dp.md. Internal to shoal: DataParallel (src/dp/replicator.h), GradientSync and the
+// pipeline (src/pipeline/step.cpp) hold it.
 #pragma once
 
 #include <cstdint>
@@ -21,12 +24,18 @@
 
 #include "dp/replication.h"
 #include "shoal/comm/group.h"
+#include "shoal/core/timeout.h"
 #include "shoal/dp/buckets.h"
 #include "shoal/dp/comm_hooks.h"
 
 namespace shoal::dp {
 
 struct ReducerOptions : BucketOptions {
+  // Work during backward, as above. Off: no hook on any parameter, and nothing happens until
+  // sum_gradients(), which sums the buckets then (the pipeline's way: its backward runs once
+  // per micro-batch, and a step's gradients are summed once, after the last). Of the options
+  // below only gradient_as_bucket_view then counts.
+  bool during_backward = true;
   // Agree after each backward on which parameters got a gradient on any worker, and leave the
   // .grad of those that got none anywhere untouched (as a single process would). One more small
   // all-reduce per step. Without it such parameters get a zero gradient.
@@ -51,7 +60,10 @@ struct ReducerOptions : BucketOptions {
 
 class Reducer {
  public:
-  // `parameters`: the ones that require gradients, in registration order.
+  // `parameters`: the ones that require gradients, in registration order. Every member gives
+  // the same list of shapes and dtypes. Without during_backward, a parameter this worker does not
+  // hold may be given as a meta tensor of its shape and dtype (device at::kMeta): it adds zeros
+  // to the sums and is given no gradient.
   Reducer(std::vector<at::Tensor> parameters, comm::Group group, ReducerOptions options);
   ~Reducer();
   Reducer(const Reducer&) = delete;
@@ -69,6 +81,16 @@ class Reducer {
   // Called at the end of each synchronized backward, after the gradients are averaged
   // (DataParallel broadcasts buffers here).
   void set_after_backward(std::function<void()> callback);
+
+  // Without during_backward: sums over the group, now, what each parameter's .grad gained since
+  // `since` (one tensor per parameter, in the constructor's order: its .grad when the gains
+  // began, undefined where it had none; empty: none had one), and leaves `since` plus that sum in
+  // .grad, so that what was summed before is not summed again. A sum, not an average, in the
+  // parameters' dtype, bucket by bucket as during backward: each bucket starts once filled, while
+  // the next fills. A parameter without .grad adds zeros and gets the sum. Each all-reduce ends
+  // within `timeout` (kUnsetTimeout: the group's), else CommError. A collective: every member
+  // calls it at the same point.
+  void sum_gradients(const std::vector<at::Tensor>& since, Duration timeout = kUnsetTimeout);
 
   // The buckets, as lists of parameter indices (for tests and docs).
   std::vector<std::vector<size_t>> bucket_assignment() const;

@@ -7,6 +7,6 @@
 namespace shoal::elastic {
 
 // The first round this worker is part of, for the job `discovered` describes.
-runtime::World join(const runtime::Joining& joining);
+runtime::Round join(const runtime::Joining& joining);
 
 }  // namespace shoal::elastic

@@ -160,19 +160,17 @@ std::string State::serialize() const {
   std::vector<double> rates;
   for (auto& g : optimizer_.param_groups()) rates.push_back(g.options().get_lr());
   extras[kRatesKey] = at::tensor(rates, at::kDouble);
-  const auto sampler_state = sampler_.state();
-  return checkpoint::encode_payload(module_, &optimizer_, &sampler_state, extras);
+  return checkpoint::encode_payload(module_, &optimizer_, &sampler_, extras);
 }
 
 void State::deserialize(const std::string& what, std::string_view payload) {
   shoal::CheckpointExtras extras;
-  auto sampler_state = checkpoint::decode_payload(what, payload, module_, &optimizer_, &extras);
+  checkpoint::decode_payload(what, payload, module_, &optimizer_, &extras, &sampler_);
   for (const char* key : {kEpochKey, kVersionKey, kRatesKey}) {
     if (extras.count(key) == 0) {
       throw UsageError(what + " has no " + key + ": expected the commit of an elastic::State");
     }
   }
-  if (sampler_state) sampler_.load_state(*sampler_state);
   epoch_ = extras.at(kEpochKey).item<int64_t>();
   version_ = extras.at(kVersionKey).item<int64_t>();
   auto rates = extras.at(kRatesKey);

@@ -13,7 +13,7 @@
 #include "gossip/rendezvous.h"
 #include "core/token.h"
 #include "shoal/core/error.h"
-#include "shoal/runtime/job.h"
+#include "runtime/job_discovery.h"
 
 namespace shoal::elastic {
 namespace {
@@ -36,27 +36,27 @@ std::string host_name() {
   return name;
 }
 
-runtime::World make_world(const View& view, comm::Group group) {
-  runtime::World world;
-  world.job.launcher = "shoal";
-  world.job.elastic = true;
-  world.job.rank = view.rank;
-  world.job.world_size = view.size();
+runtime::Round make_round(const View& view, comm::Group group) {
+  runtime::Round round;
+  round.job.launcher = "shoal";
+  round.job.elastic = true;
+  round.job.rank = view.rank;
+  round.job.world_size = view.size();
   const std::string& host = view.members[view.rank].host;
-  world.job.local_rank = 0;
-  world.job.local_world_size = 0;
+  round.job.local_rank = 0;
+  round.job.local_world_size = 0;
   for (int r = 0; r < view.size(); ++r) {
     if (view.members[r].host != host) continue;
-    if (r < view.rank) ++world.job.local_rank;
-    ++world.job.local_world_size;
+    if (r < view.rank) ++round.job.local_rank;
+    ++round.job.local_world_size;
   }
   const auto& store = view.members[0].store;
   auto [addr, port] = parse_host_port(store, "the round's store");
-  world.job.master_addr = addr;
-  world.job.master_port = port;
-  world.job.master_described_as = "the store of round " + std::to_string(view.round) + "'s first worker";
-  world.group = std::move(group);
-  return world;
+  round.job.master_addr = addr;
+  round.job.master_port = port;
+  round.job.master_described_as = "the store of round " + std::to_string(view.round) + "'s first worker";
+  round.group = std::move(group);
+  return round;
 }
 
 std::unique_ptr<Rendezvous> start_gossip(const Settings& settings, const std::string& address, const Peer& self,
@@ -151,7 +151,7 @@ ElasticWorld& ElasticWorld::get() {
   return *the_world;
 }
 
-runtime::World ElasticWorld::join(const JobSpec& discovered, const env::Environment& env, Duration connect_timeout,
+runtime::Round ElasticWorld::join(const JobSpec& discovered, const env::Environment& env, Duration connect_timeout,
                                   Duration timeout) {
   SHOAL_CHECK(the_world == nullptr) << "joined an elastic job twice";
   auto world = std::unique_ptr<ElasticWorld>(new ElasticWorld());
@@ -190,13 +190,13 @@ runtime::World ElasticWorld::join(const JobSpec& discovered, const env::Environm
   std::atexit([] { the_world->rendezvous().leave(); });
   the_world->next_round(nullptr);
   the_world->rendezvous_->take_rejoined();  // nothing committed yet that could be stale
-  return the_world->world_;
+  return the_world->round_;
 }
 
 void ElasticWorld::reform(bool failed) {
   if (failed) rendezvous_->check(view_);
   next_round(&view_);
-  runtime::replace_world(world_);
+  runtime::replace_world(round_);
 }
 
 void ElasticWorld::next_round(const View* previous) {
@@ -207,7 +207,7 @@ void ElasticWorld::next_round(const View* previous) {
   for (;;) {
     View view = rendezvous_->next(have_last ? &last : nullptr, deadline.remaining());
     try {
-      world_ = form(view);
+      round_ = form(view);
       view_ = view;
       return;
     } catch (const CommError& e) {
@@ -220,7 +220,7 @@ void ElasticWorld::next_round(const View* previous) {
   }
 }
 
-runtime::World ElasticWorld::form(const View& view) {
+runtime::Round ElasticWorld::form(const View& view) {
   auto [host, port] = parse_host_port(view.members[0].store, "the round's store");
   comm::StoreOptions client;
   client.host = host;
@@ -240,10 +240,10 @@ runtime::World ElasticWorld::form(const View& view) {
   options.lost_check = [this, view] { return rendezvous_->lost(view); };
   auto group = comm::Group::create(store, view.rank, view.size(), options);
   group.set_timeout(timeout_);
-  return make_world(view, std::move(group));
+  return make_round(view, std::move(group));
 }
 
-runtime::World join(const runtime::Joining& joining) {
+runtime::Round join(const runtime::Joining& joining) {
   return ElasticWorld::join(joining.job, joining.env, joining.connect_timeout, joining.timeout);
 }
 

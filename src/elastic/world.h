@@ -34,7 +34,7 @@ class ElasticWorld {
   static ElasticWorld& get();
 
   // Joins the job: the first round this worker is part of. Called by shoal::init().
-  static runtime::World join(const JobSpec& discovered, const env::Environment& env, Duration connect_timeout,
+  static runtime::Round join(const JobSpec& discovered, const env::Environment& env, Duration connect_timeout,
                              Duration timeout);
 
   // Forms the next round and makes it shoal::world(). `failed`: the current round's group failed
@@ -49,7 +49,7 @@ class ElasticWorld {
 
  private:
   ElasticWorld() = default;
-  runtime::World form(const View& view);
+  runtime::Round form(const View& view);
   void next_round(const View* previous);
 
   Settings settings_;
@@ -59,7 +59,7 @@ class ElasticWorld {
   comm::StorePtr server_;
   std::unique_ptr<Rendezvous> rendezvous_;
   View view_;
-  runtime::World world_;
+  runtime::Round round_;
 };
 
 }  // namespace shoal::elastic

@@ -1,5 +1,5 @@
-// This launcher's part in an elastic job: its membership agent (or etcd client) and the job's
-// token file.
+// This launcher's part in an elastic job: its membership agent (or its hold on the job's record
+// in etcd, src/elastic/membership.h) and the job's token file.
 // Private to src/launch; see elastic_launch.cpp.
 #pragma once
 
@@ -8,18 +8,15 @@
 #include <memory>
 #include <string>
 
-#include "../elastic/etcd/client.h"
-#include "../elastic/etcd/job.h"
-#include "../elastic/gossip/swim.h"
+#include "elastic/membership.h"
 #include "proc/worker_env.h"
 
 namespace shoal::launch {
 
 class ElasticAgent {
  public:
-  std::unique_ptr<elastic::gossip::Gossip> membership;  // gossip: this launcher's agent
-  std::unique_ptr<elastic::etcd::Client> etcd;          // etcd: the server's client
-  std::string etcd_prefix;
+  std::unique_ptr<elastic::GossipAgent> membership;  // gossip: this launcher's agent
+  std::unique_ptr<elastic::EtcdJob> etcd;            // etcd: the job's record
   std::string token_file;  // what workers read the token from
   bool owns_token_file = false;
   proc::ElasticPlace place;
@@ -30,9 +27,9 @@ class ElasticAgent {
   bool finished = false;
 
   ~ElasticAgent() {
-    if (membership) membership->leave();
+    membership.reset();  // leaves the membership
     // The last launcher to end a finished job removes the job's keys.
-    if (etcd && finished) elastic::etcd::forget_job_if_done(*etcd, etcd_prefix);
+    if (etcd && finished) etcd->forget_if_done();
     if (owns_token_file) ::unlink(token_file.c_str());
   }
 };

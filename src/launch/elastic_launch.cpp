@@ -9,7 +9,6 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -18,7 +17,7 @@
 #include "launcher.h"
 #include "nodes.h"
 #include "proc/process.h"
-#include "comm/store.h"
+#include "shoal/comm/address.h"
 #include "shoal/core/error.h"
 #include "signals.h"
 #include "watchdog.h"
@@ -34,10 +33,9 @@ using Clock = std::chrono::steady_clock;
 constexpr Duration kElasticStopGrace{10000};
 
 // A joining launcher takes the job's settings from any agent already in it.
-bool adopt_job_settings(const elastic::gossip::Gossip& membership, proc::ElasticPlace& place) {
-  for (const auto& member : membership.members()) {
-    if (member.id == membership.id()) continue;
-    const auto settings = proc::parse_agent_metadata(member.meta);
+bool adopt_job_settings(const elastic::GossipAgent& membership, proc::ElasticPlace& place) {
+  for (const auto& meta : membership.others_meta()) {
+    const auto settings = proc::parse_agent_metadata(meta);
     if (!settings) continue;
     place.min_workers = settings->min_workers;
     place.max_workers = settings->max_workers;
@@ -116,7 +114,7 @@ int Launcher::run_elastic() {
 
 void Launcher::join_gossip(const std::string& token) {
   proc::ElasticPlace& place = agent_->place;
-  elastic::gossip::Options membership;
+  elastic::GossipAgentOptions membership;
   if (options_.joins()) {
     membership.seeds = {options_.join_host + ":" + std::to_string(options_.join_port)};
     membership.advertise_host = comm::local_address_towards(options_.join_host, options_.join_port);
@@ -129,7 +127,7 @@ void Launcher::join_gossip(const std::string& token) {
   membership.meta = proc::agent_metadata(place);
   membership.join_timeout = options_.connect_timeout;
   try {
-    agent_->membership = elastic::gossip::Gossip::start(membership);
+    agent_->membership = std::make_unique<elastic::GossipAgent>(membership);
   } catch (const CommError& e) {
     throw UsageError(std::string("--join ") + options_.join_host + ":" +
                      std::to_string(options_.join_port) + ": " + e.what());
@@ -154,26 +152,18 @@ void Launcher::join_etcd(const std::string& token) {
   proc::ElasticPlace& place = agent_->place;
   if (options_.joins()) place.run_id = options_.join_run_id;
   place.etcd = options_.etcd;
-  elastic::etcd::JobRecord record;
-  record.min_workers = place.min_workers;
-  record.max_workers = place.max_workers;
-  record.quorum = place.quorum;
-  record.last_call = place.last_call;
-  agent_->etcd = std::make_unique<elastic::etcd::Client>(
-      elastic::etcd::Endpoint::parse(options_.etcd), std::chrono::seconds(2));
-  agent_->etcd_prefix = elastic::etcd::job_prefix(place.run_id);
-  Deadline deadline(options_.connect_timeout);
-  for (;;) {
-    try {
-      record = elastic::etcd::open_job(*agent_->etcd, agent_->etcd_prefix, token, record,
-                                       !options_.joins());
-      break;
-    } catch (const CommError& e) {
-      if (deadline.expired())
-        throw UsageError(std::string("--rendezvous etcd://") + options_.etcd + ": " + e.what());
-      std::this_thread::sleep_for(std::min(Duration(200), deadline.remaining()));
-    }
+  elastic::JobSettings settings;
+  settings.min_workers = place.min_workers;
+  settings.max_workers = place.max_workers;
+  settings.quorum = place.quorum;
+  settings.last_call = place.last_call;
+  try {
+    agent_->etcd = std::make_unique<elastic::EtcdJob>(options_.etcd, place.run_id, token, settings,
+                                                      !options_.joins(), options_.connect_timeout);
+  } catch (const CommError& e) {
+    throw UsageError(std::string("--rendezvous etcd://") + options_.etcd + ": " + e.what());
   }
+  const elastic::JobSettings& record = agent_->etcd->settings();
   place.min_workers = record.min_workers;
   place.max_workers = record.max_workers;
   place.quorum = record.quorum;

@@ -21,13 +21,15 @@
 namespace shoal::proc {
 struct ExitStatus;
 }
+namespace shoal::ps::detail {
+class MembershipClient;
+}
 
 namespace shoal::launch {
 
 class ElasticAgent;
 class JobStore;
 class NodeGroup;
-class PsMembership;
 class SignalSet;
 class Watchdog;
 
@@ -139,7 +141,8 @@ class Launcher {
   bool any_success_ = false;  // a worker exited 0 (an elastic job's training finished)
   std::string ps_token_;           // the job's token for its parameter servers
   bool servers_stopping_ = false;  // the workers are done and the servers were told to stop
-  std::unique_ptr<PsMembership> ps_members_;  // ps_elastic(): makes lost workers leave
+  // ps_elastic(): makes lost workers leave the servers.
+  std::unique_ptr<ps::detail::MembershipClient> ps_members_;
   bool workers_done_counted_ = false;  // several nodes: this node's workers counted as done
   int ps_first_workers_ = 0;          // ps_elastic(): the first launcher's -n
   int ps_joiner_ = 0;                 // a joining launcher's number in the job (from 1)

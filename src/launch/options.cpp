@@ -7,38 +7,69 @@
 
 #include <CLI/CLI.hpp>
 
-#include "../ps/mode.h"
+#include "ps/serve.h"
 #include "proc/process.h"
+#include "runtime/job_discovery.h"
 #include "shoal/core/error.h"
-#include "shoal/runtime/job.h"
 
 namespace shoal::launch {
 namespace {
 
-// The flags as typed, before validation: CLI11 only splits the command line, so that every
-// message about a value is ours and fits on one line.
-struct RawFlags {
-  std::string nproc = "1";
-  std::string nnodes = "1";
-  std::string node_rank = "0";
+// Note [Flags through CLI11's validators]
+// CLI11 converts each flag to its type after running the flag's validators over its text, and a
+// validator's message reaches the user as "NAME: MESSAGE", NAME being the flag's long name. So
+// shoal's validators return only "expected ..., got '...'", and a bad value reads
+// "--servers: expected a number of servers from 0 to 1024, got '-1'", one line, as every usage
+// error of shoal's. A validator sees one flag; what needs two (--min <= --max, --node-rank below
+// --nnodes) or depends on another (--join's text on --rendezvous) is checked in validate(), after
+// every flag's value has passed its own.
+
+// An integer from min to max, written in decimal. A transform: CLI11 2.1 reads integers with
+// strtoll's base 0, where "010" is 8 and "0x10" is 16, so the text accepted here is rewritten as
+// the decimal CLI11 then converts.
+CLI::Validator whole_number(long min, long max, const std::string& expected) {
+  return CLI::Validator(
+      [min, max, expected](std::string& text) -> std::string {
+        errno = 0;
+        char* end = nullptr;
+        const long value = std::strtol(text.c_str(), &end, 10);
+        if (text.empty() || errno != 0 || *end != '\0' || value < min || value > max) {
+          return "expected " + expected + ", got '" + text + "'";
+        }
+        text = std::to_string(value);
+        return {};
+      },
+      "");  // no description: --help shows the flags' own type names
+}
+
+// A number of seconds above 0 and at most a week (or exactly "0" where zero_allowed: no wait).
+CLI::Validator duration_in_seconds(bool zero_allowed) {
+  return CLI::Validator(
+      [zero_allowed](std::string& text) -> std::string {
+        if (zero_allowed && text == "0") return {};
+        errno = 0;
+        char* end = nullptr;
+        const double value = std::strtod(text.c_str(), &end);
+        if (text.empty() || errno != 0 || *end != '\0' || !std::isfinite(value) || value <= 0 ||
+            value > 7 * 24 * 3600) {
+          return "expected a positive number of seconds, got '" + text + "'";
+        }
+        return {};
+      },
+      "");
+}
+
+Duration from_seconds(double seconds) {
+  return Duration(static_cast<int64_t>(std::ceil(seconds * 1000)));
+}
+
+// The flags whose text is read after parsing: runtime's parse_host_port reads the addresses (its
+// messages quote the text, "--master='host' has no port; ..."), and --join means a member's
+// address or a run id depending on --rendezvous.
+struct AddressFlags {
   std::string master;
-  std::string master_port;
-  std::string connect_timeout = "60";
-  std::string min_workers;
-  std::string max_workers;
-  std::string max_restarts = "0";
   std::string join;
   std::string rendezvous = "gossip";
-  std::string token_file;
-  std::string last_call = "1";
-  std::string rendezvous_timeout = "600";
-  std::string checkpoint;
-  std::string checkpoint_every;
-  std::string servers = "0";
-  std::string ps_replicas = "1";
-  std::string ps_snapshot_dir;
-  std::string ps_snapshot_every = "100";
-  std::string ps_backup_workers = "0";
 };
 
 // The program and its arguments are split off before CLI11 parses, so CLI11 does not know them;
@@ -50,44 +81,29 @@ class RunFormatter : public CLI::Formatter {
   }
 };
 
-int parse_int(const std::string& flag, const std::string& text, long min, long max,
-              const std::string& expected) {
-  errno = 0;
-  char* end = nullptr;
-  long value = std::strtol(text.c_str(), &end, 10);
-  if (text.empty() || errno != 0 || *end != '\0' || value < min || value > max) {
-    throw UsageError(flag + ": expected " + expected + ", got '" + text + "'");
-  }
-  return static_cast<int>(value);
-}
+// The arguments after `shoal run`, split where the program begins.
+struct CommandLine {
+  std::vector<std::string> flags;    // the launcher's own
+  std::vector<std::string> program;  // PROGRAM [ARGS...]
+  // -h or --help among the flags. Help is printed before CLI11 parses: CLI11 runs the validators
+  // before it looks for help, and `shoal run -n 0 --help` prints help.
+  bool asks_help = false;
+};
 
-Duration parse_seconds(const std::string& flag, const std::string& text) {
-  errno = 0;
-  char* end = nullptr;
-  double seconds = std::strtod(text.c_str(), &end);
-  if (text.empty() || errno != 0 || *end != '\0' || !std::isfinite(seconds) || seconds <= 0 ||
-      seconds > 7 * 24 * 3600) {
-    throw UsageError(flag + ": expected a positive number of seconds, got '" + text + "'");
-  }
-  return Duration(static_cast<int64_t>(std::ceil(seconds * 1000)));
-}
-
-Duration parse_seconds_or_zero(const std::string& flag, const std::string& text) {
-  return text == "0" ? Duration(0) : parse_seconds(flag, text);
-}
-
-// Where the launcher's own flags end and the program begins: at `--`, or at the first argument
-// that is neither a flag nor a flag's value. Everything from there on belongs to the program,
-// even arguments that look like our flags (`shoal run -n 2 ./train -n 5`).
-size_t program_start(const CLI::App& app, const std::vector<std::string>& args, bool& has_separator) {
-  has_separator = false;
-  for (size_t i = 0; i < args.size(); ++i) {
+// The launcher's own flags end at `--`, or at the first argument that is neither a flag nor a
+// flag's value. Everything from there on belongs to the program, even arguments that look like
+// our flags (`shoal run -n 2 ./train -n 5`).
+CommandLine split_command_line(const CLI::App& app, const std::vector<std::string>& args) {
+  CommandLine line;
+  size_t i = 0;
+  for (; i < args.size(); ++i) {
     const std::string& arg = args[i];
     if (arg == "--") {
-      has_separator = true;
-      return i;
+      line.flags.assign(args.begin(), args.begin() + static_cast<long>(i));
+      line.program.assign(args.begin() + static_cast<long>(i + 1), args.end());
+      return line;
     }
-    if (arg.size() < 2 || arg[0] != '-') return i;
+    if (arg.size() < 2 || arg[0] != '-') break;
     std::string name = arg;
     bool value_attached = false;
     if (arg.compare(0, 2, "--") == 0) {
@@ -104,102 +120,122 @@ size_t program_start(const CLI::App& app, const std::vector<std::string>& args, 
     if (option == nullptr || option->get_positional()) {
       throw UsageError("unknown flag '" + name + "' (see shoal run --help)");
     }
+    if (option == app.get_help_ptr() && !value_attached) line.asks_help = true;
     if (option->get_expected_min() > 0 && !value_attached) {
       if (i + 1 >= args.size()) throw UsageError(name + " needs a value (see shoal run --help)");
       ++i;
     }
   }
-  return args.size();
+  line.flags.assign(args.begin(), args.begin() + static_cast<long>(i));
+  line.program.assign(args.begin() + static_cast<long>(i), args.end());
+  return line;
 }
 
-void add_flags(CLI::App& app, RawFlags& raw) {
-  app.add_option("-n,--nproc-per-node", raw.nproc, "Workers to start on this node (default 1)")
+// The flags, parsed into options (and addresses) by CLI11 through their validators; see
+// Note [Flags through CLI11's validators]. A flag that is not given keeps options' default.
+void add_flags(CLI::App& app, LaunchOptions& options, AddressFlags& addresses) {
+  app.add_option("-n,--nproc-per-node", options.nproc_per_node,
+                 "Workers to start on this node (default 1)")
+      ->transform(whole_number(1, 1024, "a number of workers from 1 to 1024"))
       ->type_name("N");
-  app.add_option("--nnodes", raw.nnodes,
+  app.add_option("--nnodes", options.nnodes,
                  "Nodes in the job; run one `shoal run` per node (default 1)")
+      ->transform(whole_number(1, 65536, "a positive number of nodes"))
       ->type_name("K");
-  app.add_option("--node-rank", raw.node_rank, "This node's index, 0 to K-1 (default 0)")
+  app.add_option("--node-rank", options.node_rank, "This node's index, 0 to K-1 (default 0)")
+      ->transform(whole_number(0, 65535, "an integer from 0"))
       ->type_name("I");
-  app.add_option("--master", raw.master,
+  app.add_option("--master", addresses.master,
                  "Address of the job's store, hosted by node 0's launcher; needed when K > 1")
       ->type_name("HOST:PORT");
-  app.add_option("--master-port", raw.master_port,
+  app.add_option("--master-port", options.master_port,
                  "Port of the store on a single node (default: any free port)")
+      ->transform(whole_number(0, 65535, "a port from 1 to 65535, or 0 for any free port"))
       ->type_name("PORT");
-  app.add_option("--connect-timeout", raw.connect_timeout,
-                 "How long to wait for node 0 and for all nodes to join (default 60)")
+  app.add_option_function<double>(
+         "--connect-timeout", [&options](double s) { options.connect_timeout = from_seconds(s); },
+         "How long to wait for node 0 and for all nodes to join (default 60)")
+      ->check(duration_in_seconds(false))
       ->type_name("SECONDS");
-  app.add_option("--min", raw.min_workers,
+  app.add_option("--min", options.min_workers,
                  "Elastic job: the fewest workers it trains with (waits for them to start)")
+      ->transform(whole_number(1, 1 << 20, "a number of workers from 1"))
       ->type_name("A");
-  app.add_option("--max", raw.max_workers, "Elastic job: the most workers it trains with")->type_name("B");
-  app.add_option("--max-restarts", raw.max_restarts,
-                 "Elastic job: restarts of each worker that fails, with a growing back-off (default 0)")
+  app.add_option("--max", options.max_workers, "Elastic job: the most workers it trains with")
+      ->transform(whole_number(1, 1 << 20, "a number of workers from 1"))
+      ->type_name("B");
+  app.add_option(
+         "--max-restarts", options.max_restarts,
+         "Elastic job: restarts of each worker that fails, with a growing back-off (default 0)")
+      ->transform(whole_number(0, 1 << 20, "a number of restarts from 0"))
       ->type_name("R");
-  app.add_option("--join", raw.join,
-                 "Adds this node's workers to a running elastic job: the address of any of its members "
-                 "(gossip), or its run id (etcd)")
+  app.add_option(
+         "--join", addresses.join,
+         "Adds this node's workers to a running elastic job: the address of any of its members "
+         "(gossip), or its run id (etcd)")
       ->type_name("HOST:PORT|RUN_ID");
-  app.add_option("--rendezvous", raw.rendezvous,
-                 "Elastic job: how workers find each other: gossip among the job's processes (default), "
-                 "or an etcd server")
+  app.add_option(
+         "--rendezvous", addresses.rendezvous,
+         "Elastic job: how workers find each other: gossip among the job's processes (default), "
+         "or an etcd server")
       ->type_name("gossip|etcd://HOST:PORT");
-  app.add_option("--token-file", raw.token_file,
+  app.add_option("--token-file", options.token_file,
                  "Elastic job: where the job's token is written (mode 600), or read with --join")
       ->type_name("PATH");
   app.add_flag("--quorum", "Elastic job: a round goes on only with a majority of the previous one");
-  app.add_option("--last-call", raw.last_call,
-                 "Elastic job: how long a round waits for more workers once --min are there (default 1)")
+  app.add_option_function<double>(
+         "--last-call", [&options](double s) { options.last_call = from_seconds(s); },
+         "Elastic job: how long a round waits for more workers once --min are there (default 1)")
+      ->check(duration_in_seconds(true))
       ->type_name("SECONDS");
-  app.add_option("--rendezvous-timeout", raw.rendezvous_timeout,
-                 "Elastic job: how long a worker waits for a round to close (default 600)")
+  app.add_option_function<double>(
+         "--rendezvous-timeout",
+         [&options](double s) { options.rendezvous_timeout = from_seconds(s); },
+         "Elastic job: how long a worker waits for a round to close (default 600)")
+      ->check(duration_in_seconds(false))
       ->type_name("SECONDS");
-  app.add_option("--checkpoint", raw.checkpoint,
+  app.add_option("--checkpoint", options.checkpoint,
                  "Elastic job: keep its commit on disk too, at PATH, so that a job whose every "
                  "worker died resumes from it (SHOAL_CHECKPOINT)")
       ->type_name("PATH");
-  app.add_option("--checkpoint-every", raw.checkpoint_every,
+  app.add_option("--checkpoint-every", options.checkpoint_every,
                  "Elastic job: write --checkpoint every N commits (default 100, and at the end)")
+      ->transform(whole_number(1, 1 << 30, "a number of commits from 1"))
       ->type_name("N");
   app.add_flag("--tag-output", "Prefix each output line with \"[RANK] \" (the default when the "
                "job has more than one worker)");
   app.add_flag("--no-tag-output", "Forward output lines as they are");
-  app.add_option("--servers", raw.servers,
+  app.add_option("--servers", options.servers,
                  "Parameter servers to start before the workers (default 0; docs/ps.md)")
+      ->transform(whole_number(0, 1024, "a number of servers from 0 to 1024"))
       ->type_name("S");
-  app.add_option("--ps-replicas", raw.ps_replicas,
+  app.add_option("--ps-replicas", options.ps_replicas,
                  "Processes per parameter server: 1 (default) or 2, a primary and a backup that "
                  "takes over when it dies (docs/ps.md)")
+      ->transform(whole_number(1, 2, "1 or 2 processes per parameter server"))
       ->type_name("R");
-  app.add_option("--ps-snapshot-dir", raw.ps_snapshot_dir,
+  app.add_option("--ps-snapshot-dir", options.ps_snapshot_dir,
                  "Parameter servers write their shards to DIR every --ps-snapshot-every steps "
                  "(docs/ps.md)")
       ->type_name("DIR");
-  app.add_option("--ps-snapshot-every", raw.ps_snapshot_every,
+  app.add_option("--ps-snapshot-every", options.ps_snapshot_every,
                  "Steps between the parameter servers' snapshots (default 100)")
+      ->transform(whole_number(1, 1 << 30, "a number of steps from 1"))
       ->type_name("K");
-  app.add_option("--ps-backup-workers", raw.ps_backup_workers,
+  app.add_option("--ps-backup-workers", options.ps_backup_workers,
                  "Sync parameter servers apply each step with the first N - B workers' gradients; "
                  "a late one's samples go back into the epoch (default 0; docs/ps.md)")
+      ->transform(whole_number(0, 1 << 20, "a number of workers from 0"))
       ->type_name("B");
 }
 
 // See docs/ps.md, "Processes".
-void validate_servers(const RawFlags& raw, const CLI::App& app, LaunchOptions& options) {
-  options.servers =
-      parse_int("--servers", raw.servers, 0, 1024, "a number of servers from 0 to 1024");
-  options.ps_replicas = parse_int("--ps-replicas", raw.ps_replicas, 1, 2,
-                                  "1 or 2 processes per parameter server");
-  options.ps_snapshot_every = parse_int("--ps-snapshot-every", raw.ps_snapshot_every, 1,
-                                        1 << 30, "a number of steps from 1");
-  options.ps_snapshot_dir = raw.ps_snapshot_dir;
-  options.ps_backup_workers = parse_int("--ps-backup-workers", raw.ps_backup_workers, 0, 1 << 20,
-                                        "a number of workers from 0");
+void validate_servers(const CLI::App& app, LaunchOptions& options) {
   if (options.servers == 0) {
     if (options.ps_replicas != 1) throw UsageError("--ps-replicas needs --servers S; add it");
     if (options.ps_backup_workers != 0)
       throw UsageError("--ps-backup-workers needs --servers S; add it");
-    if (!raw.ps_snapshot_dir.empty()) {
+    if (!options.ps_snapshot_dir.empty()) {
       throw UsageError("--ps-snapshot-dir needs --servers S; add it");
     }
     return;
@@ -243,7 +279,7 @@ void validate_servers(const RawFlags& raw, const CLI::App& app, LaunchOptions& o
 }
 
 // See docs/elastic.md, "shoal run for elastic jobs".
-void validate_elastic(const RawFlags& raw, const CLI::App& app, LaunchOptions& options) {
+void validate_elastic(const AddressFlags& addresses, const CLI::App& app, LaunchOptions& options) {
   const bool has_min = app.count("--min") > 0;
   const bool has_max = app.count("--max") > 0;
   const bool joins = app.count("--join") > 0;
@@ -263,30 +299,31 @@ void validate_elastic(const RawFlags& raw, const CLI::App& app, LaunchOptions& o
       throw UsageError("--join takes the job's --min, --max and --quorum from the job itself; drop them");
     }
   }
-  if (raw.rendezvous != "gossip") {
+  const std::string& rendezvous = addresses.rendezvous;
+  if (rendezvous != "gossip") {
     const std::string scheme = "etcd://";
-    if (raw.rendezvous.compare(0, scheme.size(), scheme) != 0) {
-      throw UsageError("--rendezvous " + raw.rendezvous + " is not a rendezvous backend; expected gossip or "
+    if (rendezvous.compare(0, scheme.size(), scheme) != 0) {
+      throw UsageError("--rendezvous " + rendezvous +
+                       " is not a rendezvous backend; expected gossip or "
                        "etcd://HOST:PORT");
     }
-    options.etcd = raw.rendezvous.substr(scheme.size());
+    options.etcd = rendezvous.substr(scheme.size());
     parse_host_port(options.etcd, "--rendezvous etcd://");
   }
   if (joins && !options.etcd.empty()) {
-    if (raw.join.empty() || raw.join.find_first_of(":/ ") != std::string::npos) {
-      throw UsageError("--join '" + raw.join + "': with --rendezvous etcd:// it takes the job's run id, which its "
+    if (addresses.join.empty() || addresses.join.find_first_of(":/ ") != std::string::npos) {
+      throw UsageError("--join '" + addresses.join +
+                       "': with --rendezvous etcd:// it takes the job's run id, which its "
                        "first shoal run printed");
     }
-    options.join_run_id = raw.join;
+    options.join_run_id = addresses.join;
   } else if (joins) {
-    std::tie(options.join_host, options.join_port) = parse_host_port(raw.join, "--join");
+    std::tie(options.join_host, options.join_port) = parse_host_port(addresses.join, "--join");
   } else {
     if (has_min != has_max) {
       throw UsageError(std::string(has_min ? "--min" : "--max") + " needs " + (has_min ? "--max" : "--min") +
                        ": an elastic job is started with both");
     }
-    options.min_workers = parse_int("--min", raw.min_workers, 1, 1 << 20, "a number of workers from 1");
-    options.max_workers = parse_int("--max", raw.max_workers, 1, 1 << 20, "a number of workers from 1");
     if (options.min_workers > options.max_workers) {
       throw UsageError("--min " + std::to_string(options.min_workers) + " is more than --max " +
                        std::to_string(options.max_workers) + ": expected min <= max");
@@ -300,25 +337,13 @@ void validate_elastic(const RawFlags& raw, const CLI::App& app, LaunchOptions& o
     options.quorum = app.count("--quorum") > 0;
   }
   options.elastic = true;
-  options.max_restarts = parse_int("--max-restarts", raw.max_restarts, 0, 1 << 20, "a number of restarts from 0");
-  options.token_file = raw.token_file;
-  options.last_call = parse_seconds_or_zero("--last-call", raw.last_call);
-  options.rendezvous_timeout = parse_seconds("--rendezvous-timeout", raw.rendezvous_timeout);
-  if (app.count("--checkpoint-every") > 0 && raw.checkpoint.empty()) {
+  if (app.count("--checkpoint-every") > 0 && options.checkpoint.empty()) {
     throw UsageError("--checkpoint-every needs --checkpoint PATH: where the commits are kept");
-  }
-  options.checkpoint = raw.checkpoint;
-  if (app.count("--checkpoint-every") > 0) {
-    options.checkpoint_every = parse_int("--checkpoint-every", raw.checkpoint_every, 1, 1 << 30, "a number of commits from 1");
   }
 }
 
-LaunchOptions validate(const RawFlags& raw, const CLI::App& app) {
-  LaunchOptions options;
-  options.nproc_per_node = parse_int("-n/--nproc-per-node", raw.nproc, 1, 1024,
-                                     "a number of workers from 1 to 1024");
-  options.nnodes = parse_int("--nnodes", raw.nnodes, 1, 65536, "a positive number of nodes");
-  options.node_rank = parse_int("--node-rank", raw.node_rank, 0, 65535, "an integer from 0");
+// What no flag's validator can check alone (Note [Flags through CLI11's validators]).
+void validate(const AddressFlags& addresses, const CLI::App& app, LaunchOptions& options) {
   if (options.node_rank >= options.nnodes) {
     throw UsageError("--node-rank " + std::to_string(options.node_rank) + " is out of range for --nnodes " +
                      std::to_string(options.nnodes) + ": expected 0 to " +
@@ -330,25 +355,21 @@ LaunchOptions validate(const RawFlags& raw, const CLI::App& app) {
     throw UsageError("--master HOST:PORT already gives the port; drop --master-port");
   }
   if (has_master) {
-    std::tie(options.master_host, options.master_port) = parse_host_port(raw.master, "--master");
-    if (options.master_host.empty()) throw UsageError("--master='" + raw.master + "' has no host");
+    std::tie(options.master_host, options.master_port) =
+        parse_host_port(addresses.master, "--master");
+    if (options.master_host.empty())
+      throw UsageError("--master='" + addresses.master + "' has no host");
     options.master_described_as = "--master";
   } else if (options.nnodes > 1) {
     throw UsageError("--nnodes " + std::to_string(options.nnodes) +
                      " needs --master HOST:PORT, the address where node 0 hosts the job's store");
   }
-  if (has_port) {
-    options.master_port = parse_int("--master-port", raw.master_port, 0, 65535,
-                                    "a port from 1 to 65535, or 0 for any free port");
-  }
-  options.connect_timeout = parse_seconds("--connect-timeout", raw.connect_timeout);
   const bool tag = app.count("--tag-output") > 0;
   const bool no_tag = app.count("--no-tag-output") > 0;
   if (tag && no_tag) throw UsageError("--tag-output and --no-tag-output contradict each other");
   if (tag || no_tag) options.tag_output = tag;
-  validate_elastic(raw, app, options);
-  validate_servers(raw, app, options);
-  return options;
+  validate_elastic(addresses, app, options);
+  validate_servers(app, options);
 }
 
 }  // namespace
@@ -364,21 +385,27 @@ std::optional<LaunchOptions> parse_run_command(const std::vector<std::string>& a
   auto formatter = std::make_shared<RunFormatter>();
   formatter->column_width(30);
   app.formatter(formatter);
-  RawFlags raw;
-  add_flags(app, raw);
+  LaunchOptions options;
+  AddressFlags addresses;
+  add_flags(app, options, addresses);
 
-  bool has_separator = false;
-  const size_t start = program_start(app, args, has_separator);
-  std::vector<std::string> flags(args.begin(), args.begin() + static_cast<long>(start));
-  std::vector<std::string> program(args.begin() + static_cast<long>(start + (has_separator ? 1 : 0)),
-                                   args.end());
-  try {
-    // CLI11 consumes its argument vector from the back.
-    std::vector<std::string> reversed(flags.rbegin(), flags.rend());
-    app.parse(reversed);
-  } catch (const CLI::CallForHelp&) {
+  const CommandLine line = split_command_line(app, args);
+  if (line.asks_help) {
     help_out << app.help();
     return std::nullopt;
+  }
+  try {
+    // CLI11 consumes its argument vector from the back.
+    std::vector<std::string> reversed(line.flags.rbegin(), line.flags.rend());
+    app.parse(reversed);
+  } catch (const CLI::CallForHelp&) {  // help spelled otherwise (--help=1)
+    help_out << app.help();
+    return std::nullopt;
+  } catch (const CLI::ValidationError& e) {
+    // A validator's message, after the flag's long name (Note [Flags through CLI11's validators]);
+    // shoal's messages name both of -n's names, as docs/launch.md shows.
+    const std::string message = e.what();
+    throw UsageError(message.rfind("--nproc-per-node:", 0) == 0 ? "-n/" + message : message);
   } catch (const CLI::ParseError& e) {
     std::string message = e.what();
     for (char& c : message) {
@@ -387,13 +414,13 @@ std::optional<LaunchOptions> parse_run_command(const std::vector<std::string>& a
     throw UsageError(message);
   }
 
-  LaunchOptions options = validate(raw, app);
-  if (program.empty()) {
+  validate(addresses, app, options);
+  if (line.program.empty()) {
     throw UsageError("no program given; usage: shoal run [OPTIONS] PROGRAM [ARGS...]");
   }
-  options.program = program.front();
+  options.program = line.program.front();
   options.program_path = proc::resolve_program(options.program);
-  options.program_args.assign(program.begin() + 1, program.end());
+  options.program_args.assign(line.program.begin() + 1, line.program.end());
   return options;
 }
 

@@ -14,7 +14,7 @@
 #include "launcher.h"
 #include "nodes.h"
 #include "proc/process.h"
-#include "ps_server.h"
+#include "ps/serve.h"
 #include "watchdog.h"
 #include "worker.h"
 #include "proc/worker_env.h"
@@ -263,7 +263,7 @@ constexpr Duration kLeaveTimeout{10000};
 
 void Launcher::leave_servers(Worker& worker) {
   if (!ps_members_) {
-    ps_members_ = std::make_unique<PsMembership>(
+    ps_members_ = std::make_unique<ps::detail::MembershipClient>(
         options_.joins() ? options_.join_host : options_.master_addr(), store_->port(),
         options_.servers, ps_token_);
   }
@@ -321,8 +321,8 @@ void Launcher::watch_joiners() {
       std::string ids = store_->get(joiner_key(j, "ids"));
       const int running = std::stoi("0" + store_->get(joiner_key(j, "running")));
       if (!ps_members_) {
-        ps_members_ = std::make_unique<PsMembership>(options_.master_addr(), store_->port(),
-                                                      options_.servers, ps_token_);
+        ps_members_ = std::make_unique<ps::detail::MembershipClient>(
+            options_.master_addr(), store_->port(), options_.servers, ps_token_);
       }
       std::istringstream words(ids == "-" ? "" : ids);
       for (int id; words >> id;) ps_members_->leave(id, kLeaveTimeout);

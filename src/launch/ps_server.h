@@ -1,13 +1,10 @@
 // `shoal ps-server`: one parameter server of a job, started by `shoal run --servers S` (internal;
-// not in `shoal --help`). See docs/ps.md, "Processes".
+// not in `shoal --help`). See docs/ps.md, "Processes". The server itself is the parameter
+// servers' (ps::detail::run_server_process, src/ps/serve.h); this is its command line.
 #pragma once
 
-#include <cstdint>
-#include <memory>
 #include <string>
 #include <vector>
-
-#include "shoal/core/timeout.h"
 
 namespace shoal::launch {
 
@@ -17,22 +14,5 @@ namespace shoal::launch {
 // SIGHUP, or until the job's store is gone (the launcher ended). Returns the exit code: 0 when
 // stopped so, 2 for bad arguments or environment, 1 when the store cannot be reached.
 int ps_server_command(const std::vector<std::string>& args);
-
-// The launcher's link to an elastic job's parameter servers (docs/ps.md, "Elastic workers"),
-// through the job's store at host:port; it connects at its first call.
-class PsMembership {
- public:
-  PsMembership(const std::string& host, int port, int servers, const std::string& token);
-  ~PsMembership();
-  // A worker whose process ended leaves the servers: fenced off on every server, then gone from
-  // each with the highest clock any of them had sealed for it, which is returned. CommError when
-  // a server does not answer within `timeout`.
-  int64_t leave(int worker, Duration timeout);
-
- private:
-  int64_t leave_servers(int worker, Duration timeout);
-  struct State;
-  std::unique_ptr<State> state_;
-};
 
 }  // namespace shoal::launch

@@ -414,11 +414,13 @@ Pipeline::Pipeline(torch::nn::Sequential net, PipelineOptions options)
     const bool mine = used.count(state.me) > 0;
     if (mine) state.parameters.push_back(p);
     if (used.size() > 1) {
-      state.tied.push_back(mine ? p : torch::Tensor());
-      state.tied_numel.push_back(p.numel());
+      // Every worker takes part in the tied weights' sum, with zeros for those it doesn't hold.
+      state.tied.push_back(
+          mine ? p
+               : torch::empty(p.sizes(),
+                              torch::TensorOptions().dtype(p.scalar_type()).device(torch::kMeta)));
     } else if (mine) {
       state.replicated.push_back(p);
-      state.replicated_numel.push_back(p.numel());
     }
   }
 }

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <map>
+#include <memory>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -12,6 +13,7 @@
 #include <torch/nn/modules/container/any.h>
 #include <torch/types.h>
 
+#include "dp/reducer.h"
 #include "shoal/comm/group.h"
 #include "shoal/global/placement.h"
 #include "shoal/pipeline/pipeline.h"
@@ -132,9 +134,8 @@ struct Pipeline::State {
   std::vector<int> split;  // layers per stage
   // Schedule worker -> its replicas' ranks (one each without a data axis).
   std::vector<std::vector<int>> ranks;
-  int replicas = 1;                          // d: the workers of each stage's placement
-  int replica = 0;                           // which of them this worker is
-  std::optional<comm::Group> replica_group;  // this stage's replicas, made at the first step
+  int replicas = 1;  // d: the workers of each stage's placement
+  int replica = 0;   // which of them this worker is
   std::vector<std::vector<torch::nn::AnyModule>> layers;  // per stage; empty unless held here
   int me = -1;  // this worker's index in the schedule, -1 when it holds no stage
   // Global layers (Pipeline::is_global()): each stage's placement (a mesh of the same shape for
@@ -145,15 +146,21 @@ struct Pipeline::State {
   std::vector<global::Placement> stage_placements;
   std::vector<global::Sbp> batch;
   std::vector<std::pair<std::vector<int>, std::vector<torch::Tensor>>> holders;
-  std::map<std::vector<int>, comm::Group> holder_groups;  // made at the first step
   int world_size = 1;
   std::vector<torch::Tensor> parameters;
   // Weights used by stages on several workers: their gradients are summed across workers.
-  std::vector<torch::Tensor> tied;  // this worker's copies, undefined where it holds none
-  std::vector<int64_t> tied_numel;
+  // This worker's copies; where it holds none, a meta tensor of the weight's shape and dtype (a
+  // dp::Reducer's placeholder: it adds zeros to the sum).
+  std::vector<torch::Tensor> tied;
   // This worker's other parameters: summed among the stage's replicas (with a data axis).
   std::vector<torch::Tensor> replicated;
-  std::vector<int64_t> replicated_numel;
+  // The step's sums, on dp's bucketed engine (src/dp/reducer.h, during_backward off): of `tied`
+  // over the world, of each entry of `holders` over its workers (in that order), of `replicated`
+  // over the stage's replicas. Each is made with its group at the first step that sums it (Note
+  // [Summing a step's gradients], step.cpp).
+  std::unique_ptr<dp::Reducer> tied_sum;
+  std::vector<std::unique_ptr<dp::Reducer>> holder_sums;
+  std::unique_ptr<dp::Reducer> replica_sum;
   // Shapes and receive buffers, by (batch rows, stage, micro-batch): learned at the first step
   // with that batch size (Note [Shape headers]).
   std::map<std::tuple<int64_t, int, int>, Shape> learned;

@@ -502,37 +502,21 @@ class StepRun {
 
 namespace {
 
-// Sums over `group` what this step added to the .grad of `params` (undefined: a weight this
-// worker doesn't hold, which adds zeros), in one flat all-reduce. What .grad held before the
-// step (`before`) is kept as it was, so that gradients accumulated over steps are not summed
-// again.
-void sum_step_gradients(comm::Group& group, const std::vector<torch::Tensor>& params,
-                        const std::vector<int64_t>& numel, const std::vector<torch::Tensor>& before,
-                        Duration timeout) {
-  int64_t total = 0;
-  for (auto n : numel) total += n;
-  auto flat = torch::zeros({total}, torch::kFloat64);
-  int64_t offset = 0;
-  for (size_t t = 0; t < params.size(); ++t) {
-    const auto& p = params[t];
-    if (p.defined() && p.grad().defined()) {
-      auto delta = before[t].defined() ? p.grad() - before[t] : p.grad();
-      flat.narrow(0, offset, numel[t]).copy_(delta.reshape(-1));
-    }
-    offset += numel[t];
-  }
-  comm::AllReduceOptions options;
-  options.timeout = timeout;
-  group.all_reduce(flat, options);
-  offset = 0;
-  for (size_t t = 0; t < params.size(); ++t) {
-    const auto& p = params[t];
-    if (p.defined()) {
-      auto sum = flat.narrow(0, offset, numel[t]).view(p.sizes()).to(p.dtype());
-      p.mutable_grad() = before[t].defined() ? before[t] + sum : sum;
-    }
-    offset += numel[t];
-  }
+// Note [Summing a step's gradients]
+// A weight's gradient is summed over the workers that hold parts of it (a tied weight's users, a
+// global piece's holders, a stage's replicas) once per step, after every micro-batch's backward:
+// on dp's bucketed engine, as DataParallel and GradientSync sum theirs, but with no hook in
+// backward, which runs once per micro-batch here (dp::Reducer::sum_gradients). One reducer per
+// set of workers, each made with its group just before its first sum (the pipeline's constructor
+// does no communication, and a set's members make and use it together, as they did the group
+// alone). Only what the step added is summed (what .grad held before it is given as `since`), so
+// that gradients accumulated over steps are not summed again. The sum is in the parameters' dtype
+// over a handful of workers, as DataParallel's buckets are; each .grad is afterwards its slice of
+// its bucket.
+std::unique_ptr<dp::Reducer> step_sum(std::vector<torch::Tensor> parameters, comm::Group group) {
+  dp::ReducerOptions options;
+  options.during_backward = false;
+  return std::make_unique<dp::Reducer>(std::move(parameters), std::move(group), options);
 }
 
 std::vector<torch::Tensor> gradients_of(const std::vector<torch::Tensor>& params) {
@@ -639,35 +623,35 @@ torch::Tensor Pipeline::run_step(const torch::Tensor& input, const torch::Tensor
     throw;
   }
 
-  auto& world = shoal::world();
   try {
-    // A tied weight's gradient: the sum over every worker that uses it (all replicas too).
+    // See Note [Summing a step's gradients]. A tied weight's gradient: the sum over every worker
+    // that uses it (all replicas too).
+    auto& world = shoal::world();
+    const Duration timeout = state.options.timeout;
     if (!state.tied.empty()) {
-      sum_step_gradients(world, state.tied, state.tied_numel, tied_before, state.options.timeout);
+      if (!state.tied_sum) state.tied_sum = step_sum(state.tied, world);
+      state.tied_sum->sum_gradients(tied_before, timeout);
     }
     // Global layers: each parameter's over the workers holding the same piece, in the sorted
     // order of those sets, so that two workers sharing two sets make and use them alike.
     for (size_t h = 0; h < state.holders.size(); ++h) {
-      const auto& [holders, parameters] = state.holders[h];
-      auto it = state.holder_groups.find(holders);
-      if (it == state.holder_groups.end()) {
+      if (state.holder_sums.size() == h) {
         std::vector<int> positions;
         const auto& members = world.members();
-        for (int r : holders) {
+        for (int r : state.holders[h].first) {
           positions.push_back(
               static_cast<int>(std::find(members.begin(), members.end(), r) - members.begin()));
         }
-        it = state.holder_groups.emplace(holders, world.subgroup(positions)).first;
+        state.holder_sums.push_back(step_sum(state.holders[h].second, world.subgroup(positions)));
       }
-      std::vector<int64_t> numel;
-      for (const auto& p : parameters) numel.push_back(p.numel());
-      sum_step_gradients(it->second, parameters, numel, holders_before[h], state.options.timeout);
+      state.holder_sums[h]->sum_gradients(holders_before[h], timeout);
     }
     // A stage's other gradients: the sum over its replicas.
     if (!state.global && state.replicas > 1 && state.me >= 0) {
-      if (!state.replica_group) state.replica_group = world.subgroup(state.ranks[state.me]);
-      sum_step_gradients(*state.replica_group, state.replicated, state.replicated_numel,
-                         replicated_before, state.options.timeout);
+      if (!state.replica_sum) {
+        state.replica_sum = step_sum(state.replicated, world.subgroup(state.ranks[state.me]));
+      }
+      state.replica_sum->sum_gradients(replicated_before, timeout);
     }
     // The loss: the parts of the last stage's workers (one per replica); every worker returns it.
     auto value = total_loss(state, loss_part);

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "connect.h"
+#include "fan_out.h"
 #include "mode.h"
 #include "rpc.h"
 #include "server_core.h"
@@ -294,22 +295,9 @@ void Client::bind() {
 
 template <typename Call>
 void Client::for_each_server(const Call& call) {
-  const int32_t count = static_cast<int32_t>(servers_.size());
-  std::vector<std::exception_ptr> errors(count);
-  std::vector<std::thread> threads;
-  auto run = [&](int32_t s) {
-    try {
-      call(s);
-    } catch (...) {
-      errors[s] = std::current_exception();
-    }
-  };
-  for (int32_t s = 1; s < count; ++s) threads.emplace_back(run, s);
-  run(0);
-  for (auto& thread : threads) thread.join();
-  for (const auto& error : errors) {
-    if (error) std::rethrow_exception(error);
-  }
+  const int count = static_cast<int>(servers_.size());
+  if (count > 1 && !pool_) pool_ = make_pool(count - 1);
+  fan_out(pool_.get(), count, [&](int s) { call(static_cast<int32_t>(s)); });
 }
 
 std::vector<std::vector<int64_t>> Client::route_rows(const std::string& table, const int64_t* ids,

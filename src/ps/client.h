@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include <c10/core/thread_pool.h>
 #include <torch/torch.h>
 
 #include "messages.h"
@@ -76,7 +77,8 @@ class Client : public std::enable_shared_from_this<Client> {
     std::shared_ptr<EmbeddingImpl> module;
   };
 
-  // Runs call(s) for every server s, concurrently, and rethrows the lowest server's exception.
+  // Runs call(s) for every server s, concurrently (fan_out.h, on pool_), and rethrows the lowest
+  // server's exception.
   template <typename Call>
   void for_each_server(const Call& call);
   // Splits `ids` (distinct) by server; `at[s]` their positions in `ids`.
@@ -120,6 +122,9 @@ class Client : public std::enable_shared_from_this<Client> {
   std::vector<PushRequest> push_;
   std::vector<PullRequest> pull_;
   std::vector<PullReply> pulled_;
+  // The threads of the calls to servers 1.. (server 0's runs on the caller's), started at the
+  // first call.
+  std::unique_ptr<c10::ThreadPool> pool_;
 };
 
 }  // namespace shoal::ps::detail

@@ -67,29 +67,16 @@ void ServerSum::sum_step(const std::map<int32_t, PushRequest>& pushes) {
       below += length_at(split);
     }
   }
-  std::thread second;
-  std::exception_ptr failed;
-  if (split < sum_terms_.size()) {
-    try {
-      second = std::thread([this, split, total, &failed] {
-        try {
-          sum_chunks(split, sum_terms_.size(), total, sum_scratch_[1]);
-        } catch (...) {
-          failed = std::current_exception();
-        }
-      });
-    } catch (const std::system_error&) {
-      split = sum_terms_.size();  // no thread to be had: this one sums it all
+  if (split < sum_terms_.size() && !second_) second_ = make_pool(1);
+  if (!second_) split = sum_terms_.size();  // no thread to be had: this one sums it all
+  const size_t parts = split < sum_terms_.size() ? 2 : 1;
+  fan_out(second_.get(), static_cast<int>(parts), [&](int part) {
+    if (part == 0) {
+      sum_chunks(0, split, total, sum_scratch_[0]);
+    } else {
+      sum_chunks(split, sum_terms_.size(), total, sum_scratch_[1]);
     }
-  }
-  try {
-    sum_chunks(0, split, total, sum_scratch_[0]);
-  } catch (...) {
-    if (second.joinable()) second.join();
-    throw;
-  }
-  if (second.joinable()) second.join();
-  if (failed) std::rethrow_exception(failed);
+  });
 
   // Sparse: rows are few per step; each row's sum in the order rows first appear.
   struct RowSums {

@@ -8,8 +8,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <vector>
 
+#include "fan_out.h"
 #include "messages.h"
 
 namespace shoal::ps::detail {
@@ -51,6 +53,8 @@ class ServerSum {
   // Note [A step's sum without allocations]: storage kept from step to step.
   std::vector<SumTerm> sum_terms_;
   SumScratch sum_scratch_[2];  // one per thread (Note [A step's sum on two threads])
+  // The second thread, started by the first step large enough to split (fan_out.h).
+  std::unique_ptr<c10::ThreadPool> second_;
 };
 
 }  // namespace shoal::ps::detail

@@ -21,9 +21,10 @@
 
 #include <nlohmann/json.hpp>
 
-#include "../elastic/gossip/swim.h"
+#include "elastic/membership.h"
 #include "core/token.h"
 #include "engine.h"
+#include "heartbeat.h"
 #include "http.h"
 #include "local/engine.h"
 #include "proc/worker_env.h"
@@ -75,7 +76,7 @@ struct Worker {
 };
 
 struct JobMember {
-  std::unique_ptr<elastic::gossip::Gossip> gossip;
+  std::unique_ptr<elastic::GossipAgent> gossip;
   std::string token_file;
 };
 
@@ -190,42 +191,50 @@ class Agent {
     return changed;
   }
 
-  json report() const {
-    json list = json::array();
+  HeartbeatReport report() const {
+    HeartbeatReport out;
+    out.host = options_.host;
+    out.cores = capacity_.cores;
+    out.slots = options_.slots > 0 ? options_.slots : capacity_.slots;
+    out.pid = static_cast<int64_t>(::getpid());
+    out.nudge_port = nudge_port_;
     for (const auto& [id, w] : workers_) {
       // One still waiting to start (in Slurm's queue) stays "starting" in the scheduler.
       if (w.running && w.pid == 0) continue;
-      json entry = {{"id", id},
-                    {"job", w.job},
-                    {"pid", w.pid},
-                    {"running", w.running},
-                    {"started_ms", w.started_ms},
-                    {"exit", w.exit},
-                    {"success", w.success}};
+      HeartbeatReport::Worker entry;
+      entry.id = id;
+      entry.job = w.job;
+      entry.pid = w.pid;
+      entry.running = w.running;
+      entry.started_ms = w.started_ms;
+      entry.exit = w.exit;
+      entry.success = w.success;
       // The job's progress, if this worker writes it (the first one does: src/elastic/notes.h).
-      if (w.running && !w.progress.empty()) {
-        std::ifstream in(w.progress);
-        const json progress = json::parse(in, nullptr, false);
-        if (in && progress.is_object()) entry["progress"] = progress;
-      }
-      list.push_back(entry);
+      if (w.running && !w.progress.empty()) entry.progress = read_progress(w.progress);
+      out.workers.push_back(std::move(entry));
     }
-    json members = json::object();
-    for (const auto& [job, member] : members_)
-      members[std::to_string(job)] = member.gossip->address();
-    return json{{"host", options_.host},
-                {"cores", capacity_.cores},
-                {"slots", options_.slots > 0 ? options_.slots : capacity_.slots},
-                {"pid", static_cast<int64_t>(::getpid())},
-                {"nudge_port", nudge_port_},
-                {"workers", list},
-                {"members", members}};
+    for (const auto& [job, member] : members_) out.members[job] = member.gossip->address();
+    return out;
+  }
+
+  // A worker's progress file, or nullopt while it is absent, half written or not a progress: a
+  // file the worker writes must not get the agent's whole heartbeat refused (Note [A heartbeat is
+  // read whole], heartbeat.h).
+  static std::optional<HeartbeatReport::Progress> read_progress(const std::string& path) {
+    std::ifstream in(path);
+    const json progress = json::parse(in, nullptr, false);
+    if (!in || !progress.is_object()) return std::nullopt;
+    try {
+      return progress.get<HeartbeatReport::Progress>();
+    } catch (const UsageError&) {
+      return std::nullopt;
+    }
   }
 
   void beat() {
     json orders;
     try {
-      orders = client_.post("/agent/heartbeat", report());
+      orders = client_.post("/agent/heartbeat", json(report()));
       if (unreachable_) log::info(log::line("shoal agent: the scheduler answers again"));
       unreachable_ = false;
     } catch (const Error& e) {
@@ -274,7 +283,7 @@ class Agent {
         ++it;
         continue;
       }
-      it->second.gossip->leave();
+      it->second.gossip.reset();  // leaves the job's membership
       ::unlink(it->second.token_file.c_str());
       it = members_.erase(it);
     }
@@ -288,7 +297,7 @@ class Agent {
     member.token_file = options_.dir + "/job-" + std::to_string(job) + ".token";
     ::unlink(member.token_file.c_str());
     write_token_file(member.token_file, token);
-    elastic::gossip::Options gossip;
+    elastic::GossipAgentOptions gossip;
     gossip.seeds = spec.value("seeds", std::vector<std::string>{});
     gossip.token = token;
     gossip.advertise_host = advertise_;
@@ -299,7 +308,7 @@ class Agent {
     settings.last_call = kLastCall;
     settings.run_id = spec.at("run_id");
     gossip.meta = proc::agent_metadata(settings);
-    member.gossip = elastic::gossip::Gossip::start(gossip);
+    member.gossip = std::make_unique<elastic::GossipAgent>(gossip);
     return members_.emplace(job, std::move(member)).first->second;
   }
 
@@ -426,15 +435,15 @@ class Agent {
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
     for (auto& [job, member] : members_) {
-      member.gossip->leave();
+      member.gossip.reset();  // leaves the job's membership
       ::unlink(member.token_file.c_str());
     }
     members_.clear();
     // Tell the scheduler how they ended, if it listens.
     try {
-      json last = report();
-      last["stopping"] = true;
-      client_.post("/agent/heartbeat", last);
+      HeartbeatReport last = report();
+      last.stopping = true;
+      client_.post("/agent/heartbeat", json(last));
     } catch (const Error&) {
     }
   }

@@ -20,6 +20,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "heartbeat.h"
 #include "policy.h"
 #include "scheduler_views.h"
 
@@ -119,9 +120,10 @@ class Scheduler {
   std::vector<EventInfo> events(int64_t since, int limit) const;
   QueueMetrics metrics() const;
 
-  // An agent's heartbeat: what its host runs and what ended there (the JSON the agent posts,
-  // read as it comes); the reply is its orders (Note [Desired state]).
-  Orders heartbeat(const nlohmann::json& report);
+  // An agent's heartbeat: what its host runs and what ended there, read whole from the JSON it
+  // posts before this is called (heartbeat.h, Note [A heartbeat is read whole]); the reply is its
+  // orders (Note [Desired state]). UsageError when the report names no host.
+  Orders heartbeat(const HeartbeatReport& report);
 
   // One round of the policy; the server calls it a few times a second.
   void tick();

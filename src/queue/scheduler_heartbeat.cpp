@@ -31,25 +31,25 @@ void to_json(json& out, const Orders& orders) {
   out = json{{"workers", worker_orders}, {"jobs", job_orders}, {"forget", orders.forget}};
 }
 
-Orders Scheduler::heartbeat(const json& report) {
+Orders Scheduler::heartbeat(const HeartbeatReport& report) {
   std::lock_guard<std::mutex> lock(impl_->mutex);
   Impl& s = *impl_;
   const int64_t now = Impl::now_ms();
-  const std::string name = report.at("host").get<std::string>();
-  if (name.empty()) throw UsageError("an agent's heartbeat must name its host");
+  const std::string& name = report.host;
+  if (name.empty()) throw UsageError("heartbeat: field 'host' is empty; expected the host's name");
   auto& host = s.hosts[name];
   const bool is_new = host.name.empty();
   host.name = name;
   host.last_seen = now;
-  const int cores = report.value("cores", 1);
-  const int slots = report.value("slots", 0);
+  const int cores = report.cores;
   const int capacity =
-      slots > 0 ? slots
-                : std::max(1, static_cast<int>(std::floor(cores * s.options.oversubscribe + 1e-9)));
-  const int64_t agent_pid = report.value("pid", int64_t{0});
+      report.slots > 0
+          ? report.slots
+          : std::max(1, static_cast<int>(std::floor(cores * s.options.oversubscribe + 1e-9)));
+  const int64_t agent_pid = report.pid;
   // An agent's last heartbeat as it stops (SIGTERM): its workers have left, each a failure
   // (Note [An agent that stops]), and the host is gone until an agent beats for it again.
-  const bool stopping = report.value("stopping", false);
+  const bool stopping = report.stopping;
   if (!stopping && (is_new || !host.alive || host.cores != cores || host.capacity != capacity ||
                     host.agent_pid != agent_pid)) {
     if (is_new || !host.alive) {
@@ -66,23 +66,22 @@ Orders Scheduler::heartbeat(const json& report) {
 
   Orders orders;
   bool freed = false;
-  for (const auto& entry : report.value("workers", json::array())) {
-    const int64_t id = entry.at("id");
+  for (const HeartbeatReport::Worker& entry : report.workers) {
+    const int64_t id = entry.id;
     auto it = s.workers.find(id);
     if (it == s.workers.end() || it->second.host != name) continue;  // not ours: the orders lack it
     Impl::Worker& w = it->second;
-    if (entry.contains("progress")) {
-      const json& p = entry.at("progress");
-      if (s.jobs.at(w.job).throughput.add(p.value("time_ms", int64_t{0}),
-                                          p.value("samples", int64_t{0}), p.value("world", 1))) {
+    if (entry.progress) {
+      const HeartbeatReport::Progress& p = *entry.progress;
+      if (s.jobs.at(w.job).throughput.add(p.time_ms, p.samples, p.world)) {
         s.dirty_jobs.insert(w.job);
       }
     }
-    if (entry.value("running", false)) {
+    if (entry.running) {
       if (w.state == "starting") {
         w.state = "running";
-        w.pid = entry.value("pid", int64_t{0});
-        w.started_ms = entry.value("started_ms", now);
+        w.pid = entry.pid;
+        w.started_ms = entry.started_ms;
         s.dirty_workers.insert(id);
         s.event(w.job, "worker",
                 "worker " + std::to_string(id) + " of job " + std::to_string(w.job) + " runs on " +
@@ -91,8 +90,8 @@ Orders Scheduler::heartbeat(const json& report) {
       continue;
     }
     if (w.state != "exited") {
-      if (w.pid == 0) w.pid = entry.value("pid", int64_t{0});
-      s.on_exit(w, entry.value("exit", std::string("ended")), entry.value("success", false), now);
+      if (w.pid == 0) w.pid = entry.pid;
+      s.on_exit(w, entry.exit, entry.success, now);
       freed = true;
     }
     orders.forget.push_back(id);
@@ -115,12 +114,11 @@ Orders Scheduler::heartbeat(const json& report) {
     s.flush();
     return orders;
   }
-  const json members = report.value("members", json::object());
-  for (const auto& [job_id, address] : members.items()) {
-    auto it = s.jobs.find(std::stoll(job_id));
+  for (const auto& [job_id, address] : report.members) {
+    auto it = s.jobs.find(job_id);
     if (it == s.jobs.end()) continue;
-    if (it->second.members[name] != address.get<std::string>()) {
-      it->second.members[name] = address.get<std::string>();
+    if (it->second.members[name] != address) {
+      it->second.members[name] = address;
       s.dirty_jobs.insert(it->first);
     }
   }

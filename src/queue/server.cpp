@@ -21,6 +21,7 @@
 
 #include <httplib.h>
 
+#include "heartbeat.h"
 #include "listener.h"
 #include "tls.h"
 #include "shoal/core/error.h"
@@ -494,11 +495,10 @@ int serve(const ServeOptions& options) {
   agents.http().Post("/agent/heartbeat",
                      [&](const httplib::Request& request, httplib::Response& response) {
                        handle(response, [&] {
-                         const json report = json::parse(request.body);
-                         if (report.contains("nudge_port") && report.contains("host")) {
-                           nudges.learn(report.at("host").get<std::string>(),
-                                        request.remote_addr, report.at("nudge_port").get<int>());
-                         }
+                         // Read whole before anything is applied: a malformed report is refused
+                         // with one line (Note [A heartbeat is read whole], heartbeat.h).
+                         const auto report = json::parse(request.body).get<HeartbeatReport>();
+                         nudges.learn(report.host, request.remote_addr, report.nudge_port);
                          json orders = scheduler.heartbeat(report);
                          // Its policy round may have changed other hosts' orders.
                          nudges.send(scheduler.take_news());

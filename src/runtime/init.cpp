@@ -16,6 +16,7 @@
 #include "comm/store.h"
 #include "core/timeline_start.h"
 #include "shoal/core/timeline.h"
+#include "runtime/job_discovery.h"
 #include "runtime/world.h"
 
 namespace shoal {
@@ -274,10 +275,10 @@ Joining prepare(const InitOptions& options) {
   return joining;
 }
 
-void start(World world) {
+void start(Round round) {
   auto state = std::make_unique<Runtime>();
-  state->job = std::move(world.job);
-  state->world = std::move(world.group);
+  state->job = std::move(round.job);
+  state->world = std::move(round.group);
   the_runtime = state.release();
 }
 
@@ -356,10 +357,10 @@ comm::Group& world() { return current().world; }
 
 namespace runtime {
 
-void replace_world(World world) {
+void replace_world(Round round) {
   Runtime& state = current();
-  state.job = std::move(world.job);
-  state.world = std::move(world.group);
+  state.job = std::move(round.job);
+  state.world = std::move(round.group);
   timeline::set_rank(state.job.rank);
   world_listeners().call_all();
 }

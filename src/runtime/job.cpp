@@ -1,4 +1,4 @@
-#include "shoal/runtime/job.h"
+#include "runtime/job_discovery.h"
 
 #include <algorithm>
 #include <cstdint>

@@ -15,7 +15,10 @@
 
 namespace shoal::runtime {
 
-struct World {
+// One round of the job: who is in it and their group, which becomes shoal::world(). A static job
+// has one round; an elastic job's rounds are formed by the elastic part. (Named so that "world"
+// means one thing: the group shoal::world() returns.)
+struct Round {
   JobSpec job;  // rank, world size and local rank in this round
   comm::Group group;
 };
@@ -32,9 +35,9 @@ struct Joining {
 // malformed (told to the job's store when there is one); sets this process's threads and its
 // timeline.
 Joining prepare(const InitOptions& options);
-// The second half for an elastic job: makes `world`, its first round (formed by the elastic
-// part), the job's world.
-void start(World world);
+// The second half for an elastic job: makes `round`, its first (formed by the elastic part), the
+// job's world.
+void start(Round round);
 // The second half for a job that is not elastic: forms its world through the job's store and
 // Gloo (or a world of one, for a job of one or one whose workers share no group).
 void start(Joining joining, const InitOptions& options);
@@ -44,8 +47,8 @@ void start(Joining joining, const InitOptions& options);
 // whose first round only shoal::init() joins (it is above the elastic part that forms rounds).
 void join_implicitly(const std::string& who);
 
-// Makes `world` the job's world (an elastic job's next round), then calls the listeners.
-void replace_world(World world);
+// Makes `round`'s group the job's world (an elastic job's next round), then calls the listeners.
+void replace_world(Round round);
 
 // Called, in order of registration, after each replace_world. Returns an id for remove.
 int add_world_listener(std::function<void()> listener);

@@ -1,8 +1,8 @@
 // Checkpoints: a module, its optimizer and where the data loader stands, in one file.
 //
-//   shoal::save("ckpt.pt", *net, optimizer, loader.sampler().state());   // every worker calls it
+//   shoal::save("ckpt.pt", *net, optimizer, loader.sampler());   // every worker calls it
 //   ...
-//   loader.sampler().load_state(shoal::load("ckpt.pt", *net, optimizer)); // on any number of workers
+//   shoal::load("ckpt.pt", *net, optimizer, loader.sampler());   // on any number of workers
 //
 // Contract: save and load are collectives of shoal::world() (or of options.group): every
 // worker calls them, in the same order as its other collectives. save is written by the
@@ -24,8 +24,8 @@
 #include <torch/optim/optimizer.h>
 
 #include "shoal/comm/group.h"
+#include "shoal/checkpoint/savable.h"
 #include "shoal/core/timeout.h"
-#include "shoal/data/sampler.h"
 
 namespace shoal {
 
@@ -53,7 +53,8 @@ struct LoadOptions {
 };
 
 // Writes `path`: the module's parameters and buffers (what Module::save writes), the
-// optimizer's state, the loader's state and options.extras.
+// optimizer's state, the loader's state (what a checkpoint::Stateful gives: a data::Sampler, as
+// loader.sampler()) and options.extras.
 //
 // A module some of whose parameters are pieces of larger values (checkpoint::Savable, which the
 // layers of shoal::global::nn implement), anywhere in its tree and passed by any reference, is
@@ -68,21 +69,26 @@ struct LoadOptions {
 // Such a model must hold no plain parameter beside its pieces, and a piece that cannot be whole
 // (a partial_sum value) is refused. See docs/checkpoint.md, "Global models".
 void save(const std::string& path, const torch::nn::Module& module, const torch::optim::Optimizer& optimizer,
-          const data::SamplerState& loader_state, const SaveOptions& options = {});
+          const checkpoint::Stateful& loader, const SaveOptions& options = {});
 void save(const std::string& path, const torch::nn::Module& module, const torch::optim::Optimizer& optimizer,
           const SaveOptions& options = {});
 void save(const std::string& path, const torch::nn::Module& module, const SaveOptions& options = {});
 
-// Restores the module and the optimizer from `path` and returns the loader state saved with
-// them (SamplerState{}, whose dataset_size is 0, when the file has none). The optimizer's state
-// may also be one saved by parameter name (by a global model or a pipeline; docs/checkpoint.md).
+// Restores the module, the optimizer and the loader (loader.sampler(): the next batch is the one
+// after the saved step, on any number of workers) from `path`. The file must hold a loader state
+// that the loader accepts (saved for the same dataset size, seed and shuffle), checked with
+// everything else before anything changes. The optimizer's state may also be one saved by
+// parameter name (by a global model or a pipeline; docs/checkpoint.md).
 // Values are copied into the module's tensors, so references to them (the optimizer's,
 // DataParallel's) stay valid. Every parameter and buffer must be in the file with the module's
 // shape, and nothing else may be; the file must have been saved with an optimizer of the same type
 // over as many parameters. Param-group options (the learning rate) stay the program's, as in
 // LibTorch's Optimizer::load; save them as extras when they change.
-data::SamplerState load(const std::string& path, torch::nn::Module& module, torch::optim::Optimizer& optimizer,
-                        const LoadOptions& options = {});
+void load(const std::string& path, torch::nn::Module& module, torch::optim::Optimizer& optimizer,
+          checkpoint::Stateful& loader, const LoadOptions& options = {});
+// The same without the loader: the file's loader state, if it has one, is not used.
+void load(const std::string& path, torch::nn::Module& module, torch::optim::Optimizer& optimizer,
+          const LoadOptions& options = {});
 // Restores the module only (for evaluation, or a new optimizer); the file's optimizer and
 // loader state are not used.
 void load(const std::string& path, torch::nn::Module& module, const LoadOptions& options = {});

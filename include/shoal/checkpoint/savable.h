@@ -7,6 +7,7 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -44,6 +45,25 @@ class Savable {
   // The pieces among this module's own parameters (registered on it, not on its children), with
   // their names in named_parameters(/*recurse=*/false).
   virtual std::vector<std::pair<std::string, Piece>> pieces() const = 0;
+};
+
+// Named tensors: what a Stateful thing saves and takes back.
+using StateDict = std::map<std::string, at::Tensor>;
+
+// What a thing other than the model implements to be saved beside it (PyTorch's Stateful, as
+// DCP takes it): named tensors out, named tensors in. data::Sampler implements it, so that
+// shoal::save(path, net, optimizer, loader.sampler()) saves where the data stands, and
+// shoal::load(path, net, optimizer, loader.sampler()) puts it back. Every worker holds the same
+// state; the first worker's is saved.
+class Stateful {
+ public:
+  virtual ~Stateful() = default;
+  virtual StateDict state_dict() const = 0;
+  // Checks `state` against this object; UsageError, one line naming the first thing wrong, and
+  // nothing changed. shoal::load calls it on every worker before it changes anything.
+  virtual void check_state_dict(const StateDict& state) const = 0;
+  // Takes `state`, which check_state_dict accepted.
+  virtual void load_state_dict(const StateDict& state) = 0;
 };
 
 }  // namespace shoal::checkpoint

@@ -9,13 +9,18 @@
 // Contract: every worker builds its sampler with the same dataset size and options, and calls
 // set_epoch / advance / reshard in the same order; then the workers' batches are disjoint and
 // together cover each sample of an epoch exactly once (kPad adds repeats, kDrop leaves a tail).
+//
+// The batches come from one of two sources (src/data/batch_source.h): the cursor, or leases from
+// parameter servers' ledger once lease_from() is called. Either way the sampler's state is the
+// same five numbers, and it is a checkpoint::Stateful so that a checkpoint saves them.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <optional>
 #include <vector>
+
+#include "shoal/checkpoint/savable.h"
 
 namespace shoal::data {
 
@@ -69,13 +74,23 @@ class BatchLeases {
   virtual Lease next(int64_t epoch, int64_t dataset_size, int64_t batch_size, bool drop_last) = 0;
 };
 
-class Sampler {
+namespace detail {
+class BatchSource;  // src/data/batch_source.h
+}  // namespace detail
+
+class Sampler : public checkpoint::Stateful {
  public:
   // This worker's sampler in a job of `world_size` workers, as worker `rank`. UsageError for a
   // negative dataset_size, batch_size < 1, world_size < 1 or a rank outside [0, world_size).
   Sampler(int64_t dataset_size, const SamplerOptions& options, int rank, int world_size);
   // The same with shoal::rank() and shoal::world_size(); needs shoal::init().
   Sampler(int64_t dataset_size, const SamplerOptions& options);
+  // A copy has a source of its own (a leased one shares the BatchLeases and copies the pending lease).
+  Sampler(const Sampler& other);
+  Sampler& operator=(const Sampler& other);
+  Sampler(Sampler&& other) noexcept;
+  Sampler& operator=(Sampler&& other) noexcept;
+  ~Sampler() override;
 
   // Starts `epoch` at its first batch. Exception, so that a plain epoch loop resumes: the first
   // call after load_state() with the restored epoch keeps the restored cursor.
@@ -99,14 +114,22 @@ class Sampler {
 
   // From now on, the batches are leased from `leases`, each of batch_size positions (per_worker)
   // or batch_size / world_size (rounded up); a kIdle lease is an empty batch. UsageError for
-  // LastBatch::kPad, which leases cannot express.
+  // LastBatch::kPad, which leases cannot express. A null `leases` goes back to the cursor.
   void lease_from(std::shared_ptr<BatchLeases> leases);
-  bool leased() const { return leases_ != nullptr; }
+  bool leased() const;
 
   SamplerState state() const;
   // Restores epoch and cursor. UsageError, changing nothing, when the state was saved for
   // another dataset size, seed or shuffle, or its epoch or cursor are out of range.
   void load_state(const SamplerState& state);
+
+  // checkpoint::Stateful: state() as 0-dim int64 tensors named "seed" (the uint64's bits),
+  // "shuffle" (0 or 1), "dataset_size", "epoch" and "cursor". check_state_dict raises UsageError
+  // for a missing name, a value that is not a 0-dim integer tensor, or a state load_state()
+  // refuses; load_state_dict(state) is load_state() of the same numbers.
+  checkpoint::StateDict state_dict() const override;
+  void check_state_dict(const checkpoint::StateDict& state) const override;
+  void load_state_dict(const checkpoint::StateDict& state) override;
 
   // Global batches in a whole epoch, and those left from the cursor, at the current world.
   int64_t batches_per_epoch() const;
@@ -125,6 +148,8 @@ class Sampler {
 
  private:
   int64_t batches_from(int64_t position) const;
+  // load_state()'s checks, which check_state_dict() shares.
+  void check_state(const SamplerState& state) const;
 
   SamplerOptions options_;
   int64_t dataset_size_ = 0;
@@ -135,11 +160,8 @@ class Sampler {
   // Set by load_state(), cleared by the next set_epoch(): see set_epoch.
   bool restored_ = false;
   std::vector<size_t> permutation_;
-  std::shared_ptr<BatchLeases> leases_;
-  int64_t lease_size_ = 0;
-  // The lease the next batch() hands out, taken by epoch_done() (see lease_from).
-  mutable std::optional<BatchLeases::Lease> lease_;
-  const BatchLeases::Lease& current_lease() const;
+  // Where the batches come from; never null, except in a moved-from sampler.
+  std::unique_ptr<detail::BatchSource> source_;
 };
 
 // The permutation of 0..size-1 for (seed, epoch): a Fisher-Yates shuffle driven by splitmix64,

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
@@ -155,7 +156,7 @@ bool Client::update(const std::string& key, const std::string& value, int64_t le
   return call("/v3/kv/txn", txn.dump()).value("succeeded", false);
 }
 
-Watch::Watch(const Client& client, const std::string& prefix, int64_t start_revision)
+Watch::Watch(const Client& client, const std::string& prefix, int64_t start_revision, std::function<void()> arrived)
     : endpoint_(client.endpoint()),
       stream_(client.endpoint(), "/v3/watch",
               Json{{"create_request",
@@ -163,7 +164,7 @@ Watch::Watch(const Client& client, const std::string& prefix, int64_t start_revi
                      {"range_end", base64(end_of(prefix))},
                      {"start_revision", std::to_string(start_revision)}}}}
                   .dump(),
-              client.timeout_) {}
+              client.timeout_, std::move(arrived)) {}
 
 std::vector<Watch::Event> Watch::events() {
   const bool open = stream_.read(buffer_);

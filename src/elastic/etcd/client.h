@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -72,11 +73,10 @@ class Watch {
     KeyValue kv;  // for a deletion, only the key
   };
 
-  // Starts watching from `start_revision`. CommError when etcd does not answer.
-  Watch(const Client& client, const std::string& prefix, int64_t start_revision);
+  // Starts watching from `start_revision`. CommError when etcd does not answer. `arrived` is
+  // called, from the watch's own thread, whenever events() may have something new.
+  Watch(const Client& client, const std::string& prefix, int64_t start_revision, std::function<void()> arrived);
 
-  // Readable when events() has something.
-  int fd() const { return stream_.fd(); }
   // The events that have arrived, in order, without blocking. CommError once the stream ended
   // (etcd went away) or etcd canceled the watch (its start revision was compacted): read the
   // keys again and start a new watch.

@@ -1,238 +1,82 @@
 #include "http.h"
 
-#include <arpa/inet.h>
-#include <netdb.h>
-#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
 #include <sys/socket.h>
-#include <unistd.h>
 
-#include <algorithm>
-#include <cctype>
-#include <cerrno>
-#include <cstring>
-#include <stdexcept>
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+#include <utility>
+
+#include <httplib.h>
 
 #include "shoal/core/error.h"
 
 namespace shoal::elastic::etcd {
 namespace {
 
-class Socket {
- public:
-  explicit Socket(int fd = -1) : fd_(fd) {}
-  ~Socket() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Socket(const Socket&) = delete;
-  Socket& operator=(const Socket&) = delete;
-  int fd() const { return fd_; }
+using namespace std::chrono_literals;
 
- private:
-  int fd_;
-};
+// A watch is quiet for as long as no key under its prefix changes, so its reads wait with no
+// timeout worth the name; a lost etcd shows in the session's renewals, which then drop the watch.
+constexpr auto kQuietWatch = std::chrono::hours(24);
 
-// Fails a request: "etcd at 127.0.0.1:2379: POST /v3/kv/range: connection refused".
-struct Failure {
-  const Endpoint& endpoint;
-  const std::string& path;
-  [[noreturn]] void operator()(const std::string& what) const {
-    throw CommError("etcd at " + endpoint.text() + ": POST " + path + ": " + what);
-  }
-};
-
-int poll_ms(const Deadline& deadline) {
-  return static_cast<int>(std::min<int64_t>(deadline.remaining().count(), 1 << 30));
+// "etcd at 127.0.0.1:2379: POST /v3/kv/range: no response within 2.00 s".
+[[noreturn]] void fail_request(const Endpoint& endpoint, const std::string& path, const std::string& what) {
+  throw CommError("etcd at " + endpoint.text() + ": POST " + path + ": " + what);
 }
 
-// Waits until `fd` is ready for `events`; false when the deadline passed first.
-bool wait_for(int fd, short events, const Deadline& deadline) {
-  for (;;) {
-    pollfd p{fd, events, 0};
-    const int n = ::poll(&p, 1, poll_ms(deadline));
-    if (n > 0) return true;
-    if (n == 0) return false;
-    if (errno != EINTR) return false;
-  }
+// One request a client: without keep-alive, cpp-httplib closes the connection after it.
+httplib::Client client_for(const Endpoint& endpoint, Duration timeout, Duration read_timeout) {
+  httplib::Client client(endpoint.host, endpoint.port);
+  client.set_address_family(AF_INET);
+  client.set_connection_timeout(timeout);
+  client.set_write_timeout(timeout);
+  client.set_read_timeout(read_timeout);
+  return client;
 }
 
-std::unique_ptr<Socket> connect_to(const Endpoint& endpoint, const Deadline& deadline, const Failure& fail) {
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_port = htons(static_cast<uint16_t>(endpoint.port));
-  if (::inet_pton(AF_INET, endpoint.host.c_str(), &address.sin_addr) != 1) {
-    addrinfo hints{};
-    hints.ai_family = AF_INET;
-    hints.ai_socktype = SOCK_STREAM;
-    addrinfo* found = nullptr;
-    if (::getaddrinfo(endpoint.host.c_str(), nullptr, &hints, &found) != 0 || found == nullptr) {
-      fail("cannot resolve host \"" + endpoint.host + "\"");
-    }
-    address.sin_addr = reinterpret_cast<sockaddr_in*>(found->ai_addr)->sin_addr;
-    ::freeaddrinfo(found);
-  }
-  auto socket = std::make_unique<Socket>(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
-  if (socket->fd() < 0) fail(std::string("cannot open a socket: ") + std::strerror(errno));
-  if (::connect(socket->fd(), reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
-    if (errno != EINPROGRESS) fail(std::strerror(errno));
-    if (!wait_for(socket->fd(), POLLOUT, deadline)) {
-      fail("no connection within " + format_duration(deadline.timeout()));
-    }
-    int error = 0;
-    socklen_t size = sizeof(error);
-    ::getsockopt(socket->fd(), SOL_SOCKET, SO_ERROR, &error, &size);
-    if (error != 0) fail(std::strerror(error));
-  }
-  return socket;
+httplib::Request post_request(const std::string& path, const std::string& body) {
+  httplib::Request request;
+  request.method = "POST";
+  request.path = path;
+  request.body = body;
+  request.set_header("Content-Type", "application/json");
+  return request;
 }
 
-void send_request(int fd, const Endpoint& endpoint, const std::string& path, const std::string& body,
-                  const Deadline& deadline, const Failure& fail) {
-  const std::string request = "POST " + path + " HTTP/1.1\r\nHost: " + endpoint.text() +
-                              "\r\nContent-Type: application/json\r\nContent-Length: " +
-                              std::to_string(body.size()) + "\r\nConnection: close\r\n\r\n" + body;
-  size_t sent = 0;
-  while (sent < request.size()) {
-    const ssize_t n = ::send(fd, request.data() + sent, request.size() - sent, MSG_NOSIGNAL);
-    if (n > 0) {
-      sent += static_cast<size_t>(n);
-    } else if (n < 0 && errno != EAGAIN && errno != EINTR) {
-      fail(std::string("cannot send the request: ") + std::strerror(errno));
-    } else if (!wait_for(fd, POLLOUT, deadline)) {
-      fail("could not send the request within " + format_duration(deadline.timeout()));
-    }
-  }
-}
-
-// One response, parsed as its bytes arrive: status line and header, then the body, delimited by
-// Content-Length, by chunks, or by the end of the connection.
-class ResponseParser {
- public:
-  // Throws std::runtime_error when the bytes are not HTTP.
-  void feed(const char* data, size_t size) {
-    pending_.append(data, size);
-    size_t at = 0;
-    for (bool progress = true; progress && state_ != State::kDone;) {
-      progress = step(at);
-    }
-    pending_.erase(0, at);
-    if (state_ == State::kHeader && pending_.size() > (64 << 10)) throw std::runtime_error("header too long");
-  }
-  // The connection ended.
-  void close() {
-    if (state_ == State::kUntilClose) state_ = State::kDone;
-  }
-  bool has_header() const { return state_ != State::kHeader; }
-  bool done() const { return state_ == State::kDone; }
-  int status() const { return status_; }
-  std::string& body() { return body_; }
-
- private:
-  enum class State { kHeader, kLength, kChunkSize, kChunkData, kChunkEnd, kTrailer, kUntilClose, kDone };
-
-  // Consumes what it can from pending_ at `at`; false when it needs more bytes.
-  bool step(size_t& at) {
-    const size_t available = pending_.size() - at;
-    switch (state_) {
-      case State::kHeader: {
-        const size_t end = pending_.find("\r\n\r\n", at);
-        if (end == std::string::npos) return false;
-        parse_header(pending_.substr(at, end - at));
-        at = end + 4;
-        return true;
-      }
-      case State::kLength:
-      case State::kChunkData:
-      case State::kUntilClose: {
-        const size_t n = state_ == State::kUntilClose ? available : std::min(left_, available);
-        body_.append(pending_, at, n);
-        at += n;
-        left_ -= state_ == State::kUntilClose ? 0 : n;
-        if (state_ != State::kUntilClose && left_ == 0) {
-          state_ = state_ == State::kLength ? State::kDone : State::kChunkEnd;
-          return true;
-        }
-        return false;
-      }
-      case State::kChunkEnd:
-        if (available < 2) return false;
-        if (pending_.compare(at, 2, "\r\n") != 0) throw std::runtime_error("malformed chunk");
-        at += 2;
-        state_ = State::kChunkSize;
-        return true;
-      case State::kChunkSize:
-      case State::kTrailer: {
-        const size_t end = pending_.find("\r\n", at);
-        if (end == std::string::npos) return false;
-        const std::string line = pending_.substr(at, end - at);
-        at = end + 2;
-        if (state_ == State::kTrailer) {
-          if (line.empty()) state_ = State::kDone;
-          return true;
-        }
-        left_ = std::stoul(line.substr(0, line.find(';')), nullptr, 16);
-        state_ = left_ == 0 ? State::kTrailer : State::kChunkData;
-        return true;
-      }
-      case State::kDone:
-        return false;
-    }
-    return false;
-  }
-
-  void parse_header(const std::string& header) {
-    if (header.compare(0, 5, "HTTP/") != 0) throw std::runtime_error("not an HTTP response");
-    const size_t space = header.find(' ');
-    status_ = std::stoi(header.substr(space + 1, 3));
-    state_ = State::kUntilClose;
-    size_t line = header.find("\r\n");
-    while (line != std::string::npos) {
-      const size_t start = line + 2;
-      line = header.find("\r\n", start);
-      std::string field = header.substr(start, line == std::string::npos ? std::string::npos : line - start);
-      std::transform(field.begin(), field.end(), field.begin(), [](unsigned char c) { return std::tolower(c); });
-      const size_t colon = field.find(':');
-      if (colon == std::string::npos) continue;
-      const std::string name = field.substr(0, colon);
-      const std::string value = field.substr(field.find_first_not_of(' ', colon + 1));
-      if (name == "transfer-encoding" && value.find("chunked") != std::string::npos) {
-        state_ = State::kChunkSize;
-      } else if (name == "content-length" && state_ == State::kUntilClose) {
-        left_ = std::stoul(value);
-        state_ = left_ == 0 ? State::kDone : State::kLength;
-      }
-    }
-  }
-
-  State state_ = State::kHeader;
-  std::string pending_;
-  size_t left_ = 0;
-  int status_ = 0;
-  std::string body_;
-};
-
-// Reads into `parser` until `ready()` holds. Throws through `fail` on a timeout or a broken connection.
-template <typename Ready>
-void read_until(int fd, ResponseParser& parser, Ready ready, const Deadline& deadline, const Failure& fail) {
-  char buffer[64 << 10];
-  while (!ready()) {
-    if (!wait_for(fd, POLLIN, deadline)) fail("no response within " + format_duration(deadline.timeout()));
-    const ssize_t n = ::recv(fd, buffer, sizeof(buffer), 0);
-    if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
-    if (n < 0) fail(std::strerror(errno));
-    if (n == 0) {
-      parser.close();
-      if (!ready()) fail("the connection closed before the response was complete");
-      return;
-    }
-    try {
-      parser.feed(buffer, static_cast<size_t>(n));
-    } catch (const std::exception& e) {
-      fail(std::string("malformed response: ") + e.what());
-    }
+// cpp-httplib says which step failed, not the system's reason; a step that ends after the
+// deadline ran out of time.
+std::string what_failed(httplib::Error error, const Deadline& deadline) {
+  const std::string within = format_duration(deadline.timeout());
+  switch (error) {
+    case httplib::Error::Connection:
+      return "could not connect (nothing listens there, or the host is unknown or unreachable)";
+    case httplib::Error::ConnectionTimeout:
+      return "no connection within " + within;
+    case httplib::Error::Write:
+      return deadline.expired() ? "could not send the request within " + within
+                                : "the connection broke while the request was sent";
+    case httplib::Error::Read:
+    case httplib::Error::Canceled:
+      return deadline.expired() ? "no response within " + within
+                                : "the connection ended before the whole response came (closed, reset, or not HTTP)";
+    default:
+      return httplib::to_string(error);
   }
 }
 
 }  // namespace
+
+// Note [etcd's errors end with trailers]
+// The gateway sends a gRPC error (a lease not found, a compacted revision) as a chunked body
+// followed by trailers (Grpc-Trailer-Content-Type: application/grpc), and cpp-httplib 0.11 fails
+// on a chunked body's trailers, after it has handed over the body. So for a status other than
+// 200, the status and the body that came are the answer even when the read failed at the end:
+// the caller judges the status and shows the message. A 200 comes without trailers, and one
+// whose read failed is a failure.
 
 Endpoint Endpoint::parse(const std::string& text) {
   const auto colon = text.rfind(':');
@@ -246,56 +90,134 @@ Endpoint Endpoint::parse(const std::string& text) {
 
 HttpResponse http_post(const Endpoint& endpoint, const std::string& path, const std::string& body,
                        Duration timeout) {
-  Deadline deadline(timeout);
-  Failure fail{endpoint, path};
-  auto socket = connect_to(endpoint, deadline, fail);
-  send_request(socket->fd(), endpoint, path, body, deadline, fail);
-  ResponseParser parser;
-  read_until(socket->fd(), parser, [&] { return parser.done(); }, deadline, fail);
-  return {parser.status(), std::move(parser.body())};
+  const Deadline deadline(timeout);
+  httplib::Client client = client_for(endpoint, timeout, timeout);
+  httplib::Request request = post_request(path, body);
+  HttpResponse response;
+  request.response_handler = [&](const httplib::Response& header) {
+    response.status = header.status;
+    return true;
+  };
+  request.content_receiver = [&](const char* data, size_t size, uint64_t, uint64_t) {
+    response.body.append(data, size);
+    return !deadline.expired();
+  };
+  const httplib::Result result = client.send(request);
+  // See Note [etcd's errors end with trailers].
+  if (!result && (response.status == 0 || response.status == 200)) {
+    fail_request(endpoint, path, what_failed(result.error(), deadline));
+  }
+  if (result) response.status = result->status;
+  return response;
 }
 
 struct HttpStream::Impl {
-  std::unique_ptr<Socket> socket;
-  ResponseParser parser;
+  Impl(const Endpoint& endpoint, Duration timeout, std::function<void()> arrived)
+      : client(client_for(endpoint, timeout, kQuietWatch)), arrived(std::move(arrived)) {}
+  ~Impl() { stop(); }
+
+  // The thread: the request, until its response ends, fails or stop() cuts it.
+  void run(httplib::Request request) {
+    // cpp-httplib sends without MSG_NOSIGNAL, and a send after stop() shut the connection down
+    // (while this thread still sends the request) raises SIGPIPE, which would end the process.
+    // The thread is the stream's own, so it blocks SIGPIPE for good (a pending one ends with it).
+    // http_post needs no such care: nothing shuts its connection down, and a connection that
+    // breaks raises SIGPIPE only on the write after the failed one, where cpp-httplib has stopped.
+    sigset_t sigpipe;
+    sigemptyset(&sigpipe);
+    sigaddset(&sigpipe, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &sigpipe, nullptr);
+    request.response_handler = [this](const httplib::Response& response) {
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        status = response.status;
+      }
+      changed.notify_all();
+      return !stopping;
+    };
+    request.content_receiver = [this](const char* data, size_t size, uint64_t, uint64_t) {
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        body.append(data, size);
+      }
+      if (arrived) arrived();
+      return !stopping;
+    };
+    httplib::Error failure = httplib::Error::Canceled;
+    if (!stopping) {
+      failure = httplib::Error::Success;
+      httplib::Response response;
+      client.send(request, response, failure);
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      ended = true;
+      error = failure;
+    }
+    changed.notify_all();
+    if (arrived) arrived();
+  }
+
+  // cpp-httplib's stop() shuts the connection down only while a request is under way (and waits
+  // for a connect in progress): called until the thread ends, it also catches a request that was
+  // just starting.
+  void stop() {
+    if (!thread.joinable()) return;
+    stopping = true;
+    std::unique_lock<std::mutex> lock(mutex);
+    while (!ended) {
+      lock.unlock();
+      client.stop();
+      lock.lock();
+      changed.wait_for(lock, 10ms, [&] { return ended; });
+    }
+    lock.unlock();
+    thread.join();
+  }
+
+  httplib::Client client;
+  const std::function<void()> arrived;
+  std::atomic<bool> stopping{false};
+
+  std::mutex mutex;
+  std::condition_variable changed;  // status or ended
+  int status = 0;                   // once the header is in
+  std::string body;                 // arrived, not yet read()
   bool ended = false;
+  httplib::Error error = httplib::Error::Success;
+
+  std::thread thread;
 };
 
-HttpStream::HttpStream(const Endpoint& endpoint, const std::string& path, const std::string& body, Duration timeout)
-    : impl_(std::make_unique<Impl>()) {
-  Deadline deadline(timeout);
-  Failure fail{endpoint, path};
-  impl_->socket = connect_to(endpoint, deadline, fail);
-  send_request(impl_->socket->fd(), endpoint, path, body, deadline, fail);
-  read_until(impl_->socket->fd(), impl_->parser, [&] { return impl_->parser.has_header(); }, deadline, fail);
-  if (impl_->parser.status() != 200) {
-    fail("status " + std::to_string(impl_->parser.status()) + ": " + impl_->parser.body());
+HttpStream::HttpStream(const Endpoint& endpoint, const std::string& path, const std::string& body, Duration timeout,
+                       std::function<void()> arrived)
+    : impl_(std::make_unique<Impl>(endpoint, timeout, std::move(arrived))) {
+  const Deadline deadline(timeout);
+  impl_->thread = std::thread([impl = impl_.get(), request = post_request(path, body)]() mutable {
+    impl->run(std::move(request));
+  });
+  std::unique_lock<std::mutex> lock(impl_->mutex);
+  impl_->changed.wait_for(lock, timeout, [&] { return impl_->status == 200 || impl_->ended; });
+  if (impl_->status == 200) return;
+  std::string what;
+  if (impl_->status != 0) {
+    what = "status " + std::to_string(impl_->status) + ": " + impl_->body;
+  } else if (impl_->ended) {
+    what = what_failed(impl_->error, deadline);
+  } else {
+    what = "no response within " + format_duration(timeout);
   }
+  lock.unlock();
+  impl_->stop();
+  fail_request(endpoint, path, what);
 }
 
 HttpStream::~HttpStream() = default;
 
-int HttpStream::fd() const { return impl_->socket->fd(); }
-
 bool HttpStream::read(std::string& out) {
-  char buffer[64 << 10];
-  while (!impl_->ended) {
-    const ssize_t n = ::recv(impl_->socket->fd(), buffer, sizeof(buffer), MSG_DONTWAIT);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0 && errno == EAGAIN) break;
-    if (n <= 0) {
-      impl_->ended = true;
-      break;
-    }
-    try {
-      impl_->parser.feed(buffer, static_cast<size_t>(n));
-    } catch (const std::exception&) {
-      impl_->ended = true;
-    }
-    if (impl_->parser.done()) impl_->ended = true;
-  }
-  out += impl_->parser.body();
-  impl_->parser.body().clear();
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  out += impl_->body;
+  impl_->body.clear();
   return !impl_->ended;
 }
 

@@ -1,9 +1,5 @@
 #include "session.h"
 
-#include <poll.h>
-#include <sys/eventfd.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstdio>
 #include <functional>
@@ -56,19 +52,24 @@ Session::Session(const EtcdOptions& options, std::string key, const std::string&
       retry = std::min(retry * 2, kRetryMost);
     }
   }
-  wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  SHOAL_CHECK(wake_fd_ >= 0) << "eventfd failed";
   thread_ = std::thread([this] { run(); });
 }
 
+// The watch, if any, closes its connection as it is destroyed, after the thread.
 Session::~Session() {
   stopping_ = true;
   if (thread_.joinable()) {
-    const uint64_t one = 1;
-    (void)!::write(wake_fd_, &one, sizeof(one));
+    wake();
     thread_.join();
   }
-  if (wake_fd_ >= 0) ::close(wake_fd_);
+}
+
+void Session::wake() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    woken_ = true;
+  }
+  wake_.notify_one();
 }
 
 void Session::publish(std::string value) {
@@ -77,17 +78,16 @@ void Session::publish(std::string value) {
     unsent_ = std::move(value);
     has_unsent_ = true;
   }
-  const uint64_t one = 1;
-  (void)!::write(wake_fd_, &one, sizeof(one));
+  wake();
 }
 
 void Session::leave() {
   stopping_ = true;
   if (thread_.joinable()) {
-    const uint64_t one = 1;
-    (void)!::write(wake_fd_, &one, sizeof(one));
+    wake();
     thread_.join();
   }
+  watch_.reset();
   changed([&] { expired_ = true; });
   try {
     client_.revoke(lease_);
@@ -140,7 +140,7 @@ void Session::set_reachable(bool reachable, const std::string& error) {
 
 void Session::sync() {
   auto range = client_.range_prefix(prefix_);
-  auto watch = std::make_unique<Watch>(client_, prefix_, range.revision + 1);
+  auto watch = std::make_unique<Watch>(client_, prefix_, range.revision + 1, [this] { wake(); });
   auto keys = std::make_shared<Keys>();
   for (auto& kv : range.kvs) (*keys)[kv.key] = std::move(kv.value);
   const bool mine = keys->count(key_) != 0;
@@ -215,20 +215,15 @@ void Session::run() {
 
     // Sleep until the watch has news, publish() or the destructor wakes us, or a timer is due.
     // An expired session only reads the watch: nothing to renew or publish.
-    auto until = Clock::now() + kRetryMost;
     {
-      std::lock_guard<std::mutex> lock(mutex_);
+      std::unique_lock<std::mutex> lock(mutex_);
+      auto until = Clock::now() + kRetryMost;
       if (!expired_) until = std::min(until, renew_at);
       if ((has_unsent_ && !expired_) || watch_ == nullptr) until = std::min(until, std::max(retry_at, Clock::now()));
+      wake_.wait_until(lock, until, [&] { return woken_; });
+      woken_ = false;
     }
-    const auto wait = std::chrono::ceil<Duration>(until - Clock::now());
-    pollfd fds[2] = {{wake_fd_, POLLIN, 0}, {watch_ ? watch_->fd() : -1, POLLIN, 0}};
-    if (::poll(fds, 2, static_cast<int>(std::max<int64_t>(wait.count(), 0))) < 0) continue;
-    if (fds[0].revents != 0) {
-      uint64_t count;
-      (void)!::read(wake_fd_, &count, sizeof(count));
-    }
-    if (watch_ != nullptr && fds[1].revents != 0) {
+    if (watch_ != nullptr) {
       try {
         apply(watch_->events());
       } catch (const std::exception& e) {

@@ -1,6 +1,7 @@
 // This worker's presence in etcd: a lease kept alive with a key under it, and a copy of every key
-// under the job's prefix kept current by a watch. One background thread does all the talking,
-// so that readers of the copy never wait for etcd. See Note [etcd going away] in session.cpp.
+// under the job's prefix kept current by a watch. One background thread does all the talking
+// (the watch's response is read by a thread of the watch's own, which wakes it), so that readers
+// of the copy never wait for etcd. See Note [etcd going away] in session.cpp.
 #pragma once
 
 #include <atomic>
@@ -59,6 +60,7 @@ class Session {
   void changed(const std::function<void()>& change);
   void set_reachable(bool reachable, const std::string& error = "");
   void send_published();
+  void wake();  // the thread, from publish(), the watch's thread or the destructor
 
   Client client_;
   std::string prefix_;
@@ -76,9 +78,10 @@ class Session {
   bool reachable_ = true;
   std::string error_;
   std::atomic<bool> expired_{false};
+  std::condition_variable wake_;  // the thread waits on it for woken_
+  bool woken_ = false;
 
-  std::unique_ptr<Watch> watch_;  // the thread's
-  int wake_fd_ = -1;              // an eventfd: publish() and the destructor wake the thread
+  std::unique_ptr<Watch> watch_;  // the thread's; its own thread calls wake()
   std::atomic<bool> stopping_{false};
   std::thread thread_;
 };

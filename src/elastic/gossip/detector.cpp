@@ -215,7 +215,7 @@ void Gossip::State::suspect(const std::string& member, Time now) {
   const Member before = *current;
   Member after = before;
   after.status = Status::kSuspect;
-  commit(&before, after, now);
+  adopt(&before, after, now);
   // Lifeguard's buddy system: the suspect hears of it first, and refutes it if it can.
   wire::Message news{wire::Kind::kNews};
   news.updates = {after};

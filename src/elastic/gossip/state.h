@@ -121,7 +121,9 @@ struct Gossip::State {
   void handle(const wire::Message& message, const sockaddr_in& from, Time now);
   void apply(const Member& update, Time now);
   void apply_about_self(const Member& update);
-  void commit(const Member* before, const Member& after, Time now);
+  // Takes `after` as a member's record (`before`: the one it replaces, null for a new member)
+  // and starts disseminating it. (elastic::State::commit is the one "commit" in shoal.)
+  void adopt(const Member* before, const Member& after, Time now);
   void declare(const std::string& id, Status status, Time now);
   void send_join(Time now);
 

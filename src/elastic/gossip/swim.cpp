@@ -159,7 +159,7 @@ void Gossip::set_meta(const std::string& meta) {
   check_entry_size(me);
   if (!state_->participating()) return;
   ++me.incarnation;  // as memberlist does: newer metadata wins everywhere by its incarnation
-  state_->commit(&state_->me(), me, Clock::now());
+  state_->adopt(&state_->me(), me, Clock::now());
   state_->push_to_all(me);
 }
 
@@ -204,7 +204,7 @@ void Gossip::leave() {
   if (s.participating()) {
     Member me = s.me();
     me.status = Status::kLeft;
-    s.commit(&s.me(), me, Clock::now());
+    s.adopt(&s.me(), me, Clock::now());
     s.self = Status::kLeft;
     s.leaving = true;
     s.leave_seq = s.next_seq++;
@@ -474,10 +474,10 @@ void Gossip::State::apply(const Member& update, Time now) {
   if (current == nullptr) {
     // An unknown member is added whatever its status: a dead one too, so that older news about
     // it can't bring it back.
-    commit(nullptr, update, now);
+    adopt(nullptr, update, now);
   } else if (overrides(*current, update)) {
     const Member before = *current;
-    commit(&before, merged(before, update), now);
+    adopt(&before, merged(before, update), now);
   }
 }
 
@@ -503,7 +503,7 @@ void Gossip::State::apply_about_self(const Member& update) {
   if (update.status == Status::kSuspect) adjust_health(+1);
 }
 
-void Gossip::State::commit(const Member* before, const Member& after, Time now) {
+void Gossip::State::adopt(const Member* before, const Member& after, Time now) {
   const bool was_suspect = before != nullptr && before->status == Status::kSuspect;
   table.put(after);
   table.disseminate(after);
@@ -524,7 +524,7 @@ void Gossip::State::declare(const std::string& member_id, Status status, Time no
   Member after = before;
   after.status = status;
   if (!overrides(before, after)) return;
-  commit(&before, after, now);
+  adopt(&before, after, now);
   push_to_all(after);
 }
 

@@ -1,5 +1,9 @@
 // Fashion-MNIST (and MNIST) in the IDX format, gzip-compressed, as Debian's
 // dataset-fashion-mnist installs it under /usr/share/datasets/fashion-mnist.
+//
+// One of shoal's demo datasets (shoal/datasets/), the data of its examples, tests and benchmarks:
+// not part of the library's API (shoal/shoal.h does not include them), and in a library of their
+// own, shoal::datasets (libshoal_datasets), which a program links when it uses them.
 #pragma once
 
 #include <string>
@@ -7,7 +11,7 @@
 #include <torch/data/datasets/base.h>
 #include <torch/data/example.h>
 
-namespace shoal::data {
+namespace shoal::datasets {
 
 inline constexpr const char* kFashionMnistRoot = "/usr/share/datasets/fashion-mnist";
 
@@ -39,4 +43,4 @@ class FashionMnist : public torch::data::datasets::Dataset<FashionMnist> {
 // the file's shape, dtype uint8.
 torch::Tensor read_idx_gz(const std::string& path, int dims);
 
-}  // namespace shoal::data
+}  // namespace shoal::datasets

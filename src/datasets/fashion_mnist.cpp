@@ -1,4 +1,4 @@
-#include "shoal/data/fashion_mnist.h"
+#include "shoal/datasets/fashion_mnist.h"
 
 #include <zlib.h>
 
@@ -6,7 +6,7 @@
 
 #include "shoal/core/error.h"
 
-namespace shoal::data {
+namespace shoal::datasets {
 namespace {
 
 // IDX magic: two zero bytes, the element type (0x08: unsigned byte), the number of dimensions.
@@ -88,4 +88,4 @@ torch::data::Example<> FashionMnist::get(size_t index) {
 
 torch::optional<size_t> FashionMnist::size() const { return static_cast<size_t>(images_.size(0)); }
 
-}  // namespace shoal::data
+}  // namespace shoal::datasets

@@ -6,6 +6,9 @@
 // set needs no storage, any worker computes any sample, and the Bayes-optimal predictor (the
 // hidden model's probability itself) is known, so a trained model's logloss and AUC can be set
 // beside the best any model can reach.
+//
+// One of shoal's demo datasets (shoal/datasets/, library shoal::datasets), not part of the
+// library's API: see fashion_mnist.h.
 #pragma once
 
 #include <cstdint>
@@ -14,7 +17,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
 
-namespace shoal::data {
+namespace shoal::datasets {
 
 struct SyntheticCtrOptions {
   uint64_t seed = 0;
@@ -81,4 +84,4 @@ double auc(const at::Tensor& scores, const at::Tensor& labels);
 // The mean binary cross-entropy of probabilities `p` (clamped to [1e-7, 1 - 1e-7]) for `labels`.
 double logloss(const at::Tensor& p, const at::Tensor& labels);
 
-}  // namespace shoal::data
+}  // namespace shoal::datasets

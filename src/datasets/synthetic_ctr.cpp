@@ -1,4 +1,4 @@
-#include "shoal/data/synthetic_ctr.h"
+#include "shoal/datasets/synthetic_ctr.h"
 
 #include <algorithm>
 #include <cmath>
@@ -10,7 +10,7 @@
 #include "../core/hash.h"
 #include "shoal/core/error.h"
 
-namespace shoal::data {
+namespace shoal::datasets {
 namespace {
 
 using ::shoal::detail::hash_of;
@@ -190,4 +190,4 @@ double logloss(const at::Tensor& p, const at::Tensor& labels) {
   return -(y * q.log() + (1 - y) * (1 - q).log()).mean().item<double>();
 }
 
-}  // namespace shoal::data
+}  // namespace shoal::datasets
