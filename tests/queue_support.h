@@ -478,6 +478,21 @@ inline std::set<std::string> expect_killed_workers_replaced_then_the_job_failed(
   return victim_hosts;
 }
 
+// The last `count` lines of each of the job's worker logs, for a failure's message: what the
+// workers were doing when the job stopped making progress.
+inline std::string last_lines_of_logs(const Queue& queue, int64_t job, size_t count) {
+  std::string out;
+  for (const auto& [worker, log] : queue.logs(job)) {
+    std::vector<std::string> lines;
+    std::istringstream in(log);
+    for (std::string line; std::getline(in, line);) lines.push_back(line);
+    out += "worker " + std::to_string(worker) + ":\n";
+    for (size_t i = lines.size() > count ? lines.size() - count : 0; i < lines.size(); ++i)
+      out += "  " + lines[i] + "\n";
+  }
+  return out;
+}
+
 // Test 5 of docs/queue.md on `queue`, whatever its hosts: the scheduler SIGKILLed mid-run leaves
 // a job of 3 training; started again on its database, it finds the same workers, its events go on
 // without a gap, and it schedules a second job. Returns the first job as it was before the kill.
@@ -495,7 +510,8 @@ inline json expect_a_killed_scheduler_to_leave_jobs_training(Queue& queue) {
   queue.kill9();
   const int steps = queue.steps(first);
   EXPECT_TRUE(eventually([&] { return queue.steps(first) >= steps + 10; }, 20s))
-      << "the job did not train on while the scheduler was down";
+      << "the job did not train on while the scheduler was down; its workers' logs, last lines:\n"
+      << last_lines_of_logs(queue, first, 15);
   EXPECT_THROW(queue.client().get("/jobs"), CommError);
 
   queue.start(port, agent_port);
