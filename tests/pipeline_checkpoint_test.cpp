@@ -2,7 +2,9 @@
 // file shoal::save writes for the plain Sequential on one process, it loads into the plain
 // Sequential and into a pipeline of another split, worker count and schedule (or with a data axis),
 // and training resumed from it equals, to 1e-5, a one-process run that never stopped on the same
-// batches. A file that does not fit is a UsageError on every worker with nothing changed.
+// batches. Buffers come from the worker that holds their layer, and the optimizer and the
+// program's loader are saved beside the model through the same shoal::save of pipe.module(). A
+// file that does not fit is a UsageError on every worker with nothing changed.
 #include <unistd.h>
 
 #include <algorithm>
@@ -162,12 +164,88 @@ TEST_F(PipelineCheckpoint, IsTheWholeModelsFile) {
         pp::PipelineOptions o;
         o.micro_batches = 4;
         pp::Pipeline pipe(mlp(0), o);
-        shoal::save((dir() / "pipe.pt").string(), pipe);
+        shoal::save((dir() / "pipe.pt").string(), pipe.module());
       },
       options_);
   shoal::SaveOptions single;
   single.group = shoal::comm::Group::single();
   shoal::save((dir_ / "plain.pt").string(), *mlp(0), single);
+  EXPECT_EQ(read_bytes(dir_ / "pipe.pt"), read_bytes(dir_ / "plain.pt"));
+}
+
+// Layers 0 | 1-2 | 3-4 on three workers: the batch norm's buffers live on the last one only.
+torch::nn::Sequential with_batch_norm(int64_t seed, double mean) {
+  torch::manual_seed(seed);
+  auto norm = torch::nn::BatchNorm1d(6);
+  norm->running_mean.fill_(mean);
+  norm->running_var.fill_(mean + 1);
+  norm->num_batches_tracked.fill_(static_cast<int64_t>(mean));
+  return torch::nn::Sequential(torch::nn::Linear(5, 6), torch::nn::Tanh(), torch::nn::Linear(6, 6), norm,
+                               torch::nn::Linear(6, 3));
+}
+
+TEST_F(PipelineCheckpoint, BuffersComeFromTheWorkerThatHoldsThem) {
+  run_workers(
+      3,
+      [] {
+        pp::PipelineOptions o;
+        o.split = {1, 2, 2};
+        pp::Pipeline pipe(with_batch_norm(0, 3), o);
+        shoal::save((dir() / "pipe.pt").string(), pipe.module());
+        // With its optimizer and the program's loader (one, not sharded: every worker gives
+        // step() the same batch), two batches in.
+        torch::optim::SGD sgd(pipe.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+        shoal::data::SamplerOptions so;
+        so.batch_size = 4;
+        shoal::data::Sampler sampler(40, so, 0, 1);
+        sampler.advance();
+        sampler.advance();
+        shoal::save((dir() / "with_loader.pt").string(), pipe.module(), sgd, sampler);
+        shoal::save((dir() / "no_loader.pt").string(), pipe.module(), sgd);
+      },
+      options_);
+  // Into a pipeline of two workers whose own buffers differ: the file's reach the holder.
+  run_workers(
+      2,
+      [] {
+        pp::PipelineOptions o;
+        o.split = {3, 2};
+        auto net = with_batch_norm(4, 9);
+        pp::Pipeline pipe(net, o);
+        shoal::load((dir() / "pipe.pt").string(), pipe.module());
+        if (shoal::rank() == 1) {
+          auto norm = net[3]->as<torch::nn::BatchNorm1d>();
+          EXPECT_TRUE(norm->running_mean.equal(torch::full({6}, 3.0)));
+          EXPECT_TRUE(norm->running_var.equal(torch::full({6}, 4.0)));
+          EXPECT_EQ(norm->num_batches_tracked.item<int64_t>(), 3);
+        }
+        torch::optim::SGD sgd(pipe.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+        shoal::data::SamplerOptions so;
+        so.batch_size = 4;
+        shoal::data::Sampler sampler(40, so, 0, 1);
+        shoal::load((dir() / "with_loader.pt").string(), pipe.module(), sgd, sampler);
+        EXPECT_EQ(sampler.cursor(), 8);
+        // A file without a loader state, and a loader over another dataset, are refused on every
+        // worker with the model unchanged.
+        shoal::data::Sampler other(30, so, 0, 1);
+        const auto before = net[0]->as<torch::nn::Linear>()->weight.detach().clone();
+        const std::vector<std::pair<std::string, std::string>> cases = {
+            {"no_loader.pt", "holds no loader state"},
+            {"with_loader.pt", "the state was saved for a dataset of 40 samples; this one has 30"}};
+        for (const auto& [name, message] : cases) {
+          try {
+            shoal::load((dir() / name).string(), pipe.module(), sgd, other);
+            ADD_FAILURE() << name << ": no error";
+          } catch (const shoal::UsageError& e) {
+            EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+          }
+        }
+        EXPECT_TRUE(net[0]->as<torch::nn::Linear>()->weight.equal(before));
+      },
+      options_);
+  shoal::SaveOptions single;
+  single.group = shoal::comm::Group::single();
+  shoal::save((dir_ / "plain.pt").string(), *with_batch_norm(0, 3), single);
   EXPECT_EQ(read_bytes(dir_ / "pipe.pt"), read_bytes(dir_ / "plain.pt"));
 }
 
@@ -181,7 +259,7 @@ TEST_F(PipelineCheckpoint, ResumesUnderAnotherPlan) {
         o.schedule = shoal::pipeline::ScheduleKind::k1F1B;
         pp::Pipeline pipe(mlp(0), o);
         train(pipe, 0, 3);
-        shoal::save((dir() / "step3.pt").string(), pipe);
+        shoal::save((dir() / "step3.pt").string(), pipe.module());
       },
       options_);
   // On 2 workers, another split, zb: two more steps, saved again.
@@ -193,9 +271,9 @@ TEST_F(PipelineCheckpoint, ResumesUnderAnotherPlan) {
         o.schedule = shoal::pipeline::ScheduleKind::kZeroBubbleH1;
         o.split = {5, 2};
         pp::Pipeline pipe(mlp(7), o);
-        shoal::load((dir() / "step3.pt").string(), pipe);
+        shoal::load((dir() / "step3.pt").string(), pipe.module());
         train(pipe, 3, 5);
-        shoal::save((dir() / "step5.pt").string(), pipe);
+        shoal::save((dir() / "step5.pt").string(), pipe.module());
       },
       options_);
   // On 4 workers: 2 stages, each replicated over a data axis of 2, gpipe.
@@ -207,9 +285,9 @@ TEST_F(PipelineCheckpoint, ResumesUnderAnotherPlan) {
         o.schedule = shoal::pipeline::ScheduleKind::kGPipe;
         o.placements = {{0, 1}, {2, 3}};
         pp::Pipeline pipe(mlp(8), o);
-        shoal::load((dir() / "step3.pt").string(), pipe);
+        shoal::load((dir() / "step3.pt").string(), pipe.module());
         train(pipe, 3, 5);
-        shoal::save((dir() / "step5_data_axis.pt").string(), pipe);
+        shoal::save((dir() / "step5_data_axis.pt").string(), pipe.module());
       },
       options_);
   // The test process's checks come after the calls: a worker runs the test's body up to its
@@ -244,7 +322,7 @@ TEST_F(PipelineCheckpoint, ResumesWithItsOptimizerStateUnderAnotherPlan) {
         pp::Pipeline pipe(mlp(0), o);
         auto opt = adam(pipe.parameters());
         train(pipe, opt, 0, 3);
-        shoal::save((dir() / "adam3.pt").string(), pipe, opt);
+        shoal::save((dir() / "adam3.pt").string(), pipe.module(), opt);
       },
       options_);
   // On 2 workers, another split, zb: an optimizer of another type is refused on both, with
@@ -261,7 +339,7 @@ TEST_F(PipelineCheckpoint, ResumesWithItsOptimizerStateUnderAnotherPlan) {
         std::vector<torch::Tensor> before;
         for (const auto& p : pipe.parameters()) before.push_back(p.detach().clone());
         try {
-          shoal::load((dir() / "adam3.pt").string(), pipe, sgd);
+          shoal::load((dir() / "adam3.pt").string(), pipe.module(), sgd);
           ADD_FAILURE() << "no error for SGD";
         } catch (const shoal::UsageError& e) {
           EXPECT_NE(std::string(e.what()).find("its optimizer state is torch::optim::Adam's; this "
@@ -274,10 +352,10 @@ TEST_F(PipelineCheckpoint, ResumesWithItsOptimizerStateUnderAnotherPlan) {
         EXPECT_TRUE(sgd.state().empty());
 
         auto opt = adam(pipe.parameters());
-        shoal::load((dir() / "adam3.pt").string(), pipe, opt);
+        shoal::load((dir() / "adam3.pt").string(), pipe.module(), opt);
         EXPECT_EQ(opt.state().size(), pipe.parameters().size());
         train(pipe, opt, 3, 5);
-        shoal::save((dir() / "adam5.pt").string(), pipe);
+        shoal::save((dir() / "adam5.pt").string(), pipe.module());
       },
       options_);
   // On 4 workers: 2 stages, each replicated over a data axis of 2, gpipe.
@@ -290,9 +368,9 @@ TEST_F(PipelineCheckpoint, ResumesWithItsOptimizerStateUnderAnotherPlan) {
         o.placements = {{0, 1}, {2, 3}};
         pp::Pipeline pipe(mlp(8), o);
         auto opt = adam(pipe.parameters());
-        shoal::load((dir() / "adam3.pt").string(), pipe, opt);
+        shoal::load((dir() / "adam3.pt").string(), pipe.module(), opt);
         train(pipe, opt, 3, 5);
-        shoal::save((dir() / "adam5_data_axis.pt").string(), pipe);
+        shoal::save((dir() / "adam5_data_axis.pt").string(), pipe.module());
       },
       options_);
   // The oracle: one process, Adam, five steps without a stop.
@@ -333,7 +411,7 @@ TEST_F(PipelineCheckpoint, TiedWeightsStayTiedAcrossStages) {
         o.split = {1, 3, 1};  // the tie between the first and the last worker
         auto net = tied_model(3);
         pp::Pipeline pipe(net, o);
-        shoal::load((dir() / "tied.pt").string(), pipe);
+        shoal::load((dir() / "tied.pt").string(), pipe.module());
         // One process: the file's model, one step with the tied weight stepped once.
         auto reference = tied_model(11);
         torch::optim::SGD ref_opt(
@@ -393,11 +471,11 @@ TEST_F(PipelineCheckpoint, MismatchIsAUsageErrorOnEveryWorkerWithNothingChanged)
         for (const auto& p : pipe.parameters()) before.push_back(p.detach().clone());
         const std::vector<std::pair<std::string, std::string>> cases = {
             {"wide.pt", "'0.weight' has shape [4, 5] in the file but [6, 5] in the module"},
-            {"short.pt", "the file has 1 layers; the model has 7"},
+            {"short.pt", "the module has submodule '1', which the file does not"},
             {"corrupt.pt", "corrupt"}};
         for (const auto& [name, message] : cases) {
           try {
-            shoal::load((dir() / name).string(), pipe);
+            shoal::load((dir() / name).string(), pipe.module());
             ADD_FAILURE() << name << ": no error";
           } catch (const shoal::UsageError& e) {
             EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();

@@ -214,6 +214,15 @@ TEST(GlobalPipelineErrors, LayoutsThePipelineRefusesAreUsageErrors) {
                    "pipeline: the layers are global; step() needs a loss function of "
                    "GlobalTensors (GlobalLossFunction)");
     }
+    // Its checkpoint is the global model's own.
+    try {
+      pipe.module();
+      ADD_FAILURE() << "expected UsageError";
+    } catch (const shoal::UsageError& e) {
+      EXPECT_STREQ(e.what(),
+                   "pipeline.module(): the pipeline's layers are global; save and load the global "
+                   "model itself (shoal::save(path, *model), docs/checkpoint.md, \"Global models\")");
+    }
   });
 }
 

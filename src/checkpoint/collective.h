@@ -1,6 +1,6 @@
-// save and load's collective halves, for the checkpoints of models that no one worker holds
-// whole (a pipeline's, src/pipeline/checkpoint.cpp; a
-// global model's, whole.cpp). Private to shoal's sources.
+// save and load's collective halves: who writes, who reads, how every worker learns the outcome
+// (checkpoint.cpp), also for models that no one worker holds whole (whole.cpp). Private to
+// src/checkpoint.
 #pragma once
 
 #include <functional>

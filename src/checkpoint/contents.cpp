@@ -285,11 +285,6 @@ std::string serialize_contents(const torch::nn::Module& module, const torch::opt
 }
 
 std::string serialize_contents(const std::function<void(OutputArchive&)>& write_module,
-                               const CheckpointExtras& extras) {
-  return serialize(write_module, {}, nullptr, extras);
-}
-
-std::string serialize_contents(const std::function<void(OutputArchive&)>& write_module,
                                const std::function<void(OutputArchive&)>& write_optimizer,
                                const std::string& optimizer_type,
                                const StateDict* loader_state,
@@ -349,52 +344,6 @@ PlannedContents plan_contents(const std::string& path, std::string_view payload,
     for (auto& copy : copies) copy.target.copy_(copy.value);
   };
   return planned;
-}
-
-std::function<void()> plan_layers(const std::string& path, std::string_view payload,
-                                  const std::map<int, torch::nn::Module*>& layers, int layer_count,
-                                  CheckpointExtras* extras) {
-  InputArchive archive, module_archive;
-  std::vector<Copy> copies;
-  CheckpointExtras saved_extras;
-  try {
-    archive.load_from(payload.data(), payload.size());
-    if (!archive.try_read(kModuleKey, module_archive)) {
-      throw UsageError(where(path) + " holds no module; expected a file written by shoal::save");
-    }
-    const auto keys = module_archive.keys();
-    std::set<std::string> expected;
-    for (int i = 0; i < layer_count; ++i) expected.insert(std::to_string(i));
-    for (const auto& key : keys) {
-      if (!expected.count(key)) {
-        throw UsageError(where(path) + ": the file has '" + key + "', which the model of " +
-                         std::to_string(layer_count) + " layers does not" + expected_this_model());
-      }
-    }
-    if (keys.size() != expected.size()) {
-      throw UsageError(where(path) + ": the file has " + std::to_string(keys.size()) + " layers; the model has " +
-                       std::to_string(layer_count) + expected_this_model());
-    }
-    for (const auto& [index, layer] : layers) {
-      InputArchive layer_archive;
-      module_archive.read(std::to_string(index), layer_archive);
-      plan_module(path, layer_archive, *layer, std::to_string(index) + ".", copies);
-    }
-    InputArchive extras_archive;
-    if (extras != nullptr && archive.try_read(kExtrasKey, extras_archive)) saved_extras = read_named(extras_archive);
-  } catch (const UsageError&) {
-    throw;
-  } catch (const std::exception& error) {
-    throw UsageError(where(path) + ": its content can't be read (" + one_line(error) +
-                     "); expected a file written by shoal::save");
-  }
-  return [copies = std::move(copies), saved_extras = std::move(saved_extras), extras]() mutable {
-    {
-      torch::NoGradGuard no_grad;
-      for (auto& copy : copies) copy.target.copy_(copy.value);
-    }
-    if (extras != nullptr) *extras = std::move(saved_extras);
-  };
 }
 
 void check_loader_state(const std::string& path, const std::optional<StateDict>& saved,

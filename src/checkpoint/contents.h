@@ -28,11 +28,6 @@ inline std::string where(const std::string& path) { return "checkpoint " + path;
 std::string serialize_contents(const torch::nn::Module& module, const torch::optim::Optimizer* optimizer,
                                const StateDict* loader_state, const CheckpointExtras& extras);
 
-// The same payload with the module's archive written by `write_module` (a module gathered from
-// pieces that no one process holds whole, as a pipeline's).
-std::string serialize_contents(const std::function<void(torch::serialize::OutputArchive&)>& write_module,
-                               const CheckpointExtras& extras);
-
 // For a model whose tensors are pieces of whole values (a global model's parameters): the whole
 // value's shape, and this worker's piece of a whole value (undefined: it holds none).
 struct WholeValue {
@@ -41,7 +36,7 @@ struct WholeValue {
 };
 using WholeValues = std::map<const c10::TensorImpl*, WholeValue>;
 
-// The payload of a model saved by name, whole (a global model's, a pipeline's): the module's
+// The payload of a model saved by name, whole (checkpoint::Savable: a global model's, a pipeline's): the module's
 // archive written by `write_module`, and when `write_optimizer` is set the optimizer's state by
 // parameter name (Note [Optimizer state by name], optimizer_state.cpp) with its type.
 std::string serialize_contents(
@@ -79,14 +74,6 @@ PlannedContents plan_contents(const std::string& path, std::string_view payload,
 // Runs `read` (parsing a payload's archive); an error of LibTorch's becomes the UsageError of a
 // file whose content can't be read.
 void read_guarded(const std::string& path, const std::function<void()>& read);
-
-// Checks `payload` against the layers of a Sequential of `layer_count` layers of which only
-// `layers` (by index) are here: the file's module must have exactly those layers, and each given
-// layer must match it as restore_contents checks. Changes nothing; returns what makes the change
-// (copies the values, and sets `extras` when not null), which cannot fail.
-std::function<void()> plan_layers(const std::string& path, std::string_view payload,
-                                  const std::map<int, torch::nn::Module*>& layers, int layer_count,
-                                  CheckpointExtras* extras);
 
 // Restores `module`, and `optimizer`, `extras` and `loader` when not null, from `payload`, a
 // verified payload of the checkpoint at `path`. Everything is checked before anything changes:

@@ -1,6 +1,6 @@
 // An optimizer's per-parameter state keyed by parameter name, as whole values, so that it follows
 // the parameters to another plan (a global model's pieces, a pipeline's stages). Private to
-// shoal's sources; the layout is Note [Optimizer state by name] in optimizer_state.cpp.
+// src/checkpoint; the layout is Note [Optimizer state by name] in optimizer_state.cpp.
 #pragma once
 
 #include <functional>

@@ -1,7 +1,7 @@
-// Checkpoints of models whose parameters are pieces of whole values (a global model's layers,
-// wherever they sit in the module tree, checkpoint::Savable): each whole value gathered from its
-// pieces on save, cut into this worker's piece again on load, so that a file crosses plans. See
-// docs/checkpoint.md, "Global models".
+// Checkpoints of models whose tensors are pieces of whole values (checkpoint::Savable: a global
+// model's layers, wherever they sit in the module tree; a pipeline's whole model): each whole
+// value gathered from its pieces on save, cut into this worker's piece again on load, so that a
+// file crosses plans. See docs/checkpoint.md, "Global models" and "Pipelines".
 #include "whole.h"
 
 #include <map>
@@ -28,29 +28,39 @@ namespace {
 
 using torch::serialize::OutputArchive;
 
-// One piece of the model, under its first name (a tied weight has several).
+// One piece of the model, under its first name, and all its names as a parameter (a tied weight
+// has several; a buffer none).
 struct Parameter {
   std::string name;
   Piece piece;
+  std::vector<std::string> names;
   const c10::TensorImpl* impl() const { return piece.local.unsafeGetTensorImpl(); }
 };
 
+// What the model is called in errors: its first Savable's name for it.
+std::string model_name_of(const torch::nn::Module& module) {
+  for (const auto& item : module.named_modules()) {
+    if (const auto* savable = dynamic_cast<const Savable*>(item.value().get())) return savable->model_name();
+  }
+  return "a model";
+}
+
 // The group of a save or load of whole values: the world.
 comm::Group world_group(const std::optional<comm::Group>& group, const std::string& path,
-                        const char* operation) {
-  comm::Group chosen = checkpoint_group(group, path, operation);
+                        const std::string& operation) {
+  comm::Group chosen = checkpoint_group(group, path, operation.c_str());
   if (group && (!is_initialized() || chosen.members() != world().members())) {
-    throw UsageError(std::string(operation) +
-                     " of a global model: options.group is not the world; expected it empty (every "
-                     "worker of the job holds a part of every global tensor)");
+    throw UsageError(operation +
+                     ": options.group is not the world; expected it empty (every worker of the job "
+                     "holds a part of the model)");
   }
   return chosen;
 }
 
 // What this worker can tell is wrong with the model and optimizer alone; empty when nothing is.
 std::string check_model(const torch::nn::Module& module, const torch::optim::Optimizer* optimizer,
-                        const std::vector<Parameter>& parameters, const char* operation) {
-  const std::string prefix = std::string(operation) + " of a global model: ";
+                        const std::vector<Parameter>& parameters, const std::string& operation) {
+  const std::string prefix = operation + ": ";
   std::set<const c10::TensorImpl*> pieces;
   for (const auto& parameter : parameters) {
     pieces.insert(parameter.impl());
@@ -92,7 +102,8 @@ std::set<const c10::TensorImpl*> held_by(const torch::optim::Optimizer& optimize
 // Gathers the optimizer's state of every parameter from the workers that hold its pieces (see
 // Note [Optimizer state by name]). Collective among all workers.
 std::vector<NamedState> gather_state(comm::Group& group, torch::optim::Optimizer& optimizer,
-                                     const std::vector<Parameter>& parameters, Duration timeout) {
+                                     const std::vector<Parameter>& parameters, const std::string& operation,
+                                     Duration timeout) {
   const StateKind& kind = *state_kind_of(optimizer);
   const auto held = held_by(optimizer);
   const auto n = static_cast<int64_t>(parameters.size());
@@ -125,7 +136,7 @@ std::vector<NamedState> gather_state(comm::Group& group, torch::optim::Optimizer
     const int64_t holders = counts[i][0], members = parameter.piece.holders;
     if (holders == 0) continue;  // no step taken for it yet
     auto uneven = [&](const std::string& what, int64_t count) {
-      return UsageError("shoal::save of a global model: the optimizer has " + what +
+      return UsageError(operation + ": the optimizer has " + what +
                         " of parameter '" + parameter.name + "' on " + std::to_string(count) +
                         " of the " + std::to_string(members) +
                         " workers that hold it; expected every worker that holds a piece of a "
@@ -148,15 +159,17 @@ std::vector<NamedState> gather_state(comm::Group& group, torch::optim::Optimizer
   return saved;
 }
 
-// The module's archive as Module::save writes it, with each global parameter's whole value.
+// The module's archive as Module::save writes it, with each piece's whole value.
 void write_whole(const torch::nn::Module& module, OutputArchive& archive,
                  const std::map<const c10::TensorImpl*, at::Tensor>& whole) {
-  for (const auto& item : module.named_parameters(/*recurse=*/false)) {
-    auto value = whole.find(item.value().unsafeGetTensorImpl());
-    archive.write(item.key(), value != whole.end() ? value->second : item.value());
-  }
+  auto value_of = [&whole](const at::Tensor& tensor) {
+    auto value = whole.find(tensor.unsafeGetTensorImpl());
+    return value != whole.end() ? value->second : tensor;
+  };
+  for (const auto& item : module.named_parameters(/*recurse=*/false))
+    archive.write(item.key(), value_of(item.value()));
   for (const auto& item : module.named_buffers(/*recurse=*/false))
-    archive.write(item.key(), item.value(), /*is_buffer=*/true);
+    archive.write(item.key(), value_of(item.value()), /*is_buffer=*/true);
   for (const auto& child : module.named_children()) {
     if (!child.value()->is_serializable()) continue;
     OutputArchive child_archive(archive.compilation_unit());
@@ -185,8 +198,13 @@ std::vector<std::pair<std::string, Piece>> pieces_of(const torch::nn::Module& mo
 namespace {
 
 std::vector<Parameter> parameters_of(const torch::nn::Module& module) {
+  std::map<const c10::TensorImpl*, std::vector<std::string>> names;
+  for (const auto& item : module.named_parameters()) names[item.value().unsafeGetTensorImpl()].push_back(item.key());
   std::vector<Parameter> parameters;
-  for (auto& [name, piece] : pieces_of(module)) parameters.push_back({name, std::move(piece)});
+  for (auto& [name, piece] : pieces_of(module)) {
+    auto found = names.find(piece.local.unsafeGetTensorImpl());
+    parameters.push_back({name, std::move(piece), found != names.end() ? found->second : std::vector<std::string>()});
+  }
   return parameters;
 }
 
@@ -195,9 +213,10 @@ std::vector<Parameter> parameters_of(const torch::nn::Module& module) {
 void save_whole(const std::string& path, const torch::nn::Module& module,
                 torch::optim::Optimizer* optimizer, const StateDict* loader_state,
                 const SaveOptions& options) {
-  comm::Group group = world_group(options.group, path, "shoal::save");
+  const std::string operation = "shoal::save of " + model_name_of(module);
+  comm::Group group = world_group(options.group, path, operation);
   const auto parameters = parameters_of(module);
-  agree(group, check_model(module, optimizer, parameters, "shoal::save"), options.timeout);
+  agree(group, check_model(module, optimizer, parameters, operation), options.timeout);
   std::map<const c10::TensorImpl*, at::Tensor> whole;  // on the first worker
   for (const auto& parameter : parameters) {
     at::Tensor value = parameter.piece.gather(parameter.piece.local);
@@ -206,7 +225,7 @@ void save_whole(const std::string& path, const torch::nn::Module& module,
       whole[parameter.impl()] = value.set_requires_grad(parameter.piece.local.requires_grad());
   }
   std::vector<NamedState> state;
-  if (optimizer != nullptr) state = gather_state(group, *optimizer, parameters, options.timeout);
+  if (optimizer != nullptr) state = gather_state(group, *optimizer, parameters, operation, options.timeout);
   save_payload(
       path, group,
       [&] {
@@ -230,9 +249,10 @@ StateMap plan_state(const std::string& path, PlannedContents& planned,
   std::set<std::string> names;
   std::vector<StateTarget> targets;
   for (const auto& parameter : parameters) {
-    names.insert(parameter.name);
+    if (parameter.names.empty()) continue;  // a buffer
+    names.insert(parameter.names.begin(), parameter.names.end());
     if (!parameter.piece.held_here) continue;  // a placeholder has no state to take
-    targets.push_back({{parameter.name}, parameter.piece.shape, parameter.piece.local, parameter.piece.cut});
+    targets.push_back({parameter.names, parameter.piece.shape, parameter.piece.local, parameter.piece.cut});
   }
   return plan_state_by_name(path, planned.optimizer_by_name, planned.optimizer_type, optimizer, targets,
                             &names);
@@ -242,9 +262,10 @@ StateMap plan_state(const std::string& path, PlannedContents& planned,
 
 void load_whole(const std::string& path, torch::nn::Module& module, torch::optim::Optimizer* optimizer,
                 Stateful* loader, const LoadOptions& options) {
-  comm::Group group = world_group(options.group, path, "shoal::load");
+  const std::string operation = "shoal::load of " + model_name_of(module);
+  comm::Group group = world_group(options.group, path, operation);
   const auto parameters = parameters_of(module);
-  agree(group, check_model(module, optimizer, parameters, "shoal::load"), options.timeout);
+  agree(group, check_model(module, optimizer, parameters, operation), options.timeout);
   const std::string payload = read_payload(path, group, options.timeout);
   WholeValues whole;
   for (const auto& parameter : parameters) whole[parameter.impl()] = {parameter.piece.shape, parameter.piece.cut};

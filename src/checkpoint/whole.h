@@ -1,6 +1,6 @@
-// save and load of a model whose parameters are pieces of whole values (checkpoint::Savable on
-// some module of its tree: a global model's layers). Private to src/checkpoint; checkpoint.cpp
-// takes this way whenever pieces_of(module) is not empty.
+// save and load of a model whose tensors are pieces of whole values (checkpoint::Savable on
+// some module of its tree: a global model's layers, a pipeline's whole model). Private to
+// src/checkpoint; checkpoint.cpp takes this way whenever pieces_of(module) is not empty.
 #pragma once
 
 #include <optional>
@@ -16,8 +16,8 @@
 
 namespace shoal::checkpoint {
 
-// The pieces of every module of the tree, named as named_parameters() names them (a tensor
-// registered under several names, a tied weight, under its first).
+// The pieces of every module of the tree, named as named_parameters() or named_buffers() name
+// them (a tensor registered under several names, a tied weight, under its first).
 std::vector<std::pair<std::string, Piece>> pieces_of(const torch::nn::Module& module);
 
 // Every worker of the job calls these (options.group must be empty or the world). save gathers

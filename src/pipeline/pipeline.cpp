@@ -423,6 +423,7 @@ Pipeline::Pipeline(torch::nn::Sequential net, PipelineOptions options)
       state.replicated.push_back(p);
     }
   }
+  state.whole = detail::make_whole_model(net, state, stage_of_layer);
 }
 
 Pipeline::~Pipeline() = default;

@@ -137,6 +137,9 @@ struct Pipeline::State {
   int replicas = 1;  // d: the workers of each stage's placement
   int replica = 0;   // which of them this worker is
   std::vector<std::vector<torch::nn::AnyModule>> layers;  // per stage; empty unless held here
+  // Plain layers: the whole Sequential as a checkpoint sees it (Pipeline::module(), Note [A
+  // pipeline's whole model] in whole_model.cpp).
+  std::shared_ptr<torch::nn::Module> whole;
   int me = -1;  // this worker's index in the schedule, -1 when it holds no stage
   // Global layers (Pipeline::is_global()): each stage's placement (a mesh of the same shape for
   // every stage; `replica` is then this worker's member index in it), the micro-batches' layout,
@@ -184,5 +187,15 @@ struct Pipeline::State {
     return o;
   }
 };
+
+namespace detail {
+
+// The whole model of a pipeline of plain layers (Note [A pipeline's whole model]), made when the
+// pipeline is, from the whole Sequential `net` every worker has then; `stage_of_layer` gives each
+// layer's stage.
+std::shared_ptr<torch::nn::Module> make_whole_model(const torch::nn::Sequential& net, const Pipeline::State& state,
+                                                    const std::vector<int>& stage_of_layer);
+
+}  // namespace detail
 
 }  // namespace shoal::pipeline

@@ -1,9 +1,11 @@
 // What a module implements when its tensors are pieces of larger values, so that a checkpoint
 // saves the whole values and loads each worker's piece of them (the idea of PyTorch's Stateful
 // for distributed checkpoints: named whole tensors out, named whole tensors in). A global model's
-// layers (shoal::global::nn::Module) implement it; shoal::save and shoal::load find it on any
-// module of the tree they are given, whatever holds those layers (a torch::nn::Sequential, a
-// module of the program's) and through whatever reference. See docs/checkpoint.md.
+// layers (shoal::global::nn::Module) implement it for their own parameters, and a pipeline's whole
+// model (pipeline::Pipeline::module()) for every tensor of the layers it stands for. shoal::save
+// and shoal::load find it on any module of the tree they are given, whatever holds those layers (a
+// torch::nn::Sequential, a module of the program's) and through whatever reference. See
+// docs/checkpoint.md.
 #pragma once
 
 #include <functional>
@@ -42,9 +44,13 @@ struct Piece {
 class Savable {
  public:
   virtual ~Savable() = default;
-  // The pieces among this module's own parameters (registered on it, not on its children), with
-  // their names in named_parameters(/*recurse=*/false).
+  // The pieces among this module's tensors, each named as named_parameters() or named_buffers()
+  // of this module name it (a child's with its path, "0.weight"), in the same order on every
+  // worker: a collective's order. A parameter of the tree that no Savable names is refused; a
+  // buffer that none names is saved as the first worker holds it.
   virtual std::vector<std::pair<std::string, Piece>> pieces() const = 0;
+  // What the model is called in an error message.
+  virtual std::string model_name() const { return "a global model"; }
 };
 
 // Named tensors: what a Stateful thing saves and takes back.

@@ -46,7 +46,6 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/types.h>
 
-#include "shoal/checkpoint/checkpoint.h"
 #include "shoal/core/timeout.h"
 #include "shoal/global/placement.h"
 #include "shoal/global/tensor.h"
@@ -157,10 +156,28 @@ class Pipeline {
   // the first.
   const std::vector<StageStepStats>& last_step_stats() const;
 
+  // The whole model as a checkpoint sees it, for shoal::save and shoal::load
+  // (shoal/checkpoint/checkpoint.h, docs/checkpoint.md, "Pipelines"):
+  //
+  //   shoal::save(path, pipe.module(), optimizer);   // every worker of the job calls it
+  //   shoal::load(path, pipe.module(), optimizer);   // a pipeline of any split, workers, schedule
+  //
+  // The whole Sequential's names and shapes on every worker: this worker's layers themselves, and
+  // in place of the others outlines with meta tensors (no storage), so that saving it writes the
+  // file shoal::save(path, *net) writes for the whole Sequential on one process, each value sent
+  // by a worker that holds it (a replicated stage's first replica), and loading it takes into
+  // this worker's layers their values, checking every name and shape first. The optimizer's state
+  // (SGD, Adam, AdamW, Adagrad, RMSprop; over pipe.parameters()) is saved by parameter name, so
+  // that it follows the layers to another split, or to the plain Sequential on one process
+  // (shoal::load(path, *net, optimizer)). For saving and loading only: its parameters() include
+  // the placeholders; step with pipe.parameters(). UsageError for global layers: save the global
+  // model itself.
+  torch::nn::Module& module();
+  const torch::nn::Module& module() const;
+
   struct State;
 
  private:
-  friend struct Access;  // its checkpoint's (src/pipeline/checkpoint.cpp) view of the state
   template <typename Loss>
   torch::Tensor dispatch(const torch::Tensor& input, const torch::Tensor& target, const Loss& loss,
                          bool train) {
@@ -184,30 +201,3 @@ class Pipeline {
 std::vector<int> balanced_split(const std::vector<int64_t>& weights, int parts);
 
 }  // namespace shoal::pipeline
-
-namespace shoal {
-
-// Checkpoints of a pipeline (docs/checkpoint.md, "Pipelines"), beside shoal::save and
-// shoal::load of a module (shoal/checkpoint/checkpoint.h), with the same contract.
-// A pipeline's model, whole: every worker of the job calls it. Each stage's layers travel from
-// the worker that holds them (the first replica's, with a data axis) to the first worker, which
-// writes what shoal::save(path, net) of the whole Sequential writes on one process ("0.weight",
-// ...), with options.extras. options.group must be empty (the pipeline's workers are the world).
-void save(const std::string& path, const pipeline::Pipeline& pipe, const SaveOptions& options = {});
-// The same with the optimizer's state (SGD, Adam, AdamW, Adagrad, RMSprop; over
-// pipe.parameters()) keyed by parameter name in the whole Sequential, from the workers that hold
-// each layer, so that it follows the layers to another split, or to the plain Sequential on one
-// process (shoal::load(path, *net, optimizer)).
-void save(const std::string& path, const pipeline::Pipeline& pipe,
-          const torch::optim::Optimizer& optimizer, const SaveOptions& options = {});
-// Loads a checkpoint of the whole Sequential (saved from a pipeline of any split, workers,
-// schedule or data axis, or from the plain module) into the layers this worker holds. Every
-// worker checks the file against its layers before any changes: a missing name or a wrong shape
-// anywhere is a UsageError on every worker, naming it, with nothing changed.
-void load(const std::string& path, pipeline::Pipeline& pipe, const LoadOptions& options = {});
-// The same with the optimizer's state, saved by name (shoal::save(path, pipe, optimizer)): each
-// worker sets the state of the parameters its optimizer holds, exactly the file's.
-void load(const std::string& path, pipeline::Pipeline& pipe, torch::optim::Optimizer& optimizer,
-          const LoadOptions& options = {});
-
-}  // namespace shoal
