@@ -1,7 +1,8 @@
 # What `cmake --install` puts under the prefix, and the Debian packages CPack makes of it
-# (docs/getting-started.md). Two components, as Debian splits a library:
+# (docs/getting-started.md). Three components, as Debian splits a library:
 #   runtime      the library and the `shoal` command                  -> package shoal
 #   development  headers, CMake package, pkg-config file, libshoal.so  -> package shoal-dev
+#   python       the Python package (src/python/CMakeLists.txt)       -> package python3-shoal
 include(CMakePackageConfigHelpers)
 
 set(SHOAL_CMAKE_DIR ${CMAKE_INSTALL_LIBDIR}/cmake/shoal)
@@ -70,6 +71,9 @@ set(CPACK_PACKAGING_INSTALL_PREFIX /usr)
 set(CPACK_STRIP_FILES ON)
 set(CPACK_DEB_COMPONENT_INSTALL ON)
 set(CPACK_COMPONENTS_ALL runtime development)
+if(TARGET shoal_python)
+  list(APPEND CPACK_COMPONENTS_ALL python)
+endif()
 set(CPACK_DEBIAN_FILE_NAME DEB-DEFAULT)
 set(CPACK_DEBIAN_PACKAGE_SECTION science)
 set(CPACK_DEBIAN_RUNTIME_PACKAGE_NAME shoal)
@@ -85,4 +89,10 @@ set(CPACK_DEBIAN_DEVELOPMENT_PACKAGE_SECTION libdevel)
 set(CPACK_DEBIAN_DEVELOPMENT_PACKAGE_DEPENDS
     "shoal (= ${PROJECT_VERSION}), libtorch-dev, libgloo-dev")
 set(CPACK_DEBIAN_DEVELOPMENT_PACKAGE_RECOMMENDS "cmake, pkg-config, g++")
+# The extension loads libshoal and LibTorch's libraries (libtorch1.13, through shoal); Python code
+# imports torch, which python3-torch is, for the interpreter it was built for.
+set(CPACK_DEBIAN_PYTHON_PACKAGE_NAME python3-shoal)
+set(CPACK_DEBIAN_PYTHON_PACKAGE_SECTION python)
+set(CPACK_DEBIAN_PYTHON_PACKAGE_DEPENDS
+    "shoal (= ${PROJECT_VERSION}), python3-torch, ${SHOAL_PYTHON_DEPENDS}")
 include(CPack)

@@ -14,8 +14,10 @@ packages=(
   procps                             # pgrep/ps in tests
   libssl-dev                         # OpenSSL libcrypto: HMAC-SHA256 on gossip datagrams
   etcd-server                        # a real etcd (3.4) for the etcd rendezvous tests
-  python3-torch                      # torchrun, for the test that torch.distributed programs run
-                                     # unchanged under shoal run; PyTorch's DDP for benchmarks
+  python3-torch                      # shoal's Python package binds it (docs/python.md); torchrun, for
+                                     # the test that torch.distributed programs run unchanged under
+                                     # shoal run; PyTorch's DDP for benchmarks
+  python3-dev pybind11-dev python3-pytest  # the Python extension's build, and its tests
   munge slurmctld slurmd slurm-client  # a real Slurm (22.05) that the Slurm tests start
   openmpi-bin                        # a real mpirun for the Open MPI tests
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler  # the parameter server's gRPC service

@@ -5,9 +5,10 @@
 #     `cmake --install` into a temporary prefix; a program outside the tree (tests/consumer)
 #     built with find_package(shoal) against it runs under that prefix's `shoal run -n 2` and
 #     must train as one process; docs/getting-started.md's program, compiled with
-#     `pkg-config --cflags --libs shoal`, runs and learns. Both load the installed libshoal.
+#     `pkg-config --cflags --libs shoal`, runs and learns. Both load the installed libshoal. The
+#     installed Python package, imported from the prefix by two workers of /usr/bin/python3, too.
 #   install_test.sh deb BUILD_DIR SOURCE_DIR
-#     `cpack -G DEB` makes shoal and shoal-dev packages; their contents are what `cmake
+#     `cpack -G DEB` makes shoal, shoal-dev and python3-shoal packages; their contents are what `cmake
 #     --install` installs under /usr, their Depends name the Debian package of every library
 #     the runtime's files link, and the packed .pc file points into /usr.
 #
@@ -80,6 +81,29 @@ install_mode() {
 process" <<<"$out" ||
       fail "worker $r did not train as one process"
   done
+
+  # The Python package (docs/python.md), when the build made it: the installed shoal._C loads the
+  # installed libshoal, and a job of two of Debian's python3 imports it from the prefix.
+  if compgen -G "$build/python/shoal/_C*.so" >/dev/null; then
+    local pydir=$prefix/lib/python3/dist-packages extension
+    extension=$(compgen -G "$pydir/shoal/_C*.so" | head -1) ||
+      fail "no shoal/_C*.so under $pydir"
+    [[ -f $pydir/shoal/__init__.py && -f $pydir/shoal/dp.py ]] || fail "no Python modules under $pydir/shoal"
+    loads_shoal_from "$extension" "$libdir"
+    out=$(cd "$work" && PYTHONPATH=$pydir run 120 "$prefix/bin/shoal" run -n 2 /usr/bin/python3 -c '
+import os, torch, shoal
+shoal.init()
+t = torch.ones(2)
+shoal.comm.world().all_reduce(t)
+print("python: worker %d of %d: all_reduce %s, shoal from %s" % (shoal.rank(), shoal.world_size(), t.tolist(),
+      os.path.dirname(shoal.__file__)))
+' 2>&1) || { echo "$out"; fail "shoal run -n 2 python3 with the installed package"; }
+    echo "$out"
+    for r in 0 1; do
+      grep -q "python: worker $r of 2: all_reduce \[2.0, 2.0\], shoal from $pydir/shoal" <<<"$out" ||
+        fail "worker $r did not import the installed package and all-reduce"
+    done
+  fi
 
   # pkg-config, with only PKG_CONFIG_PATH given.
   local flags
@@ -185,6 +209,22 @@ deb_mode() {
   for want in "shoal (= $version)" libtorch-dev libgloo-dev; do
     [[ $dev_depends == *"$want"* ]] || fail "shoal-dev's Depends ($dev_depends) do not name $want"
   done
+
+  # python3-shoal, when the build made the Python package: its files, and its Depends.
+  if compgen -G "$build/python/shoal/_C*.so" >/dev/null; then
+    local python
+    python=$(ls "$debs"/python3-shoal_*.deb) || fail "cpack made no python3-shoal package"
+    dpkg-deb --contents "$python" >"$work/python.txt"
+    for f in ./usr/lib/python3/dist-packages/shoal/__init__.py "./usr/lib/python3/dist-packages/shoal/_C."; do
+      grep -q " $f" "$work/python.txt" || { cat "$work/python.txt"; fail "python3-shoal has no $f"; }
+    done
+    local python_depends
+    python_depends=$(dpkg-deb --field "$python" Depends)
+    echo "python3-shoal Depends: $python_depends"
+    for want in "shoal (= $version)" python3-torch "python3 (>= 3."; do
+      [[ $python_depends == *"$want"* ]] || fail "python3-shoal's Depends ($python_depends) do not name $want"
+    done
+  fi
 
   # The packed pkg-config file points into /usr, where apt installs the package.
   grep -qx "prefix=/usr" "$unpacked/usr/lib/pkgconfig/shoal.pc" ||

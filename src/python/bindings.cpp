@@ -1,0 +1,302 @@
+// shoal._C: the Python extension over libshoal (docs/python.md). Python modules reach shoal's C++
+// parts through it; the per-step work (autograd hooks, buckets, collectives, waits) stays in C++
+// and runs without the GIL. Every call that can block releases the GIL first.
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <chrono>
+#include <optional>
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/nn/module.h>
+
+#include "shoal/comm/group.h"
+#include "shoal/comm/work.h"
+#include "shoal/core/error.h"
+#include "shoal/dp/data_parallel.h"
+#include "shoal/init.h"
+
+namespace py = pybind11;
+
+namespace shoal::python {
+namespace {
+
+// Note [A Python module's tensors in C++]
+// DataParallel's C++ side works on a torch::nn::Module. A Python torch.nn.Module has none, but its
+// parameters and buffers are LibTorch tensors: the Python layer passes them with their names, and
+// a module of C++ is built that registers those very tensors (no copy) under the same names,
+// nested at each '.', so that DataParallel's checks name them as Python does ("fc.weight"). Its
+// hooks are then registered on the Python module's own tensors.
+class Mirror : public torch::nn::Module {
+ public:
+  torch::nn::Module& child(const std::string& name) {
+    for (const auto& item : named_children()) {
+      if (item.key() == name) return *item.value();
+    }
+    return *register_module(name, std::make_shared<Mirror>());
+  }
+};
+
+using Named = std::vector<std::pair<std::string, at::Tensor>>;
+
+std::shared_ptr<torch::nn::Module> mirror(const Named& parameters, const Named& buffers) {
+  auto root = std::make_shared<Mirror>();
+  auto place = [&root](const std::string& name, const at::Tensor& tensor, bool parameter) {
+    torch::nn::Module* module = root.get();
+    size_t start = 0;
+    for (size_t dot = name.find('.'); dot != std::string::npos; dot = name.find('.', start)) {
+      module = &static_cast<Mirror*>(module)->child(name.substr(start, dot - start));
+      start = dot + 1;
+    }
+    if (parameter) {
+      module->register_parameter(name.substr(start), tensor, tensor.requires_grad());
+    } else {
+      module->register_buffer(name.substr(start), tensor);
+    }
+  };
+  for (const auto& [name, tensor] : parameters) place(name, tensor, true);
+  for (const auto& [name, tensor] : buffers) place(name, tensor, false);
+  return root;
+}
+
+// DataParallel's C++ side for a Python module (shoal.DataParallel holds one).
+class Replication {
+ public:
+  Replication(const Named& parameters, const Named& buffers, const DataParallelOptions& options)
+      : module_(mirror(parameters, buffers)) {
+    py::gil_scoped_release no_gil;  // it broadcasts and checks with the other workers
+    replicator_ = dp::make_replicator(module_, options);
+  }
+  void before_forward(const std::optional<at::Tensor>& input) {
+    py::gil_scoped_release no_gil;
+    dp::before_forward(*replicator_, input ? &*input : nullptr);
+  }
+  void set_sync(bool sync) { dp::set_sync(*replicator_, sync); }
+  bool sync() const { return dp::sync(*replicator_); }
+  std::vector<std::vector<size_t>> bucket_assignment() const { return dp::bucket_assignment(*replicator_); }
+
+ private:
+  std::shared_ptr<torch::nn::Module> module_;
+  std::shared_ptr<dp::Replicator> replicator_;
+};
+
+// A deadline from Python: seconds, or None for the group's.
+Duration deadline(const std::optional<double>& seconds) {
+  if (!seconds) return kUnsetTimeout;
+  if (!(*seconds > 0)) throw UsageError("timeout " + std::to_string(*seconds) + " s; expected a positive number of seconds or None");
+  return std::chrono::duration_cast<Duration>(std::chrono::duration<double>(*seconds));
+}
+
+comm::Sizes sizes_of(const std::optional<std::vector<int64_t>>& sizes) { return sizes ? *sizes : comm::Sizes(); }
+
+// A collective that Python asked for with async_op: its Work, or None once it is done. The GIL is
+// released while it is started or run.
+template <typename Start, typename Run>
+py::object maybe_async(bool async_op, Start start, Run run) {
+  comm::Work work;
+  {
+    py::gil_scoped_release no_gil;
+    if (async_op) {
+      work = start();
+    } else {
+      run();
+    }
+  }
+  return async_op ? py::cast(std::move(work)) : py::none();
+}
+
+void bind_comm(py::module_& m) {
+  using comm::Group;
+  using comm::Work;
+  using Seconds = std::optional<double>;
+  py::enum_<comm::ReduceOp>(m, "ReduceOp")
+      .value("SUM", comm::ReduceOp::kSum)
+      .value("AVG", comm::ReduceOp::kAvg)
+      .value("MAX", comm::ReduceOp::kMax)
+      .value("MIN", comm::ReduceOp::kMin);
+
+  // Every wait releases the GIL: the other members' threads and shoal's own never need it.
+  py::class_<Work>(m, "Work")
+      .def(
+          "wait", [](Work& work, Seconds timeout) {
+            const Duration limit = deadline(timeout);
+            py::gil_scoped_release no_gil;
+            work.wait(limit);
+          },
+          py::arg("timeout") = py::none())
+      .def("is_completed", &Work::is_completed)
+      .def("result", &Work::result);
+
+  py::class_<Group>(m, "Group")
+      .def_static("single", &Group::single)
+      .def("rank", &Group::rank)
+      .def("size", &Group::size)
+      .def("members", &Group::members)
+      .def("is_broken", &Group::is_broken)
+      .def(
+          "all_reduce",
+          [](Group& group, at::Tensor tensor, comm::ReduceOp op, Seconds timeout, bool async_op) -> py::object {
+            comm::AllReduceOptions options;
+            options.op = op;
+            options.timeout = deadline(timeout);
+            return maybe_async(async_op, [&] { return group.all_reduce_async(tensor, options); },
+                               [&] { group.all_reduce(tensor, options); });
+          },
+          py::arg("tensor"), py::arg("op") = comm::ReduceOp::kSum, py::arg("timeout") = py::none(),
+          py::arg("async_op") = false)
+      .def(
+          "broadcast",
+          [](Group& group, at::Tensor tensor, int root, Seconds timeout, bool async_op) -> py::object {
+            comm::BroadcastOptions options;
+            options.root = root;
+            options.timeout = deadline(timeout);
+            return maybe_async(async_op, [&] { return group.broadcast_async(tensor, options); },
+                               [&] { group.broadcast(tensor, options); });
+          },
+          py::arg("tensor"), py::arg("root") = 0, py::arg("timeout") = py::none(), py::arg("async_op") = false)
+      .def(
+          "all_gather",
+          [](Group& group, const at::Tensor& tensor, const std::optional<std::vector<int64_t>>& sizes, Seconds timeout) {
+            comm::AllGatherOptions options;
+            options.sizes = sizes_of(sizes);
+            options.timeout = deadline(timeout);
+            py::gil_scoped_release no_gil;
+            return group.all_gather(tensor, options);
+          },
+          py::arg("tensor"), py::arg("sizes") = py::none(), py::arg("timeout") = py::none())
+      .def(
+          "reduce_scatter",
+          [](Group& group, const at::Tensor& input, comm::ReduceOp op, const std::optional<std::vector<int64_t>>& sizes,
+             Seconds timeout) {
+            comm::ReduceScatterOptions options;
+            options.op = op;
+            options.sizes = sizes_of(sizes);
+            options.timeout = deadline(timeout);
+            py::gil_scoped_release no_gil;
+            return group.reduce_scatter(input, options);
+          },
+          py::arg("input"), py::arg("op") = comm::ReduceOp::kSum, py::arg("sizes") = py::none(),
+          py::arg("timeout") = py::none())
+      .def(
+          "all_to_all",
+          [](Group& group, const at::Tensor& input, const std::optional<std::vector<int64_t>>& send_sizes,
+             const std::optional<std::vector<int64_t>>& recv_sizes, Seconds timeout) {
+            comm::AllToAllOptions options;
+            options.send_sizes = sizes_of(send_sizes);
+            options.recv_sizes = sizes_of(recv_sizes);
+            options.timeout = deadline(timeout);
+            py::gil_scoped_release no_gil;
+            return group.all_to_all(input, options);
+          },
+          py::arg("input"), py::arg("send_sizes") = py::none(), py::arg("recv_sizes") = py::none(),
+          py::arg("timeout") = py::none())
+      .def(
+          "send",
+          [](Group& group, const at::Tensor& tensor, int dst, int tag, Seconds timeout) {
+            comm::PointToPointOptions options;
+            options.tag = tag;
+            options.timeout = deadline(timeout);
+            py::gil_scoped_release no_gil;
+            group.send(tensor, dst, options);
+          },
+          py::arg("tensor"), py::arg("dst"), py::arg("tag") = 0, py::arg("timeout") = py::none())
+      .def(
+          "recv",
+          [](Group& group, at::Tensor tensor, int src, int tag, Seconds timeout) {
+            comm::PointToPointOptions options;
+            options.tag = tag;
+            options.timeout = deadline(timeout);
+            py::gil_scoped_release no_gil;
+            group.recv(tensor, src, options);
+          },
+          py::arg("tensor"), py::arg("src"), py::arg("tag") = 0, py::arg("timeout") = py::none())
+      .def(
+          "barrier",
+          [](Group& group, Seconds timeout) {
+            comm::BarrierOptions options;
+            options.timeout = deadline(timeout);
+            py::gil_scoped_release no_gil;
+            group.barrier(options);
+          },
+          py::arg("timeout") = py::none())
+      .def(
+          "subgroup",
+          [](const Group& group, std::vector<int> ranks) {
+            py::gil_scoped_release no_gil;
+            return group.subgroup(std::move(ranks));
+          },
+          py::arg("ranks"));
+
+  // The job's world group (shoal::world()); UsageError before init().
+  m.def("world", [] { return shoal::world(); });
+}
+
+}  // namespace
+}  // namespace shoal::python
+
+PYBIND11_MODULE(_C, m) {
+  namespace sp = shoal::python;
+  m.doc() = "shoal's C++ core (docs/python.md); use the shoal package";
+
+  // shoal.Error, and below it CommError and UsageError, carrying the C++ one-line texts.
+  static py::exception<shoal::Error> error(m, "Error", PyExc_RuntimeError);
+  static py::exception<shoal::CommError> comm_error(m, "CommError", error.ptr());
+  static py::exception<shoal::UsageError> usage_error(m, "UsageError", error.ptr());
+  py::register_exception_translator([](std::exception_ptr thrown) {
+    try {
+      if (thrown) std::rethrow_exception(thrown);
+    } catch (const shoal::CommError& e) {
+      comm_error(e.what());
+    } catch (const shoal::UsageError& e) {
+      usage_error(e.what());
+    } catch (const shoal::Error& e) {
+      error(e.what());
+    }
+  });
+
+  m.def(
+      "init",
+      [](double connect_timeout, double timeout, int intra_op_threads, const std::string& master) {
+        shoal::InitOptions options;
+        options.master = master;
+        options.connect_timeout = std::chrono::duration_cast<shoal::Duration>(std::chrono::duration<double>(connect_timeout));
+        if (timeout > 0)
+          options.timeout = std::chrono::duration_cast<shoal::Duration>(std::chrono::duration<double>(timeout));
+        options.intra_op_threads = intra_op_threads;
+        py::gil_scoped_release no_gil;
+        shoal::init(options);
+      },
+      py::arg("connect_timeout"), py::arg("timeout"), py::arg("intra_op_threads"), py::arg("master"));
+  m.def("is_initialized", &shoal::is_initialized);
+  m.def("world_size", &shoal::world_size);
+  m.def("rank", &shoal::rank);
+  m.def("local_rank", &shoal::local_rank);
+  m.def("is_main", &shoal::is_main);
+  sp::bind_comm(m);
+
+  py::class_<sp::Replication>(m, "Replication")
+      .def(py::init([](const sp::Named& parameters, const sp::Named& buffers, int64_t bucket_bytes,
+                       int64_t first_bucket_bytes, bool find_unused_parameters, bool gradient_as_bucket_view,
+                       bool broadcast_buffers, bool weigh_by_batch_share, int64_t batch_dim) {
+             shoal::DataParallelOptions options;
+             options.bucket_bytes = bucket_bytes;
+             options.first_bucket_bytes = first_bucket_bytes;
+             options.find_unused_parameters = find_unused_parameters;
+             options.gradient_as_bucket_view = gradient_as_bucket_view;
+             options.broadcast_buffers = broadcast_buffers;
+             options.weigh_by_batch_share = weigh_by_batch_share;
+             options.batch_dim = batch_dim;
+             return std::make_unique<sp::Replication>(parameters, buffers, options);
+           }),
+           py::arg("parameters"), py::arg("buffers"), py::arg("bucket_bytes"), py::arg("first_bucket_bytes"),
+           py::arg("find_unused_parameters"), py::arg("gradient_as_bucket_view"), py::arg("broadcast_buffers"),
+           py::arg("weigh_by_batch_share"), py::arg("batch_dim"))
+      .def("before_forward", &sp::Replication::before_forward, py::arg("input"))
+      .def("set_sync", &sp::Replication::set_sync)
+      .def("sync", &sp::Replication::sync)
+      .def("bucket_assignment", &sp::Replication::bucket_assignment);
+}

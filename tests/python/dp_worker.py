@@ -1,0 +1,46 @@
+"""A worker of tests/python/test_data_parallel.py: the plain PyTorch program of that test with
+shoal's lines added. argv: the output file, then the case: "train"; "no_sync" (each worker's share in two halves, the
+first backward under no_sync()); or "differ" (worker 1 builds a wider model)."""
+import sys
+
+import torch
+
+import shoal
+
+import dp_program as program
+
+
+def main(out, case):
+    shoal.init()
+    net = program.model(width=9 if case == "differ" and shoal.rank() == 1 else 8)
+    if shoal.rank() != 0:
+        # Another start on the other workers: DataParallel starts everyone from worker 0's model.
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(1.0)
+    try:
+        model = shoal.DataParallel(net)
+    except shoal.UsageError as error:
+        # Every worker raises the same one line.
+        with open("%s.%d" % (out, shoal.rank()), "w") as f:
+            f.write(str(error))
+        return
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    for step in range(program.STEPS):
+        x, y = program.batch(step)
+        x, y = program.share(x, shoal.rank(), shoal.world_size()), program.share(y, shoal.rank(), shoal.world_size())
+        optimizer.zero_grad()
+        if case == "no_sync":
+            first, second = program.halves(x), program.halves(y)
+            with model.no_sync():
+                torch.nn.functional.mse_loss(model(first[0]), second[0]).backward()
+            torch.nn.functional.mse_loss(model(first[1]), second[1]).backward()
+        else:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    if shoal.is_main():
+        torch.save([p.detach() for p in net.parameters()], out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
