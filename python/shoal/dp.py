@@ -6,6 +6,10 @@ import torch
 
 from . import _C
 
+allreduce_hook = _C.allreduce_hook
+fp16_compress_hook = _C.fp16_compress_hook
+bf16_compress_hook = _C.bf16_compress_hook
+
 
 def _first_tensor(args, kwargs):
     for value in list(args) + list(kwargs.values()):
@@ -22,11 +26,13 @@ class DataParallel(torch.nn.Module):
     share of the global batch that went through forward (so uneven shares give the one-process
     gradient of a mean loss). Call it as the module (`model(x)`); `model.module` is the module.
 
-    The options are DataParallelOptions' (shoal/dp/data_parallel.h), by the same names."""
+    The options are DataParallelOptions' (shoal/dp/data_parallel.h), by the same names; comm_hook
+    is one of shoal.fp16_compress_hook(), shoal.bf16_compress_hook() or shoal.allreduce_hook()
+    (None: the all-reduce in the gradients' dtype), run in C++ (shoal/dp/comm_hooks.h)."""
 
     def __init__(self, module, bucket_bytes=25 * 1024 * 1024, first_bucket_bytes=1024 * 1024,
                  find_unused_parameters=False, gradient_as_bucket_view=True, broadcast_buffers=True,
-                 weigh_by_batch_share=True, batch_dim=0):
+                 weigh_by_batch_share=True, batch_dim=0, comm_hook=None):
         super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise _C.UsageError("DataParallel: the module is a %s; expected a torch.nn.Module"
@@ -39,7 +45,7 @@ class DataParallel(torch.nn.Module):
             bucket_bytes=int(bucket_bytes), first_bucket_bytes=int(first_bucket_bytes),
             find_unused_parameters=bool(find_unused_parameters),
             gradient_as_bucket_view=bool(gradient_as_bucket_view), broadcast_buffers=bool(broadcast_buffers),
-            weigh_by_batch_share=bool(weigh_by_batch_share), batch_dim=int(batch_dim))
+            weigh_by_batch_share=bool(weigh_by_batch_share), batch_dim=int(batch_dim), comm_hook=comm_hook)
 
     def forward(self, *args, **kwargs):
         # Under grad mode a forward is a collective (it counts the batch's share); C++ checks it.

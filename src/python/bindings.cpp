@@ -17,6 +17,7 @@
 #include "shoal/comm/group.h"
 #include "shoal/comm/work.h"
 #include "shoal/core/error.h"
+#include "shoal/dp/comm_hooks.h"
 #include "shoal/dp/data_parallel.h"
 #include "shoal/init.h"
 
@@ -278,10 +279,17 @@ PYBIND11_MODULE(_C, m) {
   m.def("is_main", &shoal::is_main);
   sp::bind_comm(m);
 
+  // DataParallel's communication hooks (shoal/dp/comm_hooks.h), opaque: they run in C++.
+  py::class_<shoal::dp::CommHook>(m, "CommHook");
+  m.def("allreduce_hook", &shoal::dp::allreduce_hook);
+  m.def("fp16_compress_hook", &shoal::dp::fp16_compress_hook);
+  m.def("bf16_compress_hook", &shoal::dp::bf16_compress_hook);
+
   py::class_<sp::Replication>(m, "Replication")
       .def(py::init([](const sp::Named& parameters, const sp::Named& buffers, int64_t bucket_bytes,
                        int64_t first_bucket_bytes, bool find_unused_parameters, bool gradient_as_bucket_view,
-                       bool broadcast_buffers, bool weigh_by_batch_share, int64_t batch_dim) {
+                       bool broadcast_buffers, bool weigh_by_batch_share, int64_t batch_dim,
+                       const std::optional<shoal::dp::CommHook>& comm_hook) {
              shoal::DataParallelOptions options;
              options.bucket_bytes = bucket_bytes;
              options.first_bucket_bytes = first_bucket_bytes;
@@ -290,11 +298,12 @@ PYBIND11_MODULE(_C, m) {
              options.broadcast_buffers = broadcast_buffers;
              options.weigh_by_batch_share = weigh_by_batch_share;
              options.batch_dim = batch_dim;
+             if (comm_hook) options.comm_hook = *comm_hook;
              return std::make_unique<sp::Replication>(parameters, buffers, options);
            }),
            py::arg("parameters"), py::arg("buffers"), py::arg("bucket_bytes"), py::arg("first_bucket_bytes"),
            py::arg("find_unused_parameters"), py::arg("gradient_as_bucket_view"), py::arg("broadcast_buffers"),
-           py::arg("weigh_by_batch_share"), py::arg("batch_dim"))
+           py::arg("weigh_by_batch_share"), py::arg("batch_dim"), py::arg("comm_hook"))
       .def("before_forward", &sp::Replication::before_forward, py::arg("input"))
       .def("set_sync", &sp::Replication::set_sync)
       .def("sync", &sp::Replication::sync)

@@ -1,6 +1,7 @@
 """A worker of tests/python/test_data_parallel.py: the plain PyTorch program of that test with
 shoal's lines added. argv: the output file, then the case: "train"; "no_sync" (each worker's share in two halves, the
-first backward under no_sync()); or "differ" (worker 1 builds a wider model)."""
+first backward under no_sync()); "fp16" (the fp16 compression hook); "unused" (a layer forward
+never uses, find_unused_parameters); or "differ" (worker 1 builds a wider model)."""
 import sys
 
 import torch
@@ -12,14 +13,15 @@ import dp_program as program
 
 def main(out, case):
     shoal.init()
-    net = program.model(width=9 if case == "differ" and shoal.rank() == 1 else 8)
+    net = program.model(width=9) if case == "differ" and shoal.rank() == 1 else program.make(case)
     if shoal.rank() != 0:
         # Another start on the other workers: DataParallel starts everyone from worker 0's model.
         with torch.no_grad():
             for p in net.parameters():
                 p.add_(1.0)
     try:
-        model = shoal.DataParallel(net)
+        model = shoal.DataParallel(net, find_unused_parameters=case == "unused",
+                                   comm_hook=shoal.fp16_compress_hook() if case == "fp16" else None)
     except shoal.UsageError as error:
         # Every worker raises the same one line.
         with open("%s.%d" % (out, shoal.rank()), "w") as f:
@@ -29,7 +31,7 @@ def main(out, case):
     for step in range(program.STEPS):
         x, y = program.batch(step)
         x, y = program.share(x, shoal.rank(), shoal.world_size()), program.share(y, shoal.rank(), shoal.world_size())
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=False)
         if case == "no_sync":
             first, second = program.halves(x), program.halves(y)
             with model.no_sync():
@@ -39,7 +41,8 @@ def main(out, case):
             torch.nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
     if shoal.is_main():
-        torch.save([p.detach() for p in net.parameters()], out)
+        torch.save({"params": [p.detach() for p in net.parameters()],
+                    "grad_is_none": [p.grad is None for p in net.parameters()]}, out)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,8 @@ def test_the_package_is_the_build_trees():
 def test_gives_the_one_process_parameters(tmp_path, workers):
     out = tmp_path / "params.pt"
     run_job(workers, "dp_worker.py", out, "train")
-    got = torch.load(out)
-    want = program.train_alone()
+    got = torch.load(out)["params"]
+    want = program.train_alone()["params"]
     assert len(got) == len(want)
     for g, w in zip(got, want):
         # relative 1e-5, as the C++ oracles
@@ -41,12 +41,37 @@ def test_gives_the_one_process_parameters(tmp_path, workers):
 def test_accumulating_under_no_sync_gives_the_one_process_gradient(tmp_path, workers):
     out = tmp_path / "params.pt"
     run_job(workers, "dp_worker.py", out, "no_sync")
-    got = torch.load(out)
-    want = program.train_alone(accumulated_over=workers)
+    got = torch.load(out)["params"]
+    want = program.train_alone(accumulated_over=workers)["params"]
     for g, w in zip(got, want):
         assert torch.allclose(g, w, rtol=1e-5, atol=1e-6), (g - w).abs().max()
     # Accumulation is not the whole batch's mean: the oracle tells the two apart.
-    assert not torch.allclose(got[0], program.train_alone()[0], rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(got[0], program.train_alone()["params"][0], rtol=1e-5, atol=1e-6)
+
+
+def test_the_fp16_hook_averages_in_half_precision(tmp_path):
+    out = tmp_path / "params.pt"
+    run_job(3, "dp_worker.py", out, "fp16")
+    got = torch.load(out)["params"]
+    want = program.train_alone()["params"]
+    exact = tmp_path / "exact.pt"
+    run_job(3, "dp_worker.py", exact, "train")
+    exact = torch.load(exact)["params"]
+    for g, w, e in zip(got, want, exact):
+        # Half precision's rounding, not more; and not the exact run's values, which it would be if
+        # the hook were not used.
+        assert torch.allclose(g, w, rtol=1e-2, atol=1e-3), (g - w).abs().max()
+    assert any(not torch.equal(g, e) for g, e in zip(got, exact))
+
+
+def test_unused_parameters_keep_no_gradient_as_on_one_process(tmp_path):
+    out = tmp_path / "params.pt"
+    run_job(2, "dp_worker.py", out, "unused")
+    got = torch.load(out)
+    want = program.train_alone(case="unused")
+    assert got["grad_is_none"] == want["grad_is_none"] == [False] * 4 + [True] * 2
+    for g, w in zip(got["params"], want["params"]):
+        assert torch.allclose(g, w, rtol=1e-5, atol=1e-6), (g - w).abs().max()
 
 
 def test_a_model_that_differs_is_a_usage_error_on_every_worker(tmp_path):
