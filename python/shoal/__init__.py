@@ -11,10 +11,10 @@ import torch  # noqa: F401  (LibTorch first: the C++ core links the very same li
 
 from . import _C
 from ._C import CommError, Error, UsageError
-from . import comm
+from . import comm, data
 from .dp import DataParallel, allreduce_hook, bf16_compress_hook, fp16_compress_hook
 
-__all__ = ["comm", "init", "is_initialized", "world_size", "rank", "local_rank", "is_main", "DataParallel",
+__all__ = ["comm", "data", "init", "is_initialized", "world_size", "rank", "local_rank", "is_main", "DataParallel",
            "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
            "Error", "CommError", "UsageError"]
 

@@ -17,6 +17,7 @@
 #include "shoal/comm/group.h"
 #include "shoal/comm/work.h"
 #include "shoal/core/error.h"
+#include "shoal/data/sampler.h"
 #include "shoal/dp/comm_hooks.h"
 #include "shoal/dp/data_parallel.h"
 #include "shoal/init.h"
@@ -236,6 +237,46 @@ void bind_comm(py::module_& m) {
   m.def("world", [] { return shoal::world(); });
 }
 
+void bind_data(py::module_& m) {
+  using data::Sampler;
+  py::enum_<data::LastBatch>(m, "LastBatch")
+      .value("KEEP", data::LastBatch::kKeep)
+      .value("DROP", data::LastBatch::kDrop)
+      .value("PAD", data::LastBatch::kPad);
+  // data::Sampler as it is (shoal/data/sampler.h); shoal.data builds the DataLoader on it.
+  py::class_<Sampler>(m, "Sampler")
+      .def(py::init([](int64_t dataset_size, int64_t batch_size, bool shuffle, data::LastBatch last_batch,
+                       bool per_worker, uint64_t seed) {
+             data::SamplerOptions options;
+             options.batch_size = batch_size;
+             options.shuffle = shuffle;
+             options.last_batch = last_batch;
+             options.per_worker = per_worker;
+             options.seed = seed;
+             return Sampler(dataset_size, options);
+           }),
+           py::arg("dataset_size"), py::arg("batch_size"), py::arg("shuffle"), py::arg("last_batch"),
+           py::arg("per_worker"), py::arg("seed"))
+      .def("copy", [](const Sampler& sampler) { return Sampler(sampler); })
+      .def("set_epoch", &Sampler::set_epoch)
+      .def("reshard", &Sampler::reshard)
+      .def("epoch_done", &Sampler::epoch_done)
+      .def("batch", &Sampler::batch)
+      .def("global_batch_at_cursor", &Sampler::global_batch_at_cursor)
+      .def("advance", &Sampler::advance)
+      .def("state_dict", &Sampler::state_dict)
+      .def("check_state_dict", &Sampler::check_state_dict)
+      .def("load_state_dict", &Sampler::load_state_dict)
+      .def("batches_per_epoch", &Sampler::batches_per_epoch)
+      .def("batches_remaining", &Sampler::batches_remaining)
+      .def("global_batch_size", &Sampler::global_batch_size)
+      .def_property_readonly("epoch", &Sampler::epoch)
+      .def_property_readonly("cursor", &Sampler::cursor)
+      .def_property_readonly("rank", &Sampler::rank)
+      .def_property_readonly("world_size", &Sampler::world_size)
+      .def_property_readonly("dataset_size", &Sampler::dataset_size);
+}
+
 }  // namespace
 }  // namespace shoal::python
 
@@ -278,6 +319,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("local_rank", &shoal::local_rank);
   m.def("is_main", &shoal::is_main);
   sp::bind_comm(m);
+  sp::bind_data(m);
 
   // DataParallel's communication hooks (shoal/dp/comm_hooks.h), opaque: they run in C++.
   py::class_<shoal::dp::CommHook>(m, "CommHook");
