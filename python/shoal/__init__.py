@@ -12,20 +12,12 @@ import torch  # noqa: F401  (LibTorch first: the C++ core links the very same li
 from . import _C
 from ._C import CommError, Error, UsageError
 from . import comm, data
+from ._runtime import init
 from .dp import DataParallel, allreduce_hook, bf16_compress_hook, fp16_compress_hook
 
 __all__ = ["comm", "data", "init", "is_initialized", "world_size", "rank", "local_rank", "is_main", "DataParallel",
            "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
            "Error", "CommError", "UsageError"]
-
-
-def init(connect_timeout=60.0, timeout=None, intra_op_threads=0, master=""):
-    """Joins the job that started this process (shoal run, torchrun, Open MPI, Slurm), or makes a
-    job of one when nothing did. Call once, before anything else of shoal's; a second call raises
-    UsageError. `connect_timeout` and `timeout` (the collectives' default deadline; None:
-    SHOAL_TIMEOUT or 10 minutes) are in seconds. As shoal::init in C++ (docs/runtime.md)."""
-    _C.init(connect_timeout=float(connect_timeout), timeout=0.0 if timeout is None else float(timeout),
-            intra_op_threads=int(intra_op_threads), master=str(master))
 
 
 is_initialized = _C.is_initialized

@@ -82,7 +82,7 @@ class _Shares(torch.utils.data.Sampler):
 
 
 def _first_index(sampler):
-    # Worker 0's share of a batch is never empty while the batch has rows.
+    # The first index of the whole global batch at the cursor, as a job of one would take it.
     probe = sampler.copy()
     probe.reshard(0, 1)
     return probe.batch()[0]

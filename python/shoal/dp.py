@@ -5,6 +5,7 @@ import contextlib
 import torch
 
 from . import _C
+from ._runtime import init
 
 allreduce_hook = _C.allreduce_hook
 fp16_compress_hook = _C.fp16_compress_hook
@@ -38,7 +39,7 @@ class DataParallel(torch.nn.Module):
             raise _C.UsageError("DataParallel: the module is a %s; expected a torch.nn.Module"
                                 % type(module).__name__)
         if not _C.is_initialized():
-            _C.init(connect_timeout=60.0, timeout=0.0, intra_op_threads=0, master="")
+            init()
         self.module = module
         self._replication = _C.Replication(
             parameters=list(module.named_parameters()), buffers=list(module.named_buffers()),

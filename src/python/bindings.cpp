@@ -93,6 +93,13 @@ Duration deadline(const std::optional<double>& seconds) {
   return std::chrono::duration_cast<Duration>(std::chrono::duration<double>(*seconds));
 }
 
+comm::PointToPointOptions point_to_point(int tag, const std::optional<double>& timeout) {
+  comm::PointToPointOptions options;
+  options.tag = tag;
+  options.timeout = deadline(timeout);
+  return options;
+}
+
 comm::Sizes sizes_of(const std::optional<std::vector<int64_t>>& sizes) { return sizes ? *sizes : comm::Sizes(); }
 
 // A collective that Python asked for with async_op: its Work, or None once it is done. The GIL is
@@ -199,9 +206,7 @@ void bind_comm(py::module_& m) {
       .def(
           "send",
           [](Group& group, const at::Tensor& tensor, int dst, int tag, Seconds timeout) {
-            comm::PointToPointOptions options;
-            options.tag = tag;
-            options.timeout = deadline(timeout);
+            const comm::PointToPointOptions options = point_to_point(tag, timeout);
             py::gil_scoped_release no_gil;
             group.send(tensor, dst, options);
           },
@@ -209,9 +214,7 @@ void bind_comm(py::module_& m) {
       .def(
           "recv",
           [](Group& group, at::Tensor tensor, int src, int tag, Seconds timeout) {
-            comm::PointToPointOptions options;
-            options.tag = tag;
-            options.timeout = deadline(timeout);
+            const comm::PointToPointOptions options = point_to_point(tag, timeout);
             py::gil_scoped_release no_gil;
             group.recv(tensor, src, options);
           },
