@@ -1,7 +1,8 @@
 // Checkpoints: a round trip restores training exactly; a checkpoint saved by 2 workers resumes
 // on 3 as the single-process run would; truncated, corrupt, foreign and mismatched files raise
 // UsageError on every worker and change nothing; a failed or killed save never leaves a
-// half-written file under the real name.
+// half-written file under the real name. An optimizer's per-parameter state is read and set by
+// its fields' names (shoal/checkpoint/param_state.h).
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -22,8 +23,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "error_of.h"
 #include "harness.h"
 #include "shoal/checkpoint/checkpoint.h"
+#include "shoal/checkpoint/param_state.h"
 #include "shoal/comm/group.h"
 #include "shoal/core/error.h"
 #include "shoal/data/loader.h"
@@ -730,3 +733,69 @@ TEST(Checkpoint, WaitingForTheWriterHasADeadline) {
 }
 
 }  // namespace
+
+// A parameter's state by its fields' names: what an optimizer's step made is read as the tensors
+// themselves, set into another optimizer of the type it steps on exactly as the first, and bad
+// states are refused with their one line and nothing changed.
+TEST(ParamState, ReadAndSetByNameAsTheOptimizerHoldsIt) {
+  using shoal::checkpoint::param_state;
+  using shoal::checkpoint::set_param_state;
+  using shoal::testing::error_of;
+  auto train = [](torch::nn::Linear& net, torch::optim::Optimizer& optimizer) {
+    optimizer.zero_grad();
+    net->forward(torch::ones({2, 4})).pow(2).sum().backward();
+    optimizer.step();
+  };
+  torch::manual_seed(3);
+  torch::nn::Linear a(4, 2), b(4, 2);
+  torch::optim::Adam first(a->parameters(), torch::optim::AdamOptions(0.1).amsgrad(true));
+  torch::optim::Adam second(b->parameters(), torch::optim::AdamOptions(0.1).amsgrad(true));
+  EXPECT_FALSE(param_state(first, a->weight).has_value());  // no step yet
+  train(a, first);
+  b->weight.data().copy_(a->weight.data());
+  b->bias.data().copy_(a->bias.data());
+  for (const auto& p : {a->weight, a->bias}) {
+    auto state = param_state(first, p);
+    ASSERT_TRUE(state.has_value());
+    EXPECT_EQ(state->step, 1);
+    ASSERT_EQ(state->fields.size(), 3u);
+    EXPECT_TRUE(state->fields.at("exp_avg").is_same(
+        static_cast<torch::optim::AdamParamState&>(*first.state().at(c10::guts::to_string(p.unsafeGetTensorImpl())))
+            .exp_avg()));
+    const at::Tensor& q = p.is_same(a->weight) ? b->weight : b->bias;
+    shoal::checkpoint::ParamState copied{state->step, {}};
+    for (const auto& [name, value] : state->fields) copied.fields[name] = value.clone();
+    set_param_state(second, q, copied);
+  }
+  train(a, first);
+  train(b, second);
+  EXPECT_TRUE(torch::equal(a->weight, b->weight));
+  EXPECT_TRUE(torch::equal(a->bias, b->bias));
+  EXPECT_EQ(shoal::checkpoint::state_fields(first), (std::vector<std::string>{"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}));
+
+  const auto before = param_state(second, b->weight)->fields.at("exp_avg").clone();
+  const shoal::checkpoint::ParamState good = *param_state(second, b->weight);
+  auto with = [&](const std::string& field, const at::Tensor& value) {
+    shoal::checkpoint::ParamState state = good;
+    state.fields[field] = value;
+    return state;
+  };
+  EXPECT_EQ(error_of([&] { set_param_state(second, b->weight, with("sum", torch::zeros({2, 4}))); }),
+            "set_param_state: torch::optim::Adam has no state field 'sum'; expected one of exp_avg, exp_avg_sq, "
+            "max_exp_avg_sq");
+  EXPECT_EQ(error_of([&] { set_param_state(second, b->weight, with("exp_avg", torch::zeros({4, 2}))); }),
+            "set_param_state: the field 'exp_avg' has shape [4, 2] and its parameter [2, 4]; expected the "
+            "parameter's shape");
+  EXPECT_EQ(error_of([&] { set_param_state(second, b->weight, {std::nullopt, good.fields}); }),
+            "set_param_state: torch::optim::Adam counts steps, and the state has no step; expected a step");
+  EXPECT_EQ(error_of([&] { set_param_state(second, a->weight, good); }),
+            "set_param_state: the tensor is not a parameter of the torch::optim::Adam; expected one of its parameters");
+  EXPECT_TRUE(torch::equal(param_state(second, b->weight)->fields.at("exp_avg"), before));
+  torch::optim::SGD sgd(b->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  EXPECT_EQ(error_of([&] { set_param_state(sgd, b->weight, {int64_t{1}, {}}); }),
+            "set_param_state: torch::optim::SGD counts no steps, and the state has one; expected none");
+  torch::optim::LBFGS lbfgs(b->parameters());
+  EXPECT_EQ(error_of([&] { param_state(lbfgs, b->weight); }),
+            "the optimizer is torch::optim::LBFGS; expected torch::optim::SGD, Adam, AdamW, Adagrad or RMSprop, whose "
+            "state shoal saves by parameter name");
+}

@@ -4,6 +4,7 @@
     shoal.init()                          # joins the job `shoal run -n 4 python3 train.py` started
     model = shoal.DataParallel(net)       # averages gradients over the workers in backward
     ...                                   # the training loop as before
+    shoal.save("ckpt.pt", model, optimizer, loader)   # every worker; resumes on any number
 
 See docs/python.md.
 """
@@ -13,9 +14,10 @@ from . import _C
 from ._C import CommError, Error, UsageError
 from . import comm, data
 from ._runtime import init
+from .checkpoint import load, save
 from .dp import DataParallel, allreduce_hook, bf16_compress_hook, fp16_compress_hook
 
-__all__ = ["comm", "data", "init", "is_initialized", "world_size", "rank", "local_rank", "is_main", "DataParallel",
+__all__ = ["comm", "data", "init", "save", "load", "is_initialized", "world_size", "rank", "local_rank", "is_main", "DataParallel",
            "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
            "Error", "CommError", "UsageError"]
 

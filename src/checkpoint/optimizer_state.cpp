@@ -12,6 +12,7 @@
 #include <torch/optim/sgd.h>
 
 #include "contents.h"
+#include "shoal/checkpoint/param_state.h"
 #include "shoal/core/error.h"
 
 namespace shoal::checkpoint {
@@ -170,6 +171,65 @@ StateMap plan_state_by_name(const std::string& path, torch::serialize::InputArch
     }
   });
   return state;
+}
+
+namespace {
+
+const StateKind& kind_or_refuse(const torch::optim::Optimizer& optimizer) {
+  const StateKind* kind = state_kind_of(optimizer);
+  if (kind == nullptr) throw UsageError(unsupported_optimizer(optimizer));
+  return *kind;
+}
+
+}  // namespace
+
+std::vector<std::string> state_fields(const torch::optim::Optimizer& optimizer) {
+  return kind_or_refuse(optimizer).fields;
+}
+
+std::optional<ParamState> param_state(const torch::optim::Optimizer& optimizer, const at::Tensor& parameter) {
+  const StateKind& kind = kind_or_refuse(optimizer);
+  auto entry = optimizer.state().find(state_key(parameter));
+  if (entry == optimizer.state().end()) return std::nullopt;
+  StateRefs refs = kind.refs(*entry->second);
+  ParamState state;
+  if (refs.step != nullptr) state.step = *refs.step;
+  for (size_t f = 0; f < kind.fields.size(); ++f) {
+    if (refs.fields[f]->defined()) state.fields[kind.fields[f]] = *refs.fields[f];
+  }
+  return state;
+}
+
+void set_param_state(torch::optim::Optimizer& optimizer, const at::Tensor& parameter, const ParamState& state) {
+  const StateKind& kind = kind_or_refuse(optimizer);
+  const std::string type = optimizer_type(optimizer);
+  bool held = false;
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) held = held || p.unsafeGetTensorImpl() == parameter.unsafeGetTensorImpl();
+  }
+  if (!held) throw UsageError("set_param_state: the tensor is not a parameter of the " + type + "; expected one of its parameters");
+  auto made = kind.make();
+  StateRefs refs = kind.refs(*made);
+  if ((refs.step != nullptr) != state.step.has_value()) {
+    throw UsageError("set_param_state: " + type + (refs.step ? " counts steps, and the state has no step" : " counts no steps, and the state has one") +
+                     "; expected " + (refs.step ? "a step" : "none"));
+  }
+  if (refs.step != nullptr) *refs.step = *state.step;
+  for (const auto& [field, value] : state.fields) {
+    size_t f = 0;
+    while (f < kind.fields.size() && kind.fields[f] != field) ++f;
+    if (f == kind.fields.size()) {
+      std::string known;
+      for (const auto& name : kind.fields) known += (known.empty() ? "" : ", ") + name;
+      throw UsageError("set_param_state: " + type + " has no state field '" + field + "'; expected one of " + known);
+    }
+    if (value.sizes() != parameter.sizes()) {
+      throw UsageError("set_param_state: the field '" + field + "' has shape " + shape_text(value.sizes()) +
+                       " and its parameter " + shape_text(parameter.sizes()) + "; expected the parameter's shape");
+    }
+    *refs.fields[f] = value;
+  }
+  optimizer.state()[state_key(parameter)] = std::move(made);
 }
 
 }  // namespace shoal::checkpoint

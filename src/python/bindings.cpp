@@ -21,11 +21,11 @@
 #include "shoal/dp/comm_hooks.h"
 #include "shoal/dp/data_parallel.h"
 #include "shoal/init.h"
+#include "bind.h"
 
 namespace py = pybind11;
 
 namespace shoal::python {
-namespace {
 
 // Note [A Python module's tensors in C++]
 // DataParallel's C++ side works on a torch::nn::Module. A Python torch.nn.Module has none, but its
@@ -43,27 +43,35 @@ class Mirror : public torch::nn::Module {
   }
 };
 
-using Named = std::vector<std::pair<std::string, at::Tensor>>;
-
-std::shared_ptr<torch::nn::Module> mirror(const Named& parameters, const Named& buffers) {
+std::shared_ptr<torch::nn::Module> mirror(const Named& parameters, const Named& buffers,
+                                          const std::vector<std::string>& modules) {
   auto root = std::make_shared<Mirror>();
-  auto place = [&root](const std::string& name, const at::Tensor& tensor, bool parameter) {
+  // The module of `name`'s path up to its last '.', made as needed; `start` is left at the last part.
+  auto parent = [&root](const std::string& name, size_t& start) {
     torch::nn::Module* module = root.get();
-    size_t start = 0;
+    start = 0;
     for (size_t dot = name.find('.'); dot != std::string::npos; dot = name.find('.', start)) {
       module = &static_cast<Mirror*>(module)->child(name.substr(start, dot - start));
       start = dot + 1;
     }
-    if (parameter) {
-      module->register_parameter(name.substr(start), tensor, tensor.requires_grad());
-    } else {
-      module->register_buffer(name.substr(start), tensor);
-    }
+    return static_cast<Mirror*>(module);
   };
-  for (const auto& [name, tensor] : parameters) place(name, tensor, true);
-  for (const auto& [name, tensor] : buffers) place(name, tensor, false);
+  size_t start = 0;
+  for (const auto& name : modules) parent(name, start)->child(name.substr(start));
+  for (const auto& [name, tensor] : parameters) {
+    parent(name, start)->register_parameter(name.substr(start), tensor, tensor.requires_grad());
+  }
+  for (const auto& [name, tensor] : buffers) parent(name, start)->register_buffer(name.substr(start), tensor);
   return root;
 }
+
+Duration deadline(const std::optional<double>& seconds) {
+  if (!seconds) return kUnsetTimeout;
+  if (!(*seconds > 0)) throw UsageError("timeout " + std::to_string(*seconds) + " s; expected a positive number of seconds or None");
+  return std::chrono::duration_cast<Duration>(std::chrono::duration<double>(*seconds));
+}
+
+namespace {
 
 // DataParallel's C++ side for a Python module (shoal.DataParallel holds one).
 class Replication {
@@ -85,13 +93,6 @@ class Replication {
   std::shared_ptr<torch::nn::Module> module_;
   std::shared_ptr<dp::Replicator> replicator_;
 };
-
-// A deadline from Python: seconds, or None for the group's.
-Duration deadline(const std::optional<double>& seconds) {
-  if (!seconds) return kUnsetTimeout;
-  if (!(*seconds > 0)) throw UsageError("timeout " + std::to_string(*seconds) + " s; expected a positive number of seconds or None");
-  return std::chrono::duration_cast<Duration>(std::chrono::duration<double>(*seconds));
-}
 
 comm::PointToPointOptions point_to_point(int tag, const std::optional<double>& timeout) {
   comm::PointToPointOptions options;
@@ -323,6 +324,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("is_main", &shoal::is_main);
   sp::bind_comm(m);
   sp::bind_data(m);
+  sp::bind_checkpoint(m);
 
   // DataParallel's communication hooks (shoal/dp/comm_hooks.h), opaque: they run in C++.
   py::class_<shoal::dp::CommHook>(m, "CommHook");

@@ -1,0 +1,171 @@
+// shoal._C's checkpoints: shoal::save and shoal::load for a Python module, its optimizer and its
+// loader (python/shoal/checkpoint.py calls them; docs/python.md, "Checkpoints").
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/optim/adagrad.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/rmsprop.h>
+#include <torch/optim/sgd.h>
+
+#include "bind.h"
+#include "shoal/checkpoint/checkpoint.h"
+#include "shoal/checkpoint/param_state.h"
+#include "shoal/core/error.h"
+#include "shoal/data/sampler.h"
+
+namespace py = pybind11;
+
+namespace shoal::python {
+namespace {
+
+// Note [A Python optimizer's state in C++]
+// shoal::save and shoal::load take a LibTorch optimizer, whose state a checkpoint holds in
+// LibTorch's format (by position in the param groups, as Optimizer::save writes it). A Python
+// optimizer's state is a dict per parameter. For the five types whose state shoal knows (SGD,
+// Adam, AdamW, Adagrad, RMSprop), the Python layer builds a LibTorch optimizer of the same type
+// over the same tensors, in the same param groups and with the same options, and moves the
+// state's tensors (not copies) across by their names, which are the same in both languages
+// (shoal/checkpoint/param_state.h). Saved this way, a Python optimizer's checkpoint is a C++
+// program's, and loads there; loaded, the LibTorch optimizer's new state is moved back into the
+// Python optimizer's dicts.
+class OptimizerMirror {
+ public:
+  using Groups = std::vector<std::pair<std::vector<at::Tensor>, py::dict>>;
+  OptimizerMirror(const std::string& type, const Groups& groups) : optimizer_(make(type, groups)) {}
+
+  torch::optim::Optimizer& optimizer() { return *optimizer_; }
+
+  // The state of `parameter` as (step or None, {field: tensor}), or None.
+  py::object state(const at::Tensor& parameter) const {
+    auto state = checkpoint::param_state(*optimizer_, parameter);
+    if (!state) return py::none();
+    return py::make_tuple(state->step ? py::object(py::int_(*state->step)) : py::none(), state->fields);
+  }
+  void set_state(const at::Tensor& parameter, std::optional<int64_t> step, std::map<std::string, at::Tensor> fields) {
+    checkpoint::set_param_state(*optimizer_, parameter, {step, std::move(fields)});
+  }
+  void clear_state() { optimizer_->state().clear(); }
+
+ private:
+  static double number(const py::dict& group, const char* key, double otherwise) {
+    return group.contains(key) ? group[key].cast<double>() : otherwise;
+  }
+  static bool flag(const py::dict& group, const char* key) {
+    return group.contains(key) && group[key].cast<bool>();
+  }
+
+  template <typename Optimizer, typename Options, typename Configure>
+  static std::unique_ptr<torch::optim::Optimizer> build(const Groups& groups, Configure configure) {
+    std::vector<torch::optim::OptimizerParamGroup> param_groups;
+    for (const auto& [params, options] : groups) {
+      auto made = std::make_unique<Options>(number(options, "lr", 1e-3));
+      configure(*made, options);
+      param_groups.emplace_back(params, std::move(made));
+    }
+    Options defaults(groups.empty() ? 1e-3 : number(groups.front().second, "lr", 1e-3));
+    return std::make_unique<Optimizer>(std::move(param_groups), defaults);
+  }
+
+  static std::unique_ptr<torch::optim::Optimizer> make(const std::string& type, const Groups& groups) {
+    using namespace torch::optim;  // NOLINT: the five optimizers' names read best unqualified
+    if (type == "SGD") {
+      return build<SGD, SGDOptions>(groups, [](SGDOptions& o, const py::dict& g) {
+        o.momentum(number(g, "momentum", 0)).dampening(number(g, "dampening", 0));
+        o.weight_decay(number(g, "weight_decay", 0)).nesterov(flag(g, "nesterov"));
+      });
+    }
+    auto adam = [](auto& o, const py::dict& g) {
+      if (g.contains("betas")) o.betas(g["betas"].cast<std::tuple<double, double>>());
+      o.eps(number(g, "eps", 1e-8)).weight_decay(number(g, "weight_decay", o.weight_decay()));
+      o.amsgrad(flag(g, "amsgrad"));
+    };
+    if (type == "Adam") return build<Adam, AdamOptions>(groups, adam);
+    if (type == "AdamW") return build<AdamW, AdamWOptions>(groups, adam);
+    if (type == "Adagrad") {
+      return build<Adagrad, AdagradOptions>(groups, [](AdagradOptions& o, const py::dict& g) {
+        o.lr_decay(number(g, "lr_decay", 0)).weight_decay(number(g, "weight_decay", 0));
+        o.initial_accumulator_value(number(g, "initial_accumulator_value", 0));
+        o.eps(number(g, "eps", 1e-10));
+      });
+    }
+    if (type == "RMSprop") {
+      return build<RMSprop, RMSpropOptions>(groups, [](RMSpropOptions& o, const py::dict& g) {
+        o.alpha(number(g, "alpha", 0.99)).eps(number(g, "eps", 1e-8));
+        o.weight_decay(number(g, "weight_decay", 0)).momentum(number(g, "momentum", 0));
+        o.centered(flag(g, "centered"));
+      });
+    }
+    throw UsageError("the optimizer is torch.optim." + type +
+                     "; expected torch.optim.SGD, Adam, AdamW, Adagrad or RMSprop, whose state shoal saves");
+  }
+
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+};
+
+}  // namespace
+
+void bind_checkpoint(py::module_& m) {
+  py::class_<OptimizerMirror>(m, "OptimizerMirror")
+      .def(py::init<const std::string&, const OptimizerMirror::Groups&>(), py::arg("type"), py::arg("groups"))
+      .def("state", &OptimizerMirror::state, py::arg("parameter"))
+      .def("set_state", &OptimizerMirror::set_state, py::arg("parameter"), py::arg("step"), py::arg("fields"))
+      .def("clear_state", &OptimizerMirror::clear_state);
+
+  m.def(
+      "save",
+      [](const std::string& path, const Named& parameters, const Named& buffers,
+         const std::vector<std::string>& modules, OptimizerMirror* optimizer,
+         data::Sampler* loader, const CheckpointExtras& extras, const std::optional<comm::Group>& group,
+         std::optional<double> timeout) {
+        auto module = mirror(parameters, buffers, modules);
+        SaveOptions options;
+        options.extras = extras;
+        options.group = group;
+        options.timeout = deadline(timeout);
+        py::gil_scoped_release no_gil;
+        if (optimizer == nullptr) {
+          shoal::save(path, *module, options);
+        } else if (loader == nullptr) {
+          shoal::save(path, *module, optimizer->optimizer(), options);
+        } else {
+          shoal::save(path, *module, optimizer->optimizer(), *loader, options);
+        }
+      },
+      py::arg("path"), py::arg("parameters"), py::arg("buffers"), py::arg("modules"), py::arg("optimizer"), py::arg("loader"),
+      py::arg("extras"), py::arg("group"), py::arg("timeout"));
+
+  m.def(
+      "load",
+      [](const std::string& path, const Named& parameters, const Named& buffers,
+         const std::vector<std::string>& modules, OptimizerMirror* optimizer,
+         data::Sampler* loader, const std::optional<comm::Group>& group, std::optional<double> timeout) {
+        auto module = mirror(parameters, buffers, modules);
+        CheckpointExtras extras;
+        LoadOptions options;
+        options.extras = &extras;
+        options.group = group;
+        options.timeout = deadline(timeout);
+        py::gil_scoped_release no_gil;
+        if (optimizer == nullptr) {
+          shoal::load(path, *module, options);
+        } else if (loader == nullptr) {
+          shoal::load(path, *module, optimizer->optimizer(), options);
+        } else {
+          shoal::load(path, *module, optimizer->optimizer(), *loader, options);
+        }
+        return extras;
+      },
+      py::arg("path"), py::arg("parameters"), py::arg("buffers"), py::arg("modules"), py::arg("optimizer"), py::arg("loader"),
+      py::arg("group"), py::arg("timeout"));
+}
+
+}  // namespace shoal::python
