@@ -75,18 +75,6 @@ def _params(optimizer):
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def _state_to_mirror(optimizer, mirror):
-    for p in _params(optimizer):
-        state = optimizer.state.get(p)
-        if not state:
-            continue
-        fields = {k: v for k, v in state.items() if k != "step" and isinstance(v, torch.Tensor)}
-        if not fields and "step" not in state:
-            continue  # SGD without momentum keeps {'momentum_buffer': None}: no state
-        step = state.get("step")
-        mirror.set_state(p, None if step is None else int(step), fields)
-
-
 def _state_from_mirror(optimizer, mirror):
     _, step_kind = _kind(optimizer, "shoal.load")
     state = collections.defaultdict(dict)
@@ -137,7 +125,7 @@ def save(path, model, optimizer=None, loader=None, extras=None, group=None, time
     mirror = None
     if optimizer is not None:
         mirror = _mirror(optimizer, parameters, what)
-        _state_to_mirror(optimizer, mirror)
+        mirror.give(optimizer)
     extras = dict(extras or {})
     for name, value in extras.items():
         if not isinstance(name, str) or not isinstance(value, torch.Tensor):

@@ -167,9 +167,14 @@ bool Launcher::any_running() const {
   return std::any_of(workers_.begin(), workers_.end(), [](const auto& w) { return w->running(); });
 }
 
-void Launcher::signal_running(int signal) {
+void Launcher::signal_running(int signal, bool group) {
   for (auto& worker : workers_) {
-    if (worker->running()) proc::signal_group(worker->pid, signal);
+    if (!worker->running()) continue;
+    if (group) {
+      proc::signal_group(worker->pid, signal);
+    } else {
+      ::kill(worker->pid, signal);
+    }
   }
 }
 
@@ -334,8 +339,12 @@ void Launcher::on_failure(Worker& worker, const proc::ExitStatus& status) {
 
 void Launcher::on_signal(int signal) {
   // An elastic worker leaves the job at its next commit on SIGTERM; SIGINT (Ctrl-C) asks for
-  // the same (docs/elastic.md).
-  signal_running(options_.elastic && signal == SIGINT ? SIGTERM : signal);
+  // the same (docs/elastic.md). That SIGTERM goes to the worker alone: the processes it started
+  // are its own to end, and would otherwise die mid-step (a Python worker's DataLoader processes,
+  // whose death torch's loader raises as an error in the worker). The grace's SIGKILL still
+  // reaches the whole group.
+  const bool leave = options_.elastic && (signal == SIGINT || signal == SIGTERM);
+  signal_running(leave ? SIGTERM : signal, /*group=*/!leave);
   if (signal == SIGTSTP) {
     // Workers are not in the terminal's foreground group, so Ctrl-Z reaches only us: pause them,
     // then ourselves. Execution goes on here when the shell's `fg` or `bg` sends SIGCONT.

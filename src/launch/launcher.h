@@ -62,7 +62,9 @@ class Launcher {
   void on_signal(int signal);
   void check_nodes();
   void begin_stop(int signal);
-  void signal_running(int signal);
+  // Signals each running worker's process group, or with `group` false the worker's own process
+  // only.
+  void signal_running(int signal, bool group = true);
   void drain(Worker& worker);
   void close_output(Worker& worker);
   void kill_leftovers();

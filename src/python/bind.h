@@ -2,6 +2,7 @@
 // tensors, deadlines from Python, and each source's bindings.
 #pragma once
 
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -10,6 +11,7 @@
 
 #include <pybind11/pybind11.h>
 #include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
 
 #include "shoal/core/timeout.h"
 
@@ -26,7 +28,34 @@ std::shared_ptr<torch::nn::Module> mirror(const Named& parameters, const Named& 
 // A deadline from Python: seconds, or None for the group's. UsageError for a number not above 0.
 Duration deadline(const std::optional<double>& seconds);
 
-// shoal._C's checkpoint functions and its optimizer mirror (checkpoint.cpp).
+// A LibTorch optimizer of a Python optimizer's type over the same tensors, in the same param groups
+// with the same options, whose state Python moves in and out by field name (Note [A Python
+// optimizer's state in C++], checkpoint.cpp). Its type: "SGD", "Adam", "AdamW", "Adagrad" or
+// "RMSprop"; each group: its parameters and its Python options dict.
+class OptimizerMirror {
+ public:
+  using Groups = std::vector<std::pair<std::vector<at::Tensor>, pybind11::dict>>;
+  OptimizerMirror(const std::string& type, const Groups& groups);
+
+  torch::optim::Optimizer& optimizer() { return *optimizer_; }
+  // The state of `parameter` as (step or None, {field: tensor}), or None.
+  pybind11::object state(const at::Tensor& parameter) const;
+  // Takes the Python optimizer's state (its tensors, not copies; the steps) and its param groups'
+  // learning rates, in one call: what a commit or a save needs of it.
+  void give(const pybind11::handle& python_optimizer);
+  // Each param group's learning rate.
+  std::vector<double> learning_rates() const;
+  void set_learning_rates(const std::vector<double>& rates);
+
+ private:
+  static std::unique_ptr<torch::optim::Optimizer> make(const std::string& type, const Groups& groups);
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+};
+
+// shoal._C's checkpoint functions and OptimizerMirror (checkpoint.cpp).
 void bind_checkpoint(pybind11::module_& m);
+
+// shoal._C's elastic State and run (elastic.cpp).
+void bind_elastic(pybind11::module_& m);
 
 }  // namespace shoal::python

@@ -325,6 +325,7 @@ PYBIND11_MODULE(_C, m) {
   sp::bind_comm(m);
   sp::bind_data(m);
   sp::bind_checkpoint(m);
+  sp::bind_elastic(m);
 
   // DataParallel's communication hooks (shoal/dp/comm_hooks.h), opaque: they run in C++.
   py::class_<shoal::dp::CommHook>(m, "CommHook");

@@ -9,6 +9,7 @@
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
@@ -25,7 +26,6 @@
 namespace py = pybind11;
 
 namespace shoal::python {
-namespace {
 
 // Note [A Python optimizer's state in C++]
 // shoal::save and shoal::load take a LibTorch optimizer, whose state a checkpoint holds in
@@ -37,88 +37,114 @@ namespace {
 // (shoal/checkpoint/param_state.h). Saved this way, a Python optimizer's checkpoint is a C++
 // program's, and loads there; loaded, the LibTorch optimizer's new state is moved back into the
 // Python optimizer's dicts.
-class OptimizerMirror {
- public:
-  using Groups = std::vector<std::pair<std::vector<at::Tensor>, py::dict>>;
-  OptimizerMirror(const std::string& type, const Groups& groups) : optimizer_(make(type, groups)) {}
+OptimizerMirror::OptimizerMirror(const std::string& type, const Groups& groups) : optimizer_(make(type, groups)) {}
 
-  torch::optim::Optimizer& optimizer() { return *optimizer_; }
+py::object OptimizerMirror::state(const at::Tensor& parameter) const {
+  auto state = checkpoint::param_state(*optimizer_, parameter);
+  if (!state) return py::none();
+  return py::make_tuple(state->step ? py::object(py::int_(*state->step)) : py::none(), state->fields);
+}
 
-  // The state of `parameter` as (step or None, {field: tensor}), or None.
-  py::object state(const at::Tensor& parameter) const {
-    auto state = checkpoint::param_state(*optimizer_, parameter);
-    if (!state) return py::none();
-    return py::make_tuple(state->step ? py::object(py::int_(*state->step)) : py::none(), state->fields);
-  }
-  void set_state(const at::Tensor& parameter, std::optional<int64_t> step, std::map<std::string, at::Tensor> fields) {
-    checkpoint::set_param_state(*optimizer_, parameter, {step, std::move(fields)});
-  }
-  void clear_state() { optimizer_->state().clear(); }
-
- private:
-  static double number(const py::dict& group, const char* key, double otherwise) {
-    return group.contains(key) ? group[key].cast<double>() : otherwise;
-  }
-  static bool flag(const py::dict& group, const char* key) {
-    return group.contains(key) && group[key].cast<bool>();
-  }
-
-  template <typename Optimizer, typename Options, typename Configure>
-  static std::unique_ptr<torch::optim::Optimizer> build(const Groups& groups, Configure configure) {
-    std::vector<torch::optim::OptimizerParamGroup> param_groups;
-    for (const auto& [params, options] : groups) {
-      auto made = std::make_unique<Options>(number(options, "lr", 1e-3));
-      configure(*made, options);
-      param_groups.emplace_back(params, std::move(made));
+void OptimizerMirror::give(const py::handle& python_optimizer) {
+  const py::dict states = python_optimizer.attr("state");
+  const py::list groups = python_optimizer.attr("param_groups");
+  auto& mine = optimizer_->param_groups();
+  for (size_t g = 0; g < mine.size() && g < groups.size(); ++g) {
+    const py::dict group = groups[g];
+    mine[g].options().set_lr(group["lr"].cast<double>());
+    for (const py::handle parameter : py::list(group["params"])) {
+      PyObject* entry = PyDict_GetItem(states.ptr(), parameter.ptr());  // borrowed; tensors hash by identity
+      if (entry == nullptr || !PyDict_Check(entry) || PyDict_Size(entry) == 0) continue;
+      checkpoint::ParamState state;
+      for (const auto& [key, value] : py::reinterpret_borrow<py::dict>(entry)) {
+        const std::string name = key.cast<std::string>();
+        if (name == "step") {
+          // A 0-dim or (1,) float tensor in torch 1.13's Adam, AdamW and Adagrad, an int in RMSprop.
+          state.step = THPVariable_Check(value.ptr()) ? static_cast<int64_t>(value.cast<at::Tensor>().item<double>())
+                                                      : value.cast<int64_t>();
+        } else if (THPVariable_Check(value.ptr())) {
+          state.fields[name] = value.cast<at::Tensor>();
+        }
+      }
+      // SGD without momentum keeps {'momentum_buffer': None}: no state.
+      if (state.fields.empty() && !state.step) continue;
+      checkpoint::set_param_state(*optimizer_, parameter.cast<at::Tensor>(), state);
     }
-    Options defaults(groups.empty() ? 1e-3 : number(groups.front().second, "lr", 1e-3));
-    return std::make_unique<Optimizer>(std::move(param_groups), defaults);
   }
+}
 
-  static std::unique_ptr<torch::optim::Optimizer> make(const std::string& type, const Groups& groups) {
-    using namespace torch::optim;  // NOLINT: the five optimizers' names read best unqualified
-    if (type == "SGD") {
-      return build<SGD, SGDOptions>(groups, [](SGDOptions& o, const py::dict& g) {
-        o.momentum(number(g, "momentum", 0)).dampening(number(g, "dampening", 0));
-        o.weight_decay(number(g, "weight_decay", 0)).nesterov(flag(g, "nesterov"));
-      });
-    }
-    auto adam = [](auto& o, const py::dict& g) {
-      if (g.contains("betas")) o.betas(g["betas"].cast<std::tuple<double, double>>());
-      o.eps(number(g, "eps", 1e-8)).weight_decay(number(g, "weight_decay", o.weight_decay()));
-      o.amsgrad(flag(g, "amsgrad"));
-    };
-    if (type == "Adam") return build<Adam, AdamOptions>(groups, adam);
-    if (type == "AdamW") return build<AdamW, AdamWOptions>(groups, adam);
-    if (type == "Adagrad") {
-      return build<Adagrad, AdagradOptions>(groups, [](AdagradOptions& o, const py::dict& g) {
-        o.lr_decay(number(g, "lr_decay", 0)).weight_decay(number(g, "weight_decay", 0));
-        o.initial_accumulator_value(number(g, "initial_accumulator_value", 0));
-        o.eps(number(g, "eps", 1e-10));
-      });
-    }
-    if (type == "RMSprop") {
-      return build<RMSprop, RMSpropOptions>(groups, [](RMSpropOptions& o, const py::dict& g) {
-        o.alpha(number(g, "alpha", 0.99)).eps(number(g, "eps", 1e-8));
-        o.weight_decay(number(g, "weight_decay", 0)).momentum(number(g, "momentum", 0));
-        o.centered(flag(g, "centered"));
-      });
-    }
-    throw UsageError("the optimizer is torch.optim." + type +
-                     "; expected torch.optim.SGD, Adam, AdamW, Adagrad or RMSprop, whose state shoal saves");
+std::vector<double> OptimizerMirror::learning_rates() const {
+  std::vector<double> rates;
+  for (const auto& group : optimizer_->param_groups()) rates.push_back(group.options().get_lr());
+  return rates;
+}
+
+void OptimizerMirror::set_learning_rates(const std::vector<double>& rates) {
+  auto& groups = optimizer_->param_groups();
+  for (size_t i = 0; i < groups.size() && i < rates.size(); ++i) groups[i].options().set_lr(rates[i]);
+}
+
+namespace {
+
+double number(const py::dict& group, const char* key, double otherwise) {
+  return group.contains(key) ? group[key].cast<double>() : otherwise;
+}
+bool flag(const py::dict& group, const char* key) { return group.contains(key) && group[key].cast<bool>(); }
+
+template <typename Optimizer, typename Options, typename Configure>
+std::unique_ptr<torch::optim::Optimizer> build(const OptimizerMirror::Groups& groups, Configure configure) {
+  std::vector<torch::optim::OptimizerParamGroup> param_groups;
+  for (const auto& [params, options] : groups) {
+    auto made = std::make_unique<Options>(number(options, "lr", 1e-3));
+    configure(*made, options);
+    param_groups.emplace_back(params, std::move(made));
   }
-
-  std::unique_ptr<torch::optim::Optimizer> optimizer_;
-};
+  Options defaults(groups.empty() ? 1e-3 : number(groups.front().second, "lr", 1e-3));
+  return std::make_unique<Optimizer>(std::move(param_groups), defaults);
+}
 
 }  // namespace
+
+std::unique_ptr<torch::optim::Optimizer> OptimizerMirror::make(const std::string& type, const Groups& groups) {
+  using namespace torch::optim;  // NOLINT: the five optimizers' names read best unqualified
+  if (type == "SGD") {
+    return build<SGD, SGDOptions>(groups, [](SGDOptions& o, const py::dict& g) {
+      o.momentum(number(g, "momentum", 0)).dampening(number(g, "dampening", 0));
+      o.weight_decay(number(g, "weight_decay", 0)).nesterov(flag(g, "nesterov"));
+    });
+  }
+  auto adam = [](auto& o, const py::dict& g) {
+    if (g.contains("betas")) o.betas(g["betas"].cast<std::tuple<double, double>>());
+    o.eps(number(g, "eps", 1e-8)).weight_decay(number(g, "weight_decay", o.weight_decay()));
+    o.amsgrad(flag(g, "amsgrad"));
+  };
+  if (type == "Adam") return build<Adam, AdamOptions>(groups, adam);
+  if (type == "AdamW") return build<AdamW, AdamWOptions>(groups, adam);
+  if (type == "Adagrad") {
+    return build<Adagrad, AdagradOptions>(groups, [](AdagradOptions& o, const py::dict& g) {
+      o.lr_decay(number(g, "lr_decay", 0)).weight_decay(number(g, "weight_decay", 0));
+      o.initial_accumulator_value(number(g, "initial_accumulator_value", 0));
+      o.eps(number(g, "eps", 1e-10));
+    });
+  }
+  if (type == "RMSprop") {
+    return build<RMSprop, RMSpropOptions>(groups, [](RMSpropOptions& o, const py::dict& g) {
+      o.alpha(number(g, "alpha", 0.99)).eps(number(g, "eps", 1e-8));
+      o.weight_decay(number(g, "weight_decay", 0)).momentum(number(g, "momentum", 0));
+      o.centered(flag(g, "centered"));
+    });
+  }
+  throw UsageError("the optimizer is torch.optim." + type +
+                   "; expected torch.optim.SGD, Adam, AdamW, Adagrad or RMSprop, whose state shoal saves");
+}
 
 void bind_checkpoint(py::module_& m) {
   py::class_<OptimizerMirror>(m, "OptimizerMirror")
       .def(py::init<const std::string&, const OptimizerMirror::Groups&>(), py::arg("type"), py::arg("groups"))
       .def("state", &OptimizerMirror::state, py::arg("parameter"))
-      .def("set_state", &OptimizerMirror::set_state, py::arg("parameter"), py::arg("step"), py::arg("fields"))
-      .def("clear_state", &OptimizerMirror::clear_state);
+      .def("give", &OptimizerMirror::give, py::arg("optimizer"))
+      .def("learning_rates", &OptimizerMirror::learning_rates)
+      .def("set_learning_rates", &OptimizerMirror::set_learning_rates, py::arg("rates"));
 
   m.def(
       "save",

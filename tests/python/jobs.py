@@ -1,7 +1,10 @@
 """Starting a job of the tests' worker programs under `shoal run`, with a deadline."""
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHOAL = os.environ.get("SHOAL_BIN", "shoal")
@@ -26,3 +29,55 @@ def run_job(workers, program, *args):
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=DEADLINE, text=True)
     assert result.returncode == 0, result.stdout
     return result.stdout
+
+
+class Job:
+    """`shoal run ARGS...` running in the background, its output collected as it comes, for tests
+    that act on a job while it runs (kill a worker, add one). Stops what is left of it on close."""
+
+    def __init__(self, args):
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in [HERE, env.get("PYTHONPATH", "")] if p)
+        env["SHOAL_TIMEOUT"] = "60"
+        self._lock = threading.Lock()
+        self._text = {"out": [], "err": []}
+        self._process = subprocess.Popen([SHOAL, "run"] + [str(a) for a in args], env=env, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+        self._readers = [threading.Thread(target=self._read, args=(stream, name), daemon=True)
+                         for stream, name in ((self._process.stdout, "out"), (self._process.stderr, "err"))]
+        for reader in self._readers:
+            reader.start()
+
+    def _read(self, stream, name):
+        for line in stream:
+            with self._lock:
+                self._text[name].append(line)
+
+    def out(self):
+        with self._lock:
+            return "".join(self._text["out"])
+
+    def err(self):
+        with self._lock:
+            return "".join(self._text["err"])
+
+    def wait_for(self, what, predicate, seconds=60):
+        """Waits until predicate(out) holds, failing after `seconds` (or when the job ended first)
+        with what was awaited and the job's output."""
+        deadline = time.monotonic() + seconds
+        while not predicate(self.out()):
+            if time.monotonic() > deadline or self._process.poll() is not None:
+                raise AssertionError("waited for %s; the job said:\n%s\n%s" % (what, self.out(), self.err()))
+            time.sleep(0.05)
+
+    def wait(self, seconds=DEADLINE):
+        """The job's exit code, once it ended (failing after `seconds`)."""
+        code = self._process.wait(timeout=seconds)
+        for reader in self._readers:
+            reader.join(timeout=10)
+        return code
+
+    def close(self):
+        if self._process.poll() is None:
+            os.killpg(self._process.pid, signal.SIGKILL)
+            self._process.wait()

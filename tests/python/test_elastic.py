@@ -1,0 +1,99 @@
+"""shoal.elastic from Python, against the oracles of the C++ elastic tests: an elastic job of
+three Python workers (elastic_worker.py: DataParallel, SGD with momentum, shoal's DataLoader with
+torch's loader processes reading ahead, a commit per step) loses one to SIGKILL and takes in a
+new one, and ends with every sample of every epoch trained on exactly once in committed steps and
+at the parameters of one process that trained alone (relative 1e-4, as in C++). SIGINT to the
+launcher makes every worker leave at a commit. Outside an elastic job, the program's own error
+leaves run() as it came, and WorldChange is no Exception that a program's `except Exception`
+would swallow."""
+import re
+import signal
+import sys
+
+import pytest
+import torch
+
+import shoal
+from jobs import HERE, Job, run_job
+
+EPOCHS = 8
+WORKER = [sys.executable, HERE + "/elastic_worker.py"]
+
+
+def steps(out):
+    """The (step, world) of every "step S world W" line."""
+    return [(int(s), int(w)) for s, w in re.findall(r"step (\d+) world (\d+)", out)]
+
+
+def reached(step, world):
+    return lambda out: any(s >= step and w == world for s, w in steps(out))
+
+
+def last_step(out):
+    return steps(out)[-1][0] if steps(out) else -1
+
+
+@pytest.fixture
+def jobs():
+    started = []
+    yield lambda args: started.append(Job(args)) or started[-1]
+    for job in started:
+        job.close()
+
+
+def test_a_killed_worker_and_a_joined_one_end_at_the_one_process_parameters(tmp_path, jobs):
+    reference, out = tmp_path / "reference.pt", str(tmp_path / "elastic.pt")
+    run_job(1, "elastic_worker.py", reference, EPOCHS)
+    job = jobs(["--min", "1", "--max", "3", "-n", "3", "--token-file", tmp_path / "token"] + WORKER + [out, EPOCHS, 60])
+    job.wait_for("step 10 on 3 workers", reached(10, 3))
+    first = {int(rank): int(pid) for pid, rank in re.findall(r"train pid=(\d+) rank=(\d+) world=3", job.out())}
+    assert sorted(first) == [0, 1, 2], job.out()
+
+    import os  # noqa: PLC0415
+    os.kill(first[1], signal.SIGKILL)
+    killed_at = last_step(job.out())
+    job.wait_for("5 steps on 2 workers after the kill", reached(killed_at + 5, 2))
+
+    flags = re.search(r"to add workers: shoal run (.+) PROGRAM", job.err())
+    assert flags, job.err()
+    joiner = jobs(flags.group(1).split() + ["-n", "1"] + WORKER + [out, EPOCHS, 60])
+    joined_from = last_step(job.out())
+    job.wait_for("a step on 3 workers after the join", reached(joined_from + 1, 3))
+
+    assert joiner.wait() == 0, joiner.err()
+    assert job.wait() == 0, job.err()
+    assert "was killed by signal 9 (SIGKILL); the job goes on without it" in job.err()
+    assert re.search(r"train pid=\d+ rank=\d+ world=3 step=[1-9]", job.out() + joiner.out()), job.out()
+    got, want = torch.load(out), torch.load(reference)
+    assert torch.equal(got["counts"], torch.ones(EPOCHS, 240, dtype=torch.long))
+    assert torch.equal(want["counts"], torch.ones(EPOCHS, 240, dtype=torch.long))
+    diff = sum(float((a - b).pow(2).sum()) for a, b in zip(got["parameters"], want["parameters"]))
+    norm = sum(float(b.pow(2).sum()) for b in want["parameters"])
+    assert (diff / norm) ** 0.5 < 1e-4
+
+
+def test_sigint_makes_every_worker_leave_at_a_commit(tmp_path, jobs):
+    job = jobs(["--min", "1", "--max", "2", "-n", "2", "--token-file", tmp_path / "token"] + WORKER
+               + [tmp_path / "out.pt", EPOCHS, 60])
+    job.wait_for("step 5 on 2 workers", reached(5, 2))
+    job._process.send_signal(signal.SIGINT)
+    assert job.wait(60) == 130, job.err()
+    assert "received SIGINT; stopping the workers" in job.err()
+    assert job.err().count("leaves the job after step") == 2, job.err()
+    assert job.err().splitlines()[-2:] == ["shoal run: worker 0 exited with code 0",
+                                          "shoal run: worker 1 exited with code 0"], job.err()
+
+
+def test_outside_an_elastic_job_the_program_s_error_leaves_run_as_it_came():
+    assert issubclass(shoal.elastic.WorldChange, BaseException)
+    assert not issubclass(shoal.elastic.WorldChange, Exception)
+    net = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.Adam(net.parameters(), lr=0.1)
+    with pytest.raises(shoal.UsageError) as raised:
+        shoal.elastic.State(net, optimizer, torch.utils.data.DataLoader(list(range(8))))
+    assert str(raised.value) == ("shoal.elastic.State: the loader is a DataLoader; expected a shoal.data.DataLoader "
+                                 "or shoal.data.Sampler")
+    loader = shoal.data.DataLoader(list(range(8)), batch_size=4, per_worker=True)
+    with pytest.raises(shoal.UsageError) as raised:
+        shoal.elastic.State(net, optimizer, loader)
+    assert "keep_global_batch() needs a sampler whose batch_size is the global batch" in str(raised.value)
