@@ -141,6 +141,25 @@ class DataLoader:
         self.sampler.load_state_dict(state)
 
     def _batches(self):
+        if self.sampler._sampler.leased():
+            return self._leased_batches()
+        return self._shared_batches()
+
+    def _leased_batches(self):
+        # Each lease is taken when the step before it is done (shoal.ps.Optimizer.train_on): read
+        # here, one at a time, as torch's loader would in its own process.
+        if self._torch_kwargs.get("num_workers", 0):
+            raise _C.UsageError("DataLoader: batches leased from the servers (shoal.ps.Optimizer.train_on) are read "
+                                "one at a time, each when the step before it is done; expected num_workers=0")
+        collate = self._torch_kwargs.get("collate_fn") or torch.utils.data.default_collate
+        sampler = self.sampler._sampler
+        while not sampler.epoch_done():
+            indices = list(sampler.batch())
+            batch = collate([self.dataset[i] for i in indices or [0]])  # an idle step: 0 rows
+            sampler.advance()
+            yield batch if indices else _no_rows(batch)
+
+    def _shared_batches(self):
         shares = _Shares(self.sampler._sampler)
         loader = torch.utils.data.DataLoader(self.dataset, batch_sampler=shares, **self._torch_kwargs)
         for batch in loader:

@@ -11,19 +11,24 @@
 
 #include <pybind11/pybind11.h>
 #include <torch/nn/module.h>
+#include <torch/optim/adagrad.h>
+#include <torch/optim/adam.h>
 #include <torch/optim/optimizer.h>
+#include <torch/optim/sgd.h>
 
 #include "shoal/core/timeout.h"
 
 namespace shoal::python {
 
 using Named = std::vector<std::pair<std::string, at::Tensor>>;
+using Placed = std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>>;
 
 // A C++ module that registers these very tensors under their names, nested at each '.', with a
-// submodule for each of `modules` too, tensors or none (a ReLU's), as a C++ model has (Note [A
-// Python module's tensors in C++], bindings.cpp).
+// submodule for each of `modules` too, tensors or none (a ReLU's), as a C++ model has, and the
+// C++ modules of `placed` at their paths (a Python ps.Embedding's C++ table) (Note [A Python
+// module's tensors in C++], bindings.cpp).
 std::shared_ptr<torch::nn::Module> mirror(const Named& parameters, const Named& buffers,
-                                          const std::vector<std::string>& modules = {});
+                                          const std::vector<std::string>& modules = {}, const Placed& placed = {});
 
 // A deadline from Python: seconds, or None for the group's. UsageError for a number not above 0.
 Duration deadline(const std::optional<double>& seconds);
@@ -52,10 +57,19 @@ class OptimizerMirror {
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
 };
 
+// A torch.optim param group's options (a dict, e.g. {"lr": 0.1, "momentum": 0.9}) as LibTorch's;
+// what the dict lacks takes torch's default.
+torch::optim::SGDOptions sgd_options(const pybind11::dict& group);
+torch::optim::AdagradOptions adagrad_options(const pybind11::dict& group);
+torch::optim::AdamOptions adam_options(const pybind11::dict& group);
+
 // shoal._C's checkpoint functions and OptimizerMirror (checkpoint.cpp).
 void bind_checkpoint(pybind11::module_& m);
 
 // shoal._C's elastic State and run (elastic.cpp).
 void bind_elastic(pybind11::module_& m);
+
+// shoal._C's parameter-server Optimizer and Embedding (ps.cpp).
+void bind_ps(pybind11::module_& m);
 
 }  // namespace shoal::python

@@ -44,7 +44,7 @@ class Mirror : public torch::nn::Module {
 };
 
 std::shared_ptr<torch::nn::Module> mirror(const Named& parameters, const Named& buffers,
-                                          const std::vector<std::string>& modules) {
+                                          const std::vector<std::string>& modules, const Placed& placed) {
   auto root = std::make_shared<Mirror>();
   // The module of `name`'s path up to its last '.', made as needed; `start` is left at the last part.
   auto parent = [&root](const std::string& name, size_t& start) {
@@ -58,6 +58,7 @@ std::shared_ptr<torch::nn::Module> mirror(const Named& parameters, const Named& 
   };
   size_t start = 0;
   for (const auto& name : modules) parent(name, start)->child(name.substr(start));
+  for (const auto& [name, module] : placed) parent(name, start)->register_module(name.substr(start), module);
   for (const auto& [name, tensor] : parameters) {
     parent(name, start)->register_parameter(name.substr(start), tensor, tensor.requires_grad());
   }
@@ -265,6 +266,7 @@ void bind_data(py::module_& m) {
       .def("set_epoch", &Sampler::set_epoch)
       .def("reshard", &Sampler::reshard)
       .def("epoch_done", &Sampler::epoch_done)
+      .def("leased", &Sampler::leased)
       .def("batch", &Sampler::batch)
       .def("global_batch_at_cursor", &Sampler::global_batch_at_cursor)
       .def("advance", &Sampler::advance)
@@ -326,6 +328,7 @@ PYBIND11_MODULE(_C, m) {
   sp::bind_data(m);
   sp::bind_checkpoint(m);
   sp::bind_elastic(m);
+  sp::bind_ps(m);
 
   // DataParallel's communication hooks (shoal/dp/comm_hooks.h), opaque: they run in C++.
   py::class_<shoal::dp::CommHook>(m, "CommHook");

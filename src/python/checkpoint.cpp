@@ -91,49 +91,63 @@ double number(const py::dict& group, const char* key, double otherwise) {
 }
 bool flag(const py::dict& group, const char* key) { return group.contains(key) && group[key].cast<bool>(); }
 
-template <typename Optimizer, typename Options, typename Configure>
-std::unique_ptr<torch::optim::Optimizer> build(const OptimizerMirror::Groups& groups, Configure configure) {
+template <typename Options>
+Options adam_like(const py::dict& g) {
+  Options o(number(g, "lr", 1e-3));
+  if (g.contains("betas")) o.betas(g["betas"].cast<std::tuple<double, double>>());
+  o.eps(number(g, "eps", 1e-8)).weight_decay(number(g, "weight_decay", o.weight_decay()));
+  o.amsgrad(flag(g, "amsgrad"));
+  return o;
+}
+
+template <typename Optimizer, typename Options>
+std::unique_ptr<torch::optim::Optimizer> build(const OptimizerMirror::Groups& groups,
+                                               Options (*options_of)(const py::dict&)) {
   std::vector<torch::optim::OptimizerParamGroup> param_groups;
   for (const auto& [params, options] : groups) {
-    auto made = std::make_unique<Options>(number(options, "lr", 1e-3));
-    configure(*made, options);
-    param_groups.emplace_back(params, std::move(made));
+    param_groups.emplace_back(params, std::make_unique<Options>(options_of(options)));
   }
-  Options defaults(groups.empty() ? 1e-3 : number(groups.front().second, "lr", 1e-3));
-  return std::make_unique<Optimizer>(std::move(param_groups), defaults);
+  return std::make_unique<Optimizer>(std::move(param_groups), options_of(groups.empty() ? py::dict() : groups.front().second));
+}
+
+}  // namespace
+
+torch::optim::SGDOptions sgd_options(const py::dict& g) {
+  torch::optim::SGDOptions o(number(g, "lr", 1e-3));
+  o.momentum(number(g, "momentum", 0)).dampening(number(g, "dampening", 0));
+  o.weight_decay(number(g, "weight_decay", 0)).nesterov(flag(g, "nesterov"));
+  return o;
+}
+
+torch::optim::AdagradOptions adagrad_options(const py::dict& g) {
+  torch::optim::AdagradOptions o(number(g, "lr", 1e-2));
+  o.lr_decay(number(g, "lr_decay", 0)).weight_decay(number(g, "weight_decay", 0));
+  o.initial_accumulator_value(number(g, "initial_accumulator_value", 0)).eps(number(g, "eps", 1e-10));
+  return o;
+}
+
+torch::optim::AdamOptions adam_options(const py::dict& g) { return adam_like<torch::optim::AdamOptions>(g); }
+
+namespace {
+
+torch::optim::AdamWOptions adamw_options(const py::dict& g) { return adam_like<torch::optim::AdamWOptions>(g); }
+
+torch::optim::RMSpropOptions rmsprop_options(const py::dict& g) {
+  torch::optim::RMSpropOptions o(number(g, "lr", 1e-2));
+  o.alpha(number(g, "alpha", 0.99)).eps(number(g, "eps", 1e-8));
+  o.weight_decay(number(g, "weight_decay", 0)).momentum(number(g, "momentum", 0)).centered(flag(g, "centered"));
+  return o;
 }
 
 }  // namespace
 
 std::unique_ptr<torch::optim::Optimizer> OptimizerMirror::make(const std::string& type, const Groups& groups) {
   using namespace torch::optim;  // NOLINT: the five optimizers' names read best unqualified
-  if (type == "SGD") {
-    return build<SGD, SGDOptions>(groups, [](SGDOptions& o, const py::dict& g) {
-      o.momentum(number(g, "momentum", 0)).dampening(number(g, "dampening", 0));
-      o.weight_decay(number(g, "weight_decay", 0)).nesterov(flag(g, "nesterov"));
-    });
-  }
-  auto adam = [](auto& o, const py::dict& g) {
-    if (g.contains("betas")) o.betas(g["betas"].cast<std::tuple<double, double>>());
-    o.eps(number(g, "eps", 1e-8)).weight_decay(number(g, "weight_decay", o.weight_decay()));
-    o.amsgrad(flag(g, "amsgrad"));
-  };
-  if (type == "Adam") return build<Adam, AdamOptions>(groups, adam);
-  if (type == "AdamW") return build<AdamW, AdamWOptions>(groups, adam);
-  if (type == "Adagrad") {
-    return build<Adagrad, AdagradOptions>(groups, [](AdagradOptions& o, const py::dict& g) {
-      o.lr_decay(number(g, "lr_decay", 0)).weight_decay(number(g, "weight_decay", 0));
-      o.initial_accumulator_value(number(g, "initial_accumulator_value", 0));
-      o.eps(number(g, "eps", 1e-10));
-    });
-  }
-  if (type == "RMSprop") {
-    return build<RMSprop, RMSpropOptions>(groups, [](RMSpropOptions& o, const py::dict& g) {
-      o.alpha(number(g, "alpha", 0.99)).eps(number(g, "eps", 1e-8));
-      o.weight_decay(number(g, "weight_decay", 0)).momentum(number(g, "momentum", 0));
-      o.centered(flag(g, "centered"));
-    });
-  }
+  if (type == "SGD") return build<SGD>(groups, sgd_options);
+  if (type == "Adam") return build<Adam>(groups, adam_options);
+  if (type == "AdamW") return build<AdamW>(groups, adamw_options);
+  if (type == "Adagrad") return build<Adagrad>(groups, adagrad_options);
+  if (type == "RMSprop") return build<RMSprop>(groups, rmsprop_options);
   throw UsageError("the optimizer is torch.optim." + type +
                    "; expected torch.optim.SGD, Adam, AdamW, Adagrad or RMSprop, whose state shoal saves");
 }

@@ -14,10 +14,10 @@ DEADLINE = 120  # seconds a job may take, start to end
 PROGRAMS = os.environ.get("SHOAL_TEST_PROGRAMS", "")  # the tests' C++ programs (tests/programs/)
 
 
-def run_job(workers, program, *args):
+def run_job(workers, program, *args, servers=0):
     """`shoal run -n WORKERS python3 PROGRAM ARGS...` for a PROGRAM.py of this folder, else
-    `shoal run -n WORKERS PROGRAM ARGS...` for one of the tests' C++ programs; returns its output,
-    asserting it succeeded."""
+    `shoal run -n WORKERS PROGRAM ARGS...` for one of the tests' C++ programs (with `--servers
+    SERVERS` parameter servers when given); returns its output, asserting it succeeded."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in [HERE, env.get("PYTHONPATH", "")] if p)
     env["SHOAL_TIMEOUT"] = "60"
@@ -25,7 +25,8 @@ def run_job(workers, program, *args):
         command = [sys.executable, os.path.join(HERE, program)]
     else:
         command = [os.path.join(PROGRAMS, program)]
-    result = subprocess.run([SHOAL, "run", "-n", str(workers)] + command + [str(a) for a in args],
+    flags = ["--servers", str(servers)] if servers else []
+    result = subprocess.run([SHOAL, "run"] + flags + ["-n", str(workers)] + command + [str(a) for a in args],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=DEADLINE, text=True)
     assert result.returncode == 0, result.stdout
     return result.stdout
