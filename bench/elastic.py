@@ -1,6 +1,6 @@
 """Elastic recovery, shoal beside torchrun's elastic agent (bench/RESULTS.md, section "elastic").
 
-    [ROUNDS=3] [CONTENDERS=shoal,shoal-etcd,torchrun,torchrun-tuned,torchrun-fixed] [RAW=FILE] \
+    [ROUNDS=3] [CONTENDERS=shoal,shoal-etcd,shoal-python,torchrun,torchrun-tuned,torchrun-fixed] [RAW=FILE] \
         /usr/bin/python3 bench/elastic.py BUILD_DIR
 
 For each round and contender, on the MLP of bench/ddp (784-2048-2048-10, batch 64 per worker,
@@ -14,6 +14,8 @@ Contenders:
   shoal           gossip membership, one `shoal run --min 1 --max 3 -n 3`; kill: one worker.
   shoal-etcd      the same with `--rendezvous etcd://...`, on an etcd server this script starts
                   (Debian's etcd-server, one member on 127.0.0.1, its data in a temporary directory).
+  shoal-python    shoal with the program in Python (bench/elastic_python.py: shoal.elastic over
+                  the same C++ core, the package from BUILD_DIR/python, Debian's /usr/bin/python3).
   torchrun        torchrun's defaults for an elastic job: c10d rendezvous, `--nnodes=1:3`. A world
                   only shrinks when an agent is lost (a lost worker is restarted by its agent, the
                   world keeps its size), so the kill runs 3 agents of one worker each and SIGKILLs
@@ -172,11 +174,17 @@ def step_line(min_step=0, world=None, after=0.0, min_restart=None):
 ETCD = None  # "HOST:PORT" of the etcd server that main() starts for shoal-etcd
 
 
+def program(build, contender):
+    """The worker program's argv for a shoal contender."""
+    if contender == "shoal-python":
+        return ["/usr/bin/python3", os.path.join(HERE, "elastic_python.py"), "--steps", "100000"]
+    return [f"{build}/bench/elastic", "--steps", "100000"]
+
+
 def shoal_argv(build, n, contender, extra=()):
     if contender == "shoal-etcd":
         extra = ["--rendezvous", f"etcd://{ETCD}", *extra]
-    return [f"{build}/bin/shoal", "run", "--min", "1", "--max", "3", "-n", str(n), *extra,
-            f"{build}/bench/elastic", "--steps", "100000"]
+    return [f"{build}/bin/shoal", "run", "--min", "1", "--max", "3", "-n", str(n), *extra, *program(build, contender)]
 
 
 def start_etcd(work):
@@ -271,7 +279,8 @@ def find_shoal_worker(launcher_pid, exclude_first):
     """A worker of `shoal run` (its children, in start order), not the first one when asked."""
     out = subprocess.run(["pgrep", "-P", str(launcher_pid)], capture_output=True, text=True).stdout.split()
     pids = sorted(int(p) for p in out)
-    workers = [p for p in pids if open(f"/proc/{p}/cmdline").read().split("\0")[0].endswith("bench/elastic")]
+    workers = [p for p in pids if any(a.endswith(("bench/elastic", "bench/elastic_python.py"))
+                                      for a in open(f"/proc/{p}/cmdline").read().split("\0")[:2])]
     return workers[1] if exclude_first and len(workers) > 1 else workers[0]
 
 
@@ -296,7 +305,7 @@ def measure_join(contender, build, work):
         if contender.startswith("shoal"):
             hint = open(os.path.join(work, "join.err")).read()
             flags = re.search(r"to add workers: shoal run (.+) PROGRAM", hint).group(1).split()
-            jobs.start([f"{build}/bin/shoal", "run", *flags, "-n", "1", f"{build}/bench/elastic", "--steps", "100000"],
+            jobs.start([f"{build}/bin/shoal", "run", *flags, "-n", "1", *program(build, contender)],
                        os.path.join(work, "join2.err"))
         else:
             jobs.start(torchrun_argv(contender, 1, "1:2", endpoint, checkpoint, os.path.join(work, "join-logs2")),
@@ -326,11 +335,13 @@ def main():
         sys.exit("usage: /usr/bin/python3 bench/elastic.py BUILD_DIR")
     build = sys.argv[1]
     rounds = int(os.environ.get("ROUNDS", "3"))
-    known = ("shoal", "shoal-etcd", "torchrun", "torchrun-tuned", "torchrun-fixed")
+    known = ("shoal", "shoal-etcd", "shoal-python", "torchrun", "torchrun-tuned", "torchrun-fixed")
     contenders = [c for c in os.environ.get("CONTENDERS", ",".join(known)).split(",") if c and c != "none"]
     for c in contenders:
         if c not in known:
             sys.exit(f"elastic.py: unknown contender '{c}'; expected some of {','.join(known)} or none")
+    if "shoal-python" in contenders:
+        os.environ["PYTHONPATH"] = os.path.join(build, "python")  # the package shoal of BUILD_DIR
     stamp = datetime.datetime.utcnow().strftime("%Y%m%dT%H%MZ")
     raw_path = os.environ.get("RAW", os.path.join(HERE, "results", f"elastic-{stamp}.txt"))
     os.makedirs(os.path.dirname(raw_path), exist_ok=True)

@@ -15,9 +15,10 @@ PROGRAMS = os.environ.get("SHOAL_TEST_PROGRAMS", "")  # the tests' C++ programs 
 
 
 def run_job(workers, program, *args, servers=0):
-    """`shoal run -n WORKERS python3 PROGRAM ARGS...` for a PROGRAM.py of this folder, else
-    `shoal run -n WORKERS PROGRAM ARGS...` for one of the tests' C++ programs (with `--servers
-    SERVERS` parameter servers when given); returns its output, asserting it succeeded."""
+    """`shoal run -n WORKERS python3 PROGRAM ARGS...` for a PROGRAM.py (of this folder, or a path),
+    else `shoal run -n WORKERS PROGRAM ARGS...` for one of the tests' C++ programs (or a path), with
+    `--servers SERVERS` parameter servers when given; returns its output, asserting it succeeded.
+    (os.path.join keeps an absolute path as it is.)"""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in [HERE, env.get("PYTHONPATH", "")] if p)
     env["SHOAL_TIMEOUT"] = "60"
