@@ -14,10 +14,11 @@ DEADLINE = 120  # seconds a job may take, start to end
 PROGRAMS = os.environ.get("SHOAL_TEST_PROGRAMS", "")  # the tests' C++ programs (tests/programs/)
 
 
-def run_job(workers, program, *args, servers=0):
+def run_job(workers, program, *args, servers=0, flags=()):
     """`shoal run -n WORKERS python3 PROGRAM ARGS...` for a PROGRAM.py (of this folder, or a path),
     else `shoal run -n WORKERS PROGRAM ARGS...` for one of the tests' C++ programs (or a path), with
-    `--servers SERVERS` parameter servers when given; returns its output, asserting it succeeded.
+    `--servers SERVERS` parameter servers when given and `flags` before -n (`--min 1 --max 2`);
+    returns its output, asserting it succeeded.
     (os.path.join keeps an absolute path as it is.)"""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in [HERE, env.get("PYTHONPATH", "")] if p)
@@ -26,7 +27,7 @@ def run_job(workers, program, *args, servers=0):
         command = [sys.executable, os.path.join(HERE, program)]
     else:
         command = [os.path.join(PROGRAMS, program)]
-    flags = ["--servers", str(servers)] if servers else []
+    flags = (["--servers", str(servers)] if servers else []) + [str(f) for f in flags]
     result = subprocess.run([SHOAL, "run"] + flags + ["-n", str(workers)] + command + [str(a) for a in args],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=DEADLINE, text=True)
     assert result.returncode == 0, result.stdout

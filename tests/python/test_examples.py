@@ -1,7 +1,8 @@
 """examples/python/ against the C++ examples they are written from: the Fashion-MNIST demo in
 Python prints the C++ demo's losses and test accuracies line for line on 2 workers (the same model,
 initial weights, global batches and learning rates), and resumes the C++ demo's checkpoint on 3
-workers to the same lines as the C++ demo resuming it."""
+workers to the same lines as the C++ demo resuming it; the elastic example, in an elastic job of
+2 workers, ends at the C++ one's test accuracy and parameter checksum."""
 import os
 import re
 
@@ -9,8 +10,10 @@ import pytest
 
 from jobs import HERE, run_job
 
-DEMO_CPP = os.path.join(os.environ.get("SHOAL_EXAMPLES", ""), "fashion_mnist")  # the C++ examples' binaries
-DEMO_PYTHON = os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples", "python", "fashion_mnist.py")
+EXAMPLES_CPP = os.environ.get("SHOAL_EXAMPLES", "")  # the C++ examples' binaries
+DEMO_CPP = os.path.join(EXAMPLES_CPP, "fashion_mnist")
+EXAMPLES_PYTHON = os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples", "python")
+DEMO_PYTHON = os.path.join(EXAMPLES_PYTHON, "fashion_mnist.py")
 
 
 def results(out):
@@ -34,3 +37,14 @@ def test_the_python_demo_trains_as_the_cpp_demo_and_resumes_its_checkpoint(tmp_p
                              tmp_path / "python.ckpt")
     assert "resumed from %s at epoch 3" % (tmp_path / "python.ckpt") in python_resumed
     assert results(python_resumed) == results(cpp_resumed)
+
+
+@pytest.mark.skipif(not os.path.exists(DEMO_CPP), reason="the build has no examples (no Fashion-MNIST)")
+def test_the_elastic_example_ends_where_the_cpp_one_ends():
+    flags = ["--limit", "1200", "--epochs", "2"]
+    elastic = ["--min", "1", "--max", "2"]
+    cpp = run_job(2, os.path.join(EXAMPLES_CPP, "elastic_fashion_mnist"), *flags, flags=elastic)
+    python = run_job(2, os.path.join(EXAMPLES_PYTHON, "elastic_fashion_mnist.py"), *flags, flags=elastic)
+    end = re.compile(r"after (\d+) steps: test accuracy ([0-9.]+), parameter checksum ([0-9.]+)")
+    assert end.findall(cpp) and end.findall(python) == end.findall(cpp), (cpp, python)
+
