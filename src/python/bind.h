@@ -72,4 +72,7 @@ void bind_elastic(pybind11::module_& m);
 // shoal._C's parameter-server Optimizer and Embedding (ps.cpp).
 void bind_ps(pybind11::module_& m);
 
+// shoal._C.global_: Placement, Sbp, GlobalTensor and the ops (global.cpp).
+void bind_global(pybind11::module_& m);
+
 }  // namespace shoal::python

@@ -329,6 +329,7 @@ PYBIND11_MODULE(_C, m) {
   sp::bind_checkpoint(m);
   sp::bind_elastic(m);
   sp::bind_ps(m);
+  sp::bind_global(m);
 
   // DataParallel's communication hooks (shoal/dp/comm_hooks.h), opaque: they run in C++.
   py::class_<shoal::dp::CommHook>(m, "CommHook");
