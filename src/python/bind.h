@@ -23,10 +23,19 @@ namespace shoal::python {
 using Named = std::vector<std::pair<std::string, at::Tensor>>;
 using Placed = std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>>;
 
-// A C++ module that registers these very tensors under their names, nested at each '.', with a
-// submodule for each of `modules` too, tensors or none (a ReLU's), as a C++ model has, and the
-// C++ modules of `placed` at their paths (a Python ps.Embedding's C++ table) (Note [A Python
-// module's tensors in C++], bindings.cpp).
+// A C++ module that registers a Python module's very tensors (no copies) under their names,
+// nested at each '.' in modules of its own kind, with a submodule for each of `modules` too,
+// tensors or none (a ReLU's), as a C++ model of the same layers has, and the C++ modules of
+// `placed` at their paths (a Python ps.Embedding's C++ table) (Note [A Python module's tensors in
+// C++], bindings.cpp).
+class Mirror : public torch::nn::Module {
+ public:
+  // The child `name`, made when it does not exist.
+  torch::nn::Module& child(const std::string& name);
+  void fill(const Named& parameters, const Named& buffers, const std::vector<std::string>& modules = {},
+            const Placed& placed = {});
+};
+
 std::shared_ptr<torch::nn::Module> mirror(const Named& parameters, const Named& buffers,
                                           const std::vector<std::string>& modules = {}, const Placed& placed = {});
 
@@ -74,5 +83,8 @@ void bind_ps(pybind11::module_& m);
 
 // shoal._C.global_: Placement, Sbp, GlobalTensor and the ops (global.cpp).
 void bind_global(pybind11::module_& m);
+
+// shoal._C.pipeline: schedules as data, and the Pipeline over Python layers (pipeline.cpp).
+void bind_pipeline(pybind11::module_& m);
 
 }  // namespace shoal::python

@@ -32,29 +32,28 @@ namespace shoal::python {
 // parameters and buffers are LibTorch tensors: the Python layer passes them with their names, and
 // a module of C++ is built that registers those very tensors (no copy) under the same names,
 // nested at each '.', so that DataParallel's checks name them as Python does ("fc.weight"). Its
-// hooks are then registered on the Python module's own tensors.
-class Mirror : public torch::nn::Module {
- public:
-  torch::nn::Module& child(const std::string& name) {
-    for (const auto& item : named_children()) {
-      if (item.key() == name) return *item.value();
-    }
-    return *register_module(name, std::make_shared<Mirror>());
+// hooks are then registered on the Python module's own tensors. The same C++ tree serves a
+// checkpoint (with the submodules that hold no tensor, so that it is a C++ model's tree), the
+// parameter servers (with each table's C++ module at its path) and a pipeline's layers
+// (pipeline.cpp, whose layer also calls the Python module's forward).
+torch::nn::Module& Mirror::child(const std::string& name) {
+  for (const auto& item : named_children()) {
+    if (item.key() == name) return *item.value();
   }
-};
+  return *register_module(name, std::make_shared<Mirror>());
+}
 
-std::shared_ptr<torch::nn::Module> mirror(const Named& parameters, const Named& buffers,
-                                          const std::vector<std::string>& modules, const Placed& placed) {
-  auto root = std::make_shared<Mirror>();
+void Mirror::fill(const Named& parameters, const Named& buffers, const std::vector<std::string>& modules,
+                  const Placed& placed) {
   // The module of `name`'s path up to its last '.', made as needed; `start` is left at the last part.
-  auto parent = [&root](const std::string& name, size_t& start) {
-    torch::nn::Module* module = root.get();
+  auto parent = [this](const std::string& name, size_t& start) {
+    Mirror* module = this;
     start = 0;
     for (size_t dot = name.find('.'); dot != std::string::npos; dot = name.find('.', start)) {
-      module = &static_cast<Mirror*>(module)->child(name.substr(start, dot - start));
+      module = static_cast<Mirror*>(&module->child(name.substr(start, dot - start)));
       start = dot + 1;
     }
-    return static_cast<Mirror*>(module);
+    return module;
   };
   size_t start = 0;
   for (const auto& name : modules) parent(name, start)->child(name.substr(start));
@@ -63,6 +62,12 @@ std::shared_ptr<torch::nn::Module> mirror(const Named& parameters, const Named& 
     parent(name, start)->register_parameter(name.substr(start), tensor, tensor.requires_grad());
   }
   for (const auto& [name, tensor] : buffers) parent(name, start)->register_buffer(name.substr(start), tensor);
+}
+
+std::shared_ptr<torch::nn::Module> mirror(const Named& parameters, const Named& buffers,
+                                          const std::vector<std::string>& modules, const Placed& placed) {
+  auto root = std::make_shared<Mirror>();
+  root->fill(parameters, buffers, modules, placed);
   return root;
 }
 
@@ -330,6 +335,7 @@ PYBIND11_MODULE(_C, m) {
   sp::bind_elastic(m);
   sp::bind_ps(m);
   sp::bind_global(m);
+  sp::bind_pipeline(m);
 
   // DataParallel's communication hooks (shoal/dp/comm_hooks.h), opaque: they run in C++.
   py::class_<shoal::dp::CommHook>(m, "CommHook");
