@@ -14,6 +14,7 @@ import torch
 
 from . import _C
 from .dp import DataParallel
+from .global_nn import global_layers
 
 # The optimizers whose state shoal saves, by their LibTorch name, and how Python keeps the step:
 # a 0-dim float tensor (Adam, AdamW, Adagrad in torch 1.13), an int (RMSprop) or none (SGD).
@@ -38,13 +39,22 @@ def _module(model, what):
 
 def _tensors(module):
     """The module's parameters and persistent buffers by every name its state_dict gives them (a
-    tied weight under each of its modules, as a C++ module saves it), and its submodules' names:
-    the tree a C++ model of the same layers has."""
+    tied weight under each of its modules, as a C++ module saves it), its submodules' names (the
+    tree a C++ model of the same layers has), and its global layers (shoal.global_.nn) with their
+    paths, whose tensors are theirs: a checkpoint takes those C++ layers themselves, which save
+    and load whole values."""
+    layers = global_layers(module)
+    paths = [path for path, _ in layers]
+
+    def inside(name):
+        return any(path == "" or name == path or name.startswith(path + ".") for path in paths)
+
     parameters, buffers = [], []
     for name, tensor in module.state_dict(keep_vars=True).items():
-        (parameters if isinstance(tensor, torch.nn.Parameter) else buffers).append((name, tensor))
-    modules = [name for name, _ in module.named_modules(remove_duplicate=False) if name]
-    return parameters, buffers, modules
+        if not inside(name):
+            (parameters if isinstance(tensor, torch.nn.Parameter) else buffers).append((name, tensor))
+    modules = [name for name, _ in module.named_modules(remove_duplicate=False) if name and not inside(name)]
+    return parameters, buffers, modules, layers
 
 
 def _kind(optimizer, what):
@@ -55,11 +65,11 @@ def _kind(optimizer, what):
                         "whose state shoal saves" % (what, type(optimizer).__module__, type(optimizer).__name__))
 
 
-def _mirror(optimizer, parameters, what):
+def _mirror(optimizer, module, what):
     """A LibTorch optimizer of the optimizer's type over the same tensors, in the same groups and
     with the same options (Note [A Python optimizer's state in C++], src/python/checkpoint.cpp)."""
     name, _ = _kind(optimizer, what)
-    of_model = {id(p) for _, p in parameters}
+    of_model = {id(p) for p in module.parameters()}
     groups = []
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -121,17 +131,19 @@ def save(path, model, optimizer=None, loader=None, extras=None, group=None, time
     the other workers' wait for the write."""
     what = "shoal.save"
     _check(optimizer, loader, what)
-    parameters, buffers, modules = _tensors(_module(model, what))
+    module = _module(model, what)
+    parameters, buffers, modules, layers = _tensors(module)
     mirror = None
     if optimizer is not None:
-        mirror = _mirror(optimizer, parameters, what)
+        mirror = _mirror(optimizer, module, what)
         mirror.give(optimizer)
     extras = dict(extras or {})
     for name, value in extras.items():
         if not isinstance(name, str) or not isinstance(value, torch.Tensor):
             raise _C.UsageError("%s: extras[%r] is a %s; expected str keys and torch.Tensor values "
                                 "(torch.tensor(0.01))" % (what, name, type(value).__name__))
-    _C.save(path=str(path), parameters=parameters, buffers=buffers, modules=modules, optimizer=mirror,
+    _C.save(path=str(path), parameters=parameters, buffers=buffers, modules=modules, global_layers=layers,
+            optimizer=mirror,
             loader=_sampler(loader, what), extras=extras, group=group, timeout=timeout)
 
 
@@ -144,9 +156,11 @@ def load(path, model, optimizer=None, loader=None, group=None, timeout=None):
     mismatch, with nothing changed. A collective, as save."""
     what = "shoal.load"
     _check(optimizer, loader, what)
-    parameters, buffers, modules = _tensors(_module(model, what))
-    mirror = None if optimizer is None else _mirror(optimizer, parameters, what)
-    extras = _C.load(path=str(path), parameters=parameters, buffers=buffers, modules=modules, optimizer=mirror,
+    module = _module(model, what)
+    parameters, buffers, modules, layers = _tensors(module)
+    mirror = None if optimizer is None else _mirror(optimizer, module, what)
+    extras = _C.load(path=str(path), parameters=parameters, buffers=buffers, modules=modules, global_layers=layers,
+            optimizer=mirror,
                      loader=_sampler(loader, what), group=group, timeout=timeout)
     if mirror is not None:
         _state_from_mirror(optimizer, mirror)

@@ -21,7 +21,8 @@ what is left of the epoch over the new world and calls train again, which goes o
 commit. The state is the C++ one: the Python model's tensors, the optimizer's state (moved by
 field name, as shoal.save moves it) and the loader's position."""
 from . import _C
-from .checkpoint import _mirror, _module, _state_from_mirror, _tensors
+from .checkpoint import _mirror, _module, _state_from_mirror
+from .global_nn import global_layers
 
 WorldChange = _C.WorldChange
 
@@ -78,13 +79,16 @@ class State:
         if not hasattr(sampler, "_sampler"):
             raise _C.UsageError("%s: the loader is a %s; expected a shoal.data.DataLoader or shoal.data.Sampler"
                                 % (what, type(loader).__name__))
-        parameters = list(module.named_parameters())
+        layers = global_layers(module)
+        in_layers = {id(t) for _, layer in layers for _, t in layer.named_parameters()}
+        parameters = [(n, p) for n, p in module.named_parameters() if id(p) not in in_layers]
         buffers = list(module.named_buffers())
         self._optimizer = optimizer
-        self._mirror = _mirror(optimizer, _tensors(module)[0], what)
+        self._mirror = _mirror(optimizer, module, what)
         self._give()  # a state loaded before (shoal.load) is the first commit's
         self._state = _C.ElasticState(
-            parameters=parameters, buffers=buffers, optimizer=self._mirror, sampler=sampler._sampler,
+            parameters=parameters, buffers=buffers, global_layers=layers, optimizer=self._mirror,
+            sampler=sampler._sampler,
             policy=policy.kind, reference_world_size=policy.reference_world_size, warmup_steps=policy.warmup_steps,
             copy_parameters=bool(copy_parameters), checkpoint=str(checkpoint), checkpoint_every=int(checkpoint_every))
         self._state.on_reset(self._take)

@@ -30,7 +30,9 @@ randn, rand, zeros, ones = _g.randn, _g.rand, _g.zeros, _g.ones
     _g.reshape, _g.view, _g.transpose, _g.permute, _g.cat, _g.slice, _g.layer_norm, _g.embedding, _g.cross_entropy,
     _g.dropout)
 
-__all__ = ["Placement", "Sbp", "NdSbp", "GlobalTensor", "split", "broadcast", "partial_sum", "from_local", "from_full",
+from . import global_nn as nn  # noqa: E402  (the layers, over the names above)
+
+__all__ = ["nn", "Placement", "Sbp", "NdSbp", "GlobalTensor", "split", "broadcast", "partial_sum", "from_local", "from_full",
            "randn", "rand", "zeros", "ones", "matmul", "linear", "relu", "gelu", "tanh", "sigmoid", "softmax",
            "log_softmax", "sum", "mean", "max", "reshape", "view", "transpose", "permute", "cat", "slice",
            "layer_norm", "embedding", "cross_entropy", "dropout"]

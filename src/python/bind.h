@@ -81,8 +81,12 @@ void bind_elastic(pybind11::module_& m);
 // shoal._C's parameter-server Optimizer and Embedding (ps.cpp).
 void bind_ps(pybind11::module_& m);
 
-// shoal._C.global_: Placement, Sbp, GlobalTensor and the ops (global.cpp).
+// shoal._C.global_: Placement, Sbp, GlobalTensor and the ops, and global_.nn's layers (global.cpp).
 void bind_global(pybind11::module_& m);
+
+// A list of (path, shoal._C.global_.nn.GlobalLayer) as the C++ layers at their paths, for a
+// checkpoint's module (Note [Global layers in Python], global.cpp).
+Placed placed_global_layers(const pybind11::handle& layers);
 
 // shoal._C.pipeline: schedules as data, and the Pipeline over Python layers (pipeline.cpp).
 void bind_pipeline(pybind11::module_& m);

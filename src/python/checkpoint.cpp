@@ -152,6 +152,19 @@ std::unique_ptr<torch::optim::Optimizer> OptimizerMirror::make(const std::string
                    "; expected torch.optim.SGD, Adam, AdamW, Adagrad or RMSprop, whose state shoal saves");
 }
 
+namespace {
+
+// The C++ module a checkpoint saves: the Python model's tree over its tensors with its global
+// layers placed at their paths, or the global layer itself when the model is one.
+std::shared_ptr<torch::nn::Module> model_of(const Named& parameters, const Named& buffers,
+                                            const std::vector<std::string>& modules, const py::list& global_layers) {
+  Placed placed = placed_global_layers(global_layers);
+  if (placed.size() == 1 && placed[0].first.empty()) return placed[0].second;
+  return mirror(parameters, buffers, modules, placed);
+}
+
+}  // namespace
+
 void bind_checkpoint(py::module_& m) {
   py::class_<OptimizerMirror>(m, "OptimizerMirror")
       .def(py::init<const std::string&, const OptimizerMirror::Groups&>(), py::arg("type"), py::arg("groups"))
@@ -163,10 +176,10 @@ void bind_checkpoint(py::module_& m) {
   m.def(
       "save",
       [](const std::string& path, const Named& parameters, const Named& buffers,
-         const std::vector<std::string>& modules, OptimizerMirror* optimizer,
+         const std::vector<std::string>& modules, const py::list& global_layers, OptimizerMirror* optimizer,
          data::Sampler* loader, const CheckpointExtras& extras, const std::optional<comm::Group>& group,
          std::optional<double> timeout) {
-        auto module = mirror(parameters, buffers, modules);
+        auto module = model_of(parameters, buffers, modules, global_layers);
         SaveOptions options;
         options.extras = extras;
         options.group = group;
@@ -180,15 +193,16 @@ void bind_checkpoint(py::module_& m) {
           shoal::save(path, *module, optimizer->optimizer(), *loader, options);
         }
       },
-      py::arg("path"), py::arg("parameters"), py::arg("buffers"), py::arg("modules"), py::arg("optimizer"), py::arg("loader"),
+      py::arg("path"), py::arg("parameters"), py::arg("buffers"), py::arg("modules"), py::arg("global_layers"),
+      py::arg("optimizer"), py::arg("loader"),
       py::arg("extras"), py::arg("group"), py::arg("timeout"));
 
   m.def(
       "load",
       [](const std::string& path, const Named& parameters, const Named& buffers,
-         const std::vector<std::string>& modules, OptimizerMirror* optimizer,
+         const std::vector<std::string>& modules, const py::list& global_layers, OptimizerMirror* optimizer,
          data::Sampler* loader, const std::optional<comm::Group>& group, std::optional<double> timeout) {
-        auto module = mirror(parameters, buffers, modules);
+        auto module = model_of(parameters, buffers, modules, global_layers);
         CheckpointExtras extras;
         LoadOptions options;
         options.extras = &extras;
@@ -204,7 +218,8 @@ void bind_checkpoint(py::module_& m) {
         }
         return extras;
       },
-      py::arg("path"), py::arg("parameters"), py::arg("buffers"), py::arg("modules"), py::arg("optimizer"), py::arg("loader"),
+      py::arg("path"), py::arg("parameters"), py::arg("buffers"), py::arg("modules"), py::arg("global_layers"),
+      py::arg("optimizer"), py::arg("loader"),
       py::arg("group"), py::arg("timeout"));
 }
 

@@ -39,9 +39,11 @@ namespace {
 // Anything else is the program's own error and leaves run() as it came.
 class ElasticState {
  public:
-  ElasticState(const Named& parameters, const Named& buffers, OptimizerMirror& optimizer, data::Sampler& sampler,
-               const elastic::StateOptions& options)
-      : module_(mirror(parameters, buffers)), state_(*module_, optimizer.optimizer(), sampler, options) {}
+  // `placed`: the model's global layers at their paths, which elastic::State refuses with its own
+  // one line (their pieces differ between workers).
+  ElasticState(const Named& parameters, const Named& buffers, const Placed& placed, OptimizerMirror& optimizer,
+               data::Sampler& sampler, const elastic::StateOptions& options)
+      : module_(mirror(parameters, buffers, {}, placed)), state_(*module_, optimizer.optimizer(), sampler, options) {}
 
   elastic::State& state() { return state_; }
 
@@ -107,7 +109,8 @@ void bind_elastic(py::module_& m) {
   m.attr("WorldChange") = ElasticState::world_change();
 
   py::class_<ElasticState>(m, "ElasticState")
-      .def(py::init([](const Named& parameters, const Named& buffers, OptimizerMirror& optimizer, data::Sampler& sampler,
+      .def(py::init([](const Named& parameters, const Named& buffers, const py::list& global_layers,
+                       OptimizerMirror& optimizer, data::Sampler& sampler,
                        const std::string& policy, int reference_world_size, int64_t warmup_steps,
                        bool copy_parameters, const std::string& checkpoint, int64_t checkpoint_every) {
              elastic::StateOptions options;
@@ -115,13 +118,15 @@ void bind_elastic(py::module_& m) {
              options.copy_parameters = copy_parameters;
              options.checkpoint = checkpoint;
              options.checkpoint_every = checkpoint_every;
-             return std::make_unique<ElasticState>(parameters, buffers, optimizer, sampler, options);
+             return std::make_unique<ElasticState>(parameters, buffers, placed_global_layers(global_layers), optimizer,
+                                                   sampler, options);
            }),
-           py::arg("parameters"), py::arg("buffers"), py::arg("optimizer"), py::arg("sampler"), py::arg("policy"),
+           py::arg("parameters"), py::arg("buffers"), py::arg("global_layers"), py::arg("optimizer"), py::arg("sampler"),
+           py::arg("policy"),
            py::arg("reference_world_size"), py::arg("warmup_steps"), py::arg("copy_parameters"),
            py::arg("checkpoint"), py::arg("checkpoint_every"),
            // The optimizer mirror and the sampler outlive the state, which holds them by reference.
-           py::keep_alive<1, 4>(), py::keep_alive<1, 5>())
+           py::keep_alive<1, 5>(), py::keep_alive<1, 6>())
       .def("commit", [](ElasticState& s) { s.step([](elastic::State& state) { state.commit(); }); })
       .def("next_epoch", [](ElasticState& s) { s.step([](elastic::State& state) { state.next_epoch(); }); })
       .def_property_readonly("epoch", [](ElasticState& s) { return s.state().epoch(); })

@@ -2,6 +2,9 @@
 // as they are (python/shoal/global_.py names them for Python; docs/python.md, "Global tensors").
 // Every op and every method that may communicate (boxing, full(), backward) releases the GIL: the
 // other workers' collectives and shoal's threads never need it.
+#include <functional>
+#include <sstream>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -12,6 +15,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "bind.h"
+#include "shoal/global/nn.h"
 #include "shoal/global/ops.h"
 #include "shoal/global/placement.h"
 #include "shoal/global/tensor.h"
@@ -191,13 +195,132 @@ void bind_ops(py::module_& m) {
   m.def("dropout", &g::dropout, py::arg("x"), py::arg("p"), py::arg("training") = true, NoGil());
 }
 
+// Note [Global layers in Python]
+// A global layer (shoal::global::nn) is a C++ module whose parameters are the local pieces of
+// global tensors. Python holds it as it is (GlobalLayer) and shoal.global_.nn wraps it in a
+// torch.nn.Module that lists those pieces, the C++ layer's own tensors, among its parameters, so
+// that model.parameters() gives them to a torch optimizer and autograd fills their .grad. They
+// are torch tensors and not Parameter objects: a Parameter made from a tensor is a new tensor,
+// which the C++ layer's forward would not use. GradientSync and a checkpoint take the C++ layers
+// themselves, placed at their Python paths in one C++ module, so that they sum the gradients and
+// gather the whole values as they do for a C++ model of the same layers.
+struct GlobalLayer {
+  std::shared_ptr<g::nn::Module> module;
+  std::function<GlobalTensor(const GlobalTensor&)> forward;
+};
+
+template <typename Impl>
+GlobalLayer layer(std::shared_ptr<Impl> impl) {
+  return {impl, [impl](const GlobalTensor& x) { return impl->forward(x); }};
+}
+
+// The C++ layers at their Python paths, in one module (GradientSync's and a checkpoint's).
+std::shared_ptr<g::nn::Module> model_of(const std::vector<std::pair<std::string, GlobalLayer>>& layers) {
+  auto root = std::make_shared<g::nn::Module>();
+  for (const auto& [path, l] : layers) {
+    // A dotted path nests, as the Python module's tree does.
+    torch::nn::Module* parent = root.get();
+    size_t start = 0;
+    for (size_t dot = path.find('.'); dot != std::string::npos; dot = path.find('.', start)) {
+      const std::string name = path.substr(start, dot - start);
+      std::shared_ptr<torch::nn::Module> child;
+      for (const auto& item : parent->named_children()) {
+        if (item.key() == name) child = item.value();
+      }
+      if (!child) child = parent->register_module(name, std::make_shared<g::nn::Module>());
+      parent = child.get();
+      start = dot + 1;
+    }
+    parent->register_module(path.substr(start), l.module);
+  }
+  return root;
+}
+
+class Sync {
+ public:
+  Sync(const std::vector<std::pair<std::string, GlobalLayer>>& layers, const BucketOptions& options)
+      : model_(model_of(layers)), sync_(model_, options) {}
+  std::vector<std::vector<int>> groups() const { return sync_.groups(); }
+
+ private:
+  std::shared_ptr<g::nn::Module> model_;
+  g::nn::GradientSync sync_;
+};
+
+void bind_layers(py::module_& m) {
+  py::class_<GlobalLayer>(m, "GlobalLayer")
+      .def("forward", [](GlobalLayer& l, const GlobalTensor& x) { return l.forward(x); }, NoGil())
+      .def("named_parameters",
+           [](GlobalLayer& l) {
+             Named found;
+             for (const auto& item : l.module->named_parameters()) found.emplace_back(item.key(), item.value());
+             return found;
+           })
+      .def("named_global_parameters", [](GlobalLayer& l) { return l.module->named_global_parameters(); })
+      .def("__repr__", [](GlobalLayer& l) {
+        std::ostringstream text;
+        l.module->pretty_print(text);
+        return text.str();
+      });
+  // Construction draws the initial values from torch's generator, the same on every worker.
+  m.def(
+      "linear",
+      [](int64_t in, int64_t out, const g::Placement& placement, const g::NdSbp& sbp, bool bias) {
+        return layer(std::make_shared<g::nn::LinearImpl>(in, out, placement, sbp, bias));
+      },
+      py::arg("in_features"), py::arg("out_features"), py::arg("placement"), py::arg("sbp"), py::arg("bias"), NoGil());
+  m.def(
+      "embedding",
+      [](int64_t count, int64_t dim, const g::Placement& placement, const g::NdSbp& sbp) {
+        return layer(std::make_shared<g::nn::EmbeddingImpl>(count, dim, placement, sbp));
+      },
+      py::arg("num_embeddings"), py::arg("embedding_dim"), py::arg("placement"), py::arg("sbp"), NoGil());
+  m.def(
+      "layer_norm",
+      [](int64_t dim, const g::Placement& placement, double eps) {
+        return layer(std::make_shared<g::nn::LayerNormImpl>(dim, placement, eps));
+      },
+      py::arg("dim"), py::arg("placement"), py::arg("eps"), NoGil());
+  m.def(
+      "transformer_block",
+      [](int64_t dim, int64_t heads, int64_t hidden, double dropout, const g::Placement& placement,
+         const std::vector<int>& tensor_axes) {
+        g::nn::TransformerBlockOptions options{dim, heads, hidden, dropout};
+        g::nn::Layout layout{placement, tensor_axes};
+        return layer(std::make_shared<g::nn::TransformerBlockImpl>(options, layout));
+      },
+      py::arg("dim"), py::arg("heads"), py::arg("hidden"), py::arg("dropout"), py::arg("placement"),
+      py::arg("tensor_axes"), NoGil());
+  py::class_<Sync>(m, "GradientSync")
+      .def(py::init([](const std::vector<std::pair<std::string, GlobalLayer>>& layers, int64_t bucket_bytes,
+                       int64_t first_bucket_bytes) {
+             BucketOptions options;
+             options.bucket_bytes = bucket_bytes;
+             options.first_bucket_bytes = first_bucket_bytes;
+             return std::make_unique<Sync>(layers, options);
+           }),
+           py::arg("layers"), py::arg("bucket_bytes"), py::arg("first_bucket_bytes"))
+      .def("groups", &Sync::groups);
+}
+
 }  // namespace
+
+Placed placed_global_layers(const py::handle& layers) {
+  Placed placed;
+  for (const py::handle item : layers) {
+    auto [path, l] = item.cast<std::pair<std::string, GlobalLayer>>();
+    placed.emplace_back(path, l.module);
+  }
+  return placed;
+}
 
 void bind_global(py::module_& m) {
   py::module_ global = m.def_submodule("global_", "shoal::global: placement, SBP, global tensors and their ops");
   bind_placement(global);
   bind_tensor(global);
   bind_ops(global);
+  py::module_ nn = global.def_submodule("nn", "shoal::global::nn: global layers and GradientSync");
+  bind_layers(nn);
 }
 
 }  // namespace shoal::python

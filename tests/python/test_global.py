@@ -30,3 +30,22 @@ def test_matmul_plans_and_a_tensor_parallel_mlp_equal_plain_pytorch(tmp_path, wo
         "randn: sbp (split(0), split(1)) has 2 axes, but placement [0, %s] has 1; expected one Sbp per mesh axis"
         % ", ".join(str(r) for r in range(1, workers)),
     ]
+
+
+def whole_difference(a, b):
+    assert sorted(a) == sorted(b) and len(a) == 20  # every parameter of the 4 layers
+    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max()) for k in b)
+
+
+@pytest.mark.parametrize("plan,workers", [("data", 2), ("tensor", 2), ("2-D", 4)])
+def test_a_gpt_of_global_layers_trains_as_one_process_and_its_checkpoint_crosses_plans(tmp_path, plan, workers):
+    one, planned, resumed = tmp_path / "one.pt", tmp_path / "planned.pt", tmp_path / "resumed.pt"
+    run_job(1, "global_model_worker.py", one, "data", 6)
+    run_job(workers, "global_model_worker.py", planned, plan, 3)
+    # Three more steps on one process from the plan's checkpoint: its parameters and AdamW moments
+    # by name, gathered whole from the plan's pieces.
+    run_job(1, "global_model_worker.py", resumed, "data", 3, str(planned) + ".ckpt")
+    reference, got, after = torch.load(one), torch.load(planned), torch.load(resumed)
+    for a, b in zip(got["losses"] + after["losses"], reference["losses"]):
+        assert abs(a - b) <= 1e-5 * abs(b), (got["losses"], after["losses"], reference["losses"])
+    assert whole_difference(after["whole"], reference["whole"]) < 1e-5
