@@ -23,7 +23,7 @@ GlobalTensor = _g.GlobalTensor
 split, broadcast, partial_sum = _g.split, _g.broadcast, _g.partial_sum
 from_local = GlobalTensor.from_local
 from_full = GlobalTensor.from_full
-randn, rand, zeros, ones = _g.randn, _g.rand, _g.zeros, _g.ones
+randn, rand, zeros, ones, arange = _g.randn, _g.rand, _g.zeros, _g.ones, _g.arange
 (matmul, linear, relu, gelu, tanh, sigmoid, softmax, log_softmax, sum, mean, max, reshape, view, transpose,
  permute, cat, slice, layer_norm, embedding, cross_entropy, dropout) = (
     _g.matmul, _g.linear, _g.relu, _g.gelu, _g.tanh, _g.sigmoid, _g.softmax, _g.log_softmax, _g.sum, _g.mean, _g.max,
@@ -33,6 +33,6 @@ randn, rand, zeros, ones = _g.randn, _g.rand, _g.zeros, _g.ones
 from . import global_nn as nn  # noqa: E402  (the layers, over the names above)
 
 __all__ = ["nn", "Placement", "Sbp", "NdSbp", "GlobalTensor", "split", "broadcast", "partial_sum", "from_local", "from_full",
-           "randn", "rand", "zeros", "ones", "matmul", "linear", "relu", "gelu", "tanh", "sigmoid", "softmax",
+           "randn", "rand", "zeros", "ones", "arange", "matmul", "linear", "relu", "gelu", "tanh", "sigmoid", "softmax",
            "log_softmax", "sum", "mean", "max", "reshape", "view", "transpose", "permute", "cat", "slice",
            "layer_norm", "embedding", "cross_entropy", "dropout"]

@@ -57,6 +57,11 @@ class Module(torch.nn.Module):
     def forward(self, x):
         return self.layer.forward(x)
 
+    def train(self, mode=True):
+        """As torch's, and the C++ layer's mode too (its dropout)."""
+        self.layer.train(bool(mode))
+        return super().train(mode)
+
     def named_global_parameters(self):
         """(name, GlobalTensor) of each parameter, as the C++ layer names it."""
         return self.layer.named_global_parameters()

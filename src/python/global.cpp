@@ -152,6 +152,10 @@ void bind_tensor(py::module_& m) {
         },
         py::arg("shape"), py::arg("placement"), py::arg("sbp"), py::arg("dtype") = py::none(), NoGil());
   };
+  m.def(
+      "arange",
+      [](int64_t end, const g::Placement& placement, const g::NdSbp& sbp) { return g::arange(end, placement, sbp); },
+      py::arg("end"), py::arg("placement"), py::arg("sbp"), NoGil());
   factory("randn", &g::randn);
   factory("rand", &g::rand);
   factory("zeros", &g::zeros);
@@ -257,6 +261,7 @@ void bind_layers(py::module_& m) {
              return found;
            })
       .def("named_global_parameters", [](GlobalLayer& l) { return l.module->named_global_parameters(); })
+      .def("train", [](GlobalLayer& l, bool mode) { l.module->train(mode); }, py::arg("mode"))
       .def("__repr__", [](GlobalLayer& l) {
         std::ostringstream text;
         l.module->pretty_print(text);

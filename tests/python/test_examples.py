@@ -2,7 +2,9 @@
 Python prints the C++ demo's losses and test accuracies line for line on 2 workers (the same model,
 initial weights, global batches and learning rates), and resumes the C++ demo's checkpoint on 3
 workers to the same lines as the C++ demo resuming it; the elastic example, in an elastic job of
-2 workers, ends at the C++ one's test accuracy and parameter checksum."""
+2 workers, ends at the C++ one's test accuracy and parameter checksum; the GPT on global tensors
+prints the C++ one's losses in the tensor plan, and a checkpoint relayed C++ -> Python -> C++
+across three plans trains to the losses of one process that never stopped."""
 import os
 import re
 
@@ -48,3 +50,27 @@ def test_the_elastic_example_ends_where_the_cpp_one_ends():
     end = re.compile(r"after (\d+) steps: test accuracy ([0-9.]+), parameter checksum ([0-9.]+)")
     assert end.findall(cpp) and end.findall(python) == end.findall(cpp), (cpp, python)
 
+
+
+def losses(out):
+    return [(int(s), float(v)) for s, v in re.findall(r"step (\d+) loss ([0-9.]+)", out)]
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(EXAMPLES_CPP, "global_gpt")), reason="the build has no examples")
+def test_the_gpt_on_global_tensors_trains_as_the_cpp_one_and_relays_its_checkpoint(tmp_path):
+    cpp_gpt, python_gpt = os.path.join(EXAMPLES_CPP, "global_gpt"), os.path.join(EXAMPLES_PYTHON, "global_gpt.py")
+    # The tensor plan on 2 workers, dropout on: the same losses to the 9 digits printed.
+    cpp = losses(run_job(2, cpp_gpt, "--plan", "tensor", "--steps", "4"))
+    assert len(cpp) == 4 and losses(run_job(2, python_gpt, "--plan", "tensor", "--steps", "4")) == cpp
+    # Three steps in C++ (tensor plan), two in Python (2 x 1 hybrid), one in C++ (data plan), each
+    # from the one before's checkpoint: the six steps of one process that never stopped (without
+    # dropout, whose masks a resumed run draws anew).
+    first, second = tmp_path / "first.ckpt", tmp_path / "second.ckpt"
+    relay = losses(run_job(2, cpp_gpt, "--plan", "tensor", "--dropout", "0", "--steps", "3", "--checkpoint", first))
+    relay += losses(run_job(2, python_gpt, "--plan", "hybrid", "--dropout", "0", "--steps", "2", "--resume", first,
+                            "--checkpoint", second))
+    relay += losses(run_job(2, cpp_gpt, "--plan", "data", "--dropout", "0", "--steps", "1", "--resume", second))
+    alone = losses(run_job(1, python_gpt, "--plan", "one", "--dropout", "0", "--steps", "6"))
+    assert [s for s, _ in relay] == [s for s, _ in alone] == [1, 2, 3, 4, 5, 6]
+    for (_, a), (_, b) in zip(relay, alone):
+        assert abs(a - b) <= 1e-6 * b, (relay, alone)
