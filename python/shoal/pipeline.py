@@ -16,15 +16,16 @@ are worker w's Actions in order; `validate(schedule)` checks one (UsageError nam
 fault), `simulate(schedule, Costs(...))` plays it (makespan, bubble, peak_in_flight), and
 Pipeline(custom_schedule=...) runs a hand-written one."""
 from . import _C
+from .global_nn import global_layers
 
 _p = _C.pipeline
 ActionKind, Action, Schedule, Costs, Simulation = _p.ActionKind, _p.Action, _p.Schedule, _p.Costs, _p.Simulation
 gpipe, one_f_one_b, interleaved_one_f_one_b, zero_bubble_h1 = (
     _p.gpipe, _p.one_f_one_b, _p.interleaved_one_f_one_b, _p.zero_bubble_h1)
-make_schedule, validate, simulate = _p.make_schedule, _p.validate, _p.simulate
+make_schedule, validate, simulate, balanced_split = _p.make_schedule, _p.validate, _p.simulate, _p.balanced_split
 
 __all__ = ["Pipeline", "ActionKind", "Action", "Schedule", "Costs", "Simulation", "gpipe", "one_f_one_b",
-           "interleaved_one_f_one_b", "zero_bubble_h1", "make_schedule", "validate", "simulate"]
+           "interleaved_one_f_one_b", "zero_bubble_h1", "make_schedule", "validate", "simulate", "balanced_split"]
 
 
 class Pipeline:
@@ -33,21 +34,35 @@ class Pipeline:
     "zb", or `custom_schedule`) on `micro_batches` micro-batches. The options are
     PipelineOptions' by the same names; `placements` (a list of shoal.global_.Placement) replicate
     stages over data axes. Every worker builds the same whole model and calls step() with the same
-    global batch. Needs shoal.init()."""
+    global batch. Needs shoal.init().
+
+    Layers of global tensors (shoal.global_.nn layers, or Python modules over them and the ops)
+    make stages by their placements, as in C++: `batch` is then how each micro-batch's input and
+    target are laid out (an Sbp per mesh axis), and `loss(output, target)` takes and gives global
+    tensors (shoal.global_.cross_entropy)."""
 
     def __init__(self, net, micro_batches=1, schedule="1f1b", stages_per_worker=0, split=None, placements=None,
-                 custom_schedule=None, timeout=None):
+                 custom_schedule=None, timeout=None, batch=None):
         import torch  # noqa: PLC0415
 
         if not isinstance(net, torch.nn.Sequential):
             raise _C.UsageError("shoal.pipeline.Pipeline: the model is a %s; expected a torch.nn.Sequential"
                                 % type(net).__name__)
         self.net = net
-        layers = [(layer, list(layer.named_parameters()), list(layer.named_buffers())) for layer in net]
+        layers = []
+        for layer in net:
+            held = global_layers(layer)
+            if held and held[0][0] == "":
+                layers.append(("c++", None, [], [], held))  # a global layer itself: C++ all the way
+            elif held:
+                layers.append(("global", layer, [], [], held))
+            else:
+                layers.append(("plain", layer, list(layer.named_parameters()), list(layer.named_buffers()), []))
+        batch = [] if batch is None else ([batch] if isinstance(batch, _C.global_.Sbp) else list(batch))
         self._pipeline = _p.Pipeline(layers=layers, micro_batches=int(micro_batches), schedule=str(schedule),
                                      stages_per_worker=int(stages_per_worker), split=list(split or []),
                                      placements=list(placements or []), custom_schedule=custom_schedule,
-                                     timeout=timeout)
+                                     timeout=timeout, batch=batch)
 
     def step(self, input, target, loss):
         """Forward and backward of the batch under the schedule; accumulates into the .grad of this

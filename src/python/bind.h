@@ -2,6 +2,7 @@
 // tensors, deadlines from Python, and each source's bindings.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -11,12 +12,14 @@
 
 #include <pybind11/pybind11.h>
 #include <torch/nn/module.h>
+#include <torch/nn/modules/container/sequential.h>
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/optimizer.h>
 #include <torch/optim/sgd.h>
 
 #include "shoal/core/timeout.h"
+#include "shoal/global/nn.h"
 
 namespace shoal::python {
 
@@ -83,6 +86,14 @@ void bind_ps(pybind11::module_& m);
 
 // shoal._C.global_: Placement, Sbp, GlobalTensor and the ops, and global_.nn's layers (global.cpp).
 void bind_global(pybind11::module_& m);
+
+// A C++ global layer as Python holds it (shoal._C.global_.nn.GlobalLayer; Note [Global layers in
+// Python], global.cpp): the layer, its forward, and how it joins a Sequential as its own type.
+struct GlobalLayer {
+  std::shared_ptr<global::nn::Module> module;
+  std::function<global::GlobalTensor(const global::GlobalTensor&)> forward;
+  std::function<void(torch::nn::Sequential&)> push_back;
+};
 
 // A list of (path, shoal._C.global_.nn.GlobalLayer) as the C++ layers at their paths, for a
 // checkpoint's module (Note [Global layers in Python], global.cpp).

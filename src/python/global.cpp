@@ -208,14 +208,10 @@ void bind_ops(py::module_& m) {
 // which the C++ layer's forward would not use. GradientSync and a checkpoint take the C++ layers
 // themselves, placed at their Python paths in one C++ module, so that they sum the gradients and
 // gather the whole values as they do for a C++ model of the same layers.
-struct GlobalLayer {
-  std::shared_ptr<g::nn::Module> module;
-  std::function<GlobalTensor(const GlobalTensor&)> forward;
-};
-
 template <typename Impl>
 GlobalLayer layer(std::shared_ptr<Impl> impl) {
-  return {impl, [impl](const GlobalTensor& x) { return impl->forward(x); }};
+  return {impl, [impl](const GlobalTensor& x) { return impl->forward(x); },
+          [impl](torch::nn::Sequential& net) { net->push_back(impl); }};
 }
 
 // The C++ layers at their Python paths, in one module (GradientSync's and a checkpoint's).

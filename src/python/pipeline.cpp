@@ -15,6 +15,7 @@
 
 #include "bind.h"
 #include "shoal/core/error.h"
+#include "shoal/global/nn.h"
 #include "shoal/pipeline/pipeline.h"
 #include "shoal/pipeline/schedule.h"
 
@@ -57,10 +58,44 @@ class PythonLayer : public Mirror {
   std::shared_ptr<py::object> layer_;
 };
 
+// A Python layer made of global layers (a module of the program's own over shoal.global_.nn layers
+// and ops): its forward takes and gives global tensors, through Python with the GIL, and the C++
+// global layers it holds are its children at their paths, so that the pipeline finds their
+// placement (and a stage's) as for a C++ layer of global layers.
+class PythonGlobalLayer : public global::nn::Module {
+ public:
+  PythonGlobalLayer(py::object layer, const Placed& held) : layer_(hold(std::move(layer))) {
+    for (const auto& [path, module] : held) {
+      torch::nn::Module* parent = this;
+      size_t start = 0;
+      for (size_t dot = path.find('.'); dot != std::string::npos; dot = path.find('.', start)) {
+        const std::string name = path.substr(start, dot - start);
+        std::shared_ptr<torch::nn::Module> child;
+        for (const auto& item : parent->named_children()) {
+          if (item.key() == name) child = item.value();
+        }
+        if (!child) child = parent->register_module(name, std::make_shared<Mirror>());
+        parent = child.get();
+        start = dot + 1;
+      }
+      parent->register_module(path.substr(start), module);
+    }
+  }
+  global::GlobalTensor forward(const global::GlobalTensor& x) {
+    py::gil_scoped_acquire gil;
+    return (*layer_)(x).cast<global::GlobalTensor>();
+  }
+
+ private:
+  std::shared_ptr<py::object> layer_;
+};
+
 pp::PipelineOptions options_of(int micro_batches, const std::string& schedule, int stages_per_worker,
                                const std::vector<int>& split, const std::vector<global::Placement>& placements,
-                               const std::optional<pp::Schedule>& custom, std::optional<double> timeout) {
+                               const std::optional<pp::Schedule>& custom, std::optional<double> timeout,
+                               const std::vector<global::Sbp>& batch) {
   pp::PipelineOptions options;
+  options.batch = batch;
   options.micro_batches = micro_batches;
   options.schedule = pp::parse_schedule_kind(schedule);
   options.stages_per_worker = stages_per_worker;
@@ -73,18 +108,36 @@ pp::PipelineOptions options_of(int micro_batches, const std::string& schedule, i
 
 class PythonPipeline {
  public:
-  using Layer = std::tuple<py::object, Named, Named>;
+  // Each layer: ("plain", module, parameters, buffers, []), ("global", module, [], [], [(path,
+  // GlobalLayer)...]) for a Python module over global layers, or ("c++", None, [], [], [("",
+  // GlobalLayer)]) for a global layer itself, which joins the Sequential as it is.
+  using Layer = std::tuple<std::string, py::object, Named, Named, py::list>;
   PythonPipeline(const std::vector<Layer>& layers, const pp::PipelineOptions& options) {
     torch::nn::Sequential net;
-    for (const auto& [layer, parameters, buffers] : layers) {
-      net->push_back(std::make_shared<PythonLayer>(layer, parameters, buffers));
+    for (const auto& [kind, layer, parameters, buffers, held] : layers) {
+      if (kind == "plain") {
+        net->push_back(std::make_shared<PythonLayer>(layer, parameters, buffers));
+      } else if (kind == "global") {
+        net->push_back(std::make_shared<PythonGlobalLayer>(layer, placed_global_layers(held)));
+      } else {
+        held[0].cast<std::pair<std::string, GlobalLayer>>().second.push_back(net);
+      }
     }
+    py::gil_scoped_release no_gil;
     pipeline_ = std::make_unique<pp::Pipeline>(net, options);
   }
   pp::Pipeline& pipeline() { return *pipeline_; }
 
   torch::Tensor run(const at::Tensor& input, const at::Tensor& target, const py::function& loss, bool train) {
     auto held = hold(loss);
+    if (pipeline_->is_global()) {
+      pp::GlobalLossFunction call = [held](const global::GlobalTensor& output, const global::GlobalTensor& y) {
+        py::gil_scoped_acquire gil;
+        return (*held)(output, y).cast<global::GlobalTensor>();
+      };
+      py::gil_scoped_release no_gil;
+      return train ? pipeline_->step(input, target, call) : pipeline_->evaluate(input, target, call);
+    }
     pp::LossFunction call = [held](const torch::Tensor& output, const torch::Tensor& y) {
       py::gil_scoped_acquire gil;
       return (*held)(output, y).cast<torch::Tensor>();
@@ -140,6 +193,7 @@ void bind_schedules(py::module_& m) {
       },
       py::arg("kind"), py::arg("workers"), py::arg("stages_per_worker"), py::arg("micro_batches"));
   m.def("validate", &pp::validate, py::arg("schedule"));
+  m.def("balanced_split", &pp::balanced_split, py::arg("weights"), py::arg("parts"));
   py::class_<pp::Costs>(m, "Costs")
       .def(py::init([](double forward, double backward, double backward_input, double backward_weight) {
              return pp::Costs{forward, backward, backward_input, backward_weight};
@@ -174,12 +228,13 @@ void bind_pipeline(py::module_& m) {
       .def(py::init([](const std::vector<PythonPipeline::Layer>& layers, int micro_batches, const std::string& schedule,
                        int stages_per_worker, const std::vector<int>& split,
                        const std::vector<global::Placement>& placements, const std::optional<pp::Schedule>& custom,
-                       std::optional<double> timeout) {
-             return std::make_unique<PythonPipeline>(
-                 layers, options_of(micro_batches, schedule, stages_per_worker, split, placements, custom, timeout));
+                       std::optional<double> timeout, const std::vector<global::Sbp>& batch) {
+             return std::make_unique<PythonPipeline>(layers, options_of(micro_batches, schedule, stages_per_worker,
+                                                                        split, placements, custom, timeout, batch));
            }),
            py::arg("layers"), py::arg("micro_batches"), py::arg("schedule"), py::arg("stages_per_worker"),
-           py::arg("split"), py::arg("placements"), py::arg("custom_schedule"), py::arg("timeout"))
+           py::arg("split"), py::arg("placements"), py::arg("custom_schedule"), py::arg("timeout"), py::arg("batch"))
+      .def("is_global", [](PythonPipeline& p) { return p.pipeline().is_global(); })
       .def(
           "step", [](PythonPipeline& p, const at::Tensor& x, const at::Tensor& y, const py::function& loss) {
             return p.run(x, y, loss, true);

@@ -3,7 +3,8 @@ Python prints the C++ demo's losses and test accuracies line for line on 2 worke
 initial weights, global batches and learning rates), and resumes the C++ demo's checkpoint on 3
 workers to the same lines as the C++ demo resuming it; the elastic example, in an elastic job of
 2 workers, ends at the C++ one's test accuracy and parameter checksum; the GPT on global tensors
-prints the C++ one's losses in the tensor plan, and a checkpoint relayed C++ -> Python -> C++
+prints the C++ one's losses in the tensor plan, in a pipeline under ZB-H1 and in the 3-D plan on 8
+workers, and a checkpoint relayed C++ -> Python -> C++
 across three plans trains to the losses of one process that never stopped."""
 import os
 import re
@@ -62,6 +63,12 @@ def test_the_gpt_on_global_tensors_trains_as_the_cpp_one_and_relays_its_checkpoi
     # The tensor plan on 2 workers, dropout on: the same losses to the 9 digits printed.
     cpp = losses(run_job(2, cpp_gpt, "--plan", "tensor", "--steps", "4"))
     assert len(cpp) == 4 and losses(run_job(2, python_gpt, "--plan", "tensor", "--steps", "4")) == cpp
+    # A pipeline of global layers: Python's own layers (Embed, Head) and C++'s blocks, in stages,
+    # under ZB-H1 on 2 workers, and in the 3-D plan (2 stages x 2 data x 2 tensor) on 8.
+    for workers, plan in ((2, "pipeline"), (8, "3d")):
+        flags = ["--plan", plan, "--schedule", "zb", "--steps", "2"]
+        cpp = losses(run_job(workers, cpp_gpt, *flags))
+        assert len(cpp) == 2 and losses(run_job(workers, python_gpt, *flags)) == cpp, plan
     # Three steps in C++ (tensor plan), two in Python (2 x 1 hybrid), one in C++ (data plan), each
     # from the one before's checkpoint: the six steps of one process that never stopped (without
     # dropout, whose masks a resumed run draws anew).
