@@ -122,17 +122,32 @@ def _check(optimizer, loader, what):
                             "(a checkpoint that resumes the data resumes the optimizer too)" % what)
 
 
+def _parts(model, what):
+    """(module, parameters, buffers, modules, global layers, pipeline) for a checkpoint of `model`:
+    a module or its DataParallel; a shoal.pipeline.Pipeline of plain layers, whose whole model
+    (Pipeline::module()) is saved, each value from a worker that holds it; or one of global layers,
+    whose model's global layers save whole values themselves."""
+    from .pipeline import Pipeline  # noqa: PLC0415  (pipeline imports nothing of this module)
+
+    if isinstance(model, Pipeline):
+        if not model._pipeline.is_global():
+            return model.net, [], [], [], [], model._pipeline
+        model = model.net
+    module = _module(model, what)
+    return (module,) + _tensors(module) + (None,)
+
+
 def save(path, model, optimizer=None, loader=None, extras=None, group=None, timeout=None):
     """Writes `path`: the model's parameters and persistent buffers, the optimizer's state, the
     loader's position and `extras` (a dict of str to torch.Tensor). A collective of the world (or
     of `group`; shoal.comm.Group.single() for a process on its own): every worker calls it; the
     first writes, to a temporary file renamed over `path`, so `path` always holds a whole
-    checkpoint. `model` may be the module or its shoal.DataParallel; `timeout` (seconds) bounds
-    the other workers' wait for the write."""
+    checkpoint. `model` may be the module, its shoal.DataParallel or a shoal.pipeline.Pipeline
+    (the whole model's file, as one process would write it); `timeout` (seconds) bounds the other
+    workers' wait for the write."""
     what = "shoal.save"
     _check(optimizer, loader, what)
-    module = _module(model, what)
-    parameters, buffers, modules, layers = _tensors(module)
+    module, parameters, buffers, modules, layers, pipeline = _parts(model, what)
     mirror = None
     if optimizer is not None:
         mirror = _mirror(optimizer, module, what)
@@ -143,7 +158,7 @@ def save(path, model, optimizer=None, loader=None, extras=None, group=None, time
             raise _C.UsageError("%s: extras[%r] is a %s; expected str keys and torch.Tensor values "
                                 "(torch.tensor(0.01))" % (what, name, type(value).__name__))
     _C.save(path=str(path), parameters=parameters, buffers=buffers, modules=modules, global_layers=layers,
-            optimizer=mirror,
+            pipeline=pipeline, optimizer=mirror,
             loader=_sampler(loader, what), extras=extras, group=group, timeout=timeout)
 
 
@@ -156,11 +171,10 @@ def load(path, model, optimizer=None, loader=None, group=None, timeout=None):
     mismatch, with nothing changed. A collective, as save."""
     what = "shoal.load"
     _check(optimizer, loader, what)
-    module = _module(model, what)
-    parameters, buffers, modules, layers = _tensors(module)
+    module, parameters, buffers, modules, layers, pipeline = _parts(model, what)
     mirror = None if optimizer is None else _mirror(optimizer, module, what)
     extras = _C.load(path=str(path), parameters=parameters, buffers=buffers, modules=modules, global_layers=layers,
-            optimizer=mirror,
+            pipeline=pipeline, optimizer=mirror,
                      loader=_sampler(loader, what), group=group, timeout=timeout)
     if mirror is not None:
         _state_from_mirror(optimizer, mirror)

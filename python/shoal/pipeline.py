@@ -53,11 +53,12 @@ class Pipeline:
         for layer in net:
             held = global_layers(layer)
             if held and held[0][0] == "":
-                layers.append(("c++", None, [], [], held))  # a global layer itself: C++ all the way
+                layers.append(("c++", None, [], [], [], held))  # a global layer itself: C++ all the way
             elif held:
-                layers.append(("global", layer, [], [], held))
+                layers.append(("global", layer, [], [], [], held))
             else:
-                layers.append(("plain", layer, list(layer.named_parameters()), list(layer.named_buffers()), []))
+                layers.append(("plain", layer, list(layer.named_parameters()), list(layer.named_buffers()),
+                               [name for name, _ in layer.named_modules() if name], []))
         batch = [] if batch is None else ([batch] if isinstance(batch, _C.global_.Sbp) else list(batch))
         self._pipeline = _p.Pipeline(layers=layers, micro_batches=int(micro_batches), schedule=str(schedule),
                                      stages_per_worker=int(stages_per_worker), split=list(split or []),

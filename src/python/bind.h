@@ -102,4 +102,8 @@ Placed placed_global_layers(const pybind11::handle& layers);
 // shoal._C.pipeline: schedules as data, and the Pipeline over Python layers (pipeline.cpp).
 void bind_pipeline(pybind11::module_& m);
 
+// The whole model of a shoal._C.pipeline.Pipeline as a checkpoint sees it (Pipeline::module()),
+// owned by the pipeline.
+torch::nn::Module& pipeline_module(const pybind11::handle& pipeline);
+
 }  // namespace shoal::python

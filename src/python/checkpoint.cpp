@@ -155,9 +155,12 @@ std::unique_ptr<torch::optim::Optimizer> OptimizerMirror::make(const std::string
 namespace {
 
 // The C++ module a checkpoint saves: the Python model's tree over its tensors with its global
-// layers placed at their paths, or the global layer itself when the model is one.
+// layers placed at their paths, the global layer itself when the model is one, or a pipeline's
+// whole model (its own, which the shared_ptr does not own).
 std::shared_ptr<torch::nn::Module> model_of(const Named& parameters, const Named& buffers,
-                                            const std::vector<std::string>& modules, const py::list& global_layers) {
+                                            const std::vector<std::string>& modules, const py::list& global_layers,
+                                            const py::object& pipeline) {
+  if (!pipeline.is_none()) return {std::shared_ptr<torch::nn::Module>(), &pipeline_module(pipeline)};
   Placed placed = placed_global_layers(global_layers);
   if (placed.size() == 1 && placed[0].first.empty()) return placed[0].second;
   return mirror(parameters, buffers, modules, placed);
@@ -176,10 +179,11 @@ void bind_checkpoint(py::module_& m) {
   m.def(
       "save",
       [](const std::string& path, const Named& parameters, const Named& buffers,
-         const std::vector<std::string>& modules, const py::list& global_layers, OptimizerMirror* optimizer,
+         const std::vector<std::string>& modules, const py::list& global_layers, const py::object& pipeline,
+         OptimizerMirror* optimizer,
          data::Sampler* loader, const CheckpointExtras& extras, const std::optional<comm::Group>& group,
          std::optional<double> timeout) {
-        auto module = model_of(parameters, buffers, modules, global_layers);
+        auto module = model_of(parameters, buffers, modules, global_layers, pipeline);
         SaveOptions options;
         options.extras = extras;
         options.group = group;
@@ -194,15 +198,16 @@ void bind_checkpoint(py::module_& m) {
         }
       },
       py::arg("path"), py::arg("parameters"), py::arg("buffers"), py::arg("modules"), py::arg("global_layers"),
-      py::arg("optimizer"), py::arg("loader"),
+      py::arg("pipeline"), py::arg("optimizer"), py::arg("loader"),
       py::arg("extras"), py::arg("group"), py::arg("timeout"));
 
   m.def(
       "load",
       [](const std::string& path, const Named& parameters, const Named& buffers,
-         const std::vector<std::string>& modules, const py::list& global_layers, OptimizerMirror* optimizer,
+         const std::vector<std::string>& modules, const py::list& global_layers, const py::object& pipeline,
+         OptimizerMirror* optimizer,
          data::Sampler* loader, const std::optional<comm::Group>& group, std::optional<double> timeout) {
-        auto module = model_of(parameters, buffers, modules, global_layers);
+        auto module = model_of(parameters, buffers, modules, global_layers, pipeline);
         CheckpointExtras extras;
         LoadOptions options;
         options.extras = &extras;
@@ -219,7 +224,7 @@ void bind_checkpoint(py::module_& m) {
         return extras;
       },
       py::arg("path"), py::arg("parameters"), py::arg("buffers"), py::arg("modules"), py::arg("global_layers"),
-      py::arg("optimizer"), py::arg("loader"),
+      py::arg("pipeline"), py::arg("optimizer"), py::arg("loader"),
       py::arg("group"), py::arg("timeout"));
 }
 

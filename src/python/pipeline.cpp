@@ -46,8 +46,9 @@ std::shared_ptr<py::object> hold(py::object object) {
 // takes it as in any PyTorch backward.
 class PythonLayer : public Mirror {
  public:
-  PythonLayer(py::object layer, const Named& parameters, const Named& buffers) : layer_(hold(std::move(layer))) {
-    fill(parameters, buffers);
+  PythonLayer(py::object layer, const Named& parameters, const Named& buffers, const std::vector<std::string>& modules)
+      : layer_(hold(std::move(layer))) {
+    fill(parameters, buffers, modules);
   }
   torch::Tensor forward(torch::Tensor x) {
     py::gil_scoped_acquire gil;
@@ -108,15 +109,15 @@ pp::PipelineOptions options_of(int micro_batches, const std::string& schedule, i
 
 class PythonPipeline {
  public:
-  // Each layer: ("plain", module, parameters, buffers, []), ("global", module, [], [], [(path,
-  // GlobalLayer)...]) for a Python module over global layers, or ("c++", None, [], [], [("",
-  // GlobalLayer)]) for a global layer itself, which joins the Sequential as it is.
-  using Layer = std::tuple<std::string, py::object, Named, Named, py::list>;
+  // Each layer: ("plain", module, parameters, buffers, submodules, []), ("global", module, [], [],
+  // [], [(path, GlobalLayer)...]) for a Python module over global layers, or ("c++", None, [], [],
+  // [], [("", GlobalLayer)]) for a global layer itself, which joins the Sequential as it is.
+  using Layer = std::tuple<std::string, py::object, Named, Named, std::vector<std::string>, py::list>;
   PythonPipeline(const std::vector<Layer>& layers, const pp::PipelineOptions& options) {
     torch::nn::Sequential net;
-    for (const auto& [kind, layer, parameters, buffers, held] : layers) {
+    for (const auto& [kind, layer, parameters, buffers, modules, held] : layers) {
       if (kind == "plain") {
-        net->push_back(std::make_shared<PythonLayer>(layer, parameters, buffers));
+        net->push_back(std::make_shared<PythonLayer>(layer, parameters, buffers, modules));
       } else if (kind == "global") {
         net->push_back(std::make_shared<PythonGlobalLayer>(layer, placed_global_layers(held)));
       } else {
@@ -216,6 +217,10 @@ void bind_schedules(py::module_& m) {
 }
 
 }  // namespace
+
+torch::nn::Module& pipeline_module(const py::handle& pipeline) {
+  return pipeline.cast<PythonPipeline&>().pipeline().module();
+}
 
 void bind_pipeline(py::module_& m) {
   py::module_ pipeline = m.def_submodule("pipeline", "shoal::pipeline: schedules and the Pipeline");

@@ -4,10 +4,11 @@ schedule, beside the same model trained as plain PyTorch on the whole batch.
     pipeline_worker.py OUT SCHEDULE
 
 Every worker builds the same model (seed 0), makes a Pipeline of 8 micro-batches under SCHEDULE
-(gpipe, 1f1b, interleaved, zb, or custom: GPipe's schedule built as data and passed as a custom one) and takes two steps of SGD on a batch of 16 rows; it also trains a
+(gpipe, 1f1b, interleaved, zb, or custom: GPipe's schedule built as data and passed as a custom one) and takes two steps of Adam on batches of 16 rows; it also trains a
 copy of the model as one process would. Each worker writes OUT.RANK (torch.save): the two losses
-from both, and for each of the layers it holds the largest relative difference of its parameters
-from the plain model's after the steps."""
+from both, for each of the layers it holds the largest relative difference of its parameters from
+the plain model's after the steps, and the plain model's parameters after a third step. The
+pipeline is saved with its optimizer to OUT.ckpt (shoal.save of the pipeline)."""
 import sys
 
 import torch
@@ -32,33 +33,44 @@ def make():
                                torch.nn.LayerNorm(16), Residual(16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 3))
 
 
+def batches():
+    torch.manual_seed(7)
+    return [(torch.randn(16, 6), torch.randn(16, 3)) for _ in range(3)]
+
+
+def step(model, optimizer, batch):
+    optimizer.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+    loss.backward()
+    optimizer.step()
+    return float(loss)
+
+
 def main(out, schedule):
     shoal.init()
-    torch.manual_seed(7)
-    batches = [(torch.randn(16, 6), torch.randn(16, 3)) for _ in range(2)]
+    data = batches()
     net, plain = make(), make()
     if schedule == "custom":
         pipe = shoal.pipeline.Pipeline(net, micro_batches=8,
                                        custom_schedule=shoal.pipeline.gpipe(shoal.world_size(), 8))
     else:
         pipe = shoal.pipeline.Pipeline(net, micro_batches=8, schedule=schedule)
-    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
-    plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    optimizer = torch.optim.Adam(pipe.parameters(), lr=0.01)
+    plain_optimizer = torch.optim.Adam(plain.parameters(), lr=0.01)
     losses, plain_losses = [], []
-    for x, y in batches:
+    for x, y in data[:2]:
         optimizer.zero_grad()
         losses.append(float(pipe.step(x, y, torch.nn.functional.mse_loss)))
         optimizer.step()
-        plain_optimizer.zero_grad()
-        loss = torch.nn.functional.mse_loss(plain(x), y)
-        loss.backward()
-        plain_optimizer.step()
-        plain_losses.append(float(loss))
+        plain_losses.append(step(plain, plain_optimizer, (x, y)))
     differences = {}
     for i in pipe.layers():
         for (name, p), q in zip(net[i].named_parameters(), plain[i].parameters()):
             differences["%d.%s" % (i, name)] = float((p - q).abs().max() / q.abs().max())
+    shoal.save(out + ".ckpt", pipe, optimizer)
+    step(plain, plain_optimizer, data[2])
     torch.save({"losses": losses, "plain_losses": plain_losses, "differences": differences,
+                "plain_after_three": {k: v.clone() for k, v in plain.state_dict().items()},
                 "stages": pipe.local_stages(), "split": pipe.split(), "schedule": pipe.schedule().name},
                "%s.%d" % (out, shoal.rank()))
 

@@ -1,12 +1,15 @@
 """shoal.pipeline from Python: a Sequential of Python modules (torch's layers and one of the
 program's own, with a Python forward) cut over 2 workers under GPipe, 1F1B, interleaved 1F1B,
-ZB-H1 and a custom schedule given as data ends two SGD steps at plain PyTorch's losses and
-parameters (relative 1e-5), every layer held by exactly one worker. Schedules are data: a 1F1B's
+ZB-H1 and a custom schedule given as data ends two Adam steps at plain PyTorch's losses and
+parameters (relative 1e-5), every layer held by exactly one worker; the pipeline's checkpoint
+(shoal.save of the pipeline) loads into the plain model on one process, whose third step then
+equals plain PyTorch's (the Adam moments saved by parameter name). Schedules are data: a 1F1B's
 simulated bubble is the closed form's, and a schedule with a fault is refused by validate() with
 its one line."""
 import pytest
 import torch
 
+import pipeline_worker as worker
 import shoal
 from jobs import run_job
 
@@ -28,6 +31,13 @@ def test_a_pipeline_of_python_layers_equals_plain_pytorch(tmp_path, schedule):
         held += list(r["differences"])
     # Every parameter of the 8 layers (14 tensors) on exactly one worker.
     assert sorted(held) == sorted(set(held)) and len(held) == 14
+    # The pipeline's file, on one process: a third step from it is plain PyTorch's third step.
+    net = worker.make()
+    optimizer = torch.optim.Adam(net.parameters(), lr=0.01)
+    shoal.load(str(out) + ".ckpt", net, optimizer, group=shoal.comm.Group.single())
+    worker.step(net, optimizer, worker.batches()[2])
+    for name, value in net.state_dict().items():
+        torch.testing.assert_close(value, results[0]["plain_after_three"][name], rtol=1e-5, atol=1e-6)
 
 
 def test_schedules_are_data():
