@@ -12,12 +12,12 @@ import torch  # noqa: F401  (LibTorch first: the C++ core links the very same li
 
 from . import _C
 from ._C import CommError, Error, UsageError
-from . import comm, data, elastic, global_, pipeline, ps
+from . import comm, data, datasets, elastic, global_, pipeline, ps
 from ._runtime import init
 from .checkpoint import load, save
 from .dp import DataParallel, allreduce_hook, bf16_compress_hook, fp16_compress_hook
 
-__all__ = ["comm", "data", "elastic", "global_", "pipeline", "ps", "init", "save", "load", "is_initialized", "world_size", "rank", "local_rank", "is_main", "DataParallel",
+__all__ = ["comm", "data", "datasets", "elastic", "global_", "pipeline", "ps", "init", "save", "load", "is_initialized", "world_size", "rank", "local_rank", "is_main", "DataParallel",
            "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
            "Error", "CommError", "UsageError"]
 

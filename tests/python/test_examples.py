@@ -5,7 +5,8 @@ workers to the same lines as the C++ demo resuming it; the elastic example, in a
 2 workers, ends at the C++ one's test accuracy and parameter checksum; the GPT on global tensors
 prints the C++ one's losses in the tensor plan, in a pipeline under ZB-H1 and in the 3-D plan on 8
 workers, and a checkpoint relayed C++ -> Python -> C++
-across three plans trains to the losses of one process that never stopped."""
+across three plans trains to the losses of one process that never stopped; the CTR example on a parameter server
+prints the C++ one's train and test loglosses and AUC."""
 import os
 import re
 
@@ -81,3 +82,12 @@ def test_the_gpt_on_global_tensors_trains_as_the_cpp_one_and_relays_its_checkpoi
     assert [s for s, _ in relay] == [s for s, _ in alone] == [1, 2, 3, 4, 5, 6]
     for (_, a), (_, b) in zip(relay, alone):
         assert abs(a - b) <= 1e-6 * b, (relay, alone)
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(EXAMPLES_CPP, "ctr")), reason="the build has no examples")
+def test_the_ctr_example_on_servers_ends_as_the_cpp_one():
+    flags = ["--samples", "20000", "--test-samples", "4000", "--reports", "2"]
+    figures = re.compile(r"train logloss ([0-9.]+)|test logloss ([0-9.]+) \(Bayes ([0-9.]+)\)  AUC ([0-9.]+)")
+    cpp = figures.findall(run_job(2, os.path.join(EXAMPLES_CPP, "ctr"), *flags, servers=1))
+    python = figures.findall(run_job(2, os.path.join(EXAMPLES_PYTHON, "ctr.py"), *flags, servers=1))
+    assert len(cpp) == 3 and python == cpp
