@@ -1,6 +1,7 @@
 """docs/python.md's two-line change (examples/getting_started/pytorch_plain.py to
 pytorch_shoal.py), counted as tests/getting_started_test.cpp counts the C++ one and PyTorch DDP's
-(9 added, 3 changed): two lines added, three changed; and the shoal form on 3 workers ends, after an epoch of
+(9 added, 3 changed) and Horovod's documented recipe (8 added, 2 changed): two lines added, three
+changed; and the shoal form on 3 workers ends, after an epoch of
 Fashion-MNIST, where it ends on one process (relative 1e-4, as the C++ program's test)."""
 import gzip
 import os
@@ -36,6 +37,11 @@ def test_the_shoal_form_adds_two_lines_and_changes_three():
     shoal_form = code_lines(os.path.join(EXAMPLES, "pytorch_shoal.py"))
     assert len(plain) > 20
     assert (len(shoal_form) - len(plain), lines_not_kept(shoal_form, plain), lines_not_kept(plain, shoal_form)) == (2, 3, 5)
+    # Horovod's documented recipe on the same program (pytorch_horovod.py: not run, as Debian has
+    # no Horovod): init, the GPU pin, the sampler and its set_epoch, the optimizer's wrapper, two
+    # broadcasts; the loader and the save changed.
+    horovod = code_lines(os.path.join(EXAMPLES, "pytorch_horovod.py"))
+    assert (len(horovod) - len(plain), lines_not_kept(horovod, plain), lines_not_kept(plain, horovod)) == (8, 2, 10)
 
 
 @pytest.mark.skipif(not os.path.exists(FASHION_MNIST), reason="Fashion-MNIST is not installed")
