@@ -1,14 +1,23 @@
-"""shoal.elastic from Python, against the oracles of the C++ elastic tests: an elastic job of
-three Python workers (elastic_worker.py: DataParallel, SGD with momentum, shoal's DataLoader with
+"""shoal.elastic from Python, against the oracles of the C++ elastic tests: on gossip membership
+and on a real etcd server (Debian's etcd-server, started here), an elastic job of three Python
+workers (elastic_worker.py: DataParallel, SGD with momentum, shoal's DataLoader with
 torch's loader processes reading ahead, a commit per step) loses one to SIGKILL and takes in a
 new one, and ends with every sample of every epoch trained on exactly once in committed steps and
 at the parameters of one process that trained alone (relative 1e-4, as in C++). SIGINT to the
 launcher makes every worker leave at a commit. Outside an elastic job, the program's own error
 leaves run() as it came, and WorldChange is no Exception that a program's `except Exception`
 would swallow."""
+import json
+import os
 import re
+import shutil
 import signal
+import socket
+import subprocess
 import sys
+import tempfile
+import time
+import urllib.request
 
 import pytest
 import torch
@@ -33,6 +42,45 @@ def last_step(out):
     return steps(out)[-1][0] if steps(out) else -1
 
 
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def etcd():
+    """A one-member etcd server on 127.0.0.1 (as tests/etcd_server.cpp starts it), its data in a
+    temporary directory; yields its client endpoint, "127.0.0.1:PORT"."""
+    program = os.environ.get("SHOAL_ETCD") or shutil.which("etcd") or "/usr/bin/etcd"
+    if not os.access(program, os.X_OK):
+        pytest.skip("no etcd program (scripts/setup.sh installs etcd-server)")
+    directory = tempfile.mkdtemp(prefix="shoal-etcd-")
+    client, peer = "http://127.0.0.1:%d" % free_port(), "http://127.0.0.1:%d" % free_port()
+    with open(os.path.join(directory, "etcd.log"), "w") as log:
+        server = subprocess.Popen([program, "--name=shoal-test", "--data-dir=%s/data" % directory,
+                                   "--listen-client-urls=" + client, "--advertise-client-urls=" + client,
+                                   "--listen-peer-urls=" + peer, "--initial-advertise-peer-urls=" + peer,
+                                   "--initial-cluster=shoal-test=" + peer, "--heartbeat-interval=50",
+                                   "--election-timeout=500"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(client + "/health", timeout=1) as answer:
+                    if json.loads(answer.read()).get("health") == "true":
+                        break
+            except OSError:
+                pass
+            assert server.poll() is None and time.monotonic() < deadline, open(os.path.join(directory, "etcd.log")).read()
+            time.sleep(0.1)
+        yield client[len("http://"):]
+    finally:
+        server.kill()
+        server.wait()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 @pytest.fixture
 def jobs():
     started = []
@@ -41,15 +89,17 @@ def jobs():
         job.close()
 
 
-def test_a_killed_worker_and_a_joined_one_end_at_the_one_process_parameters(tmp_path, jobs):
+@pytest.mark.parametrize("backend", ["gossip", "etcd"])
+def test_a_killed_worker_and_a_joined_one_end_at_the_one_process_parameters(tmp_path, jobs, backend, request):
     reference, out = tmp_path / "reference.pt", str(tmp_path / "elastic.pt")
     run_job(1, "elastic_worker.py", reference, EPOCHS)
-    job = jobs(["--min", "1", "--max", "3", "-n", "3", "--token-file", tmp_path / "token"] + WORKER + [out, EPOCHS, 60])
+    rendezvous = ["--rendezvous", "etcd://" + request.getfixturevalue("etcd")] if backend == "etcd" else []
+    job = jobs(rendezvous + ["--min", "1", "--max", "3", "-n", "3", "--token-file", tmp_path / "token"] + WORKER
+               + [out, EPOCHS, 60])
     job.wait_for("step 10 on 3 workers", reached(10, 3))
     first = {int(rank): int(pid) for pid, rank in re.findall(r"train pid=(\d+) rank=(\d+) world=3", job.out())}
     assert sorted(first) == [0, 1, 2], job.out()
 
-    import os  # noqa: PLC0415
     os.kill(first[1], signal.SIGKILL)
     killed_at = last_step(job.out())
     job.wait_for("5 steps on 2 workers after the kill", reached(killed_at + 5, 2))
