@@ -18,23 +18,7 @@ import math
 import torch
 
 import shoal  # shoal
-from fashion_mnist import Net, fashion_mnist
-
-
-def test_accuracy(net, images, labels):
-    """The fraction of the test images `net` gets right: each worker scores its share; one
-    all-reduce adds up the hits."""
-    net.eval()
-    shares = [len(s) for s in torch.arange(len(images)).tensor_split(shoal.world_size())]
-    begin = sum(shares[:shoal.rank()])
-    hits = torch.zeros(1, dtype=torch.float64)
-    with torch.no_grad():
-        mine = slice(begin, begin + shares[shoal.rank()])
-        if shares[shoal.rank()] > 0:
-            hits += net(images[mine]).argmax(1).eq(labels[mine]).sum()
-    shoal.comm.world().all_reduce(hits)  # shoal
-    net.train()
-    return hits.item() / len(images)
+from fashion_mnist import Net, fashion_mnist, test_accuracy
 
 
 def main():
