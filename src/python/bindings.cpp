@@ -11,6 +11,7 @@
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/nn/module.h>
 
@@ -107,6 +108,16 @@ comm::PointToPointOptions point_to_point(int tag, const std::optional<double>& t
   return options;
 }
 
+// A collective's tensor argument: UsageError naming what came instead of a torch.Tensor (pybind11's
+// own TypeError would list every signature over several lines).
+at::Tensor tensor_of(const py::handle& value, const char* method, const char* argument) {
+  if (!THPVariable_Check(value.ptr())) {
+    throw UsageError(std::string("Group.") + method + ": " + argument + " is a " +
+                     std::string(py::str(py::type::of(value).attr("__name__"))) + "; expected a torch.Tensor");
+  }
+  return value.cast<at::Tensor>();
+}
+
 comm::Sizes sizes_of(const std::optional<std::vector<int64_t>>& sizes) { return sizes ? *sizes : comm::Sizes(); }
 
 // A collective that Python asked for with async_op: its Work, or None once it is done. The GIL is
@@ -155,7 +166,8 @@ void bind_comm(py::module_& m) {
       .def("is_broken", &Group::is_broken)
       .def(
           "all_reduce",
-          [](Group& group, at::Tensor tensor, comm::ReduceOp op, Seconds timeout, bool async_op) -> py::object {
+          [](Group& group, const py::handle& value, comm::ReduceOp op, Seconds timeout, bool async_op) -> py::object {
+            at::Tensor tensor = tensor_of(value, "all_reduce", "tensor");
             comm::AllReduceOptions options;
             options.op = op;
             options.timeout = deadline(timeout);
@@ -166,7 +178,8 @@ void bind_comm(py::module_& m) {
           py::arg("async_op") = false)
       .def(
           "broadcast",
-          [](Group& group, at::Tensor tensor, int root, Seconds timeout, bool async_op) -> py::object {
+          [](Group& group, const py::handle& value, int root, Seconds timeout, bool async_op) -> py::object {
+            at::Tensor tensor = tensor_of(value, "broadcast", "tensor");
             comm::BroadcastOptions options;
             options.root = root;
             options.timeout = deadline(timeout);
@@ -176,7 +189,8 @@ void bind_comm(py::module_& m) {
           py::arg("tensor"), py::arg("root") = 0, py::arg("timeout") = py::none(), py::arg("async_op") = false)
       .def(
           "all_gather",
-          [](Group& group, const at::Tensor& tensor, const std::optional<std::vector<int64_t>>& sizes, Seconds timeout) {
+          [](Group& group, const py::handle& value, const std::optional<std::vector<int64_t>>& sizes, Seconds timeout) {
+            const at::Tensor tensor = tensor_of(value, "all_gather", "tensor");
             comm::AllGatherOptions options;
             options.sizes = sizes_of(sizes);
             options.timeout = deadline(timeout);
@@ -186,8 +200,9 @@ void bind_comm(py::module_& m) {
           py::arg("tensor"), py::arg("sizes") = py::none(), py::arg("timeout") = py::none())
       .def(
           "reduce_scatter",
-          [](Group& group, const at::Tensor& input, comm::ReduceOp op, const std::optional<std::vector<int64_t>>& sizes,
+          [](Group& group, const py::handle& value, comm::ReduceOp op, const std::optional<std::vector<int64_t>>& sizes,
              Seconds timeout) {
+            const at::Tensor input = tensor_of(value, "reduce_scatter", "input");
             comm::ReduceScatterOptions options;
             options.op = op;
             options.sizes = sizes_of(sizes);
@@ -199,8 +214,9 @@ void bind_comm(py::module_& m) {
           py::arg("timeout") = py::none())
       .def(
           "all_to_all",
-          [](Group& group, const at::Tensor& input, const std::optional<std::vector<int64_t>>& send_sizes,
+          [](Group& group, const py::handle& value, const std::optional<std::vector<int64_t>>& send_sizes,
              const std::optional<std::vector<int64_t>>& recv_sizes, Seconds timeout) {
+            const at::Tensor input = tensor_of(value, "all_to_all", "input");
             comm::AllToAllOptions options;
             options.send_sizes = sizes_of(send_sizes);
             options.recv_sizes = sizes_of(recv_sizes);
@@ -212,7 +228,8 @@ void bind_comm(py::module_& m) {
           py::arg("timeout") = py::none())
       .def(
           "send",
-          [](Group& group, const at::Tensor& tensor, int dst, int tag, Seconds timeout) {
+          [](Group& group, const py::handle& value, int dst, int tag, Seconds timeout) {
+            const at::Tensor tensor = tensor_of(value, "send", "tensor");
             const comm::PointToPointOptions options = point_to_point(tag, timeout);
             py::gil_scoped_release no_gil;
             group.send(tensor, dst, options);
@@ -220,7 +237,8 @@ void bind_comm(py::module_& m) {
           py::arg("tensor"), py::arg("dst"), py::arg("tag") = 0, py::arg("timeout") = py::none())
       .def(
           "recv",
-          [](Group& group, at::Tensor tensor, int src, int tag, Seconds timeout) {
+          [](Group& group, const py::handle& value, int src, int tag, Seconds timeout) {
+            at::Tensor tensor = tensor_of(value, "recv", "tensor");
             const comm::PointToPointOptions options = point_to_point(tag, timeout);
             py::gil_scoped_release no_gil;
             group.recv(tensor, src, options);

@@ -45,6 +45,10 @@ def collectives(group, rank, size):
         group.all_reduce(torch.zeros(1), timeout=-1)
     except shoal.UsageError as error:
         seen["bad_timeout"] = str(error)
+    try:
+        group.all_reduce([1.0, 2.0])
+    except shoal.UsageError as error:
+        seen["bad_type"] = str(error)
     return seen
 
 

@@ -28,6 +28,7 @@ def test_collectives_give_what_they_must(tmp_path, workers):
             assert seen["recv"] == [7.0, 8.0]
         assert seen["bad_root"] == "broadcast: root %d is not a member of a group of %d" % (n + 3, n)
         assert seen["bad_timeout"] == "timeout -1.000000 s; expected a positive number of seconds or None"
+        assert seen["bad_type"] == "Group.all_reduce: tensor is a list; expected a torch.Tensor"
 
 
 def test_a_shape_mismatch_ends_within_the_deadline_on_every_worker(tmp_path):
