@@ -24,6 +24,7 @@ using shoal::testing::launched_results;
 using shoal::testing::SlurmCluster;
 using shoal::testing::SlurmNode;
 using shoal::testing::test_programs_dir;
+using shoal::testing::tests_source_dir;
 
 const std::string kWorker = test_programs_dir() + "/launched_worker";
 constexpr std::chrono::seconds kRunLimit{120};  // a failure bound for one srun
@@ -171,6 +172,42 @@ TEST(Slurm, SbatchRunsTheWorkersWithSrun) {
     EXPECT_EQ(r.local_size, 2);
     EXPECT_EQ(r.job, "Slurm job " + std::to_string(cluster.first_job_id()) + " step 0");
   }
+}
+
+// A Python program is started as a C++ one: srun's tasks, and sbatch's through srun, join with
+// shoal.init() (the C++ code that reads Slurm's variables) and all-reduce.
+TEST(Slurm, SrunAndSbatchStartAPythonProgram) {
+  SKIP_WITHOUT_SLURM();
+  if (!std::filesystem::exists("/usr/lib/python3/dist-packages/torch/__init__.py")) {
+    GTEST_SKIP() << "Debian's python3-torch is not installed (scripts/setup.sh installs it)";
+  }
+  SlurmCluster cluster({{"n1", 1}, {"n2", 2}});
+  const std::string worker = tests_source_dir() + "/python/launched_worker.py";
+  // The package of the build tree: build/python, beside build/bin/shoal.
+  const auto build = std::filesystem::path(shoal::testing::shoal_bin()).parent_path().parent_path();
+  const std::string package = build / "python";
+  const auto env = with(job_env(cluster), {{"PYTHONPATH", package}});
+  auto ranks_of = [](const std::string& out) {
+    static const std::regex line(R"(launched rank=(\d+) world=(\d+) local=(\d+) sum=(\d+))");
+    std::set<std::string> found;
+    for (std::sregex_iterator it(out.begin(), out.end(), line), end; it != end; ++it) found.insert(it->str());
+    return found;
+  };
+  const std::set<std::string> three{"launched rank=0 world=3 local=0 sum=6", "launched rank=1 world=3 local=0 sum=6",
+                                    "launched rank=2 world=3 local=1 sum=6"};
+  Command srun({"srun", "-N2", "-n3", "/usr/bin/python3", worker}, env);
+  const CommandResult run = srun.wait(kRunLimit);
+  ASSERT_EQ(run.exit_code, 0) << describe(run);
+  EXPECT_EQ(ranks_of(run.out), three) << describe(run);
+
+  const std::string script = cluster.dir() + "/python_job.sh", output = cluster.dir() + "/python_job.out";
+  std::ofstream(script) << "#!/bin/sh\nsrun /usr/bin/python3 " << worker << "\n";
+  Command sbatch({"sbatch", "--wait", "-N2", "-n3", "-o", output, script}, env);
+  const CommandResult batch = sbatch.wait(kRunLimit);
+  std::stringstream text;
+  text << std::ifstream(output).rdbuf();
+  ASSERT_EQ(batch.exit_code, 0) << describe(batch) << "job output:\n" << text.str();
+  EXPECT_EQ(ranks_of(text.str()), three) << text.str();
 }
 
 TEST(Slurm, NodeNamesThatDoNotResolveAreNamed) {
