@@ -20,9 +20,14 @@ namespace fs = std::filesystem;
 TEST(CtrExample, LearnsTowardsTheBayesOptimum) {
   const std::string example =
       fs::path(test_programs_dir()).parent_path() / "examples" / "ctr";
+  // One intra-op thread: a job of one would take both cores (docs/runtime.md, "Threads"), and two
+  // OpenMP threads that wait by spinning slow down many times over on a shared 2-core machine
+  // (beside two busy loops and another test this run took over 120 s, against 10 s alone).
+  ::setenv("SHOAL_NUM_THREADS", "1", 1);
   const auto run = run_shoal(
       {"-n", "1", example, "--samples", "200000", "--test-samples", "20000", "--reports", "2"},
       120s);
+  ::unsetenv("SHOAL_NUM_THREADS");
   ASSERT_EQ(run.exit_code, 0) << run.out << run.err;
   std::smatch m;
   static const std::regex last(

@@ -11,6 +11,19 @@ SHOAL = os.environ.get("SHOAL_BIN", "shoal")
 DEADLINE = 120  # seconds a job may take, start to end
 
 
+def job_env():
+    """The tests' jobs' environment: this folder on PYTHONPATH, a 60 s collective deadline, and one
+    intra-op thread per worker. A job of one would take both cores (docs/runtime.md, "Threads"),
+    and two OpenMP threads that wait by spinning slow down many times over on a shared 2-core
+    machine: beside two busy loops and another test, one epoch of the getting-started program on
+    one process took over 120 s, against 10 s alone."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [HERE, env.get("PYTHONPATH", "")] if p)
+    env["SHOAL_TIMEOUT"] = "60"
+    env["SHOAL_NUM_THREADS"] = "1"
+    return env
+
+
 PROGRAMS = os.environ.get("SHOAL_TEST_PROGRAMS", "")  # the tests' C++ programs (tests/programs/)
 
 
@@ -20,9 +33,7 @@ def run_job(workers, program, *args, servers=0, flags=()):
     `--servers SERVERS` parameter servers when given and `flags` before -n (`--min 1 --max 2`);
     returns its output, asserting it succeeded.
     (os.path.join keeps an absolute path as it is.)"""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [HERE, env.get("PYTHONPATH", "")] if p)
-    env["SHOAL_TIMEOUT"] = "60"
+    env = job_env()
     if program.endswith(".py"):
         command = [sys.executable, os.path.join(HERE, program)]
     else:
@@ -39,9 +50,7 @@ class Job:
     that act on a job while it runs (kill a worker, add one). Stops what is left of it on close."""
 
     def __init__(self, args):
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in [HERE, env.get("PYTHONPATH", "")] if p)
-        env["SHOAL_TIMEOUT"] = "60"
+        env = job_env()
         self._lock = threading.Lock()
         self._text = {"out": [], "err": []}
         self._process = subprocess.Popen([SHOAL, "run"] + [str(a) for a in args], env=env, stdout=subprocess.PIPE,

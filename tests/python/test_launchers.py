@@ -10,15 +10,13 @@ import sys
 
 import pytest
 
-from jobs import DEADLINE, HERE
+from jobs import DEADLINE, HERE, job_env
 
 WORKER = os.path.join(HERE, "launched_worker.py")
 
 
 def launched(command):
-    env = dict(os.environ)
-    env["SHOAL_TIMEOUT"] = "60"
-    result = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    result = subprocess.run(command, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             timeout=DEADLINE)
     assert result.returncode == 0, result.stdout
     found = re.findall(r"launched rank=(\d+) world=(\d+) local=(\d+) sum=(\d+)", result.stdout)
