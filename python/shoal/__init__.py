@@ -11,15 +11,18 @@ See docs/python.md.
 import torch  # noqa: F401  (LibTorch first: the C++ core links the very same libraries)
 
 from . import _C
-from ._C import CommError, Error, UsageError
-from . import comm, data, datasets, elastic, global_, pipeline, ps
-from ._runtime import init
-from .checkpoint import load, save
-from .dp import DataParallel, allreduce_hook, bf16_compress_hook, fp16_compress_hook
+from . import _arguments
+_arguments.wrap_all()  # before any module takes a name from _C
+from ._C import CommError, Error, UsageError  # noqa: E402
+from ._arguments import ArgumentTypeError  # noqa: E402
+from . import comm, data, datasets, elastic, global_, pipeline, ps  # noqa: E402
+from ._runtime import init  # noqa: E402
+from .checkpoint import load, save  # noqa: E402
+from .dp import DataParallel, allreduce_hook, bf16_compress_hook, fp16_compress_hook  # noqa: E402
 
 __all__ = ["comm", "data", "datasets", "elastic", "global_", "pipeline", "ps", "init", "save", "load", "is_initialized", "world_size", "rank", "local_rank", "is_main", "DataParallel",
            "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
-           "Error", "CommError", "UsageError"]
+           "Error", "CommError", "UsageError", "ArgumentTypeError"]
 
 
 is_initialized = _C.is_initialized

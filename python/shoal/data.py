@@ -31,14 +31,14 @@ class Sampler:
     def __init__(self, dataset_size, batch_size, shuffle=False, seed=0, last_batch="keep", per_worker=False):
         if last_batch not in _LAST_BATCH:
             raise _C.UsageError("Sampler: last_batch %r; expected one of %s" % (last_batch, ", ".join(_LAST_BATCH)))
-        self._sampler = _C.Sampler(dataset_size=int(dataset_size), batch_size=int(batch_size), shuffle=bool(shuffle),
-                                   last_batch=_LAST_BATCH[last_batch], per_worker=bool(per_worker), seed=int(seed))
+        self._sampler = _C.Sampler(dataset_size=dataset_size, batch_size=batch_size, shuffle=bool(shuffle),
+                                   last_batch=_LAST_BATCH[last_batch], per_worker=bool(per_worker), seed=seed)
 
     epoch = property(lambda self: self._sampler.epoch)
     cursor = property(lambda self: self._sampler.cursor)
 
     def set_epoch(self, epoch):
-        self._sampler.set_epoch(int(epoch))
+        self._sampler.set_epoch(epoch)
 
     def batches_per_epoch(self):
         return self._sampler.batches_per_epoch()

@@ -8,7 +8,8 @@ options.
     ids, dense, label, probability = data.get_batch([0, 5, 7])    # probability: the Bayes predictor
     shoal.datasets.logloss(p, label), shoal.datasets.auc(p, label)"""
 from . import _C  # noqa: F401  (first: the extension's errors are shoal._C's)
-from . import _datasets
+from . import _arguments, _datasets
+_arguments.wrap_module(_datasets, "shoal.datasets")
 
 auc, logloss = _datasets.auc, _datasets.logloss
 
@@ -18,7 +19,6 @@ def SyntheticCtr(seed=0, size=1_000_000, fields=26, vocabulary=100_000, zipf=1.1
     """The set of SyntheticCtrOptions' fields, by the same names and defaults. get_batch(indices)
     and range(first, count) give (ids int64 [rows, fields], dense float32 [rows, dense], label
     float32 [rows], probability float32 [rows])."""
-    return _datasets.SyntheticCtr(seed=int(seed), size=int(size), fields=int(fields), vocabulary=int(vocabulary),
-                                  zipf=float(zipf), dense=int(dense), factors=int(factors), bias=float(bias),
-                                  linear_scale=float(linear_scale), dense_scale=float(dense_scale),
-                                  factor_scale=float(factor_scale), id_decay=float(id_decay))
+    return _datasets.SyntheticCtr(seed=seed, size=size, fields=fields, vocabulary=vocabulary, zipf=zipf,
+                                  dense=dense, factors=factors, bias=bias, linear_scale=linear_scale,
+                                  dense_scale=dense_scale, factor_scale=factor_scale, id_decay=id_decay)

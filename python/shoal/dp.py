@@ -43,10 +43,10 @@ class DataParallel(torch.nn.Module):
         self.module = module
         self._replication = _C.Replication(
             parameters=list(module.named_parameters()), buffers=list(module.named_buffers()),
-            bucket_bytes=int(bucket_bytes), first_bucket_bytes=int(first_bucket_bytes),
+            bucket_bytes=bucket_bytes, first_bucket_bytes=first_bucket_bytes,
             find_unused_parameters=bool(find_unused_parameters),
             gradient_as_bucket_view=bool(gradient_as_bucket_view), broadcast_buffers=bool(broadcast_buffers),
-            weigh_by_batch_share=bool(weigh_by_batch_share), batch_dim=int(batch_dim), comm_hook=comm_hook)
+            weigh_by_batch_share=bool(weigh_by_batch_share), batch_dim=batch_dim, comm_hook=comm_hook)
 
     def forward(self, *args, **kwargs):
         # Under grad mode a forward is a collective (it counts the batch's share); C++ checks it.

@@ -35,7 +35,7 @@ class BatchPolicy:
     the world, lr = lr0 * world / reference, reached over warmup_steps commits."""
 
     def __init__(self, kind, reference_world_size=1, warmup_steps=0):
-        self.kind, self.reference_world_size, self.warmup_steps = kind, int(reference_world_size), int(warmup_steps)
+        self.kind, self.reference_world_size, self.warmup_steps = kind, reference_world_size, warmup_steps
 
     @classmethod
     def keep_global_batch(cls):
@@ -90,7 +90,7 @@ class State:
             parameters=parameters, buffers=buffers, global_layers=layers, optimizer=self._mirror,
             sampler=sampler._sampler,
             policy=policy.kind, reference_world_size=policy.reference_world_size, warmup_steps=policy.warmup_steps,
-            copy_parameters=bool(copy_parameters), checkpoint=str(checkpoint), checkpoint_every=int(checkpoint_every))
+            copy_parameters=bool(copy_parameters), checkpoint=str(checkpoint), checkpoint_every=checkpoint_every)
         self._state.on_reset(self._take)
         self.values = _Values(self._state)
 
@@ -119,7 +119,7 @@ class State:
 
     def set_base_learning_rates(self, rates):
         """The policy's base rates (lr0), per param group, for a schedule of the program's own."""
-        self._state.set_base_learning_rates([float(r) for r in rates])
+        self._state.set_base_learning_rates(list(rates))
 
     def _give(self):
         # The Python optimizer's state and rates into its mirror, which the commit records: the

@@ -123,8 +123,8 @@ class GradientSync:
                                     "parameter in a global layer (shoal.global_.nn)" % name)
         if layers and layers[0][0] == "":
             layers = [("model", layers[0][1])]
-        self._sync = _nn.GradientSync(layers=layers, bucket_bytes=int(bucket_bytes),
-                                      first_bucket_bytes=int(first_bucket_bytes))
+        self._sync = _nn.GradientSync(layers=layers, bucket_bytes=bucket_bytes,
+                                      first_bucket_bytes=first_bucket_bytes)
 
     def groups(self):
         """The workers each bucketed set of parameters is summed over, one list per set."""

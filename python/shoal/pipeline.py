@@ -60,8 +60,8 @@ class Pipeline:
                 layers.append(("plain", layer, list(layer.named_parameters()), list(layer.named_buffers()),
                                [name for name, _ in layer.named_modules() if name], []))
         batch = [] if batch is None else ([batch] if isinstance(batch, _C.global_.Sbp) else list(batch))
-        self._pipeline = _p.Pipeline(layers=layers, micro_batches=int(micro_batches), schedule=str(schedule),
-                                     stages_per_worker=int(stages_per_worker), split=list(split or []),
+        self._pipeline = _p.Pipeline(layers=layers, micro_batches=micro_batches, schedule=str(schedule),
+                                     stages_per_worker=stages_per_worker, split=list(split or []),
                                      placements=list(placements or []), custom_schedule=custom_schedule,
                                      timeout=timeout, batch=batch)
 

@@ -30,8 +30,8 @@ class Embedding(torch.nn.Module):
         super().__init__()
         if init not in _INITS:
             raise _C.UsageError("shoal.ps.Embedding: init %r; expected one of %s" % (init, ", ".join(_INITS)))
-        self._table = _C.PsEmbedding(num_embeddings=int(num_embeddings), embedding_dim=int(embedding_dim),
-                                      init=init, a=float(a), b=float(b), seed=int(seed))
+        self._table = _C.PsEmbedding(num_embeddings=num_embeddings, embedding_dim=embedding_dim,
+                                      init=init, a=a, b=b, seed=seed)
 
     num_embeddings = property(lambda self: self._table.num_embeddings)
     embedding_dim = property(lambda self: self._table.embedding_dim)

@@ -78,6 +78,17 @@ struct Reducer::State {
     return weight;
   }
 
+  // Runs `work` inside backward: an exception leaves through options.on_backward_error.
+  template <typename Work>
+  void in_backward_hook(Work work) {
+    try {
+      work();
+    } catch (...) {
+      if (options.on_backward_error) options.on_backward_error(std::current_exception());
+      throw;
+    }
+  }
+
   void assign(const std::vector<size_t>& order);
   void begin_backward(const std::shared_ptr<State>& self);
   void on_grad_ready(size_t index, const std::shared_ptr<State>& self);
@@ -121,7 +132,7 @@ class GradReady : public torch::autograd::FunctionPostHook {
   GradReady(std::weak_ptr<Reducer::State> state, size_t index) : state_(std::move(state)), index_(index) {}
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
                                             const torch::autograd::variable_list&) override {
-    if (auto state = state_.lock()) state->on_grad_ready(index_, state);
+    if (auto state = state_.lock()) state->in_backward_hook([&] { state->on_grad_ready(index_, state); });
     return outputs;
   }
   std::shared_ptr<Reducer::State> state() const { return state_.lock(); }
@@ -197,7 +208,7 @@ void Reducer::State::begin_backward(const std::shared_ptr<State>& self) {
   for (auto& bucket : buckets) bucket.pending = bucket.params.size();
   std::weak_ptr<State> weak = self;
   torch::autograd::Engine::get_default_engine().queue_callback([weak] {
-    if (auto state = weak.lock()) state->finalize();
+    if (auto state = weak.lock()) state->in_backward_hook([&] { state->finalize(); });
   });
 }
 
@@ -355,7 +366,8 @@ Reducer::Reducer(std::vector<at::Tensor> parameters, comm::Group group, ReducerO
     for (auto& param : state.params) {
       state.weight_hooks.push_back(param.register_hook([weak](const at::Tensor& grad) -> at::Tensor {
         auto self = weak.lock();
-        const double weight = self ? self->batch_weight() : 1.0;
+        double weight = 1.0;
+        if (self) self->in_backward_hook([&] { weight = self->batch_weight(); });
         if (weight == 1.0) return {};
         if (weight == 0.0) return at::zeros_like(grad);  // not 0 * NaN from a mean over no rows
         return grad * weight;

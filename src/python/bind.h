@@ -33,14 +33,21 @@ using Placed = std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Mod
 // C++], bindings.cpp).
 class Mirror : public torch::nn::Module {
  public:
-  // The child `name`, made when it does not exist.
-  torch::nn::Module& child(const std::string& name);
   void fill(const Named& parameters, const Named& buffers, const std::vector<std::string>& modules = {},
             const Placed& placed = {});
 };
 
+// The module that holds dotted `path`'s last part under `root` (its parents made as empty modules
+// where missing), and that last part: where a Python module's tree puts what `path` names.
+std::pair<torch::nn::Module*, std::string> parent_at(torch::nn::Module& root, const std::string& path);
+// Registers `module` at dotted `path` under `root`.
+void place(torch::nn::Module& root, const std::string& path, std::shared_ptr<torch::nn::Module> module);
+
 std::shared_ptr<torch::nn::Module> mirror(const Named& parameters, const Named& buffers,
                                           const std::vector<std::string>& modules = {}, const Placed& placed = {});
+
+// BucketOptions::on_backward_error for a Python program's model (Note [Errors inside backward]).
+void raise_in_python(std::exception_ptr thrown);
 
 // A deadline from Python: seconds, or None for the group's. UsageError for a number not above 0.
 Duration deadline(const std::optional<double>& seconds);

@@ -7,10 +7,12 @@
 #include <vector>
 
 #include <chrono>
+#include <exception>
 #include <optional>
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/nn/module.h>
@@ -37,32 +39,43 @@ namespace shoal::python {
 // checkpoint (with the submodules that hold no tensor, so that it is a C++ model's tree), the
 // parameter servers (with each table's C++ module at its path) and a pipeline's layers
 // (pipeline.cpp, whose layer also calls the Python module's forward).
-torch::nn::Module& Mirror::child(const std::string& name) {
-  for (const auto& item : named_children()) {
-    if (item.key() == name) return *item.value();
+std::pair<torch::nn::Module*, std::string> parent_at(torch::nn::Module& root, const std::string& path) {
+  torch::nn::Module* module = &root;
+  size_t start = 0;
+  for (size_t dot = path.find('.'); dot != std::string::npos; dot = path.find('.', start)) {
+    const std::string name = path.substr(start, dot - start);
+    torch::nn::Module* child = nullptr;
+    for (const auto& item : module->named_children()) {
+      if (item.key() == name) child = item.value().get();
+    }
+    module = child != nullptr ? child : module->register_module(name, std::make_shared<Mirror>()).get();
+    start = dot + 1;
   }
-  return *register_module(name, std::make_shared<Mirror>());
+  return {module, path.substr(start)};
+}
+
+void place(torch::nn::Module& root, const std::string& path, std::shared_ptr<torch::nn::Module> module) {
+  auto [parent, name] = parent_at(root, path);
+  parent->register_module(name, std::move(module));
 }
 
 void Mirror::fill(const Named& parameters, const Named& buffers, const std::vector<std::string>& modules,
                   const Placed& placed) {
-  // The module of `name`'s path up to its last '.', made as needed; `start` is left at the last part.
-  auto parent = [this](const std::string& name, size_t& start) {
-    Mirror* module = this;
-    start = 0;
-    for (size_t dot = name.find('.'); dot != std::string::npos; dot = name.find('.', start)) {
-      module = static_cast<Mirror*>(&module->child(name.substr(start, dot - start)));
-      start = dot + 1;
-    }
-    return module;
-  };
-  size_t start = 0;
-  for (const auto& name : modules) parent(name, start)->child(name.substr(start));
-  for (const auto& [name, module] : placed) parent(name, start)->register_module(name.substr(start), module);
-  for (const auto& [name, tensor] : parameters) {
-    parent(name, start)->register_parameter(name.substr(start), tensor, tensor.requires_grad());
+  for (const auto& path : modules) {
+    auto [parent, name] = parent_at(*this, path);
+    bool exists = false;
+    for (const auto& item : parent->named_children()) exists = exists || item.key() == name;
+    if (!exists) parent->register_module(name, std::make_shared<Mirror>());
   }
-  for (const auto& [name, tensor] : buffers) parent(name, start)->register_buffer(name.substr(start), tensor);
+  for (const auto& [path, module] : placed) place(*this, path, module);
+  for (const auto& [path, tensor] : parameters) {
+    auto [parent, name] = parent_at(*this, path);
+    parent->register_parameter(name, tensor, tensor.requires_grad());
+  }
+  for (const auto& [path, tensor] : buffers) {
+    auto [parent, name] = parent_at(*this, path);
+    parent->register_buffer(name, tensor);
+  }
 }
 
 std::shared_ptr<torch::nn::Module> mirror(const Named& parameters, const Named& buffers,
@@ -70,6 +83,40 @@ std::shared_ptr<torch::nn::Module> mirror(const Named& parameters, const Named& 
   auto root = std::make_shared<Mirror>();
   root->fill(parameters, buffers, modules, placed);
   return root;
+}
+
+// Note [Errors inside backward]
+// loss.backward() runs DataParallel's and GradientSync's hooks inside PyTorch's autograd engine,
+// which hands a hook's exception to backward's caller as it is, and torch's binding of backward
+// turns every C++ exception into a RuntimeError there, but one: torch's python_error, which
+// carries a Python exception and raises it unchanged. So the hooks' BucketOptions::on_backward_error
+// sets shoal's own exception for a shoal::Error (shoal.CommError, UsageError or Error, with the
+// one-line text) and throws it inside a python_error; `except shoal.CommError` around backward
+// then sees a lost peer as it does around a collective. Anything else leaves as it came.
+void raise_in_python(std::exception_ptr thrown) {
+  const char* type = nullptr;
+  std::string text;
+  try {
+    std::rethrow_exception(thrown);
+  } catch (const CommError& e) {
+    type = "CommError";
+    text = e.what();
+  } catch (const UsageError& e) {
+    type = "UsageError";
+    text = e.what();
+  } catch (const Error& e) {
+    type = "Error";
+    text = e.what();
+  } catch (...) {
+    return;
+  }
+  python_error error;
+  {
+    py::gil_scoped_acquire gil;
+    PyErr_SetString(py::module_::import("shoal._C").attr(type).ptr(), text.c_str());
+    error.persist();
+  }
+  throw error;
 }
 
 Duration deadline(const std::optional<double>& seconds) {
@@ -375,6 +422,7 @@ PYBIND11_MODULE(_C, m) {
              options.weigh_by_batch_share = weigh_by_batch_share;
              options.batch_dim = batch_dim;
              if (comm_hook) options.comm_hook = *comm_hook;
+             options.on_backward_error = sp::raise_in_python;
              return std::make_unique<sp::Replication>(parameters, buffers, options);
            }),
            py::arg("parameters"), py::arg("buffers"), py::arg("bucket_bytes"), py::arg("first_bucket_bytes"),

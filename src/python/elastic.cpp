@@ -34,8 +34,10 @@ namespace {
 //   derives from BaseException so that the program's `except Exception` lets it through, as
 //   KeyboardInterrupt; run's C++ side rethrows the kept exception as it was.
 // - shoal.CommError raised by a collective the program called becomes shoal::CommError again.
-// - An error of DataParallel's hooks in backward reaches Python through PyTorch's autograd engine
-//   as a RuntimeError; if the world is broken then, it is taken as the CommError it was.
+// - An error of DataParallel's hooks in backward reaches Python as shoal.CommError too (Note
+//   [Errors inside backward], bindings.cpp). Any other error raised while the world is broken
+//   (a global tensor's boxing in backward reaches Python as PyTorch's RuntimeError) is taken as
+//   the CommError it was.
 // Anything else is the program's own error and leaves run() as it came.
 class ElasticState {
  public:

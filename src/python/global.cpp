@@ -217,22 +217,8 @@ GlobalLayer layer(std::shared_ptr<Impl> impl) {
 // The C++ layers at their Python paths, in one module (GradientSync's and a checkpoint's).
 std::shared_ptr<g::nn::Module> model_of(const std::vector<std::pair<std::string, GlobalLayer>>& layers) {
   auto root = std::make_shared<g::nn::Module>();
-  for (const auto& [path, l] : layers) {
-    // A dotted path nests, as the Python module's tree does.
-    torch::nn::Module* parent = root.get();
-    size_t start = 0;
-    for (size_t dot = path.find('.'); dot != std::string::npos; dot = path.find('.', start)) {
-      const std::string name = path.substr(start, dot - start);
-      std::shared_ptr<torch::nn::Module> child;
-      for (const auto& item : parent->named_children()) {
-        if (item.key() == name) child = item.value();
-      }
-      if (!child) child = parent->register_module(name, std::make_shared<g::nn::Module>());
-      parent = child.get();
-      start = dot + 1;
-    }
-    parent->register_module(path.substr(start), l.module);
-  }
+  // A dotted path nests, as the Python module's tree does.
+  for (const auto& [path, l] : layers) place(*root, path, l.module);
   return root;
 }
 
@@ -298,6 +284,7 @@ void bind_layers(py::module_& m) {
              BucketOptions options;
              options.bucket_bytes = bucket_bytes;
              options.first_bucket_bytes = first_bucket_bytes;
+             options.on_backward_error = raise_in_python;
              return std::make_unique<Sync>(layers, options);
            }),
            py::arg("layers"), py::arg("bucket_bytes"), py::arg("first_bucket_bytes"))

@@ -66,21 +66,7 @@ class PythonLayer : public Mirror {
 class PythonGlobalLayer : public global::nn::Module {
  public:
   PythonGlobalLayer(py::object layer, const Placed& held) : layer_(hold(std::move(layer))) {
-    for (const auto& [path, module] : held) {
-      torch::nn::Module* parent = this;
-      size_t start = 0;
-      for (size_t dot = path.find('.'); dot != std::string::npos; dot = path.find('.', start)) {
-        const std::string name = path.substr(start, dot - start);
-        std::shared_ptr<torch::nn::Module> child;
-        for (const auto& item : parent->named_children()) {
-          if (item.key() == name) child = item.value();
-        }
-        if (!child) child = parent->register_module(name, std::make_shared<Mirror>());
-        parent = child.get();
-        start = dot + 1;
-      }
-      parent->register_module(path.substr(start), module);
-    }
+    for (const auto& [path, module] : held) place(*this, path, module);
   }
   global::GlobalTensor forward(const global::GlobalTensor& x) {
     py::gil_scoped_acquire gil;

@@ -1,7 +1,9 @@
 """A worker of tests/python/test_data_parallel.py: the plain PyTorch program of that test with
 shoal's lines added. argv: the output file, then the case: "train"; "no_sync" (each worker's share in two halves, the
 first backward under no_sync()); "fp16" (the fp16 compression hook); "unused" (a layer forward
-never uses, find_unused_parameters); or "differ" (worker 1 builds a wider model)."""
+never uses, find_unused_parameters); "differ" (worker 1 builds a wider model); or "lost" (worker 1
+leaves at the third step, and worker 0 writes what its backward raised)."""
+import os
 import sys
 
 import torch
@@ -32,7 +34,16 @@ def main(out, case):
         x, y = program.batch(step)
         x, y = program.share(x, shoal.rank(), shoal.world_size()), program.share(y, shoal.rank(), shoal.world_size())
         optimizer.zero_grad(set_to_none=False)
-        if case == "no_sync":
+        if case == "lost":
+            if shoal.rank() == 1 and step == 2:
+                os._exit(0)
+            try:
+                torch.nn.functional.mse_loss(model(x), y).backward()
+            except shoal.CommError as error:
+                with open(out, "w") as f:
+                    f.write("%s at step %d: %s" % (type(error).__name__, step, error))
+                return
+        elif case == "no_sync":
             first, second = program.halves(x), program.halves(y)
             with model.no_sync():
                 torch.nn.functional.mse_loss(model(first[0]), second[0]).backward()

@@ -84,6 +84,16 @@ def test_a_model_that_differs_is_a_usage_error_on_every_worker(tmp_path):
     assert "\n" not in messages[0]
 
 
+def test_a_peer_lost_in_backward_is_a_comm_error(tmp_path):
+    # DataParallel's hooks raise inside PyTorch's autograd engine; loss.backward() gives the
+    # program shoal.CommError with shoal's one line, as a collective would, not a RuntimeError.
+    out = tmp_path / "error"
+    run_job(2, "dp_worker.py", out, "lost")
+    message = out.read_text()
+    assert message.startswith("CommError at step 2: "), message
+    assert "\n" not in message
+
+
 def test_init_twice_is_a_usage_error():
     # In a process of its own, as every program: a job of one.
     code = ("import shoal\nshoal.init()\ntry:\n    shoal.init()\nexcept shoal.UsageError as e:\n"

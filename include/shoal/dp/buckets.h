@@ -5,6 +5,8 @@
 #pragma once
 
 #include <cstdint>
+#include <exception>
+#include <functional>
 
 namespace shoal {
 
@@ -14,6 +16,12 @@ struct BucketOptions {
   // The first bucket (the last layers' gradients, which backward produces first) is kept this
   // small so that communication starts early in backward.
   int64_t first_bucket_bytes = 1024 * 1024;
+  // Called, on the thread that runs backward, with the exception that the buckets' hooks are
+  // about to raise there (a lost peer's CommError, a deadline passed); it may throw another in
+  // its place. PyTorch's autograd engine hands a hook's exception to backward's caller as it is,
+  // so a front end gives it its own type here: the Python package raises shoal.CommError through
+  // it (src/python/bindings.cpp). Empty: the exception leaves as it is.
+  std::function<void(std::exception_ptr)> on_backward_error;
 };
 
 }  // namespace shoal
