@@ -7,7 +7,8 @@
 #   hand     a hand-written LibTorch loop: one c10d all-reduce per gradient after backward (--impl hand),
 #   python   shoal's Python DataParallel over the same models written in PyTorch (bench/ddp_python.py
 #            --impl shoal, one block), so that its margin over PyTorch's DDP is measured in the same
-#            rounds and the same way as C++ shoal's,
+#            rounds and the same way as C++ shoal's; python-local, the same program's `local` (no
+#            averaging), tells the interpreter's own cost from shoal's,
 # for an MLP 784-2048-2048-10 and the demo CNN, 2 workers with one intra-op thread each, batch 64
 # per worker: first on loopback, then between two network namespaces joined by a veth pair shaped
 # to 1 Gbit/s with tc tbf (as bench/allreduce.sh builds it; needs root, skipped otherwise).
@@ -82,7 +83,7 @@ variant_env() {
   case $1 in
     shoal-tcp) echo "SHOAL_COMM=tcp" ;;
     shoal-spins*) echo "SHOAL_COMM=auto SHOAL_SHM_SPINS=${1#shoal-spins}" ;;
-    python) echo "SHOAL_COMM=auto PYTHONPATH=$(realpath "$build")/python" ;;
+    python*) echo "SHOAL_COMM=auto PYTHONPATH=$(realpath "$build")/python" ;;
     *) echo "SHOAL_COMM=auto" ;;
   esac
 }
@@ -100,7 +101,7 @@ pytorch_flags() {
 
 for contender in "${contenders[@]}"; do
   case $contender in
-    shoal | hand | local | lockstep | python) ;;
+    shoal | hand | local | lockstep | python | python-local) ;;
     shoal-*) variant_flags "$contender" >/dev/null || exit 2 ;;
     pytorch*) pytorch_flags "$contender" >/dev/null || exit 2 ;;
     *) echo "ddp.sh: unknown contender $contender" >&2; exit 2 ;;
@@ -150,8 +151,9 @@ run_one() {
 # Command line of a contender's worker ($1 model, $2 contender, $3 steps), after the launcher.
 shoal_args() {
   local model=$1 contender=$2 steps=$3 impl flags=""
-  if [[ $contender == python ]]; then
-    echo "$python $here/ddp_python.py --impl shoal --model $model --warmup $warmup --steps $steps --alternate $steps"
+  if [[ $contender == python* ]]; then
+    [[ $contender == python ]] && impl=shoal || impl=local
+    echo "$python $here/ddp_python.py --impl $impl --model $model --warmup $warmup --steps $steps --alternate $steps"
     return
   fi
   case $contender in

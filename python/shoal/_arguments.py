@@ -4,9 +4,9 @@ pybind11 answers a call whose arguments match none of a function's signatures wi
 several lines (every signature, then the values given). shoal's functions and methods are wrapped
 here so that such a call raises ArgumentTypeError instead, a shoal.UsageError that is also a
 TypeError, with one line: the function's public name, the types given and the ones expected. Any
-other error, a TypeError raised inside the call included, leaves as it came. Operators are left
-alone: given a wrong type they return NotImplemented, and Python raises its own one-line
-TypeError."""
+other error, a TypeError raised inside the call included, leaves as it came. Operators too
+(`GlobalTensor @ torch.Tensor`): pybind11 binds them as methods that raise the same several
+lines."""
 import functools
 import numbers
 import re
@@ -22,8 +22,10 @@ class ArgumentTypeError(_C.UsageError, TypeError):
 
 
 def _short(text):
-    return text.replace("torch._C._te.ScalarType", "torch.dtype").replace("shoal._C.global_.nn.", "").replace("shoal._C.global_.", "").replace(
-        "shoal._C.", "").replace("torch.Tensor", "Tensor")
+    for long, short in (("torch._C._te.ScalarType", "torch.dtype"), ("shoal._C.global_.nn.", ""),
+                        ("shoal._C.global_.", ""), ("shoal._C.", ""), ("torch.Tensor", "Tensor")):
+        text = text.replace(long, short)
+    return text
 
 
 def _type_name(value):
@@ -122,15 +124,22 @@ def wrap_module(module, public):
     for attr, value in list(vars(module).items()):
         if attr.startswith("__"):
             continue
-        name = _BEHIND.get(attr) or ("shoal.comm." + attr if attr in _COMM and public == "shoal" else public + "." + attr)
+        in_comm = attr in _COMM and public == "shoal"
+        name = _BEHIND.get(attr) or ("shoal.comm." if in_comm else public + ".") + attr
         if _is_pybind(value):
             setattr(module, attr, _wrap(value, name))
         elif isinstance(value, type) and value.__module__ == module.__name__ and not issubclass(value, BaseException):
-            _wrap_class(value, name)
+            _wrap_class(value, name, only_init=attr in _BEHIND and attr != "SyntheticCtr")
 
 
-def _wrap_class(cls, public):
+def _wrap_class(cls, public, only_init=False):
+    """Wraps the methods of `cls`. Of a class that shoal's own Python class is made over (but
+    SyntheticCtr, which the program holds itself), only the constructor, which takes the
+    program's arguments: its other methods are called by shoal's Python code, some once a step
+    (DataParallel's count before each forward), and take no wrapper."""
     for attr, value in list(vars(cls).items()):
+        if only_init and attr != "__init__":
+            continue
         if isinstance(value, staticmethod) and _is_pybind(value.__func__):
             setattr(cls, attr, staticmethod(_wrap(value.__func__, "%s.%s" % (public, attr))))
         elif type(value).__name__ == "instancemethod" and _is_pybind(value.__func__):

@@ -92,7 +92,9 @@ std::shared_ptr<torch::nn::Module> mirror(const Named& parameters, const Named& 
 // carries a Python exception and raises it unchanged. So the hooks' BucketOptions::on_backward_error
 // sets shoal's own exception for a shoal::Error (shoal.CommError, UsageError or Error, with the
 // one-line text) and throws it inside a python_error; `except shoal.CommError` around backward
-// then sees a lost peer as it does around a collective. Anything else leaves as it came.
+// then sees a lost peer as it does around a collective. Anything else leaves as it came. A global
+// loss's backward() (global.cpp) runs the engine from C++ instead: what it raises, a python_error
+// or a shoal::Error, reaches Python through pybind11 as shoal's exception either way.
 void raise_in_python(std::exception_ptr thrown) {
   const char* type = nullptr;
   std::string text;

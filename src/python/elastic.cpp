@@ -34,10 +34,11 @@ namespace {
 //   derives from BaseException so that the program's `except Exception` lets it through, as
 //   KeyboardInterrupt; run's C++ side rethrows the kept exception as it was.
 // - shoal.CommError raised by a collective the program called becomes shoal::CommError again.
-// - An error of DataParallel's hooks in backward reaches Python as shoal.CommError too (Note
-//   [Errors inside backward], bindings.cpp). Any other error raised while the world is broken
-//   (a global tensor's boxing in backward reaches Python as PyTorch's RuntimeError) is taken as
-//   the CommError it was.
+// - An error inside backward reaches Python as shoal.CommError too: DataParallel's hooks through
+//   Note [Errors inside backward] (bindings.cpp); a global loss's backward() runs autograd from
+//   C++ and raises through pybind11. Any other error raised while the world is broken (a
+//   RuntimeError from torch's backward through a global tensor's local piece) is taken as the
+//   CommError it was.
 // Anything else is the program's own error and leaves run() as it came.
 class ElasticState {
  public:

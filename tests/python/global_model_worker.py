@@ -10,7 +10,10 @@ PLAN: data (the batch split over every worker, the weights whole), tensor (the w
 every worker, the batch whole) or 2-D (a 2 x 2 mesh, data by tensor). With CHECKPOINT_IN, the
 model is first loaded from it (a file saved in another plan). The first worker writes OUT
 (torch.save): the losses, and every parameter's whole value after training (from full()); every
-worker saves the model and its optimizer to OUT.ckpt."""
+worker saves the model and its optimizer to OUT.ckpt. PLAN "lost": the data plan, but the second
+worker leaves just before its second backward, and the first writes to OUT what its backward
+raised."""
+import os
 import sys
 
 import torch
@@ -40,6 +43,7 @@ def gpt(layout):
 
 def main(out, plan, steps, resume=None):
     shoal.init()
+    lost, plan = plan == "lost", "data" if plan == "lost" else plan
     layout, batch_sbp = layout_of(plan)
     model = gpt(layout)
     sync = g.nn.GradientSync(model)  # noqa: F841  (sums the data axes' gradients while it lives)
@@ -55,6 +59,16 @@ def main(out, plan, steps, resume=None):
         optimizer.zero_grad()
         logits = model(x)
         loss = g.cross_entropy(g.reshape(logits, [-1, VOCAB]), y)
+        if lost:
+            if shoal.rank() == 1 and step == 1:
+                os._exit(0)
+            try:
+                loss.backward()
+            except shoal.CommError as error:
+                with open(out, "w") as f:
+                    f.write("%s at step %d: %s" % (type(error).__name__, step, error))
+                return
+            continue
         loss.backward()
         optimizer.step()
         losses.append(float(loss.full()))

@@ -49,3 +49,14 @@ def test_a_gpt_of_global_layers_trains_as_one_process_and_its_checkpoint_crosses
     for a, b in zip(got["losses"] + after["losses"], reference["losses"]):
         assert abs(a - b) <= 1e-5 * abs(b), (got["losses"], after["losses"], reference["losses"])
     assert whole_difference(after["whole"], reference["whole"]) < 1e-5
+
+
+def test_a_peer_lost_in_a_global_models_backward_is_a_comm_error(tmp_path):
+    # GradientSync's hooks (through BucketOptions::on_backward_error) and the boxing raise inside
+    # the global loss's backward(), which runs autograd from C++; the program gets shoal.CommError
+    # with shoal's one line.
+    out = tmp_path / "error"
+    run_job(2, "global_model_worker.py", out, "lost", 3)
+    message = out.read_text()
+    assert message.startswith("CommError at step 1: "), message
+    assert "\n" not in message
