@@ -9,8 +9,8 @@ from jobs import run_job
 
 def raised():
     out = run_job(1, "arguments_worker.py")
-    return {
-        json.loads(line)["call"]: json.loads(line) for line in out.splitlines() if line.startswith("{")}
+    calls = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return {call["call"]: call for call in calls}
 
 
 def test_wrong_types_are_one_line_usage_errors_and_the_programs_own_type_errors_pass():
