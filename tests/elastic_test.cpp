@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <set>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -305,6 +306,55 @@ TEST_P(ElasticScaling, LearningRateFollowsTheWorld) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Policies, ElasticScaling, ::testing::Values("scale", "warmup"),
+                         [](const auto& info) { return info.param; });
+
+// Under each BatchPolicy the job shrinks (2 -> 1, a worker killed) and grows (1 -> 3, two
+// newcomers) and finishes, every sample trained on once per epoch, its workers' parameters
+// equal at the end. Under adascale() the rate
+// is lr0 * gain, between lr0 and lr0 * world, and above lr0 once the world has grown: AdaScale's
+// gain from the noise DataParallel measured.
+class ElasticResizes : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ElasticResizes, ShrinksAndGrowsAndSeesEverySampleOnce) {
+  const std::string policy = GetParam();
+  constexpr int kEpochs = 5;
+  const std::string out = temp_path("resize_" + policy);
+  const std::string token = temp_path("resize_" + policy + ".token");
+  ::setenv("ELASTIC_WORKER_SPREAD", "1", 1);
+  ShoalRun job({"--min", "1", "--max", "3", "-n", "2", "--token-file", token, kWorker, out,
+                std::to_string(kEpochs), "40", policy});
+  ASSERT_TRUE(step_at_least(job, 10, 2, 60s)) << job.so_far().out << job.so_far().err;
+  auto first = ranks_of_round(starts(job.so_far().out), 2);
+  ASSERT_EQ(::kill(first[1], SIGKILL), 0);
+  const int64_t killed_at = last_step(job.so_far().out).first;
+  ASSERT_TRUE(step_at_least(job, killed_at + 5, 1, 60s)) << job.so_far().out << job.so_far().err;
+  auto [address, token_file] = join_hint(job.so_far().err);
+  ASSERT_FALSE(address.empty()) << job.so_far().err;
+  ShoalRun joiner({"--join", address, "--token-file", token_file, "-n", "2", kWorker, out,
+                   std::to_string(kEpochs), "40", policy});
+  ::unsetenv("ELASTIC_WORKER_SPREAD");
+  const RunResult joined = joiner.wait(120s);
+  const RunResult result = job.wait(120s);
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  ASSERT_EQ(joined.exit_code, 0) << joined.err;
+  std::set<int> worlds;
+  for (const auto& start : starts(result.out + joined.out)) worlds.insert(start.world);
+  EXPECT_EQ(worlds, (std::set<int>{1, 2, 3})) << result.out << joined.out;
+  expect_each_sample_once(read_outcome(out), kEpochs);
+  // The last round's three workers end with the same parameters.
+  EXPECT_NE((result.out + joined.out).find("parameter spread 0\n"), std::string::npos) << result.out << joined.out;
+  if (policy != "adascale") return;
+  bool gained = false;
+  for (const auto& [world, lr] : rates(result.out + joined.out)) {
+    EXPECT_GE(lr, 0.05 - 1e-9) << "world " << world;
+    EXPECT_LE(lr, 0.05 * world + 1e-9) << "world " << world;
+    if (world == 1) EXPECT_NEAR(lr, 0.05, 1e-9);
+    if (world == 3 && lr > 0.05 * 1.5) gained = true;
+  }
+  EXPECT_TRUE(gained) << result.out << joined.out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, ElasticResizes, ::testing::Values("global", "scale", "adascale"),
                          [](const auto& info) { return info.param; });
 
 // Above --max, a newcomer waits; it joins when a place frees up.

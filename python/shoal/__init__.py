@@ -13,7 +13,7 @@ import torch  # noqa: F401  (LibTorch first: the C++ core links the very same li
 from . import _C
 from . import _arguments
 _arguments.wrap_all()  # before any module takes a name from _C
-from ._C import CommError, Error, UsageError  # noqa: E402
+from ._C import CommError, Error, GradientNoise, UsageError  # noqa: E402
 from ._arguments import ArgumentTypeError  # noqa: E402
 from . import comm, data, datasets, elastic, global_, pipeline, ps  # noqa: E402
 from ._runtime import init  # noqa: E402
@@ -22,7 +22,7 @@ from .dp import DataParallel, allreduce_hook, bf16_compress_hook, fp16_compress_
 
 __all__ = ["comm", "data", "datasets", "elastic", "global_", "pipeline", "ps", "init", "save", "load", "is_initialized", "world_size", "rank", "local_rank", "is_main", "DataParallel",
            "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
-           "Error", "CommError", "UsageError", "ArgumentTypeError"]
+           "Error", "CommError", "UsageError", "ArgumentTypeError", "GradientNoise"]
 
 
 is_initialized = _C.is_initialized

@@ -33,7 +33,8 @@ class DataParallel(torch.nn.Module):
 
     def __init__(self, module, bucket_bytes=25 * 1024 * 1024, first_bucket_bytes=1024 * 1024,
                  find_unused_parameters=False, gradient_as_bucket_view=True, broadcast_buffers=True,
-                 weigh_by_batch_share=True, batch_dim=0, comm_hook=None):
+                 weigh_by_batch_share=True, batch_dim=0, comm_hook=None, measure_gradient_noise=False,
+                 gradient_noise_smoothing=0.99):
         super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise _C.UsageError("DataParallel: the module is a %s; expected a torch.nn.Module"
@@ -46,7 +47,8 @@ class DataParallel(torch.nn.Module):
             bucket_bytes=bucket_bytes, first_bucket_bytes=first_bucket_bytes,
             find_unused_parameters=bool(find_unused_parameters),
             gradient_as_bucket_view=bool(gradient_as_bucket_view), broadcast_buffers=bool(broadcast_buffers),
-            weigh_by_batch_share=bool(weigh_by_batch_share), batch_dim=batch_dim, comm_hook=comm_hook)
+            weigh_by_batch_share=bool(weigh_by_batch_share), batch_dim=batch_dim, comm_hook=comm_hook,
+            measure_gradient_noise=bool(measure_gradient_noise), gradient_noise_smoothing=gradient_noise_smoothing)
 
     def forward(self, *args, **kwargs):
         # Under grad mode a forward is a collective (it counts the batch's share); C++ checks it.
@@ -67,3 +69,11 @@ class DataParallel(torch.nn.Module):
     def bucket_assignment(self):
         """Each bucket's parameters, by their index in module.parameters()."""
         return self._replication.bucket_assignment()
+
+    @property
+    def gradient_noise(self):
+        """The gradient noise measured so far (measure_gradient_noise=True), a shoal.GradientNoise
+        the same on every worker: gradient_sqr (|G|^2), variance (tr(Sigma) per sample),
+        noise_scale(), gain(batch, base_batch) (AdaScale's), efficiency(batch, base_batch)
+        (Pollux's), measurements and batch. None when not measured. See docs/dp.md."""
+        return self._replication.gradient_noise()

@@ -32,7 +32,11 @@ class BatchPolicy:
     keep_global_batch(): the loader's batch_size is the global batch, cut over the workers, and
     the learning rate stays. scale_learning_rate(reference_world_size=1, warmup_steps=0): each
     worker's batch stays (the loader is per_worker), and the learning rate is scaled linearly with
-    the world, lr = lr0 * world / reference, reached over warmup_steps commits."""
+    the world, lr = lr0 * world / reference, reached over warmup_steps commits.
+    adascale(reference_world_size=1): each worker's batch stays, and lr = lr0 * gain, AdaScale's
+    gain of the global batch over the reference world's, from the gradient noise the model's
+    shoal.DataParallel measures (measure_gradient_noise=True); State.scaled_steps counts the
+    progress in reference steps."""
 
     def __init__(self, kind, reference_world_size=1, warmup_steps=0):
         self.kind, self.reference_world_size, self.warmup_steps = kind, reference_world_size, warmup_steps
@@ -44,6 +48,10 @@ class BatchPolicy:
     @classmethod
     def scale_learning_rate(cls, reference_world_size=1, warmup_steps=0):
         return cls("scale_learning_rate", reference_world_size, warmup_steps)
+
+    @classmethod
+    def adascale(cls, reference_world_size=1):
+        return cls("adascale", reference_world_size)
 
 
 class _Values:
@@ -97,6 +105,11 @@ class State:
     epoch = property(lambda self: self._state.epoch, doc="The epoch the training loop is in.")
     version = property(lambda self: self._state.version,
                        doc="Commits so far in the job's history, the same on every worker.")
+    scaled_steps = property(lambda self: self._state.scaled_steps,
+                            doc="The progress in steps at the policy's reference world (adascale: "
+                                "the sum of the steps' gains), committed with the rest.")
+    gain = property(lambda self: self._state.gain,
+                    doc="The factor the policy scales the learning rates by for the next step.")
 
     def commit(self):
         """Records the state as the point a failure rolls back to, and agrees with the other
@@ -127,7 +140,7 @@ class State:
         self._mirror.give(self._optimizer)
 
     def _take_rates(self):
-        # The policy may have set new rates (scale_learning_rate, its warm-up).
+        # The policy may have set new rates (scale_learning_rate, its warm-up; adascale).
         for group, rate in zip(self._optimizer.param_groups, self._mirror.learning_rates()):
             group["lr"] = rate
 

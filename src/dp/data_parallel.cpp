@@ -122,6 +122,8 @@ void broadcast_from_first(comm::Group& group, const std::vector<at::Tensor>& ten
 Replicator::Replicator(std::shared_ptr<torch::nn::Module> module, DataParallelOptions options)
     : module_(std::move(module)), options_(std::move(options)) {
   if (!module_) throw UsageError("DataParallel: the module is null");
+  replication_ = std::make_shared<Replication>(
+      options_.measure_gradient_noise ? std::make_shared<NoiseMeter>(options_.gradient_noise_smoothing) : nullptr);
   if (options_.batch_dim < 0) {
     throw UsageError("DataParallel: batch_dim must be 0 or more, got " + std::to_string(options_.batch_dim));
   }
@@ -150,9 +152,10 @@ void Replicator::bind(comm::Group group, bool synchronize) {
     for (auto& p : module_->parameters()) p.mutable_grad().reset();
   }
   group_ = std::move(group);
-  if (group_.size() == 1) return;  // a job of one: nothing to check, copy or average
+  // A job of one: nothing to check, copy or average; the Reducer only measures the noise there.
+  if (group_.size() == 1 && !options_.measure_gradient_noise) return;
 
-  if (synchronize) {
+  if (synchronize && group_.size() > 1) {
     const auto problem = first_difference(gather_descriptions(group_, encode(describe(*module_))), group_.members());
     if (!problem.empty()) {
       throw UsageError("DataParallel: the model differs across workers: " + problem +
@@ -189,7 +192,8 @@ void Replicator::broadcast_buffers() {
 // decided by what every worker's program does alike (grad mode, the input's presence and rank),
 // so that every member starts the count's all-reduce.
 void Replicator::before_forward(const at::Tensor* input) {
-  if (!reducer_ || !options_.weigh_by_batch_share || input == nullptr || !at::GradMode::is_enabled()) return;
+  const bool counts = options_.weigh_by_batch_share || options_.measure_gradient_noise;
+  if (!reducer_ || !counts || input == nullptr || !at::GradMode::is_enabled()) return;
   if (!input->defined() || input->dim() <= options_.batch_dim) {
     throw UsageError("DataParallel: the forward's first tensor has " +
                      std::to_string(input->defined() ? input->dim() : 0) +
@@ -207,6 +211,11 @@ bool sync(const Replicator& replicator) { return replicator.sync(); }
 void before_forward(Replicator& replicator, const at::Tensor* input) { replicator.before_forward(input); }
 std::vector<std::vector<size_t>> bucket_assignment(const Replicator& replicator) {
   return replicator.reducer() ? replicator.reducer()->bucket_assignment() : std::vector<std::vector<size_t>>{};
+}
+std::optional<GradientNoise> gradient_noise(const Replicator& replicator) {
+  const auto& meter = replicator.replication().noise();
+  if (!meter) return std::nullopt;
+  return meter->value();
 }
 
 }  // namespace shoal::dp

@@ -3,6 +3,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <utility>
 
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
@@ -13,6 +14,19 @@
 #include "shoal/core/timeline.h"
 
 namespace shoal::dp {
+namespace {
+
+// A flat bucket as an operand of at::dot, which takes floating types of 32 bits and more.
+at::Tensor as_dot_operand(const at::Tensor& flat) {
+  return flat.scalar_type() == at::kFloat || flat.scalar_type() == at::kDouble ? flat : flat.to(at::kFloat);
+}
+
+double squared_norm(const at::Tensor& flat) {
+  const at::Tensor x = as_dot_operand(flat);
+  return at::dot(x, x).item<double>();
+}
+
+}  // namespace
 
 struct Reducer::State {
   struct Bucket {
@@ -64,17 +78,31 @@ struct Reducer::State {
   comm::Work count;
   bool counting = false;
   double weight = 1.0;
+  int64_t step_rows = 0;  // the group's samples since the last synchronized backward
+
+  // The measurement of the gradient noise (Note [Measuring the gradient noise]), when the
+  // replication holds a meter: this step's sum of |local gradient|^2, bucket by bucket, and
+  // with one worker the previous step's gradient, bucket by bucket, and its samples.
+  NoiseMeter* noise = nullptr;
+  double local_sqr = 0.0;
+  std::vector<at::Tensor> previous;
+  int64_t previous_rows = 0;
+
+  // Waits for the count in flight, if any; with batch_mutex held.
+  void settle_count() {
+    if (!counting) return;
+    counting = false;
+    count.wait();
+    const int64_t global = rows.item<int64_t>();
+    weight = global > 0 ? static_cast<double>(local_rows) * group.size() / static_cast<double>(global) : 1.0;
+    step_rows += global;
+  }
 
   // The factor this worker's gradient is weighed by in this backward: n * local / global, 1 when
   // no forward counted its batch. Waits for the count when it is still in flight.
   double batch_weight() {
     std::lock_guard<std::mutex> lock(batch_mutex);
-    if (counting) {
-      counting = false;
-      count.wait();
-      const int64_t global = rows.item<int64_t>();
-      weight = global > 0 ? static_cast<double>(local_rows) * group.size() / static_cast<double>(global) : 1.0;
-    }
+    settle_count();
     return weight;
   }
 
@@ -97,6 +125,9 @@ struct Reducer::State {
   void start(Bucket& bucket, const comm::AllReduceOptions* sum = nullptr);
   void finalize();
   void rebuild();
+  // After finalize() waited for the buckets (`sum`: the workers' local_sqr summed): gives the
+  // meter this step's estimate.
+  void measure_noise(const at::Tensor& sum);
 
   at::Tensor slice(const Bucket& bucket, size_t slot) const {
     const auto& p = params[bucket.params[slot]];
@@ -256,6 +287,11 @@ void Reducer::State::start(Bucket& bucket, const comm::AllReduceOptions* sum) {
     bucket.work = group.all_reduce_async(bucket.buffer, *sum);
     return;
   }
+  if (noise) {
+    // The bucket holds this worker's gradients (divided by n when prescaled) until it starts.
+    const double n = group.size();
+    local_sqr += squared_norm(bucket.buffer) * (prescale ? n * n : 1.0);
+  }
   bucket.work = options.hook ? options.hook(group, bucket.buffer)
                              : group.all_reduce_async(bucket.buffer, {prescale ? comm::ReduceOp::kSum
                                                                                : comm::ReduceOp::kAvg});
@@ -276,6 +312,14 @@ void Reducer::State::finalize() {
     }
     start(bucket);
   }
+  // The workers' sums of squares, added while the buckets are: one number.
+  at::Tensor noise_sum;
+  comm::Work noise_work;
+  if (noise) {
+    noise_sum = at::full({1}, local_sqr, at::kDouble);
+    local_sqr = 0.0;
+    noise_work = group.all_reduce_async(noise_sum, {comm::ReduceOp::kSum});
+  }
   at::Tensor used;
   if (options.find_unused_parameters) {
     used = at::empty({static_cast<int64_t>(params.size())}, at::kFloat);
@@ -285,6 +329,10 @@ void Reducer::State::finalize() {
   for (auto& bucket : buckets) {
     bucket.work.wait();
     bucket.slice.end();
+  }
+  if (noise) {
+    noise_work.wait();
+    measure_noise(noise_sum);
   }
   if (used.defined()) group.all_reduce(used, {comm::ReduceOp::kMax});
   for (size_t index = 0; index < params.size(); ++index) {
@@ -308,6 +356,52 @@ void Reducer::State::finalize() {
   // the buffers' included): a worker whose backward raised never reaches the optimizer's step, so
   // an elastic commit must still find its parameters unchanged (Note [Commits without copies]).
   if (options.replication) options.replication->count_synchronized_backward();
+}
+
+void Reducer::State::measure_noise(const at::Tensor& sum) {
+  int64_t batch = 0;
+  {
+    std::lock_guard<std::mutex> lock(batch_mutex);
+    settle_count();
+    batch = std::exchange(step_rows, 0);
+  }
+  const int n = group.size();
+  if (n > 1) {
+    double average_sqr = 0.0;
+    for (const auto& bucket : buckets) average_sqr += squared_norm(bucket.buffer);
+    // A step whose forwards DataParallel did not see (the module called directly) has no batch.
+    if (batch >= n) {
+      const double big = static_cast<double>(batch);
+      noise->add(sum.item<double>() / n, average_sqr, big / n, big, batch);
+    }
+    return;
+  }
+  // One worker: this step's gradient and the previous one's are the two means.
+  double current = 0.0, before = 0.0, both = 0.0;
+  const bool paired = previous.size() == buckets.size() && previous_rows > 0 && batch > 0;
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    const at::Tensor& buffer = buckets[b].buffer;
+    current += squared_norm(buffer);
+    if (paired) {
+      before += squared_norm(previous[b]);
+      both += at::dot(as_dot_operand(previous[b]), as_dot_operand(buffer)).item<double>();
+    }
+  }
+  if (paired) {
+    const double mean_local_sqr = (before + current) / 2.0;
+    const double average_sqr = (before + 2.0 * both + current) / 4.0;
+    noise->add(mean_local_sqr, average_sqr, static_cast<double>(batch), static_cast<double>(batch + previous_rows),
+               batch + previous_rows);
+  }
+  previous.resize(buckets.size());
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    if (previous[b].defined() && previous[b].sizes() == buckets[b].buffer.sizes()) {
+      previous[b].copy_(buckets[b].buffer);
+    } else {
+      previous[b] = buckets[b].buffer.clone();
+    }
+  }
+  previous_rows = batch;
 }
 
 // After the first synchronized backward, the buckets are cut again in the order the first
@@ -338,6 +432,8 @@ Reducer::Reducer(std::vector<at::Tensor> parameters, comm::Group group, ReducerO
   state.group = std::move(group);
   state.prescale = !options.hook && state.group.path() == "gloo";
   state.options = std::move(options);
+  if (state.options.replication && state.options.during_backward)
+    state.noise = state.options.replication->noise().get();
   const size_t n = state.params.size();
   state.bucket_of.resize(n);
   state.slot_of.resize(n);
@@ -394,11 +490,18 @@ Reducer::~Reducer() {
 
 void Reducer::count_batch(int64_t rows) {
   State& state = *state_;
-  if (!state.options.weigh_by_batch_share) return;
+  if (!state.options.weigh_by_batch_share && !state.noise) return;
   std::lock_guard<std::mutex> lock(state.batch_mutex);
   // A count no backward asked for (a forward whose loss was not used) ends first: every member
-  // started it, and it has long completed.
-  if (state.counting) state.count.wait();
+  // started it, and it has long completed. Without weights no backward asks for counts: then it
+  // is one of this step's forwards.
+  if (state.counting) {
+    if (state.options.weigh_by_batch_share) {
+      state.count.wait();
+    } else {
+      state.settle_count();
+    }
+  }
   state.local_rows = rows;
   state.rows = at::full({1}, rows, at::kLong);
   state.count = state.group.all_reduce_async(state.rows, {comm::ReduceOp::kSum});

@@ -1,7 +1,8 @@
 // What an elastic commit may ask of the DataParallel that replicates a parameter: whether one
-// does, how many of its backwards completed, and a call before each optimizer step may change the
-// parameters. Internal to shoal: the dp part implements it, the elastic part reads it, each
-// DataParallel has its own (Note [Commits without copies], src/elastic/snapshot.cpp).
+// does, how many of its backwards completed, a call before each optimizer step may change the
+// parameters, and the gradient noise it measures. Internal to shoal: the dp part implements it,
+// the elastic part reads it, each DataParallel has its own (Note [Commits without copies],
+// src/elastic/snapshot.cpp).
 #pragma once
 
 #include <atomic>
@@ -13,6 +14,8 @@
 
 #include <ATen/ATen.h>
 
+#include "dp/noise_meter.h"
+
 namespace shoal::dp {
 
 // Note [Copying a commit in the background]
@@ -23,6 +26,13 @@ namespace shoal::dp {
 // overlaps the next step's forward and backward, and registers a waiter here that joins it.
 class Replication {
  public:
+  // `noise`: the DataParallel's meter (DataParallelOptions::measure_gradient_noise), else null.
+  explicit Replication(std::shared_ptr<NoiseMeter> noise = nullptr) : noise_(std::move(noise)) {}
+
+  // The meter of the gradient noise, null when the DataParallel does not measure it. It lasts
+  // as long as the DataParallel, across changes of the world.
+  const std::shared_ptr<NoiseMeter>& noise() const { return noise_; }
+
   // Backwards of this DataParallel whose collectives all returned: the program's optimizer step
   // may have followed each (Note [Commits without copies]).
   uint64_t synchronized_backwards() const { return backwards_.load(); }
@@ -42,6 +52,7 @@ class Replication {
   std::map<int, std::function<void()>> waiters_;
   int last_id_ = 0;
   std::atomic<uint64_t> backwards_{0};
+  std::shared_ptr<NoiseMeter> noise_;
 };
 
 // The Replication of the DataParallel that averages `parameter`'s gradient, found on the

@@ -25,8 +25,9 @@ class Replicator {
   }
   bool sync() const { return sync_; }
   void before_forward(const at::Tensor* input);
-  // Null in a job of one, where there is nothing to average.
+  // Null in a job of one, where there is nothing to average (unless it measures the noise).
   const Reducer* reducer() const { return reducer_.get(); }
+  const Replication& replication() const { return *replication_; }
   // Copies the first worker's buffers to every worker.
   void broadcast_buffers();
 
@@ -39,7 +40,7 @@ class Replicator {
   std::shared_ptr<torch::nn::Module> module_;
   DataParallelOptions options_;
   comm::Group group_;
-  std::shared_ptr<Replication> replication_ = std::make_shared<Replication>();
+  std::shared_ptr<Replication> replication_;
   std::unique_ptr<Reducer> reducer_;
   bool sync_ = true;
   int world_listener_ = 0;  // set while following shoal::world()

@@ -130,6 +130,9 @@ void State::snapshot() {
   for (auto& [name, value] : values_) s.values[name] = copy_into(value, s.values[name]);
   s.warmup_from = warmup_from_;
   s.warmup_done = warmup_done_;
+  if (noise_) s.noise = noise_->state();
+  s.scaled_steps = scaled_steps_;
+  s.gain = gain_;
 
   const auto replicated = replications();
   if (!replicated.empty() && !options_.copy_parameters) {
@@ -258,6 +261,9 @@ void State::restore() {
     values_[name] = value.defined() ? value.clone() : at::Tensor();
   warmup_from_ = s.warmup_from;
   warmup_done_ = s.warmup_done;
+  if (noise_ && !s.noise.empty()) noise_->set_state(s.noise);
+  scaled_steps_ = s.scaled_steps;
+  gain_ = s.gain;
 }
 
 }  // namespace shoal::elastic

@@ -31,6 +31,9 @@ struct State::Snapshot {
   std::map<std::string, at::Tensor> values;
   std::vector<double> warmup_from;
   int64_t warmup_done = 0;
+  std::vector<double> noise;  // the noise meter's state, when there is one
+  double scaled_steps = 0.0;
+  double gain = 1.0;
 };
 
 }  // namespace shoal::elastic

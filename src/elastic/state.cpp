@@ -44,6 +44,12 @@ using ::shoal::detail::fnv1a;  // the same on every host, unlike what std::hash 
 constexpr const char* kEpochKey = "shoal.elastic.epoch";
 constexpr const char* kVersionKey = "shoal.elastic.version";
 constexpr const char* kRatesKey = "shoal.elastic.learning_rates";
+constexpr const char* kNoiseKey = "shoal.elastic.gradient_noise";
+constexpr const char* kScaledStepsKey = "shoal.elastic.scaled_steps";
+
+const char* policy_name(BatchPolicy::Kind kind) {
+  return kind == BatchPolicy::Kind::kAdaScale ? "adascale()" : "scale_learning_rate()";
+}
 constexpr const char* kValuePrefix = "value.";
 // How often commit() records the job's progress for newcomers (Note [The job's recorded commits]).
 constexpr int64_t kRecordEvery = 100;
@@ -59,18 +65,34 @@ State::State(torch::nn::Module& module, torch::optim::Optimizer& optimizer, data
         "elastic::State: BatchPolicy::keep_global_batch() needs a sampler whose batch_size is the "
         "global batch; this one is per_worker");
   }
-  if (options_.policy.kind == BatchPolicy::Kind::kScaleLearningRate) {
+  const auto kind = options_.policy.kind;
+  if (kind == BatchPolicy::Kind::kScaleLearningRate || kind == BatchPolicy::Kind::kAdaScale) {
     if (!per_worker) {
-      throw UsageError(
-          "elastic::State: BatchPolicy::scale_learning_rate() needs a per_worker sampler (each "
-          "worker's batch stays); this one's batch_size is the global batch");
+      throw UsageError(std::string("elastic::State: BatchPolicy::") + policy_name(kind) +
+                       " needs a per_worker sampler (each worker's batch stays); this one's batch_size is the "
+                       "global batch");
     }
     if (options_.policy.reference_world_size < 1 || options_.policy.warmup_steps < 0) {
-      throw UsageError("elastic::State: scale_learning_rate(" +
-                       std::to_string(options_.policy.reference_world_size) + ", " +
-                       std::to_string(options_.policy.warmup_steps) +
-                       "): expected a reference world size >= 1 and warm-up steps >= 0");
+      const bool ada = kind == BatchPolicy::Kind::kAdaScale;
+      const std::string name = policy_name(kind);
+      throw UsageError("elastic::State: " + name.substr(0, name.size() - 1) +
+                       std::to_string(options_.policy.reference_world_size) +
+                       (ada ? "" : ", " + std::to_string(options_.policy.warmup_steps)) +
+                       "): expected a reference world size >= 1" + (ada ? "" : " and warm-up steps >= 0"));
     }
+  }
+  // The DataParallel that measures the module's gradient noise, if any.
+  for (const auto& p : module.parameters()) {
+    if (!p.requires_grad()) continue;
+    if (auto replication = dp::replication_of(p); replication && replication->noise()) {
+      noise_ = replication->noise();
+      break;
+    }
+  }
+  if (kind == BatchPolicy::Kind::kAdaScale && !noise_) {
+    throw UsageError(
+        "elastic::State: BatchPolicy::adascale() needs the gradient noise measured: expected the module "
+        "under a DataParallel with measure_gradient_noise = true");
   }
   // Elastic rounds share one worker's whole module, which is wrong for pieces of global tensors.
   auto refuse_globals = [](torch::nn::Module& m) {
@@ -105,6 +127,8 @@ struct State::Vote {
 void State::commit() {
   ++version_;
   const auto& policy = options_.policy;
+  if (!epoch_commit_) scaled_steps_ += gain_;  // the step just taken, at the rates of gain_
+  if (policy.kind == BatchPolicy::Kind::kAdaScale) apply_gain();
   if (policy.kind == BatchPolicy::Kind::kScaleLearningRate && warmup_done_ < policy.warmup_steps) {
     ++warmup_done_;
     const int world = shoal::is_initialized() ? shoal::world_size() : 1;
@@ -160,6 +184,8 @@ std::string State::serialize() const {
   std::vector<double> rates;
   for (auto& g : optimizer_.param_groups()) rates.push_back(g.options().get_lr());
   extras[kRatesKey] = at::tensor(rates, at::kDouble);
+  extras[kScaledStepsKey] = at::tensor({scaled_steps_}, at::kDouble);
+  if (noise_) extras[kNoiseKey] = at::tensor(noise_->state(), at::kDouble);
   return checkpoint::encode_payload(module_, &optimizer_, &sampler_, extras);
 }
 
@@ -177,6 +203,11 @@ void State::deserialize(const std::string& what, std::string_view payload) {
   auto& groups = optimizer_.param_groups();
   for (size_t i = 0; i < groups.size() && i < static_cast<size_t>(rates.numel()); ++i) {
     groups[i].options().set_lr(rates[i].item<double>());
+  }
+  if (extras.count(kScaledStepsKey)) scaled_steps_ = extras.at(kScaledStepsKey).item<double>();
+  if (noise_ && extras.count(kNoiseKey)) {
+    const auto numbers = extras.at(kNoiseKey).contiguous();
+    noise_->set_state(std::vector<double>(numbers.data_ptr<double>(), numbers.data_ptr<double>() + numbers.numel()));
   }
   values_.clear();
   const std::string prefix = kValuePrefix;
@@ -219,6 +250,11 @@ namespace {
 
 void State::next_epoch() {
   ++epoch_;
+  epoch_commit_ = true;
+  struct Reset {
+    bool& flag;
+    ~Reset() { flag = false; }
+  } reset{epoch_commit_};
   commit();
 }
 
@@ -418,8 +454,10 @@ void State::finish() {
 
 void State::apply_policy() {
   const auto& policy = options_.policy;
+  if (policy.kind == BatchPolicy::Kind::kAdaScale) apply_gain();
   if (policy.kind != BatchPolicy::Kind::kScaleLearningRate) return;
   const int world = shoal::is_initialized() ? shoal::world_size() : 1;
+  gain_ = static_cast<double>(world) / policy.reference_world_size;
   auto& groups = optimizer_.param_groups();
   warmup_from_.clear();
   for (size_t i = 0; i < groups.size() && i < base_rates_.size(); ++i) {
@@ -428,6 +466,15 @@ void State::apply_policy() {
     if (policy.warmup_steps == 0) groups[i].options().set_lr(target);
   }
   warmup_done_ = 0;
+}
+
+void State::apply_gain() {
+  const int world = shoal::is_initialized() ? shoal::world_size() : 1;
+  const double per_worker = static_cast<double>(sampler_.options().batch_size);
+  gain_ = noise_->value().gain(world * per_worker, options_.policy.reference_world_size * per_worker);
+  auto& groups = optimizer_.param_groups();
+  for (size_t i = 0; i < groups.size() && i < base_rates_.size(); ++i)
+    groups[i].options().set_lr(base_rates_[i] * gain_);
 }
 
 void run(State& state, const std::function<void()>& train) {

@@ -2,6 +2,7 @@
 // parts through it; the per-step work (autograd hooks, buckets, collectives, waits) stays in C++
 // and runs without the GIL. Every call that can block releases the GIL first.
 #include <memory>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -144,6 +145,7 @@ class Replication {
   void set_sync(bool sync) { dp::set_sync(*replicator_, sync); }
   bool sync() const { return dp::sync(*replicator_); }
   std::vector<std::vector<size_t>> bucket_assignment() const { return dp::bucket_assignment(*replicator_); }
+  std::optional<GradientNoise> gradient_noise() const { return dp::gradient_noise(*replicator_); }
 
  private:
   std::shared_ptr<torch::nn::Module> module_;
@@ -414,7 +416,8 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](const sp::Named& parameters, const sp::Named& buffers, int64_t bucket_bytes,
                        int64_t first_bucket_bytes, bool find_unused_parameters, bool gradient_as_bucket_view,
                        bool broadcast_buffers, bool weigh_by_batch_share, int64_t batch_dim,
-                       const std::optional<shoal::dp::CommHook>& comm_hook) {
+                       const std::optional<shoal::dp::CommHook>& comm_hook, bool measure_gradient_noise,
+                       double gradient_noise_smoothing) {
              shoal::DataParallelOptions options;
              options.bucket_bytes = bucket_bytes;
              options.first_bucket_bytes = first_bucket_bytes;
@@ -424,14 +427,35 @@ PYBIND11_MODULE(_C, m) {
              options.weigh_by_batch_share = weigh_by_batch_share;
              options.batch_dim = batch_dim;
              if (comm_hook) options.comm_hook = *comm_hook;
+             options.measure_gradient_noise = measure_gradient_noise;
+             options.gradient_noise_smoothing = gradient_noise_smoothing;
              options.on_backward_error = sp::raise_in_python;
              return std::make_unique<sp::Replication>(parameters, buffers, options);
            }),
            py::arg("parameters"), py::arg("buffers"), py::arg("bucket_bytes"), py::arg("first_bucket_bytes"),
            py::arg("find_unused_parameters"), py::arg("gradient_as_bucket_view"), py::arg("broadcast_buffers"),
-           py::arg("weigh_by_batch_share"), py::arg("batch_dim"), py::arg("comm_hook"))
+           py::arg("weigh_by_batch_share"), py::arg("batch_dim"), py::arg("comm_hook"),
+           py::arg("measure_gradient_noise"), py::arg("gradient_noise_smoothing"))
       .def("before_forward", &sp::Replication::before_forward, py::arg("input"))
       .def("set_sync", &sp::Replication::set_sync)
       .def("sync", &sp::Replication::sync)
-      .def("bucket_assignment", &sp::Replication::bucket_assignment);
+      .def("bucket_assignment", &sp::Replication::bucket_assignment)
+      .def("gradient_noise", &sp::Replication::gradient_noise);
+
+  // Note [Measuring the gradient noise] (shoal/dp/gradient_noise.h).
+  py::class_<shoal::GradientNoise>(m, "GradientNoise")
+      .def_readonly("measurements", &shoal::GradientNoise::measurements)
+      .def_readonly("batch", &shoal::GradientNoise::batch)
+      .def_readonly("gradient_sqr", &shoal::GradientNoise::gradient_sqr)
+      .def_readonly("variance", &shoal::GradientNoise::variance)
+      .def("noise_scale", &shoal::GradientNoise::noise_scale)
+      .def("gain", &shoal::GradientNoise::gain, py::arg("batch"), py::arg("base_batch"))
+      .def("efficiency", &shoal::GradientNoise::efficiency, py::arg("batch"), py::arg("base_batch"))
+      .def("__repr__", [](const shoal::GradientNoise& noise) {
+        std::ostringstream text;
+        text << "GradientNoise(measurements=" << noise.measurements << ", batch=" << noise.batch
+             << ", gradient_sqr=" << noise.gradient_sqr << ", variance=" << noise.variance
+             << ", noise_scale=" << noise.noise_scale() << ")";
+        return text.str();
+      });
 }

@@ -101,7 +101,8 @@ class ElasticState {
 elastic::BatchPolicy policy_of(const std::string& kind, int reference_world_size, int64_t warmup_steps) {
   if (kind == "keep_global_batch") return elastic::BatchPolicy::keep_global_batch();
   if (kind == "scale_learning_rate") return elastic::BatchPolicy::scale_learning_rate(reference_world_size, warmup_steps);
-  throw UsageError("BatchPolicy '" + kind + "'; expected keep_global_batch or scale_learning_rate");
+  if (kind == "adascale") return elastic::BatchPolicy::adascale(reference_world_size);
+  throw UsageError("BatchPolicy '" + kind + "'; expected keep_global_batch, scale_learning_rate or adascale");
 }
 
 }  // namespace
@@ -134,6 +135,8 @@ void bind_elastic(py::module_& m) {
       .def("next_epoch", [](ElasticState& s) { s.step([](elastic::State& state) { state.next_epoch(); }); })
       .def_property_readonly("epoch", [](ElasticState& s) { return s.state().epoch(); })
       .def_property_readonly("version", [](ElasticState& s) { return s.state().version(); })
+      .def_property_readonly("scaled_steps", [](ElasticState& s) { return s.state().scaled_steps(); })
+      .def_property_readonly("gain", [](ElasticState& s) { return s.state().gain(); })
       .def("value", [](ElasticState& s, const std::string& name) -> std::optional<at::Tensor> {
         const at::Tensor& value = s.state().value(name);
         if (!value.defined()) return std::nullopt;

@@ -81,7 +81,7 @@ class Synthetic : public torch::data::datasets::Dataset<Synthetic> {
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::cerr << "usage: elastic_worker OUT [EPOCHS] [STEP_MS] [POLICY]\n";
+    std::cerr << "usage: elastic_worker OUT [EPOCHS] [STEP_MS] [POLICY: global, scale, warmup, adascale]\n";
     return 2;
   }
   const std::string out_path = argv[1];
@@ -94,7 +94,9 @@ int main(int argc, char** argv) {
   torch::manual_seed(1);
   auto net = std::make_shared<Net>();
   torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
-  shoal::DataParallel model(net);
+  shoal::DataParallelOptions dp_options;
+  dp_options.measure_gradient_noise = policy == "adascale";
+  shoal::DataParallel model(net, dp_options);
 
   shoal::data::LoaderOptions options;
   options.shuffle = true;
@@ -108,6 +110,10 @@ int main(int argc, char** argv) {
     options.batch_size = 4;
     options.per_worker = true;
     state_options.policy = shoal::elastic::BatchPolicy::scale_learning_rate(1, 4);
+  } else if (policy == "adascale") {
+    options.batch_size = 4;
+    options.per_worker = true;
+    state_options.policy = shoal::elastic::BatchPolicy::adascale(1);
   } else {
     options.batch_size = 10;
   }
@@ -206,6 +212,16 @@ int main(int argc, char** argv) {
     }
   });
 
+  if (flag("ELASTIC_WORKER_SPREAD") == 1) {
+    // How far the last round's workers' parameters are apart (a policy that gave workers
+    // different rates would part them).
+    std::vector<torch::Tensor> flat;
+    for (auto& p : net->parameters()) flat.push_back(p.detach().reshape(-1));
+    auto high = torch::cat(flat), low = high.clone();
+    shoal::world().all_reduce(high, {shoal::comm::ReduceOp::kMax});
+    shoal::world().all_reduce(low, {shoal::comm::ReduceOp::kMin});
+    if (shoal::is_main()) std::cout << "parameter spread " << (high - low).max().item<double>() << std::endl;
+  }
   if (shoal::is_main()) {
     std::ofstream out(out_path + ".tmp");
     out << std::setprecision(9);

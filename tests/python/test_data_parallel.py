@@ -94,6 +94,21 @@ def test_a_peer_lost_in_backward_is_a_comm_error(tmp_path):
     assert "\n" not in message
 
 
+@pytest.mark.parametrize("workers", [2, 3])
+def test_the_gradient_noise_is_the_one_process_estimate(tmp_path, workers):
+    # At every step of training, on even (2) and uneven (3: 22, 21, 21 rows) shares.
+    out = tmp_path / "noise.pt"
+    run_job(workers, "dp_worker.py", out, "noise")
+    saved = torch.load(out)
+    assert len(saved["measured"]) == program.STEPS
+    for step, ((measurements, batch, sqr, variance), (want_sqr, want_variance)) in enumerate(
+            zip(saved["measured"], saved["oracle"])):
+        assert (measurements, batch) == (step + 1, 64)
+        scale = abs(want_sqr) + want_variance / 32
+        assert abs(sqr - want_sqr) <= 1e-4 * scale, (step, sqr, want_sqr)
+        assert abs(variance - want_variance) <= 1e-4 * scale * 64, (step, variance, want_variance)
+
+
 def test_init_twice_is_a_usage_error():
     # In a process of its own, as every program: a job of one.
     code = ("import shoal\nshoal.init()\ntry:\n    shoal.init()\nexcept shoal.UsageError as e:\n"

@@ -147,3 +147,36 @@ def test_outside_an_elastic_job_the_program_s_error_leaves_run_as_it_came():
     with pytest.raises(shoal.UsageError) as raised:
         shoal.elastic.State(net, optimizer, loader)
     assert "keep_global_batch() needs a sampler whose batch_size is the global batch" in str(raised.value)
+
+
+def test_adascale_needs_the_noise_measured_and_scales_by_its_gain():
+    # In a job of one against a reference of two workers: the gain of 8 samples over 16 is below
+    # 1 once measured (consecutive steps are the two means), and the rate is lr0 times it.
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+    net = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    loader = shoal.data.DataLoader(data, batch_size=8, per_worker=True)
+    policy = shoal.elastic.BatchPolicy.adascale(reference_world_size=2)
+    with pytest.raises(shoal.UsageError) as raised:
+        shoal.elastic.State(shoal.DataParallel(net), optimizer, loader, policy=policy)
+    assert str(raised.value) == ("elastic::State: BatchPolicy::adascale() needs the gradient noise measured: "
+                                 "expected the module under a DataParallel with measure_gradient_noise = true")
+    model = shoal.DataParallel(net, measure_gradient_noise=True)
+    state = shoal.elastic.State(model, optimizer, loader, policy=policy)
+    gains = []
+
+    def train():
+        for x, y in loader.epoch(state.epoch):
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            gains.append(state.gain)
+            state.commit()
+            assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * state.gain, rel=1e-12)
+            assert state.gain == pytest.approx(model.gradient_noise.gain(8, 16), rel=1e-12)
+
+    shoal.elastic.run(state, train)
+    assert model.gradient_noise.measurements == 7  # 8 steps, the first without a pair
+    assert 0.5 <= state.gain < 1.0
+    assert state.scaled_steps == pytest.approx(sum(gains), rel=1e-12)

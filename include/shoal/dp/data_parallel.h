@@ -42,6 +42,7 @@
 #include "shoal/comm/group.h"
 #include "shoal/dp/buckets.h"
 #include "shoal/dp/comm_hooks.h"
+#include "shoal/dp/gradient_noise.h"
 
 namespace shoal {
 
@@ -72,6 +73,15 @@ struct DataParallelOptions : BucketOptions {
   // The workers to replicate over; empty: shoal::world(), followed as an elastic job's world
   // changes (see docs/elastic.md).
   std::optional<comm::Group> group;
+  // Measure the gradient noise scale during training (Note [Measuring the gradient noise],
+  // shoal/dp/gradient_noise.h): two passes over each step's gradients and an all-reduce of one
+  // number; in a job of one, a copy of the last step's gradients. Read it with gradient_noise();
+  // elastic::BatchPolicy::adascale() needs it. It counts the batch of every forward made
+  // through DataParallel.
+  bool measure_gradient_noise = false;
+  // The measurement's moving averages keep this much of the past at each step, in [0, 1): about
+  // 1 / (1 - smoothing) steps count.
+  double gradient_noise_smoothing = 0.99;
 };
 
 namespace dp {
@@ -85,6 +95,7 @@ bool sync(const Replicator& replicator);
 // Before the module's forward, with its first tensor argument (null when it has none).
 void before_forward(Replicator& replicator, const at::Tensor* input);
 std::vector<std::vector<size_t>> bucket_assignment(const Replicator& replicator);
+std::optional<GradientNoise> gradient_noise(const Replicator& replicator);
 
 namespace detail {
 inline const at::Tensor* first_tensor() { return nullptr; }
@@ -114,8 +125,13 @@ class DataParallel {
   ModuleType& operator*() { return *module_; }
   const std::shared_ptr<ModuleType>& module() const { return module_; }
   // The buckets gradients are averaged in, as lists of parameter indices (in the order of the
-  // parameters that require grad); empty in a job of one, where nothing is averaged.
+  // parameters that require grad); empty in a job of one, where nothing is averaged (unless it
+  // measures the gradient noise).
   std::vector<std::vector<size_t>> bucket_assignment() const { return dp::bucket_assignment(*replicator_); }
+
+  // The gradient noise measured so far (DataParallelOptions::measure_gradient_noise), the same on
+  // every worker; empty when not measured. See shoal/dp/gradient_noise.h.
+  std::optional<GradientNoise> gradient_noise() const { return dp::gradient_noise(*replicator_); }
 
   // Calls the module's forward, seeing the batch on the way (Note [Weighing gradients by batch
   // share]).

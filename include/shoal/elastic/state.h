@@ -32,6 +32,7 @@
 
 namespace shoal::dp {
 class Replication;  // src/dp/replication.h
+class NoiseMeter;   // src/dp/noise_meter.h
 }  // namespace shoal::dp
 
 namespace shoal::elastic {
@@ -45,9 +46,16 @@ struct BatchPolicy {
     // Each worker's batch stays (the sampler is per_worker), so the global batch follows the
     // world, and the learning rate is scaled linearly with it: lr = lr0 * world / reference.
     kScaleLearningRate,
+    // Each worker's batch stays, and the learning rate is scaled by AdaScale's gain (Johnson et
+    // al., ICML'20) for the global batch against the reference world's, from the gradient noise
+    // DataParallel measures (shoal/dp/gradient_noise.h): lr = lr0 * gain, after every commit.
+    // The gain lies between 1 and world / reference: linear scaling while the gradient's noise
+    // dominates, none once the batch is far above the noise scale. State::scaled_steps() counts
+    // the progress in steps at the reference world, for a schedule and for when to stop.
+    kAdaScale,
   };
   Kind kind = Kind::kKeepGlobalBatch;
-  // kScaleLearningRate: the world size the optimizer's learning rates were set for.
+  // kScaleLearningRate and kAdaScale: the world size the optimizer's learning rates were set for.
   int reference_world_size = 1;
   // kScaleLearningRate: after a change, the rate moves linearly to its new value over this many
   // commits (0: at once).
@@ -57,6 +65,7 @@ struct BatchPolicy {
   static BatchPolicy scale_learning_rate(int reference_world_size = 1, int64_t warmup_steps = 0) {
     return {Kind::kScaleLearningRate, reference_world_size, warmup_steps};
   }
+  static BatchPolicy adascale(int reference_world_size = 1) { return {Kind::kAdaScale, reference_world_size, 0}; }
 };
 
 struct StateOptions {
@@ -127,8 +136,17 @@ class State {
   void on_reset(std::function<void()> callback) { resets_.push_back(std::move(callback)); }
 
   // Changes the rates of each of the optimizer's parameter groups, as the policy's base
-  // ("lr0") values; for a program's own schedule under kScaleLearningRate.
+  // ("lr0") values; for a program's own schedule under kScaleLearningRate and kAdaScale.
   void set_base_learning_rates(std::vector<double> rates) { base_rates_ = std::move(rates); }
+
+  // The training's progress in steps at the policy's reference world: under kAdaScale the sum of
+  // each committed step's gain (AdaScale's scale-invariant iterations), else the steps times
+  // world / reference (kScaleLearningRate) or the steps (kKeepGlobalBatch). Committed and restored
+  // with the rest. A schedule of the reference run follows it, and a run ends at the same value.
+  double scaled_steps() const { return scaled_steps_; }
+  // The factor the policy scales the learning rates by for the next step (1 under
+  // kKeepGlobalBatch).
+  double gain() const { return gain_; }
 
   struct Snapshot;
 
@@ -148,6 +166,8 @@ class State {
   // Some parameter changed since the last commit, which kept no copy of them.
   bool parameters_changed() const;
   void apply_policy();
+  // The learning rates for the next step: lr0 * gain_ (kAdaScale).
+  void apply_gain();
   void check_world();
   // The state as a checkpoint payload (checkpoint/contents.h), and back.
   std::string serialize() const;
@@ -172,6 +192,12 @@ class State {
   // Warm-up towards new learning rates (kScaleLearningRate).
   std::vector<double> warmup_from_;
   int64_t warmup_done_ = 0;
+  // The gradient noise of the DataParallel of the module's parameters, when it measures it: its
+  // state is committed with the rest, so that every worker's gain stays the same.
+  std::shared_ptr<dp::NoiseMeter> noise_;
+  double scaled_steps_ = 0.0;
+  double gain_ = 1.0;
+  bool epoch_commit_ = false;  // next_epoch()'s commit, which ends no step
   std::unique_ptr<Snapshot> committed_;
   // restore() found the parameters changed since the commit, which kept no copy: sync() must
   // bring them from another worker.

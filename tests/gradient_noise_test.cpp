@@ -1,0 +1,207 @@
+// The gradient noise DataParallel measures (Note [Measuring the gradient noise],
+// shoal/dp/gradient_noise.h), against two oracles: the same estimate computed on one process in
+// double precision from every worker's data, and the closed form of a problem whose gradient
+// noise is known.
+//
+// The problem: linear regression y = x . w* + sigma e, with x ~ N(0, I_d) and e ~ N(0, 1), and
+// the loss 0.5 (x . w - y)^2 at a fixed w = w* + delta. One sample's gradient is
+// x (x . delta - sigma e): its mean is G = delta, and its covariance has trace
+// (d + 1) |delta|^2 + d sigma^2 (Isserlis: E[(x . delta)^2 x x^T] = |delta|^2 I + 2 delta delta^T).
+// With d = 16, |delta| = 1 and sigma = 1: |G|^2 = 1, tr(Sigma) = 33, a noise scale of 33 samples.
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "dp/noise_meter.h"
+#include "harness.h"
+#include "shoal/shoal.h"
+
+namespace {
+
+using shoal::testing::run_workers;
+
+constexpr int64_t kDim = 16, kPerWorker = 32;
+constexpr double kSigma = 1.0;
+constexpr double kTrueSqr = 1.0, kTrueVariance = (kDim + 1) * 1.0 + kDim * kSigma * kSigma;
+
+struct Problem {
+  torch::Tensor w_star, w;  // [kDim], float64
+};
+
+Problem problem() {
+  torch::manual_seed(5);
+  Problem p;
+  p.w_star = torch::randn({kDim}, torch::kDouble);
+  auto delta = torch::randn({kDim}, torch::kDouble);
+  p.w = p.w_star + delta / delta.norm();
+  return p;
+}
+
+// Worker `worker`'s samples at `step`, the same wherever they are made.
+std::pair<torch::Tensor, torch::Tensor> samples(const Problem& p, int64_t step, int worker) {
+  torch::manual_seed(1000 * step + worker + 1);
+  auto x = torch::randn({kPerWorker, kDim}, torch::kDouble);
+  auto y = x.matmul(p.w_star) + kSigma * torch::randn({kPerWorker}, torch::kDouble);
+  return {x, y};
+}
+
+// The gradient of the mean loss over the samples, in double precision.
+torch::Tensor gradient(const Problem& p, const std::pair<torch::Tensor, torch::Tensor>& data) {
+  const auto& [x, y] = data;
+  return x.t().matmul(x.matmul(p.w) - y) / kPerWorker;
+}
+
+struct Estimate {
+  double sqr, variance;
+};
+
+// The estimator on the given means, each over kPerWorker samples.
+Estimate estimate(const std::vector<torch::Tensor>& means) {
+  const double m = static_cast<double>(means.size());
+  double mean_local = 0;
+  for (const auto& g : means) mean_local += g.dot(g).item<double>() / m;
+  const auto average = torch::stack(means).mean(0);
+  const double average_sqr = average.dot(average).item<double>();
+  const double small = kPerWorker, big = kPerWorker * m;
+  return {(big * average_sqr - small * mean_local) / (big - small),
+          small * big * (mean_local - average_sqr) / (big - small)};
+}
+
+struct Standard {
+  double mean, error;  // the mean and its standard error
+};
+
+Standard standard(const std::vector<double>& xs) {
+  double mean = 0, square = 0;
+  for (double x : xs) mean += x / xs.size();
+  for (double x : xs) square += (x - mean) * (x - mean) / (xs.size() - 1);
+  return {mean, std::sqrt(square / xs.size())};
+}
+
+// Trains nothing (no optimizer: w stays) for `steps` steps of kPerWorker samples per worker,
+// reads the measurement after each, and checks it against the one-process estimate of the same
+// samples and, over all steps, against the closed form.
+void measure_against_oracles(int64_t steps) {
+  const Problem p = problem();
+  const int n = shoal::world_size();
+  auto linear = torch::nn::Linear(torch::nn::LinearOptions(kDim, 1).bias(false));
+  {
+    torch::NoGradGuard no_grad;
+    linear->weight.copy_(p.w.to(torch::kFloat).reshape({1, kDim}));
+  }
+  shoal::DataParallelOptions options;
+  options.measure_gradient_noise = true;
+  options.gradient_noise_smoothing = 0.0;  // each step's own estimate
+  shoal::DataParallel model(linear, options);
+  ASSERT_TRUE(model.gradient_noise().has_value());
+  EXPECT_EQ(model.gradient_noise()->measurements, 0);
+
+  std::vector<double> sqrs, variances;
+  torch::Tensor previous;  // one worker: the previous step's gradient
+  for (int64_t step = 0; step < steps; ++step) {
+    std::vector<torch::Tensor> means;
+    for (int worker = 0; worker < n; ++worker) means.push_back(gradient(p, samples(p, step, worker)));
+    const auto [x, y] = samples(p, step, shoal::rank());
+    linear->zero_grad();
+    const auto prediction = model(x.to(torch::kFloat)).reshape({-1});
+    (0.5 * (prediction - y.to(torch::kFloat)).pow(2).mean()).backward();
+
+    const auto noise = model.gradient_noise();
+    ASSERT_TRUE(noise.has_value());
+    if (n == 1) {
+      // The first step has no pair.
+      ASSERT_EQ(noise->measurements, step);
+      std::swap(previous, means[0]);
+      if (step == 0) continue;
+      means.push_back(previous);
+      EXPECT_EQ(noise->batch, 2 * kPerWorker);
+    } else {
+      ASSERT_EQ(noise->measurements, step + 1);
+      EXPECT_EQ(noise->batch, n * kPerWorker);
+    }
+    const Estimate oracle = estimate(means);
+    const double scale = std::abs(oracle.sqr) + oracle.variance / kPerWorker;
+    EXPECT_NEAR(noise->gradient_sqr, oracle.sqr, 1e-4 * scale) << "step " << step;
+    EXPECT_NEAR(noise->variance, oracle.variance, 1e-4 * scale * kPerWorker * means.size()) << "step " << step;
+    sqrs.push_back(noise->gradient_sqr);
+    variances.push_back(noise->variance);
+  }
+  const Standard sqr = standard(sqrs), variance = standard(variances);
+  // Enough steps that the comparison can tell (a standard error under 5% of the value) ...
+  EXPECT_LT(sqr.error, 0.05 * kTrueSqr);
+  EXPECT_LT(variance.error, 0.05 * kTrueVariance);
+  // ... and the means within four standard errors of the closed form.
+  EXPECT_NEAR(sqr.mean, kTrueSqr, 4 * sqr.error) << "|G|^2";
+  EXPECT_NEAR(variance.mean, kTrueVariance, 4 * variance.error) << "tr(Sigma)";
+  if (shoal::is_main()) {
+    std::printf("%d workers: |G|^2 %.3f +- %.3f (closed form %.0f), tr(Sigma) %.2f +- %.2f (%.0f)\n", n, sqr.mean,
+                sqr.error, kTrueSqr, variance.mean, variance.error, kTrueVariance);
+  }
+}
+
+class NoiseScale : public ::testing::TestWithParam<int> {};
+
+TEST_P(NoiseScale, EqualsTheOneProcessEstimateAndTheClosedForm) {
+  run_workers(GetParam(), [] { measure_against_oracles(300); });
+}
+
+INSTANTIATE_TEST_SUITE_P(Workers, NoiseScale, ::testing::Values(1, 2, 3, 4),
+                         [](const auto& info) { return "n" + std::to_string(info.param); });
+
+// Smoothing: the moving averages, debiased, of steps that all measure the same are that value;
+// the state carries them whole to another meter.
+TEST(NoiseMeter, SmoothedAveragesAreDebiasedAndCarriedWhole) {
+  shoal::dp::NoiseMeter meter(0.9);
+  // S = 3, L = 2 over 10 and 20 samples: |G|^2 = (20 * 2 - 10 * 3) / 10 = 1,
+  // tr(Sigma) = 10 * 20 * (3 - 2) / 10 = 20.
+  for (int i = 0; i < 3; ++i) meter.add(3.0, 2.0, 10.0, 20.0, 20);
+  auto noise = meter.value();
+  EXPECT_EQ(noise.measurements, 3);
+  EXPECT_EQ(noise.batch, 20);
+  EXPECT_NEAR(noise.gradient_sqr, 1.0, 1e-12);
+  EXPECT_NEAR(noise.variance, 20.0, 1e-12);
+  EXPECT_NEAR(noise.noise_scale(), 20.0, 1e-12);
+  // A step that measured |G|^2 = 0 and tr(Sigma) = 10 (S = 1, L = 0.5) moves each average a
+  // tenth of the way there.
+  meter.add(1.0, 0.5, 10.0, 20.0, 20);
+  noise = meter.value();
+  const double before = 1 - std::pow(0.9, 3), weight = 1 - std::pow(0.9, 4);
+  EXPECT_NEAR(noise.gradient_sqr, 0.9 * before * 1.0 / weight, 1e-12);
+  EXPECT_NEAR(noise.variance, (0.9 * before * 20.0 + 0.1 * 10.0) / weight, 1e-12);
+  shoal::dp::NoiseMeter other(0.5);
+  other.set_state(meter.state());
+  EXPECT_EQ(other.value().measurements, 4);
+  EXPECT_DOUBLE_EQ(other.value().gradient_sqr, noise.gradient_sqr);
+  EXPECT_DOUBLE_EQ(other.value().variance, noise.variance);
+  EXPECT_THROW(shoal::dp::NoiseMeter(1.0), shoal::UsageError);
+}
+
+// AdaScale's gain (B_noise / M0 + 1) / (B_noise / M + 1), bounded by 1 and M / M0.
+TEST(GradientNoise, GainAndEfficiency) {
+  shoal::GradientNoise noise;
+  EXPECT_EQ(noise.gain(128, 32), 1.0);  // nothing measured yet
+  noise.measurements = 10;
+  noise.gradient_sqr = 1.0;
+  noise.variance = 64.0;  // B_noise = 64
+  EXPECT_DOUBLE_EQ(noise.gain(128, 32), (64.0 / 32 + 1) / (64.0 / 128 + 1));  // 2
+  EXPECT_DOUBLE_EQ(noise.efficiency(128, 32), 2.0 / 4);
+  EXPECT_DOUBLE_EQ(noise.gain(32, 32), 1.0);
+  EXPECT_DOUBLE_EQ(noise.gain(16, 32), (64.0 / 32 + 1) / (64.0 / 16 + 1));  // a smaller batch: below 1
+  noise.gradient_sqr = -0.5;  // only noise measured: linear scaling
+  EXPECT_DOUBLE_EQ(noise.gain(128, 32), 4.0);
+  EXPECT_EQ(noise.noise_scale(), std::numeric_limits<double>::infinity());
+  noise.variance = -1.0;  // no noise: a step is a step
+  EXPECT_DOUBLE_EQ(noise.gain(128, 32), 1.0);
+  EXPECT_EQ(noise.noise_scale(), 0.0);
+  try {
+    noise.gain(0, 32);
+    FAIL() << "no error";
+  } catch (const shoal::UsageError& e) {
+    EXPECT_STREQ(e.what(), "GradientNoise::gain(0, 32): expected two batch sizes > 0");
+  }
+}
+
+}  // namespace
