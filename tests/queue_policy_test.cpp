@@ -420,5 +420,136 @@ TEST(QueuePolicy, TwoMinFourJobsOnFourSlotsNeverDeadlock) {
   EXPECT_TRUE(second_ran);  // the second starts once the first has ended
 }
 
+
+// Note [Speed-up curves]: the throughput measured at each worker count, fitted; before two counts,
+// the prior; with a per-worker batch, Pollux's efficiency from the noise scale.
+TEST(GoodputPolicy, SpeedupFollowsTheMeasuredRatesAndTheNoiseScale) {
+  PolicyOptions options;
+  options.kind = PolicyOptions::Kind::kGoodput;
+  JobView measured = job(1, 0, 1, 8);
+  measured.throughput = {{1, 100.0}, {2, 190.0}, {4, 340.0}};
+  EXPECT_NEAR(speedup(measured, 1, options), 1.0, 1e-12);
+  EXPECT_NEAR(speedup(measured, 2, options), 1.9, 0.02);
+  EXPECT_NEAR(speedup(measured, 4, options), 3.4, 0.05);
+  // Exactly on a curve of the model: T(w) = w / (1 + 0.25 (w - 1)).
+  JobView exact = job(2, 0, 1, 8);
+  for (int w : {2, 3, 6}) exact.throughput[w] = 50.0 * w / (1 + 0.25 * (w - 1));
+  EXPECT_NEAR(speedup(exact, 5, options), 5 / (1 + 0.25 * 4), 1e-9);
+  JobView unknown = job(3, 0, 1, 8);
+  EXPECT_NEAR(speedup(unknown, 4, options), 4 / (1 + options.overhead_prior * 3), 1e-12);
+  unknown.throughput = {{4, 123.0}};  // one count tells nothing of the curve's shape
+  EXPECT_NEAR(speedup(unknown, 4, options), 4 / (1 + options.overhead_prior * 3), 1e-12);
+  // B_noise = 64 samples, 32 per worker: 4 workers' samples are each worth (64 + 32) / (64 + 128).
+  exact.noise_scale = 64;
+  exact.batch_per_worker = 32;
+  EXPECT_NEAR(speedup(exact, 4, options), 4 / (1 + 0.25 * 3) * 96.0 / 192.0, 1e-9);
+}
+
+JobView scales(JobView view) {
+  view.throughput = {{1, 100.0}, {2, 198.0}, {4, 390.0}};
+  return view;
+}
+JobView flat(JobView view) {
+  view.throughput = {{1, 100.0}, {2, 104.0}, {4, 108.0}};
+  return view;
+}
+
+PolicyOptions goodput() {
+  PolicyOptions options;
+  options.kind = PolicyOptions::Kind::kGoodput;
+  return options;
+}
+
+// Two jobs of one priority, one that scales and one that does not (and is older, so that the
+// priority policy serves it first): the idle workers go to the one that scales.
+TEST(GoodputPolicy, IdleWorkersGoToTheJobThatScales) {
+  auto snapshot = cluster({{"a", 8}});
+  snapshot.idle_since = 0;
+  snapshot.jobs.push_back(flat(running(1, 0, 1, 8, {"a", "a"}, 10)));
+  snapshot.jobs.push_back(scales(running(2, 0, 1, 8, {"a", "a"}, 20)));
+  snapshot.jobs[1].submitted = 5;
+  Plan old = queue::plan(snapshot, {});
+  ASSERT_EQ(of_kind(old, Action::kGrow).size(), 1u);
+  EXPECT_EQ(of_kind(old, Action::kGrow)[0]->job, 1);
+
+  Plan plan = queue::plan(snapshot, goodput());
+  const auto grows = of_kind(plan, Action::kGrow);
+  ASSERT_EQ(grows.size(), 1u);
+  EXPECT_EQ(grows[0]->job, 2);
+  EXPECT_EQ(grows[0]->hosts.size(), 4u);
+  EXPECT_EQ(grows[0]->reason,
+            "grows from 2 to 6 workers into capacity idle for 100 s: its speed-up 1.98 -> 5.76, the most any job gains");
+  EXPECT_TRUE(of_kind(plan, Action::kShrink).empty());
+  // The job that does not scale gets no worker it would not use: what is left stays free.
+  snapshot.jobs[1].max_workers = 3;
+  plan = queue::plan(snapshot, goodput());
+  ASSERT_EQ(of_kind(plan, Action::kGrow).size(), 1u);
+  EXPECT_EQ(of_kind(plan, Action::kGrow)[0]->hosts.size(), 1u);
+  EXPECT_EQ(plan.free_after, 3);
+}
+
+// Without idle capacity, the last worker of the job that does not scale is reclaimed for the one
+// that does, down to its fair floor and never below --min; a higher priority is never reclaimed
+// for a lower one.
+TEST(GoodputPolicy, ReclaimsAWorkerThatAddsLittleDownToTheFairFloor) {
+  auto snapshot = cluster({{"a", 8}});
+  snapshot.jobs.push_back(flat(running(1, 0, 1, 8, {"a", "a", "a", "a", "a"}, 10)));
+  snapshot.jobs.push_back(scales(running(2, 0, 1, 8, {"a", "a", "a"}, 20)));
+  Plan plan = queue::plan(snapshot, goodput());
+  auto shrinks = of_kind(plan, Action::kShrink);
+  ASSERT_EQ(shrinks.size(), 1u);
+  EXPECT_EQ(shrinks[0]->job, 1);
+  EXPECT_EQ(shrinks[0]->workers, std::vector<int64_t>{14});  // its newest
+  EXPECT_EQ(shrinks[0]->reason,
+            "shrinks from 5 to 4 workers: its last adds 0.01 to its speed-up, a worker more adds 0.95 to job 2's");
+  EXPECT_TRUE(queue::plan(snapshot, {}).actions.empty());  // the priority policy leaves them
+
+  // At its fair floor (half of an equal split of 8 slots over 2 jobs: 2) it keeps its workers.
+  snapshot.jobs[0] = flat(running(1, 0, 1, 8, {"a", "a"}, 10));
+  snapshot.jobs[1] = scales(running(2, 0, 1, 8, {"a", "a", "a", "a", "a", "a"}, 20));
+  EXPECT_TRUE(of_kind(queue::plan(snapshot, goodput()), Action::kShrink).empty());
+  // Its --min holds above the floor.
+  snapshot.jobs[0] = flat(running(1, 0, 3, 8, {"a", "a", "a"}, 10));
+  snapshot.jobs[1] = scales(running(2, 0, 1, 8, {"a", "a", "a", "a", "a"}, 20));
+  EXPECT_TRUE(of_kind(queue::plan(snapshot, goodput()), Action::kShrink).empty());
+  // A higher-priority job that does not scale keeps its workers from a lower one that does.
+  snapshot.jobs[0] = flat(running(1, 1, 1, 8, {"a", "a", "a", "a", "a"}, 10));
+  snapshot.jobs[1] = scales(running(2, 0, 1, 8, {"a", "a", "a"}, 20));
+  EXPECT_TRUE(of_kind(queue::plan(snapshot, goodput()), Action::kShrink).empty());
+  // Within the cooldown of either, nothing moves.
+  snapshot.jobs[0] = flat(running(1, 0, 1, 8, {"a", "a", "a", "a", "a"}, 10, 90));
+  EXPECT_TRUE(of_kind(queue::plan(snapshot, goodput()), Action::kShrink).empty());
+}
+
+// A waiting job of the same priority starts on the workers of a running one above its fair
+// floor, where the priority policy has it wait for the whole job to end; a higher priority is
+// still served as before.
+TEST(GoodputPolicy, AWaitingJobIsNotStarvedByAPeerAboveItsShare) {
+  auto snapshot = cluster({{"a", 8}});
+  snapshot.jobs.push_back(scales(running(1, 0, 1, 8, {"a", "a", "a", "a", "a", "a", "a", "a"}, 10)));
+  snapshot.jobs.push_back(job(2, 0, 2, 4, 50));
+  Plan old = queue::plan(snapshot, {});
+  EXPECT_TRUE(old.actions.empty());
+  EXPECT_EQ(old.waiting.at(2), "needs 2 workers at once: 0 free, 0 leaving, 0 to take from lower-priority jobs");
+
+  Plan plan = queue::plan(snapshot, goodput());
+  const auto shrinks = of_kind(plan, Action::kShrink);
+  ASSERT_EQ(shrinks.size(), 1u);
+  EXPECT_EQ(shrinks[0]->job, 1);
+  EXPECT_EQ(shrinks[0]->workers, (std::vector<int64_t>{17, 16}));
+  const auto starts = of_kind(plan, Action::kStart);
+  ASSERT_EQ(starts.size(), 1u);
+  EXPECT_EQ(starts[0]->job, 2);
+  EXPECT_EQ(starts[0]->hosts.size(), 2u);
+
+  // A higher-priority arrival takes up to its --max from the lower-priority job, as before.
+  snapshot.jobs[1] = job(2, 1, 2, 4, 50);
+  plan = queue::plan(snapshot, goodput());
+  ASSERT_EQ(of_kind(plan, Action::kShrink).size(), 1u);
+  EXPECT_EQ(of_kind(plan, Action::kShrink)[0]->workers.size(), 4u);
+  ASSERT_EQ(of_kind(plan, Action::kStart).size(), 1u);
+  EXPECT_EQ(of_kind(plan, Action::kStart)[0]->hosts.size(), 4u);
+}
+
 }  // namespace
 }  // namespace shoal::queue

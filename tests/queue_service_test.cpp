@@ -317,12 +317,25 @@ TEST(QueueService, AMalformedHeartbeatIsRefusedWholeWithOneLine) {
                                       {"started_ms", 0},
                                       {"exit", ""},
                                       {"success", false}}});
+  json noisy = changed;
+  noisy["workers"] = json::array({{{"id", 1},
+                                   {"job", 1},
+                                   {"pid", 99},
+                                   {"running", true},
+                                   {"started_ms", 0},
+                                   {"exit", ""},
+                                   {"success", false},
+                                   {"progress",
+                                    {{"time_ms", 1}, {"samples", 2}, {"world", 1}, {"noise_scale", "large"}}}}});
   json missing = changed;
   missing.erase("slots");
   json not_a_job = changed;
   not_a_job["members"] = {{"first", "127.0.0.1:7000"}};
   const std::vector<std::pair<json, std::string>> refused = {
       {mistyped, "heartbeat: field 'workers[0].running' is a string; expected true or false"},
+      {noisy,
+       "heartbeat: field 'workers[0].progress.noise_scale' is a string; expected a noise scale in "
+       "samples, a number >= 0"},
       {missing,
        "heartbeat: field 'slots' is missing; expected the host's slots, an integer (0: from its "
        "cores)"},

@@ -1,6 +1,7 @@
 #include "notes.h"
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -35,10 +36,11 @@ void note_progress(const Progress& progress, int64_t every_ms, int64_t& last_ms,
   if (file == nullptr) return;
   std::fprintf(file,
                "{\"version\": %lld, \"epoch\": %lld, \"samples\": %lld, \"world\": %d, "
-               "\"time_ms\": %lld}\n",
+               "\"time_ms\": %lld, \"noise_scale\": %.6g, \"batch_per_worker\": %lld}\n",
                static_cast<long long>(progress.version), static_cast<long long>(progress.epoch),
                static_cast<long long>(progress.samples), progress.world,
-               static_cast<long long>(now));
+               static_cast<long long>(now), std::isfinite(progress.noise_scale) ? progress.noise_scale : 0.0,
+               static_cast<long long>(progress.batch_per_worker));
   const bool written = std::fclose(file) == 0;
   if (written) std::rename(temporary.c_str(), path);
 }

@@ -17,6 +17,11 @@ struct Progress {
   int64_t epoch = 0;
   int64_t samples = 0;  // samples trained on in committed steps, over all epochs
   int world = 1;
+  // The gradient noise scale DataParallel measures (samples; 0: not measured), and each worker's
+  // batch when it stays as the world changes (0: the global batch stays): what the queue's
+  // goodput policy models the job's efficiency from (src/queue/policy.h).
+  double noise_scale = 0;
+  int64_t batch_per_worker = 0;
 };
 
 // Replaces SHOAL_PROGRESS_FILE's file, if set, with `progress` as one line of JSON and the wall

@@ -144,7 +144,8 @@ void State::commit() {
   // The job's progress for a queue that runs it, from its first worker, twice a second.
   if (!shoal::is_initialized() || shoal::rank() == 0) {
     note_progress({version_, epoch_, sampler_.epoch() * sampler_.dataset_size() + sampler_.cursor(),
-                   shoal::is_initialized() ? shoal::world_size() : 1},
+                   shoal::is_initialized() ? shoal::world_size() : 1, noise_ ? noise_->value().noise_scale() : 0.0,
+                   sampler_.options().per_worker ? static_cast<int64_t>(sampler_.options().batch_size) : 0},
                   500, progress_at_ms_, progress_world_);
   }
   if (shoal::is_initialized() && shoal::job().elastic) {

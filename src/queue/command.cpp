@@ -445,6 +445,11 @@ int serve_command(const std::vector<std::string>& args) {
                  "seconds between two resizes of one job");
   app.add_option("--grow-idle", options.scheduler.policy.grow_idle,
                  "seconds capacity stays idle before running jobs grow into it");
+  std::string policy = "priority";
+  app.add_option("--policy", policy,
+                 "priority (default: idle capacity to the highest priority) or goodput (workers "
+                 "where they speed training most, from each job's measured throughput and "
+                 "gradient noise; docs/queue.md, \"Goodput\")");
   std::string resize_by = "leave";
   app.add_option("--resize-by", resize_by,
                  "leave (default: a shrink is a graceful leave, a grow a join) or restart (the "
@@ -486,6 +491,11 @@ int serve_command(const std::vector<std::string>& args) {
     options.scheduler.resize_by = ResizeBy::kRestart;
   } else if (resize_by != "leave") {
     throw UsageError("--resize-by expects leave or restart, not '" + resize_by + "'");
+  }
+  if (policy == "goodput") {
+    options.scheduler.policy.kind = PolicyOptions::Kind::kGoodput;
+  } else if (policy != "priority") {
+    throw UsageError("--policy expects priority or goodput, not '" + policy + "'");
   }
   if (options.scheduler.oversubscribe <= 0) throw UsageError("--oversubscribe must be above 0");
   if (options.scheduler.policy.cooldown < 0 || options.scheduler.policy.grow_idle < 0) {

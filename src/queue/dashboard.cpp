@@ -105,23 +105,30 @@ function drawJobs(jobs) {
     name.append(swatch, jobName(j));
     row.append(el('td', j.id, 'id'), name, el('td', j.state, 'state state-' + j.state),
                el('td', j.priority, 'priority'), el('td', j.workers, 'workers'),
-               el('td', j.min + '-' + j.max, 'range'), throughputCell(j.throughput),
+               el('td', j.min + '-' + j.max, 'range'), throughputCell(j.throughput, j.goodput),
                el('td', j.resizes, 'resizes'), el('td', j.reason, 'reason'));
     body.appendChild(row);
   }
 }
 
 // The job's measured samples per second beside the worker count they were measured at (docs/
-// queue.md, "Throughput"), with every count's last measurement in its title.
-function throughputCell(t) {
+// queue.md, "Throughput"), with every count's last measurement and the speed-up the goodput
+// policy models from them (and from the gradient noise scale) in its title.
+function throughputCell(t, g) {
   const cell = el('td', '-', 'throughput');
   if (!t) return cell;
   if (t.samples_per_s !== null) {
     cell.textContent = Math.round(t.samples_per_s) + ' samples/s at ' + t.world +
                        (t.world === 1 ? ' worker' : ' workers');
   }
+  const lines = [];
   const each = Object.entries(t.by_world).map(([w, r]) => w + ': ' + Math.round(r));
-  if (each.length) cell.title = 'samples/s by workers, ' + each.join(', ');
+  if (each.length) lines.push('samples/s by workers, ' + each.join(', '));
+  if (g && g.speedup.length) {
+    lines.push('modeled speed-up by workers, ' + g.speedup.map((s, i) => (i + 1) + ': ' + s.toFixed(2)).join(', ') +
+               (g.noise_scale > 0 ? ' (gradient noise scale ' + Math.round(g.noise_scale) + ' samples)' : ''));
+  }
+  if (lines.length) cell.title = lines.join('\n');
   return cell;
 }
 

@@ -93,6 +93,17 @@ HeartbeatReport::Progress progress(const json& in, const std::string& path) {
   p.time_ms = integer_at<int64_t>(in, path, "time_ms", "wall-clock milliseconds, an integer");
   p.samples = integer_at<int64_t>(in, path, "samples", "a count of samples, an integer");
   p.world = integer_at<int>(in, path, "world", "a count of workers, an integer");
+  // Written by workers that measure the gradient noise; absent from those of before.
+  if (in.contains("noise_scale")) {
+    const json& value = in.at("noise_scale");
+    if (!value.is_number() || !(value.get<double>() >= 0))
+      refuse(path + "noise_scale", "is " + kind_of(value), "a noise scale in samples, a number >= 0");
+    p.noise_scale = value.get<double>();
+  }
+  if (in.contains("batch_per_worker")) {
+    p.batch_per_worker =
+        integer_at<int64_t>(in, path, "batch_per_worker", "each worker's batch, an integer (0: the global batch stays)");
+  }
   return p;
 }
 
@@ -101,7 +112,11 @@ HeartbeatReport::Progress progress(const json& in, const std::string& path) {
 using heartbeat_fields::json;
 
 void to_json(nlohmann::json& out, const HeartbeatReport::Progress& p) {
-  out = nlohmann::json{{"time_ms", p.time_ms}, {"samples", p.samples}, {"world", p.world}};
+  out = nlohmann::json{{"time_ms", p.time_ms},
+                       {"samples", p.samples},
+                       {"world", p.world},
+                       {"noise_scale", p.noise_scale},
+                       {"batch_per_worker", p.batch_per_worker}};
 }
 
 void from_json(const nlohmann::json& in, HeartbeatReport::Progress& p) {

@@ -31,6 +31,8 @@ struct HeartbeatReport {
     int64_t time_ms = 0;  // the wall clock when it was written
     int64_t samples = 0;  // trained on in committed steps
     int world = 1;
+    double noise_scale = 0;        // the gradient noise scale, in samples (0: not measured)
+    int64_t batch_per_worker = 0;  // each worker's batch when it stays (0: the global one does)
   };
   // A worker the agent runs, or one that ended and whose end the scheduler has not yet recorded
   // (the agent reports it until the orders' `forget` lists it).

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <set>
 
 namespace shoal::queue {
@@ -142,13 +143,149 @@ bool by_priority_then_age(const JobView* a, const JobView* b) {
   return a->id < b->id;
 }
 
+// b / a of Note [Speed-up curves], fitted to the job's measured rates.
+double overhead_ratio(const JobView& job, const PolicyOptions& options) {
+  double n = 0, sx = 0, su = 0, sxx = 0, sxu = 0, least = std::numeric_limits<double>::infinity();
+  for (const auto& [workers, rate] : job.throughput) {
+    if (workers < 1 || !(rate > 0) || !std::isfinite(rate)) continue;
+    const double x = workers - 1, u = workers / rate;
+    n += 1;
+    sx += x;
+    su += u;
+    sxx += x * x;
+    sxu += x * u;
+    least = std::min(least, u);
+  }
+  const double spread = n * sxx - sx * sx;
+  if (n < 2 || spread <= 0) return options.overhead_prior;
+  double b = (n * sxu - sx * su) / spread;
+  double a = (su - b * sx) / n;
+  if (b < 0) {  // faster per worker with more workers: modeled as linear
+    b = 0;
+    a = su / n;
+  }
+  a = std::max(a, 0.05 * least);  // a curve that would pass below zero at one worker
+  return b / a;
+}
+
+// What the last of `workers` adds to the job's speed-up (what its next adds, at workers + 1).
+double gain_at(const JobView& job, int workers, const PolicyOptions& options) {
+  return speedup(job, workers, options) - speedup(job, workers - 1, options);
+}
+
+std::string fixed(double value) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.2f", value);
+  return text;
+}
+
+// Step 3 under kGoodput (Note [Giving workers where they speed training most]): `spare` slots,
+// idle for `idle_for` seconds (< 0: not yet long enough), go one at a time to the eligible job
+// whose speed-up gains most, higher priorities first; with none left, one job's last worker may
+// be reclaimed for another's next.
+template <typename Eligible, typename Floor>
+void grow_by_gain(Plan& result, Room& room, const std::vector<const JobView*>& running, int& spare,
+                  const Eligible& eligible, double idle_for, const Floor& fair_floor,
+                  const PolicyOptions& options) {
+  std::map<int64_t, int> added;
+  const auto size_of = [](const JobView& job) {
+    return job.active() + static_cast<int>(job.restarting.size());
+  };
+  if (idle_for >= 0) {
+    while (spare > 0) {
+      const JobView* best = nullptr;
+      double best_gain = 0;
+      for (const JobView* job : running) {
+        const int target = size_of(*job) + added[job->id];
+        if (!eligible(*job) || target >= job->max_workers) continue;
+        const double gain = gain_at(*job, target + 1, options);
+        if (gain < options.min_gain) continue;
+        if (best == nullptr || job->priority > best->priority ||
+            (job->priority == best->priority && gain > best_gain)) {
+          best = job;
+          best_gain = gain;
+        }
+      }
+      if (best == nullptr) break;
+      ++added[best->id];
+      --spare;
+    }
+    for (const JobView* job : running) {
+      const int count = added[job->id];
+      if (count == 0) continue;
+      const int from = size_of(*job);
+      Action action{Action::kGrow, job->id, room.take(*job, count), {}, ""};
+      const int to = from + static_cast<int>(action.hosts.size());
+      action.reason = "grows from " + std::to_string(from) + " to " + std::to_string(to) +
+                      " workers into capacity idle for " + seconds(idle_for) + ": its speed-up " +
+                      fixed(speedup(*job, from, options)) + " -> " + fixed(speedup(*job, to, options)) +
+                      ", the most any job gains";
+      result.actions.push_back(std::move(action));
+    }
+  }
+  if (spare > 0) return;
+  // Reclaim: the largest difference between a job's next worker's gain and another's last
+  // worker's, of the same priority or lower, above its fair floor.
+  const JobView* to = nullptr;
+  const JobView* from = nullptr;
+  double best = options.min_gain, gain_to = 0, gain_from = 0;
+  for (const JobView* receiver : running) {
+    const int target = size_of(*receiver);
+    if (!eligible(*receiver) || added[receiver->id] > 0 || target >= receiver->max_workers) continue;
+    const double gain = gain_at(*receiver, target + 1, options);
+    if (gain < options.min_gain) continue;
+    for (const JobView* giver : running) {
+      if (giver == receiver || !eligible(*giver) || added[giver->id] > 0 || giver->priority > receiver->priority)
+        continue;
+      if (giver->active() <= fair_floor(*giver)) continue;
+      const double loss = gain_at(*giver, giver->active(), options);
+      if (gain - loss >= best) {
+        best = gain - loss;
+        to = receiver;
+        from = giver;
+        gain_to = gain;
+        gain_from = loss;
+      }
+    }
+  }
+  if (to == nullptr) return;
+  const WorkerView* newest = nullptr;
+  for (const auto& worker : from->workers) {
+    if (!worker.leaving && (newest == nullptr || worker.id > newest->id)) newest = &worker;
+  }
+  Action action{Action::kShrink, from->id, {}, {newest->id}, ""};
+  room.leaving(newest->host);
+  action.reason = "shrinks from " + std::to_string(from->active()) + " to " + std::to_string(from->active() - 1) +
+                  " workers: its last adds " + fixed(gain_from) + " to its speed-up, a worker more adds " +
+                  fixed(gain_to) + " to job " + std::to_string(to->id) + "'s";
+  result.actions.push_back(std::move(action));
+}
+
 }  // namespace
+
+double speedup(const JobView& job, int workers, const PolicyOptions& options) {
+  if (workers <= 0) return 0.0;
+  const double w = workers;
+  double efficiency = 1.0;
+  if (job.batch_per_worker > 0 && job.noise_scale > 0) {
+    const double batch = static_cast<double>(job.batch_per_worker);
+    efficiency = (job.noise_scale + batch) / (job.noise_scale + w * batch);
+  }
+  return w / (1.0 + overhead_ratio(job, options) * (w - 1.0)) * efficiency;
+}
 
 Plan plan(const Snapshot& snapshot, const PolicyOptions& options) {
   Plan result;
   Room room(snapshot);
   const double now = snapshot.now;
   const auto cooled = [&](const JobView& job) { return now - job.last_resize >= options.cooldown; };
+  // Note [Giving workers where they speed training most].
+  const bool goodput = options.kind == PolicyOptions::Kind::kGoodput;
+  const int equal_split = room.capacity() / std::max(1, static_cast<int>(snapshot.jobs.size()));
+  const auto fair_floor = [&](const JobView& job) {
+    const int share = static_cast<int>(std::floor(options.fair_share * equal_split));
+    return std::min(job.max_workers, std::max(job.min_workers, share));
+  };
 
   std::vector<const JobView*> running;
   std::vector<const JobView*> waiting;
@@ -213,14 +350,21 @@ Plan plan(const Snapshot& snapshot, const PolicyOptions& options) {
     const int counted = std::min(need, room.claimable());
     need -= counted;
 
-    // Who could make room: lower-priority running jobs, the least important and youngest first.
+    // Who could make room: lower-priority running jobs, the least important and youngest first;
+    // with kGoodput also those of its priority, above their fair floor, whose last workers add
+    // least first.
     std::vector<const JobView*> lower;
     for (const JobView* other : running) {
-      if (other->priority < job->priority && preempted.count(other->id) == 0)
+      const bool peer = goodput && other->priority == job->priority;
+      if ((other->priority < job->priority || peer) && preempted.count(other->id) == 0)
         lower.push_back(other);
     }
-    std::sort(lower.begin(), lower.end(), [](const JobView* a, const JobView* b) {
+    std::sort(lower.begin(), lower.end(), [&](const JobView* a, const JobView* b) {
       if (a->priority != b->priority) return a->priority < b->priority;
+      if (goodput) {
+        const double ga = gain_at(*a, a->active(), options), gb = gain_at(*b, b->active(), options);
+        if (ga != gb) return ga < gb;
+      }
       if (a->submitted != b->submitted) return a->submitted > b->submitted;
       return a->id > b->id;
     });
@@ -229,7 +373,8 @@ Plan plan(const Snapshot& snapshot, const PolicyOptions& options) {
     int cooling = 0;  // workers that could leave but for a job's cooldown
     int remaining = need;
     const auto surplus_of = [&](const JobView& other) {
-      return other.active() - taken[other.id] - shrink[other.id] - other.min_workers;
+      const int keeps = other.priority < job->priority ? other.min_workers : fair_floor(other);
+      return other.active() - taken[other.id] - shrink[other.id] - keeps;
     };
     for (const JobView* other : lower) {
       const int surplus = surplus_of(*other);
@@ -244,7 +389,7 @@ Plan plan(const Snapshot& snapshot, const PolicyOptions& options) {
     }
     for (const JobView* other : lower) {
       if (remaining <= 0) break;
-      if (!other->preemptible) continue;
+      if (!other->preemptible || other->priority == job->priority) continue;
       const int left = other->active() - taken[other->id] - shrink[other->id];
       if (left <= 0) continue;
       if (!cooled(*other)) {
@@ -260,7 +405,8 @@ Plan plan(const Snapshot& snapshot, const PolicyOptions& options) {
       std::string why = "needs " + plural(job->min_workers, "worker") +
                         " at once: " + std::to_string(available) + " free, " +
                         std::to_string(counted) + " leaving, " + std::to_string(need - remaining) +
-                        " to take from lower-priority jobs";
+                        (goodput ? " to take from lower-priority jobs and jobs of its priority above their fair share"
+                                 : " to take from lower-priority jobs");
       if (cooling > 0) {
         why += ", " + std::to_string(cooling) + " more once resized jobs cool down (" +
                seconds(options.cooldown) + " between resizes)";
@@ -281,7 +427,8 @@ Plan plan(const Snapshot& snapshot, const PolicyOptions& options) {
     need += over;
     for (const JobView* other : lower) {
       if (extra <= 0) break;
-      if (std::find(preempt.begin(), preempt.end(), other) != preempt.end() || !cooled(*other))
+      if (std::find(preempt.begin(), preempt.end(), other) != preempt.end() || !cooled(*other) ||
+          other->priority == job->priority)
         continue;
       const int count = std::min(surplus_of(*other), extra);
       if (count <= 0) continue;
@@ -331,7 +478,11 @@ Plan plan(const Snapshot& snapshot, const PolicyOptions& options) {
 
   // 3. Growth: capacity nobody waits for, once it has been idle for a while.
   int spare = room.total() - held;
-  if (spare > 0 && now - snapshot.idle_since >= options.grow_idle) {
+  if (goodput) {
+    grow_by_gain(result, room, running, spare, [&](const JobView& job) {
+      return taken.count(job.id) == 0 && preempted.count(job.id) == 0 && cooled(job);
+    }, now - snapshot.idle_since >= options.grow_idle ? now - snapshot.idle_since : -1.0, fair_floor, options);
+  } else if (spare > 0 && now - snapshot.idle_since >= options.grow_idle) {
     for (const JobView* job : running) {
       if (spare == 0) break;
       if (taken.count(job->id) > 0 || preempted.count(job->id) > 0 || !cooled(*job)) continue;

@@ -40,6 +40,13 @@ struct JobView {
   // Of those, the ones whose back-off is over (a prefix of `restarting`'s count).
   int restarts_due = 0;
   double last_resize = -std::numeric_limits<double>::infinity();  // shrink, grow or preemption
+  // What the goodput policy models the job's speed-up from (Note [Speed-up curves]): samples per
+  // second measured at each worker count (docs/queue.md, "Throughput"), and the gradient noise
+  // scale its DataParallel measured (in samples; 0: unknown) with the batch of each worker when
+  // that stays as the world changes (0: the global batch stays, and so does the efficiency).
+  std::map<int, double> throughput;
+  double noise_scale = 0;
+  int64_t batch_per_worker = 0;
 
   int active() const;  // workers not leaving
 };
@@ -47,7 +54,34 @@ struct JobView {
 struct PolicyOptions {
   double cooldown = 30;  // seconds between two resizes of one job
   double grow_idle = 5;  // how long capacity stays free before it goes to running jobs
+  enum class Kind {
+    // Priorities, --min/--max and idle time only: idle capacity goes to the highest priority.
+    kPriority,
+    // Goodput-aware (Note [Giving workers where they speed training most]).
+    kGoodput,
+  };
+  Kind kind = Kind::kPriority;
+  // kGoodput: a worker goes to a job only when it adds at least this much of one worker's speed
+  // (the job's speed-up gain); and a job gives up workers to others of its priority only down to
+  // this fraction of an equal split of the capacity among the jobs (never below --min).
+  double min_gain = 0.25;
+  double fair_share = 0.5;
+  // kGoodput, before a job has run at two worker counts: each worker beyond the first is assumed
+  // to add this fraction of one worker's step time (communication).
+  double overhead_prior = 0.05;
 };
+
+// Note [Speed-up curves]
+// A job's speed-up on w workers, against one, is its goodput there over its goodput on one:
+// throughput times statistical efficiency (Pollux, OSDI'21). Throughput: a step on w workers is
+// modeled as taking a + b (w - 1) per sample of one worker, fitted by least squares to the rates
+// measured at each worker count (b >= 0), so T(w) = w / (a + b (w - 1)) samples per time. Only
+// b / a matters; before two counts are measured it is overhead_prior. Efficiency: when each
+// worker's batch stays (a per_worker loader, BatchPolicy::scale_learning_rate or adascale), the
+// global batch is w B_w and a sample is worth E(w) = (B_noise + B_w) / (B_noise + w B_w) of one
+// at one worker's batch (shoal/dp/gradient_noise.h); otherwise E = 1.
+// speedup(w) = T(w) E(w) / (T(1) E(1)).
+double speedup(const JobView& job, int workers, const PolicyOptions& options);
 
 struct Snapshot {
   double now = 0;
@@ -91,6 +125,20 @@ const char* to_string(Action::Kind kind);
 //     highest priority first.
 // No job is resized twice within `cooldown`; a start is no resize, so a job that took idle
 // capacity a moment ago still gives its surplus to a higher-priority arrival at once.
+//
+// Note [Giving workers where they speed training most]
+// With PolicyOptions::Kind::kGoodput, steps 1 and 2 stand (a higher priority is served as
+// above), and three things change:
+//  - a waiting job may also take, for its --min, the workers of running jobs of its own priority
+//    above their fair floor (max(--min, fair_share of an equal split), at most --max): a job's
+//    first workers are worth more than another's last ones, and no job waits behind jobs that
+//    hold more than their share;
+//  - idle capacity goes one worker at a time to the running job whose speed-up gains most from it
+//    (Note [Speed-up curves]), higher priorities first, while the gain is at least min_gain of a
+//    worker: a job that would not use a worker does not get it;
+//  - once per plan, a job's last worker (above its fair floor) is reclaimed for a job of its
+//    priority or higher whose next worker gains at least min_gain more than that worker gives;
+//    it returns as idle capacity and goes by the rule above.
 Plan plan(const Snapshot& snapshot, const PolicyOptions& options);
 
 }  // namespace shoal::queue

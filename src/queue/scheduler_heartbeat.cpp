@@ -73,9 +73,10 @@ Orders Scheduler::heartbeat(const HeartbeatReport& report) {
     Impl::Worker& w = it->second;
     if (entry.progress) {
       const HeartbeatReport::Progress& p = *entry.progress;
-      if (s.jobs.at(w.job).throughput.add(p.time_ms, p.samples, p.world)) {
-        s.dirty_jobs.insert(w.job);
-      }
+      auto& job = s.jobs.at(w.job);
+      if (job.throughput.add(p.time_ms, p.samples, p.world)) s.dirty_jobs.insert(w.job);
+      job.noise_scale = p.noise_scale;
+      job.batch_per_worker = p.batch_per_worker;
     }
     if (entry.running) {
       if (w.state == "starting") {

@@ -88,6 +88,8 @@ struct Scheduler::Impl {
     std::vector<Restart> restarting;
     std::map<std::string, std::string> members;  // host -> its agent's membership address
     Throughput throughput;  // from its first worker's progress (docs/queue.md, "Throughput")
+    double noise_scale = 0;  // the same progress's, for the goodput policy (src/queue/policy.h)
+    int64_t batch_per_worker = 0;
   };
   struct Host {
     std::string name;

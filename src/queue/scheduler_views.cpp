@@ -48,6 +48,13 @@ JobInfo Scheduler::Impl::job_info(const Job& job) const {
   out.cycles = job.cycles;
   out.restarting = static_cast<int>(job.restarting.size());
   out.throughput = job.throughput;
+  out.noise_scale = job.noise_scale;
+  out.batch_per_worker = job.batch_per_worker;
+  JobView view;
+  view.throughput = job.throughput.by_world();
+  view.noise_scale = job.noise_scale;
+  view.batch_per_worker = job.batch_per_worker;
+  for (int w = 1; w <= std::min(job.spec.max_workers, 64); ++w) out.speedup.push_back(speedup(view, w, options.policy));
   for (const auto& [id, w] : workers) {
     if (w.job == job.id && w.state != "exited") ++out.workers;
   }
@@ -162,6 +169,8 @@ void to_json(json& out, const JobInfo& job) {
              {"cycles", job.cycles},
              {"restarting", job.restarting},
              {"throughput", job.throughput.to_json()},
+             {"goodput",
+              {{"noise_scale", job.noise_scale}, {"batch_per_worker", job.batch_per_worker}, {"speedup", job.speedup}}},
              {"workers", job.workers}};
 }
 

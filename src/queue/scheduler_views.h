@@ -52,6 +52,12 @@ struct JobInfo {
   int cycles = 0;
   int restarting = 0;  // slots held for workers to be started
   Throughput throughput;
+  // What the goodput policy models the job by (Note [Speed-up curves], src/queue/policy.h): the
+  // noise scale and per-worker batch its first worker reports, and its modeled speed-up on 1 to
+  // --max workers (at most 64 of them).
+  double noise_scale = 0;
+  int64_t batch_per_worker = 0;
+  std::vector<double> speedup;
   int workers = 0;  // live workers
 };
 
