@@ -71,6 +71,7 @@ struct BenchOptions {
   bool weigh = true;        // DataParallelOptions::weigh_by_batch_share
   bool fp16 = false;        // average through shoal::dp::fp16_compress_hook()
   bool bf16 = false;        // average through shoal::dp::bf16_compress_hook()
+  bool noise = false;       // DataParallelOptions::measure_gradient_noise
   int alternate = 0;        // steps per block when the contenders take turns; 0: one contender
 };
 
@@ -96,6 +97,7 @@ void add_flags(CLI::App& app, BenchOptions& o) {
       "DataParallelOptions::gradient_as_bucket_view = false");
   app.add_flag_callback(
       "--no-weigh", [&o] { o.weigh = false; }, "DataParallelOptions::weigh_by_batch_share = false");
+  app.add_flag("--noise", o.noise, "DataParallelOptions::measure_gradient_noise = true");
   CLI::Option* fp16 = app.add_flag("--fp16", o.fp16, "Average through dp::fp16_compress_hook()");
   app.add_flag("--bf16", o.bf16, "Average through dp::bf16_compress_hook()")->excludes(fp16);
   app.add_option("--alternate", o.alternate, "Steps per block when several --impl take turns")
@@ -204,6 +206,7 @@ int run(const BenchOptions& o) {
       options.bucket_bytes = static_cast<int64_t>(o.bucket_mb * 1024 * 1024);
       options.gradient_as_bucket_view = o.bucket_view;
       options.weigh_by_batch_share = o.weigh;
+      options.measure_gradient_noise = o.noise;
       if (o.fp16) options.comm_hook = shoal::dp::fp16_compress_hook();
       if (o.bf16) options.comm_hook = shoal::dp::bf16_compress_hook();
       t.dp = std::make_unique<shoal::DataParallel<typename Model::ContainedType>>(t.model.ptr(),

@@ -68,6 +68,7 @@ variant_flags() {
     shoal-bf16) echo "--bf16" ;;                  # dp::bf16_compress_hook()
     shoal-copy) echo "--no-bucket-view" ;;        # gradient_as_bucket_view = false
     shoal-unweighted) echo "--no-weigh" ;;        # weigh_by_batch_share = false: no share hooks
+    shoal-noise) echo "--noise" ;;                # measure_gradient_noise = true
     shoal-t1) echo "--gloo-threads 1" ;;
     shoal-t4) echo "--gloo-threads 4" ;;
     shoal-tcp) echo "" ;;                         # SHOAL_COMM=tcp (variant_env): Gloo's TCP path

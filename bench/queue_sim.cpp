@@ -3,6 +3,8 @@
 // synthetic trace, and three contenders run that same trace in one process:
 //   elastic       what shoal does: a shrink is a graceful leave, a grow a join; the workers that
 //                 stay keep training;
+//   goodput       elastic under the goodput policy (--policy goodput, src/queue/policy.h); the
+//                 other three run the priority policy;
 //   fixed         no elasticity: every job runs at one size (--fixed-at max: the size it asks for,
 //                 or min), given to plan() as --min = --max, so the same code admits it and never
 //                 shrinks or grows it; a higher priority still preempts preemptible jobs;
@@ -21,7 +23,10 @@
 //
 // The model, and its assumptions:
 // - A job's work is in worker-seconds; n workers do n^alpha of it per second (--alpha 0.9:
-//   diminishing returns), whatever hosts they are on (no placement or network effects).
+//   diminishing returns), whatever hosts they are on (no placement or network effects). With
+//   --alphas, each job's alpha is drawn from that list (jobs that scale and jobs that do not).
+//   plan() sees each job's rate at the worker counts it has run at, as the scheduler measures it
+//   (docs/queue.md, "Throughput"); the goodput contender's policy models the job from them.
 // - Trace: Poisson arrivals at the rate that offers --load times the cluster's slot-seconds at each
 //   job's --min; 20% high priority (--high); --min in {1, 2, 4, 8}, --max = --min x {1, 2, 4};
 //   half the low-priority jobs preemptible (--preemptible); a job's run time at its --min is
@@ -47,6 +52,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -71,6 +77,7 @@ struct Options {
   double high = 0.2;
   double preemptible = 0.5;
   double alpha = 0.9;
+  std::vector<double> alphas;  // each job's alpha, drawn from these; empty: alpha for all
   double run_min = 300;  // seconds a job runs at its --min: log-uniform in [run_min, run_max]
   double run_max = 7200;
   double restart_cost = 60;
@@ -89,6 +96,7 @@ struct TraceJob {
   bool preemptible = false;
   double submitted = 0;
   double work = 0;  // worker-seconds
+  double alpha = 0.9;
 };
 
 struct Trace {
@@ -102,6 +110,8 @@ Trace make_trace(const Options& options) {
   std::uniform_real_distribution<double> unit(0, 1);
   const int sizes[] = {1, 2, 4, 8};
   const int factors[] = {1, 2, 4};
+  // Alphas from a stream of their own: the rest of the trace is the same with or without them.
+  std::mt19937_64 scaling(options.seed + 1);
   Trace trace;
   double slot_seconds = 0;
   for (int i = 0; i < options.jobs; ++i) {
@@ -113,7 +123,10 @@ Trace make_trace(const Options& options) {
     job.preemptible = job.priority == 0 && unit(random) < options.preemptible;
     const double seconds_at_min =
         options.run_min * std::exp(unit(random) * std::log(options.run_max / options.run_min));
-    job.work = seconds_at_min * std::pow(job.min_workers, options.alpha);
+    job.alpha = options.alphas.empty()
+                    ? options.alpha
+                    : options.alphas[std::uniform_int_distribution<size_t>(0, options.alphas.size() - 1)(scaling)];
+    job.work = seconds_at_min * std::pow(job.min_workers, job.alpha);
     slot_seconds += seconds_at_min * job.min_workers;
     trace.jobs.push_back(job);
   }
@@ -190,6 +203,7 @@ class Simulation {
     bool owed = false;  // lost workers since it last grew or restarted (src/queue/scheduler_impl.h's `owed`)
     int resizes = 0, preemptions = 0, cycles = 0;
     double running_seconds = 0, worker_seconds = 0;  // while running; of progressing workers
+    std::map<int, double> measured;  // its rate at each worker count it has made progress at
   };
 
   int progressing(const Job& job) const;
@@ -305,11 +319,14 @@ void Simulation::call_plan() {
           {worker.id, snapshot_.hosts[worker.host].name, worker.phase == Phase::kLeaving});
     }
     view.last_resize = job.last_resize;
+    view.throughput = job.measured;
     snapshot_.jobs.push_back(std::move(view));
   }
   check_hosts();
   const auto start = Clock::now();
-  const q::Plan plan = q::plan(snapshot_, options_.policy);
+  q::PolicyOptions policy = options_.policy;
+  if (contender_ == Contender::kGoodput) policy.kind = q::PolicyOptions::Kind::kGoodput;
+  const q::Plan plan = q::plan(snapshot_, policy);
   plan_seconds_ += std::chrono::duration<double>(Clock::now() - start).count();
   ++plan_calls_;
   for (const auto& action : plan.actions) apply(action);
@@ -410,7 +427,7 @@ double Simulation::next_event() const {
     if (job.paused_until > now_) next = std::min(next, job.paused_until);
     for (const auto& worker : job.workers) next = std::min(next, worker.until);
     const int count = progressing(job);
-    if (count > 0) next = std::min(next, now_ + job.work_left / std::pow(count, options_.alpha));
+    if (count > 0) next = std::min(next, now_ + job.work_left / std::pow(count, job.spec->alpha));
   }
   return std::isinf(next) ? next : std::max(now_ + 1, std::ceil(next));
 }
@@ -426,8 +443,10 @@ void Simulation::advance(double to) {
     const int count = progressing(job);
     if (job.state == State::kRunning && job.work_left > 0) job.running_seconds += dt;
     if (count == 0 || job.work_left <= 0) continue;  // done, its workers exit at this tick
-    const double rate = std::pow(count, options_.alpha);
+    const double rate = std::pow(count, job.spec->alpha);
     const double worked = std::min(dt, job.work_left / rate);
+    // Measured once it has run at this count for the scheduler's shortest window (2 s).
+    if (worked >= 2.0) job.measured[count] = rate;
     useful_ += count * worked;
     useful_arriving_ += count * std::min(worked, arriving);
     job.worker_seconds += count * worked;
@@ -557,9 +576,8 @@ void print_table(const std::vector<Result>& results) {
   std::vector<shoal::bench::ContenderRow> table;
   for (const auto& row : rows) {
     shoal::bench::ContenderRow out{row.metric, row.decimals, {}};
-    for (int i = 0; i < 3; ++i) {
-      out.values[i] = row.value == nullptr ? integer(results[i], row.metric)
-                                           : results[i].*row.value * row.scale;
+    for (const auto& result : results) {
+      out.values.push_back(row.value == nullptr ? integer(result, row.metric) : result.*row.value * row.scale);
     }
     table.push_back(out);
   }
@@ -584,6 +602,9 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0.0, 1.0));
   app.add_option("--alpha", o.alpha, "n workers run at n^alpha worker-seconds per second")
       ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--alphas", o.alphas, "each job's alpha, drawn uniformly from these (default: --alpha)")
+      ->delimiter(',')
+      ->check(CLI::Range(0.0, 1.0));
   app.add_option("--run-min", o.run_min, "shortest run time at --min, seconds (log-uniform)")
       ->check(CLI::PositiveNumber);
   app.add_option("--run-max", o.run_max, "longest run time at --min, seconds")
@@ -604,6 +625,9 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   app.add_option("--grow-idle", o.policy.grow_idle, "PolicyOptions::grow_idle, seconds")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--min-gain", o.policy.min_gain, "PolicyOptions::min_gain (goodput)")->check(CLI::NonNegativeNumber);
+  app.add_option("--fair-share", o.policy.fair_share, "PolicyOptions::fair_share (goodput)")
+      ->check(CLI::Range(0.0, 1.0));
   CLI11_PARSE(app, argc, argv);
 
   const Trace trace = make_trace(o);
@@ -611,6 +635,12 @@ int main(int argc, char** argv) {
   for (const auto& job : trace.jobs) {
     high += job.priority > 0 ? 1 : 0;
     preemptible += job.preemptible ? 1 : 0;
+  }
+  std::string alphas = shoal::bench::format(o.alpha, 2);
+  if (!o.alphas.empty()) {
+    alphas = "alpha, alpha drawn per job from {";
+    for (size_t i = 0; i < o.alphas.size(); ++i) alphas += (i ? ", " : "") + shoal::bench::format(o.alphas[i], 2);
+    alphas += "}";
   }
   std::printf(
       "queue_sim: %d hosts x %d slots, %d jobs (%d high priority, %d preemptible), "
@@ -622,15 +652,16 @@ int main(int argc, char** argv) {
       "in [%.0f, %.0f] s\n",
       trace.rate, trace.jobs.back().submitted / 3600, trace.offered_load, o.run_min, o.run_max);
   std::printf(
-      "model: n workers do n^%.2f worker-seconds/s; leave %.0f s, join %.0f s; preempted "
+      "model: n workers do n^%s worker-seconds/s; leave %.0f s, join %.0f s; preempted "
       "jobs lose no work and resume in %.0f s; ckpt-restart resize %.0f s; fixed at --%s; "
-      "cooldown %.0f s, grow-idle %.0f s\n\n",
-      o.alpha, o.leave_delay, o.join_delay, o.resume_cost, o.restart_cost, o.fixed_at.c_str(),
-      o.policy.cooldown, o.policy.grow_idle);
+      "cooldown %.0f s, grow-idle %.0f s; goodput: min gain %.2f, fair share %.2f\n\n",
+      alphas.c_str(), o.leave_delay, o.join_delay, o.resume_cost, o.restart_cost, o.fixed_at.c_str(),
+      o.policy.cooldown, o.policy.grow_idle, o.policy.min_gain, o.policy.fair_share);
   std::fflush(stdout);
 
   std::vector<Result> results;
-  for (Contender c : {Contender::kElastic, Contender::kFixed, Contender::kCheckpointRestart}) {
+  for (Contender c :
+       {Contender::kElastic, Contender::kFixed, Contender::kCheckpointRestart, Contender::kGoodput}) {
     Simulation simulation(trace, o, c);
     results.push_back(simulation.run());
   }

@@ -516,6 +516,22 @@ TEST(GoodputPolicy, ReclaimsAWorkerThatAddsLittleDownToTheFairFloor) {
   snapshot.jobs[0] = flat(running(1, 1, 1, 8, {"a", "a", "a", "a", "a"}, 10));
   snapshot.jobs[1] = scales(running(2, 0, 1, 8, {"a", "a", "a"}, 20));
   EXPECT_TRUE(of_kind(queue::plan(snapshot, goodput()), Action::kShrink).empty());
+  // A higher-priority job that scales takes a lower one's workers above its --min, for every
+  // worker that adds at least min_gain, up to its --max.
+  snapshot.jobs[0] = scales(running(1, 1, 1, 5, {"a", "a", "a"}, 10));
+  snapshot.jobs[1] = flat(running(2, 0, 2, 8, {"a", "a", "a", "a", "a"}, 20));
+  auto plan_up = queue::plan(snapshot, goodput());
+  ASSERT_EQ(of_kind(plan_up, Action::kShrink).size(), 1u);
+  EXPECT_EQ(of_kind(plan_up, Action::kShrink)[0]->job, 2);
+  EXPECT_EQ(of_kind(plan_up, Action::kShrink)[0]->workers, (std::vector<int64_t>{24, 23}));
+  EXPECT_EQ(of_kind(plan_up, Action::kShrink)[0]->reason,
+            "shrinks from 5 to 3 workers for job 1 (priority 1), whose speed-up gains at least 0.25 a worker up to "
+            "its --max");
+  // Peers of a priority above the lowest running give nothing to each other.
+  snapshot.jobs[0] = flat(running(1, 1, 1, 8, {"a", "a", "a", "a"}, 10));
+  snapshot.jobs[1] = scales(running(2, 1, 1, 8, {"a", "a", "a"}, 20));
+  snapshot.jobs.push_back(running(3, 0, 1, 1, {"a"}, 30));
+  EXPECT_TRUE(of_kind(queue::plan(snapshot, goodput()), Action::kShrink).empty());
   // Within the cooldown of either, nothing moves.
   snapshot.jobs[0] = flat(running(1, 0, 1, 8, {"a", "a", "a", "a", "a"}, 10, 90));
   EXPECT_TRUE(of_kind(queue::plan(snapshot, goodput()), Action::kShrink).empty());

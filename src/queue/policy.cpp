@@ -185,7 +185,7 @@ std::string fixed(double value) {
 // be reclaimed for another's next.
 template <typename Eligible, typename Floor>
 void grow_by_gain(Plan& result, Room& room, const std::vector<const JobView*>& running, int& spare,
-                  const Eligible& eligible, double idle_for, const Floor& fair_floor,
+                  const Eligible& eligible, double idle_for, const Floor& fair_floor, int lowest,
                   const PolicyOptions& options) {
   std::map<int64_t, int> added;
   const auto size_of = [](const JobView& job) {
@@ -223,9 +223,55 @@ void grow_by_gain(Plan& result, Room& room, const std::vector<const JobView*>& r
       result.actions.push_back(std::move(action));
     }
   }
-  if (spare > 0) return;
-  // Reclaim: the largest difference between a job's next worker's gain and another's last
-  // worker's, of the same priority or lower, above its fair floor.
+  // Reclaim, not while capacity is free or a worker is on its way out (its slot is for the
+  // receiver to take first). First for higher priorities: the workers of lower-priority jobs
+  // above their --min, for each worker a job could still use (gaining at least min_gain; a higher
+  // priority takes up to its --max, as on arrival).
+  if (spare > 0 || room.claimable() > 0) return;
+  std::map<int64_t, int> giving;
+  for (const JobView* receiver : running) {
+    if (!eligible(*receiver) || added[receiver->id] > 0) continue;
+    int wanted = 0;
+    for (int w = size_of(*receiver) + 1; w <= receiver->max_workers; ++w) {
+      if (gain_at(*receiver, w, options) < options.min_gain) break;
+      ++wanted;
+    }
+    for (auto it = running.rbegin(); it != running.rend() && wanted > 0; ++it) {
+      const JobView* giver = *it;  // the lowest priority and youngest first
+      if (giver->priority >= receiver->priority || !eligible(*giver) || added[giver->id] > 0) continue;
+      const int count = std::min(wanted, giver->active() - giving[giver->id] - giver->min_workers);
+      if (count <= 0) continue;
+      std::vector<WorkerView> candidates;
+      for (const auto& worker : giver->workers) {
+        if (!worker.leaving) candidates.push_back(worker);
+      }
+      std::sort(candidates.begin(), candidates.end(),
+                [](const WorkerView& a, const WorkerView& b) { return a.id > b.id; });
+      Action action{Action::kShrink, giver->id, {}, {}, ""};
+      for (int i = 0; i < count; ++i) {
+        const WorkerView& worker = candidates[giving[giver->id] + i];
+        action.workers.push_back(worker.id);
+        room.leaving(worker.host);
+      }
+      const int from = giver->active() - giving[giver->id];
+      giving[giver->id] += count;
+      wanted -= count;
+      action.reason = "shrinks from " + std::to_string(from) + " to " + std::to_string(from - count) +
+                      " workers for job " + std::to_string(receiver->id) + " (priority " +
+                      std::to_string(receiver->priority) + "), whose speed-up gains at least " +
+                      fixed(options.min_gain) + " a worker up to its --max";
+      result.actions.push_back(std::move(action));
+    }
+  }
+  if (!giving.empty()) return;
+  // Then within the lowest priority running: the largest difference between a job's next
+  // worker's gain and another's last worker's, above its fair floor, whose curve is measured (at
+  // two worker counts: the prior alone says nothing of a job's last worker).
+  const auto measured = [](const JobView& job) {
+    int counts = 0;
+    for (const auto& [workers, rate] : job.throughput) counts += workers >= 1 && rate > 0 ? 1 : 0;
+    return counts >= 2;
+  };
   const JobView* to = nullptr;
   const JobView* from = nullptr;
   double best = options.min_gain, gain_to = 0, gain_from = 0;
@@ -237,7 +283,9 @@ void grow_by_gain(Plan& result, Room& room, const std::vector<const JobView*>& r
     for (const JobView* giver : running) {
       if (giver == receiver || !eligible(*giver) || added[giver->id] > 0 || giver->priority > receiver->priority)
         continue;
-      if (giver->active() <= fair_floor(*giver)) continue;
+      if (giver->priority != receiver->priority || giver->priority > lowest ||
+          giver->active() <= fair_floor(*giver) || !measured(*giver))
+        continue;
       const double loss = gain_at(*giver, giver->active(), options);
       if (gain - loss >= best) {
         best = gain - loss;
@@ -282,6 +330,12 @@ Plan plan(const Snapshot& snapshot, const PolicyOptions& options) {
   // Note [Giving workers where they speed training most].
   const bool goodput = options.kind == PolicyOptions::Kind::kGoodput;
   const int equal_split = room.capacity() / std::max(1, static_cast<int>(snapshot.jobs.size()));
+  // Peers give up workers to each other only in the lowest priority running: a higher one is
+  // served as under the priority policy, whole.
+  int lowest = std::numeric_limits<int>::max();
+  for (const auto& job : snapshot.jobs) {
+    if (job.running) lowest = std::min(lowest, job.priority);
+  }
   const auto fair_floor = [&](const JobView& job) {
     const int share = static_cast<int>(std::floor(options.fair_share * equal_split));
     return std::min(job.max_workers, std::max(job.min_workers, share));
@@ -355,7 +409,7 @@ Plan plan(const Snapshot& snapshot, const PolicyOptions& options) {
     // least first.
     std::vector<const JobView*> lower;
     for (const JobView* other : running) {
-      const bool peer = goodput && other->priority == job->priority;
+      const bool peer = goodput && other->priority == job->priority && job->priority <= lowest;
       if ((other->priority < job->priority || peer) && preempted.count(other->id) == 0)
         lower.push_back(other);
     }
@@ -377,6 +431,9 @@ Plan plan(const Snapshot& snapshot, const PolicyOptions& options) {
       return other.active() - taken[other.id] - shrink[other.id] - keeps;
     };
     for (const JobView* other : lower) {
+      // Peers come last, and only when no lower-priority job would make room once it cools down:
+      // then the job waits for those, as under the priority policy, and takes up to its --max.
+      if (other->priority == job->priority && cooling > 0) break;
       const int surplus = surplus_of(*other);
       if (surplus <= 0 || remaining == 0) continue;
       if (!cooled(*other)) {
@@ -481,7 +538,7 @@ Plan plan(const Snapshot& snapshot, const PolicyOptions& options) {
   if (goodput) {
     grow_by_gain(result, room, running, spare, [&](const JobView& job) {
       return taken.count(job.id) == 0 && preempted.count(job.id) == 0 && cooled(job);
-    }, now - snapshot.idle_since >= options.grow_idle ? now - snapshot.idle_since : -1.0, fair_floor, options);
+    }, now - snapshot.idle_since >= options.grow_idle ? now - snapshot.idle_since : -1.0, fair_floor, lowest, options);
   } else if (spare > 0 && now - snapshot.idle_since >= options.grow_idle) {
     for (const JobView* job : running) {
       if (spare == 0) break;
