@@ -151,6 +151,62 @@ TEST_P(NoiseScale, EqualsTheOneProcessEstimateAndTheClosedForm) {
 INSTANTIATE_TEST_SUITE_P(Workers, NoiseScale, ::testing::Values(1, 2, 3, 4),
                          [](const auto& info) { return "n" + std::to_string(info.param); });
 
+// Registered last layer first, so that backward's order differs from the reverse of the
+// registration and the first backward cuts the buckets again.
+struct BackwardsImpl : torch::nn::Module {
+  BackwardsImpl() {
+    last = register_module("last", torch::nn::Linear(8, 1));
+    first = register_module("first", torch::nn::Linear(kDim, 8));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return last(torch::tanh(first(x))); }
+  torch::nn::Linear last{nullptr}, first{nullptr};
+};
+TORCH_MODULE(Backwards);
+
+// One worker pairs each step's gradient with the previous one's, bucket by bucket: a step after
+// the buckets were cut again is not paired with one cut the old way.
+TEST(NoiseScale, OneWorkerPairsStepsAcrossTheFirstRebuild) {
+  shoal::testing::WorkersOptions one;
+  one.launcher = shoal::testing::Launcher::kNone;
+  run_workers(1, [] {
+    const Problem p = problem();
+    torch::manual_seed(3);
+    Backwards net;
+    shoal::DataParallelOptions options;
+    options.measure_gradient_noise = true;
+    options.gradient_noise_smoothing = 0.0;
+    options.bucket_bytes = 1;  // a bucket per parameter
+    options.first_bucket_bytes = 1;
+    shoal::DataParallel model(net, options);
+    const auto order = [&] {
+      std::vector<size_t> flat;
+      for (const auto& bucket : model.bucket_assignment()) flat.insert(flat.end(), bucket.begin(), bucket.end());
+      return flat;
+    };
+    const auto before = order();
+    torch::Tensor previous;
+    for (int64_t step = 0; step < 6; ++step) {
+      const auto [x, y] = samples(p, step, 0);
+      net->zero_grad();
+      (0.5 * (model(x.to(torch::kFloat)).reshape({-1}) - y.to(torch::kFloat)).pow(2).mean()).backward();
+      std::vector<torch::Tensor> grads;
+      for (const auto& param : net->parameters()) grads.push_back(param.grad().reshape(-1).to(torch::kDouble));
+      const auto current = torch::cat(grads);
+      const auto noise = model.gradient_noise();
+      // Step 0 has nothing before it; step 1's predecessor was cut before the rebuild.
+      ASSERT_EQ(noise->measurements, std::max<int64_t>(0, step - 1)) << "step " << step;
+      if (step >= 2) {
+        const Estimate oracle = estimate({previous, current});
+        const double scale = std::abs(oracle.sqr) + oracle.variance / kPerWorker;
+        EXPECT_NEAR(noise->gradient_sqr, oracle.sqr, 1e-4 * scale) << "step " << step;
+        EXPECT_NEAR(noise->variance, oracle.variance, 2e-4 * scale * kPerWorker) << "step " << step;
+      }
+      previous = current;
+    }
+    EXPECT_NE(order(), before) << "the buckets were not cut again: the case is not exercised";
+  }, one);
+}
+
 // Smoothing: the moving averages, debiased, of steps that all measure the same are that value;
 // the state carries them whole to another meter.
 TEST(NoiseMeter, SmoothedAveragesAreDebiasedAndCarriedWhole) {

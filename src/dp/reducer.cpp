@@ -419,7 +419,10 @@ void Reducer::State::rebuild() {
   std::vector<size_t> current;
   for (const auto& bucket : buckets) current.insert(current.end(), bucket.params.begin(), bucket.params.end());
   for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<size_t>(shared.data_ptr<int64_t>()[i]);
-  if (order != current) assign(order);
+  if (order != current) {
+    assign(order);
+    previous.clear();  // the previous step's gradient, bucket by bucket, was cut the old way
+  }
 }
 
 Reducer::Reducer(std::vector<at::Tensor> parameters, comm::Group group, ReducerOptions options)
