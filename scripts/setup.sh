@@ -23,6 +23,7 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler  # the parameter server's gRPC service
   libsqlite3-dev libcpp-httplib-dev  # the job queue's state (SQLite) and its REST API (HTTP)
   chromium                           # headless, for the test of the job queue's dashboard
+  python3-pandas python3-scipy       # Pollux's cluster simulator, which bench/pollux.py drives
 )
 
 missing=()

@@ -478,7 +478,8 @@ TEST(GoodputPolicy, IdleWorkersGoToTheJobThatScales) {
   EXPECT_EQ(grows[0]->job, 2);
   EXPECT_EQ(grows[0]->hosts.size(), 4u);
   EXPECT_EQ(grows[0]->reason,
-            "grows from 2 to 6 workers into capacity idle for 100 s: its speed-up 1.98 -> 5.76, the most any job gains");
+            "grows from 2 to 6 workers into capacity idle for 100 s: its speed-up 1.98 -> 5.76, "
+            "where a worker is worth most");
   EXPECT_TRUE(of_kind(plan, Action::kShrink).empty());
   // The job that does not scale gets no worker it would not use: what is left stays free.
   snapshot.jobs[1].max_workers = 3;
@@ -488,20 +489,26 @@ TEST(GoodputPolicy, IdleWorkersGoToTheJobThatScales) {
   EXPECT_EQ(plan.free_after, 3);
 }
 
-// Without idle capacity, the last worker of the job that does not scale is reclaimed for the one
-// that does, down to its fair floor and never below --min; a higher priority is never reclaimed
+// Without idle capacity, the last workers of the job that does not scale are reclaimed for the
+// one that does, while each is worth at least twice as much there (what it takes off 1 / the
+// speed-up), down to the fair floor and never below --min; a higher priority is never reclaimed
 // for a lower one.
-TEST(GoodputPolicy, ReclaimsAWorkerThatAddsLittleDownToTheFairFloor) {
+TEST(GoodputPolicy, ReclaimsWorkersThatAddLittleDownToTheFairFloor) {
   auto snapshot = cluster({{"a", 8}});
   snapshot.jobs.push_back(flat(running(1, 0, 1, 8, {"a", "a", "a", "a", "a"}, 10)));
   snapshot.jobs.push_back(scales(running(2, 0, 1, 8, {"a", "a", "a"}, 20)));
+  // Speed-ups fitted to the rates: job 1 1.0578, 1.0781, 1.0887, 1.0952 at 2-5 workers; job 2
+  // 1.9833, 2.9503, 3.9013, 4.8369, 5.7573 at 2-6. Job 1's 5th worker takes 1/1.0887 - 1/1.0952
+  // = 0.0055 off its 1 / speed-up, job 2's 4th 1/2.9503 - 1/3.9013 = 0.083: it moves; job 1's 4th
+  // 0.0091 against job 2's 5th 0.050: it moves; job 1's 3rd 0.0181 against job 2's 6th 0.0331,
+  // less than twice: it stays.
   Plan plan = queue::plan(snapshot, goodput());
   auto shrinks = of_kind(plan, Action::kShrink);
   ASSERT_EQ(shrinks.size(), 1u);
   EXPECT_EQ(shrinks[0]->job, 1);
-  EXPECT_EQ(shrinks[0]->workers, std::vector<int64_t>{14});  // its newest
+  EXPECT_EQ(shrinks[0]->workers, (std::vector<int64_t>{14, 13}));  // its newest
   EXPECT_EQ(shrinks[0]->reason,
-            "shrinks from 5 to 4 workers: its last adds 0.01 to its speed-up, a worker more adds 0.95 to job 2's");
+            "shrinks from 5 to 3 workers: its speed-up 1.10 -> 1.08, where job 2's 2.95 -> 4.84");
   EXPECT_TRUE(queue::plan(snapshot, {}).actions.empty());  // the priority policy leaves them
 
   // At its fair floor (half of an equal split of 8 slots over 2 jobs: 2) it keeps its workers.

@@ -173,6 +173,26 @@ double gain_at(const JobView& job, int workers, const PolicyOptions& options) {
   return speedup(job, workers, options) - speedup(job, workers - 1, options);
 }
 
+// What the last of `workers` takes off 1 / the job's speed-up: its worth under Note [Giving
+// workers where they speed training most] (infinite for a job's first).
+double fair_gain_at(const JobView& job, int workers, const PolicyOptions& options) {
+  const double before = speedup(job, workers - 1, options);
+  if (!(before > 0)) return std::numeric_limits<double>::infinity();
+  return 1.0 / before - 1.0 / speedup(job, workers, options);
+}
+
+// A job's workers not asked to leave yet, newest first: the newest leave first (the oldest hold
+// the job's first ranks and its store).
+std::vector<WorkerView> newest_first(const JobView& job) {
+  std::vector<WorkerView> workers;
+  for (const auto& worker : job.workers) {
+    if (!worker.leaving) workers.push_back(worker);
+  }
+  std::sort(workers.begin(), workers.end(),
+            [](const WorkerView& a, const WorkerView& b) { return a.id > b.id; });
+  return workers;
+}
+
 std::string fixed(double value) {
   char text[32];
   std::snprintf(text, sizeof text, "%.2f", value);
@@ -198,8 +218,8 @@ void grow_by_gain(Plan& result, Room& room, const std::vector<const JobView*>& r
       for (const JobView* job : running) {
         const int target = size_of(*job) + added[job->id];
         if (!eligible(*job) || target >= job->max_workers) continue;
-        const double gain = gain_at(*job, target + 1, options);
-        if (gain < options.min_gain) continue;
+        if (gain_at(*job, target + 1, options) < options.min_gain) continue;
+        const double gain = fair_gain_at(*job, target + 1, options);
         if (best == nullptr || job->priority > best->priority ||
             (job->priority == best->priority && gain > best_gain)) {
           best = job;
@@ -219,7 +239,7 @@ void grow_by_gain(Plan& result, Room& room, const std::vector<const JobView*>& r
       action.reason = "grows from " + std::to_string(from) + " to " + std::to_string(to) +
                       " workers into capacity idle for " + seconds(idle_for) + ": its speed-up " +
                       fixed(speedup(*job, from, options)) + " -> " + fixed(speedup(*job, to, options)) +
-                      ", the most any job gains";
+                      ", where a worker is worth most";
       result.actions.push_back(std::move(action));
     }
   }
@@ -241,12 +261,7 @@ void grow_by_gain(Plan& result, Room& room, const std::vector<const JobView*>& r
       if (giver->priority >= receiver->priority || !eligible(*giver) || added[giver->id] > 0) continue;
       const int count = std::min(wanted, giver->active() - giving[giver->id] - giver->min_workers);
       if (count <= 0) continue;
-      std::vector<WorkerView> candidates;
-      for (const auto& worker : giver->workers) {
-        if (!worker.leaving) candidates.push_back(worker);
-      }
-      std::sort(candidates.begin(), candidates.end(),
-                [](const WorkerView& a, const WorkerView& b) { return a.id > b.id; });
+      const std::vector<WorkerView> candidates = newest_first(*giver);
       Action action{Action::kShrink, giver->id, {}, {}, ""};
       for (int i = 0; i < count; ++i) {
         const WorkerView& worker = candidates[giving[giver->id] + i];
@@ -264,49 +279,78 @@ void grow_by_gain(Plan& result, Room& room, const std::vector<const JobView*>& r
     }
   }
   if (!giving.empty()) return;
-  // Then within the lowest priority running: the largest difference between a job's next
-  // worker's gain and another's last worker's, above its fair floor, whose curve is measured (at
-  // two worker counts: the prior alone says nothing of a job's last worker).
+  // Then within the lowest priority running: workers move one by one, in this plan, from the job
+  // whose last worker is worth least to the one whose next is worth most (fair_gain_at), while
+  // that is at least twice as much, the receiver's speed-up gains at least min_gain from it, and
+  // the giver stays above its fair floor and has a measured curve (at two worker counts: the
+  // prior alone says nothing of a job's last worker). They return as idle capacity, which goes
+  // to the receivers by the rule above.
   const auto measured = [](const JobView& job) {
     int counts = 0;
     for (const auto& [workers, rate] : job.throughput) counts += workers >= 1 && rate > 0 ? 1 : 0;
     return counts >= 2;
   };
-  const JobView* to = nullptr;
-  const JobView* from = nullptr;
-  double best = options.min_gain, gain_to = 0, gain_from = 0;
-  for (const JobView* receiver : running) {
-    const int target = size_of(*receiver);
-    if (!eligible(*receiver) || added[receiver->id] > 0 || target >= receiver->max_workers) continue;
-    const double gain = gain_at(*receiver, target + 1, options);
-    if (gain < options.min_gain) continue;
-    for (const JobView* giver : running) {
-      if (giver == receiver || !eligible(*giver) || added[giver->id] > 0 || giver->priority > receiver->priority)
+  const auto peer = [&](const JobView& job) {
+    return eligible(job) && added[job.id] == 0 && job.priority == lowest;
+  };
+  std::map<int64_t, int> gets, gives;
+  std::map<int64_t, std::vector<const JobView*>> receivers;  // of each giver's workers
+  for (int moves = 0; moves < room.capacity(); ++moves) {
+    const JobView* to = nullptr;
+    double worth_to = 0;
+    for (const JobView* job : running) {
+      const int target = size_of(*job) + gets[job->id];
+      if (!peer(*job) || gives[job->id] > 0 || target >= job->max_workers ||
+          gain_at(*job, target + 1, options) < options.min_gain)
         continue;
-      if (giver->priority != receiver->priority || giver->priority > lowest ||
-          giver->active() <= fair_floor(*giver) || !measured(*giver))
-        continue;
-      const double loss = gain_at(*giver, giver->active(), options);
-      if (gain - loss >= best) {
-        best = gain - loss;
-        to = receiver;
-        from = giver;
-        gain_to = gain;
-        gain_from = loss;
+      const double worth = fair_gain_at(*job, target + 1, options);
+      if (to == nullptr || worth > worth_to) {
+        to = job;
+        worth_to = worth;
       }
     }
+    if (to == nullptr) break;
+    const JobView* from = nullptr;
+    double worth_from = 0;
+    for (const JobView* job : running) {
+      const int left = job->active() - gives[job->id];
+      if (!peer(*job) || gets[job->id] > 0 || job == to || left <= fair_floor(*job) ||
+          !measured(*job))
+        continue;
+      const double worth = fair_gain_at(*job, left, options);
+      if (from == nullptr || worth < worth_from) {
+        from = job;
+        worth_from = worth;
+      }
+    }
+    if (from == nullptr || worth_to < 2 * worth_from) break;
+    ++gets[to->id];
+    ++gives[from->id];
+    auto& list = receivers[from->id];
+    if (std::find(list.begin(), list.end(), to) == list.end()) list.push_back(to);
   }
-  if (to == nullptr) return;
-  const WorkerView* newest = nullptr;
-  for (const auto& worker : from->workers) {
-    if (!worker.leaving && (newest == nullptr || worker.id > newest->id)) newest = &worker;
+  for (const JobView* giver : running) {
+    const int count = gives[giver->id];
+    if (count == 0) continue;
+    const std::vector<WorkerView> candidates = newest_first(*giver);
+    Action action{Action::kShrink, giver->id, {}, {}, ""};
+    for (int i = 0; i < count; ++i) {
+      action.workers.push_back(candidates[i].id);
+      room.leaving(candidates[i].host);
+    }
+    const int from = giver->active();
+    std::string whom;
+    for (const JobView* receiver : receivers[giver->id]) {
+      const int size = size_of(*receiver);
+      whom += (whom.empty() ? "" : ", ") + std::string("job ") + std::to_string(receiver->id) +
+              "'s " + fixed(speedup(*receiver, size, options)) + " -> " +
+              fixed(speedup(*receiver, size + gets[receiver->id], options));
+    }
+    action.reason = "shrinks from " + std::to_string(from) + " to " + std::to_string(from - count) +
+                    " workers: its speed-up " + fixed(speedup(*giver, from, options)) + " -> " +
+                    fixed(speedup(*giver, from - count, options)) + ", where " + whom;
+    result.actions.push_back(std::move(action));
   }
-  Action action{Action::kShrink, from->id, {}, {newest->id}, ""};
-  room.leaving(newest->host);
-  action.reason = "shrinks from " + std::to_string(from->active()) + " to " + std::to_string(from->active() - 1) +
-                  " workers: its last adds " + fixed(gain_from) + " to its speed-up, a worker more adds " +
-                  fixed(gain_to) + " to job " + std::to_string(to->id) + "'s";
-  result.actions.push_back(std::move(action));
 }
 
 }  // namespace
@@ -416,7 +460,8 @@ Plan plan(const Snapshot& snapshot, const PolicyOptions& options) {
     std::sort(lower.begin(), lower.end(), [&](const JobView* a, const JobView* b) {
       if (a->priority != b->priority) return a->priority < b->priority;
       if (goodput) {
-        const double ga = gain_at(*a, a->active(), options), gb = gain_at(*b, b->active(), options);
+        const double ga = fair_gain_at(*a, a->active(), options);
+        const double gb = fair_gain_at(*b, b->active(), options);
         if (ga != gb) return ga < gb;
       }
       if (a->submitted != b->submitted) return a->submitted > b->submitted;
@@ -498,13 +543,10 @@ Plan plan(const Snapshot& snapshot, const PolicyOptions& options) {
     for (const JobView* other : lower) {
       auto it = shrink.find(other->id);
       if (it == shrink.end() || it->second == 0) continue;
-      // The newest workers leave: the oldest hold the job's first ranks and its store.
-      std::vector<WorkerView> candidates;
-      for (const auto& worker : other->workers) {
-        if (!worker.leaving && asked.count(worker.id) == 0) candidates.push_back(worker);
-      }
-      std::sort(candidates.begin(), candidates.end(),
-                [](const WorkerView& a, const WorkerView& b) { return a.id > b.id; });
+      std::vector<WorkerView> candidates = newest_first(*other);
+      candidates.erase(std::remove_if(candidates.begin(), candidates.end(),
+                                      [&](const WorkerView& w) { return asked.count(w.id) > 0; }),
+                       candidates.end());
       Action action{Action::kShrink, other->id, {}, {}, ""};
       for (int i = 0; i < it->second; ++i) {
         action.workers.push_back(candidates[i].id);

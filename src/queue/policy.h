@@ -133,12 +133,18 @@ const char* to_string(Action::Kind kind);
 //    above their fair floor (max(--min, fair_share of an equal split), at most --max): a job's
 //    first workers are worth more than another's last ones, and no job waits behind jobs that
 //    hold more than their share;
-//  - idle capacity goes one worker at a time to the running job whose speed-up gains most from it
-//    (Note [Speed-up curves]), higher priorities first, while the gain is at least min_gain of a
-//    worker: a job that would not use a worker does not get it;
-//  - once per plan, a job's last worker (above its fair floor) is reclaimed for a job of its
-//    priority or higher whose next worker gains at least min_gain more than that worker gives;
-//    it returns as idle capacity and goes by the rule above.
+//  - idle capacity goes one worker at a time to the running job where it is worth most, higher
+//    priorities first, while it adds at least min_gain of a worker to that job's speed-up (Note
+//    [Speed-up curves]): a job that would not use a worker does not get it. A worker's worth is
+//    what it takes off 1 / the job's speed-up: giving by it maximizes the sum over jobs of
+//    -1 / speed-up, the power mean with p = -1 that Pollux (OSDI'21) maximizes for fairness,
+//    rather than the sum of speed-ups, which starves the jobs that scale poorly and has every
+//    newcomer wait behind the big jobs (bench/RESULTS.md, "queue on Pollux's workloads");
+//  - without idle capacity, a higher priority takes the workers of lower ones above their --min
+//    that add at least min_gain each, up to its --max; else, among the lowest priority's jobs,
+//    workers move in one plan from the job whose last worker is worth least to the one whose next
+//    is worth most, while that is at least twice as much (no move back on a measurement's noise),
+//    down to the giver's fair floor. They return as idle capacity and go by the rule above.
 Plan plan(const Snapshot& snapshot, const PolicyOptions& options);
 
 }  // namespace shoal::queue

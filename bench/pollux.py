@@ -1,0 +1,391 @@
+#!/usr/bin/env python3
+"""shoal's queue policy on Pollux's cluster simulator and workloads, beside Tiresias, Optimus and
+Pollux (Qiao et al., OSDI'21).
+
+Pollux's artifact publishes a cluster simulator (16 nodes of 4 GPUs, 60 s scheduling rounds), eight
+160-job workloads derived from Microsoft's Philly trace at 0.5x-2.0x load, each model's measured
+throughput and statistical efficiency, its Tiresias and Optimus policies, and the per-job results
+of all three. This benchmark drives shoal::queue::plan() (through build/bench/queue_plan, the very
+function the scheduler calls) from that simulator, after checking the harness: Tiresias and
+Optimus, run here, must reproduce their published mean JCTs within 5%. Pollux's own policy needs
+pymoo, which Debian lacks; its published results stand in.
+
+The simulator is not part of shoal. Fetch it, pinned, and name its folder:
+
+    git clone https://github.com/petuum/adaptdl /tmp/adaptdl
+    git -C /tmp/adaptdl checkout c793c7089bd307462686339d29707925c461f9a9   # branch osdi21-artifact
+    POLLUX_SIMULATOR=/tmp/adaptdl/simulator /usr/bin/python3 bench/pollux.py build
+
+Without it the benchmark says so and exits 0. It needs Debian's python3-pandas and python3-scipy
+(scripts/setup.sh installs them). Neither autograd nor pymoo is in Debian: pymoo is only imported,
+never run (Pollux's policy), and autograd's one use, the gradient of the throughput model's
+fitting objective (goodput.py's fit_perf_params), is replaced by central differences.
+
+How shoal's jobs are submitted (docs/queue.md, "Pollux's workloads"): as Optimus+Oracle+TunedJobs
+sees them, each with the workload's tuned global batch (BatchPolicy::global: the batch stays, so
+does the statistical efficiency), --min 1 and --max the most workers that batch allows
+(batch / the model's smallest local batch, at most the cluster's 64); all of one priority. plan()
+sees the samples per second each job ran at, at each worker count, as the scheduler measures them.
+Every change of a job's allocation pauses it for the simulator's 30 s (as for every policy), unless
+--resize-cost says otherwise for shoal's.
+
+    /usr/bin/python3 bench/pollux.py build [--loads 0.5,1.0,1.5,2.0] [--policies ...] [--jobs 2]
+"""
+import argparse
+import collections
+import hashlib
+import json
+import math
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+import types
+
+PINNED = "c793c7089bd307462686339d29707925c461f9a9"
+# sha256 over the simulator folder of that commit (see digest()); another copy is refused.
+DIGEST = "f5e9aa156daf0b9399e5b49b3880769ae5423ebf10363d1b2ee078b5915cecd0"
+LOADS = {"0.5": "workloads-0.5", "1.0": "workloads", "1.5": "workloads-1.5", "2.0": "workloads-2.0"}
+SIMULATED = ("tiresias", "optimus")  # run here, and checked against the published results
+SHOAL = ("shoal-priority", "shoal-goodput")
+PUBLISHED = ("tiresias", "optimus", "pollux")
+
+
+def digest(folder):
+    hasher = hashlib.sha256()
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in sorted(files):
+            path = os.path.join(root, name)
+            hasher.update(os.path.relpath(path, folder).encode() + b"\0")
+            with open(path, "rb") as f:
+                hasher.update(f.read())
+    return hasher.hexdigest()
+
+
+def install_stand_ins():
+    """Modules the simulator imports that Debian does not have (see the docstring)."""
+    try:
+        import autograd  # noqa: F401
+    except ImportError:
+        import numpy
+        autograd = types.ModuleType("autograd")
+        autograd.numpy = numpy
+
+        def grad(function):
+            def gradient(params, *args):
+                params = numpy.asarray(params, dtype=float)
+                result = numpy.zeros_like(params)
+                for i in range(len(params)):
+                    step = 1e-6 * max(1.0, abs(params[i]))
+                    up, down = params.copy(), params.copy()
+                    up[i] += step
+                    down[i] -= step
+                    result[i] = (function(up, *args) - function(down, *args)) / (2 * step)
+                return result
+            return gradient
+        autograd.grad = grad
+        sys.modules["autograd"] = autograd
+    try:
+        import pymoo  # noqa: F401
+    except ImportError:
+        class Anything(types.ModuleType):
+            def __getattr__(self, name):
+                return type(name, (), {})
+        for name in ("pymoo", "pymoo.model", "pymoo.model.crossover", "pymoo.model.mutation",
+                     "pymoo.model.problem", "pymoo.model.repair", "pymoo.optimize",
+                     "pymoo.algorithms", "pymoo.algorithms.nsga2", "pymoo.operators",
+                     "pymoo.operators.crossover", "pymoo.operators.crossover.util", "pymoo.util",
+                     "pymoo.util.nds", "pymoo.util.nds.non_dominated_sorting"):
+            sys.modules[name] = Anything(name)
+            if "." in name:
+                parent, _, child = name.rpartition(".")
+                setattr(sys.modules[parent], child, sys.modules[name])
+
+
+def shoal_policy_class(optimus_policy):
+    """plan() as a policy of the simulator. It derives from Optimus's only so that the simulator
+    submits its jobs as Optimus's (tuned batch, worker count free): optimize() is plan()'s."""
+
+    class ShoalPolicy(optimus_policy):
+        def __init__(self, queue_plan, kind, resize_cost):
+            super().__init__()
+            self.kind = kind
+            self.resize_cost = resize_cost
+            self.cluster = None
+            self.process = subprocess.Popen([queue_plan], stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE, text=True)
+            self.ids = {}  # job name -> id in plan()'s snapshots
+            self.workers = collections.defaultdict(list)  # job name -> [(worker id, node)]
+            self.running = set()
+            self.last_resize = {}
+            self.throughput = collections.defaultdict(dict)  # job -> {workers: samples/s}
+            self.idle_since = None  # None: +inf
+            self.next_worker = 1
+            self.plan_calls = 0
+            self.plan_seconds = 0.0
+
+        def measure(self):
+            """Samples per second each job trained at in the round that just ended, at its worker
+            count, as the scheduler measures them from the jobs' progress (docs/queue.md)."""
+            for job in self.cluster.jobs:
+                placement = tuple(filter(None, job.placement))
+                if not placement or job.rescale_time > 0 or job.completion_time is not None:
+                    continue
+                step_time, sync_time = job.application.get_throughput(placement, job.atomic_bsz)
+                batch = sum(placement) * job.atomic_bsz * (job.accum_steps + 1)
+                seconds = step_time + (step_time - sync_time) * job.accum_steps
+                self.throughput[job.name][sum(placement)] = batch / seconds
+
+        def snapshot(self, jobs, nodes, now):
+            views = []
+            for name, job in jobs.items():
+                job_id = self.ids.setdefault(name, len(self.ids) + 1)
+                views.append({
+                    "id": job_id, "min": 1, "max": min(job.max_replicas, len(nodes) * 4),
+                    "preemptible": True, "submitted": job.creation_timestamp,
+                    "running": name in self.running, "last_resize": self.last_resize.get(name),
+                    "workers": [{"id": w, "host": "h%d" % node} for w, node in self.workers[name]],
+                    "throughput": {str(k): v for k, v in self.throughput[name].items()},
+                })
+            return {"now": now, "idle_since": self.idle_since, "policy": self.kind,
+                    # The simulator's rounds (60 s) already wait longer than the scheduler's 5 s
+                    # before idle capacity goes to running jobs.
+                    "options": {"grow_idle": 0},
+                    "hosts": [{"name": "h%d" % node, "capacity": int(info.resources["nvidia.com/gpu"])}
+                              for node, info in nodes.items()],
+                    "jobs": views}
+
+        def call_plan(self, snapshot):
+            started = time.perf_counter()
+            self.process.stdin.write(json.dumps(snapshot) + "\n")
+            self.process.stdin.flush()
+            line = self.process.stdout.readline()
+            self.plan_seconds += time.perf_counter() - started
+            self.plan_calls += 1
+            if not line:
+                raise RuntimeError("queue_plan ended without a plan (its error is above)")
+            return json.loads(line)
+
+        def optimize(self, jobs, nodes, prev_allocations, node_template):
+            now = self.cluster.current_time
+            self.measure()
+            for name in list(self.workers):
+                if name not in jobs:  # finished
+                    del self.workers[name]
+                    self.running.discard(name)
+            by_id = {}
+            # The scheduler plans again at once after every change; the simulator only every round:
+            # plan until nothing changes. Leaving workers are gone by the next round.
+            for _ in range(1000):
+                plan = self.call_plan(self.snapshot(jobs, nodes, now))
+                if not by_id:
+                    by_id = {job_id: name for name, job_id in self.ids.items()}
+                for action in plan["actions"]:
+                    name = by_id[action["job"]]
+                    kind = action["kind"]
+                    if kind in ("start", "grow"):
+                        for host in action["hosts"]:
+                            self.workers[name].append((self.next_worker, int(host[1:])))
+                            self.next_worker += 1
+                        self.running.add(name)
+                    elif kind in ("shrink", "preempt"):
+                        gone = set(action["workers"])
+                        self.workers[name] = [w for w in self.workers[name] if w[0] not in gone]
+                        if kind == "preempt":
+                            self.running.discard(name)
+                    else:
+                        raise RuntimeError("plan() asked to %s, which no worker here needs" % kind)
+                    if kind != "start":  # as the scheduler's apply(): a start is no resize
+                        self.last_resize[name] = now
+                if plan["free_after"] > 0:
+                    if self.idle_since is None:
+                        self.idle_since = now
+                else:
+                    self.idle_since = None
+                if not plan["actions"]:
+                    break
+            else:
+                raise RuntimeError("plan() kept changing the allocation at t=%s s" % now)
+            allocations = {name: sorted(node for _, node in self.workers[name])
+                           for name in self.running if self.workers[name]}
+            return allocations, len(nodes)
+
+        def close(self):
+            self.process.stdin.close()
+            self.process.wait(timeout=10)
+
+    return ShoalPolicy
+
+
+def run_one(keyed):
+    """One workload under one policy; returns its key, {job name: JCT} and plan()'s cost."""
+    key, (simulator_dir, workload, policy_name, queue_plan, resize_cost) = keyed
+    install_stand_ins()
+    sys.path.insert(0, simulator_dir)
+    import contextlib
+    import io
+    import warnings
+    # The simulator's fit of its throughput model tries parameters where a log is undefined, and
+    # its pandas calls are deprecated.
+    warnings.filterwarnings("ignore")
+    import pandas
+    import simulator
+    frame = pandas.read_csv(workload)
+    clock = {}
+    if policy_name == "tiresias":
+        policy = simulator.TiresiasPolicy(lambda: clock["cluster"].current_time)
+    elif policy_name == "optimus":
+        policy = simulator.OptimusPolicy()
+    else:
+        policy = shoal_policy_class(simulator.OptimusPolicy)(
+            queue_plan, policy_name.split("-")[1], resize_cost)
+    cluster = simulator.Cluster(frame, policy, 16, num_gpus=4)
+    clock["cluster"] = cluster
+    if policy_name in SHOAL:
+        policy.cluster = cluster
+        if resize_cost != 30:
+            original = simulator.Job.reallocate
+
+            def reallocate(job, placement):
+                original(job, placement)
+                if placement:
+                    job.rescale_time = resize_cost
+            for job in cluster.jobs:
+                job.reallocate = types.MethodType(reallocate, job)
+    started = time.perf_counter()
+    with contextlib.redirect_stdout(io.StringIO()):  # the simulator prints every round
+        while not cluster.all_complete():
+            cluster.step(60)
+    result = {"jcts": cluster.get_jcts(), "seconds": time.perf_counter() - started}
+    if policy_name in SHOAL:
+        result["plan_calls"] = policy.plan_calls
+        result["plan_seconds"] = policy.plan_seconds
+        policy.close()
+    return key, result
+
+
+def submissions(workload):
+    import pandas
+    frame = pandas.read_csv(workload)
+    return dict(zip(frame["name"], frame["time"]))
+
+
+def measures(runs, submitted):
+    """Mean JCT (the mean of the workloads' means, as Pollux's summary.json), p99 JCT over every
+    job of every workload, and makespan (first submission to last completion, mean over workloads)."""
+    means, everything, spans = [], [], []
+    for workload, jcts in runs.items():
+        means.append(sum(jcts.values()) / len(jcts))
+        everything.extend(jcts.values())
+        times = submitted[workload]
+        spans.append(max(times[name] + jct for name, jct in jcts.items()) - min(times.values()))
+    everything.sort()
+    p99 = everything[min(len(everything) - 1, math.ceil(0.99 * len(everything)) - 1)]
+    return {"mean": sum(means) / len(means), "p99": p99, "makespan": sum(spans) / len(spans)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("build", help="shoal's build folder (holds bench/queue_plan)")
+    parser.add_argument("--simulator", default=os.environ.get("POLLUX_SIMULATOR", ""),
+                        help="Pollux's simulator/ folder (default: $POLLUX_SIMULATOR)")
+    parser.add_argument("--loads", default=",".join(LOADS))
+    parser.add_argument("--policies", default=",".join(SIMULATED + SHOAL))
+    parser.add_argument("--workloads", default="1,2,3,4,5,6,7,8")
+    parser.add_argument("--jobs", type=int, default=2, help="simulations run at once")
+    parser.add_argument("--resize-cost", type=float, default=30,
+                        help="seconds a change of allocation pauses a job under shoal's policies "
+                             "(the simulator's 30 s for every policy by default)")
+    parser.add_argument("--json", help="also write every JCT here")
+    args = parser.parse_args()
+
+    folder = args.simulator
+    if not folder or not os.path.isfile(os.path.join(folder, "simulator.py")):
+        print("pollux: skipped: no Pollux simulator (set POLLUX_SIMULATOR; bench/pollux.py says how "
+              "to fetch it)")
+        return 0
+    folder = os.path.abspath(folder)
+    found = digest(folder)
+    if found != DIGEST:
+        sys.exit("pollux: %s is not the pinned simulator (adaptdl %s): sha256 %s, expected %s"
+                 % (folder, PINNED[:12], found, DIGEST))
+    queue_plan = os.path.join(os.path.abspath(args.build), "bench", "queue_plan")
+    policies = args.policies.split(",")
+    for name in policies:
+        if name not in SIMULATED + SHOAL:
+            sys.exit("pollux: unknown policy %r; expected some of %s" % (name, ", ".join(SIMULATED + SHOAL)))
+    if any(p in SHOAL for p in policies) and not os.access(queue_plan, os.X_OK):
+        sys.exit("pollux: %s is missing; build it with `cmake --build %s --target queue_plan`"
+                 % (queue_plan, args.build))
+    loads = args.loads.split(",")
+    for load in loads:
+        if load not in LOADS:
+            sys.exit("pollux: load %r has no workloads; expected some of %s" % (load, ", ".join(LOADS)))
+    names = ["workload-%s" % n for n in args.workloads.split(",")]
+
+    tasks, keys = [], []
+    for load in loads:
+        for policy in sorted(policies, key=lambda p: p not in SHOAL):  # shoal's first
+            for name in names:
+                workload = os.path.join(folder, LOADS[load], name + ".csv")
+                tasks.append((folder, workload, policy, queue_plan, args.resize_cost))
+                keys.append((load, policy, name))
+    started = time.time()
+    results = {}
+    with multiprocessing.Pool(args.jobs) as pool:
+        for key, result in pool.imap_unordered(run_one, list(zip(keys, tasks))):
+            results[key] = result
+            print("pollux: %d/%d: %s at %sx, %s: mean JCT %.0f s (%.0f s to simulate)" % (
+                len(results), len(tasks), key[1], key[0], key[2],
+                sum(result["jcts"].values()) / max(1, len(result["jcts"])), result["seconds"]),
+                flush=True)
+
+    submitted = {load: {name: submissions(os.path.join(folder, LOADS[load], name + ".csv"))
+                        for name in names} for load in loads}
+    table, failed = [], False
+    for load in loads:
+        published = {}
+        for policy in PUBLISHED:
+            with open(os.path.join(folder, "results-jobload", "%s-%s" % (policy, load),
+                                   "summary.json")) as f:
+                summary = json.load(f)
+            published[policy] = measures({n: summary["jcts"][n] for n in names}, submitted[load])
+        rows = {"%s (published)" % p: m for p, m in published.items()}
+        for policy in policies:
+            runs = {name: results[(load, policy, name)]["jcts"] for name in names}
+            incomplete = [n for n in names if len(runs[n]) != len(submitted[load][n])]
+            if incomplete:
+                sys.exit("pollux: %s at %sx left jobs unfinished in %s" % (policy, load, incomplete))
+            rows[policy] = measures(runs, submitted[load])
+        print("\nload %sx (%d workloads of 160 jobs; 16 nodes x 4 GPUs; JCT in s)" % (load, len(names)))
+        print("%-24s %10s %10s %10s %12s %12s" % ("policy", "mean JCT", "p99 JCT", "makespan",
+                                                  "/tiresias", "/pollux"))
+        for policy, m in rows.items():
+            print("%-24s %10.0f %10.0f %10.0f %12.3f %12.3f" % (
+                policy, m["mean"], m["p99"], m["makespan"],
+                m["mean"] / published["tiresias"]["mean"], m["mean"] / published["pollux"]["mean"]))
+        for policy in SIMULATED:
+            if policy in policies:
+                ratio = rows[policy]["mean"] / published[policy]["mean"]
+                verdict = "ok" if abs(ratio - 1) <= 0.05 else "OUTSIDE 5%"
+                failed |= verdict != "ok"
+                print("harness check: %s here / published = %.4f (%s)" % (policy, ratio, verdict))
+        for policy in policies:
+            if policy in SHOAL:
+                calls = sum(results[(load, policy, n)]["plan_calls"] for n in names)
+                seconds = sum(results[(load, policy, n)]["plan_seconds"] for n in names)
+                print("%s: %d plan() calls, %.2f ms each with the JSON round trip" % (
+                    policy, calls, 1e3 * seconds / max(calls, 1)))
+        table.append({"load": load, "rows": rows})
+    print("\n%d simulations in %.0f s" % (len(tasks), time.time() - started))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"table": table, "jcts": {"|".join(k): v["jcts"] for k, v in results.items()}},
+                      f, indent=1)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
