@@ -24,12 +24,14 @@ fitting objective (goodput.py's fit_perf_params), is replaced by central differe
 How shoal's jobs are submitted (docs/queue.md, "Pollux's workloads"): as Optimus+Oracle+TunedJobs
 sees them, each with the workload's tuned global batch (BatchPolicy::global: the batch stays, so
 does the statistical efficiency), --min 1 and --max the most workers that batch allows
-(batch / the model's smallest local batch, at most the cluster's 64); all of one priority. plan()
+(batch / the model's smallest local batch, at most the cluster's 64), or with --max tuned the
+workload's tuned worker count (what Tiresias runs each job at); all of one priority. plan()
 sees the samples per second each job ran at, at each worker count, as the scheduler measures them.
 Every change of a job's allocation pauses it for the simulator's 30 s (as for every policy), unless
 --resize-cost says otherwise for shoal's.
 
     /usr/bin/python3 bench/pollux.py build [--loads 0.5,1.0,1.5,2.0] [--policies ...] [--jobs 2]
+                                           [--max bound|tuned] [--resize-cost 30]
 """
 import argparse
 import collections
@@ -109,10 +111,11 @@ def shoal_policy_class(optimus_policy):
     submits its jobs as Optimus's (tuned batch, worker count free): optimize() is plan()'s."""
 
     class ShoalPolicy(optimus_policy):
-        def __init__(self, queue_plan, kind, resize_cost):
+        def __init__(self, queue_plan, kind, resize_cost, tuned=None):
             super().__init__()
             self.kind = kind
             self.resize_cost = resize_cost
+            self.tuned = tuned  # job name -> --max, instead of the batch's bound
             self.cluster = None
             self.process = subprocess.Popen([queue_plan], stdin=subprocess.PIPE,
                                             stdout=subprocess.PIPE, text=True)
@@ -143,7 +146,8 @@ def shoal_policy_class(optimus_policy):
             for name, job in jobs.items():
                 job_id = self.ids.setdefault(name, len(self.ids) + 1)
                 views.append({
-                    "id": job_id, "min": 1, "max": min(job.max_replicas, len(nodes) * 4),
+                    "id": job_id, "min": 1,
+                    "max": min(self.tuned[name] if self.tuned else job.max_replicas, len(nodes) * 4),
                     "preemptible": True, "submitted": job.creation_timestamp,
                     "running": name in self.running, "last_resize": self.last_resize.get(name),
                     "workers": [{"id": w, "host": "h%d" % node} for w, node in self.workers[name]],
@@ -221,7 +225,7 @@ def shoal_policy_class(optimus_policy):
 
 def run_one(keyed):
     """One workload under one policy; returns its key, {job name: JCT} and plan()'s cost."""
-    key, (simulator_dir, workload, policy_name, queue_plan, resize_cost) = keyed
+    key, (simulator_dir, workload, policy_name, queue_plan, resize_cost, max_from) = keyed
     install_stand_ins()
     sys.path.insert(0, simulator_dir)
     import contextlib
@@ -239,8 +243,9 @@ def run_one(keyed):
     elif policy_name == "optimus":
         policy = simulator.OptimusPolicy()
     else:
+        tuned = dict(zip(frame["name"], frame["num_replicas"])) if max_from == "tuned" else None
         policy = shoal_policy_class(simulator.OptimusPolicy)(
-            queue_plan, policy_name.split("-")[1], resize_cost)
+            queue_plan, policy_name.split("-")[1], resize_cost, tuned)
     cluster = simulator.Cluster(frame, policy, 16, num_gpus=4)
     clock["cluster"] = cluster
     if policy_name in SHOAL:
@@ -298,6 +303,9 @@ def main():
     parser.add_argument("--resize-cost", type=float, default=30,
                         help="seconds a change of allocation pauses a job under shoal's policies "
                              "(the simulator's 30 s for every policy by default)")
+    parser.add_argument("--max", dest="max_from", choices=("bound", "tuned"), default="bound",
+                        help="each shoal job's --max: the most workers its batch allows (as "
+                             "Optimus), or the workload's tuned worker count (what Tiresias runs)")
     parser.add_argument("--json", help="also write every JCT here")
     args = parser.parse_args()
 
@@ -330,7 +338,7 @@ def main():
         for policy in sorted(policies, key=lambda p: p not in SHOAL):  # shoal's first
             for name in names:
                 workload = os.path.join(folder, LOADS[load], name + ".csv")
-                tasks.append((folder, workload, policy, queue_plan, args.resize_cost))
+                tasks.append((folder, workload, policy, queue_plan, args.resize_cost, args.max_from))
                 keys.append((load, policy, name))
     started = time.time()
     results = {}
@@ -359,7 +367,8 @@ def main():
             if incomplete:
                 sys.exit("pollux: %s at %sx left jobs unfinished in %s" % (policy, load, incomplete))
             rows[policy] = measures(runs, submitted[load])
-        print("\nload %sx (%d workloads of 160 jobs; 16 nodes x 4 GPUs; JCT in s)" % (load, len(names)))
+        print("\nload %sx (%d workloads of 160 jobs; 16 nodes x 4 GPUs; JCT in s; shoal's jobs: "
+              "--max %s, a resize pauses %g s)" % (load, len(names), args.max_from, args.resize_cost))
         print("%-24s %10s %10s %10s %12s %12s" % ("policy", "mean JCT", "p99 JCT", "makespan",
                                                   "/tiresias", "/pollux"))
         for policy, m in rows.items():

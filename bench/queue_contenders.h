@@ -1,6 +1,6 @@
-// What bench/queue_sim.cpp and bench/queue_real.cpp share: the contenders they run over one trace
-// (queue_real the first three), and the table that prints a metric per row with the ratios
-// elastic / fixed and elastic / ckpt-restart, and goodput / elastic when the goodput policy ran.
+// What bench/queue_sim.cpp and bench/queue_real.cpp share: the contenders they run over one trace,
+// and the table that prints a metric per row with the ratios elastic / fixed and elastic /
+// ckpt-restart, and goodput / elastic when the goodput policy ran.
 #pragma once
 
 #include <cstdio>

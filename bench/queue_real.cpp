@@ -1,6 +1,6 @@
 // The queue on this machine with tiny real training jobs: the half of bench/queue that
 // bench/queue_sim.cpp simulates. One seeded trace of jobs (arrival times, priorities, --min,
-// --max, preemptible, work) is replayed through the real `shoal queue serve` three times, one
+// --max, preemptible, work) is replayed through the real `shoal queue serve` four times, one
 // contender after the other, each on a fresh state directory:
 //   elastic       `shoal queue serve` as it is: a shrink is a graceful leave, a grow a join;
 //   fixed         no elasticity: every job submitted with --min = --max at the size queue_sim's
@@ -9,7 +9,10 @@
 //   ckpt-restart  `shoal queue serve --resize-by restart`: the policy's decisions as for elastic,
 //                 but every shrink and grow stops the whole job at a commit and starts it again
 //                 at its new size from that commit (Note [Resizing by restart] in
-//                 src/queue/scheduler_jobs.cpp), as Kubeflow's elastic PyTorchJob and Ray Train do.
+//                 src/queue/scheduler_jobs.cpp), as Kubeflow's elastic PyTorchJob and Ray Train do;
+//   goodput       elastic under `shoal queue serve --policy goodput` (Note [Giving workers where
+//                 they speed training most], src/queue/policy.h); the others run the priority
+//                 policy.
 //
 //   queue_real [--jobs 10] [--seed 1] [--slots 4] [--step-ms 150] [--load 1.5] ...
 //
@@ -25,7 +28,8 @@
 // scheduler's `done` event; mean, max, high and low priority), queueing delay (submit to first
 // start), makespan (first submission to last completion), utilisation of the slots (worker
 // processes' lifetimes, from /jobs/ID, over slots x makespan), resizes, preemptions, cycles and
-// worker processes started, then the ratios elastic / fixed and elastic / ckpt-restart.
+// worker processes started, then the ratios elastic / fixed, elastic / ckpt-restart and
+// goodput / elastic.
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
@@ -209,6 +213,10 @@ class Serve {
     if (contender == Contender::kCheckpointRestart) {
       argv.push_back("--resize-by");
       argv.push_back("restart");
+    }
+    if (contender == Contender::kGoodput) {
+      argv.push_back("--policy");
+      argv.push_back("goodput");
     }
     pid_ = ::fork();
     if (pid_ == 0) {
@@ -444,7 +452,8 @@ void print_table(const std::vector<Result>& r) {
   };
   std::vector<shoal::bench::ContenderRow> table;
   for (const auto& row : rows)
-    table.push_back({row.metric, row.decimals, {row.value(r[0]), row.value(r[1]), row.value(r[2])}});
+    table.push_back({row.metric, row.decimals,
+                     {row.value(r[0]), row.value(r[1]), row.value(r[2]), row.value(r[3])}});
   shoal::bench::print_contender_table(table);
 }
 
@@ -532,7 +541,8 @@ int main(int argc, char** argv) {
   std::vector<Result> results;
   int unfinished = 0;
   try {
-    for (Contender c : {Contender::kElastic, Contender::kFixed, Contender::kCheckpointRestart}) {
+    for (Contender c : {Contender::kElastic, Contender::kFixed, Contender::kCheckpointRestart,
+                        Contender::kGoodput}) {
       results.push_back(run(o, trace, c));
       const Result& r = results.back();
       std::printf("%s: %d of %d jobs finished in %.1f s; load average %s before, %s after\n",
