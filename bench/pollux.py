@@ -111,10 +111,9 @@ def shoal_policy_class(optimus_policy):
     submits its jobs as Optimus's (tuned batch, worker count free): optimize() is plan()'s."""
 
     class ShoalPolicy(optimus_policy):
-        def __init__(self, queue_plan, kind, resize_cost, tuned=None):
+        def __init__(self, queue_plan, kind, tuned=None):
             super().__init__()
             self.kind = kind
-            self.resize_cost = resize_cost
             self.tuned = tuned  # job name -> --max, instead of the batch's bound
             self.cluster = None
             self.process = subprocess.Popen([queue_plan], stdin=subprocess.PIPE,
@@ -245,7 +244,7 @@ def run_one(keyed):
     else:
         tuned = dict(zip(frame["name"], frame["num_replicas"])) if max_from == "tuned" else None
         policy = shoal_policy_class(simulator.OptimusPolicy)(
-            queue_plan, policy_name.split("-")[1], resize_cost, tuned)
+            queue_plan, policy_name.split("-")[1], tuned)
     cluster = simulator.Cluster(frame, policy, 16, num_gpus=4)
     clock["cluster"] = cluster
     if policy_name in SHOAL:
