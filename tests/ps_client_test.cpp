@@ -344,6 +344,24 @@ TEST(PsTrain, WorkersWithoutServersAreAUsageError) {
       << run.out;
 }
 
+// docs/ps.md, "Gradient noise": 2 and 3 workers measure the gradient noise through 1 and 3
+// servers; at every step each worker's measurement equals the one-process estimate of all the
+// workers' samples, and over 300 steps the closed form (tests/noise_problem.h; the checks are
+// tests/programs/ps_train.cpp's, mode noise).
+TEST(PsTrain, TheGradientNoiseMeasuredThroughTheServersEqualsItsOracles) {
+  for (int servers : {1, 3}) {
+    for (int workers : {2, 3}) {
+      const RunResult run = run_shoal({"--servers", std::to_string(servers), "-n",
+                                       std::to_string(workers), kTrain, "noise", "300"},
+                                      120s);
+      EXPECT_EQ(run.exit_code, 0) << servers << " servers\n" << run.out << run.err;
+      EXPECT_NE(run.out.find("ps noise ok: " + std::to_string(workers) + " workers"),
+                std::string::npos)
+          << servers << " servers\n" << run.out;
+    }
+  }
+}
+
 struct TwoTables : torch::nn::Module {
   TwoTables() {
     bounded = register_module("bounded", ps::Embedding(10, 3));
@@ -409,6 +427,41 @@ TEST(PsClient, MisuseIsAUsageErrorSayingWhatWasExpected) {
   EXPECT_EQ(error_of([&] { model->bounded->forward(torch::tensor({1})); }),
             "ps::Embedding: forward before a shoal::ps::Optimizer took the model (or after it was "
             "destroyed); expected the optimizer made first, as its rows live on the servers");
+  // The gradient noise (docs/ps.md, "Gradient noise"): sync only, in samples; a job of one
+  // measures nothing.
+  {
+    auto linear = std::make_shared<torch::nn::LinearImpl>(3, 1);
+    ps::ServerOptions noise;
+    noise.measure_gradient_noise = true;
+    noise.mode = "ssp:2";
+    EXPECT_EQ(error_of([&] { ps::Optimizer o(*linear, torch::optim::SGDOptions(0.1), noise); }),
+              "shoal::ps::Optimizer: measure_gradient_noise in mode ssp:2; expected sync, whose "
+              "steps average every worker's gradient");
+    noise.mode = "sync";
+    noise.gradient_noise_smoothing = 1.0;
+    EXPECT_EQ(error_of([&] { ps::Optimizer o(*linear, torch::optim::SGDOptions(0.1), noise); }),
+              "shoal::ps::Optimizer: gradient_noise_smoothing is 1; expected a number in [0, 1)");
+    noise.gradient_noise_smoothing = 0.9;
+    ps::Optimizer optimizer(*linear, torch::optim::SGDOptions(0.1), noise);
+    linear->forward(torch::ones({2, 3})).sum().backward();
+    EXPECT_EQ(error_of([&] { optimizer.step(); }),
+              "shoal::ps::Optimizer: measure_gradient_noise needs each worker's batch in samples; "
+              "expected ServerOptions::batch_size > 0, or train_on(loader), whose leases carry it");
+    noise.batch_size = 2;
+    auto other = std::make_shared<torch::nn::LinearImpl>(3, 1);
+    ps::Optimizer measured(*other, torch::optim::SGDOptions(0.1), noise);
+    for (int step = 0; step < 3; ++step) {
+      measured.zero_grad();
+      other->forward(torch::ones({2, 3})).sum().backward();
+      measured.step();
+    }
+    ASSERT_TRUE(measured.gradient_noise().has_value());
+    EXPECT_EQ(measured.gradient_noise()->measurements, 0);
+    EXPECT_FALSE(ps::Optimizer(*std::make_shared<torch::nn::LinearImpl>(3, 1),
+                               torch::optim::SGDOptions(0.1))
+                     .gradient_noise()
+                     .has_value());
+  }
   auto doubles = std::make_shared<torch::nn::LinearImpl>(2, 2);
   doubles->to(torch::kDouble);
   EXPECT_EQ(error_of([&] { ps::Optimizer optimizer(*doubles, torch::optim::SGDOptions(0.1)); }),

@@ -716,11 +716,13 @@ TEST(PsWire, MessagesCutIntoAnySlicesAreReadExactly) {
   push.clock = 17;
   push.rows = 64;
   push.verdict = PushRequest::Verdict::kDropped;
+  push.gradient_sqr = 0;  // measured, and 0: written all the same
   push.dense = {DenseSlice{0, {2, 0, 1}, ramp(3000, 0.5f)}, DenseSlice{4, {}, {}}};
   push.sparse = {SparseSlice{1, {42, int64_t{1} << 40, 7}, ramp(12, -2)}};
   PullReply reply;
   reply.clock = 9;
   reply.staleness = 2;
+  reply.noise = {5, 1.5, 0.25, 32, 96};
   reply.dense = {DenseSlice{0, {0, 1, 2, 3}, ramp(4096, 0.25f)}};  // 16 KiB: lent, not copied
   reply.sparse = {SparseSlice{1, {5}, {1.5f, 2.5f}}};
   const PullReply sent = reply;
@@ -742,17 +744,31 @@ TEST(PsWire, MessagesCutIntoAnySlicesAreReadExactly) {
   sparse.mutable_ids()->Add(push.sparse[0].ids.begin(), push.sparse[0].ids.end());
   sparse.set_values(push.sparse[0].values.data(), push.sparse[0].values.size() * 4);
   message.set_verdict(2);
+  message.set_gradient_sqr(0);
   std::vector<grpc::Slice> written;
   ASSERT_TRUE(push_bytes.Dump(&written).ok());
   ASSERT_EQ(written.size(), 1u);
   EXPECT_EQ(std::string(reinterpret_cast<const char*>(written[0].begin()), written[0].size()),
             message.SerializeAsString());
+  std::vector<grpc::Slice> reply_written;
+  ASSERT_TRUE(reply_bytes.Dump(&reply_written).ok());
+  std::string reply_string;
+  for (const grpc::Slice& piece : reply_written)
+    reply_string.append(reinterpret_cast<const char*>(piece.begin()), piece.size());
+  pb::PullReply parsed;
+  ASSERT_TRUE(parsed.ParseFromString(reply_string));
+  EXPECT_EQ(std::make_tuple(parsed.clock(), parsed.staleness(), parsed.noise_step()),
+            std::make_tuple(9, 2, 6));  // the step plus 1
+  EXPECT_EQ(std::make_tuple(parsed.noise_local_sqr(), parsed.noise_average_sqr(),
+                            parsed.noise_small(), parsed.noise_big()),
+            std::make_tuple(1.5, 0.25, 32.0, 96.0));
   for (size_t piece : {1, 3, 4, 7, 4093, 1 << 20}) {
     SCOPED_TRACE("slices of " + std::to_string(piece) + " bytes");
     PushRequest p;
     ASSERT_TRUE(wire_format::decode(in_pieces(push_bytes, piece), p));
     EXPECT_EQ(std::make_tuple(p.worker, p.clock, p.rows), std::make_tuple(3, 17, 64));
     EXPECT_EQ(p.verdict, PushRequest::Verdict::kDropped);
+    EXPECT_EQ(p.gradient_sqr, 0.0);
     ASSERT_EQ(p.dense.size(), 2u);
     for (size_t i = 0; i < 2; ++i) {
       EXPECT_EQ(p.dense[i].table, push.dense[i].table);
@@ -766,6 +782,9 @@ TEST(PsWire, MessagesCutIntoAnySlicesAreReadExactly) {
     PullReply r;
     ASSERT_TRUE(wire_format::decode(in_pieces(reply_bytes, piece), r));
     EXPECT_EQ(std::make_tuple(r.clock, r.staleness), std::make_tuple(9, 2));
+    EXPECT_EQ(std::make_tuple(r.noise.step, r.noise.local_sqr, r.noise.average_sqr, r.noise.small,
+                              r.noise.big),
+              std::make_tuple(int64_t{5}, 1.5, 0.25, 32.0, 96.0));
     ASSERT_EQ(r.dense.size(), 1u);
     EXPECT_EQ(r.dense[0].chunks, sent.dense[0].chunks);
     EXPECT_EQ(r.dense[0].values, sent.dense[0].values);
@@ -787,7 +806,7 @@ TEST(PsWire, MessagesCutIntoAnySlicesAreReadExactly) {
 // the storage instead of allocating it.
 TEST(PsWire, AStructReadIntoAgainHoldsOnlyTheNewMessage) {
   PushRequest big;
-  big.worker = 2, big.clock = 5, big.rows = 7;
+  big.worker = 2, big.clock = 5, big.rows = 7, big.gradient_sqr = 2.5;
   big.dense = {DenseSlice{0, {0, 1, 2}, ramp(3000, 1)}, DenseSlice{1, {4}, ramp(10, 3)},
                DenseSlice{2, {5}, ramp(4, 4)}};
   big.sparse = {SparseSlice{3, {9, 8}, ramp(4, -1)}};
@@ -795,6 +814,7 @@ TEST(PsWire, AStructReadIntoAgainHoldsOnlyTheNewMessage) {
   small.dense = {DenseSlice{1, {3}, ramp(20, 0.5f)}};  // worker, clock, rows 0: not written
   PullReply reply_big;
   reply_big.clock = 4, reply_big.staleness = 1;
+  reply_big.noise = {3, 1, 2, 4, 8};
   reply_big.dense = {DenseSlice{0, {0, 1}, ramp(5000, 2)}, DenseSlice{1, {2}, ramp(7, 1)}};
   reply_big.sparse = {SparseSlice{3, {1}, {1.0f, 2.0f}}};
   PullReply reply_small;
@@ -824,9 +844,11 @@ TEST(PsWire, AStructReadIntoAgainHoldsOnlyTheNewMessage) {
   const float* storage = push.dense[0].values.data();
   ASSERT_TRUE(wire_format::decode(small_bytes, push));
   EXPECT_EQ(std::make_tuple(push.worker, push.clock, push.rows), std::make_tuple(0, 0, 0));
+  EXPECT_EQ(push.gradient_sqr, -1.0);  // not measured
   same(push, small);
   ASSERT_TRUE(wire_format::decode(big_bytes, push));
   EXPECT_EQ(std::make_tuple(push.worker, push.clock, push.rows), std::make_tuple(2, 5, 7));
+  EXPECT_EQ(push.gradient_sqr, 2.5);
   same(push, big);
   ASSERT_TRUE(wire_format::decode(big_bytes, push));
   same(push, big);
@@ -837,9 +859,13 @@ TEST(PsWire, AStructReadIntoAgainHoldsOnlyTheNewMessage) {
   same(reply, sent_big);
   ASSERT_TRUE(wire_format::decode(reply_small_bytes, reply));
   EXPECT_EQ(std::make_tuple(reply.clock, reply.staleness), std::make_tuple(0, 0));
+  EXPECT_EQ(std::make_tuple(reply.noise.step, reply.noise.local_sqr, reply.noise.big),
+            std::make_tuple(int64_t{-1}, 0.0, 0.0));
   same(reply, sent_small);
   ASSERT_TRUE(wire_format::decode(reply_big_bytes, reply));
   EXPECT_EQ(std::make_tuple(reply.clock, reply.staleness), std::make_tuple(4, 1));
+  EXPECT_EQ(std::make_tuple(reply.noise.step, reply.noise.average_sqr, reply.noise.big),
+            std::make_tuple(int64_t{3}, 2.0, 8.0));
   same(reply, sent_big);
 }
 

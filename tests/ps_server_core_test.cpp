@@ -670,6 +670,43 @@ TEST(PsServerCore, UnsealedPushesTakenEqualPushesCopied) {
 
 // Note [A step's sum on two threads]: a step large enough to be summed on two threads gives
 // the values one thread gives, to the bit, for chunks on either side of the split.
+// Note [The gradient noise on servers]: a sync step's part of the measurement is the mean of its
+// pushes' |g|^2, |applied gradient|^2 over the dense chunks and sparse rows the server applied,
+// and the harmonic mean and the sum of the pushes' rows; an idle push does not count. A step
+// whose pushes did not all measure has no part.
+TEST(PsServerCore, ASyncStepsNoisePartIsWhatItsPushesAndItsSumSay) {
+  Small small(ServerCoreOptions{}, 4);
+  const float grads[] = {1, 2, -1};
+  const int64_t rows[] = {2, 4, 4};
+  for (int64_t clock : {0, 1}) {
+    for (int32_t w = 0; w < 4; ++w) {
+      PushRequest push;
+      push.worker = w;
+      push.clock = clock;
+      if (w < 3) {  // worker 3 is idle: no rows, no values
+        const float g = grads[w];
+        push.rows = rows[w];
+        push.dense = {DenseSlice{0, {0}, std::vector<float>(8, g)}};
+        push.sparse = {SparseSlice{1, {7}, std::vector<float>(4, 2 * g)}};
+        // Step 1: worker 1 does not measure.
+        push.gradient_sqr = clock == 1 && w == 1 ? -1 : 8 * g * g + 4 * (2 * g) * (2 * g);
+      }
+      small.core->push(push, shoal::Deadline(Ms(0)));
+    }
+    const NoisePart part = small.pull(0, clock + 1, Ms(0)).noise;
+    if (clock == 1) {
+      EXPECT_EQ(part.step, -1);
+      continue;
+    }
+    EXPECT_EQ(part.step, 0);
+    // Applied: dense (2 * 1 + 4 * 2 - 4 * 1) / 10 = 0.6 in 8 values, sparse 1.2 in 4.
+    EXPECT_NEAR(part.average_sqr, 8 * 0.36 + 4 * 1.44, 1e-5);
+    EXPECT_DOUBLE_EQ(part.local_sqr, (24.0 + 96.0 + 24.0) / 3);
+    EXPECT_DOUBLE_EQ(part.small, 3 / (1.0 / 2 + 1.0 / 4 + 1.0 / 4));
+    EXPECT_DOUBLE_EQ(part.big, 10);
+  }
+}
+
 TEST(PsServerCore, ALargeStepSummedOnTwoThreadsEqualsOneThread) {
   constexpr int64_t kValues = 20 * kChunkElements + 123;  // 21 chunks, the last one short
   OptimizerSpec adam;

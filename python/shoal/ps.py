@@ -52,10 +52,14 @@ class Optimizer:
     the servers apply that rule to the dense parameters and its lazy row-wise form to the tables.
     `mode`: "sync" (every step applies the mean of all workers' gradients), "ssp:S" (a worker runs
     at most S steps ahead of the slowest) or "async"; None: sync, or SHOAL_PS_MODE. `timeout`
-    (seconds) bounds every pull and push. Construction registers the tables and loads the first
-    worker's values into every worker's parameters. Needs shoal.init()."""
+    (seconds) bounds every pull and push. `measure_gradient_noise` (sync only) measures the
+    gradient noise scale as DataParallel does, read with `gradient_noise`; `batch_size` is each
+    worker's batch in samples, needed for it unless train_on leases the batches (docs/ps.md,
+    "Gradient noise"). Construction registers the tables and loads the first worker's values into
+    every worker's parameters. Needs shoal.init()."""
 
-    def __init__(self, model, optimizer=torch.optim.SGD, mode=None, timeout=None, **options):
+    def __init__(self, model, optimizer=torch.optim.SGD, mode=None, timeout=None, measure_gradient_noise=False,
+                 gradient_noise_smoothing=0.99, batch_size=0, **options):
         what = "shoal.ps.Optimizer"
         module = _module(model, what)
         kind = next((name for cls, name in _KINDS if optimizer is cls), None)
@@ -64,7 +68,9 @@ class Optimizer:
                                 "servers apply" % (what, optimizer))
         tables = [(name, m._table) for name, m in module.named_modules() if isinstance(m, Embedding)]
         self._servers = _C.PsOptimizer(parameters=list(module.named_parameters()), tables=tables, kind=kind,
-                                       options=dict(options), mode=mode or "", timeout=timeout)
+                                       options=dict(options), mode=mode or "", timeout=timeout,
+                                       measure_gradient_noise=bool(measure_gradient_noise),
+                                       gradient_noise_smoothing=gradient_noise_smoothing, batch_size=batch_size)
 
     def zero_grad(self):
         """Clears the dense parameters' gradients and the tables' pulled rows."""
@@ -93,3 +99,9 @@ class Optimizer:
     def staleness(self):
         """The fastest worker's step count minus the slowest's at the last pull (0 in sync)."""
         return self._servers.staleness()
+
+    @property
+    def gradient_noise(self):
+        """The gradient noise measured so far (measure_gradient_noise=True), a shoal.GradientNoise
+        as DataParallel's; None when not measured. Steps of one worker alone are not measured."""
+        return self._servers.gradient_noise()

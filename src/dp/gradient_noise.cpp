@@ -39,10 +39,10 @@ double GradientNoise::efficiency(double batch, double base_batch) const {
 
 namespace dp {
 
-NoiseMeter::NoiseMeter(double smoothing) : smoothing_(smoothing) {
+NoiseMeter::NoiseMeter(double smoothing, const char* option) : smoothing_(smoothing) {
   if (!(smoothing >= 0.0 && smoothing < 1.0)) {
     std::ostringstream message;
-    message << "DataParallel: gradient_noise_smoothing is " << smoothing << "; expected a number in [0, 1)";
+    message << option << " is " << smoothing << "; expected a number in [0, 1)";
     throw UsageError(message.str());
   }
 }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <exception>
 #include <numeric>
@@ -13,6 +14,7 @@
 #include "mode.h"
 #include "rpc.h"
 #include "server_core.h"
+#include "squares.h"
 #include "shoal/comm/group.h"
 #include "comm/store.h"
 #include "shoal/core/env.h"
@@ -149,6 +151,19 @@ Client::Client(torch::nn::Module& model, const OptimizerSpec& optimizer, const p
       elastic_(env::get_bool(env::current(), "SHOAL_PS_ELASTIC").value_or(false)),
       backup_workers_(env::get_int(env::current(), "SHOAL_PS_BACKUP_WORKERS", 0).value_or(0) > 0),
       mode_(resolve_mode(options.mode)) {
+  if (options.measure_gradient_noise) {
+    if (mode_.kind != Mode::kSync) {
+      throw UsageError("shoal::ps::Optimizer: measure_gradient_noise in mode " + mode_name(mode_) +
+                       "; expected sync, whose steps average every worker's gradient");
+    }
+    if (options.batch_size < 0) {
+      throw UsageError("shoal::ps::Optimizer: batch_size is " + std::to_string(options.batch_size) +
+                       "; expected each worker's batch in samples (0: not given)");
+    }
+    noise_ = std::make_unique<dp::NoiseMeter>(options.gradient_noise_smoothing,
+                                              "shoal::ps::Optimizer: gradient_noise_smoothing");
+    noise_batch_ = options.batch_size;
+  }
   const int32_t server_count = map_.servers();
   std::vector<TableSpec> tables;
   for (const auto& item : model.named_parameters(/*recurse=*/true)) {
@@ -314,7 +329,8 @@ std::vector<std::vector<int64_t>> Client::route_rows(const std::string& table, c
 }
 
 void Client::pull_dense() {
-  if (dense_.empty() && !elastic_) return;
+  // Measuring the noise, every server is asked: each holds a part of the measurement.
+  if (dense_.empty() && !elastic_ && !noise_) return;
   const size_t count = servers_.size();
   if (pull_.size() != count) {
     pull_.assign(count, {});
@@ -329,7 +345,8 @@ void Client::pull_dense() {
   }
   for_each_server([&](int32_t s) {
     PullRequest& request = pull_[s];
-    if (request.dense.empty() && !elastic_) return;  // elastic: the pull seals the step's push
+    // elastic: the pull seals the step's push; measuring: it brings the server's part
+    if (request.dense.empty() && !elastic_ && !noise_) return;
     request.worker = worker_;
     request.clock = clock_;
     const auto server = [s] { return "parameter server " + std::to_string(s); };
@@ -376,6 +393,48 @@ void Client::pull_dense() {
       if (!scattered[i]) scatter(i, slice, slice.values.data(), slice.values.size());
     }
   });
+  if (noise_) add_noise();
+}
+
+void Client::add_noise() {
+  const NoisePart& first = pulled_.at(0).noise;
+  if (first.step < 0 || first.step <= noise_step_) return;
+  double local_sqr = 0, average_sqr = 0;
+  for (const PullReply& reply : pulled_) {
+    const NoisePart& part = reply.noise;
+    // A server that measured another step (or none) leaves this one out.
+    if (part.step != first.step || part.small != first.small || part.big != first.big) return;
+    local_sqr += part.local_sqr;
+    average_sqr += part.average_sqr;
+  }
+  if (!(first.small > 0 && first.big > first.small)) {
+    throw CommError("parameter server 0 measured step " + std::to_string(first.step) +
+                    " over batches of " + std::to_string(first.small) + " and " +
+                    std::to_string(first.big) + " rows; expected 0 < the first < the second");
+  }
+  noise_step_ = first.step;
+  // Rows are samples with leases; without them each push is one row of batch_size samples.
+  const double unit = leasing_ ? 1.0 : static_cast<double>(noise_batch_);
+  noise_->add(local_sqr, average_sqr, first.small * unit, first.big * unit,
+              std::llround(first.big * unit));
+}
+
+std::optional<GradientNoise> Client::gradient_noise() const {
+  if (!noise_) return std::nullopt;
+  return noise_->value();
+}
+
+std::vector<double> Client::dense_sqr_by_server(const std::vector<torch::Tensor>& grads) const {
+  std::vector<double> sqr(servers_.size(), 0.0);
+  for (size_t t = 0; t < dense_.size(); ++t) {
+    if (!grads[t].defined()) continue;
+    const float* g = grads[t].data_ptr<float>();
+    for (size_t s = 0; s < servers_.size(); ++s) {
+      for (int64_t k : dense_[t].chunks[s])
+        sqr[s] += sum_of_squares(g + chunk_begin(k), chunk_length(grads[t].numel(), k));
+    }
+  }
+  return sqr;
 }
 
 torch::Tensor Client::lookup(EmbeddingImpl& table, const torch::Tensor& ids) {
@@ -472,6 +531,11 @@ void Client::step() {
   // With leased batches (train_on) the push carries its batch and weighs as many as its rows; a
   // step without a batch is idle: no rows, no gradients (docs/ps.md, "Leased batches").
   int64_t samples = 1, epoch = 0, batch = -1;
+  if (noise_ && !leasing_ && noise_batch_ == 0) {
+    throw UsageError(
+        "shoal::ps::Optimizer: measure_gradient_noise needs each worker's batch in samples; "
+        "expected ServerOptions::batch_size > 0, or train_on(loader), whose leases carry it");
+  }
   if (leasing_) {
     samples = leased_ ? leased_->end - leased_->begin : 0;
     if (leased_) {
@@ -489,6 +553,18 @@ void Client::step() {
   // gradients: one pass over the model's size per step where gathering them into the request and
   // copying that into the segment were two.
   std::vector<DenseSource> sources(servers_.size());
+  std::vector<double> sqr;  // Note [The gradient noise on servers] (server_sum.cpp)
+  if (noise_ && samples > 0) {
+    sqr = dense_sqr_by_server(grads);
+    for (const Rows& r : rows) {
+      if (!r.grads.defined()) continue;
+      const int64_t dim = r.grads.size(1);
+      const float* g = r.grads.data_ptr<float>();
+      for (size_t s = 0; s < servers_.size(); ++s) {
+        for (int64_t row : r.at[s]) sqr[s] += sum_of_squares(g + row * dim, dim);
+      }
+    }
+  }
   auto push_to = [&](int32_t s) {
     // The request kept from the step before: its slices' storage is refilled, not allocated.
     PushRequest& request = push_[s];
@@ -498,6 +574,7 @@ void Client::step() {
     request.epoch = epoch;
     request.batch = batch;
     request.verdict = s == 0 ? PushRequest::Verdict::kDecide : verdict;
+    request.gradient_sqr = sqr.empty() ? -1 : sqr[s];
     size_t used = 0;
     if (samples == 0) {  // idle: no gradients
       request.dense.clear();
@@ -555,111 +632,4 @@ void Client::step() {
 }
 
 }  // namespace detail
-
-EmbeddingImpl::EmbeddingImpl(EmbeddingOptions options) : options_(std::move(options)) {
-  if (options_.num_embeddings() < 0 || options_.embedding_dim() < 1) {
-    throw UsageError("ps::Embedding(" + std::to_string(options_.num_embeddings()) + ", " +
-                     std::to_string(options_.embedding_dim()) +
-                     "); expected num_embeddings >= 0 (0: any id) and embedding_dim >= 1");
-  }
-}
-
-torch::Tensor EmbeddingImpl::forward(const torch::Tensor& ids) {
-  const auto client = client_.lock();
-  if (!client) {
-    throw UsageError(
-        "ps::Embedding: forward before a shoal::ps::Optimizer took the model (or after it was "
-        "destroyed); expected the optimizer made first, as its rows live on the servers");
-  }
-  return client->lookup(*this, ids);
-}
-
-void EmbeddingImpl::pretty_print(std::ostream& stream) const {
-  stream << "shoal::ps::Embedding(num_embeddings=" << options_.num_embeddings()
-         << ", embedding_dim=" << options_.embedding_dim() << ")";
-}
-
-namespace {
-
-detail::OptimizerSpec spec_of(const torch::optim::SGDOptions& o) {
-  detail::OptimizerSpec spec;
-  spec.kind = detail::OptimizerSpec::Kind::kSgd;
-  spec.lr = o.lr();
-  spec.momentum = o.momentum();
-  spec.dampening = o.dampening();
-  spec.weight_decay = o.weight_decay();
-  spec.nesterov = o.nesterov();
-  return spec;
-}
-detail::OptimizerSpec spec_of(const torch::optim::AdagradOptions& o) {
-  detail::OptimizerSpec spec;
-  spec.kind = detail::OptimizerSpec::Kind::kAdagrad;
-  spec.lr = o.lr();
-  spec.lr_decay = o.lr_decay();
-  spec.weight_decay = o.weight_decay();
-  spec.initial_accumulator_value = o.initial_accumulator_value();
-  spec.eps = o.eps();
-  return spec;
-}
-detail::OptimizerSpec spec_of(const torch::optim::AdamOptions& o) {
-  detail::OptimizerSpec spec;
-  spec.kind = detail::OptimizerSpec::Kind::kAdam;
-  spec.lr = o.lr();
-  spec.beta1 = std::get<0>(o.betas());
-  spec.beta2 = std::get<1>(o.betas());
-  spec.eps = o.eps();
-  spec.weight_decay = o.weight_decay();
-  spec.amsgrad = o.amsgrad();
-  return spec;
-}
-
-std::shared_ptr<detail::Client> make_client(torch::nn::Module& model,
-                                            const detail::OptimizerSpec& spec,
-                                            const ps::ServerOptions& options) {
-  if (!shoal::is_initialized()) {
-    throw UsageError(
-        "shoal::ps::Optimizer before shoal::init(); expected shoal::init() first, as for "
-        "DataParallel");
-  }
-  // A job of one trains without servers, a job with servers through them: either refuses a bad
-  // mode (SHOAL_PS_MODE or ServerOptions::mode) with the same line, before anything trains.
-  resolve_mode(options.mode);
-  return std::make_shared<detail::Client>(model, spec, options);
-}
-
-}  // namespace
-
-Optimizer::Optimizer(torch::nn::Module& model, const torch::optim::SGDOptions& options,
-                     ServerOptions servers)
-    : client_(make_client(model, spec_of(options), servers)) {
-  client_->bind();
-}
-Optimizer::Optimizer(torch::nn::Module& model, const torch::optim::AdagradOptions& options,
-                     ServerOptions servers)
-    : client_(make_client(model, spec_of(options), servers)) {
-  client_->bind();
-}
-Optimizer::Optimizer(torch::nn::Module& model, const torch::optim::AdamOptions& options,
-                     ServerOptions servers)
-    : client_(make_client(model, spec_of(options), servers)) {
-  client_->bind();
-}
-Optimizer::~Optimizer() = default;
-
-void Optimizer::zero_grad() {
-  client_->zero_grad();
-}
-void Optimizer::step() {
-  client_->step();
-}
-void Optimizer::train_on(data::Sampler& sampler) {
-  client_->train_on(sampler);
-}
-int64_t Optimizer::steps() const {
-  return client_->clock();
-}
-int64_t Optimizer::staleness() const {
-  return client_->staleness();
-}
-
 }  // namespace shoal::ps

@@ -19,6 +19,7 @@
 #include <c10/core/thread_pool.h>
 #include <torch/torch.h>
 
+#include "dp/noise_meter.h"
 #include "messages.h"
 #include "mode.h"
 #include "shard_map.h"
@@ -32,7 +33,8 @@ class Client : public std::enable_shared_from_this<Client> {
  public:
   // Takes the model's dense parameters and ps::Embedding tables, registers them on every
   // server (the first worker's values create the dense tables) and loads the first pull.
-  Client(torch::nn::Module& model, const OptimizerSpec& optimizer, const ps::ServerOptions& options);
+  Client(torch::nn::Module& model, const OptimizerSpec& optimizer,
+         const ps::ServerOptions& options);
   ~Client();
   // Hands the model's ps::Embedding modules this client (called once, after construction).
   void bind();
@@ -47,6 +49,7 @@ class Client : public std::enable_shared_from_this<Client> {
   void train_on(data::Sampler& sampler);
   int64_t clock() const { return clock_; }
   int64_t staleness() const { return staleness_; }
+  std::optional<GradientNoise> gradient_noise() const;
 
   // One server as the client sees it: the gRPC client of a server process, or the in-process
   // core (Note [A job of one without servers]).
@@ -86,6 +89,11 @@ class Client : public std::enable_shared_from_this<Client> {
                                                int64_t count,
                                                std::vector<std::vector<int64_t>>* at) const;
   void pull_dense();
+  // |g|^2 of the dense gradients' chunks each server holds: part of what a push carries when
+  // measuring the noise (with its sparse rows').
+  std::vector<double> dense_sqr_by_server(const std::vector<torch::Tensor>& grads) const;
+  // Adds the step the servers' pull replies measured, once, to noise_.
+  void add_noise();
   // An elastic job's worker joins every server (Note [Joins and leaves] in server_membership.cpp).
   void join();
   const Sparse& sparse_of(const EmbeddingImpl& table) const {
@@ -117,6 +125,12 @@ class Client : public std::enable_shared_from_this<Client> {
   std::vector<Sparse> sparse_;  // table index dense_.size() + i
   int64_t clock_ = 0;
   int64_t staleness_ = 0;
+  // ServerOptions::measure_gradient_noise: the meter, fed from the servers' parts of each sync
+  // step (Note [The gradient noise on servers] in server_sum.cpp); the samples of a push's row
+  // without leases (ServerOptions::batch_size); the last step measured.
+  std::unique_ptr<dp::NoiseMeter> noise_;
+  int64_t noise_batch_ = 0;
+  int64_t noise_step_ = -1;
   // By server: the dense pushes and pulls, kept from step to step so that a step allocates none of
   // the model's size (docs/ps.md, "Transport").
   std::vector<PushRequest> push_;

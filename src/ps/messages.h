@@ -95,11 +95,23 @@ struct PullRequest {
   std::vector<DenseSlice> dense;    // values empty: which chunks are wanted
   std::vector<SparseSlice> sparse;  // values empty: which rows are wanted
 };
+// A server's part of one sync step's gradient-noise measurement (Note [The gradient noise on
+// servers] in server_sum.cpp): sums over the values this server holds, which the worker adds up
+// over all servers.
+struct NoisePart {
+  int64_t step = -1;       // the step measured; -1: none
+  double local_sqr = 0;    // the mean over the step's pushes of each push's |g|^2 here
+  double average_sqr = 0;  // |the step's mean gradient|^2 here
+  double small = 0;        // the pushes' rows: their harmonic mean ...
+  double big = 0;          // ... and their sum
+};
+
 struct PullReply {
   std::vector<DenseSlice> dense;
   std::vector<SparseSlice> sparse;
   int64_t clock = 0;      // the server's applied step count when it answered
   int64_t staleness = 0;  // the fastest live worker's clock minus the slowest's
+  NoisePart noise;        // sync: the last applied step's, when its pushes measured it
 };
 
 // Takes a pull reply's dense values from where they arrived, when they can be read there (a
@@ -143,6 +155,9 @@ struct PushRequest {
   // decides whether a push of a step counts; the worker passes its answer on to the others.
   enum class Verdict : int32_t { kDecide = 0, kCounted = 1, kDropped = 2 };
   Verdict verdict = Verdict::kDecide;
+  // The worker measures the gradient noise (ps::ServerOptions::measure_gradient_noise): |g|^2
+  // over this push's values, dense and sparse; < 0: not measured.
+  double gradient_sqr = -1;
 };
 // A batch of the epoch's ledger for `worker` (ledger.h, docs/ps.md "Leased batches"): the data
 // set's size and the batch size name the ledger, and every worker must name the same.

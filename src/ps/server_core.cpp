@@ -204,6 +204,7 @@ void ServerCore::answer_pull(const PullRequest& request, const Deadline& deadlin
   registry_.fill_reply(request, reply, out);  // Note [Pull replies in place]
   reply.clock = steps_.step();
   reply.staleness = membership_.staleness();
+  reply.noise = steps_.noise();  // Note [The gradient noise on servers] (server_sum.cpp)
 }
 
 // See Note [Joins and leaves] (server_membership.cpp) for set_live_workers, join, fence and leave.

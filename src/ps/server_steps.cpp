@@ -68,7 +68,7 @@ void ServerSteps::apply_ready_steps() {
   while (step_complete(step_)) {
     auto node = pending_.extract(step_);
     if (!node.empty()) {
-      sum_.sum_step(node.mapped());
+      sum_.sum_step(step_, node.mapped());
       leases_.finish(node.mapped());
       recycle(node.mapped());
     }
@@ -193,6 +193,7 @@ PushRequest ServerSteps::hold(const PushRequest& request, PushRequest* take) {
   held.rows = request.rows;
   held.epoch = request.epoch;
   held.batch = request.batch;
+  held.gradient_sqr = request.gradient_sqr;
   held.dense.resize(request.dense.size());
   for (size_t i = 0; i < request.dense.size(); ++i) {
     held.dense[i].table = request.dense[i].table;

@@ -28,6 +28,8 @@ class ServerSteps {
   ServerSteps& operator=(const ServerSteps&) = delete;
 
   int64_t step() const { return step_; }
+  // Sync: the last applied step's part of the gradient-noise measurement (server_sum.h).
+  const NoisePart& noise() const { return sum_.noise(); }
   // Sync, after a reload: the step adopted from the workers' clocks (Note [Clocks after a reload]).
   void set_step(int64_t step) { step_ = step; }
 

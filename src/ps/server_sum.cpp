@@ -9,6 +9,7 @@
 
 #include "server_core.h"
 #include "server_registry.h"
+#include "squares.h"
 
 namespace shoal::ps::detail {
 
@@ -27,9 +28,33 @@ ServerSum::ServerSum(const ServerCoreOptions& options, ServerRegistry& registry)
 // each chunk's optimizer step applied at once from them; the buffered pushes' storage is kept per
 // worker and refilled by the next push (buffer_push). The arithmetic is Note [Sync sum]'s, term
 // for term: results are bit-identical to a sum over whole tables.
-void ServerSum::sum_step(const std::map<int32_t, PushRequest>& pushes) {
+// Note [The gradient noise on servers]
+// A sync step holds what DataParallel measures the gradient noise from (Note [Measuring the
+// gradient noise], shoal/dp/gradient_noise.h): each worker's mean gradient g_i over its b_i rows,
+// and their mean weighted by rows over B = sum b_i, the gradient the step applies. With S the mean
+// of |g_i|^2 and L = |applied|^2, E S = |G|^2 + tr(Sigma) / b and E L = |G|^2 + tr(Sigma) / B,
+// where b is the harmonic mean of the b_i (equal batches: b_i itself), so the estimator holds with
+// small = b and big = B. No server holds a whole gradient: each worker sends, with each push,
+// |g_i|^2 over that push's values (PushRequest::gradient_sqr), and each server sums |applied|^2
+// over the values it applies, chunk by chunk as it rounds them (sparse rows too). Both are sums
+// over disjoint parts of the model, so the worker adds the servers' parts (NoisePart, in every pull
+// reply) and has S and L whole. A step counts when at least two of its pushes carry rows and all of
+// those measured; a job of one measures nothing (DataParallel pairs a worker's steps instead, which
+// on a server would cost a copy of the model).
+void ServerSum::sum_step(int64_t step, const std::map<int32_t, PushRequest>& pushes) {
   double total = 0;
   for (const auto& [worker, push] : pushes) total += static_cast<double>(push.rows);
+  int64_t measured = 0;
+  double local_sqr = 0, inverse_rows = 0;
+  for (const auto& [worker, push] : pushes) {
+    if (push.rows == 0) continue;
+    measured = push.gradient_sqr < 0 || measured < 0 ? -1 : measured + 1;
+    local_sqr += push.gradient_sqr;
+    inverse_rows += 1.0 / static_cast<double>(push.rows);
+  }
+  const bool measure = measured >= 2;
+  noise_ = {};
+  sum_scratch_[0].sqr = sum_scratch_[1].sqr = 0;
 
   // Dense: every (table, chunk, push) named, sorted so that a chunk's terms are adjacent and in
   // worker order (pushes is ordered by worker).
@@ -72,11 +97,12 @@ void ServerSum::sum_step(const std::map<int32_t, PushRequest>& pushes) {
   const size_t parts = split < sum_terms_.size() ? 2 : 1;
   fan_out(second_.get(), static_cast<int>(parts), [&](int part) {
     if (part == 0) {
-      sum_chunks(0, split, total, sum_scratch_[0]);
+      sum_chunks(0, split, total, measure, sum_scratch_[0]);
     } else {
-      sum_chunks(split, sum_terms_.size(), total, sum_scratch_[1]);
+      sum_chunks(split, sum_terms_.size(), total, measure, sum_scratch_[1]);
     }
   });
+  double average_sqr = sum_scratch_[0].sqr + sum_scratch_[1].sqr;
 
   // Sparse: rows are few per step; each row's sum in the order rows first appear.
   struct RowSums {
@@ -105,15 +131,20 @@ void ServerSum::sum_step(const std::map<int32_t, PushRequest>& pushes) {
       }
     }
   }
-  if (rows.empty()) return;
   std::vector<SparseSlice> sparse;
   for (auto& [table, sums] : rows) {
     SparseSlice slice{table, std::move(sums.ids), std::vector<float>(sums.acc.size())};
     for (size_t i = 0; i < sums.acc.size(); ++i)
       slice.values[i] = static_cast<float>(sums.acc[i] / total);
+    if (measure)
+      average_sqr += sum_of_squares(slice.values.data(), static_cast<int64_t>(slice.values.size()));
     sparse.push_back(std::move(slice));
   }
-  registry_.apply({}, sparse);
+  if (measure) {
+    const auto count = static_cast<double>(measured);
+    noise_ = {step, local_sqr / count, average_sqr, count / inverse_rows, total};
+  }
+  if (!sparse.empty()) registry_.apply({}, sparse);
 }
 
 size_t ServerSum::next_chunk(size_t first) const {
@@ -125,7 +156,8 @@ size_t ServerSum::next_chunk(size_t first) const {
   return last;
 }
 
-void ServerSum::sum_chunks(size_t first, size_t end, double total, SumScratch& scratch) {
+void ServerSum::sum_chunks(size_t first, size_t end, double total, bool measure,
+                           SumScratch& scratch) {
   scratch.acc.resize(static_cast<size_t>(kChunkElements));
   scratch.out.resize(static_cast<size_t>(kChunkElements));
   while (first < end) {
@@ -142,6 +174,7 @@ void ServerSum::sum_chunks(size_t first, size_t end, double total, SumScratch& s
     }
     float* out = scratch.out.data();
     for (int64_t i = 0; i < length; ++i) out[i] = static_cast<float>(acc[i] / total);
+    if (measure) scratch.sqr += sum_of_squares(out, length);
     registry_.apply_chunk(head.table, head.chunk, out);
     first = last;
   }

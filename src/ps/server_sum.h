@@ -23,9 +23,13 @@ class ServerSum {
  public:
   ServerSum(const ServerCoreOptions& options, ServerRegistry& registry);
 
-  // Sync: applies one step's pushes (Note [Sync sum]); allocates nothing for dense tables once the
-  // first step has sized the scratch buffers (Note [A step's sum without allocations]).
-  void sum_step(const std::map<int32_t, PushRequest>& pushes);
+  // Sync: applies step `step`'s pushes (Note [Sync sum]); allocates nothing for dense tables once
+  // the first step has sized the scratch buffers (Note [A step's sum without allocations]). When
+  // the pushes measure the gradient noise, this server's part of it is kept (noise()).
+  void sum_step(int64_t step, const std::map<int32_t, PushRequest>& pushes);
+  // The last step's part of the gradient-noise measurement (Note [The gradient noise on
+  // servers]); step -1 when it was not measured.
+  const NoisePart& noise() const { return noise_; }
 
  private:
   struct SumTerm {
@@ -38,6 +42,7 @@ class ServerSum {
   struct SumScratch {
     std::vector<double> acc;  // one chunk's sum
     std::vector<float> out;   // one chunk's gradient, rounded
+    double sqr = 0;           // measuring the noise: |out|^2 summed over the chunks
   };
   // Where a step's dense sum has at least this many values, a second thread takes half.
   static constexpr size_t kSumSplitAtLeast = 1 << 20;
@@ -45,8 +50,8 @@ class ServerSum {
   // The term after the last one of sum_terms_[first]'s chunk.
   size_t next_chunk(size_t first) const;
   // Sums and applies the chunks of sum_terms_[first, end), which begins and ends at a chunk's
-  // first term.
-  void sum_chunks(size_t first, size_t end, double total, SumScratch& scratch);
+  // first term. `measure`: adds each chunk's |gradient|^2 to scratch.sqr.
+  void sum_chunks(size_t first, size_t end, double total, bool measure, SumScratch& scratch);
 
   const ServerCoreOptions& options_;
   ServerRegistry& registry_;
@@ -55,6 +60,7 @@ class ServerSum {
   SumScratch sum_scratch_[2];  // one per thread (Note [A step's sum on two threads])
   // The second thread, started by the first step large enough to split (fan_out.h).
   std::unique_ptr<c10::ThreadPool> second_;
+  NoisePart noise_;
 };
 
 }  // namespace shoal::ps::detail

@@ -90,6 +90,7 @@ void check_sparse(const SparseSlice& slice, int64_t odd_bytes, const std::string
 using WireType = WireFormat::WireType;
 constexpr WireType kVarint = WireFormat::WIRETYPE_VARINT;
 constexpr WireType kLength = WireFormat::WIRETYPE_LENGTH_DELIMITED;
+constexpr WireType kFixed64 = WireFormat::WIRETYPE_FIXED64;
 
 // One DenseSlice or SparseSlice submessage; `indices` is its chunks or ids.
 // `shared`: a dense slice's count of values in the shared segment (nullptr: sparse).
@@ -339,6 +340,32 @@ MembershipRequest from_wire(const pb::MembershipRequest& in) {
   return out;
 }
 
+namespace {
+
+// A pull reply's noise part (fields 5-9) and a push's |g|^2 (field 9): sizes and writes.
+size_t noise_size(const NoisePart& noise) {
+  if (noise.step < 0) return 0;
+  return varint_field_size(noise.step + 1) + double_field_size(noise.local_sqr) +
+         double_field_size(noise.average_sqr) + double_field_size(noise.small) +
+         double_field_size(noise.big);
+}
+void write_noise(Writer& w, const NoisePart& noise) {
+  if (noise.step < 0) return;
+  w.varint_field(5, noise.step + 1);  // 0, the field's default: none
+  w.double_field(6, noise.local_sqr);
+  w.double_field(7, noise.average_sqr);
+  w.double_field(8, noise.small);
+  w.double_field(9, noise.big);
+}
+size_t gradient_sqr_size(double sqr) {
+  return sqr < 0 ? 0 : double_field_size(sqr, /*always=*/true);
+}
+void write_gradient_sqr(Writer& w, double sqr) {
+  if (sqr >= 0) w.double_field(9, sqr, /*always=*/true);  // present: measured, even when 0
+}
+
+}  // namespace
+
 grpc::ByteBuffer encode(const PullRequest& in) {
   Writer w(varint_field_size(in.worker) + varint_field_size(in.clock) + slices_size(in.dense) +
            slices_size(in.sparse));
@@ -351,7 +378,8 @@ grpc::ByteBuffer encode(const PullRequest& in) {
 grpc::ByteBuffer encode(const PushRequest& in) {
   Writer w(varint_field_size(in.worker) + varint_field_size(in.clock) + varint_field_size(in.rows) +
            slices_size(in.dense) + slices_size(in.sparse) + varint_field_size(in.epoch) +
-           varint_field_size(in.batch + 1) + varint_field_size(static_cast<int32_t>(in.verdict)));
+           varint_field_size(in.batch + 1) + varint_field_size(static_cast<int32_t>(in.verdict)) +
+           gradient_sqr_size(in.gradient_sqr));
   w.varint_field(1, in.worker);
   w.varint_field(2, in.clock);
   w.varint_field(3, in.rows);
@@ -359,6 +387,7 @@ grpc::ByteBuffer encode(const PushRequest& in) {
   w.varint_field(6, in.epoch);
   w.varint_field(7, in.batch + 1);  // 0, the field's default: no batch
   w.varint_field(8, static_cast<int32_t>(in.verdict));
+  write_gradient_sqr(w, in.gradient_sqr);
   return w.finish();
 }
 
@@ -421,7 +450,8 @@ grpc::ByteBuffer encode(const PushRequest& in, const SharedValues& shm, const De
   };
   Writer w(varint_field_size(in.worker) + varint_field_size(in.clock) + varint_field_size(in.rows) +
            shared_slices_size(in, count) + varint_field_size(in.epoch) +
-           varint_field_size(in.batch + 1) + varint_field_size(static_cast<int32_t>(in.verdict)));
+           varint_field_size(in.batch + 1) + varint_field_size(static_cast<int32_t>(in.verdict)) +
+           gradient_sqr_size(in.gradient_sqr));
   w.varint_field(1, in.worker);
   w.varint_field(2, in.clock);
   w.varint_field(3, in.rows);
@@ -435,14 +465,17 @@ grpc::ByteBuffer encode(const PushRequest& in, const SharedValues& shm, const De
   w.varint_field(6, in.epoch);
   w.varint_field(7, in.batch + 1);  // as encode(const PushRequest&)
   w.varint_field(8, static_cast<int32_t>(in.verdict));
+  write_gradient_sqr(w, in.gradient_sqr);
   return w.finish();
 }
 
 grpc::ByteBuffer encode(const PullReply& in, const SharedValues& shm) {
-  Writer w(shared_slices_size(in) + varint_field_size(in.clock) + varint_field_size(in.staleness));
+  Writer w(shared_slices_size(in) + varint_field_size(in.clock) + varint_field_size(in.staleness) +
+           noise_size(in.noise));
   write_shared_slices(w, 1, 2, in, shm);
   w.varint_field(3, in.clock);
   w.varint_field(4, in.staleness);
+  write_noise(w, in.noise);
   return w.finish();
 }
 
@@ -451,12 +484,13 @@ grpc::ByteBuffer encode(const PullReply& in, const std::vector<size_t>& counts) 
       << counts.size() << " counts for " << in.dense.size() << " dense slices";
   const auto count = [&](size_t i) { return counts[i]; };
   Writer w(shared_slices_size(in, count) + varint_field_size(in.clock) +
-           varint_field_size(in.staleness));
+           varint_field_size(in.staleness) + noise_size(in.noise));
   for (size_t i = 0; i < in.dense.size(); ++i)
     w.shared_slice(1, in.dense[i].table, in.dense[i].chunks, counts[i]);
   for (const SparseSlice& s : in.sparse) w.slice(2, s.table, s.ids, s.values);
   w.varint_field(3, in.clock);
   w.varint_field(4, in.staleness);
+  write_noise(w, in.noise);
   return w.finish();
 }
 
@@ -477,6 +511,7 @@ grpc::ByteBuffer encode(std::shared_ptr<const PullReply> in) {
   write_slices(w, 1, 2, *owner);
   w.varint_field(3, owner->clock);
   w.varint_field(4, owner->staleness);
+  write_noise(w, owner->noise);
   return w.finish();
 }
 
@@ -505,6 +540,8 @@ bool decode(const grpc::ByteBuffer& in, PullReply& out, const SharedValues* shm,
             const DenseSink* sink) {
   out.clock = 0;
   out.staleness = 0;
+  out.noise = {};
+  int64_t noise_step = 0;
   Reader r(in);
   Slices slices{out.dense, out.sparse, {}, {}, {}, {}};
   const bool read = r.fields([&](int number, WireType type, uint32_t tag) {
@@ -512,9 +549,16 @@ bool decode(const grpc::ByteBuffer& in, PullReply& out, const SharedValues* shm,
     if (number == 2 && type == kLength) return slices.read_sparse(r);
     if (number == 3 && type == kVarint) return r.varint(out.clock);
     if (number == 4 && type == kVarint) return r.varint(out.staleness);
+    if (number == 5 && type == kVarint) return r.varint(noise_step);
+    if (number == 6 && type == kFixed64) return r.fixed64(out.noise.local_sqr);
+    if (number == 7 && type == kFixed64) return r.fixed64(out.noise.average_sqr);
+    if (number == 8 && type == kFixed64) return r.fixed64(out.noise.small);
+    if (number == 9 && type == kFixed64) return r.fixed64(out.noise.big);
     return r.skip(tag);
   });
   if (!read) return false;
+  non_negative(noise_step, "noise_step");
+  out.noise.step = noise_step - 1;
   slices.trim();
   slices.take_shared(shm, sink);
   slices.check(/*values=*/true);
@@ -532,6 +576,7 @@ bool decode(const grpc::ByteBuffer& in, PushRequest& out, const SharedValues* sh
   out.epoch = 0;
   int64_t batch = 0;
   int32_t verdict = 0;
+  out.gradient_sqr = -1;
   Slices slices{out.dense, out.sparse, {}, {}, {}, {}};
   const bool read = r.fields([&](int number, WireType type, uint32_t tag) {
     if (number == 1 && type == kVarint) return r.varint(out.worker);
@@ -542,6 +587,7 @@ bool decode(const grpc::ByteBuffer& in, PushRequest& out, const SharedValues* sh
     if (number == 6 && type == kVarint) return r.varint(out.epoch);
     if (number == 7 && type == kVarint) return r.varint(batch);
     if (number == 8 && type == kVarint) return r.varint(verdict);
+    if (number == 9 && type == kFixed64) return r.fixed64(out.gradient_sqr);
     return r.skip(tag);
   });
   if (!read) return false;

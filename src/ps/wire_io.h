@@ -44,6 +44,10 @@ inline size_t packed_size(const std::vector<int64_t>& values) {
 inline size_t varint_field_size(int64_t value) {
   return value == 0 ? 0 : 1 + WireFormat::Int64Size(value);
 }
+// A double (wire type 1, eight bytes) with its tag; 0 is written only when `always`.
+inline size_t double_field_size(double value, bool always = false) {
+  return value == 0 && !always ? 0 : 1 + sizeof(uint64_t);
+}
 inline size_t length_field_size(size_t length, bool always = false) {
   return length == 0 && !always ? 0 : 1 + varint_size(length) + length;
 }
@@ -93,6 +97,13 @@ class Writer {
     if (value == 0) return;
     tag(field, WireFormat::WIRETYPE_VARINT);
     varint(static_cast<uint64_t>(value));
+  }
+  void double_field(int field, double value, bool always = false) {
+    if (value == 0 && !always) return;
+    tag(field, WireFormat::WIRETYPE_FIXED64);
+    uint8_t bytes[sizeof(uint64_t)];
+    CodedOutputStream::WriteLittleEndian64ToArray(WireFormat::EncodeDouble(value), bytes);
+    raw(bytes, sizeof(bytes));
   }
   void length(int field, size_t length) {
     tag(field, WireFormat::WIRETYPE_LENGTH_DELIMITED);
@@ -217,6 +228,13 @@ class Reader {
     uint64_t value = 0;
     if (!in_.ReadVarint64(&value)) return false;
     out = static_cast<Int>(static_cast<int64_t>(value));  // protobuf's int32: truncated
+    return true;
+  }
+
+  bool fixed64(double& out) {
+    uint64_t bits = 0;
+    if (!in_.ReadLittleEndian64(&bits)) return false;
+    out = WireFormat::DecodeDouble(bits);
     return true;
   }
 

@@ -82,15 +82,20 @@ void bind_ps(py::module_& m) {
   py::class_<Servers>(m, "PsOptimizer")
       .def(py::init([](const Named& parameters, const std::vector<std::pair<std::string, std::shared_ptr<ps::EmbeddingImpl>>>& tables,
                        const std::string& kind, const py::dict& options, const std::string& mode,
-                       std::optional<double> timeout) {
+                       std::optional<double> timeout, bool measure_gradient_noise,
+                       double gradient_noise_smoothing, int64_t batch_size) {
              Placed placed(tables.begin(), tables.end());
              ps::ServerOptions servers;
              servers.mode = mode;
              servers.timeout = deadline(timeout);
+             servers.measure_gradient_noise = measure_gradient_noise;
+             servers.gradient_noise_smoothing = gradient_noise_smoothing;
+             servers.batch_size = batch_size;
              return std::make_unique<Servers>(parameters, placed, kind, options, servers);
            }),
            py::arg("parameters"), py::arg("tables"), py::arg("kind"), py::arg("options"), py::arg("mode"),
-           py::arg("timeout"))
+           py::arg("timeout"), py::arg("measure_gradient_noise"), py::arg("gradient_noise_smoothing"),
+           py::arg("batch_size"))
       .def("zero_grad", [](Servers& s) { s.optimizer().zero_grad(); })
       .def("step",
            [](Servers& s) {
@@ -100,7 +105,8 @@ void bind_ps(py::module_& m) {
       .def("train_on", [](Servers& s, data::Sampler& sampler) { s.optimizer().train_on(sampler); },
            py::arg("sampler"), py::keep_alive<1, 2>())
       .def("steps", [](Servers& s) { return s.optimizer().steps(); })
-      .def("staleness", [](Servers& s) { return s.optimizer().staleness(); });
+      .def("staleness", [](Servers& s) { return s.optimizer().staleness(); })
+      .def("gradient_noise", [](Servers& s) { return s.optimizer().gradient_noise(); });
 }
 
 }  // namespace shoal::python

@@ -6,6 +6,7 @@
 // initial values. Prints "ps train ok" and exits 0, or says what differed and exits 1.
 //
 //   ps_train sgd|adagrad|adam [STEPS]
+//   ps_train noise STEPS: the gradient noise the servers measure, against its oracles
 #include <unistd.h>
 
 #include <algorithm>
@@ -24,6 +25,7 @@
 
 #include <torch/torch.h>
 
+#include "../noise_problem.h"
 #include "core/hash.h"
 #include "ps/messages.h"
 #include "ps/table.h"
@@ -536,6 +538,85 @@ shoal::ps::ServerOptions server_options() {
   return options;
 }
 
+// Mode noise: the gradient noise measured through the servers (Note [The gradient noise on
+// servers], src/ps/server_sum.cpp) on tests/noise_problem.h's problem, with nothing trained (lr 0:
+// w stays). After each step every worker's measurement equals the one-process estimate of all
+// workers' samples (smoothing 0: each step's own), and over all steps the closed form. w's first
+// half is a dense parameter, its second row 0 of a ps::Embedding, so that a push's dense values
+// and its sparse rows both count; with three servers one may hold neither.
+struct NoiseNetImpl : torch::nn::Module {
+  explicit NoiseNetImpl(const torch::Tensor& head) {
+    dense = register_parameter("dense", head.clone());
+    table = register_module(
+        "table",
+        shoal::ps::Embedding(
+            shoal::ps::EmbeddingOptions(1, head.numel()).init(shoal::ps::RowInit::zeros())));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    const torch::Tensor w =
+        torch::cat({dense, table(torch::zeros({1}, torch::kLong)).reshape({-1})});
+    return x.matmul(w);
+  }
+  torch::Tensor dense;
+  shoal::ps::Embedding table{nullptr};
+};
+TORCH_MODULE(NoiseNet);
+
+int noise(int steps) {
+  namespace noise = shoal::testing::noise;
+  shoal::init();
+  const int n = shoal::world_size();
+  const noise::Problem p = noise::problem(noise::kDim / 2);
+  NoiseNet net(p.w.narrow(0, 0, noise::kDim / 2).to(torch::kFloat));
+  shoal::ps::ServerOptions options = server_options();
+  options.measure_gradient_noise = true;
+  options.gradient_noise_smoothing = 0.0;
+  options.batch_size = noise::kPerWorker;
+  shoal::ps::Optimizer optimizer(*net, torch::optim::SGDOptions(0.0), options);
+  std::vector<double> sqrs, variances;
+  for (int t = 0; t < steps; ++t) {
+    std::vector<torch::Tensor> means;
+    for (int worker = 0; worker < n; ++worker)
+      means.push_back(noise::gradient(p, noise::samples(p, t, worker)));
+    const auto [x, y] = noise::samples(p, t, shoal::rank());
+    optimizer.zero_grad();
+    (0.5 * (net->forward(x.to(torch::kFloat)) - y.to(torch::kFloat)).pow(2).mean()).backward();
+    optimizer.step();
+    const auto measured = optimizer.gradient_noise();
+    const noise::Estimate oracle = noise::estimate(means);
+    const double scale = std::abs(oracle.sqr) + oracle.variance / noise::kPerWorker;
+    if (!measured || measured->measurements != t + 1 || measured->batch != n * noise::kPerWorker ||
+        std::abs(measured->gradient_sqr - oracle.sqr) > 1e-4 * scale ||
+        std::abs(measured->variance - oracle.variance) > 1e-4 * scale * noise::kPerWorker * n) {
+      std::cout << "step " << t << ": measured "
+                << (measured ? std::to_string(measured->measurements) + " steps, batch " +
+                                   std::to_string(measured->batch) + ", |G|^2 " +
+                                   std::to_string(measured->gradient_sqr) + ", tr(Sigma) " +
+                                   std::to_string(measured->variance)
+                             : std::string("nothing"))
+                << "; expected " << t + 1 << " steps, batch " << n * noise::kPerWorker << ", |G|^2 "
+                << oracle.sqr << ", tr(Sigma) " << oracle.variance << std::endl;
+      return 1;
+    }
+    sqrs.push_back(measured->gradient_sqr);
+    variances.push_back(measured->variance);
+  }
+  // Enough steps that the comparison can tell (a standard error under 5% of the value), and the
+  // means within four standard errors of the closed form.
+  const noise::Standard sqr = noise::standard(sqrs), variance = noise::standard(variances);
+  if (sqr.error > 0.05 * noise::kTrueSqr || variance.error > 0.05 * noise::kTrueVariance ||
+      std::abs(sqr.mean - noise::kTrueSqr) > 4 * sqr.error ||
+      std::abs(variance.mean - noise::kTrueVariance) > 4 * variance.error) {
+    std::cout << "closed form missed: |G|^2 " << sqr.mean << " +- " << sqr.error << " (expected "
+              << noise::kTrueSqr << "), tr(Sigma) " << variance.mean << " +- " << variance.error
+              << " (expected " << noise::kTrueVariance << ")" << std::endl;
+    return 1;
+  }
+  std::cout << "ps noise ok: " << n << " workers, |G|^2 " << sqr.mean << " +- " << sqr.error
+            << ", tr(Sigma) " << variance.mean << " +- " << variance.error << std::endl;
+  return 0;
+}
+
 int main(int argc, char** argv) {
   if (argc == 3 && (std::string(argv[1]) == "elastic" || std::string(argv[1]) == "backup")) {
     try {
@@ -548,6 +629,14 @@ int main(int argc, char** argv) {
   if (argc == 4 && std::string(argv[1]) == "elastic-check") {
     try {
       return elastic_check(argv[2], argv[3]);
+    } catch (const std::exception& e) {
+      std::cout << "error: " << e.what() << std::endl;
+      return 1;
+    }
+  }
+  if (argc == 3 && std::string(argv[1]) == "noise") {
+    try {
+      return noise(std::atoi(argv[2]));
     } catch (const std::exception& e) {
       std::cout << "error: " << e.what() << std::endl;
       return 1;

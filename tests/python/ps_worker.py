@@ -13,7 +13,8 @@ layer, trained by shoal.ps.Optimizer, or, as its oracle, the same model in plain
 
 KIND is SGD, Adagrad or Adam. The first worker writes OUT (torch.save): the dense parameters, every
 row of the table, and the table's first rows; with leased batches each worker also writes
-OUT.RANK, the samples it trained on in each of two epochs."""
+OUT.RANK: the samples it trained on in each of two epochs, and the gradient noise it measured
+(measurements, batch, |G|^2, tr(Sigma))."""
 import sys
 
 import torch
@@ -66,14 +67,17 @@ def with_servers(out, kind, leased):
     shoal.init()
     cls, options = KINDS[kind]
     net = model(shoal.ps.Embedding(ROWS, DIM, seed=3))
-    optimizer = shoal.ps.Optimizer(net, cls, **options)
+    optimizer = shoal.ps.Optimizer(net, cls, measure_gradient_noise=leased, **options)
     if leased:
         loader = shoal.data.DataLoader(dataset(), batch_size=BATCH)
         optimizer.train_on(loader)
         # The samples this worker trained on, per epoch.
         seen = [[int(i) for batch in _steps(loader, epoch, optimizer, net) for i in batch[3]] for epoch in range(2)]
-        torch.save(seen, "%s.%d" % (out, shoal.rank()))
+        noise = optimizer.gradient_noise
+        torch.save({"seen": seen, "noise": (noise.measurements, noise.batch, noise.gradient_sqr, noise.variance)},
+                   "%s.%d" % (out, shoal.rank()))
     else:
+        assert optimizer.gradient_noise is None  # not measured
         data = dataset().tensors
         half = BATCH // shoal.world_size()
         for step in range(STEPS):

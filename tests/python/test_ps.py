@@ -4,8 +4,9 @@ its half of every global batch, ends at the dense parameters and table rows (rel
 process training the plain PyTorch model with torch.optim's SGD, Adagrad or Adam (SparseAdam for
 the rows, each row its own state: the lazy rules the servers apply) on the whole batches; rows no
 batch touched keep their first values bit for bit. With batches leased from the servers' ledger,
-every sample of every epoch is trained on exactly once over both workers. Bad input raises
-UsageError with its one line."""
+every sample of every epoch is trained on exactly once over both workers, and the gradient noise
+measured through the servers is the same on both, over batches of both workers' leases. Bad input
+raises UsageError with its one line."""
 import pytest
 import torch
 
@@ -29,9 +30,15 @@ def test_sync_training_on_servers_equals_one_process(tmp_path, kind):
 def test_leased_batches_train_every_sample_once_per_epoch(tmp_path):
     out = tmp_path / "leased.pt"
     run_job(2, "ps_worker.py", out, "ps", "Adagrad", "leased", servers=1)
-    seen = [torch.load("%s.%d" % (out, rank)) for rank in range(2)]
+    written = [torch.load("%s.%d" % (out, rank)) for rank in range(2)]
+    seen = [w["seen"] for w in written]
     for epoch in range(2):
         assert sorted(seen[0][epoch] + seen[1][epoch]) == list(range(48))
+    # The noise (docs/ps.md, "Gradient noise"): the leases' rows are its samples, the global
+    # batch of 12 (6 per worker's lease).
+    measurements, batch, _, _ = written[0]["noise"]
+    assert measurements >= 1 and batch == 12
+    assert written[0]["noise"] == written[1]["noise"]
 
 
 def test_bad_input_is_refused_with_one_line():

@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,7 @@
 
 #include "shoal/core/timeout.h"
 #include "shoal/data/sampler.h"
+#include "shoal/dp/gradient_noise.h"
 
 namespace shoal::ps {
 
@@ -99,6 +101,18 @@ struct ServerOptions {
   // The deadline of every pull and push (a sync pull waits for the slowest worker's push);
   // kUnsetTimeout: the job's collective timeout (SHOAL_TIMEOUT, else 10 minutes).
   Duration timeout = kUnsetTimeout;
+  // Measure the gradient noise scale during training, as DataParallel does
+  // (DataParallelOptions::measure_gradient_noise; docs/ps.md, "Gradient noise"): sync mode only,
+  // on every worker alike. Each push carries |g|^2 of its values (a pass over the gradient), each
+  // server sums |applied gradient|^2 over what it holds; read it with
+  // Optimizer::gradient_noise(). Steps of one worker alone are not measured.
+  bool measure_gradient_noise = false;
+  // The moving averages' weight of the past, in [0, 1), as DataParallel's.
+  double gradient_noise_smoothing = 0.99;
+  // Each worker's batch in samples: the noise scale's unit when the loader's batches are not
+  // leased (train_on leases carry their rows). Needed with measure_gradient_noise without
+  // train_on; 0: not given.
+  int64_t batch_size = 0;
 };
 
 // The optimizer of a parameter-server trained model. It takes the model's dense parameters and
@@ -146,6 +160,9 @@ class Optimizer {
   // The servers' staleness gauge at the last pull: the fastest worker's step count minus the
   // slowest's (0 in sync).
   int64_t staleness() const;
+  // The gradient noise measured so far (ServerOptions::measure_gradient_noise), the same on every
+  // worker; empty when not measured. See shoal/dp/gradient_noise.h.
+  std::optional<GradientNoise> gradient_noise() const;
 
  private:
   std::shared_ptr<detail::Client> client_;
