@@ -74,6 +74,9 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   app.add_flag("--step-times", step_times,
                "Print each worker's wall-clock time at the end of every timed step");
+  bool measure_noise = false;
+  app.add_flag("--measure-noise", measure_noise,
+               "Measure the gradient noise (ServerOptions::measure_gradient_noise; sync only)");
   CLI11_PARSE(app, argc, argv);
 
   shoal::init();
@@ -98,7 +101,10 @@ int main(int argc, char** argv) {
   }
   torch::manual_seed(0);
   Mlp model;
-  shoal::ps::Optimizer optimizer(*model, torch::optim::SGDOptions(0.01));
+  shoal::ps::ServerOptions servers;
+  servers.measure_gradient_noise = measure_noise;
+  servers.batch_size = batch;
+  shoal::ps::Optimizer optimizer(*model, torch::optim::SGDOptions(0.01), servers);
 
   auto step = [&](int i) {
     optimizer.zero_grad();
@@ -133,14 +139,16 @@ int main(int argc, char** argv) {
   double weight_sum = 0;
   for (const auto& p : model->parameters())
     weight_sum += p.detach().to(torch::kFloat64).abs().sum().item<double>();
+  const auto noise = optimizer.gradient_noise();
   if (shoal::is_main()) {
     const double t = slowest.item<double>();
     std::printf(
         "ps impl=shoal-ps mode=%s workers=%d servers=%s batch=%lld steps=%d samples_per_s=%.2f "
-        "step_ms=%.3f staleness=%lld weight_abs_sum=%.6f\n",
+        "step_ms=%.3f staleness=%lld weight_abs_sum=%.6f noise_scale=%.1f noise_steps=%lld\n",
         env_or("SHOAL_PS_MODE", "sync").c_str(), n, env_or("SHOAL_PS_SERVERS", "0").c_str(),
         static_cast<long long>(batch), steps, n * batch * steps / t, t * 1e3 / steps,
-        static_cast<long long>(optimizer.staleness()), weight_sum);
+        static_cast<long long>(optimizer.staleness()), weight_sum,
+        noise ? noise->noise_scale() : 0.0, static_cast<long long>(noise ? noise->measurements : 0));
     for (int r = 0; r < n; ++r) {
       const double tr = own[r].item<double>();
       std::printf("ps-worker rank=%d slow=%d samples_per_s=%.2f step_ms=%.3f\n", r,

@@ -3,6 +3,8 @@
 # worker, SGD lr 0.01, one intra-op thread per process), side by side in one run on loopback:
 #   shoal-ps-sync, shoal-ps-async   shoal's parameter server: bench/ps.cpp, shoal::ps::Optimizer under
 #                      `shoal run --servers S -n W`, SHOAL_PS_MODE=sync|async
+#   shoal-ps-sync-noise  the same in sync, measuring the gradient noise (--measure-noise; docs/ps.md,
+#                      "Gradient noise"); not in the default list
 #   dp                 shoal's all-reduce DataParallel (bench/ddp.cpp --impl shoal; no servers)
 #   local              every worker trains alone, no communication (bench/ddp.cpp --impl local): the
 #                      bound for every contender on this machine
@@ -53,7 +55,7 @@ done
   { echo "ps.sh: $python has no torch.distributed.rpc; install python3-torch" >&2; exit 2; }
 for contender in "${contenders[@]}"; do
   case $contender in
-    shoal-ps-sync | shoal-ps-async | dp | local | torch-tutorial | torch-careful-sync | torch-careful-async) ;;
+    shoal-ps-sync | shoal-ps-sync-noise | shoal-ps-async | dp | local | torch-tutorial | torch-careful-sync | torch-careful-async) ;;
     *) echo "ps.sh: unknown contender $contender" >&2; exit 2 ;;
   esac
 done
@@ -62,13 +64,15 @@ done
 #   ps impl=shoal-ps mode=sync workers=W servers=S batch=64 steps=N samples_per_s=... step_ms=...
 # Without its build the rows are reported as not measured; nothing is printed in their place.
 shoal_ps_program=$build/bench/ps
-shoal_ps_run() {  # $1: sync|async, $2: workers, $3: servers
+shoal_ps_run() {  # $1: sync|async|sync-noise, $2: workers, $3: servers
   if [[ ! -x $shoal_ps_program ]]; then
     echo "not measured: $shoal_ps_program is missing (build the target ps)"
     return 3
   fi
-  SHOAL_NUM_THREADS=1 SHOAL_PS_MODE=$1 timeout "$run_timeout" "$shoal" run --servers "$3" -n "$2" \
-    --no-tag-output "$shoal_ps_program" --warmup "$warmup" --steps "$steps"
+  local extra=()
+  [[ $1 == *-noise ]] && extra=(--measure-noise)
+  SHOAL_NUM_THREADS=1 SHOAL_PS_MODE=${1%-noise} timeout "$run_timeout" "$shoal" run --servers "$3" \
+    -n "$2" --no-tag-output "$shoal_ps_program" --warmup "$warmup" --steps "$steps" "${extra[@]}"
 }
 
 results=$(mktemp -d /tmp/shoal-ps.XXXXXX)
@@ -158,7 +162,7 @@ print("| workers | servers | contender | samples/s | rounds | / torch-careful (s
 print("|---:|---:|---|---:|---:|---:|---:|")
 for (c, w, s), v in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
     med = statistics.median(v)
-    mode = "sync" if c.endswith("sync") and not c.endswith("async") else "async"
+    mode = "async" if c.endswith("async") else "sync"
     ref = runs.get((f"torch-careful-{mode}", w, s if s != "-" else "1"))
     ratio = f"{med / statistics.median(ref):.2f}" if ref and c not in ("dp", "local") and not c.startswith("torch-careful") else ""
     tutorial = runs.get(("torch-tutorial", w, "1"))
