@@ -71,12 +71,12 @@ class Launchers:
             self.lines.put(LOCAL_RANK.sub("", line.rstrip("\n")))
         self.lines.put(None)
 
-    def wait_for(self, predicate, timeout, on_line):
+    def wait_for(self, predicate, timeout, on_line, all_end=False):
         """Feeds each line to on_line until predicate(line) holds; False at the deadline or once
-        every launcher has ended."""
+        a launcher has ended (every launcher, with all_end)."""
         deadline = time.time() + timeout
         ended = 0
-        while time.time() < deadline and ended < len(self.processes):
+        while time.time() < deadline and ended < (len(self.processes) if all_end else 1):
             try:
                 line = self.lines.get(timeout=max(0.0, min(1.0, deadline - time.time())))
             except queue.Empty:
@@ -98,13 +98,21 @@ class Launchers:
                 return False
         return True
 
-    def kill(self):
-        for process in self.processes:
+    def stop(self):
+        """Ends the launchers still running: SIGTERM, which each passes on to its workers (a
+        worker still waiting for its gate file ends with it), then SIGKILL to whatever is left
+        after 20 s. The workers have process groups of their own, so SIGKILL to a launcher's
+        session alone would leave them behind."""
+        running = [p for p in self.processes if p.poll() is None]
+        for process in running:
+            process.send_signal(signal.SIGTERM)
+        deadline = time.time() + 20
+        for process in running:
             try:
+                process.wait(max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            process.wait()
+                process.wait()
 
 
 class Run:
@@ -212,7 +220,7 @@ def resized_run(args, policy, seed, work, emit):
         launchers.start([shoal, "run", "--min", "1", "--max", "4", "-n", "1", "--token-file", token, *program],
                         first_log)
         if not launchers.wait_for(step_where(1), 120, run.feed):
-            run.failed = "no first step within 120 s"
+            run.failed = "no first step within 120 s, or the job ended first"
             return run
         hint = re.search(r"to add workers: shoal run (.+) PROGRAM", open(first_log).read())
         if not hint:
@@ -224,12 +232,12 @@ def resized_run(args, policy, seed, work, emit):
         joiner = launchers.start([shoal, "run", *hint.group(1).split(), "-n", "3", *program, "--start-when", gate],
                                  os.path.join(work, f"{policy}-{seed}-join.err"))
         if not launchers.wait_for(step_where(1, args.grow_at * total), 300, run.feed):
-            run.failed = "no step past the grow point within 300 s"
+            run.failed = "no step past the grow point within 300 s, or the job ended first"
             return run
         emit(f"{run.tag()} adding 3 workers at scaled {run.scaled:.2f}")
         open(gate, "w").close()
         if not launchers.wait_for(step_where(4, args.shrink_at * total), 300, run.feed):
-            run.failed = "no step of a world of 4 past the shrink point within 300 s"
+            run.failed = "no step of a world of 4 past the shrink point within 300 s, or the job ended first"
             return run
         leaving = launcher_workers(joiner.pid)[:2]
         if len(leaving) < 2:
@@ -238,7 +246,8 @@ def resized_run(args, policy, seed, work, emit):
         emit(f"{run.tag()} SIGTERM to 2 workers at scaled {run.scaled:.2f}")
         for pid in leaving:
             os.kill(pid, signal.SIGTERM)
-        if not launchers.wait_for(lambda line: line.startswith("final "), 600, run.feed):
+        # Either launcher may end first: the job's last round ends on all its workers at once.
+        if not launchers.wait_for(lambda line: line.startswith("final "), 600, run.feed, all_end=True):
             run.failed = "no final line within 600 s"
             return run
         # The rest of the output (nothing that matters is expected after "final").
@@ -249,7 +258,7 @@ def resized_run(args, policy, seed, work, emit):
             run.failed = f"launcher exit codes {codes}"
         return run
     finally:
-        launchers.kill()
+        launchers.stop()
 
 
 def spread(values):
@@ -297,7 +306,7 @@ def main():
 
     emit(f"# bench/convergence.py raw lines; date: {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC; cores: "
          f"{os.cpu_count()}; load before: {' '.join(open('/proc/loadavg').read().split()[:3])}")
-    emit(f"# {' '.join(f'--{k.replace(chr(95), chr(45))} {v}' for k, v in vars(args).items() if k != 'raw')}")
+    emit(f"# {' '.join(f'--{k.replace(chr(95), chr(45))} {v}' for k, v in vars(args).items() if k not in ('raw', 'table'))}")
     fixed = [fixed_run(args, s, emit) for s in range(args.seeds)]
     work = tempfile.mkdtemp(prefix="shoal-convergence-bench-")
     resized = {p: [] for p in policies}
