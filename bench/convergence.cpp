@@ -4,6 +4,7 @@
 //
 //   shoal run --min 1 --max 4 -n 1 convergence --policy global|scale|adascale [--batch 64]
 //       [--lr 0.05] [--epochs 3] [--limit 12000] [--seed 0] [--eval-every 1500]
+//       [--test-size N] [--start-when FILE]
 //   convergence ...                                          # alone: the fixed run of one worker
 //
 // --batch is the reference run's batch b, one worker's. Under `global` (keep_global_batch) it is
