@@ -151,15 +151,12 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
     for (; !done(); state.next_epoch()) {
       for (auto& b : loader.epoch(state.epoch())) {
-        // The reference's cosine decay over its progress; the policy's gain on top. (Under
-        // scale_learning_rate a new base rate would otherwise wait for the next round.)
+        // The reference's cosine decay over its progress; the policy's gain on top (set at once
+        // by set_base_learning_rates).
         const double base =
             lr * 0.5 * (1 + std::cos(M_PI * std::min(1.0, state.scaled_steps() / total)));
         state.set_base_learning_rates({base});
-        auto& options =
-            static_cast<torch::optim::SGDOptions&>(optimizer.param_groups()[0].options());
-        options.lr(base * state.gain());
-        const double rate = options.lr();
+        const double rate = optimizer.param_groups()[0].options().get_lr();
         optimizer.zero_grad();
         auto loss = torch::nn::functional::cross_entropy(model(b.data), b.target);
         loss.backward();

@@ -131,8 +131,10 @@ class State:
         self._state.on_reset(callback)
 
     def set_base_learning_rates(self, rates):
-        """The policy's base rates (lr0), per param group, for a schedule of the program's own."""
+        """The policy's base rates (lr0), per param group, for a schedule of the program's own: the
+        optimizer's rates become base * gain at once (during a warm-up, its commits move them)."""
         self._state.set_base_learning_rates(list(rates))
+        self._take_rates()
 
     def _give(self):
         # The Python optimizer's state and rates into its mirror, which the commit records: the

@@ -469,6 +469,16 @@ void State::apply_policy() {
   warmup_done_ = 0;
 }
 
+void State::set_base_learning_rates(std::vector<double> rates) {
+  base_rates_ = std::move(rates);
+  const BatchPolicy& policy = options_.policy;
+  if (policy.kind == BatchPolicy::Kind::kScaleLearningRate && warmup_done_ < policy.warmup_steps)
+    return;  // the warmup's commits reach base * world / reference
+  auto& groups = optimizer_.param_groups();
+  for (size_t i = 0; i < groups.size() && i < base_rates_.size(); ++i)
+    groups[i].options().set_lr(base_rates_[i] * gain_);
+}
+
 void State::apply_gain() {
   const int world = shoal::is_initialized() ? shoal::world_size() : 1;
   const double per_worker = static_cast<double>(sampler_.options().batch_size);

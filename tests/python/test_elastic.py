@@ -180,3 +180,25 @@ def test_adascale_needs_the_noise_measured_and_scales_by_its_gain():
     assert model.gradient_noise.measurements == 7  # 8 steps, the first without a pair
     assert 0.5 <= state.gain < 1.0
     assert state.scaled_steps == pytest.approx(sum(gains), rel=1e-12)
+    # A program's own schedule: a new base rate takes effect at once, times the gain.
+    state.set_base_learning_rates([0.05])
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.05 * state.gain, rel=1e-12)
+
+
+def test_a_new_base_rate_under_linear_scaling_takes_effect_at_once():
+    # A job of one against a reference of two workers: the linear rule's factor is 1/2, from the
+    # first round on; set_base_learning_rates() applies it at once, not at the next change of world.
+    net = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    loader = shoal.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 4)), batch_size=8, per_worker=True)
+    state = shoal.elastic.State(shoal.DataParallel(net), optimizer, loader,
+                                policy=shoal.elastic.BatchPolicy.scale_learning_rate(reference_world_size=2))
+    rates = []
+
+    def train():
+        rates.append(optimizer.param_groups[0]["lr"])
+        state.set_base_learning_rates([0.4])
+        rates.append(optimizer.param_groups[0]["lr"])
+
+    shoal.elastic.run(state, train)
+    assert rates == pytest.approx([0.05, 0.2], rel=1e-12)

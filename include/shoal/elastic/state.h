@@ -136,8 +136,10 @@ class State {
   void on_reset(std::function<void()> callback) { resets_.push_back(std::move(callback)); }
 
   // Changes the rates of each of the optimizer's parameter groups, as the policy's base
-  // ("lr0") values; for a program's own schedule under kScaleLearningRate and kAdaScale.
-  void set_base_learning_rates(std::vector<double> rates) { base_rates_ = std::move(rates); }
+  // ("lr0") values; for a program's own schedule under kScaleLearningRate and kAdaScale. The
+  // optimizer's rates become base * gain() at once (during a warmup, its next commits move them
+  // towards the new target instead).
+  void set_base_learning_rates(std::vector<double> rates);
 
   // The training's progress in steps at the policy's reference world: under kAdaScale the sum of
   // each committed step's gain (AdaScale's scale-invariant iterations), else the steps times
