@@ -27,8 +27,12 @@ does the statistical efficiency), --min 1 and --max the most workers that batch 
 (batch / the model's smallest local batch, at most the cluster's 64), or with --max tuned the
 workload's tuned worker count (what Tiresias runs each job at); all of one priority. plan()
 sees the samples per second each job ran at, at each worker count, as the scheduler measures them.
-Every change of a job's allocation pauses it for the simulator's 30 s (as for every policy), unless
---resize-cost says otherwise for shoal's.
+Under shoal-goodput-batch the jobs are submitted as Pollux's are instead (no tuned batch: each
+starts at its model's base batch) under BatchPolicy::goodput(): each picks its own batch and
+gradient accumulation for its world with shoal::best_batch() (shoal/dp/goodput.h, through
+queue_plan's "choose" request), from the steps it timed and the noise it measured, and plan() weighs
+it by the same function. Every change of a job's allocation pauses it for the simulator's 30 s (as
+for every policy), unless --resize-cost says otherwise for shoal's.
 
     /usr/bin/python3 bench/pollux.py build [--loads 0.5,1.0,1.5,2.0] [--policies ...] [--jobs 2]
                                            [--max bound|tuned] [--resize-cost 30]
@@ -50,7 +54,7 @@ PINNED = "c793c7089bd307462686339d29707925c461f9a9"
 DIGEST = "f5e9aa156daf0b9399e5b49b3880769ae5423ebf10363d1b2ee078b5915cecd0"
 LOADS = {"0.5": "workloads-0.5", "1.0": "workloads", "1.5": "workloads-1.5", "2.0": "workloads-2.0"}
 SIMULATED = ("tiresias", "optimus")  # run here, and checked against the published results
-SHOAL = ("shoal-priority", "shoal-goodput")
+SHOAL = ("shoal-priority", "shoal-goodput", "shoal-goodput-batch")
 PUBLISHED = ("tiresias", "optimus", "pollux")
 
 
@@ -106,15 +110,37 @@ def install_stand_ins():
                 setattr(sys.modules[parent], child, sys.modules[name])
 
 
+def reuse_interpolators(applications):
+    """The simulator interpolates a placement it has no trace of over all of an application's
+    traces, building a new LinearNDInterpolator (a Delaunay triangulation, 0.15 s) at every such
+    call, though the traces never change: jobs whose batch follows their world ask for hundreds of
+    (placement, batch) pairs. The same interpolator is kept per set of points instead: every value
+    is what the simulator computes, only sooner."""
+    import numpy
+    built = {}
+    original = applications.LinearNDInterpolator
+
+    def interpolator(points, values):
+        points, values = numpy.ascontiguousarray(points), numpy.ascontiguousarray(values)
+        key = (points.shape, points.tobytes(), values.shape, values.tobytes())
+        if key not in built:
+            built[key] = original(points, values)
+        return built[key]
+    applications.LinearNDInterpolator = interpolator
+
+
 def shoal_policy_class(optimus_policy):
     """plan() as a policy of the simulator. It derives from Optimus's only so that the simulator
     submits its jobs as Optimus's (tuned batch, worker count free): optimize() is plan()'s."""
 
     class ShoalPolicy(optimus_policy):
-        def __init__(self, queue_plan, kind, tuned=None):
+        def __init__(self, queue_plan, kind, tuned=None, adaptive=False):
             super().__init__()
             self.kind = kind
             self.tuned = tuned  # job name -> --max, instead of the batch's bound
+            self.adaptive = adaptive  # jobs under BatchPolicy::goodput() (but ncf, as Pollux's)
+            self.steps = collections.defaultdict(dict)  # job -> {(workers, local batch): s}
+            self.noise = {}  # job name -> the noise scale it measured, in samples
             self.cluster = None
             self.process = subprocess.Popen([queue_plan], stdin=subprocess.PIPE,
                                             stdout=subprocess.PIPE, text=True)
@@ -140,18 +166,54 @@ def shoal_policy_class(optimus_policy):
                 seconds = step_time + (step_time - sync_time) * job.accum_steps
                 self.throughput[job.name][sum(placement)] = batch / seconds
 
+        def limits(self, job):
+            """BatchPolicy::goodput()'s limits for a job of the workload: from the base batch the
+            application starts at (its smallest validated) to its largest, each backward's batch
+            within what the application was measured at, and as many backward passes a step as
+            its largest batch needs on one worker (Pollux's jobs accumulate without a bound)."""
+            app = job.application
+            return {"base": int(app.init_batch_size), "max": int(app.max_batch_size),
+                    "min_local": int(app.min_local_bsz), "max_local": int(app.max_local_bsz),
+                    "max_accumulation": max(1, math.ceil(app.max_batch_size / app.max_local_bsz))}
+
+        def adapts(self, job):
+            return self.adaptive and job.target_batch_size is None
+
+        def record(self, job, num_replicas, local_bsz, passes, seconds, grad_sqr, grad_var):
+            """What a job under BatchPolicy::goodput() measures as it trains: each step's time
+            at its world, batch and backward passes, and the gradient noise scale (Pollux's
+            simulator keeps the noise per base batch: var / sqr base batches)."""
+            self.steps[job.name][(num_replicas, local_bsz, passes)] = seconds
+            if grad_sqr > 0:
+                self.noise[job.name] = grad_var / grad_sqr * job.application.init_batch_size
+
+        def steps_of(self, name):
+            return [[w, m, t, k] for (w, m, k), t in sorted(self.steps[name].items())]
+
+        def choose(self, job, num_replicas):
+            """The job's own pick of its batch on `num_replicas` workers: shoal::best_batch(),
+            as (batch per backward, backward passes)."""
+            choice = self.call_plan({"choose": {
+                "world": num_replicas, "batch": self.limits(job), "steps": self.steps_of(job.name),
+                "noise_scale": self.noise.get(job.name, 0)}}, count=False)
+            return choice["local_batch"], choice["accumulation"]
+
         def snapshot(self, jobs, nodes, now):
             views = []
             for name, job in jobs.items():
                 job_id = self.ids.setdefault(name, len(self.ids) + 1)
-                views.append({
+                extra = {}
+                if self.adapts(self.cluster_jobs[name]):
+                    extra = {"batch": self.limits(self.cluster_jobs[name]),
+                             "steps": self.steps_of(name), "noise_scale": self.noise.get(name, 0)}
+                views.append(dict(extra, **{
                     "id": job_id, "min": 1,
                     "max": min(self.tuned[name] if self.tuned else job.max_replicas, len(nodes) * 4),
                     "preemptible": True, "submitted": job.creation_timestamp,
                     "running": name in self.running, "last_resize": self.last_resize.get(name),
                     "workers": [{"id": w, "host": "h%d" % node} for w, node in self.workers[name]],
                     "throughput": {str(k): v for k, v in self.throughput[name].items()},
-                })
+                }))
             return {"now": now, "idle_since": self.idle_since, "policy": self.kind,
                     # The simulator's rounds (60 s) already wait longer than the scheduler's 5 s
                     # before idle capacity goes to running jobs.
@@ -160,13 +222,14 @@ def shoal_policy_class(optimus_policy):
                               for node, info in nodes.items()],
                     "jobs": views}
 
-        def call_plan(self, snapshot):
+        def call_plan(self, snapshot, count=True):
             started = time.perf_counter()
             self.process.stdin.write(json.dumps(snapshot) + "\n")
             self.process.stdin.flush()
             line = self.process.stdout.readline()
-            self.plan_seconds += time.perf_counter() - started
-            self.plan_calls += 1
+            if count:
+                self.plan_seconds += time.perf_counter() - started
+                self.plan_calls += 1
             if not line:
                 raise RuntimeError("queue_plan ended without a plan (its error is above)")
             return json.loads(line)
@@ -222,6 +285,43 @@ def shoal_policy_class(optimus_policy):
     return ShoalPolicy
 
 
+def adapt_jobs(simulator, cluster, policy):
+    """Submits the workload's jobs as Pollux's are submitted (no tuned batch: each starts at its
+    application's base batch; ncf at 32768, fixed), under BatchPolicy::goodput(): at every change
+    of its world, and as it trains, each job picks its batch by shoal::best_batch() from the steps
+    and the noise it measured, through queue_plan. Its --max is the most workers its largest batch
+    allows (at most the cluster's 64)."""
+    for job in cluster.jobs:
+        job.target_batch_size = 32768 if job.application.name == "ncf" else None
+        if job.target_batch_size is not None:
+            continue
+
+        def update_local_bsz(job, placement):
+            workers = sum(filter(None, placement))
+            job.atomic_bsz, passes = policy.choose(job, workers)
+            job.accum_steps = passes - 1
+
+        def update_params(job, num_nodes, num_replicas, local_bsz, step_time, sync_time,
+                          grad_sqr, grad_var):
+            # A step as Job.step() times it: the accumulating passes without the exchange.
+            job.grad_params = (grad_sqr, grad_var)
+            seconds = step_time + (step_time - sync_time) * job.accum_steps
+            policy.record(job, num_replicas, local_bsz, job.accum_steps + 1, seconds, grad_sqr,
+                          grad_var)
+        job.update_local_bsz = types.MethodType(update_local_bsz, job)
+        job.update_params = types.MethodType(update_params, job)
+    tuned_info = cluster.get_optimus_job_info
+
+    def job_info(job):
+        if job.target_batch_size is not None:
+            return tuned_info(job)
+        info = cluster.get_pollux_job_info(job)
+        app = job.application
+        info.max_replicas = min(app.max_batch_size // app.min_local_bsz, 64)
+        return info
+    cluster.get_optimus_job_info = job_info
+
+
 def run_one(keyed):
     """One workload under one policy; returns its key, {job name: JCT} and plan()'s cost."""
     key, (simulator_dir, workload, policy_name, queue_plan, resize_cost, max_from) = keyed
@@ -234,6 +334,8 @@ def run_one(keyed):
     # its pandas calls are deprecated.
     warnings.filterwarnings("ignore")
     import pandas
+    import applications
+    reuse_interpolators(applications)
     import simulator
     frame = pandas.read_csv(workload)
     clock = {}
@@ -244,11 +346,14 @@ def run_one(keyed):
     else:
         tuned = dict(zip(frame["name"], frame["num_replicas"])) if max_from == "tuned" else None
         policy = shoal_policy_class(simulator.OptimusPolicy)(
-            queue_plan, policy_name.split("-")[1], tuned)
+            queue_plan, policy_name.split("-")[1], tuned, adaptive=policy_name.endswith("-batch"))
     cluster = simulator.Cluster(frame, policy, 16, num_gpus=4)
     clock["cluster"] = cluster
     if policy_name in SHOAL:
         policy.cluster = cluster
+        policy.cluster_jobs = {job.name: job for job in cluster.jobs}
+        if policy.adaptive:
+            adapt_jobs(simulator, cluster, policy)
         if resize_cost != 30:
             original = simulator.Job.reallocate
 

@@ -10,9 +10,20 @@
 //                   "submitted": 0, "running": true, "last_resize": 60 | null,
 //                   "workers": [{"id": 7, "host": "h0", "leaving": false}, ...],
 //                   "throughput": {"1": 52.0, "4": 180.5}, "noise_scale": 0,
-//                   "batch_per_worker": 0}, ...]}
+//                   "batch_per_worker": 0,
+//                   "batch": {"base": 128, "max": 4096, "min_local": 16, "max_local": 256,
+//                             "max_accumulation": 4},
+//                   "steps": [[1, 128, 0.31], [4, 32, 0.12, 2]]}, ...]}  (the last two optional;
+//                   a step: world, batch per backward, seconds, backward passes (default 1))
 //   out: {"actions": [{"kind": "start", "job": 1, "hosts": ["h0"], "workers": [], "reason": "..."}],
 //         "waiting": {"3": "..."}, "free_after": 2}
+//
+// A line may instead ask what batch a job whose batch follows its world by goodput picks
+// (shoal::best_batch, shoal/dp/goodput.h, what elastic::BatchPolicy::goodput() calls):
+//   in:  {"choose": {"world": 4, "batch": {...}, "steps": [...], "noise_scale": 900,
+//                    "overhead_prior": 0.05}}
+//   out: {"local_batch": 64, "accumulation": 1, "global_batch": 256, "throughput": 812.0,
+//         "efficiency": 0.91, "goodput": 739.0}
 //
 // A line that is not such a snapshot ends the program with a one-line error naming what was wrong.
 #include <cmath>
@@ -52,6 +63,37 @@ q::PolicyOptions options_of(const json& line) {
   return options;
 }
 
+shoal::BatchLimits limits_of(const json& given) {
+  shoal::BatchLimits limits;
+  limits.base_batch = given.at("base").get<int64_t>();
+  limits.max_batch = given.at("max").get<int64_t>();
+  limits.min_local = given.value("min_local", int64_t{1});
+  limits.max_local = given.value("max_local", int64_t{0});
+  limits.max_accumulation = given.value("max_accumulation", 1);
+  limits.check("\"batch\"");
+  return limits;
+}
+
+std::vector<shoal::StepSample> steps_of(const json& given) {
+  std::vector<shoal::StepSample> steps;
+  for (const auto& step : given) {
+    steps.push_back({step.at(0).get<int>(), step.at(1).get<double>(), step.at(2).get<double>(),
+                     step.size() > 3 ? step.at(3).get<int>() : 1});
+  }
+  return steps;
+}
+
+json choice_of(const json& given) {
+  const auto model = shoal::StepTimeModel::fit(steps_of(given.value("steps", json::array())),
+                                               given.value("overhead_prior", 0.05));
+  const auto choice =
+      shoal::best_batch(model, shoal::GradientNoise::of_scale(given.value("noise_scale", 0.0)),
+                        given.at("world").get<int>(), limits_of(given.at("batch")));
+  return {{"local_batch", choice.local_batch},   {"accumulation", choice.accumulation},
+          {"global_batch", choice.global_batch}, {"throughput", choice.throughput},
+          {"efficiency", choice.efficiency},     {"goodput", choice.goodput}};
+}
+
 q::Snapshot snapshot_of(const json& line) {
   constexpr double kInf = std::numeric_limits<double>::infinity();
   q::Snapshot snapshot;
@@ -82,6 +124,8 @@ q::Snapshot snapshot_of(const json& line) {
     }
     job.noise_scale = given.value("noise_scale", 0.0);
     job.batch_per_worker = given.value("batch_per_worker", int64_t{0});
+    if (given.contains("batch")) job.batch_limits = limits_of(given.at("batch"));
+    job.steps = steps_of(given.value("steps", json::array()));
     snapshot.jobs.push_back(std::move(job));
   }
   return snapshot;
@@ -109,10 +153,13 @@ int main() {
   for (long number = 1; std::getline(std::cin, text); ++number) {
     try {
       const json line = json::parse(text);
-      std::cout << json_of(q::plan(snapshot_of(line), options_of(line))).dump() << '\n'
-                << std::flush;
+      const json out = line.contains("choose")
+                           ? choice_of(line.at("choose"))
+                           : json_of(q::plan(snapshot_of(line), options_of(line)));
+      std::cout << out.dump() << '\n' << std::flush;
     } catch (const std::exception& error) {
-      std::fprintf(stderr, "queue_plan: line %ld is not a snapshot: %s\n", number, error.what());
+      std::fprintf(stderr, "queue_plan: line %ld is not a snapshot or a choice: %s\n", number,
+                   error.what());
       return 2;
     }
   }

@@ -312,7 +312,8 @@ INSTANTIATE_TEST_SUITE_P(Policies, ElasticScaling, ::testing::Values("scale", "w
 // newcomers) and finishes, every sample trained on once per epoch, its workers' parameters
 // equal at the end. Under adascale() the rate
 // is lr0 * gain, between lr0 and lr0 * world, and above lr0 once the world has grown: AdaScale's
-// gain from the noise DataParallel measured.
+// gain from the noise DataParallel measured. Under goodput() each world's batch is its own
+// choice, within the limits, taken in backward passes where one worker's exceeds a pass.
 class ElasticResizes : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(ElasticResizes, ShrinksAndGrowsAndSeesEverySampleOnce) {
@@ -343,6 +344,35 @@ TEST_P(ElasticResizes, ShrinksAndGrowsAndSeesEverySampleOnce) {
   expect_each_sample_once(read_outcome(out), kEpochs);
   // The last round's three workers end with the same parameters.
   EXPECT_NE((result.out + joined.out).find("parameter spread 0\n"), std::string::npos) << result.out << joined.out;
+  if (policy == "goodput") {
+    // Every step's batch within the limits, one worker's in two backward passes (its 8 samples
+    // or more exceed 6 a pass), the rate lr0 times AdaScale's gain, and the batch following
+    // the world (no batch of 3 workers is one of 8).
+    static const std::regex line(
+        R"(step \d+ world (\d+) lr=(\S+) batch=(\d+) passes=(\d+) gain=(\S+))");
+    const std::string all = result.out + joined.out;
+    std::set<int64_t> batches;
+    int lines = 0;
+    for (std::sregex_iterator it(all.begin(), all.end(), line), end; it != end; ++it, ++lines) {
+      const int world = std::stoi((*it)[1]);
+      const double lr = std::stod((*it)[2]), gain = std::stod((*it)[5]);
+      const int64_t batch = std::stoll((*it)[3]);
+      const int passes = std::stoi((*it)[4]);
+      EXPECT_GE(batch, 8) << it->str();
+      EXPECT_LE(batch, 48) << it->str();
+      EXPECT_EQ(batch % world, 0) << it->str();
+      EXPECT_LE(batch / world, 6 * passes) << it->str();
+      if (world == 1) {
+        EXPECT_EQ(passes, 2) << it->str();
+      }
+      EXPECT_NEAR(lr, 0.05 * gain, 1e-6) << it->str();
+      EXPECT_GE(gain, 1.0 - 1e-9) << it->str();
+      batches.insert(batch);
+    }
+    EXPECT_GT(lines, 10) << all;
+    EXPECT_GE(batches.size(), 2u) << all;
+    return;
+  }
   if (policy != "adascale") return;
   bool gained = false;
   for (const auto& [world, lr] : rates(result.out + joined.out)) {
@@ -354,7 +384,8 @@ TEST_P(ElasticResizes, ShrinksAndGrowsAndSeesEverySampleOnce) {
   EXPECT_TRUE(gained) << result.out << joined.out;
 }
 
-INSTANTIATE_TEST_SUITE_P(Policies, ElasticResizes, ::testing::Values("global", "scale", "adascale"),
+INSTANTIATE_TEST_SUITE_P(Policies, ElasticResizes,
+                         ::testing::Values("global", "scale", "adascale", "goodput"),
                          [](const auto& info) { return info.param; });
 
 // Above --max, a newcomer waits; it joins when a place frees up.

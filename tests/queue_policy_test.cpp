@@ -445,6 +445,51 @@ TEST(GoodputPolicy, SpeedupFollowsTheMeasuredRatesAndTheNoiseScale) {
   EXPECT_NEAR(speedup(exact, 4, options), 4 / (1 + 0.25 * 3) * 96.0 / 192.0, 1e-9);
 }
 
+// A job under BatchPolicy::goodput(): its speed-up is the job's own best goodput at w workers
+// (shoal::best_batch over the model fitted to its steps) over its best at one. With fixed costs
+// and a large noise scale, a larger world pays beyond its throughput alone: its batch grows.
+TEST(GoodputPolicy, AJobWhoseBatchFollowsItsWorldIsWeighedByItsOwnBestGoodput) {
+  PolicyOptions options;
+  options.kind = PolicyOptions::Kind::kGoodput;
+  const shoal::StepTimeModel truth{0.05, 0.001, 0.02, 0.002};
+  JobView adaptive = job(1, 0, 1, 16);
+  adaptive.batch_limits = {32, 4096, 8, 256, 4};
+  for (int w : {1, 2, 4})
+    for (double m : {32.0, 128.0}) adaptive.steps.push_back({w, m, truth.seconds(w, m)});
+  adaptive.noise_scale = 2000;
+  const auto model = shoal::StepTimeModel::fit(adaptive.steps, options.overhead_prior);
+  const auto noise = shoal::GradientNoise::of_scale(2000);
+  const double one = shoal::best_batch(model, noise, 1, adaptive.batch_limits).goodput;
+  for (int w : {1, 2, 5, 16}) {
+    EXPECT_NEAR(speedup(adaptive, w, options),
+                shoal::best_batch(model, noise, w, adaptive.batch_limits).goodput / one, 1e-9);
+  }
+  // Two such jobs, one whose gradient is noisy (a larger batch is worth almost as much a sample)
+  // and one whose gradient is not (a batch above the base buys little): idle workers go to the
+  // first, though the second is older.
+  JobView quiet = adaptive;
+  quiet.noise_scale = 8;
+  EXPECT_LT(speedup(quiet, 8, options), 2.0);
+  EXPECT_GT(speedup(adaptive, 8, options), 4.0);
+  auto snapshot = cluster({{"a", 8}});
+  snapshot.idle_since = 0;
+  JobView first = running(2, 0, 1, 8, {"a", "a"}, 10);
+  first.batch_limits = quiet.batch_limits;
+  first.steps = quiet.steps;
+  first.noise_scale = quiet.noise_scale;
+  JobView second = running(1, 0, 1, 8, {"a", "a"}, 20);
+  second.batch_limits = adaptive.batch_limits;
+  second.steps = adaptive.steps;
+  second.noise_scale = adaptive.noise_scale;
+  second.submitted = 5;
+  snapshot.jobs = {first, second};
+  const Plan plan = queue::plan(snapshot, options);
+  const auto grows = of_kind(plan, Action::kGrow);
+  ASSERT_EQ(grows.size(), 1u) << plan.free_after;
+  EXPECT_EQ(grows[0]->job, 1) << grows[0]->reason;
+  EXPECT_EQ(grows[0]->hosts.size(), 4u) << grows[0]->reason;
+}
+
 JobView scales(JobView view) {
   view.throughput = {{1, 100.0}, {2, 198.0}, {4, 390.0}};
   return view;

@@ -327,6 +327,16 @@ TEST(QueueService, AMalformedHeartbeatIsRefusedWholeWithOneLine) {
                                    {"success", false},
                                    {"progress",
                                     {{"time_ms", 1}, {"samples", 2}, {"world", 1}, {"noise_scale", "large"}}}}});
+  json bad_step = noisy;
+  bad_step["workers"][0]["progress"] = {
+      {"time_ms", 1},
+      {"samples", 2},
+      {"world", 1},
+      {"batch",
+       {{"base", 32}, {"max", 64}, {"min_local", 8}, {"max_local", 32}, {"max_accumulation", 1}}},
+      {"steps", json::array({json::array({1, 32, 0.5, 1}), json::array({2, 16, -1, 1})})}};
+  json bad_limits = bad_step;
+  bad_limits["workers"][0]["progress"]["batch"]["max"] = 16;
   json missing = changed;
   missing.erase("slots");
   json not_a_job = changed;
@@ -336,6 +346,12 @@ TEST(QueueService, AMalformedHeartbeatIsRefusedWholeWithOneLine) {
       {noisy,
        "heartbeat: field 'workers[0].progress.noise_scale' is a string; expected a noise scale in "
        "samples, a number >= 0"},
+      {bad_step,
+       "heartbeat: field 'workers[0].progress.steps[1]' is [2,16,-1,1]; expected [workers >= 1, "
+       "batch per backward > 0, seconds > 0, backward passes >= 1]"},
+      {bad_limits,
+       "heartbeat: field 'workers[0].progress.batch': max_batch is 16; expected at least "
+       "base_batch (32)"},
       {missing,
        "heartbeat: field 'slots' is missing; expected the host's slots, an integer (0: from its "
        "cores)"},

@@ -119,6 +119,19 @@ void Sampler::lease_from(std::shared_ptr<BatchLeases> leases) {
                                                    options_.last_batch == LastBatch::kDrop);
 }
 
+void Sampler::set_batch_size(int64_t batch_size) {
+  if (batch_size < 1) {
+    throw UsageError("Sampler::set_batch_size: " +
+                     out_of_range("batch_size", batch_size, "at least 1"));
+  }
+  if (leased()) {
+    throw UsageError(
+        "Sampler::set_batch_size on a sampler that leases its batches (an elastic "
+        "parameter-server job); expected one that cuts them from its cursor");
+  }
+  options_.batch_size = batch_size;
+}
+
 bool Sampler::leased() const { return source_->leased(); }
 
 void Sampler::reshard(int rank, int world_size) {

@@ -1,5 +1,6 @@
-// Note [Measuring the gradient noise] (shoal/dp/gradient_noise.h): the estimator and what
-// follows from it. No LibTorch here.
+// Note [Measuring the gradient noise] (shoal/dp/gradient_noise.h): the estimator. What follows
+// from it (the gain and the efficiency) is in goodput.cpp, which the queue's policy links too.
+// No LibTorch here.
 #include "shoal/dp/gradient_noise.h"
 
 #include <algorithm>
@@ -9,35 +10,7 @@
 #include "dp/noise_meter.h"
 #include "shoal/core/error.h"
 
-namespace shoal {
-
-double GradientNoise::noise_scale() const {
-  if (variance <= 0.0) return 0.0;
-  if (gradient_sqr <= 0.0) return std::numeric_limits<double>::infinity();
-  return variance / gradient_sqr;
-}
-
-double GradientNoise::gain(double batch, double base_batch) const {
-  if (!(batch > 0.0) || !(base_batch > 0.0)) {
-    std::ostringstream message;
-    message << "GradientNoise::gain(" << batch << ", " << base_batch << "): expected two batch sizes > 0";
-    throw UsageError(message.str());
-  }
-  if (measurements == 0) return 1.0;
-  const double scale = batch / base_batch;
-  const double noise = noise_scale();
-  // All noise: every sample counts (linear scaling); no noise: one step is one step.
-  const double gain = noise == std::numeric_limits<double>::infinity()
-                          ? scale
-                          : (noise / base_batch + 1.0) / (noise / batch + 1.0);
-  return std::clamp(gain, std::min(1.0, scale), std::max(1.0, scale));
-}
-
-double GradientNoise::efficiency(double batch, double base_batch) const {
-  return gain(batch, base_batch) * base_batch / batch;
-}
-
-namespace dp {
+namespace shoal::dp {
 
 NoiseMeter::NoiseMeter(double smoothing, const char* option) : smoothing_(smoothing) {
   if (!(smoothing >= 0.0 && smoothing < 1.0)) {
@@ -87,5 +60,4 @@ void NoiseMeter::set_state(const std::vector<double>& numbers) {
   weight_ = numbers[4];
 }
 
-}  // namespace dp
-}  // namespace shoal
+}  // namespace shoal::dp

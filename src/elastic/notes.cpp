@@ -36,11 +36,28 @@ void note_progress(const Progress& progress, int64_t every_ms, int64_t& last_ms,
   if (file == nullptr) return;
   std::fprintf(file,
                "{\"version\": %lld, \"epoch\": %lld, \"samples\": %lld, \"world\": %d, "
-               "\"time_ms\": %lld, \"noise_scale\": %.6g, \"batch_per_worker\": %lld}\n",
+               "\"time_ms\": %lld, \"noise_scale\": %.6g, \"batch_per_worker\": %lld",
                static_cast<long long>(progress.version), static_cast<long long>(progress.epoch),
                static_cast<long long>(progress.samples), progress.world,
-               static_cast<long long>(now), std::isfinite(progress.noise_scale) ? progress.noise_scale : 0.0,
+               static_cast<long long>(now),
+               std::isfinite(progress.noise_scale) ? progress.noise_scale : 0.0,
                static_cast<long long>(progress.batch_per_worker));
+  if (const BatchLimits& limits = progress.batch_limits; limits.base_batch > 0) {
+    std::fprintf(
+        file,
+        ", \"batch\": {\"base\": %lld, \"max\": %lld, \"min_local\": %lld, \"max_local\": %lld, "
+        "\"max_accumulation\": %d}, \"steps\": [",
+        static_cast<long long>(limits.base_batch), static_cast<long long>(limits.max_batch),
+        static_cast<long long>(limits.min_local), static_cast<long long>(limits.max_local),
+        limits.max_accumulation);
+    for (size_t i = 0; i < progress.steps.size(); ++i) {
+      const StepSample& step = progress.steps[i];
+      std::fprintf(file, "%s[%d, %.17g, %.17g, %d]", i ? ", " : "", step.world, step.local_batch,
+                   step.seconds, step.accumulation);
+    }
+    std::fprintf(file, "]");
+  }
+  std::fprintf(file, "}\n");
   const bool written = std::fclose(file) == 0;
   if (written) std::rename(temporary.c_str(), path);
 }

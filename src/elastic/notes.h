@@ -5,6 +5,9 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
+
+#include "shoal/dp/goodput.h"
 
 namespace shoal::elastic {
 
@@ -22,6 +25,10 @@ struct Progress {
   // goodput policy models the job's efficiency from (src/queue/policy.h).
   double noise_scale = 0;
   int64_t batch_per_worker = 0;
+  // Under BatchPolicy::goodput(): the limits of its batch (base_batch 0: another policy) and
+  // its agreed step times, from which the queue models its speed-up by the job's own rule.
+  BatchLimits batch_limits{};
+  std::vector<StepSample> steps;
 };
 
 // Replaces SHOAL_PROGRESS_FILE's file, if set, with `progress` as one line of JSON and the wall

@@ -1,6 +1,7 @@
 #include "shoal/elastic/state.h"
 
 #include <algorithm>
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -46,9 +47,56 @@ constexpr const char* kVersionKey = "shoal.elastic.version";
 constexpr const char* kRatesKey = "shoal.elastic.learning_rates";
 constexpr const char* kNoiseKey = "shoal.elastic.gradient_noise";
 constexpr const char* kScaledStepsKey = "shoal.elastic.scaled_steps";
+constexpr const char* kStepTimesKey = "shoal.elastic.step_times";
 
 const char* policy_name(BatchPolicy::Kind kind) {
-  return kind == BatchPolicy::Kind::kAdaScale ? "adascale()" : "scale_learning_rate()";
+  switch (kind) {
+    case BatchPolicy::Kind::kAdaScale:
+      return "adascale()";
+    case BatchPolicy::Kind::kGoodput:
+      return "goodput()";
+    default:
+      return "scale_learning_rate()";
+  }
+}
+
+// BatchPolicy::goodput()'s agreed step times as a tensor of five numbers each (world, batch per
+// backward, backward passes, mean seconds, steps), and back.
+using StepTimes = std::map<std::tuple<int, int64_t, int>, std::pair<double, int64_t>>;
+
+at::Tensor pack_step_times(const StepTimes& step_times) {
+  std::vector<double> numbers;
+  for (const auto& [shape, mean] : step_times) {
+    const auto& [world, batch, passes] = shape;
+    numbers.insert(numbers.end(),
+                   {static_cast<double>(world), static_cast<double>(batch),
+                    static_cast<double>(passes), mean.first, static_cast<double>(mean.second)});
+  }
+  return at::tensor(numbers, at::kDouble);
+}
+
+StepTimes unpack_step_times(const at::Tensor& tensor) {
+  const auto numbers = tensor.to(at::kDouble).contiguous();
+  const double* n = numbers.data_ptr<double>();
+  StepTimes step_times;
+  for (int64_t i = 0; i + 5 <= numbers.numel(); i += 5) {
+    step_times[{static_cast<int>(n[i]), static_cast<int64_t>(n[i + 1]),
+                static_cast<int>(n[i + 2])}] = {n[i + 3], static_cast<int64_t>(n[i + 4])};
+  }
+  return step_times;
+}
+
+std::vector<StepSample> samples_of(const StepTimes& step_times) {
+  std::vector<StepSample> steps;
+  for (const auto& [shape, mean] : step_times) {
+    const auto& [world, batch, passes] = shape;
+    steps.push_back({world, static_cast<double>(batch), mean.first, passes});
+  }
+  return steps;
+}
+
+double steady_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 constexpr const char* kValuePrefix = "value.";
 // How often commit() records the job's progress for newcomers (Note [The job's recorded commits]).
@@ -66,7 +114,7 @@ State::State(torch::nn::Module& module, torch::optim::Optimizer& optimizer, data
         "global batch; this one is per_worker");
   }
   const auto kind = options_.policy.kind;
-  if (kind == BatchPolicy::Kind::kScaleLearningRate || kind == BatchPolicy::Kind::kAdaScale) {
+  if (kind != BatchPolicy::Kind::kKeepGlobalBatch) {
     if (!per_worker) {
       throw UsageError(std::string("elastic::State: BatchPolicy::") + policy_name(kind) +
                        " needs a per_worker sampler (each worker's batch stays); this one's batch_size is the "
@@ -89,10 +137,23 @@ State::State(torch::nn::Module& module, torch::optim::Optimizer& optimizer, data
       break;
     }
   }
-  if (kind == BatchPolicy::Kind::kAdaScale && !noise_) {
+  if ((kind == BatchPolicy::Kind::kAdaScale || kind == BatchPolicy::Kind::kGoodput) && !noise_) {
     throw UsageError(
-        "elastic::State: BatchPolicy::adascale() needs the gradient noise measured: expected the module "
-        "under a DataParallel with measure_gradient_noise = true");
+        std::string("elastic::State: BatchPolicy::") + policy_name(kind) +
+        " needs the gradient noise measured: expected the module under a DataParallel with "
+        "measure_gradient_noise = true");
+  }
+  if (kind == BatchPolicy::Kind::kGoodput) {
+    options_.policy.limits.check("elastic::State: BatchPolicy::goodput()");
+    if (options_.policy.choose_every < 1) {
+      throw UsageError("elastic::State: BatchPolicy::goodput(): choose_every is " +
+                       std::to_string(options_.policy.choose_every) + "; expected commits >= 1");
+    }
+    if (sampler.leased()) {
+      throw UsageError(
+          "elastic::State: BatchPolicy::goodput() changes the sampler's batch; this one "
+          "leases its batches (an elastic parameter-server job): expected one that cuts them");
+    }
   }
   // Elastic rounds share one worker's whole module, which is wrong for pieces of global tensors.
   auto refuse_globals = [](torch::nn::Module& m) {
@@ -128,7 +189,9 @@ void State::commit() {
   ++version_;
   const auto& policy = options_.policy;
   if (!epoch_commit_) scaled_steps_ += gain_;  // the step just taken, at the rates of gain_
-  if (policy.kind == BatchPolicy::Kind::kAdaScale) apply_gain();
+  if (policy.kind == BatchPolicy::Kind::kGoodput) time_step();
+  if (policy.kind == BatchPolicy::Kind::kAdaScale || policy.kind == BatchPolicy::Kind::kGoodput)
+    apply_gain();
   if (policy.kind == BatchPolicy::Kind::kScaleLearningRate && warmup_done_ < policy.warmup_steps) {
     ++warmup_done_;
     const int world = shoal::is_initialized() ? shoal::world_size() : 1;
@@ -143,10 +206,20 @@ void State::commit() {
   snapshot();
   // The job's progress for a queue that runs it, from its first worker, twice a second.
   if (!shoal::is_initialized() || shoal::rank() == 0) {
-    note_progress({version_, epoch_, sampler_.epoch() * sampler_.dataset_size() + sampler_.cursor(),
-                   shoal::is_initialized() ? shoal::world_size() : 1, noise_ ? noise_->value().noise_scale() : 0.0,
-                   sampler_.options().per_worker ? static_cast<int64_t>(sampler_.options().batch_size) : 0},
-                  500, progress_at_ms_, progress_world_);
+    Progress progress{
+        version_,
+        epoch_,
+        sampler_.epoch() * sampler_.dataset_size() + sampler_.cursor(),
+        shoal::is_initialized() ? shoal::world_size() : 1,
+        noise_ ? noise_->value().noise_scale() : 0.0,
+        sampler_.options().per_worker ? static_cast<int64_t>(sampler_.options().batch_size) : 0,
+        BatchLimits{},
+        {}};
+    if (policy.kind == BatchPolicy::Kind::kGoodput) {
+      progress.batch_limits = policy.limits;
+      progress.steps = samples_of(step_times_);
+    }
+    note_progress(progress, 500, progress_at_ms_, progress_world_);
   }
   if (shoal::is_initialized() && shoal::job().elastic) {
     // A worker the others declared dead trains in a group they left: nothing it does from here
@@ -186,6 +259,7 @@ std::string State::serialize() const {
   for (auto& g : optimizer_.param_groups()) rates.push_back(g.options().get_lr());
   extras[kRatesKey] = at::tensor(rates, at::kDouble);
   extras[kScaledStepsKey] = at::tensor({scaled_steps_}, at::kDouble);
+  if (!step_times_.empty()) extras[kStepTimesKey] = pack_step_times(step_times_);
   if (noise_) extras[kNoiseKey] = at::tensor(noise_->state(), at::kDouble);
   return checkpoint::encode_payload(module_, &optimizer_, &sampler_, extras);
 }
@@ -206,6 +280,8 @@ void State::deserialize(const std::string& what, std::string_view payload) {
     groups[i].options().set_lr(rates[i].item<double>());
   }
   if (extras.count(kScaledStepsKey)) scaled_steps_ = extras.at(kScaledStepsKey).item<double>();
+  step_times_ =
+      extras.count(kStepTimesKey) ? unpack_step_times(extras.at(kStepTimesKey)) : StepTimes{};
   if (noise_ && extras.count(kNoiseKey)) {
     const auto numbers = extras.at(kNoiseKey).contiguous();
     noise_->set_state(std::vector<double>(numbers.data_ptr<double>(), numbers.data_ptr<double>() + numbers.numel()));
@@ -455,6 +531,23 @@ void State::finish() {
 
 void State::apply_policy() {
   const auto& policy = options_.policy;
+  if (policy.kind == BatchPolicy::Kind::kGoodput) {
+    // This worker's steps of the last round are not agreed on: dropped. A member whose last
+    // agreement failed where others' succeeded holds other times: the first worker's stand.
+    pending_seconds_ = 0;
+    pending_steps_ = 0;
+    last_commit_s_ = -1;
+    if (shoal::is_initialized() && shoal::world_size() > 1) {
+      comm::Group& group = shoal::world();
+      auto times = pack_step_times(step_times_);
+      auto count = at::tensor({times.numel()}, at::kLong);
+      group.broadcast(count);
+      if (shoal::rank() != 0) times = at::zeros({count.item<int64_t>()}, at::kDouble);
+      group.broadcast(times);
+      step_times_ = unpack_step_times(times);
+    }
+    choose();
+  }
   if (policy.kind == BatchPolicy::Kind::kAdaScale) apply_gain();
   if (policy.kind != BatchPolicy::Kind::kScaleLearningRate) return;
   const int world = shoal::is_initialized() ? shoal::world_size() : 1;
@@ -482,10 +575,57 @@ void State::set_base_learning_rates(std::vector<double> rates) {
 void State::apply_gain() {
   const int world = shoal::is_initialized() ? shoal::world_size() : 1;
   const double per_worker = static_cast<double>(sampler_.options().batch_size);
-  gain_ = noise_->value().gain(world * per_worker, options_.policy.reference_world_size * per_worker);
+  const auto& policy = options_.policy;
+  gain_ =
+      policy.kind == BatchPolicy::Kind::kGoodput
+          ? noise_->value().gain(world * per_worker, static_cast<double>(policy.limits.base_batch))
+          : noise_->value().gain(world * per_worker, policy.reference_world_size * per_worker);
   auto& groups = optimizer_.param_groups();
   for (size_t i = 0; i < groups.size() && i < base_rates_.size(); ++i)
     groups[i].options().set_lr(base_rates_[i] * gain_);
+}
+
+// Note [Choosing the batch in an elastic job]
+// Every worker must cut the same batch at the same step, so BatchPolicy::goodput() chooses from
+// what every worker holds the same: the gradient noise (summed over the workers, committed with
+// the rest) and the agreed step times. Each worker times its own steps, commit to commit (not
+// next_epoch()'s, which ends none, nor a round's first, which pays for the round); every
+// choose_every commits one all-reduce of two numbers sums them over the workers, and the mean is
+// merged into the agreed time of the current (world, batch per backward, backward passes). The
+// agreed times are committed, so that a newcomer and a job resumed from disk choose alike. After
+// a change of the world the unagreed steps of the last round are dropped and the new world's
+// batch is chosen from the agreed times alone: a world never run at is modeled (shoal/dp/
+// goodput.h). The learning rates follow AdaScale's gain for the global batch chosen.
+void State::time_step() {
+  const double now = steady_seconds();
+  if (last_commit_s_ >= 0 && !epoch_commit_) {
+    pending_seconds_ += now - last_commit_s_;
+    ++pending_steps_;
+  }
+  last_commit_s_ = now;
+  if (++commits_since_choice_ < options_.policy.choose_every) return;
+  auto sums = at::tensor({pending_seconds_, static_cast<double>(pending_steps_)}, at::kDouble);
+  if (shoal::is_initialized() && shoal::world_size() > 1) shoal::world().all_reduce(sums);
+  const double seconds = sums[0].item<double>();
+  const auto steps = static_cast<int64_t>(sums[1].item<double>());
+  pending_seconds_ = 0;
+  pending_steps_ = 0;
+  if (steps > 0) {
+    const int world = shoal::is_initialized() ? shoal::world_size() : 1;
+    auto& [mean, count] = step_times_[{world, choice_.local_batch, choice_.accumulation}];
+    mean = (mean * static_cast<double>(count) + seconds) / static_cast<double>(count + steps);
+    count += steps;
+  }
+  choose();
+}
+
+void State::choose() {
+  commits_since_choice_ = 0;
+  const int world = shoal::is_initialized() ? shoal::world_size() : 1;
+  choice_ = best_batch(StepTimeModel::fit(samples_of(step_times_)), noise_->value(), world,
+                       options_.policy.limits);
+  sampler_.set_batch_size(choice_.local_batch * choice_.accumulation);
+  apply_gain();
 }
 
 void run(State& state, const std::function<void()>& train) {

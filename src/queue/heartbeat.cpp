@@ -104,6 +104,41 @@ HeartbeatReport::Progress progress(const json& in, const std::string& path) {
     p.batch_per_worker =
         integer_at<int64_t>(in, path, "batch_per_worker", "each worker's batch, an integer (0: the global batch stays)");
   }
+  // Written by workers under BatchPolicy::goodput() only.
+  if (in.contains("batch")) {
+    const json& batch = in.at("batch");
+    const std::string at = path + "batch.";
+    if (!batch.is_object())
+      refuse(path + "batch", "is " + kind_of(batch), "the batch's limits, an object");
+    p.batch_limits.base_batch =
+        integer_at<int64_t>(batch, at, "base", "the base global batch, an integer");
+    p.batch_limits.max_batch =
+        integer_at<int64_t>(batch, at, "max", "the largest global batch, an integer");
+    p.batch_limits.min_local =
+        integer_at<int64_t>(batch, at, "min_local", "a worker's smallest batch, an integer");
+    p.batch_limits.max_local =
+        integer_at<int64_t>(batch, at, "max_local", "a worker's largest batch, an integer");
+    p.batch_limits.max_accumulation =
+        integer_at<int>(batch, at, "max_accumulation", "backward passes a step, an integer");
+    p.batch_limits.check(("heartbeat: field '" + path + "batch'").c_str());
+    const json steps = in.value("steps", json::array());
+    if (!steps.is_array())
+      refuse(path + "steps", "is " + kind_of(steps), "the step times, an array");
+    for (size_t i = 0; i < steps.size(); ++i) {
+      const json& step = steps[i];
+      const bool valid = step.is_array() && step.size() == 4 && step[0].is_number_integer() &&
+                         step[1].is_number() && step[2].is_number() &&
+                         step[3].is_number_integer() && step[0].get<int>() >= 1 &&
+                         step[1].get<double>() > 0 && step[2].get<double>() > 0 &&
+                         step[3].get<int>() >= 1;
+      if (!valid) {
+        refuse(path + "steps[" + std::to_string(i) + "]", "is " + step.dump(),
+               "[workers >= 1, batch per backward > 0, seconds > 0, backward passes >= 1]");
+      }
+      p.steps.push_back(
+          {step[0].get<int>(), step[1].get<double>(), step[2].get<double>(), step[3].get<int>()});
+    }
+  }
   return p;
 }
 
@@ -117,6 +152,17 @@ void to_json(nlohmann::json& out, const HeartbeatReport::Progress& p) {
                        {"world", p.world},
                        {"noise_scale", p.noise_scale},
                        {"batch_per_worker", p.batch_per_worker}};
+  if (const BatchLimits& limits = p.batch_limits; limits.base_batch > 0) {
+    out["batch"] = {{"base", limits.base_batch},
+                    {"max", limits.max_batch},
+                    {"min_local", limits.min_local},
+                    {"max_local", limits.max_local},
+                    {"max_accumulation", limits.max_accumulation}};
+    nlohmann::json steps = nlohmann::json::array();
+    for (const auto& step : p.steps)
+      steps.push_back({step.world, step.local_batch, step.seconds, step.accumulation});
+    out["steps"] = steps;
+  }
 }
 
 void from_json(const nlohmann::json& in, HeartbeatReport::Progress& p) {

@@ -22,6 +22,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "shoal/dp/goodput.h"
 
 namespace shoal::queue {
 
@@ -33,6 +34,10 @@ struct HeartbeatReport {
     int world = 1;
     double noise_scale = 0;        // the gradient noise scale, in samples (0: not measured)
     int64_t batch_per_worker = 0;  // each worker's batch when it stays (0: the global one does)
+    // Under BatchPolicy::goodput(): its batch's limits (base_batch 0: another policy) and its
+    // step times (src/elastic/notes.h).
+    BatchLimits batch_limits{};
+    std::vector<StepSample> steps;
   };
   // A worker the agent runs, or one that ended and whose end the scheduler has not yet recorded
   // (the agent reports it until the orders' `forget` lists it).

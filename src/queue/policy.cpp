@@ -358,10 +358,16 @@ void grow_by_gain(Plan& result, Room& room, const std::vector<const JobView*>& r
 double speedup(const JobView& job, int workers, const PolicyOptions& options) {
   if (workers <= 0) return 0.0;
   const double w = workers;
+  const auto noise = GradientNoise::of_scale(job.noise_scale);
+  if (job.batch_limits.base_batch > 0) {
+    const auto model = StepTimeModel::fit(job.steps, options.overhead_prior);
+    const double one = best_batch(model, noise, 1, job.batch_limits).goodput;
+    return one > 0 ? best_batch(model, noise, workers, job.batch_limits).goodput / one : w;
+  }
   double efficiency = 1.0;
   if (job.batch_per_worker > 0 && job.noise_scale > 0) {
     const double batch = static_cast<double>(job.batch_per_worker);
-    efficiency = (job.noise_scale + batch) / (job.noise_scale + w * batch);
+    efficiency = noise.efficiency(w * batch, batch);
   }
   return w / (1.0 + overhead_ratio(job, options) * (w - 1.0)) * efficiency;
 }

@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "shoal/dp/goodput.h"
+
 namespace shoal::queue {
 
 struct HostView {
@@ -47,6 +49,11 @@ struct JobView {
   std::map<int, double> throughput;
   double noise_scale = 0;
   int64_t batch_per_worker = 0;
+  // A job whose batch follows its world by goodput (elastic::BatchPolicy::goodput()): the limits
+  // of its batch (base_batch 0: not such a job) and the steps it measured, from which its
+  // speed-up is modeled instead (Note [Speed-up curves]).
+  BatchLimits batch_limits;
+  std::vector<StepSample> steps;
 
   int active() const;  // workers not leaving
 };
@@ -81,6 +88,9 @@ struct PolicyOptions {
 // global batch is w B_w and a sample is worth E(w) = (B_noise + B_w) / (B_noise + w B_w) of one
 // at one worker's batch (shoal/dp/gradient_noise.h); otherwise E = 1.
 // speedup(w) = T(w) E(w) / (T(1) E(1)).
+// A job whose batch follows its world by goodput picks, at each world, the batch of the highest
+// goodput under the step-time model fitted to the steps it measured (shoal/dp/goodput.h, the
+// job's own rule): its speed-up is that best goodput at w over the best at one worker.
 double speedup(const JobView& job, int workers, const PolicyOptions& options);
 
 struct Snapshot {

@@ -77,6 +77,8 @@ Orders Scheduler::heartbeat(const HeartbeatReport& report) {
       if (job.throughput.add(p.time_ms, p.samples, p.world)) s.dirty_jobs.insert(w.job);
       job.noise_scale = p.noise_scale;
       job.batch_per_worker = p.batch_per_worker;
+      job.batch_limits = p.batch_limits;
+      job.steps = p.steps;
     }
     if (entry.running) {
       if (w.state == "starting") {

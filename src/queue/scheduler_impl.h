@@ -90,6 +90,16 @@ struct Scheduler::Impl {
     Throughput throughput;  // from its first worker's progress (docs/queue.md, "Throughput")
     double noise_scale = 0;  // the same progress's, for the goodput policy (src/queue/policy.h)
     int64_t batch_per_worker = 0;
+    BatchLimits batch_limits{};     // under BatchPolicy::goodput(): base_batch > 0
+    std::vector<StepSample> steps;  // its step times, then
+    // What plan() models its speed-up from (Note [Speed-up curves]).
+    void model_into(JobView& view) const {
+      view.throughput = throughput.by_world();
+      view.noise_scale = noise_scale;
+      view.batch_per_worker = batch_per_worker;
+      view.batch_limits = batch_limits;
+      view.steps = steps;
+    }
   };
   struct Host {
     std::string name;

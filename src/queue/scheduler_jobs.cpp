@@ -303,9 +303,7 @@ Snapshot Scheduler::Impl::snapshot(int64_t now) {
     view.last_resize = job.last_resize_ms == kNever
                            ? -std::numeric_limits<double>::infinity()
                            : static_cast<double>(job.last_resize_ms) / 1000;
-    view.throughput = job.throughput.by_world();
-    view.noise_scale = job.noise_scale;
-    view.batch_per_worker = job.batch_per_worker;
+    job.model_into(view);
     snap.jobs.push_back(std::move(view));
   }
   return snap;

@@ -51,9 +51,7 @@ JobInfo Scheduler::Impl::job_info(const Job& job) const {
   out.noise_scale = job.noise_scale;
   out.batch_per_worker = job.batch_per_worker;
   JobView view;
-  view.throughput = job.throughput.by_world();
-  view.noise_scale = job.noise_scale;
-  view.batch_per_worker = job.batch_per_worker;
+  job.model_into(view);
   for (int w = 1; w <= std::min(job.spec.max_workers, 64); ++w) out.speedup.push_back(speedup(view, w, options.policy));
   for (const auto& [id, w] : workers) {
     if (w.job == job.id && w.state != "exited") ++out.workers;

@@ -81,7 +81,8 @@ class Synthetic : public torch::data::datasets::Dataset<Synthetic> {
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::cerr << "usage: elastic_worker OUT [EPOCHS] [STEP_MS] [POLICY: global, scale, warmup, adascale]\n";
+    std::cerr << "usage: elastic_worker OUT [EPOCHS] [STEP_MS] [POLICY: global, scale, warmup, "
+                 "adascale, goodput]\n";
     return 2;
   }
   const std::string out_path = argv[1];
@@ -95,7 +96,7 @@ int main(int argc, char** argv) {
   auto net = std::make_shared<Net>();
   torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
   shoal::DataParallelOptions dp_options;
-  dp_options.measure_gradient_noise = policy == "adascale";
+  dp_options.measure_gradient_noise = policy == "adascale" || policy == "goodput";
   shoal::DataParallel model(net, dp_options);
 
   shoal::data::LoaderOptions options;
@@ -114,6 +115,12 @@ int main(int argc, char** argv) {
     options.batch_size = 4;
     options.per_worker = true;
     state_options.policy = shoal::elastic::BatchPolicy::adascale(1);
+  } else if (policy == "goodput") {
+    // A base batch of 8 that one worker takes in two backward passes (at most 6 samples each);
+    // at most 48 in all. The batch is chosen again every 5 commits.
+    options.batch_size = 4;
+    options.per_worker = true;
+    state_options.policy = shoal::elastic::BatchPolicy::goodput({8, 48, 2, 6, 2}, 5);
   } else {
     options.batch_size = 10;
   }
@@ -181,13 +188,28 @@ int main(int argc, char** argv) {
           }
         }
         optimizer.zero_grad();
-        // The plain mean over this worker's share: DataParallel weighs it by the share.
-        auto loss = torch::nn::functional::cross_entropy(model(features), batch.target);
         // What every worker trained on in this step, summed over the workers.
         auto seen = torch::zeros({kSamples}, torch::kLong);
         seen.index_add_(0, indices, torch::ones_like(indices));
         if (!late_count) shoal::world().all_reduce(seen);
-        loss.backward();
+        // The plain mean over this worker's share: DataParallel weighs it by the share. Under
+        // goodput() the share comes in state.accumulation() backward passes, each weighed by
+        // its part of the share; all but the last accumulate without exchanging.
+        const auto parts =
+            features.size(0) > 0 ? features.chunk(state.accumulation()) : std::vector{features};
+        const auto targets = batch.target.size(0) > 0 ? batch.target.chunk(state.accumulation())
+                                                      : std::vector{batch.target};
+        for (size_t i = 0; i < parts.size(); ++i) {
+          const double weight =
+              features.size(0) > 0 ? static_cast<double>(parts[i].size(0)) / features.size(0) : 1.0;
+          auto loss = torch::nn::functional::cross_entropy(model(parts[i]), targets[i]) * weight;
+          if (i + 1 < parts.size()) {
+            auto guard = model.no_sync();
+            loss.backward();
+          } else {
+            loss.backward();
+          }
+        }
         optimizer.step();
         if (state.version() == die_after && shoal::rank() == shoal::world_size() - 1 &&
             shoal::world_size() > 1) {
@@ -198,6 +220,7 @@ int main(int argc, char** argv) {
         if (step_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(step_ms));
         const bool last = shoal::rank() == shoal::world_size() - 1;
         if (state.version() + 1 == term_at && !last) ::raise(SIGTERM);
+        const auto trained = state.batch_choice();
         state.commit();
         if (state.version() == term_at && last) ::raise(SIGTERM);
         if (state.version() == exit_at && shoal::rank() == shoal::world_size() - 1 &&
@@ -206,7 +229,12 @@ int main(int argc, char** argv) {
         }
         if (shoal::is_main()) {
           std::cout << "step " << state.version() << " world " << shoal::world_size()
-                    << " lr=" << optimizer.param_groups()[0].options().get_lr() << std::endl;
+                    << " lr=" << optimizer.param_groups()[0].options().get_lr();
+          if (policy == "goodput") {
+            std::cout << " batch=" << trained.global_batch << " passes=" << trained.accumulation
+                      << " gain=" << state.gain();
+          }
+          std::cout << std::endl;
         }
       }
     }

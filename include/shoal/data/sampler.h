@@ -112,6 +112,11 @@ class Sampler : public checkpoint::Stateful {
   // The loader calls it when it hands a batch out. See docs/data.md, "When the cursor moves".
   void advance();
 
+  // Changes the batch (the options' batch_size: each worker's with per_worker) from the batch at
+  // the cursor on. Every worker changes it at the same step (elastic::BatchPolicy::goodput() does,
+  // at its commits); the cursor counts positions, so the epoch still gives every sample once.
+  // UsageError for a batch_size < 1 and for a sampler that leases its batches.
+  void set_batch_size(int64_t batch_size);
   // From now on, the batches are leased from `leases`, each of batch_size positions (per_worker)
   // or batch_size / world_size (rounded up); a kIdle lease is an empty batch. UsageError for
   // LastBatch::kPad, which leases cannot express. A null `leases` goes back to the cursor.

@@ -48,6 +48,10 @@ struct GradientNoise {
   double gain(double batch, double base_batch) const;
   // gain(batch, base_batch) / (batch / base_batch).
   double efficiency(double batch, double base_batch) const;
+
+  // The noise of scale `noise_scale` (in samples; infinity: all noise), as a measurement that
+  // gives only that, such as the queue has of a job; <= 0: nothing measured.
+  static GradientNoise of_scale(double noise_scale);
 };
 
 }  // namespace shoal

@@ -22,6 +22,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -29,6 +30,7 @@
 #include <torch/optim/optimizer.h>
 
 #include "shoal/data/sampler.h"
+#include "shoal/dp/goodput.h"
 
 namespace shoal::dp {
 class Replication;  // src/dp/replication.h
@@ -53,6 +55,13 @@ struct BatchPolicy {
     // dominates, none once the batch is far above the noise scale. State::scaled_steps() counts
     // the progress in steps at the reference world, for a schedule and for when to stop.
     kAdaScale,
+    // The batch follows the world by goodput (Pollux, OSDI'21; shoal/dp/goodput.h): at every
+    // change of the world and every `choose_every` commits, the batch of the highest goodput
+    // within `limits`, from the steps this job measured and its gradient noise, and the
+    // learning rate scaled by AdaScale's gain for that batch against limits.base_batch. The
+    // sampler is per_worker; its batch_size becomes each worker's samples per step, which the
+    // loop takes in accumulation() backward passes (State::accumulation()).
+    kGoodput,
   };
   Kind kind = Kind::kKeepGlobalBatch;
   // kScaleLearningRate and kAdaScale: the world size the optimizer's learning rates were set for.
@@ -60,12 +69,18 @@ struct BatchPolicy {
   // kScaleLearningRate: after a change, the rate moves linearly to its new value over this many
   // commits (0: at once).
   int64_t warmup_steps = 0;
+  // kGoodput: what the batch may be, and how many commits pass between two choices.
+  BatchLimits limits{};
+  int64_t choose_every = 50;
 
   static BatchPolicy keep_global_batch() { return {}; }
   static BatchPolicy scale_learning_rate(int reference_world_size = 1, int64_t warmup_steps = 0) {
     return {Kind::kScaleLearningRate, reference_world_size, warmup_steps};
   }
   static BatchPolicy adascale(int reference_world_size = 1) { return {Kind::kAdaScale, reference_world_size, 0}; }
+  static BatchPolicy goodput(BatchLimits limits, int64_t choose_every = 50) {
+    return {Kind::kGoodput, 1, 0, limits, choose_every};
+  }
 };
 
 struct StateOptions {
@@ -149,6 +164,11 @@ class State {
   // The factor the policy scales the learning rates by for the next step (1 under
   // kKeepGlobalBatch).
   double gain() const { return gain_; }
+  // kGoodput: the backward passes the next step takes its batch in (gradient accumulation: the
+  // first accumulation() - 1 under DataParallel::no_sync()); 1 under the other policies. And the
+  // last choice, with what it expected of it.
+  int accumulation() const { return choice_.accumulation; }
+  const BatchChoice& batch_choice() const { return choice_; }
 
   struct Snapshot;
 
@@ -168,8 +188,13 @@ class State {
   // Some parameter changed since the last commit, which kept no copy of them.
   bool parameters_changed() const;
   void apply_policy();
-  // The learning rates for the next step: lr0 * gain_ (kAdaScale).
+  // The learning rates for the next step: lr0 * gain_ (kAdaScale, kGoodput).
   void apply_gain();
+  // kGoodput: times the step that just ended, and every choose_every commits agrees on the
+  // steps' times and picks the batch again (a collective); choose() picks it from what is
+  // agreed (Note [Choosing the batch in an elastic job], src/elastic/state.cpp).
+  void time_step();
+  void choose();
   void check_world();
   // The state as a checkpoint payload (checkpoint/contents.h), and back.
   std::string serialize() const;
@@ -199,6 +224,16 @@ class State {
   std::shared_ptr<dp::NoiseMeter> noise_;
   double scaled_steps_ = 0.0;
   double gain_ = 1.0;
+  // kGoodput: the mean seconds of a step at each (world, batch per backward, backward passes),
+  // the same on every worker (agreed, committed and restored with the rest); this worker's own
+  // steps since the last agreement, at the current choice; when the last commit ended.
+  using StepTimes = std::map<std::tuple<int, int64_t, int>, std::pair<double, int64_t>>;
+  StepTimes step_times_;
+  double pending_seconds_ = 0.0;
+  int64_t pending_steps_ = 0;
+  int64_t commits_since_choice_ = 0;
+  double last_commit_s_ = -1.0;
+  BatchChoice choice_{};
   bool epoch_commit_ = false;  // next_epoch()'s commit, which ends no step
   std::unique_ptr<Snapshot> committed_;
   // restore() found the parameters changed since the commit, which kept no copy: sync() must
