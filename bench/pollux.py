@@ -35,7 +35,7 @@ it by the same function. Every change of a job's allocation pauses it for the si
 for every policy), unless --resize-cost says otherwise for shoal's.
 
     /usr/bin/python3 bench/pollux.py build [--loads 0.5,1.0,1.5,2.0] [--policies ...] [--jobs 2]
-                                           [--max bound|tuned] [--resize-cost 30]
+                                           [--max bound|tuned] [--resize-cost 30] [--min-gain G]
 """
 import argparse
 import collections
@@ -134,8 +134,9 @@ def shoal_policy_class(optimus_policy):
     submits its jobs as Optimus's (tuned batch, worker count free): optimize() is plan()'s."""
 
     class ShoalPolicy(optimus_policy):
-        def __init__(self, queue_plan, kind, tuned=None, adaptive=False):
+        def __init__(self, queue_plan, kind, tuned=None, adaptive=False, options=None):
             super().__init__()
+            self.options = options or {}  # PolicyOptions given on the command line
             self.kind = kind
             self.tuned = tuned  # job name -> --max, instead of the batch's bound
             self.adaptive = adaptive  # jobs under BatchPolicy::goodput() (but ncf, as Pollux's)
@@ -217,7 +218,7 @@ def shoal_policy_class(optimus_policy):
             return {"now": now, "idle_since": self.idle_since, "policy": self.kind,
                     # The simulator's rounds (60 s) already wait longer than the scheduler's 5 s
                     # before idle capacity goes to running jobs.
-                    "options": {"grow_idle": 0},
+                    "options": dict({"grow_idle": 0}, **self.options),
                     "hosts": [{"name": "h%d" % node, "capacity": int(info.resources["nvidia.com/gpu"])}
                               for node, info in nodes.items()],
                     "jobs": views}
@@ -324,7 +325,7 @@ def adapt_jobs(simulator, cluster, policy):
 
 def run_one(keyed):
     """One workload under one policy; returns its key, {job name: JCT} and plan()'s cost."""
-    key, (simulator_dir, workload, policy_name, queue_plan, resize_cost, max_from) = keyed
+    key, (simulator_dir, workload, policy_name, queue_plan, resize_cost, max_from, options) = keyed
     install_stand_ins()
     sys.path.insert(0, simulator_dir)
     import contextlib
@@ -346,7 +347,8 @@ def run_one(keyed):
     else:
         tuned = dict(zip(frame["name"], frame["num_replicas"])) if max_from == "tuned" else None
         policy = shoal_policy_class(simulator.OptimusPolicy)(
-            queue_plan, policy_name.split("-")[1], tuned, adaptive=policy_name.endswith("-batch"))
+            queue_plan, policy_name.split("-")[1], tuned, adaptive=policy_name.endswith("-batch"),
+            options=options)
     cluster = simulator.Cluster(frame, policy, 16, num_gpus=4)
     clock["cluster"] = cluster
     if policy_name in SHOAL:
@@ -410,6 +412,8 @@ def main():
     parser.add_argument("--max", dest="max_from", choices=("bound", "tuned"), default="bound",
                         help="each shoal job's --max: the most workers its batch allows (as "
                              "Optimus), or the workload's tuned worker count (what Tiresias runs)")
+    parser.add_argument("--min-gain", type=float,
+                        help="PolicyOptions::min_gain for shoal's policies (default: plan()'s)")
     parser.add_argument("--json", help="also write every JCT here")
     args = parser.parse_args()
 
@@ -442,7 +446,9 @@ def main():
         for policy in sorted(policies, key=lambda p: p not in SHOAL):  # shoal's first
             for name in names:
                 workload = os.path.join(folder, LOADS[load], name + ".csv")
-                tasks.append((folder, workload, policy, queue_plan, args.resize_cost, args.max_from))
+                options = {} if args.min_gain is None else {"min_gain": args.min_gain}
+                tasks.append((folder, workload, policy, queue_plan, args.resize_cost, args.max_from,
+                              options))
                 keys.append((load, policy, name))
     started = time.time()
     results = {}
@@ -472,7 +478,9 @@ def main():
                 sys.exit("pollux: %s at %sx left jobs unfinished in %s" % (policy, load, incomplete))
             rows[policy] = measures(runs, submitted[load])
         print("\nload %sx (%d workloads of 160 jobs; 16 nodes x 4 GPUs; JCT in s; shoal's jobs: "
-              "--max %s, a resize pauses %g s)" % (load, len(names), args.max_from, args.resize_cost))
+              "--max %s, a resize pauses %g s%s)" % (
+                  load, len(names), args.max_from, args.resize_cost,
+                  "" if args.min_gain is None else ", min_gain %g" % args.min_gain))
         print("%-24s %10s %10s %10s %12s %12s" % ("policy", "mean JCT", "p99 JCT", "makespan",
                                                   "/tiresias", "/pollux"))
         for policy, m in rows.items():
