@@ -132,6 +132,10 @@ int main(int argc, char** argv) {
   const int64_t die_after = flag("ELASTIC_WORKER_DIE_AFTER");
   const int64_t exit_at = flag("ELASTIC_WORKER_EXIT_AT");
   const int64_t term_at = flag("ELASTIC_WORKER_TERM_AT");
+  // Alone in a round, after this many steps: no more training, only commits every STEP_MS, until
+  // newcomers join (the commit that takes them in ends the round). A test's newcomers then find
+  // the job still running however slowly they start.
+  const int64_t hold_alone_after = flag("ELASTIC_WORKER_HOLD_ALONE_AFTER");
   state_options.copy_parameters = flag("ELASTIC_WORKER_COPY") == 1;
   auto loader = shoal::data::make_loader(Synthetic(), options);
   shoal::elastic::State state(net, optimizer, loader, state_options);
@@ -176,6 +180,7 @@ int main(int argc, char** argv) {
     std::cout << "train pid=" << getpid() << " rank=" << shoal::rank()
               << " world=" << shoal::world_size() << " step=" << state.version()
               << " lr=" << optimizer.param_groups()[0].options().get_lr() << std::endl;
+    int64_t trained_alone = 0;
     for (; state.epoch() < epochs; state.next_epoch()) {
       for (auto& batch : loader.epoch(state.epoch())) {
         auto features = batch.data.narrow(1, 0, kFeatures);
@@ -235,6 +240,14 @@ int main(int argc, char** argv) {
                       << " gain=" << state.gain();
           }
           std::cout << std::endl;
+        }
+        // After the step's commit, before the loader hands out the next batch: the commits
+        // below leave the cursor where it is.
+        if (hold_alone_after >= 0 && shoal::world_size() == 1 && ++trained_alone >= hold_alone_after) {
+          for (;;) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(std::max(step_ms, 10)));
+            state.commit();
+          }
         }
       }
     }
