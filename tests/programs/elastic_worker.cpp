@@ -243,7 +243,8 @@ int main(int argc, char** argv) {
         }
         // After the step's commit, before the loader hands out the next batch: the commits
         // below leave the cursor where it is.
-        if (hold_alone_after >= 0 && shoal::world_size() == 1 && ++trained_alone >= hold_alone_after) {
+        if (hold_alone_after >= 0 && shoal::world_size() == 1 &&
+            ++trained_alone >= hold_alone_after) {
           for (;;) {
             std::this_thread::sleep_for(std::chrono::milliseconds(std::max(step_ms, 10)));
             state.commit();
