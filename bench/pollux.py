@@ -149,6 +149,7 @@ def shoal_policy_class(optimus_policy):
             self.workers = collections.defaultdict(list)  # job name -> [(worker id, node)]
             self.running = set()
             self.last_resize = {}
+            self.resizes = collections.Counter()  # job -> resizes and preemptions so far
             self.throughput = collections.defaultdict(dict)  # job -> {workers: samples/s}
             self.idle_since = None  # None: +inf
             self.next_worker = 1
@@ -212,6 +213,7 @@ def shoal_policy_class(optimus_policy):
                     "max": min(self.tuned[name] if self.tuned else job.max_replicas, len(nodes) * 4),
                     "preemptible": True, "submitted": job.creation_timestamp,
                     "running": name in self.running, "last_resize": self.last_resize.get(name),
+                    "resizes": self.resizes[name],
                     "workers": [{"id": w, "host": "h%d" % node} for w, node in self.workers[name]],
                     "throughput": {str(k): v for k, v in self.throughput[name].items()},
                 }))
@@ -266,6 +268,7 @@ def shoal_policy_class(optimus_policy):
                         raise RuntimeError("plan() asked to %s, which no worker here needs" % kind)
                     if kind != "start":  # as the scheduler's apply(): a start is no resize
                         self.last_resize[name] = now
+                        self.resizes[name] += 1
                 if plan["free_after"] > 0:
                     if self.idle_since is None:
                         self.idle_since = now
@@ -414,6 +417,12 @@ def main():
                              "Optimus), or the workload's tuned worker count (what Tiresias runs)")
     parser.add_argument("--min-gain", type=float,
                         help="PolicyOptions::min_gain for shoal's policies (default: plan()'s)")
+    parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                        help="another PolicyOptions field for shoal's policies (cooldown, "
+                             "fair_share, overhead_prior, ...), as bench/queue_plan reads it")
+    parser.add_argument("--charge-resizes", action="store_true",
+                        help="tell shoal's goodput policy what a resize costs (--resize-cost as "
+                             "PolicyOptions::resize_cost, as Pollux's policy knows its 30 s)")
     parser.add_argument("--json", help="also write every JCT here")
     args = parser.parse_args()
 
@@ -447,6 +456,11 @@ def main():
             for name in names:
                 workload = os.path.join(folder, LOADS[load], name + ".csv")
                 options = {} if args.min_gain is None else {"min_gain": args.min_gain}
+                if args.charge_resizes:
+                    options["resize_cost"] = args.resize_cost
+                for given in args.option:
+                    field, _, value = given.partition("=")
+                    options[field] = float(value)
                 tasks.append((folder, workload, policy, queue_plan, args.resize_cost, args.max_from,
                               options))
                 keys.append((load, policy, name))
@@ -478,9 +492,11 @@ def main():
                 sys.exit("pollux: %s at %sx left jobs unfinished in %s" % (policy, load, incomplete))
             rows[policy] = measures(runs, submitted[load])
         print("\nload %sx (%d workloads of 160 jobs; 16 nodes x 4 GPUs; JCT in s; shoal's jobs: "
-              "--max %s, a resize pauses %g s%s)" % (
+              "--max %s, a resize pauses %g s%s%s%s)" % (
                   load, len(names), args.max_from, args.resize_cost,
-                  "" if args.min_gain is None else ", min_gain %g" % args.min_gain))
+                  "" if args.min_gain is None else ", min_gain %g" % args.min_gain,
+                  ", charged to plan()" if args.charge_resizes else "",
+                  "".join(", " + o for o in args.option)))
         print("%-24s %10s %10s %10s %12s %12s" % ("policy", "mean JCT", "p99 JCT", "makespan",
                                                   "/tiresias", "/pollux"))
         for policy, m in rows.items():

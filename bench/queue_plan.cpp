@@ -7,7 +7,7 @@
 //         "options": {"cooldown": 30, "grow_idle": 5, "min_gain": 0.25, ...},   (all optional)
 //         "hosts": [{"name": "h0", "capacity": 4}, ...],
 //         "jobs": [{"id": 1, "priority": 0, "min": 1, "max": 8, "preemptible": true,
-//                   "submitted": 0, "running": true, "last_resize": 60 | null,
+//                   "submitted": 0, "running": true, "last_resize": 60 | null, "resizes": 2,
 //                   "workers": [{"id": 7, "host": "h0", "leaving": false}, ...],
 //                   "throughput": {"1": 52.0, "4": 180.5}, "noise_scale": 0,
 //                   "batch_per_worker": 0,
@@ -60,6 +60,7 @@ q::PolicyOptions options_of(const json& line) {
   options.min_gain = given.value("min_gain", options.min_gain);
   options.fair_share = given.value("fair_share", options.fair_share);
   options.overhead_prior = given.value("overhead_prior", options.overhead_prior);
+  options.resize_cost = given.value("resize_cost", options.resize_cost);
   return options;
 }
 
@@ -113,6 +114,7 @@ q::Snapshot snapshot_of(const json& line) {
     job.submitted = given.at("submitted").get<double>();
     job.running = given.at("running").get<bool>();
     job.last_resize = time_or(given.value("last_resize", json()), -kInf);
+    job.resizes = given.value("resizes", 0);
     const json workers = given.value("workers", json::array());
     for (const auto& worker : workers) {
       job.workers.push_back({worker.at("id").get<int64_t>(), worker.at("host").get<std::string>(),

@@ -619,5 +619,53 @@ TEST(GoodputPolicy, AWaitingJobIsNotStarvedByAPeerAboveItsShare) {
   EXPECT_EQ(of_kind(plan, Action::kStart)[0]->hosts.size(), 4u);
 }
 
+// Note [What a resize costs]: with a cost, a job grows only for a gain that pays for it (its
+// speed-up after discounted by max(age - resizes cost, 0) / (age + cost)), by the jump of
+// workers worth most per worker, and a peer's worker moves only when the move pays both.
+TEST(GoodputPolicy, AResizeMustPayForWhatItCosts) {
+  auto snapshot = cluster({{"a", 8}});  // now = 100: the jobs are 100 s old
+  snapshot.idle_since = 0;
+  snapshot.jobs.push_back(scales(running(1, 0, 1, 8, {"a", "a", "a", "a"}, 10)));
+  auto options = goodput();
+  // Free, the four idle workers go one by one: each adds more than min_gain.
+  Plan plan = queue::plan(snapshot, options);
+  ASSERT_EQ(of_kind(plan, Action::kGrow).size(), 1u);
+  EXPECT_EQ(of_kind(plan, Action::kGrow)[0]->hosts.size(), 4u);
+  // At 30 s a resize, the discount is 100 / 130 = 0.77: a fifth worker (speed-up 3.90 -> 4.84,
+  // discounted 3.72) would not pay for the resize, four more do (-> 7.55, discounted 5.81), and
+  // are worth more per worker than two or three (1/3.90 - 1/5.81 over 4 against 1/3.90 - 1/4.43
+  // over 2 and 1/3.90 - 1/5.13 over 3).
+  options.resize_cost = 30;
+  plan = queue::plan(snapshot, options);
+  ASSERT_EQ(of_kind(plan, Action::kGrow).size(), 1u);
+  EXPECT_EQ(of_kind(plan, Action::kGrow)[0]->hosts.size(), 4u);
+  EXPECT_EQ(of_kind(plan, Action::kGrow)[0]->reason,
+            "grows from 4 to 8 workers into capacity idle for 100 s: its speed-up 3.90 -> 7.55, "
+            "where a worker is worth most (worth its resize at 0.77 of that speed-up)");
+  // Younger (10 s: 0.25), or resized three times in its 100 s (0.08), it stays as it is.
+  snapshot.jobs[0].submitted = 90;
+  plan = queue::plan(snapshot, options);
+  EXPECT_TRUE(plan.actions.empty());
+  EXPECT_EQ(plan.free_after, 4);
+  snapshot.jobs[0].submitted = 0;
+  snapshot.jobs[0].resizes = 3;
+  EXPECT_TRUE(queue::plan(snapshot, options).actions.empty());
+
+  // Between peers (the jobs of ReclaimsWorkersThatAddLittleDownToTheFairFloor, where two workers
+  // move for free): at 100 s old the receiver's first worker does not pay for its resize
+  // (2.95 -> 3.90, discounted 3.00); at 3000 s (0.99) both move as before.
+  snapshot = cluster({{"a", 8}});
+  snapshot.jobs.push_back(flat(running(1, 0, 1, 8, {"a", "a", "a", "a", "a"}, 10)));
+  snapshot.jobs.push_back(scales(running(2, 0, 1, 8, {"a", "a", "a"}, 20)));
+  EXPECT_TRUE(queue::plan(snapshot, options).actions.empty());
+  snapshot.now = 3000;
+  plan = queue::plan(snapshot, options);
+  ASSERT_EQ(of_kind(plan, Action::kShrink).size(), 1u);
+  EXPECT_EQ(of_kind(plan, Action::kShrink)[0]->workers, (std::vector<int64_t>{14, 13}));
+  // A giver resized often pays more for its resize (3000 s, 90 resizes: 0.10): its workers stay.
+  snapshot.jobs[0].resizes = 90;
+  EXPECT_TRUE(queue::plan(snapshot, options).actions.empty());
+}
+
 }  // namespace
 }  // namespace shoal::queue

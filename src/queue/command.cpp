@@ -445,6 +445,10 @@ int serve_command(const std::vector<std::string>& args) {
                  "seconds between two resizes of one job");
   app.add_option("--grow-idle", options.scheduler.policy.grow_idle,
                  "seconds capacity stays idle before running jobs grow into it");
+  app.add_option("--resize-cost", options.scheduler.policy.resize_cost,
+                 "seconds of training a resize costs a job, which the goodput policy weighs "
+                 "against what the resize gains (default 0: shoal resizes in place; docs/queue.md, "
+                 "\"What a resize costs\")");
   std::string policy = "priority";
   app.add_option("--policy", policy,
                  "priority (default: idle capacity to the highest priority) or goodput (workers "
@@ -498,8 +502,9 @@ int serve_command(const std::vector<std::string>& args) {
     throw UsageError("--policy expects priority or goodput, not '" + policy + "'");
   }
   if (options.scheduler.oversubscribe <= 0) throw UsageError("--oversubscribe must be above 0");
-  if (options.scheduler.policy.cooldown < 0 || options.scheduler.policy.grow_idle < 0) {
-    throw UsageError("--cooldown and --grow-idle must not be negative");
+  if (options.scheduler.policy.cooldown < 0 || options.scheduler.policy.grow_idle < 0 ||
+      options.scheduler.policy.resize_cost < 0) {
+    throw UsageError("--cooldown, --grow-idle and --resize-cost must not be negative");
   }
   return serve(options);
 }

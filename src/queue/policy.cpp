@@ -203,32 +203,70 @@ std::string fixed(double value) {
 // idle for `idle_for` seconds (< 0: not yet long enough), go one at a time to the eligible job
 // whose speed-up gains most, higher priorities first; with none left, one job's last worker may
 // be reclaimed for another's next.
-template <typename Eligible, typename Floor>
+template <typename Eligible, typename Floor, typename Discount>
 void grow_by_gain(Plan& result, Room& room, const std::vector<const JobView*>& running, int& spare,
                   const Eligible& eligible, double idle_for, const Floor& fair_floor, int lowest,
-                  const PolicyOptions& options) {
+                  const Discount& discount, const PolicyOptions& options) {
   std::map<int64_t, int> added;
   const auto size_of = [](const JobView& job) {
     return job.active() + static_cast<int>(job.restarting.size());
+  };
+  std::map<std::pair<int64_t, int>, double> speedups;  // (job, workers) -> speedup(), once each
+  const auto speedup_of = [&](const JobView& job, int workers) {
+    const auto [it, added_now] = speedups.try_emplace({job.id, workers}, 0.0);
+    if (added_now) it->second = speedup(job, workers, options);
+    return it->second;
+  };
+  // A job's first resize in this plan (Note [What a resize costs]): the 1..most more workers
+  // from `from` whose worth per worker is highest once its speed-up after the resize is
+  // discounted; none (count 0) when no count adds min_gain a worker. Free resizes go one worker
+  // at a time (count 1), as every later worker of the plan does.
+  struct Jump {
+    int count = 0;
+    double worth = 0;
+  };
+  const auto jump = [&](const JobView& job, int from, int most) {
+    Jump best;
+    const double factor = discount(job);
+    const double before = speedup_of(job, from);
+    for (int k = 1; k <= (factor < 1 ? most : std::min(most, 1)); ++k) {
+      const double after = factor * speedup_of(job, from + k);
+      if ((after - before) / k < options.min_gain) continue;
+      const double worth =
+          before > 0 ? (1.0 / before - 1.0 / after) / k : std::numeric_limits<double>::infinity();
+      if (best.count == 0 || worth > best.worth) best = {k, worth};
+    }
+    return best;
   };
   if (idle_for >= 0) {
     while (spare > 0) {
       const JobView* best = nullptr;
       double best_gain = 0;
+      int best_count = 0;
       for (const JobView* job : running) {
         const int target = size_of(*job) + added[job->id];
         if (!eligible(*job) || target >= job->max_workers) continue;
-        if (gain_at(*job, target + 1, options) < options.min_gain) continue;
-        const double gain = fair_gain_at(*job, target + 1, options);
+        int count = 1;
+        double gain = 0;
+        if (added[job->id] == 0) {
+          const Jump first = jump(*job, target, std::min(spare, job->max_workers - target));
+          if (first.count == 0) continue;
+          count = first.count;
+          gain = first.worth;
+        } else {
+          if (gain_at(*job, target + 1, options) < options.min_gain) continue;
+          gain = fair_gain_at(*job, target + 1, options);
+        }
         if (best == nullptr || job->priority > best->priority ||
             (job->priority == best->priority && gain > best_gain)) {
           best = job;
           best_gain = gain;
+          best_count = count;
         }
       }
       if (best == nullptr) break;
-      ++added[best->id];
-      --spare;
+      added[best->id] += best_count;
+      spare -= best_count;
     }
     for (const JobView* job : running) {
       const int count = added[job->id];
@@ -240,6 +278,9 @@ void grow_by_gain(Plan& result, Room& room, const std::vector<const JobView*>& r
                       " workers into capacity idle for " + seconds(idle_for) + ": its speed-up " +
                       fixed(speedup(*job, from, options)) + " -> " + fixed(speedup(*job, to, options)) +
                       ", where a worker is worth most";
+      if (discount(*job) < 1) {
+        action.reason += " (worth its resize at " + fixed(discount(*job)) + " of that speed-up)";
+      }
       result.actions.push_back(std::move(action));
     }
   }
@@ -300,10 +341,16 @@ void grow_by_gain(Plan& result, Room& room, const std::vector<const JobView*>& r
     double worth_to = 0;
     for (const JobView* job : running) {
       const int target = size_of(*job) + gets[job->id];
-      if (!peer(*job) || gives[job->id] > 0 || target >= job->max_workers ||
-          gain_at(*job, target + 1, options) < options.min_gain)
-        continue;
-      const double worth = fair_gain_at(*job, target + 1, options);
+      if (!peer(*job) || gives[job->id] > 0 || target >= job->max_workers) continue;
+      double worth = 0;
+      if (gets[job->id] == 0) {  // its resize: one worker that pays for it alone
+        const Jump first = jump(*job, target, 1);
+        if (first.count == 0) continue;
+        worth = first.worth;
+      } else {
+        if (gain_at(*job, target + 1, options) < options.min_gain) continue;
+        worth = fair_gain_at(*job, target + 1, options);
+      }
       if (to == nullptr || worth > worth_to) {
         to = job;
         worth_to = worth;
@@ -317,7 +364,11 @@ void grow_by_gain(Plan& result, Room& room, const std::vector<const JobView*>& r
       if (!peer(*job) || gets[job->id] > 0 || job == to || left <= fair_floor(*job) ||
           !measured(*job))
         continue;
-      const double worth = fair_gain_at(*job, left, options);
+      // Its resize: what its last worker is worth, with its speed-up after discounted.
+      const double worth =
+          gives[job->id] > 0
+              ? fair_gain_at(*job, left, options)
+              : 1.0 / (discount(*job) * speedup_of(*job, left - 1)) - 1.0 / speedup_of(*job, left);
       if (from == nullptr || worth < worth_from) {
         from = job;
         worth_from = worth;
@@ -377,6 +428,12 @@ Plan plan(const Snapshot& snapshot, const PolicyOptions& options) {
   Room room(snapshot);
   const double now = snapshot.now;
   const auto cooled = [&](const JobView& job) { return now - job.last_resize >= options.cooldown; };
+  // Note [What a resize costs]: what a job's speed-up after a resize is worth.
+  const auto discount = [&](const JobView& job) {
+    if (!(options.resize_cost > 0)) return 1.0;
+    const double age = std::max(0.0, now - job.submitted), cost = options.resize_cost;
+    return std::max(age - job.resizes * cost, 0.0) / (age + cost);
+  };
   // Note [Giving workers where they speed training most].
   const bool goodput = options.kind == PolicyOptions::Kind::kGoodput;
   const int equal_split = room.capacity() / std::max(1, static_cast<int>(snapshot.jobs.size()));
@@ -584,9 +641,13 @@ Plan plan(const Snapshot& snapshot, const PolicyOptions& options) {
   // 3. Growth: capacity nobody waits for, once it has been idle for a while.
   int spare = room.total() - held;
   if (goodput) {
-    grow_by_gain(result, room, running, spare, [&](const JobView& job) {
-      return taken.count(job.id) == 0 && preempted.count(job.id) == 0 && cooled(job);
-    }, now - snapshot.idle_since >= options.grow_idle ? now - snapshot.idle_since : -1.0, fair_floor, lowest, options);
+    grow_by_gain(
+        result, room, running, spare,
+        [&](const JobView& job) {
+          return taken.count(job.id) == 0 && preempted.count(job.id) == 0 && cooled(job);
+        },
+        now - snapshot.idle_since >= options.grow_idle ? now - snapshot.idle_since : -1.0,
+        fair_floor, lowest, discount, options);
   } else if (spare > 0 && now - snapshot.idle_since >= options.grow_idle) {
     for (const JobView* job : running) {
       if (spare == 0) break;

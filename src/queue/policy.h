@@ -42,6 +42,7 @@ struct JobView {
   // Of those, the ones whose back-off is over (a prefix of `restarting`'s count).
   int restarts_due = 0;
   double last_resize = -std::numeric_limits<double>::infinity();  // shrink, grow or preemption
+  int resizes = 0;  // how often it was resized or preempted since it was submitted
   // What the goodput policy models the job's speed-up from (Note [Speed-up curves]): samples per
   // second measured at each worker count (docs/queue.md, "Throughput"), and the gradient noise
   // scale its DataParallel measured (in samples; 0: unknown) with the batch of each worker when
@@ -76,6 +77,8 @@ struct PolicyOptions {
   // kGoodput, before a job has run at two worker counts: each worker beyond the first is assumed
   // to add this fraction of one worker's step time (communication).
   double overhead_prior = 0.05;
+  // kGoodput: the seconds of training a resize costs a job (Note [What a resize costs]); 0: none.
+  double resize_cost = 0;
 };
 
 // Note [Speed-up curves]
@@ -155,6 +158,18 @@ const char* to_string(Action::Kind kind);
 //    workers move in one plan from the job whose last worker is worth least to the one whose next
 //    is worth most, while that is at least twice as much (no move back on a measurement's noise),
 //    down to the giver's fair floor. They return as idle capacity and go by the rule above.
+//
+// Note [What a resize costs]
+// With resize_cost C > 0, a job's speed-up after a resize counts as discounted by
+// f = max(A - R C, 0) / (A + C), where A is its age (seconds since it was submitted) and R its
+// resizes so far: the factor Pollux (OSDI'21) applies to a change of allocation. A young job, or
+// one resized often for its age, changes only for a large gain; the time a job spends resizing
+// stays below its age. Its first workers of a plan come as one resize: the k more workers whose
+// worth per worker, f S(w + k) against S(w), is highest, when that adds min_gain a worker; a peer
+// gives a worker up only for twice its discounted worth. A higher priority is served whole, as
+// above. shoal resizes in place (a rendezvous at a commit), so the scheduler's default is 0;
+// under --resize-by restart a resize costs the job its steps since its last commit and its
+// workers' start.
 Plan plan(const Snapshot& snapshot, const PolicyOptions& options);
 
 }  // namespace shoal::queue

@@ -303,6 +303,7 @@ Snapshot Scheduler::Impl::snapshot(int64_t now) {
     view.last_resize = job.last_resize_ms == kNever
                            ? -std::numeric_limits<double>::infinity()
                            : static_cast<double>(job.last_resize_ms) / 1000;
+    view.resizes = job.resizes + job.preemptions;
     job.model_into(view);
     snap.jobs.push_back(std::move(view));
   }
