@@ -40,6 +40,11 @@ class Sampler:
     def set_epoch(self, epoch):
         self._sampler.set_epoch(epoch)
 
+    def set_batch_size(self, batch_size):
+        """From the next batch on, batches of batch_size (global, or each worker's when
+        per_worker); a DataLoader drops what it read ahead at the old size."""
+        self._sampler.set_batch_size(batch_size)
+
     def batches_per_epoch(self):
         return self._sampler.batches_per_epoch()
 
@@ -160,9 +165,19 @@ class DataLoader:
             yield batch if indices else _no_rows(batch)
 
     def _shared_batches(self):
-        shares = _Shares(self.sampler._sampler)
-        loader = torch.utils.data.DataLoader(self.dataset, batch_sampler=shares, **self._torch_kwargs)
-        for batch in loader:
-            empty = shares.empty.popleft()
-            self.sampler._sampler.advance()
-            yield _no_rows(batch) if empty else batch
+        # torch's loader reads ahead from a copy of the sampler. When the batch size changes (an
+        # elastic job's BatchPolicy.goodput sets it at a commit), what it read ahead is of the old
+        # size: it is dropped and a new loader reads from the cursor, which moved by the batches
+        # handed out only.
+        sampler = self.sampler._sampler
+        while not sampler.epoch_done():
+            shares = _Shares(sampler)
+            size = sampler.global_batch_size()
+            loader = iter(torch.utils.data.DataLoader(self.dataset, batch_sampler=shares, **self._torch_kwargs))
+            for batch in loader:
+                empty = shares.empty.popleft()
+                sampler.advance()
+                yield _no_rows(batch) if empty else batch
+                if sampler.global_batch_size() != size:
+                    break
+            del loader  # its workers end here, not when the generator is collected

@@ -36,10 +36,19 @@ class BatchPolicy:
     adascale(reference_world_size=1): each worker's batch stays, and lr = lr0 * gain, AdaScale's
     gain of the global batch over the reference world's, from the gradient noise the model's
     shoal.DataParallel measures (measure_gradient_noise=True); State.scaled_steps counts the
-    progress in reference steps."""
+    progress in reference steps.
+    goodput(base_batch, max_batch, min_local=1, max_local=0, max_accumulation=1, choose_every=50):
+    the batch follows the world by goodput (Pollux): at every change of the world and every
+    choose_every commits, each worker's batch and the backward passes a step takes in are those of
+    the highest goodput within the limits (the global batch lr0 was set for, the largest, each
+    backward's batch bounds, max_local 0: none), from the step times the state measures and the
+    gradient noise shoal.DataParallel measures; lr = lr0 * AdaScale's gain of that batch over
+    base_batch. The loader is per_worker and its batch_size is the policy's to set; a step takes
+    State.accumulation backward passes (the first ones under DataParallel.no_sync())."""
 
-    def __init__(self, kind, reference_world_size=1, warmup_steps=0):
+    def __init__(self, kind, reference_world_size=1, warmup_steps=0, limits=(), choose_every=0):
         self.kind, self.reference_world_size, self.warmup_steps = kind, reference_world_size, warmup_steps
+        self.limits, self.choose_every = list(limits), choose_every
 
     @classmethod
     def keep_global_batch(cls):
@@ -52,6 +61,11 @@ class BatchPolicy:
     @classmethod
     def adascale(cls, reference_world_size=1):
         return cls("adascale", reference_world_size)
+
+    @classmethod
+    def goodput(cls, base_batch, max_batch, min_local=1, max_local=0, max_accumulation=1, choose_every=50):
+        return cls("goodput", limits=(base_batch, max_batch, min_local, max_local, max_accumulation),
+                   choose_every=choose_every)
 
 
 class _Values:
@@ -98,6 +112,7 @@ class State:
             parameters=parameters, buffers=buffers, global_layers=layers, optimizer=self._mirror,
             sampler=sampler._sampler,
             policy=policy.kind, reference_world_size=policy.reference_world_size, warmup_steps=policy.warmup_steps,
+            limits=policy.limits, choose_every=policy.choose_every,
             copy_parameters=bool(copy_parameters), checkpoint=str(checkpoint), checkpoint_every=checkpoint_every)
         self._state.on_reset(self._take)
         self.values = _Values(self._state)
@@ -110,6 +125,12 @@ class State:
                                 "the sum of the steps' gains), committed with the rest.")
     gain = property(lambda self: self._state.gain,
                     doc="The factor the policy scales the learning rates by for the next step.")
+    accumulation = property(lambda self: self._state.accumulation,
+                            doc="BatchPolicy.goodput: the backward passes the next step takes its batch in "
+                                "(the loader's batch cut in as many chunks); 1 under the other policies.")
+    batch_choice = property(lambda self: self._state.batch_choice,
+                            doc="BatchPolicy.goodput: the batch chosen for this world, a dict of local_batch, "
+                                "accumulation, global_batch, throughput, efficiency and goodput.")
 
     def commit(self):
         """Records the state as the point a failure rolls back to, and agrees with the other

@@ -350,6 +350,7 @@ void bind_data(py::module_& m) {
       .def("batches_per_epoch", &Sampler::batches_per_epoch)
       .def("batches_remaining", &Sampler::batches_remaining)
       .def("global_batch_size", &Sampler::global_batch_size)
+      .def("set_batch_size", &Sampler::set_batch_size)
       .def_property_readonly("epoch", &Sampler::epoch)
       .def_property_readonly("cursor", &Sampler::cursor)
       .def_property_readonly("rank", &Sampler::rank)

@@ -98,11 +98,24 @@ class ElasticState {
   std::exception_ptr pending_;
 };
 
-elastic::BatchPolicy policy_of(const std::string& kind, int reference_world_size, int64_t warmup_steps) {
+// `limits` and `choose_every` are goodput's (shoal/dp/goodput.h's BatchLimits: base_batch,
+// max_batch, min_local, max_local, max_accumulation).
+elastic::BatchPolicy policy_of(const std::string& kind, int reference_world_size, int64_t warmup_steps,
+                               const std::vector<int64_t>& limits, int64_t choose_every) {
   if (kind == "keep_global_batch") return elastic::BatchPolicy::keep_global_batch();
   if (kind == "scale_learning_rate") return elastic::BatchPolicy::scale_learning_rate(reference_world_size, warmup_steps);
   if (kind == "adascale") return elastic::BatchPolicy::adascale(reference_world_size);
-  throw UsageError("BatchPolicy '" + kind + "'; expected keep_global_batch, scale_learning_rate or adascale");
+  if (kind == "goodput") {
+    if (limits.size() != 5) throw UsageError("BatchPolicy.goodput: expected 5 limits, got " + std::to_string(limits.size()));
+    BatchLimits given;
+    given.base_batch = limits[0];
+    given.max_batch = limits[1];
+    given.min_local = limits[2];
+    given.max_local = limits[3];
+    given.max_accumulation = static_cast<int>(limits[4]);
+    return elastic::BatchPolicy::goodput(given, choose_every);
+  }
+  throw UsageError("BatchPolicy '" + kind + "'; expected keep_global_batch, scale_learning_rate, adascale or goodput");
 }
 
 }  // namespace
@@ -116,9 +129,10 @@ void bind_elastic(py::module_& m) {
       .def(py::init([](const Named& parameters, const Named& buffers, const py::list& global_layers,
                        OptimizerMirror& optimizer, data::Sampler& sampler,
                        const std::string& policy, int reference_world_size, int64_t warmup_steps,
-                       bool copy_parameters, const std::string& checkpoint, int64_t checkpoint_every) {
+                       const std::vector<int64_t>& limits, int64_t choose_every, bool copy_parameters,
+                       const std::string& checkpoint, int64_t checkpoint_every) {
              elastic::StateOptions options;
-             options.policy = policy_of(policy, reference_world_size, warmup_steps);
+             options.policy = policy_of(policy, reference_world_size, warmup_steps, limits, choose_every);
              options.copy_parameters = copy_parameters;
              options.checkpoint = checkpoint;
              options.checkpoint_every = checkpoint_every;
@@ -127,7 +141,8 @@ void bind_elastic(py::module_& m) {
            }),
            py::arg("parameters"), py::arg("buffers"), py::arg("global_layers"), py::arg("optimizer"), py::arg("sampler"),
            py::arg("policy"),
-           py::arg("reference_world_size"), py::arg("warmup_steps"), py::arg("copy_parameters"),
+           py::arg("reference_world_size"), py::arg("warmup_steps"), py::arg("limits"), py::arg("choose_every"),
+           py::arg("copy_parameters"),
            py::arg("checkpoint"), py::arg("checkpoint_every"),
            // The optimizer mirror and the sampler outlive the state, which holds them by reference.
            py::keep_alive<1, 5>(), py::keep_alive<1, 6>())
@@ -137,6 +152,18 @@ void bind_elastic(py::module_& m) {
       .def_property_readonly("version", [](ElasticState& s) { return s.state().version(); })
       .def_property_readonly("scaled_steps", [](ElasticState& s) { return s.state().scaled_steps(); })
       .def_property_readonly("gain", [](ElasticState& s) { return s.state().gain(); })
+      .def_property_readonly("accumulation", [](ElasticState& s) { return s.state().accumulation(); })
+      .def_property_readonly("batch_choice", [](ElasticState& s) {
+        const BatchChoice& c = s.state().batch_choice();
+        py::dict choice;
+        choice["local_batch"] = c.local_batch;
+        choice["accumulation"] = c.accumulation;
+        choice["global_batch"] = c.global_batch;
+        choice["throughput"] = c.throughput;
+        choice["efficiency"] = c.efficiency;
+        choice["goodput"] = c.goodput;
+        return choice;
+      })
       .def("value", [](ElasticState& s, const std::string& name) -> std::optional<at::Tensor> {
         const at::Tensor& value = s.state().value(name);
         if (!value.defined()) return std::nullopt;

@@ -8,7 +8,14 @@ that it rolls back with it.
 
 The global batch of 10 is cut 4, 3, 3 on three workers. Every worker prints "train pid=P rank=R
 world=W step=S" when the training function (re)starts; the first worker prints "step S world W"
-after each commit and, at the end, writes OUT (torch.save): the parameters and the counts."""
+after each commit and, at the end, writes OUT (torch.save): the parameters and the counts.
+
+ELASTIC_WORKER_POLICY=goodput puts the job under BatchPolicy.goodput(8, 48, 2, 6, 2,
+choose_every=5), as tests/programs/elastic_worker.cpp's "goodput": DataParallel measures the
+gradient noise, each worker's share comes in state.accumulation backward passes (all but the last
+under no_sync), and the step lines add "lr=L batch=B passes=P gain=G" (the batch the step trained
+on). ELASTIC_WORKER_HOLD_ALONE_AFTER=N: a worker left alone commits without training after N
+steps alone, until the world changes (so that a joiner finds the job still running)."""
 import os
 import sys
 import time
@@ -33,10 +40,18 @@ def main(out, epochs=4, step_ms=0):
     torch.manual_seed(1)
     net = torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.Tanh(), torch.nn.Linear(16, CLASSES))
     optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-    model = shoal.DataParallel(net)
-    loader = shoal.data.DataLoader(dataset(), batch_size=10, shuffle=True, seed=7, num_workers=1)
-    state = shoal.elastic.State(model, optimizer, loader)
+    goodput = os.environ.get("ELASTIC_WORKER_POLICY") == "goodput"
+    model = shoal.DataParallel(net, measure_gradient_noise=goodput)
+    if goodput:
+        loader = shoal.data.DataLoader(dataset(), batch_size=4, shuffle=True, seed=7, num_workers=1, per_worker=True)
+        policy = shoal.elastic.BatchPolicy.goodput(8, 48, 2, 6, 2, choose_every=5)
+    else:
+        loader = shoal.data.DataLoader(dataset(), batch_size=10, shuffle=True, seed=7, num_workers=1)
+        policy = None
+    state = shoal.elastic.State(model, optimizer, loader, policy=policy)
     state.values["counts"] = torch.zeros(epochs, SAMPLES, dtype=torch.long)
+    hold_alone_after = int(os.environ.get("ELASTIC_WORKER_HOLD_ALONE_AFTER", "-1"))
+    alone = [0]
 
     def train():
         print("train pid=%d rank=%d world=%d step=%d" % (os.getpid(), shoal.rank(), shoal.world_size(), state.version),
@@ -45,18 +60,39 @@ def main(out, epochs=4, step_ms=0):
             for batch, target in loader.epoch(state.epoch):
                 features, indices = batch[:, :FEATURES], batch[:, FEATURES].long()
                 optimizer.zero_grad()
-                loss = torch.nn.functional.cross_entropy(model(features), target)
                 # What every worker trained on in this step, summed over the workers.
                 seen = torch.zeros(SAMPLES, dtype=torch.long).index_add_(0, indices, torch.ones_like(indices))
                 shoal.comm.world().all_reduce(seen)
-                loss.backward()
+                # The plain mean over this worker's share (DataParallel weighs it by the share), in
+                # state.accumulation backward passes, each weighed by its part of the share.
+                passes = state.accumulation if len(target) > 0 else 1
+                parts = list(zip(features.chunk(passes), target.chunk(passes))) if len(target) > 0 else [(features, target)]
+                for i, (x, y) in enumerate(parts):
+                    loss = torch.nn.functional.cross_entropy(model(x), y) * (len(y) / max(1, len(target)) if len(target) else 1)
+                    if i + 1 < len(parts):
+                        with model.no_sync():
+                            loss.backward()
+                    else:
+                        loss.backward()
                 optimizer.step()
+                trained = state.batch_choice
                 state.values["counts"][state.epoch] += seen
                 if step_ms:
                     time.sleep(step_ms / 1000)
                 state.commit()
                 if shoal.is_main():
-                    print("step %d world %d" % (state.version, shoal.world_size()), flush=True)
+                    extra = ""
+                    if goodput:
+                        extra = " lr=%g batch=%d passes=%d gain=%g" % (
+                            optimizer.param_groups[0]["lr"], trained["global_batch"], trained["accumulation"], state.gain)
+                    print("step %d world %d%s" % (state.version, shoal.world_size(), extra), flush=True)
+                # After the step's commit, before the loader hands out the next batch: the commits
+                # below leave the cursor where it is.
+                if hold_alone_after >= 0 and shoal.world_size() == 1:
+                    alone[0] += 1
+                    while alone[0] >= hold_alone_after:
+                        time.sleep(0.01)
+                        state.commit()
             state.next_epoch()
 
     shoal.elastic.run(state, train)

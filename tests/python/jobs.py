@@ -49,8 +49,8 @@ class Job:
     """`shoal run ARGS...` running in the background, its output collected as it comes, for tests
     that act on a job while it runs (kill a worker, add one). Stops what is left of it on close."""
 
-    def __init__(self, args):
-        env = job_env()
+    def __init__(self, args, env=None):
+        env = dict(job_env(), **(env or {}))
         self._lock = threading.Lock()
         self._text = {"out": [], "err": []}
         self._process = subprocess.Popen([SHOAL, "run"] + [str(a) for a in args], env=env, stdout=subprocess.PIPE,

@@ -3,7 +3,8 @@ by exactly one worker, each global batch cut as shoal cuts it (8 over 3 workers:
 torch's loader processes reading ahead; a state saved after three batches on 2 workers resumes
 on 3 at exactly the next batch (the rest of the epoch, every sample once over both runs); and
 DataParallel over it, with an uneven last batch that gives one worker 0 rows, ends at the
-one-process parameters."""
+one-process parameters. A batch size changed mid-epoch (as BatchPolicy.goodput changes it)
+takes effect at the next batch, whatever torch's processes had read ahead."""
 import torch
 
 import dp_program as program
@@ -66,3 +67,20 @@ def test_data_parallel_over_it_gives_the_one_process_parameters_with_an_empty_sh
     for r in range(3):
         for g, w in zip(results[r]["params"], net.parameters()):
             assert torch.allclose(g, w.detach(), rtol=1e-5, atol=1e-6), (g - w).abs().max()
+
+
+def test_a_new_batch_size_takes_effect_at_the_next_batch_whatever_was_read_ahead():
+    # What BatchPolicy.goodput does at a commit: torch's two loader processes have read batches of
+    # 4 ahead; from the fourth batch on they are of 10, and every sample still comes once.
+    import shoal
+    loader = shoal.data.DataLoader(list(range(50)), batch_size=4, shuffle=True, seed=3, num_workers=2,
+                                   prefetch_factor=4)
+    sizes, seen = [], []
+    for batch in loader.epoch(0):
+        sizes.append(len(batch))
+        seen += batch.tolist()
+        if len(sizes) == 3:
+            loader.sampler.set_batch_size(10)
+    assert sizes == [4, 4, 4, 10, 10, 10, 8]
+    assert sorted(seen) == list(range(50))
+    assert loader.sampler.cursor == 50

@@ -84,7 +84,7 @@ def etcd():
 @pytest.fixture
 def jobs():
     started = []
-    yield lambda args: started.append(Job(args)) or started[-1]
+    yield lambda args, env=None: started.append(Job(args, env)) or started[-1]
     for job in started:
         job.close()
 
@@ -120,6 +120,39 @@ def test_a_killed_worker_and_a_joined_one_end_at_the_one_process_parameters(tmp_
     diff = sum(float((a - b).pow(2).sum()) for a, b in zip(got["parameters"], want["parameters"]))
     norm = sum(float(b.pow(2).sum()) for b in want["parameters"])
     assert (diff / norm) ** 0.5 < 1e-4
+
+
+def test_under_goodput_the_batch_follows_the_world_and_every_sample_is_trained_once(tmp_path, jobs):
+    # As the C++ ElasticResizes/goodput: two workers, one SIGKILLed, a joiner; torch's loader
+    # processes read ahead while the policy changes the batch at commits. The survivor holds
+    # after 5 steps alone until the joiner is in.
+    out = str(tmp_path / "goodput.pt")
+    env = {"ELASTIC_WORKER_POLICY": "goodput", "ELASTIC_WORKER_HOLD_ALONE_AFTER": "5"}
+    job = jobs(["--min", "1", "--max", "2", "-n", "2", "--token-file", tmp_path / "token"] + WORKER
+               + [out, EPOCHS, 30], env)
+    job.wait_for("step 10 on 2 workers", reached(10, 2))
+    first = {int(rank): int(pid) for pid, rank in re.findall(r"train pid=(\d+) rank=(\d+) world=2", job.out())}
+    assert sorted(first) == [0, 1], job.out()
+    killed_at = last_step(job.out())
+    os.kill(first[1], signal.SIGKILL)
+    job.wait_for("a step on 1 worker after the kill", reached(killed_at + 1, 1))
+    flags = re.search(r"to add workers: shoal run (.+) PROGRAM", job.err())
+    assert flags, job.err()
+    joiner = jobs(flags.group(1).split() + ["-n", "1"] + WORKER + [out, EPOCHS, 30], env)
+    assert joiner.wait() == 0, joiner.err()
+    assert job.wait() == 0, job.err()
+    text = job.out() + joiner.out()
+    assert re.search(r"train pid=\d+ rank=1 world=2 step=[1-9]", text), text
+    got = torch.load(out)
+    assert torch.equal(got["counts"], torch.ones(EPOCHS, 240, dtype=torch.long))
+    lines = re.findall(r"step \d+ world (\d+) lr=(\S+) batch=(\d+) passes=(\d+) gain=(\S+)", text)
+    assert len(lines) > 10, text
+    for world, lr, batch, passes, gain in lines:
+        world, batch, passes, lr, gain = int(world), int(batch), int(passes), float(lr), float(gain)
+        assert 8 <= batch <= 48 and batch % world == 0 and batch // world <= 6 * passes, (world, batch, passes)
+        assert passes in (1, 2) and lr == pytest.approx(0.05 * gain, rel=1e-5) and gain >= 1 - 1e-9
+    assert {int(w) for w, *_ in lines} == {1, 2}, text
+    assert len({int(b) for _, _, b, _, _ in lines}) >= 2, text
 
 
 def test_sigint_makes_every_worker_leave_at_a_commit(tmp_path, jobs):
