@@ -448,7 +448,7 @@ int serve_command(const std::vector<std::string>& args) {
   app.add_option("--resize-cost", options.scheduler.policy.resize_cost,
                  "seconds of training a resize costs a job, which the goodput policy weighs "
                  "against what the resize gains (default 0: shoal resizes in place; docs/queue.md, "
-                 "\"What a resize costs\")");
+                 "\"Goodput\")");
   std::string policy = "priority";
   app.add_option("--policy", policy,
                  "priority (default: idle capacity to the highest priority) or goodput (workers "
