@@ -383,7 +383,9 @@ TEST_P(ElasticResizes, ShrinksAndGrowsAndSeesEverySampleOnce) {
   for (const auto& [world, lr] : rates(result.out + joined.out)) {
     EXPECT_GE(lr, 0.05 - 1e-9) << "world " << world;
     EXPECT_LE(lr, 0.05 * world + 1e-9) << "world " << world;
-    if (world == 1) EXPECT_NEAR(lr, 0.05, 1e-9);
+    if (world == 1) {
+      EXPECT_NEAR(lr, 0.05, 1e-9);
+    }
     if (world == 3 && lr > 0.05 * 1.5) gained = true;
   }
   EXPECT_TRUE(gained) << result.out << joined.out;
