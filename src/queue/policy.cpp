@@ -217,17 +217,16 @@ void grow_by_gain(Plan& result, Room& room, const std::vector<const JobView*>& r
     if (added_now) it->second = speedup(job, workers, options);
     return it->second;
   };
-  // A job's first resize in this plan (Note [What a resize costs]): the 1..most more workers
-  // from `from` whose worth per worker is highest once its speed-up after the resize is
-  // discounted; none (count 0) when no count adds min_gain a worker. Free resizes go one worker
-  // at a time (count 1), as every later worker of the plan does.
+  // The 1..most more workers from `from` whose worth per worker (what they take off 1 / the
+  // speed-up) is highest with the speed-up after them times `factor`; none (count 0) when no
+  // count adds min_gain a worker. A job's first resize in a plan passes its discount (Note [What
+  // a resize costs]); a free resize (factor 1) and every later worker go one at a time.
   struct Jump {
     int count = 0;
     double worth = 0;
   };
-  const auto jump = [&](const JobView& job, int from, int most) {
+  const auto jump = [&](const JobView& job, int from, int most, double factor) {
     Jump best;
-    const double factor = discount(job);
     const double before = speedup_of(job, from);
     for (int k = 1; k <= (factor < 1 ? most : std::min(most, 1)); ++k) {
       const double after = factor * speedup_of(job, from + k);
@@ -246,22 +245,15 @@ void grow_by_gain(Plan& result, Room& room, const std::vector<const JobView*>& r
       for (const JobView* job : running) {
         const int target = size_of(*job) + added[job->id];
         if (!eligible(*job) || target >= job->max_workers) continue;
-        int count = 1;
-        double gain = 0;
-        if (added[job->id] == 0) {
-          const Jump first = jump(*job, target, std::min(spare, job->max_workers - target));
-          if (first.count == 0) continue;
-          count = first.count;
-          gain = first.worth;
-        } else {
-          if (gain_at(*job, target + 1, options) < options.min_gain) continue;
-          gain = fair_gain_at(*job, target + 1, options);
-        }
+        const bool first = added[job->id] == 0;
+        const Jump next = jump(*job, target, first ? std::min(spare, job->max_workers - target) : 1,
+                               first ? discount(*job) : 1.0);
+        if (next.count == 0) continue;
         if (best == nullptr || job->priority > best->priority ||
-            (job->priority == best->priority && gain > best_gain)) {
+            (job->priority == best->priority && next.worth > best_gain)) {
           best = job;
-          best_gain = gain;
-          best_count = count;
+          best_gain = next.worth;
+          best_count = next.count;
         }
       }
       if (best == nullptr) break;
@@ -342,18 +334,12 @@ void grow_by_gain(Plan& result, Room& room, const std::vector<const JobView*>& r
     for (const JobView* job : running) {
       const int target = size_of(*job) + gets[job->id];
       if (!peer(*job) || gives[job->id] > 0 || target >= job->max_workers) continue;
-      double worth = 0;
-      if (gets[job->id] == 0) {  // its resize: one worker that pays for it alone
-        const Jump first = jump(*job, target, 1);
-        if (first.count == 0) continue;
-        worth = first.worth;
-      } else {
-        if (gain_at(*job, target + 1, options) < options.min_gain) continue;
-        worth = fair_gain_at(*job, target + 1, options);
-      }
-      if (to == nullptr || worth > worth_to) {
+      // Its first worker pays for its resize alone.
+      const Jump next = jump(*job, target, 1, gets[job->id] == 0 ? discount(*job) : 1.0);
+      if (next.count == 0) continue;
+      if (to == nullptr || next.worth > worth_to) {
         to = job;
-        worth_to = worth;
+        worth_to = next.worth;
       }
     }
     if (to == nullptr) break;
@@ -364,11 +350,10 @@ void grow_by_gain(Plan& result, Room& room, const std::vector<const JobView*>& r
       if (!peer(*job) || gets[job->id] > 0 || job == to || left <= fair_floor(*job) ||
           !measured(*job))
         continue;
-      // Its resize: what its last worker is worth, with its speed-up after discounted.
+      // What its last worker takes off 1 / its speed-up; its first one given is its resize.
+      const double factor = gives[job->id] == 0 ? discount(*job) : 1.0;
       const double worth =
-          gives[job->id] > 0
-              ? fair_gain_at(*job, left, options)
-              : 1.0 / (discount(*job) * speedup_of(*job, left - 1)) - 1.0 / speedup_of(*job, left);
+          1.0 / (factor * speedup_of(*job, left - 1)) - 1.0 / speedup_of(*job, left);
       if (from == nullptr || worth < worth_from) {
         from = job;
         worth_from = worth;

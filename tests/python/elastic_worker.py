@@ -66,9 +66,10 @@ def main(out, epochs=4, step_ms=0):
                 # The plain mean over this worker's share (DataParallel weighs it by the share), in
                 # state.accumulation backward passes, each weighed by its part of the share.
                 passes = state.accumulation if len(target) > 0 else 1
-                parts = list(zip(features.chunk(passes), target.chunk(passes))) if len(target) > 0 else [(features, target)]
+                parts = list(zip(features.chunk(passes), target.chunk(passes)))
                 for i, (x, y) in enumerate(parts):
-                    loss = torch.nn.functional.cross_entropy(model(x), y) * (len(y) / max(1, len(target)) if len(target) else 1)
+                    weight = len(y) / len(target) if len(target) > 0 else 1
+                    loss = torch.nn.functional.cross_entropy(model(x), y) * weight
                     if i + 1 < len(parts):
                         with model.no_sync():
                             loss.backward()
