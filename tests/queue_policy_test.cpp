@@ -536,25 +536,31 @@ TEST(GoodputPolicy, IdleWorkersGoToTheJobThatScales) {
 
 // Without idle capacity, the last workers of the job that does not scale are reclaimed for the
 // one that does, while each is worth at least twice as much there (what it takes off 1 / the
-// speed-up), down to the fair floor and never below --min; a higher priority is never reclaimed
-// for a lower one.
+// speed-up, times the job's speed-up on an equal split), down to the fair floor and never below
+// --min; a higher priority is never reclaimed for a lower one.
 TEST(GoodputPolicy, ReclaimsWorkersThatAddLittleDownToTheFairFloor) {
   auto snapshot = cluster({{"a", 8}});
   snapshot.jobs.push_back(flat(running(1, 0, 1, 8, {"a", "a", "a", "a", "a"}, 10)));
   snapshot.jobs.push_back(scales(running(2, 0, 1, 8, {"a", "a", "a"}, 20)));
   // Speed-ups fitted to the rates: job 1 1.0578, 1.0781, 1.0887, 1.0952 at 2-5 workers; job 2
-  // 1.9833, 2.9503, 3.9013, 4.8369, 5.7573 at 2-6. Job 1's 5th worker takes 1/1.0887 - 1/1.0952
-  // = 0.0055 off its 1 / speed-up, job 2's 4th 1/2.9503 - 1/3.9013 = 0.083: it moves; job 1's 4th
-  // 0.0091 against job 2's 5th 0.050: it moves; job 1's 3rd 0.0181 against job 2's 6th 0.0331,
-  // less than twice: it stays.
+  // 1.9833, 2.9503, 3.9013, 4.8369, 5.7573 at 2-6. An equal split is 4 workers each, where the
+  // speed-ups are 1.0887 and 3.9013. Job 1's 5th worker takes 1/1.0887 - 1/1.0952 = 0.0055 off
+  // its 1 / speed-up, weighed 0.0059; job 2's 4th 1/2.9503 - 1/3.9013 = 0.083, weighed 0.32: it
+  // moves; job 1's 4th 0.0098 against job 2's 5th 0.19: it moves; job 1's 3rd 0.019 against
+  // job 2's 6th 0.13: it moves, and job 1 is at its fair floor (2).
   Plan plan = queue::plan(snapshot, goodput());
   auto shrinks = of_kind(plan, Action::kShrink);
   ASSERT_EQ(shrinks.size(), 1u);
   EXPECT_EQ(shrinks[0]->job, 1);
-  EXPECT_EQ(shrinks[0]->workers, (std::vector<int64_t>{14, 13}));  // its newest
+  EXPECT_EQ(shrinks[0]->workers, (std::vector<int64_t>{14, 13, 12}));  // its newest
   EXPECT_EQ(shrinks[0]->reason,
-            "shrinks from 5 to 3 workers: its speed-up 1.10 -> 1.08, where job 2's 2.95 -> 4.84");
+            "shrinks from 5 to 2 workers: its speed-up 1.10 -> 1.06, where job 2's 2.95 -> 5.76");
   EXPECT_TRUE(queue::plan(snapshot, {}).actions.empty());  // the priority policy leaves them
+
+  // Two jobs that scale alike: the 5th worker of one (1/3.9013 - 1/4.8369 = 0.050) is worth less
+  // than twice the other's 4th (0.083): it stays, no move back and forth on a measurement's noise.
+  snapshot.jobs[0] = scales(running(1, 0, 1, 8, {"a", "a", "a", "a", "a"}, 10));
+  EXPECT_TRUE(queue::plan(snapshot, goodput()).actions.empty());
 
   // At its fair floor (half of an equal split of 8 slots over 2 jobs: 2) it keeps its workers.
   snapshot.jobs[0] = flat(running(1, 0, 1, 8, {"a", "a"}, 10));
@@ -619,6 +625,46 @@ TEST(GoodputPolicy, AWaitingJobIsNotStarvedByAPeerAboveItsShare) {
   EXPECT_EQ(of_kind(plan, Action::kStart)[0]->hosts.size(), 4u);
 }
 
+// A job of the lowest priority starts with its --min under the goodput policy, where the priority
+// policy gives it every free slot up to its --max: the rest of the capacity goes by worth, to it
+// and to the others, once it runs. A higher-priority arrival is served whole, as before.
+TEST(GoodputPolicy, AJobStartsWithItsMinAndGrowsByWorth) {
+  auto snapshot = cluster({{"a", 8}});
+  snapshot.idle_since = 0;
+  snapshot.jobs.push_back(flat(running(1, 0, 1, 8, {"a", "a"}, 10)));
+  snapshot.jobs.push_back(job(2, 0, 1, 8, 50));
+  Plan old = queue::plan(snapshot, {});
+  ASSERT_EQ(of_kind(old, Action::kStart).size(), 1u);
+  EXPECT_EQ(of_kind(old, Action::kStart)[0]->hosts.size(), 6u);
+
+  Plan plan = queue::plan(snapshot, goodput());
+  ASSERT_EQ(plan.actions.size(), 1u);
+  EXPECT_EQ(plan.actions[0].kind, Action::kStart);
+  EXPECT_EQ(plan.actions[0].hosts.size(), 1u);
+  EXPECT_EQ(plan.actions[0].reason,
+            "starts with 1 worker (--min 1, --max 8); more as they are worth it");
+  EXPECT_EQ(plan.free_after, 5);
+
+  // Running, with no rate measured yet (the prior: each worker beyond the first adds 5% of a
+  // step), it takes the five free workers, each adding at least min_gain (7 workers: 5.38 against
+  // 4.80 at 6); job 1, whose 3rd worker would add 0.02, gets none.
+  snapshot.jobs[1].running = true;
+  snapshot.jobs[1].workers = {{30, "a", false}};
+  plan = queue::plan(snapshot, goodput());
+  ASSERT_EQ(plan.actions.size(), 1u);
+  EXPECT_EQ(plan.actions[0].kind, Action::kGrow);
+  EXPECT_EQ(plan.actions[0].job, 2);
+  EXPECT_EQ(plan.actions[0].hosts.size(), 5u);
+
+  // Of a higher priority than every running job, it starts as under the priority policy: on the
+  // six free slots and job 1's worker above its --min.
+  snapshot.jobs[1] = job(2, 1, 1, 8, 50);
+  plan = queue::plan(snapshot, goodput());
+  ASSERT_EQ(of_kind(plan, Action::kStart).size(), 1u);
+  EXPECT_EQ(of_kind(plan, Action::kStart)[0]->hosts.size(), 7u);
+  EXPECT_EQ(of_kind(plan, Action::kShrink).size(), 1u);
+}
+
 // Note [What a resize costs]: with a cost, a job grows only for a gain that pays for it (its
 // speed-up after discounted by max(age - resizes cost, 0) / (age + cost)), by the jump of
 // workers worth most per worker, and a peer's worker moves only when the move pays both.
@@ -651,9 +697,9 @@ TEST(GoodputPolicy, AResizeMustPayForWhatItCosts) {
   snapshot.jobs[0].resizes = 3;
   EXPECT_TRUE(queue::plan(snapshot, options).actions.empty());
 
-  // Between peers (the jobs of ReclaimsWorkersThatAddLittleDownToTheFairFloor, where two workers
-  // move for free): at 100 s old the receiver's first worker does not pay for its resize
-  // (2.95 -> 3.90, discounted 3.00); at 3000 s (0.99) both move as before.
+  // Between peers (the jobs of ReclaimsWorkersThatAddLittleDownToTheFairFloor, where three
+  // workers move for free): at 100 s old the receiver's first worker does not pay for its resize
+  // (2.95 -> 3.90, discounted 3.00); at 3000 s (0.99) all three move as before.
   snapshot = cluster({{"a", 8}});
   snapshot.jobs.push_back(flat(running(1, 0, 1, 8, {"a", "a", "a", "a", "a"}, 10)));
   snapshot.jobs.push_back(scales(running(2, 0, 1, 8, {"a", "a", "a"}, 20)));
@@ -661,7 +707,7 @@ TEST(GoodputPolicy, AResizeMustPayForWhatItCosts) {
   snapshot.now = 3000;
   plan = queue::plan(snapshot, options);
   ASSERT_EQ(of_kind(plan, Action::kShrink).size(), 1u);
-  EXPECT_EQ(of_kind(plan, Action::kShrink)[0]->workers, (std::vector<int64_t>{14, 13}));
+  EXPECT_EQ(of_kind(plan, Action::kShrink)[0]->workers, (std::vector<int64_t>{14, 13, 12}));
   // A giver resized often pays more for its resize (3000 s, 90 resizes: 0.10): its workers stay.
   snapshot.jobs[0].resizes = 90;
   EXPECT_TRUE(queue::plan(snapshot, options).actions.empty());

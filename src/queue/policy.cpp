@@ -203,10 +203,10 @@ std::string fixed(double value) {
 // idle for `idle_for` seconds (< 0: not yet long enough), go one at a time to the eligible job
 // whose speed-up gains most, higher priorities first; with none left, one job's last worker may
 // be reclaimed for another's next.
-template <typename Eligible, typename Floor, typename Discount>
+template <typename Eligible, typename Floor, typename Discount, typename Weight>
 void grow_by_gain(Plan& result, Room& room, const std::vector<const JobView*>& running, int& spare,
                   const Eligible& eligible, double idle_for, const Floor& fair_floor, int lowest,
-                  const Discount& discount, const PolicyOptions& options) {
+                  const Discount& discount, const Weight& weight, const PolicyOptions& options) {
   std::map<int64_t, int> added;
   const auto size_of = [](const JobView& job) {
     return job.active() + static_cast<int>(job.restarting.size());
@@ -231,8 +231,8 @@ void grow_by_gain(Plan& result, Room& room, const std::vector<const JobView*>& r
     for (int k = 1; k <= (factor < 1 ? most : std::min(most, 1)); ++k) {
       const double after = factor * speedup_of(job, from + k);
       if ((after - before) / k < options.min_gain) continue;
-      const double worth =
-          before > 0 ? (1.0 / before - 1.0 / after) / k : std::numeric_limits<double>::infinity();
+      const double worth = before > 0 ? weight(job) * (1.0 / before - 1.0 / after) / k
+                                      : std::numeric_limits<double>::infinity();
       if (best.count == 0 || worth > best.worth) best = {k, worth};
     }
     return best;
@@ -352,8 +352,8 @@ void grow_by_gain(Plan& result, Room& room, const std::vector<const JobView*>& r
         continue;
       // What its last worker takes off 1 / its speed-up; its first one given is its resize.
       const double factor = gives[job->id] == 0 ? discount(*job) : 1.0;
-      const double worth =
-          1.0 / (factor * speedup_of(*job, left - 1)) - 1.0 / speedup_of(*job, left);
+      const double worth = weight(*job) * (1.0 / (factor * speedup_of(*job, left - 1)) -
+                                           1.0 / speedup_of(*job, left));
       if (from == nullptr || worth < worth_from) {
         from = job;
         worth_from = worth;
@@ -421,7 +421,15 @@ Plan plan(const Snapshot& snapshot, const PolicyOptions& options) {
   };
   // Note [Giving workers where they speed training most].
   const bool goodput = options.kind == PolicyOptions::Kind::kGoodput;
-  const int equal_split = room.capacity() / std::max(1, static_cast<int>(snapshot.jobs.size()));
+  // An equal split of the capacity among the jobs: rounded down for the fair floor; rounded up
+  // (Pollux's fair share) for the weight of a worker's worth, a job's speed-up there (at most its
+  // --max).
+  const int jobs = std::max(1, static_cast<int>(snapshot.jobs.size()));
+  const int equal_split = room.capacity() / jobs;
+  const auto weight = [&](const JobView& job) {
+    const int fair = std::max(1, (room.capacity() + jobs - 1) / jobs);
+    return speedup(job, std::min(job.max_workers, fair), options);
+  };
   // Peers give up workers to each other only in the lowest priority running: a higher one is
   // served as under the priority policy, whole.
   int lowest = std::numeric_limits<int>::max();
@@ -462,7 +470,8 @@ Plan plan(const Snapshot& snapshot, const PolicyOptions& options) {
   std::set<int64_t> asked;       // their ids
   std::set<int64_t> preempted;   // running jobs this plan preempts
   int held = 0;                  // free slots held for waiting jobs ahead
-  const auto start = [&](const JobView& job, int free, int leaving, const std::string& why) {
+  const auto start = [&](const JobView& job, int free, int leaving, const std::string& why,
+                         bool by_worth) {
     Action action{Action::kStart, job.id, room.take(job, free), {}, ""};
     const auto claimed = room.claim(leaving);
     action.hosts.insert(action.hosts.end(), claimed.begin(), claimed.end());
@@ -474,6 +483,7 @@ Plan plan(const Snapshot& snapshot, const PolicyOptions& options) {
       action.reason +=
           ", " + std::to_string(claimed.size()) + " on the slots of workers leaving" + why;
     }
+    if (by_worth && count < job.max_workers) action.reason += "; more as they are worth it";
     result.actions.push_back(std::move(action));
   };
   for (const JobView* job : waiting) {
@@ -508,8 +518,8 @@ Plan plan(const Snapshot& snapshot, const PolicyOptions& options) {
     std::sort(lower.begin(), lower.end(), [&](const JobView* a, const JobView* b) {
       if (a->priority != b->priority) return a->priority < b->priority;
       if (goodput) {
-        const double ga = fair_gain_at(*a, a->active(), options);
-        const double gb = fair_gain_at(*b, b->active(), options);
+        const double ga = weight(*a) * fair_gain_at(*a, a->active(), options);
+        const double gb = weight(*b) * fair_gain_at(*b, b->active(), options);
         if (ga != gb) return ga < gb;
       }
       if (a->submitted != b->submitted) return a->submitted > b->submitted;
@@ -619,8 +629,11 @@ Plan plan(const Snapshot& snapshot, const PolicyOptions& options) {
                       " leave) " + for_whom;
       result.actions.push_back(std::move(action));
     }
-    start(*job, std::min(job->max_workers, available), counted + need,
-          need > 0 ? " for it" : "");
+    // Under kGoodput a job of the lowest priority starts with its --min: more come as growth, by
+    // their worth (step 3), once its curve says they pay.
+    const bool by_worth = goodput && job->priority <= lowest;
+    start(*job, std::min(by_worth ? job->min_workers : job->max_workers, available), counted + need,
+          need > 0 ? " for it" : "", by_worth);
   }
 
   // 3. Growth: capacity nobody waits for, once it has been idle for a while.
@@ -632,7 +645,7 @@ Plan plan(const Snapshot& snapshot, const PolicyOptions& options) {
           return taken.count(job.id) == 0 && preempted.count(job.id) == 0 && cooled(job);
         },
         now - snapshot.idle_since >= options.grow_idle ? now - snapshot.idle_since : -1.0,
-        fair_floor, lowest, discount, options);
+        fair_floor, lowest, discount, weight, options);
   } else if (spare > 0 && now - snapshot.idle_since >= options.grow_idle) {
     for (const JobView* job : running) {
       if (spare == 0) break;

@@ -141,18 +141,28 @@ const char* to_string(Action::Kind kind);
 //
 // Note [Giving workers where they speed training most]
 // With PolicyOptions::Kind::kGoodput, steps 1 and 2 stand (a higher priority is served as
-// above), and three things change:
+// above), and four things change:
 //  - a waiting job may also take, for its --min, the workers of running jobs of its own priority
 //    above their fair floor (max(--min, fair_share of an equal split), at most --max): a job's
 //    first workers are worth more than another's last ones, and no job waits behind jobs that
 //    hold more than their share;
+//  - a job of the lowest priority running starts with its --min workers, not every free slot up
+//    to its --max: what more it gets comes by the next rule, once it runs, weighed against the
+//    other jobs (and, with a resize cost, against what the resize costs it). Its curve is then
+//    the prior's, soon its measurement's; Pollux too starts a job on one GPU. Starting with
+//    every free slot kept capacity from the jobs that would have used it better (bench/RESULTS.md,
+//    "queue on Pollux's workloads: a start at --min");
 //  - idle capacity goes one worker at a time to the running job where it is worth most, higher
 //    priorities first, while it adds at least min_gain of a worker to that job's speed-up (Note
 //    [Speed-up curves]): a job that would not use a worker does not get it. A worker's worth is
-//    what it takes off 1 / the job's speed-up: giving by it maximizes the sum over jobs of
-//    -1 / speed-up, the power mean with p = -1 that Pollux (OSDI'21) maximizes for fairness,
-//    rather than the sum of speed-ups, which starves the jobs that scale poorly and has every
-//    newcomer wait behind the big jobs (bench/RESULTS.md, "queue on Pollux's workloads");
+//    what it takes off 1 / the job's speed-up, times the job's speed-up on an equal split of the
+//    capacity (at most its --max): giving by it maximizes the sum over jobs of -S_j(e) / S_j(w),
+//    the power mean with p = -1 of each job's speed over its speed on an equal split, which
+//    Pollux (OSDI'21) maximizes for fairness. Not the sum of speed-ups, which starves the jobs
+//    that scale poorly and has every newcomer wait behind the big jobs (bench/RESULTS.md,
+//    "queue on Pollux's workloads"); and against an equal split rather than one worker, so that
+//    a job's share is weighed by what a fair share would give it (bench/RESULTS.md, the same
+//    section as the start at --min);
 //  - without idle capacity, a higher priority takes the workers of lower ones above their --min
 //    that add at least min_gain each, up to its --max; else, among the lowest priority's jobs,
 //    workers move in one plan from the job whose last worker is worth least to the one whose next
