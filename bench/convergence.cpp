@@ -3,7 +3,8 @@
 // GPT on the GNU GPL's text, under one of the elastic batch policies (docs/elastic.md, "Batch
 // policies"), one intra-op thread per worker.
 //
-//   shoal run --min 1 --max 4 -n 1 convergence --policy global|scale|adascale [--model cnn|gpt]
+//   shoal run --min 1 --max 4 -n 1 convergence --policy global|scale|adascale|goodput
+//       [--model cnn|gpt]
 //       [--batch 64] [--lr 0.05] [--epochs 3] [--limit 12000] [--seed 0] [--eval-every 1500]
 //       [--test-size N] [--start-when FILE]
 //   convergence ...                                          # alone: the fixed run of one worker
@@ -17,12 +18,16 @@
 //
 // --batch is the reference run's batch b, one worker's. Under `global` (keep_global_batch) it is
 // the global batch, cut over the workers; under `scale` (scale_learning_rate(1, 0)) and `adascale`
-// (adascale(1)) it is each worker's, and the global batch follows the world. The training lasts
+// (adascale(1)) it is each worker's, and the global batch follows the world; under `goodput`
+// (BatchPolicy::goodput) it is the base batch lr0 is meant for, and the job picks its batch for its
+// world every 20 commits, from b/4 to 2b a worker and at most 8b in all, one backward pass a step
+// (Pollux's rule: the batch of the highest throughput times statistical efficiency), with lr0
+// times AdaScale's gain of that batch over b. The training lasts
 // T = epochs * ceil(limit / b) steps of the reference (one worker): it ends when
 // state.scaled_steps() reaches T, and the learning rate follows a cosine decay over
 // scaled_steps() / T (lr0 = --lr), times state.gain(). Under `global` and `scale` that is the
-// reference's number of samples; under `adascale`, whose gain is below the linear one, it takes
-// more samples (AdaScale's rule, docs/elastic.md).
+// reference's number of samples; under `adascale` and `goodput`, whose gain is below the linear
+// one, it takes more samples (AdaScale's rule, docs/elastic.md).
 //
 // --start-when FILE makes the program load its data first and then wait for FILE to exist before
 // it joins the job (shoal::init()): bench/convergence.py starts the joining workers ahead, so
@@ -30,10 +35,11 @@
 //
 // --seed sets the initial parameters and the data order. Every worker prints
 // "train pid=P rank=R world=W step=S" when the training function (re)starts; the first worker
-// prints after each commit "step S world W samples N scaled X lr L gain G loss Y" (the training
-// loss of its share), each time the samples trained on pass a multiple of --eval-every
-// "eval samples N scaled X commits C world W loss Y accuracy A" (on the first --test-size test
-// images, default limit/6), and at the end the same with "final" in place of "eval".
+// prints after each commit "step S world W samples N scaled X lr L gain G loss Y batch B" (the
+// training loss of its share, and the global batch of the step); each time the samples trained
+// on pass a multiple of --eval-every, "eval samples N scaled X commits C world W loss Y accuracy
+// A" (on the first --test-size test images, default limit/6); and at the end the same with
+// "final" in place of "eval".
 #include <unistd.h>
 
 #include <chrono>
@@ -212,7 +218,7 @@ template <typename Net, typename Dataset, typename MakeOptimizer>
 void train(Net net, Dataset train_set, const torch::Tensor& test_inputs,
            const torch::Tensor& test_targets, const Settings& s, const MakeOptimizer& make) {
   shoal::DataParallelOptions dp_options;
-  dp_options.measure_gradient_noise = s.policy == "adascale";
+  dp_options.measure_gradient_noise = s.policy == "adascale" || s.policy == "goodput";
   shoal::DataParallel model(net, dp_options);
   const auto forward = [&](const torch::Tensor& x) { return net->forward(x); };
 
@@ -227,6 +233,10 @@ void train(Net net, Dataset train_set, const torch::Tensor& test_inputs,
   } else if (s.policy == "adascale") {
     loader_options.per_worker = true;
     state_options.policy = shoal::elastic::BatchPolicy::adascale(1);
+  } else if (s.policy == "goodput") {
+    loader_options.per_worker = true;  // the policy sets its batch_size
+    state_options.policy = shoal::elastic::BatchPolicy::goodput(
+        {s.batch, 8 * s.batch, std::max<int64_t>(1, s.batch / 4), 2 * s.batch, 1}, 20);
   }
   const int64_t dataset_size = static_cast<int64_t>(*train_set.size());
   auto loader = shoal::data::make_loader(std::move(train_set), loader_options);
@@ -262,6 +272,7 @@ void train(Net net, Dataset train_set, const torch::Tensor& test_inputs,
             s.lr * 0.5 * (1 + std::cos(M_PI * std::min(1.0, state.scaled_steps() / total)));
         state.set_base_learning_rates({base});
         const double rate = optimizer->param_groups()[0].options().get_lr();
+        const int64_t trained = sampler.global_batch_size();  // before the commit may change it
         optimizer->zero_grad();
         const torch::Tensor logits = model(b.data);
         const torch::Tensor loss = torch::nn::functional::cross_entropy(
@@ -270,10 +281,11 @@ void train(Net net, Dataset train_set, const torch::Tensor& test_inputs,
         optimizer->step();
         state.commit();
         if (shoal::is_main()) {
-          std::printf("step %lld world %d samples %lld scaled %.2f lr %.5f gain %.3f loss %.4f\n",
+          std::printf("step %lld world %d samples %lld scaled %.2f lr %.5f gain %.3f loss %.4f",
                       static_cast<long long>(state.version()), shoal::world_size(),
                       static_cast<long long>(samples()), state.scaled_steps(), rate, state.gain(),
                       loss.item<double>());
+          std::printf(" batch %lld\n", static_cast<long long>(trained));
           std::fflush(stdout);
         }
         auto& evaluated = state.value("evaluated");
@@ -299,8 +311,8 @@ int main(int argc, char** argv) {
   CLI::App app{
       "The demo CNN on Fashion-MNIST, or a character-level GPT, under an elastic batch "
       "policy (bench/convergence.py)"};
-  app.add_option("--policy", s.policy, "global, scale or adascale (default global)")
-      ->check(CLI::IsMember({"global", "scale", "adascale"}));
+  app.add_option("--policy", s.policy, "global, scale, adascale or goodput (default global)")
+      ->check(CLI::IsMember({"global", "scale", "adascale", "goodput"}));
   app.add_option("--model", model_name, "cnn (the demo's, on Fashion-MNIST; the default) or gpt")
       ->check(CLI::IsMember({"cnn", "gpt"}));
   app.add_option("--batch", s.batch, "the reference's batch, one worker's (default 64)")

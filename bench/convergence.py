@@ -1,7 +1,7 @@
 """Convergence across resizes (bench/RESULTS.md, section "Convergence across resizes").
 
     /usr/bin/python3 bench/convergence.py BUILD_DIR [--model cnn|gpt] [--seeds 8]
-        [--policy-seeds 5] [--policies global,scale,adascale] [--limit 12000] [--epochs 3]
+        [--policy-seeds 5] [--policies global,scale,adascale,goodput] [--limit 12000] [--epochs 3]
         [--batch 64] [--lr 0.05] [--grow-at 0.25] [--shrink-at 0.6] [--eval-every 1500]
         [--test-size 10000] [--target ACCURACY] [--raw FILE]
     /usr/bin/python3 bench/convergence.py BUILD_DIR --table RAW_FILE [the run's other flags]
@@ -21,7 +21,9 @@ windows), trained
           commit). global: keep_global_batch (the global batch stays --batch); scale:
           scale_learning_rate(1, 0) (--batch per worker, lr0 * world); adascale: adascale(1)
           (--batch per worker, lr0 * AdaScale's gain; the run lasts until scaled_steps() reaches
-          T, so it trains on more samples than the reference).
+          T, so it trains on more samples than the reference); goodput: BatchPolicy::goodput with
+          --batch as the base batch (the job picks its batch for its world, --batch / 4 to
+          2 * --batch a worker, at most 8 * --batch in all; lr0 * AdaScale's gain of it).
 Every run evaluates on the first --test-size (default 10000: all) test images each time
 --eval-every (default 1500) more samples have been trained on, and at the end. The target
 accuracy (default: the lowest final accuracy of the fixed runs minus 0.02) gives "samples to
@@ -275,7 +277,7 @@ def main():
     parser.add_argument("build")
     parser.add_argument("--seeds", type=int, default=8, help="fixed runs (seeds 0..N-1)")
     parser.add_argument("--policy-seeds", type=int, default=5, help="resized runs per policy")
-    parser.add_argument("--policies", default="global,scale,adascale")
+    parser.add_argument("--policies", default="global,scale,adascale,goodput")
     parser.add_argument("--model", choices=("cnn", "gpt"), default="cnn")
     parser.add_argument("--limit", type=int)
     parser.add_argument("--epochs", type=int)
@@ -297,8 +299,8 @@ def main():
             setattr(args, name, value)
     policies = [p for p in args.policies.split(",") if p]
     for p in policies:
-        if p not in ("global", "scale", "adascale"):
-            parser.error(f"unknown policy '{p}'; expected some of global,scale,adascale")
+        if p not in ("global", "scale", "adascale", "goodput"):
+            parser.error(f"unknown policy '{p}'; expected some of global,scale,adascale,goodput")
     if args.table:
         fixed, resized, wall = read_raw(args.table, policies)
         report(fixed, resized, args, wall, args.table)
@@ -409,7 +411,7 @@ def report(fixed, resized, args, wall, raw_path):
 
     row("fixed, 1 worker", fixed, False)
     names = {"global": "1 -> 4 -> 2, keep_global_batch", "scale": "1 -> 4 -> 2, scale_learning_rate",
-             "adascale": "1 -> 4 -> 2, adascale"}
+             "adascale": "1 -> 4 -> 2, adascale", "goodput": "1 -> 4 -> 2, goodput"}
     for p, runs in resized.items():
         row(names[p], runs, True)
     fixed_reach = [r.samples_to(target) for r in good_fixed]
