@@ -625,36 +625,54 @@ TEST(GoodputPolicy, AWaitingJobIsNotStarvedByAPeerAboveItsShare) {
   EXPECT_EQ(of_kind(plan, Action::kStart)[0]->hosts.size(), 4u);
 }
 
-// A job of the lowest priority starts with its --min under the goodput policy, where the priority
-// policy gives it every free slot up to its --max: the rest of the capacity goes by worth, to it
-// and to the others, once it runs. A higher-priority arrival is served whole, as before.
-TEST(GoodputPolicy, AJobStartsWithItsMinAndGrowsByWorth) {
-  auto snapshot = cluster({{"a", 8}});
+// A job of the lowest priority starts under the goodput policy with its --min and the idle
+// workers worth most to it against the running jobs' next ones, where the priority policy gives
+// it every free slot up to its --max. With a resize cost, a job too young to pay for one starts
+// at its --min. A higher-priority arrival is served whole, as before.
+TEST(GoodputPolicy, AJobStartsWithItsMinAndTheIdleWorkersWorthMostToIt) {
+  auto snapshot = cluster({{"a", 2}, {"b", 3}, {"c", 3}});
   snapshot.idle_since = 0;
-  snapshot.jobs.push_back(flat(running(1, 0, 1, 8, {"a", "a"}, 10)));
+  snapshot.jobs.push_back(scales(running(1, 0, 1, 8, {"a", "a"}, 10)));
+  snapshot.jobs[0].submitted = 60;  // younger than job 2: its growth is placed after job 2's start
   snapshot.jobs.push_back(job(2, 0, 1, 8, 50));
   Plan old = queue::plan(snapshot, {});
   ASSERT_EQ(of_kind(old, Action::kStart).size(), 1u);
   EXPECT_EQ(of_kind(old, Action::kStart)[0]->hosts.size(), 6u);
+  EXPECT_TRUE(of_kind(old, Action::kGrow).empty());
 
+  // Job 2 has measured nothing: the prior (each worker beyond the first adds 5% of a step),
+  // S = 1.905, 2.727, 3.478, 4.167 at 2-5 workers; job 1's fitted curve, 2.950, 3.901, 4.837
+  // at 3-5. Weighed by each one's speed-up on an equal split (4 workers: 3.478 and 3.901), the
+  // five free workers go to job 2's 2nd (1.65), job 1's 3rd (0.64), job 2's 3rd (0.55), job 1's
+  // 4th (0.32) and job 2's 4th (0.28); job 1's 5th would be worth 0.19. Each job's workers stay
+  // on as few hosts as they can: job 2's first took b (3 free, as c), its others follow it there.
   Plan plan = queue::plan(snapshot, goodput());
-  ASSERT_EQ(plan.actions.size(), 1u);
-  EXPECT_EQ(plan.actions[0].kind, Action::kStart);
-  EXPECT_EQ(plan.actions[0].hosts.size(), 1u);
-  EXPECT_EQ(plan.actions[0].reason,
-            "starts with 1 worker (--min 1, --max 8); more as they are worth it");
-  EXPECT_EQ(plan.free_after, 5);
+  const auto starts = of_kind(plan, Action::kStart);
+  ASSERT_EQ(starts.size(), 1u);
+  EXPECT_EQ(starts[0]->job, 2);
+  EXPECT_EQ(starts[0]->hosts, (std::vector<std::string>{"b", "b", "b", "c"}));
+  EXPECT_EQ(starts[0]->reason,
+            "starts with 4 workers (--min 1, --max 8): 3 beyond its first 1 into capacity idle for "
+            "100 s, where a worker is worth most: its speed-up 1.00 -> 3.48");
+  const auto grows = of_kind(plan, Action::kGrow);
+  ASSERT_EQ(grows.size(), 1u);
+  EXPECT_EQ(grows[0]->job, 1);
+  EXPECT_EQ(grows[0]->hosts, (std::vector<std::string>{"c", "c"}));
+  EXPECT_EQ(plan.free_after, 0);
 
-  // Running, with no rate measured yet (the prior: each worker beyond the first adds 5% of a
-  // step), it takes the five free workers, each adding at least min_gain (7 workers: 5.38 against
-  // 4.80 at 6); job 1, whose 3rd worker would add 0.02, gets none.
-  snapshot.jobs[1].running = true;
-  snapshot.jobs[1].workers = {{30, "a", false}};
-  plan = queue::plan(snapshot, goodput());
-  ASSERT_EQ(plan.actions.size(), 1u);
-  EXPECT_EQ(plan.actions[0].kind, Action::kGrow);
-  EXPECT_EQ(plan.actions[0].job, 2);
-  EXPECT_EQ(plan.actions[0].hosts.size(), 5u);
+  // At 30 s a resize and submitted now, job 2's resize is worth nothing yet (discount 0): it
+  // starts at its --min; job 1, 40 s old (0.57), takes the other five (speed-up 1.98 -> 6.66,
+  // discounted 3.80).
+  auto options = goodput();
+  options.resize_cost = 30;
+  snapshot.jobs[1].submitted = 100;
+  plan = queue::plan(snapshot, options);
+  ASSERT_EQ(of_kind(plan, Action::kStart).size(), 1u);
+  EXPECT_EQ(of_kind(plan, Action::kStart)[0]->hosts.size(), 1u);
+  EXPECT_EQ(of_kind(plan, Action::kStart)[0]->reason,
+            "starts with 1 worker (--min 1, --max 8); more as they are worth it");
+  ASSERT_EQ(of_kind(plan, Action::kGrow).size(), 1u);
+  EXPECT_EQ(of_kind(plan, Action::kGrow)[0]->hosts.size(), 5u);
 
   // Of a higher priority than every running job, it starts as under the priority policy: on the
   // six free slots and job 1's worker above its --min.

@@ -99,12 +99,15 @@ class Room {
   int capacity() const { return capacity_; }
   int total() const { return total_; }  // kept, not summed: plan() asks once per waiting job
 
-  // `count` hosts (with repeats) for new workers of `job`: hosts where the job already runs
-  // first (its traffic stays on one host where it can), then those with the most free slots.
-  // Takes the slots. Fewer than `count` when the room is short.
-  std::vector<std::string> take(const JobView& job, int count) {
+  // `count` hosts (with repeats) for new workers of `job`: hosts where the job already runs, or
+  // where this plan starts it (`starting`), first (its traffic stays on one host where it can),
+  // then those with the most free slots. Takes the slots. Fewer than `count` when the room is
+  // short.
+  std::vector<std::string> take(const JobView& job, int count,
+                                const std::vector<std::string>& starting = {}) {
     std::map<std::string, int> mine;
     for (const auto& worker : job.workers) ++mine[worker.host];
+    for (const auto& host : starting) ++mine[host];
     std::vector<std::string> hosts;
     while (static_cast<int>(hosts.size()) < count) {
       const std::string* best = nullptr;
@@ -143,31 +146,6 @@ bool by_priority_then_age(const JobView* a, const JobView* b) {
   return a->id < b->id;
 }
 
-// b / a of Note [Speed-up curves], fitted to the job's measured rates.
-double overhead_ratio(const JobView& job, const PolicyOptions& options) {
-  double n = 0, sx = 0, su = 0, sxx = 0, sxu = 0, least = std::numeric_limits<double>::infinity();
-  for (const auto& [workers, rate] : job.throughput) {
-    if (workers < 1 || !(rate > 0) || !std::isfinite(rate)) continue;
-    const double x = workers - 1, u = workers / rate;
-    n += 1;
-    sx += x;
-    su += u;
-    sxx += x * x;
-    sxu += x * u;
-    least = std::min(least, u);
-  }
-  const double spread = n * sxx - sx * sx;
-  if (n < 2 || spread <= 0) return options.overhead_prior;
-  double b = (n * sxu - sx * su) / spread;
-  double a = (su - b * sx) / n;
-  if (b < 0) {  // faster per worker with more workers: modeled as linear
-    b = 0;
-    a = su / n;
-  }
-  a = std::max(a, 0.05 * least);  // a curve that would pass below zero at one worker
-  return b / a;
-}
-
 // What the last of `workers` adds to the job's speed-up (what its next adds, at workers + 1).
 double gain_at(const JobView& job, int workers, const PolicyOptions& options) {
   return speedup(job, workers, options) - speedup(job, workers - 1, options);
@@ -201,15 +179,19 @@ std::string fixed(double value) {
 
 // Step 3 under kGoodput (Note [Giving workers where they speed training most]): `spare` slots,
 // idle for `idle_for` seconds (< 0: not yet long enough), go one at a time to the eligible job
-// whose speed-up gains most, higher priorities first; with none left, one job's last worker may
-// be reclaimed for another's next.
+// whose speed-up gains most, higher priorities first, the jobs this plan starts (`starting`: their
+// workers at the start) among them, whose start then takes those too; with none left, one running
+// job's last worker may be reclaimed for another's next.
 template <typename Eligible, typename Floor, typename Discount, typename Weight>
-void grow_by_gain(Plan& result, Room& room, const std::vector<const JobView*>& running, int& spare,
+void grow_by_gain(Plan& result, Room& room, const std::vector<const JobView*>& running,
+                  const std::map<const JobView*, int>& starting, int& spare,
                   const Eligible& eligible, double idle_for, const Floor& fair_floor, int lowest,
                   const Discount& discount, const Weight& weight, const PolicyOptions& options) {
   std::map<int64_t, int> added;
-  const auto size_of = [](const JobView& job) {
-    return job.active() + static_cast<int>(job.restarting.size());
+  const auto size_of = [&](const JobView& job) {
+    const auto it = starting.find(&job);
+    return job.active() + static_cast<int>(job.restarting.size()) +
+           (it == starting.end() ? 0 : it->second);
   };
   std::map<std::pair<int64_t, int>, double> speedups;  // (job, workers) -> speedup(), once each
   const auto speedup_of = [&](const JobView& job, int workers) {
@@ -238,11 +220,14 @@ void grow_by_gain(Plan& result, Room& room, const std::vector<const JobView*>& r
     return best;
   };
   if (idle_for >= 0) {
+    std::vector<const JobView*> growing = running;
+    for (const auto& [job, workers] : starting) growing.push_back(job);
+    std::sort(growing.begin(), growing.end(), by_priority_then_age);
     while (spare > 0) {
       const JobView* best = nullptr;
       double best_gain = 0;
       int best_count = 0;
-      for (const JobView* job : running) {
+      for (const JobView* job : growing) {
         const int target = size_of(*job) + added[job->id];
         if (!eligible(*job) || target >= job->max_workers) continue;
         const bool first = added[job->id] == 0;
@@ -260,10 +245,27 @@ void grow_by_gain(Plan& result, Room& room, const std::vector<const JobView*>& r
       added[best->id] += best_count;
       spare -= best_count;
     }
-    for (const JobView* job : running) {
+    for (const JobView* job : growing) {
       const int count = added[job->id];
       if (count == 0) continue;
       const int from = size_of(*job);
+      if (starting.count(job) > 0) {
+        // Its start takes them: one rendezvous, not a start and a grow.
+        for (auto& action : result.actions) {
+          if (action.kind != Action::kStart || action.job != job->id) continue;
+          const auto hosts = room.take(*job, count, action.hosts);
+          action.hosts.insert(action.hosts.end(), hosts.begin(), hosts.end());
+          const int to = from + static_cast<int>(hosts.size());
+          action.reason = "starts with " + plural(to, "worker") + " (--min " +
+                          std::to_string(job->min_workers) + ", --max " +
+                          std::to_string(job->max_workers) + "): " + std::to_string(hosts.size()) +
+                          " beyond its first " + std::to_string(from) + " into capacity idle for " +
+                          seconds(idle_for) + ", where a worker is worth most: its speed-up " +
+                          fixed(speedup(*job, from, options)) + " -> " +
+                          fixed(speedup(*job, to, options));
+        }
+        continue;
+      }
       Action action{Action::kGrow, job->id, room.take(*job, count), {}, ""};
       const int to = from + static_cast<int>(action.hosts.size());
       action.reason = "grows from " + std::to_string(from) + " to " + std::to_string(to) +
@@ -391,23 +393,6 @@ void grow_by_gain(Plan& result, Room& room, const std::vector<const JobView*>& r
 
 }  // namespace
 
-double speedup(const JobView& job, int workers, const PolicyOptions& options) {
-  if (workers <= 0) return 0.0;
-  const double w = workers;
-  const auto noise = GradientNoise::of_scale(job.noise_scale);
-  if (job.batch_limits.base_batch > 0) {
-    const auto model = StepTimeModel::fit(job.steps, options.overhead_prior);
-    const double one = best_batch(model, noise, 1, job.batch_limits).goodput;
-    return one > 0 ? best_batch(model, noise, workers, job.batch_limits).goodput / one : w;
-  }
-  double efficiency = 1.0;
-  if (job.batch_per_worker > 0 && job.noise_scale > 0) {
-    const double batch = static_cast<double>(job.batch_per_worker);
-    efficiency = noise.efficiency(w * batch, batch);
-  }
-  return w / (1.0 + overhead_ratio(job, options) * (w - 1.0)) * efficiency;
-}
-
 Plan plan(const Snapshot& snapshot, const PolicyOptions& options) {
   Plan result;
   Room room(snapshot);
@@ -467,9 +452,15 @@ Plan plan(const Snapshot& snapshot, const PolicyOptions& options) {
   // 2. Admission. A job that lacks only slots that leaving workers free starts at once on them
   // (Note [Starting on leaving slots]).
   std::map<int64_t, int> taken;  // workers of a running job this plan makes leave
+  // Read without adding the job: a job only weighed for a shrink is not one.
+  const auto taken_from = [&](const JobView& job) {
+    const auto it = taken.find(job.id);
+    return it == taken.end() ? 0 : it->second;
+  };
   std::set<int64_t> asked;       // their ids
   std::set<int64_t> preempted;   // running jobs this plan preempts
   int held = 0;                  // free slots held for waiting jobs ahead
+  std::map<const JobView*, int> starting;  // under kGoodput, jobs started at --min: their workers
   const auto start = [&](const JobView& job, int free, int leaving, const std::string& why,
                          bool by_worth) {
     Action action{Action::kStart, job.id, room.take(job, free), {}, ""};
@@ -531,7 +522,7 @@ Plan plan(const Snapshot& snapshot, const PolicyOptions& options) {
     int remaining = need;
     const auto surplus_of = [&](const JobView& other) {
       const int keeps = other.priority < job->priority ? other.min_workers : fair_floor(other);
-      return other.active() - taken[other.id] - shrink[other.id] - keeps;
+      return other.active() - taken_from(other) - shrink[other.id] - keeps;
     };
     for (const JobView* other : lower) {
       // Peers come last, and only when no lower-priority job would make room once it cools down:
@@ -550,7 +541,7 @@ Plan plan(const Snapshot& snapshot, const PolicyOptions& options) {
     for (const JobView* other : lower) {
       if (remaining <= 0) break;
       if (!other->preemptible || other->priority == job->priority) continue;
-      const int left = other->active() - taken[other->id] - shrink[other->id];
+      const int left = other->active() - taken_from(*other) - shrink[other->id];
       if (left <= 0) continue;
       if (!cooled(*other)) {
         cooling += left;
@@ -629,27 +620,28 @@ Plan plan(const Snapshot& snapshot, const PolicyOptions& options) {
                       " leave) " + for_whom;
       result.actions.push_back(std::move(action));
     }
-    // Under kGoodput a job of the lowest priority starts with its --min: more come as growth, by
-    // their worth (step 3), once its curve says they pay.
+    // Under kGoodput a job of the lowest priority starts with its --min, and with the idle
+    // workers worth most to it in step 3, weighed against the running jobs' next workers.
     const bool by_worth = goodput && job->priority <= lowest;
     start(*job, std::min(by_worth ? job->min_workers : job->max_workers, available), counted + need,
           need > 0 ? " for it" : "", by_worth);
+    if (by_worth) starting[job] = static_cast<int>(result.actions.back().hosts.size());
   }
 
   // 3. Growth: capacity nobody waits for, once it has been idle for a while.
   int spare = room.total() - held;
   if (goodput) {
     grow_by_gain(
-        result, room, running, spare,
+        result, room, running, starting, spare,
         [&](const JobView& job) {
-          return taken.count(job.id) == 0 && preempted.count(job.id) == 0 && cooled(job);
+          return taken_from(job) == 0 && preempted.count(job.id) == 0 && cooled(job);
         },
         now - snapshot.idle_since >= options.grow_idle ? now - snapshot.idle_since : -1.0,
         fair_floor, lowest, discount, weight, options);
   } else if (spare > 0 && now - snapshot.idle_since >= options.grow_idle) {
     for (const JobView* job : running) {
       if (spare == 0) break;
-      if (taken.count(job->id) > 0 || preempted.count(job->id) > 0 || !cooled(*job)) continue;
+      if (taken_from(*job) > 0 || preempted.count(job->id) > 0 || !cooled(*job)) continue;
       const int target = job->active() + static_cast<int>(job->restarting.size());
       const int count = std::min(job->max_workers - target, spare);
       if (count <= 0) continue;

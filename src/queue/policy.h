@@ -146,12 +146,13 @@ const char* to_string(Action::Kind kind);
 //    above their fair floor (max(--min, fair_share of an equal split), at most --max): a job's
 //    first workers are worth more than another's last ones, and no job waits behind jobs that
 //    hold more than their share;
-//  - a job of the lowest priority running starts with its --min workers, not every free slot up
-//    to its --max: what more it gets comes by the next rule, once it runs, weighed against the
-//    other jobs (and, with a resize cost, against what the resize costs it). Its curve is then
-//    the prior's, soon its measurement's; Pollux too starts a job on one GPU. Starting with
-//    every free slot kept capacity from the jobs that would have used it better (bench/RESULTS.md,
-//    "queue on Pollux's workloads: a start at --min");
+//  - a job of the lowest priority running starts with its --min workers and the idle ones worth
+//    most to it by the next rule, weighed against the running jobs' next workers (with a resize
+//    cost, as a resize of the job: one too young to pay for it starts at its --min), not with
+//    every free slot up to its --max. Its curve is then the prior's, soon its measurement's;
+//    Pollux too starts a job small. Starting it on every free slot kept capacity from the jobs
+//    that would have used it better (bench/RESULTS.md, "queue on Pollux's workloads: a start at
+//    --min");
 //  - idle capacity goes one worker at a time to the running job where it is worth most, higher
 //    priorities first, while it adds at least min_gain of a worker to that job's speed-up (Note
 //    [Speed-up curves]): a job that would not use a worker does not get it. A worker's worth is
