@@ -171,6 +171,12 @@ std::vector<WorkerView> newest_first(const JobView& job) {
   return workers;
 }
 
+// The head of a start's reason: "starts with 4 workers (--min 1, --max 8)".
+std::string starts_with(const JobView& job, int count) {
+  return "starts with " + plural(count, "worker") + " (--min " + std::to_string(job.min_workers) +
+         ", --max " + std::to_string(job.max_workers) + ")";
+}
+
 std::string fixed(double value) {
   char text[32];
   std::snprintf(text, sizeof text, "%.2f", value);
@@ -256,9 +262,7 @@ void grow_by_gain(Plan& result, Room& room, const std::vector<const JobView*>& r
           const auto hosts = room.take(*job, count, action.hosts);
           action.hosts.insert(action.hosts.end(), hosts.begin(), hosts.end());
           const int to = from + static_cast<int>(hosts.size());
-          action.reason = "starts with " + plural(to, "worker") + " (--min " +
-                          std::to_string(job->min_workers) + ", --max " +
-                          std::to_string(job->max_workers) + "): " + std::to_string(hosts.size()) +
+          action.reason = starts_with(*job, to) + ": " + std::to_string(hosts.size()) +
                           " beyond its first " + std::to_string(from) + " into capacity idle for " +
                           seconds(idle_for) + ", where a worker is worth most: its speed-up " +
                           fixed(speedup(*job, from, options)) + " -> " +
@@ -411,9 +415,12 @@ Plan plan(const Snapshot& snapshot, const PolicyOptions& options) {
   // --max).
   const int jobs = std::max(1, static_cast<int>(snapshot.jobs.size()));
   const int equal_split = room.capacity() / jobs;
+  const int fair = std::max(1, (room.capacity() + jobs - 1) / jobs);
+  std::map<int64_t, double> weights;  // once per job: a job under goodput() fits a model for it
   const auto weight = [&](const JobView& job) {
-    const int fair = std::max(1, (room.capacity() + jobs - 1) / jobs);
-    return speedup(job, std::min(job.max_workers, fair), options);
+    const auto [it, added] = weights.try_emplace(job.id, 0.0);
+    if (added) it->second = speedup(job, std::min(job.max_workers, fair), options);
+    return it->second;
   };
   // Peers give up workers to each other only in the lowest priority running: a higher one is
   // served as under the priority policy, whole.
@@ -467,9 +474,7 @@ Plan plan(const Snapshot& snapshot, const PolicyOptions& options) {
     const auto claimed = room.claim(leaving);
     action.hosts.insert(action.hosts.end(), claimed.begin(), claimed.end());
     const int count = static_cast<int>(action.hosts.size());
-    action.reason = "starts with " + plural(count, "worker") + " (--min " +
-                    std::to_string(job.min_workers) + ", --max " + std::to_string(job.max_workers) +
-                    ")";
+    action.reason = starts_with(job, count);
     if (!claimed.empty()) {
       action.reason +=
           ", " + std::to_string(claimed.size()) + " on the slots of workers leaving" + why;
