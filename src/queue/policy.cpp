@@ -185,19 +185,19 @@ std::string fixed(double value) {
 
 // Step 3 under kGoodput (Note [Giving workers where they speed training most]): `spare` slots,
 // idle for `idle_for` seconds (< 0: not yet long enough), go one at a time to the eligible job
-// whose speed-up gains most, higher priorities first, the jobs this plan starts (`starting`: their
-// workers at the start) among them, whose start then takes those too; with none left, one running
-// job's last worker may be reclaimed for another's next.
+// whose speed-up gains most, higher priorities first, the jobs this plan starts (`starting`: the
+// index of each one's start in `result`) among them, whose start then takes those too; with none
+// left, one running job's last worker may be reclaimed for another's next.
 template <typename Eligible, typename Floor, typename Discount, typename Weight>
 void grow_by_gain(Plan& result, Room& room, const std::vector<const JobView*>& running,
-                  const std::map<const JobView*, int>& starting, int& spare,
+                  const std::map<const JobView*, size_t>& starting, int& spare,
                   const Eligible& eligible, double idle_for, const Floor& fair_floor, int lowest,
                   const Discount& discount, const Weight& weight, const PolicyOptions& options) {
   std::map<int64_t, int> added;
   const auto size_of = [&](const JobView& job) {
     const auto it = starting.find(&job);
     return job.active() + static_cast<int>(job.restarting.size()) +
-           (it == starting.end() ? 0 : it->second);
+           (it == starting.end() ? 0 : static_cast<int>(result.actions[it->second].hosts.size()));
   };
   std::map<std::pair<int64_t, int>, double> speedups;  // (job, workers) -> speedup(), once each
   const auto speedup_of = [&](const JobView& job, int workers) {
@@ -227,7 +227,7 @@ void grow_by_gain(Plan& result, Room& room, const std::vector<const JobView*>& r
   };
   if (idle_for >= 0) {
     std::vector<const JobView*> growing = running;
-    for (const auto& [job, workers] : starting) growing.push_back(job);
+    for (const auto& [job, index] : starting) growing.push_back(job);
     std::sort(growing.begin(), growing.end(), by_priority_then_age);
     while (spare > 0) {
       const JobView* best = nullptr;
@@ -255,19 +255,17 @@ void grow_by_gain(Plan& result, Room& room, const std::vector<const JobView*>& r
       const int count = added[job->id];
       if (count == 0) continue;
       const int from = size_of(*job);
-      if (starting.count(job) > 0) {
+      if (const auto it = starting.find(job); it != starting.end()) {
         // Its start takes them: one rendezvous, not a start and a grow.
-        for (auto& action : result.actions) {
-          if (action.kind != Action::kStart || action.job != job->id) continue;
-          const auto hosts = room.take(*job, count, action.hosts);
-          action.hosts.insert(action.hosts.end(), hosts.begin(), hosts.end());
-          const int to = from + static_cast<int>(hosts.size());
-          action.reason = starts_with(*job, to) + ": " + std::to_string(hosts.size()) +
-                          " beyond its first " + std::to_string(from) + " into capacity idle for " +
-                          seconds(idle_for) + ", where a worker is worth most: its speed-up " +
-                          fixed(speedup(*job, from, options)) + " -> " +
-                          fixed(speedup(*job, to, options));
-        }
+        Action& action = result.actions[it->second];
+        const auto hosts = room.take(*job, count, action.hosts);
+        action.hosts.insert(action.hosts.end(), hosts.begin(), hosts.end());
+        const int to = from + static_cast<int>(hosts.size());
+        action.reason = starts_with(*job, to) + ": " + std::to_string(hosts.size()) +
+                        " beyond its first " + std::to_string(from) + " into capacity idle for " +
+                        seconds(idle_for) + ", where a worker is worth most: its speed-up " +
+                        fixed(speedup(*job, from, options)) + " -> " +
+                        fixed(speedup(*job, to, options));
         continue;
       }
       Action action{Action::kGrow, job->id, room.take(*job, count), {}, ""};
@@ -467,7 +465,7 @@ Plan plan(const Snapshot& snapshot, const PolicyOptions& options) {
   std::set<int64_t> asked;       // their ids
   std::set<int64_t> preempted;   // running jobs this plan preempts
   int held = 0;                  // free slots held for waiting jobs ahead
-  std::map<const JobView*, int> starting;  // under kGoodput, jobs started at --min: their workers
+  std::map<const JobView*, size_t> starting;  // under kGoodput, jobs started at --min: their start
   const auto start = [&](const JobView& job, int free, int leaving, const std::string& why,
                          bool by_worth) {
     Action action{Action::kStart, job.id, room.take(job, free), {}, ""};
@@ -630,7 +628,7 @@ Plan plan(const Snapshot& snapshot, const PolicyOptions& options) {
     const bool by_worth = goodput && job->priority <= lowest;
     start(*job, std::min(by_worth ? job->min_workers : job->max_workers, available), counted + need,
           need > 0 ? " for it" : "", by_worth);
-    if (by_worth) starting[job] = static_cast<int>(result.actions.back().hosts.size());
+    if (by_worth) starting[job] = result.actions.size() - 1;
   }
 
   // 3. Growth: capacity nobody waits for, once it has been idle for a while.
