@@ -1,6 +1,7 @@
 #include "shoal/dp/data_parallel.h"
 
 #include <map>
+#include <set>
 #include <sstream>
 
 #include <ATen/core/grad_mode.h>
@@ -99,6 +100,15 @@ std::string first_difference(const std::vector<std::string>& descriptions, const
   return "";
 }
 
+std::vector<at::Tensor> unique_parameters(const torch::nn::Module& module) {
+  std::vector<at::Tensor> unique;
+  std::set<const void*> seen;
+  for (const auto& p : module.parameters()) {
+    if (seen.insert(p.unsafeGetTensorImpl()).second) unique.push_back(p);
+  }
+  return unique;
+}
+
 // One broadcast per dtype rather than one per tensor.
 void broadcast_from_first(comm::Group& group, const std::vector<at::Tensor>& tensors) {
   std::map<at::ScalarType, std::vector<at::Tensor>> by_dtype;
@@ -124,6 +134,15 @@ Replicator::Replicator(std::shared_ptr<torch::nn::Module> module, DataParallelOp
   if (!module_) throw UsageError("DataParallel: the module is null");
   replication_ = std::make_shared<Replication>(
       options_.measure_gradient_noise ? std::make_shared<NoiseMeter>(options_.gradient_noise_smoothing) : nullptr);
+  if (options_.zero_stage < 0 || options_.zero_stage > 2) {
+    throw UsageError("DataParallel: zero_stage must be 0, 1 or 2, got " +
+                     std::to_string(options_.zero_stage));
+  }
+  if (options_.zero_stage > 0 && options_.comm_hook) {
+    throw UsageError("DataParallel: a comm_hook averages whole buckets, and zero_stage " +
+                     std::to_string(options_.zero_stage) +
+                     " reduce-scatters them; expected zero_stage 0 with a hook");
+  }
   if (options_.batch_dim < 0) {
     throw UsageError("DataParallel: batch_dim must be 0 or more, got " + std::to_string(options_.batch_dim));
   }
@@ -135,6 +154,10 @@ Replicator::Replicator(std::shared_ptr<torch::nn::Module> module, DataParallelOp
   // An elastic job's members synchronize through elastic::State, which every member of a
   // round reaches together; a newcomer's constructor must not start a collective of its own.
   const bool elastic = shoal::job().elastic;
+  if (elastic && options_.zero_stage > 0) {
+    throw UsageError("DataParallel: zero_stage " + std::to_string(options_.zero_stage) +
+                     " in an elastic job is not available yet; expected zero_stage 0 there");
+  }
   bind(shoal::world(), !elastic);
   world_listener_ = runtime::add_world_listener([this] { bind(shoal::world(), false); });
 }
@@ -152,8 +175,18 @@ void Replicator::bind(comm::Group group, bool synchronize) {
     for (auto& p : module_->parameters()) p.mutable_grad().reset();
   }
   group_ = std::move(group);
-  // A job of one: nothing to check, copy or average; the Reducer only measures the noise there.
-  if (group_.size() == 1 && !options_.measure_gradient_noise) return;
+  // Each parameter once: LibTorch lists a tied weight under each of its names.
+  std::vector<at::Tensor> trainable;
+  for (auto& p : unique_parameters(*module_)) {
+    if (p.requires_grad()) trainable.push_back(p);
+  }
+  if (options_.zero_stage > 0 && !shards_) {
+    shards_ =
+        std::make_shared<Shards>(trainable, group_.rank(), group_.size(), options_.zero_stage);
+  }
+  // A job of one: nothing to check, copy or average; the Reducer only measures the noise there,
+  // and under ZeRO gives the slices their gradients.
+  if (group_.size() == 1 && !options_.measure_gradient_noise && !shards_) return;
 
   if (synchronize && group_.size() > 1) {
     const auto problem = first_difference(gather_descriptions(group_, encode(describe(*module_))), group_.members());
@@ -166,10 +199,6 @@ void Replicator::bind(comm::Group group, bool synchronize) {
     broadcast_from_first(group_, state);
   }
 
-  std::vector<at::Tensor> trainable;
-  for (auto& p : module_->parameters()) {
-    if (p.requires_grad()) trainable.push_back(p);
-  }
   ReducerOptions reducer;
   static_cast<BucketOptions&>(reducer) = options_;
   reducer.find_unused_parameters = options_.find_unused_parameters;
@@ -177,11 +206,50 @@ void Replicator::bind(comm::Group group, bool synchronize) {
   reducer.hook = options_.comm_hook;
   reducer.weigh_by_batch_share = options_.weigh_by_batch_share;
   reducer.replication = replication_;
+  reducer.shards = shards_;
   reducer_ = std::make_unique<Reducer>(std::move(trainable), group_, std::move(reducer));
   reducer_->set_sync(sync_);
-  if (options_.broadcast_buffers && !module_->buffers().empty()) {
-    reducer_->set_after_backward([this] { broadcast_buffers(); });
+  const bool buffers = options_.broadcast_buffers && !module_->buffers().empty();
+  if (buffers || shards_) {
+    reducer_->set_after_backward([this, buffers] {
+      if (buffers) broadcast_buffers();
+      gather_pending_ = shards_ != nullptr;
+    });
   }
+}
+
+torch::OrderedDict<std::string, at::Tensor> Replicator::named_parameters() const {
+  torch::OrderedDict<std::string, at::Tensor> named;
+  std::map<const void*, size_t> index_of;  // trainable parameter -> its slice's index
+  if (shards_) {
+    for (size_t k = 0; k < shards_->params().size(); ++k)
+      index_of[shards_->params()[k].unsafeGetTensorImpl()] = k;
+  }
+  std::set<const void*> seen;
+  for (const auto& item : module_->named_parameters()) {
+    const void* impl = item.value().unsafeGetTensorImpl();
+    if (!seen.insert(impl).second) continue;
+    const auto found = index_of.find(impl);
+    named.insert(item.key(),
+                 found == index_of.end() ? item.value() : shards_->slice(found->second));
+  }
+  return named;
+}
+
+double Replicator::clip_grad_norm(double max_norm, double norm_type) {
+  if (shards_) return shards_->clip_grad_norm(group_, max_norm, norm_type);
+  // Replicated: every worker holds the whole average, so each computes the norm alone.
+  std::vector<at::Tensor> gradients;
+  for (const auto& p : unique_parameters(*module_)) {
+    if (p.grad().defined()) gradients.push_back(p.grad());
+  }
+  return dp::clip_grad_norm(gradients, nullptr, max_norm, norm_type);
+}
+
+void Replicator::gather_parameters() {
+  if (!gather_pending_) return;
+  gather_pending_ = false;
+  shards_->gather(group_, options_.bucket_bytes);
 }
 
 void Replicator::broadcast_buffers() {
@@ -192,6 +260,8 @@ void Replicator::broadcast_buffers() {
 // decided by what every worker's program does alike (grad mode, the input's presence and rank),
 // so that every member starts the count's all-reduce.
 void Replicator::before_forward(const at::Tensor* input) {
+  // Under ZeRO, every forward (an evaluation's too) needs the step's parameters.
+  gather_parameters();
   const bool counts = options_.weigh_by_batch_share || options_.measure_gradient_noise;
   if (!reducer_ || !counts || input == nullptr || !at::GradMode::is_enabled()) return;
   if (!input->defined() || input->dim() <= options_.batch_dim) {
@@ -211,6 +281,15 @@ bool sync(const Replicator& replicator) { return replicator.sync(); }
 void before_forward(Replicator& replicator, const at::Tensor* input) { replicator.before_forward(input); }
 std::vector<std::vector<size_t>> bucket_assignment(const Replicator& replicator) {
   return replicator.reducer() ? replicator.reducer()->bucket_assignment() : std::vector<std::vector<size_t>>{};
+}
+torch::OrderedDict<std::string, at::Tensor> named_parameters(const Replicator& replicator) {
+  return replicator.named_parameters();
+}
+double clip_grad_norm(Replicator& replicator, double max_norm, double norm_type) {
+  return replicator.clip_grad_norm(max_norm, norm_type);
+}
+void gather_parameters(Replicator& replicator) {
+  replicator.gather_parameters();
 }
 std::optional<GradientNoise> gradient_noise(const Replicator& replicator) {
   const auto& meter = replicator.replication().noise();

@@ -35,6 +35,7 @@ struct Reducer::State {
     at::Tensor buffer;
     size_t pending = 0;  // parameters whose gradient has not arrived in this backward
     comm::Work work;
+    Shards::Layout layout;       // with shards: Note [Buckets cut by member]
     timeline::AsyncSlice slice;  // from its all-reduce's start until finalize() has waited for it
   };
 
@@ -84,6 +85,8 @@ struct Reducer::State {
   // replication holds a meter: this step's sum of |local gradient|^2, bucket by bucket, and
   // with one worker the previous step's gradient, bucket by bucket, and its samples.
   NoiseMeter* noise = nullptr;
+  // ZeRO (ReducerOptions::shards), else null.
+  Shards* shards = nullptr;
   double local_sqr = 0.0;
   std::vector<at::Tensor> previous;
   int64_t previous_rows = 0;
@@ -124,6 +127,9 @@ struct Reducer::State {
   // Starts the bucket's average, or with `sum` that all-reduce (sum_gradients()).
   void start(Bucket& bucket, const comm::AllReduceOptions* sum = nullptr);
   void finalize();
+  // With shards, after the buckets' reduce-scatters returned: each slice's part of the average
+  // into its .grad (skipping the parameters `used` marks as unused everywhere).
+  void give_slices_gradients(const at::Tensor& used);
   void rebuild();
   // After finalize() waited for the buckets (`sum`: the workers' local_sqr summed): gives the
   // meter this step's estimate.
@@ -149,6 +155,7 @@ struct Reducer::State {
   // backward, twice: a comparison of addresses, where making the slice's tensor cost a few
   // microseconds each time (tens a step on a small model).
   bool is_alias(size_t index) const {
+    if (shards) return false;
     const at::Tensor& grad = params[index].grad();
     return grad.defined() && grad.data_ptr() == slice_data[index] && grad.is_contiguous();
   }
@@ -217,6 +224,7 @@ void Reducer::State::assign(const std::vector<size_t>& order) {
     }
     const at::ScalarType dtype = params[groups[b].front()].scalar_type();
     bucket.buffer = arenas.at(dtype).narrow(0, used[dtype], total);
+    if (shards) bucket.layout = shards->layout(bucket.params);
     bucket.buffer.zero_();
     used[dtype] += total;
   }
@@ -251,7 +259,16 @@ void Reducer::State::on_grad_ready(size_t index, const std::shared_ptr<State>& s
   ready_order.push_back(index);
   Bucket& bucket = buckets[bucket_of[index]];
   at::Tensor& grad = params[index].mutable_grad();
-  if (is_alias(index)) {
+  if (shards) {
+    shards->pack(index, grad, bucket.layout.offsets[slot_of[index]], bucket.buffer,
+                 prescale ? 1.0 / group.size() : 1.0);
+    // The parameter's own .grad has served: its average arrives in the slice's.
+    if (shards->stage() >= 2) {
+      grad.reset();
+    } else {
+      grad.zero_();
+    }
+  } else if (is_alias(index)) {
     // Backward accumulated straight into the bucket.
     if (prescale) grad.mul_(1.0 / group.size());
   } else {
@@ -287,14 +304,21 @@ void Reducer::State::start(Bucket& bucket, const comm::AllReduceOptions* sum) {
     bucket.work = group.all_reduce_async(bucket.buffer, *sum);
     return;
   }
+  const comm::ReduceOp op = prescale ? comm::ReduceOp::kSum : comm::ReduceOp::kAvg;
   if (noise) {
     // The bucket holds this worker's gradients (divided by n when prescaled) until it starts.
     const double n = group.size();
     local_sqr += squared_norm(bucket.buffer) * (prescale ? n * n : 1.0);
   }
+  if (shards) {
+    comm::ReduceScatterOptions scatter;
+    scatter.op = op;
+    scatter.sizes = bucket.layout.segments;
+    bucket.work = group.reduce_scatter_async(bucket.buffer, scatter);
+    return;
+  }
   bucket.work = options.hook ? options.hook(group, bucket.buffer)
-                             : group.all_reduce_async(bucket.buffer, {prescale ? comm::ReduceOp::kSum
-                                                                               : comm::ReduceOp::kAvg});
+                             : group.all_reduce_async(bucket.buffer, {op});
 }
 
 void Reducer::State::finalize() {
@@ -308,7 +332,12 @@ void Reducer::State::finalize() {
       const size_t index = bucket.params[slot];
       if (ready[index]) continue;
       if (options.find_unused_parameters && is_alias(index)) params[index].mutable_grad() = params[index].grad().clone();
-      slice(bucket, slot).zero_();
+      if (shards) {
+        shards->pack(index, at::zeros({params[index].numel()}, bucket.buffer.options()),
+                     bucket.layout.offsets[slot], bucket.buffer, 1.0);
+      } else {
+        slice(bucket, slot).zero_();
+      }
     }
     start(bucket);
   }
@@ -335,7 +364,8 @@ void Reducer::State::finalize() {
     measure_noise(noise_sum);
   }
   if (used.defined()) group.all_reduce(used, {comm::ReduceOp::kMax});
-  for (size_t index = 0; index < params.size(); ++index) {
+  if (shards) give_slices_gradients(used);
+  for (size_t index = 0; index < params.size() && !shards; ++index) {
     if (used.defined() && used.data_ptr<float>()[index] == 0.0f) continue;
     if (is_alias(index)) continue;
     at::Tensor& param = params[index];
@@ -358,6 +388,29 @@ void Reducer::State::finalize() {
   if (options.replication) options.replication->count_synchronized_backward();
 }
 
+void Reducer::State::give_slices_gradients(const at::Tensor& used) {
+  at::NoGradGuard no_grad;
+  for (auto& bucket : buckets) {
+    const at::Tensor& mine = bucket.work.result();
+    const int64_t base = bucket.layout.offsets.empty() ? 0 : bucket.layout.offsets[0][group.rank()];
+    for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
+      const size_t index = bucket.params[slot];
+      if (used.defined() && used.data_ptr<float>()[index] == 0.0f) continue;
+      const at::Tensor& slice = shards->slice(index);
+      const int64_t offset = bucket.layout.offsets[slot][group.rank()] - base;
+      at::Tensor& grad = const_cast<at::Tensor&>(slice).mutable_grad();
+      if (grad.defined()) {
+        grad.add_(mine.narrow(0, offset, slice.numel()));
+      } else {
+        // Over the result's memory with set_, not as an autograd view: Optimizer::zero_grad()
+        // detaches every .grad in place, which autograd refuses for views.
+        grad = at::empty({0}, mine.options());
+        grad.set_(mine.storage(), mine.storage_offset() + offset, {slice.numel()}, {1});
+      }
+    }
+  }
+}
+
 void Reducer::State::measure_noise(const at::Tensor& sum) {
   int64_t batch = 0;
   {
@@ -368,7 +421,15 @@ void Reducer::State::measure_noise(const at::Tensor& sum) {
   const int n = group.size();
   if (n > 1) {
     double average_sqr = 0.0;
-    for (const auto& bucket : buckets) average_sqr += squared_norm(bucket.buffer);
+    if (shards) {
+      // Each member holds its part of the average: the parts' squares, summed over the group.
+      for (const auto& bucket : buckets) average_sqr += squared_norm(bucket.work.result());
+      auto total = at::full({1}, average_sqr, at::kDouble);
+      group.all_reduce(total, {comm::ReduceOp::kSum});
+      average_sqr = total.item<double>();
+    } else {
+      for (const auto& bucket : buckets) average_sqr += squared_norm(bucket.buffer);
+    }
     // A step whose forwards DataParallel did not see (the module called directly) has no batch.
     if (batch >= n) {
       const double big = static_cast<double>(batch);
@@ -435,6 +496,9 @@ Reducer::Reducer(std::vector<at::Tensor> parameters, comm::Group group, ReducerO
   state.group = std::move(group);
   state.prescale = !options.hook && state.group.path() == "gloo";
   state.options = std::move(options);
+  state.shards = state.options.shards.get();
+  SHOAL_CHECK(!state.shards || (state.options.during_backward && !state.options.hook))
+      << "a sharding reducer sums during backward, with no communication hook";
   if (state.options.replication && state.options.during_backward)
     state.noise = state.options.replication->noise().get();
   const size_t n = state.params.size();

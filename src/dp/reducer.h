@@ -23,6 +23,7 @@
 #include <ATen/ATen.h>
 
 #include "dp/replication.h"
+#include "dp/shards.h"
 #include "shoal/comm/group.h"
 #include "shoal/core/timeout.h"
 #include "shoal/dp/buckets.h"
@@ -56,6 +57,12 @@ struct ReducerOptions : BucketOptions {
   // DataParallel's: told before each optimizer step may change the parameters, and of each
   // synchronized backward (src/dp/replication.h). Null for GradientSync.
   std::shared_ptr<Replication> replication;
+  // DataParallel's ZeRO stages (src/dp/shards.h): each bucket is cut by member (Note [Buckets cut
+  // by member]) and reduce-scattered, and each member's part of the average becomes its slices'
+  // .grad (added to a .grad a slice has, as autograd accumulates). The parameters' own .grad is
+  // zeroed (stage 1) or released (stage 2) once copied into its bucket, outside no_sync.
+  // Needs during_backward and no hook; gradient_as_bucket_view does not apply.
+  std::shared_ptr<Shards> shards;
 };
 
 class Reducer {

@@ -30,6 +30,10 @@ class Replicator {
   const Replication& replication() const { return *replication_; }
   // Copies the first worker's buffers to every worker.
   void broadcast_buffers();
+  // DataParallel::named_parameters(), clip_grad_norm() and gather_parameters().
+  torch::OrderedDict<std::string, at::Tensor> named_parameters() const;
+  double clip_grad_norm(double max_norm, double norm_type);
+  void gather_parameters();
 
  private:
   // Averages over `group` from now on, with new buckets. With `synchronize`, first checks that
@@ -42,6 +46,10 @@ class Replicator {
   comm::Group group_;
   std::shared_ptr<Replication> replication_;
   std::unique_ptr<Reducer> reducer_;
+  // At zero_stage 1 and 2: the slices, and whether a synchronized backward (and so, maybe, an
+  // optimizer step) came since the parameters were last gathered.
+  std::shared_ptr<Shards> shards_;
+  bool gather_pending_ = false;
   bool sync_ = true;
   int world_listener_ = 0;  // set while following shoal::world()
 };

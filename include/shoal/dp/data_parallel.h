@@ -31,6 +31,7 @@
 
 #include <memory>
 #include <optional>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -38,6 +39,7 @@
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
+#include <torch/ordered_dict.h>
 
 #include "shoal/comm/group.h"
 #include "shoal/dp/buckets.h"
@@ -82,6 +84,14 @@ struct DataParallelOptions : BucketOptions {
   // The measurement's moving averages keep this much of the past at each step, in [0, 1): about
   // 1 / (1 - smoothing) steps count.
   double gradient_noise_smoothing = 0.99;
+  // ZeRO (docs/memory.md): 0 replicates everything on every worker. 1 splits the optimizer's
+  // state over the workers: each worker's optimizer updates its slice of every parameter
+  // (DataParallel::parameters() gives the slices, which the optimizer must be built on), and the
+  // next forward through the wrapper all-gathers the parameters; gradients are reduce-scattered
+  // into the slices during backward. 2 also releases each full gradient once it is copied into
+  // its bucket, so that a worker keeps only its slice's. The result equals the one-process run
+  // for optimizers that act on each element alone (SGD, Adam, AdamW, RMSprop, Adagrad).
+  int zero_stage = 0;
 };
 
 namespace dp {
@@ -96,6 +106,9 @@ bool sync(const Replicator& replicator);
 void before_forward(Replicator& replicator, const at::Tensor* input);
 std::vector<std::vector<size_t>> bucket_assignment(const Replicator& replicator);
 std::optional<GradientNoise> gradient_noise(const Replicator& replicator);
+torch::OrderedDict<std::string, at::Tensor> named_parameters(const Replicator& replicator);
+double clip_grad_norm(Replicator& replicator, double max_norm, double norm_type);
+void gather_parameters(Replicator& replicator);
 
 namespace detail {
 inline const at::Tensor* first_tensor() { return nullptr; }
@@ -132,6 +145,31 @@ class DataParallel {
   // The gradient noise measured so far (DataParallelOptions::measure_gradient_noise), the same on
   // every worker; empty when not measured. See shoal/dp/gradient_noise.h.
   std::optional<GradientNoise> gradient_noise() const { return dp::gradient_noise(*replicator_); }
+
+  // The tensors to build the optimizer on, each once (tied weights once, as PyTorch's
+  // Module.parameters() in Python; LibTorch's lists a tied weight under each of its names). At
+  // zero_stage 0 the module's parameters; at 1 and 2 this worker's slice of each trainable one
+  // (Note [A parameter's slice], src/dp/shards.h), under the same names, and the frozen ones
+  // themselves.
+  std::vector<at::Tensor> parameters() const { return named_parameters().values(); }
+  torch::OrderedDict<std::string, at::Tensor> named_parameters() const {
+    return dp::named_parameters(*replicator_);
+  }
+
+  // Scales the gradients of parameters() so that their norm over the whole model, on all
+  // workers, is at most max_norm, as torch::nn::utils::clip_grad_norm_ does on one process;
+  // returns the norm before clipping. Call it between backward and the optimizer's step. Under
+  // ZeRO it is the only correct way: torch's own on parameters() would see one slice. A
+  // collective at zero_stage 1 and 2 (every worker calls it).
+  double clip_grad_norm(double max_norm, double norm_type = 2.0) {
+    return dp::clip_grad_norm(*replicator_, max_norm, norm_type);
+  }
+
+  // At zero_stage 1 and 2: makes the module's parameters whole on every worker after the
+  // optimizer's step (each worker's step updated its slices only). The next forward through
+  // the wrapper does it by itself; call this to read the parameters before then (after the last
+  // step, say). A collective when there is something to gather; nothing at stage 0.
+  void gather_parameters() { dp::gather_parameters(*replicator_); }
 
   // Calls the module's forward, seeing the batch on the way (Note [Weighing gradients by batch
   // share]).

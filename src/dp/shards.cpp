@@ -1,0 +1,171 @@
+#include "dp/shards.h"
+
+#include <cmath>
+#include <deque>
+#include <limits>
+#include <string>
+
+#include <ATen/core/grad_mode.h>
+
+#include "shoal/core/error.h"
+
+namespace shoal::dp {
+
+Shards::Shards(std::vector<at::Tensor> params, int rank, int size, int stage)
+    : params_(std::move(params)), rank_(rank), size_(size), stage_(stage) {
+  SHOAL_CHECK(size >= 1 && rank >= 0 && rank < size) << "rank " << rank << " of " << size;
+  at::NoGradGuard no_grad;
+  for (const auto& p : params_) {
+    if (!p.is_contiguous()) {
+      throw UsageError("DataParallel: zero_stage needs contiguous parameters; one of shape " +
+                       std::to_string(p.dim()) +
+                       "-d is not (make it contiguous before wrapping the model)");
+    }
+    std::vector<int64_t> starts{0};
+    for (int64_t length : comm::split_sizes(p.numel(), size))
+      starts.push_back(starts.back() + length);
+    starts_.push_back(std::move(starts));
+    const int64_t start = starts_.back()[rank];
+    const int64_t length = starts_.back()[rank + 1] - start;
+    // Note [A parameter's slice]: its own tensor over the parameter's memory.
+    auto slice = at::empty({0}, p.options());
+    slice.set_(p.storage(), p.storage_offset() + start, {length}, {1});
+    slice.requires_grad_(p.requires_grad());
+    slices_.push_back(slice);
+  }
+}
+
+Shards::Layout Shards::layout(const std::vector<size_t>& bucket) const {
+  Layout layout;
+  layout.segments.assign(size_, 0);
+  layout.offsets.assign(bucket.size(), std::vector<int64_t>(size_, 0));
+  int64_t base = 0;
+  for (int r = 0; r < size_; ++r) {
+    for (size_t j = 0; j < bucket.size(); ++j) {
+      layout.offsets[j][r] = base + layout.segments[r];
+      layout.segments[r] += length(bucket[j], r);
+    }
+    base += layout.segments[r];
+  }
+  return layout;
+}
+
+void Shards::pack(size_t k, const at::Tensor& gradient, const std::vector<int64_t>& offsets,
+                  at::Tensor& buffer, double scale) const {
+  const at::Tensor flat = gradient.reshape(-1);
+  for (int r = 0; r < size_; ++r) {
+    const int64_t length = this->length(k, r);
+    if (length == 0) continue;
+    auto part = buffer.narrow(0, offsets[r], length);
+    auto source = flat.narrow(0, start(k, r), length);
+    if (scale == 1.0) {
+      part.copy_(source);
+    } else {
+      at::mul_out(part, source, at::scalar_tensor(scale, part.options()));
+    }
+  }
+}
+
+void Shards::gather(comm::Group& group, int64_t bucket_bytes) {
+  SHOAL_CHECK(group.size() == size_)
+      << "shards for " << size_ << " members gathered over " << group.size();
+  if (size_ == 1) return;  // the slices are the parameters
+  // Consecutive parameters of one dtype, about bucket_bytes at a time, in registration order
+  // (the order forward uses them).
+  std::vector<std::vector<size_t>> buckets;
+  int64_t bytes = 0;
+  for (size_t k = 0; k < params_.size(); ++k) {
+    if (buckets.empty() || bytes >= bucket_bytes ||
+        params_[buckets.back().front()].scalar_type() != params_[k].scalar_type()) {
+      buckets.emplace_back();
+      bytes = 0;
+    }
+    buckets.back().push_back(k);
+    bytes += params_[k].numel() * static_cast<int64_t>(params_[k].element_size());
+  }
+  struct InFlight {
+    const std::vector<size_t>* bucket;
+    Layout layout;
+    comm::Work work;
+  };
+  at::NoGradGuard no_grad;
+  const auto launch = [&](const std::vector<size_t>& bucket) {
+    InFlight flight{&bucket, layout(bucket), {}};
+    const int64_t base = flight.layout.offsets.empty() ? 0 : flight.layout.offsets[0][rank_];
+    auto mine = at::empty({flight.layout.segments[rank_]}, params_[bucket.front()].options());
+    for (size_t j = 0; j < bucket.size(); ++j) {
+      const int64_t length = this->length(bucket[j], rank_);
+      if (length > 0)
+        mine.narrow(0, flight.layout.offsets[j][rank_] - base, length).copy_(slices_[bucket[j]]);
+    }
+    comm::AllGatherOptions options;
+    options.sizes = flight.layout.segments;
+    flight.work = group.all_gather_async(mine, options);
+    return flight;
+  };
+  // Two in flight: the next bucket travels while this one is copied out, and the gathered
+  // buffers alive at once stay two buckets' worth.
+  std::deque<InFlight> flights;
+  size_t next = 0;
+  while (next < buckets.size() && flights.size() < 2) flights.push_back(launch(buckets[next++]));
+  while (!flights.empty()) {
+    InFlight flight = std::move(flights.front());
+    flights.pop_front();
+    flight.work.wait();
+    if (next < buckets.size()) flights.push_back(launch(buckets[next++]));
+    const at::Tensor& all = flight.work.result();
+    const auto& bucket = *flight.bucket;
+    for (size_t j = 0; j < bucket.size(); ++j) {
+      auto flat = params_[bucket[j]].view(-1);
+      for (int r = 0; r < size_; ++r) {
+        const int64_t length = this->length(bucket[j], r);
+        if (r == rank_ || length == 0) continue;
+        flat.narrow(0, start(bucket[j], r), length)
+            .copy_(all.narrow(0, flight.layout.offsets[j][r], length));
+      }
+    }
+  }
+}
+
+double Shards::clip_grad_norm(comm::Group& group, double max_norm, double norm_type) {
+  std::vector<at::Tensor> gradients;
+  for (const auto& slice : slices_) {
+    if (slice.grad().defined()) gradients.push_back(slice.grad());
+  }
+  return dp::clip_grad_norm(gradients, size_ > 1 ? &group : nullptr, max_norm, norm_type);
+}
+
+double clip_grad_norm(const std::vector<at::Tensor>& gradients, comm::Group* group, double max_norm,
+                      double norm_type) {
+  const bool infinite = std::isinf(norm_type) && norm_type > 0;
+  if (!(norm_type > 0)) {
+    throw UsageError("clip_grad_norm: norm_type must be positive or infinity, got " +
+                     std::to_string(norm_type));
+  }
+  // This worker's sum of |g|^p (or its largest |g|), in double so that the workers' parts add
+  // up as one process's norm does.
+  double local = 0.0;
+  for (const auto& g : gradients) {
+    if (g.numel() == 0) continue;
+    if (infinite) {
+      local = std::max(local, g.abs().max().item<double>());
+    } else {
+      local += std::pow(g.norm(norm_type).item<double>(), norm_type);
+    }
+  }
+  double total = local;
+  if (group != nullptr) {
+    auto sum = at::full({1}, local, at::kDouble);
+    group->all_reduce(sum, {infinite ? comm::ReduceOp::kMax : comm::ReduceOp::kSum});
+    total = sum.item<double>();
+  }
+  const double norm = infinite ? total : std::pow(total, 1.0 / norm_type);
+  const double coefficient = max_norm / (norm + 1e-6);
+  if (coefficient < 1.0) {
+    at::NoGradGuard no_grad;
+    for (at::Tensor g : gradients) g.mul_(coefficient);
+  }
+  return norm;
+}
+
+}  // namespace shoal::dp

@@ -1,0 +1,87 @@
+// DataParallel's ZeRO stages (DataParallelOptions::zero_stage; docs/memory.md): each parameter's
+// slice on this worker, the tensors the program's optimizer updates, and the all-gather that
+// makes the parameters whole again after the step. Internal to shoal: the Replicator holds one
+// (src/dp/replicator.h) and gives it to its Reducer, which reduce-scatters gradients into the
+// slices' .grad.
+//
+// Note [A parameter's slice]
+// Parameter k, of m elements, is cut as its flattened form split(0) over the group's n members:
+// member r holds elements [start(k, r), start(k, r) + length(k, r)) of p.view(-1), the lengths
+// being comm::split_sizes(m, n) (the first m % n members one element more). So every shape
+// divides: a [3, 5] weight over 4 workers is 4, 4, 4 and 3 elements, a scalar 1, 0, 0, 0. The
+// slice is a one-dimensional tensor of its own (not an autograd view), made once and kept: the
+// optimizer's state is keyed by it. At stages 1 and 2 it lies in the parameter's own memory, so
+// the optimizer's step writes this worker's part of the parameter in place, and the all-gather
+// writes the other members' parts.
+//
+// Note [Buckets cut by member]
+// The gradients of a bucket's parameters p_1..p_s are laid out member by member, so that a
+// reduce-scatter gives each member its own slices, contiguous: the bucket is
+// [segment_0 | ... | segment_{n-1}], segment_r being [p_1's part r | ... | p_s's part r].
+// Segments differ in size by at most s elements (comm's collectives take uneven parts). The
+// all-gather of the parameters uses the same layout: each member sends its segment, and every
+// member copies the segments it receives into the parameters.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "shoal/comm/group.h"
+
+namespace shoal::dp {
+
+class Shards {
+ public:
+  // `params`: the trainable parameters, each once, contiguous; `stage` 1 or 2.
+  Shards(std::vector<at::Tensor> params, int rank, int size, int stage);
+
+  int stage() const { return stage_; }
+  int size() const { return size_; }
+  int rank() const { return rank_; }
+  const std::vector<at::Tensor>& params() const { return params_; }
+  // The optimizer's tensor for parameter k: this worker's slice.
+  const at::Tensor& slice(size_t k) const { return slices_[k]; }
+  const std::vector<at::Tensor>& slices() const { return slices_; }
+  int64_t start(size_t k, int member) const { return starts_[k][member]; }
+  int64_t length(size_t k, int member) const { return starts_[k][member + 1] - starts_[k][member]; }
+
+  // Note [Buckets cut by member], for the parameters `bucket` (indices into params()): each
+  // member's segment size, and where parameter bucket[j]'s part r starts in the bucket.
+  struct Layout {
+    comm::Sizes segments;
+    std::vector<std::vector<int64_t>> offsets;  // [j][r]
+  };
+  Layout layout(const std::vector<size_t>& bucket) const;
+
+  // Writes `gradient` (parameter k's, any shape of its numel) into `buffer` at the parts that
+  // `offsets` (a Layout's offsets[j]) says, each scaled by `scale` when it is not 1.
+  void pack(size_t k, const at::Tensor& gradient, const std::vector<int64_t>& offsets,
+            at::Tensor& buffer, double scale) const;
+
+  // After the optimizer's step: every member's slices into every member's parameters, in
+  // all-gathers of about `bucket_bytes`, all in flight together. A collective.
+  void gather(comm::Group& group, int64_t bucket_bytes);
+
+  // The norm of the slices' gradients over the group (a collective), as
+  // torch::nn::utils::clip_grad_norm_ computes it on one process, and the gradients scaled by
+  // max_norm / (norm + 1e-6) when that is below 1. Returns the norm.
+  double clip_grad_norm(comm::Group& group, double max_norm, double norm_type);
+
+ private:
+  std::vector<at::Tensor> params_;
+  std::vector<at::Tensor> slices_;
+  std::vector<std::vector<int64_t>> starts_;  // [k][r], n + 1 entries
+  int rank_;
+  int size_;
+  int stage_;
+};
+
+// The norm of `gradients` as torch's clip_grad_norm_ takes it (norm_type may be infinity), with
+// the local sum (or maximum) all-reduced over `group` when it is given. Scales them when the
+// norm exceeds max_norm. For DataParallel at any stage.
+double clip_grad_norm(const std::vector<at::Tensor>& gradients, comm::Group* group, double max_norm,
+                      double norm_type);
+
+}  // namespace shoal::dp

@@ -1,0 +1,318 @@
+// DataParallel's ZeRO stages (DataParallelOptions::zero_stage, docs/memory.md) against their
+// oracle: the same training on one process over the whole global batch. The model has shapes
+// that no worker count divides, a scalar, a weight tied under two names, a frozen parameter and
+// batch-norm buffers; each worker starts from a different random model (DataParallel broadcasts
+// the first worker's) and trains on its shard with the optimizer built on model.parameters().
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "harness.h"
+#include "shoal/shoal.h"
+
+namespace {
+
+using shoal::testing::run_workers;
+
+constexpr int64_t kIn = 6, kHidden = 7, kOut = 3, kPerWorker = 4, kSteps = 6;
+
+struct NetImpl : torch::nn::Module {
+  NetImpl() {
+    fc1 = register_module("fc1", torch::nn::Linear(kIn, kHidden));  // 42 + 7 elements
+    norm = register_module("norm", torch::nn::BatchNorm1d(kHidden));
+    tied = register_parameter("tied_in", torch::randn({kHidden, kHidden}) / 3);
+    register_parameter("tied_out", tied);  // the same tensor under a second name
+    scale = register_parameter("scale", torch::ones({}));
+    frozen = register_parameter("frozen", torch::randn({kHidden}), /*requires_grad=*/false);
+    fc2 = register_module("fc2", torch::nn::Linear(kHidden, kOut));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    auto h = torch::tanh(norm(fc1(x)));
+    h = torch::tanh(torch::matmul(h, tied));
+    h = torch::matmul(h, tied.t()) * scale + frozen;
+    return fc2(h);
+  }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  torch::nn::BatchNorm1d norm{nullptr};
+  torch::Tensor tied, scale, frozen;
+};
+TORCH_MODULE(Net);
+
+enum class Optim { kSgd, kAdam };
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(std::vector<torch::Tensor> params,
+                                                        Optim kind) {
+  if (kind == Optim::kSgd) {
+    return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.1).momentum(0.9));
+  }
+  // An eps above the rounding of a near-zero gradient (tests/dp_test.cpp, make_optimizer).
+  return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(0.01).eps(1e-4));
+}
+
+// Each tensor once (the one-process reference's optimizer, as DataParallel::parameters()).
+std::vector<torch::Tensor> unique(const std::vector<torch::Tensor>& params) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : params) {
+    bool seen = false;
+    for (const auto& q : out) seen = seen || q.is_same(p);
+    if (!seen) out.push_back(p);
+  }
+  return out;
+}
+
+double relative_difference(const std::vector<torch::Tensor>& a,
+                           const std::vector<torch::Tensor>& b) {
+  double diff = 0, scale = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff = std::max(diff, (a[i] - b[i]).abs().max().item<double>());
+    scale = std::max(scale, b[i].abs().max().item<double>());
+  }
+  return diff / scale;
+}
+
+struct Case {
+  int stage;
+  Optim optim;
+  double clip;              // 0: no clipping
+  bool accumulate = false;  // two micro-batches a step, the first under no_sync()
+};
+
+std::string describe(const Case& c) {
+  return "stage " + std::to_string(c.stage) + (c.optim == Optim::kSgd ? " sgd" : " adam") +
+         " clip " + std::to_string(c.clip) + (c.accumulate ? " no_sync" : "");
+}
+
+// Trains the reference on one process and the sharded model on this worker's shards, and checks
+// that their parameters and buffers agree after every step.
+void train_and_compare(const Case& c, std::optional<shoal::comm::Group> group = std::nullopt) {
+  const int n = shoal::world_size(), r = shoal::rank();
+  const int micro = c.accumulate ? 2 : 1;
+  torch::manual_seed(1234);
+  auto x = torch::randn({kSteps, micro, n * kPerWorker, kIn});
+  auto y = torch::randint(kOut, {kSteps, micro, n * kPerWorker});
+
+  torch::manual_seed(100);
+  Net reference;
+  torch::manual_seed(100 + r);
+  Net net;
+  shoal::DataParallelOptions options;
+  options.zero_stage = c.stage;
+  options.bucket_bytes = 100;  // several buckets, of parameters cut unevenly
+  options.first_bucket_bytes = 40;
+  options.group = group;
+  shoal::DataParallel model(net, options);
+
+  auto ref_opt = make_optimizer(unique(reference->parameters()), c.optim);
+  auto opt = make_optimizer(model.parameters(), c.optim);
+  ASSERT_EQ(model.parameters().size(), unique(net->parameters()).size());
+  const auto shard = [&](const torch::Tensor& t, int step, int m, int w) {
+    return t[step][m].narrow(0, w * kPerWorker, kPerWorker);
+  };
+  for (int step = 0; step < kSteps; ++step) {
+    ref_opt->zero_grad();
+    std::vector<torch::Tensor> first_buffers;
+    for (int m = 0; m < micro; ++m) {
+      // The mean over shards of each shard's mean loss; the first worker's buffers win
+      // (DataParallel broadcasts them after each synchronized backward).
+      torch::Tensor total = torch::zeros({});
+      for (int w = 0; w < n; ++w) {
+        total = total + torch::nn::functional::cross_entropy(
+                            reference->forward(shard(x, step, m, w)), shard(y, step, m, w));
+        if (w == 0 && m == micro - 1) {
+          for (auto& b : reference->buffers()) first_buffers.push_back(b.clone());
+        }
+      }
+      (total / (n * micro)).backward();
+    }
+    if (c.clip > 0) torch::nn::utils::clip_grad_norm_(unique(reference->parameters()), c.clip);
+    ref_opt->step();
+    {
+      torch::NoGradGuard no_grad;
+      auto buffers = reference->buffers();
+      for (size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(first_buffers[i]);
+    }
+
+    opt->zero_grad();
+    for (int m = 0; m < micro; ++m) {
+      auto loss =
+          torch::nn::functional::cross_entropy(model(shard(x, step, m, r)), shard(y, step, m, r)) /
+          micro;
+      if (m + 1 < micro) {
+        auto guard = model.no_sync();
+        loss.backward();
+      } else {
+        loss.backward();
+      }
+    }
+    if (c.stage == 2) {
+      // Stage 2 keeps only the slices' gradients.
+      for (const auto& p : net->parameters()) EXPECT_FALSE(p.grad().defined()) << describe(c);
+    }
+    if (c.clip > 0) model.clip_grad_norm(c.clip);
+    opt->step();
+    model.gather_parameters();
+    EXPECT_LT(relative_difference(net->parameters(), reference->parameters()), 1e-5)
+        << describe(c) << " step " << step;
+  }
+  // Running statistics (num_batches_tracked is an integer). Under accumulation every worker's
+  // first micro-batch updates its own before the first worker's are broadcast, which the
+  // reference does not follow; training-mode batch norm does not read them.
+  if (c.accumulate) return;
+  std::vector<torch::Tensor> nb, rb;
+  for (auto& b : net->buffers())
+    if (b.is_floating_point()) nb.push_back(b);
+  for (auto& b : reference->buffers())
+    if (b.is_floating_point()) rb.push_back(b);
+  EXPECT_LT(relative_difference(nb, rb), 1e-5) << describe(c);
+}
+
+void every_case(std::optional<shoal::comm::Group> group = std::nullopt) {
+  for (int stage : {0, 1, 2}) {
+    for (Optim optim : {Optim::kSgd, Optim::kAdam}) {
+      for (double clip : {0.0, 0.5}) train_and_compare({stage, optim, clip}, group);
+    }
+  }
+  train_and_compare({2, Optim::kAdam, 0.5, true}, group);
+  train_and_compare({1, Optim::kSgd, 0.0, true}, group);
+}
+
+class Zero : public ::testing::TestWithParam<int> {};
+
+TEST_P(Zero, EveryStageEqualsOneProcess) {
+  run_workers(GetParam(), [] { every_case(); });
+}
+
+// Over Gloo's TCP path, where gradients are scaled by 1/n on their way into the bucket.
+TEST(Zero, EveryStageEqualsOneProcessOverTcp) {
+  run_workers(3, [] {
+    std::vector<int> everyone(shoal::world_size());
+    std::iota(everyone.begin(), everyone.end(), 0);
+    setenv("SHOAL_COMM", "tcp", 1);
+    auto tcp = shoal::world().subgroup(everyone);
+    unsetenv("SHOAL_COMM");
+    every_case(tcp);
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, Zero, ::testing::Values(1, 2, 3, 4),
+                         [](const auto& info) { return "n" + std::to_string(info.param); });
+
+// Each worker's slices are its split_sizes part of every trainable parameter, the same names as
+// the module's (a tied weight once), and together they cover every element once.
+TEST(Zero, SlicesCoverEveryElementOnce) {
+  run_workers(3, [] {
+    Net net;
+    shoal::DataParallelOptions options;
+    options.zero_stage = 1;
+    shoal::DataParallel model(net, options);
+    const auto named = model.named_parameters();
+    EXPECT_EQ(named.keys(),
+              (std::vector<std::string>{"tied_in", "scale", "frozen", "fc1.weight", "fc1.bias",
+                                        "norm.weight", "norm.bias", "fc2.weight", "fc2.bias"}));
+    for (const auto& item : named) {
+      const auto& whole = net->named_parameters()[item.key()];
+      if (!whole.requires_grad()) {
+        EXPECT_TRUE(item.value().is_same(whole)) << item.key();
+        continue;
+      }
+      const auto sizes = shoal::comm::split_sizes(whole.numel(), 3);
+      EXPECT_EQ(item.value().numel(), sizes[shoal::rank()]) << item.key();
+      auto counts = torch::full({3}, item.value().numel(), torch::kLong);
+      shoal::world().all_reduce(counts);
+      EXPECT_EQ(counts[0].item<int64_t>(), whole.numel()) << item.key();
+    }
+  });
+}
+
+// The gradient noise measured under ZeRO, where each worker holds a part of the average, is
+// the one measured with the average whole on every worker.
+TEST(Zero, GradientNoiseEqualsTheReplicatedMeasure) {
+  run_workers(3, [] {
+    const int n = shoal::world_size(), r = shoal::rank();
+    torch::manual_seed(1234);
+    auto x = torch::randn({kSteps, n * kPerWorker, kIn});
+    auto y = torch::randint(kOut, {kSteps, n * kPerWorker});
+    std::vector<shoal::GradientNoise> measured;
+    for (int stage : {0, 2}) {
+      torch::manual_seed(100);
+      Net net;
+      shoal::DataParallelOptions options;
+      options.zero_stage = stage;
+      options.measure_gradient_noise = true;
+      options.bucket_bytes = 100;
+      shoal::DataParallel model(net, options);
+      auto opt = make_optimizer(model.parameters(), Optim::kSgd);
+      for (int step = 0; step < kSteps; ++step) {
+        opt->zero_grad();
+        auto xs = x[step].narrow(0, r * kPerWorker, kPerWorker);
+        torch::nn::functional::cross_entropy(model(xs),
+                                             y[step].narrow(0, r * kPerWorker, kPerWorker))
+            .backward();
+        opt->step();
+      }
+      ASSERT_TRUE(model.gradient_noise().has_value());
+      measured.push_back(*model.gradient_noise());
+    }
+    EXPECT_GT(measured[0].gradient_sqr, 0.0);
+    EXPECT_NEAR(measured[1].gradient_sqr, measured[0].gradient_sqr,
+                1e-6 * measured[0].gradient_sqr);
+    EXPECT_NEAR(measured[1].variance, measured[0].variance, 1e-6 * std::abs(measured[0].variance));
+  });
+}
+
+// A checkpoint of an optimizer built on slices would hold one worker's slices' state: refused,
+// on every worker, with nothing written.
+TEST(Zero, SavingTheSlicesOptimizerIsRefused) {
+  const std::string path = ::testing::TempDir() + "zero_refused.pt";
+  std::remove(path.c_str());
+  run_workers(2, [path] {
+    Net net;
+    shoal::DataParallelOptions options;
+    options.zero_stage = 1;
+    shoal::DataParallel model(net, options);
+    torch::optim::Adam opt(model.parameters());
+    try {
+      shoal::save(path, *net, opt);
+      ADD_FAILURE() << "saved";
+    } catch (const shoal::UsageError& e) {
+      const std::string part = shoal::rank() == 0 ? "25" : "24";  // 49 = 25 + 24
+      EXPECT_EQ(
+          e.what(),
+          "shoal::save: the optimizer steps a part of parameter 'tied_in' (" + part +
+              " of its 49 elements), whose state alone cannot be saved; expected an optimizer of "
+              "the module's whole parameters");
+    }
+  });
+  EXPECT_FALSE(std::ifstream(path).good());
+}
+
+TEST(Zero, BadOptionsAreRefusedInOneLine) {
+  run_workers(2, [] {
+    Net net;
+    shoal::DataParallelOptions options;
+    options.zero_stage = 4;
+    try {
+      shoal::DataParallel model(net, options);
+      ADD_FAILURE() << "zero_stage 4 accepted";
+    } catch (const shoal::UsageError& e) {
+      EXPECT_STREQ(e.what(), "DataParallel: zero_stage must be 0, 1 or 2, got 4");
+    }
+    options.zero_stage = 2;
+    options.comm_hook = shoal::dp::bf16_compress_hook();
+    try {
+      shoal::DataParallel model(net, options);
+      ADD_FAILURE() << "a hook accepted with zero_stage 2";
+    } catch (const shoal::UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find("expected zero_stage 0 with a hook"), std::string::npos)
+          << e.what();
+    }
+  });
+}
+
+}  // namespace
