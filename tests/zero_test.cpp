@@ -81,6 +81,7 @@ struct Case {
   Optim optim;
   double clip;              // 0: no clipping
   bool accumulate = false;  // two micro-batches a step, the first under no_sync()
+  int64_t unit_bytes = 1;   // stage 3: a unit per module, gathered and freed many times a step
 };
 
 std::string describe(const Case& c) {
@@ -106,6 +107,7 @@ void train_and_compare(const Case& c, std::optional<shoal::comm::Group> group = 
   options.bucket_bytes = 100;  // several buckets, of parameters cut unevenly
   options.first_bucket_bytes = 40;
   options.group = group;
+  options.unit_bytes = c.unit_bytes;
   shoal::DataParallel model(net, options);
 
   auto ref_opt = make_optimizer(unique(reference->parameters()), c.optim);
@@ -150,12 +152,20 @@ void train_and_compare(const Case& c, std::optional<shoal::comm::Group> group = 
         loss.backward();
       }
     }
-    if (c.stage == 2) {
-      // Stage 2 keeps only the slices' gradients.
+    if (c.stage >= 2) {
+      // Stages 2 and 3 keep only the slices' gradients.
       for (const auto& p : net->parameters()) EXPECT_FALSE(p.grad().defined()) << describe(c);
+    }
+    if (c.stage == 3) {
+      // Stage 3 holds no parameter's memory between steps.
+      for (const auto& p : net->parameters()) {
+        if (p.requires_grad()) EXPECT_EQ(p.storage().nbytes(), 0u) << describe(c);
+      }
     }
     if (c.clip > 0) model.clip_grad_norm(c.clip);
     opt->step();
+    // At stage 3 the next step's forward and backward then gather unit by unit, as they need.
+    if (c.stage == 3 && step + 1 < kSteps) continue;
     model.gather_parameters();
     EXPECT_LT(relative_difference(net->parameters(), reference->parameters()), 1e-5)
         << describe(c) << " step " << step;
@@ -173,12 +183,14 @@ void train_and_compare(const Case& c, std::optional<shoal::comm::Group> group = 
 }
 
 void every_case(std::optional<shoal::comm::Group> group = std::nullopt) {
-  for (int stage : {0, 1, 2}) {
+  for (int stage : {0, 1, 2, 3}) {
     for (Optim optim : {Optim::kSgd, Optim::kAdam}) {
       for (double clip : {0.0, 0.5}) train_and_compare({stage, optim, clip}, group);
     }
   }
   train_and_compare({2, Optim::kAdam, 0.5, true}, group);
+  train_and_compare({3, Optim::kAdam, 0.5, true}, group);
+  train_and_compare({3, Optim::kSgd, 0.0, false, 1 << 20}, group);  // one unit: the whole model
   train_and_compare({1, Optim::kSgd, 0.0, true}, group);
 }
 
@@ -301,7 +313,7 @@ TEST(Zero, BadOptionsAreRefusedInOneLine) {
       shoal::DataParallel model(net, options);
       ADD_FAILURE() << "zero_stage 4 accepted";
     } catch (const shoal::UsageError& e) {
-      EXPECT_STREQ(e.what(), "DataParallel: zero_stage must be 0, 1 or 2, got 4");
+      EXPECT_STREQ(e.what(), "DataParallel: zero_stage must be 0, 1, 2 or 3, got 4");
     }
     options.zero_stage = 2;
     options.comm_hook = shoal::dp::bf16_compress_hook();

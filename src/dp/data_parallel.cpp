@@ -100,6 +100,34 @@ std::string first_difference(const std::vector<std::string>& descriptions, const
   return "";
 }
 
+// Stage 3's units (src/dp/gatherer.h): the trainable parameters of consecutive modules, in the
+// order the module tree registered them, about unit_bytes together; a module's own parameters
+// stay in one unit.
+std::vector<std::vector<size_t>> units(const torch::nn::Module& module, const Shards& shards,
+                                       int64_t unit_bytes) {
+  std::map<const void*, size_t> index_of;
+  for (size_t k = 0; k < shards.params().size(); ++k)
+    index_of[shards.params()[k].unsafeGetTensorImpl()] = k;
+  std::vector<std::vector<size_t>> units;
+  std::set<size_t> placed;
+  int64_t bytes = unit_bytes;  // full: the first module opens a unit
+  for (const auto& child : module.modules()) {
+    bool opened = false;
+    for (const auto& p : child->parameters(/*recurse=*/false)) {
+      const auto found = index_of.find(p.unsafeGetTensorImpl());
+      if (found == index_of.end() || !placed.insert(found->second).second) continue;
+      if (!opened && bytes >= unit_bytes) {
+        units.emplace_back();
+        bytes = 0;
+      }
+      opened = true;
+      units.back().push_back(found->second);
+      bytes += p.numel() * static_cast<int64_t>(p.element_size());
+    }
+  }
+  return units;
+}
+
 std::vector<at::Tensor> unique_parameters(const torch::nn::Module& module) {
   std::vector<at::Tensor> unique;
   std::set<const void*> seen;
@@ -134,9 +162,14 @@ Replicator::Replicator(std::shared_ptr<torch::nn::Module> module, DataParallelOp
   if (!module_) throw UsageError("DataParallel: the module is null");
   replication_ = std::make_shared<Replication>(
       options_.measure_gradient_noise ? std::make_shared<NoiseMeter>(options_.gradient_noise_smoothing) : nullptr);
-  if (options_.zero_stage < 0 || options_.zero_stage > 2) {
-    throw UsageError("DataParallel: zero_stage must be 0, 1 or 2, got " +
+  if (options_.zero_stage < 0 || options_.zero_stage > 3) {
+    throw UsageError("DataParallel: zero_stage must be 0, 1, 2 or 3, got " +
                      std::to_string(options_.zero_stage));
+  }
+  if (options_.zero_stage == 3 && (options_.unit_bytes < 1 || options_.max_units < 1)) {
+    throw UsageError("DataParallel: unit_bytes and max_units must be positive, got " +
+                     std::to_string(options_.unit_bytes) + " and " +
+                     std::to_string(options_.max_units));
   }
   if (options_.zero_stage > 0 && options_.comm_hook) {
     throw UsageError("DataParallel: a comm_hook averages whole buckets, and zero_stage " +
@@ -180,13 +213,9 @@ void Replicator::bind(comm::Group group, bool synchronize) {
   for (auto& p : unique_parameters(*module_)) {
     if (p.requires_grad()) trainable.push_back(p);
   }
-  if (options_.zero_stage > 0 && !shards_) {
-    shards_ =
-        std::make_shared<Shards>(trainable, group_.rank(), group_.size(), options_.zero_stage);
-  }
   // A job of one: nothing to check, copy or average; the Reducer only measures the noise there,
   // and under ZeRO gives the slices their gradients.
-  if (group_.size() == 1 && !options_.measure_gradient_noise && !shards_) return;
+  if (group_.size() == 1 && !options_.measure_gradient_noise && options_.zero_stage == 0) return;
 
   if (synchronize && group_.size() > 1) {
     const auto problem = first_difference(gather_descriptions(group_, encode(describe(*module_))), group_.members());
@@ -197,6 +226,15 @@ void Replicator::bind(comm::Group group, bool synchronize) {
     std::vector<at::Tensor> state = module_->parameters();
     for (auto& b : module_->buffers()) state.push_back(b);
     broadcast_from_first(group_, state);
+  }
+  // After the broadcast: at stage 3 the slices are copies.
+  if (options_.zero_stage > 0 && !shards_) {
+    shards_ =
+        std::make_shared<Shards>(trainable, group_.rank(), group_.size(), options_.zero_stage);
+    if (options_.zero_stage == 3) {
+      gatherer_ = std::make_shared<Gatherer>(
+          shards_, group_, units(*module_, *shards_, options_.unit_bytes), options_.max_units);
+    }
   }
 
   ReducerOptions reducer;
@@ -213,7 +251,13 @@ void Replicator::bind(comm::Group group, bool synchronize) {
   if (buffers || shards_) {
     reducer_->set_after_backward([this, buffers] {
       if (buffers) broadcast_buffers();
-      gather_pending_ = shards_ != nullptr;
+      if (gatherer_) {
+        // The optimizer's step is about to change the slices.
+        gatherer_->release_all();
+        gatherer_->rethrow();
+      } else {
+        gather_pending_ = shards_ != nullptr;
+      }
     });
   }
 }
@@ -247,6 +291,11 @@ double Replicator::clip_grad_norm(double max_norm, double norm_type) {
 }
 
 void Replicator::gather_parameters() {
+  if (gatherer_) {
+    gatherer_->gather_all();
+    gatherer_->rethrow();
+    return;
+  }
   if (!gather_pending_) return;
   gather_pending_ = false;
   shards_->gather(group_, options_.bucket_bytes);
@@ -260,8 +309,13 @@ void Replicator::broadcast_buffers() {
 // decided by what every worker's program does alike (grad mode, the input's presence and rank),
 // so that every member starts the count's all-reduce.
 void Replicator::before_forward(const at::Tensor* input) {
-  // Under ZeRO, every forward (an evaluation's too) needs the step's parameters.
-  gather_parameters();
+  // Under ZeRO, every forward (an evaluation's too) needs the step's parameters: gathered now at
+  // stages 1 and 2, as operations read them at stage 3.
+  if (gatherer_) {
+    gatherer_->begin_forward();
+  } else {
+    gather_parameters();
+  }
   const bool counts = options_.weigh_by_batch_share || options_.measure_gradient_noise;
   if (!reducer_ || !counts || input == nullptr || !at::GradMode::is_enabled()) return;
   if (!input->defined() || input->dim() <= options_.batch_dim) {
@@ -273,12 +327,19 @@ void Replicator::before_forward(const at::Tensor* input) {
   reducer_->count_batch(input->size(options_.batch_dim));
 }
 
+void Replicator::after_forward() {
+  if (gatherer_) gatherer_->rethrow();
+}
+
 std::shared_ptr<Replicator> make_replicator(std::shared_ptr<torch::nn::Module> module, DataParallelOptions options) {
   return std::make_shared<Replicator>(std::move(module), std::move(options));
 }
 void set_sync(Replicator& replicator, bool sync) { replicator.set_sync(sync); }
 bool sync(const Replicator& replicator) { return replicator.sync(); }
 void before_forward(Replicator& replicator, const at::Tensor* input) { replicator.before_forward(input); }
+void after_forward(Replicator& replicator) {
+  replicator.after_forward();
+}
 std::vector<std::vector<size_t>> bucket_assignment(const Replicator& replicator) {
   return replicator.reducer() ? replicator.reducer()->bucket_assignment() : std::vector<std::vector<size_t>>{};
 }

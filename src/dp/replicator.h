@@ -6,6 +6,7 @@
 
 #include <memory>
 
+#include "dp/gatherer.h"
 #include "dp/reducer.h"
 #include "dp/replication.h"
 #include "shoal/dp/data_parallel.h"
@@ -25,6 +26,7 @@ class Replicator {
   }
   bool sync() const { return sync_; }
   void before_forward(const at::Tensor* input);
+  void after_forward();
   // Null in a job of one, where there is nothing to average (unless it measures the noise).
   const Reducer* reducer() const { return reducer_.get(); }
   const Replication& replication() const { return *replication_; }
@@ -46,10 +48,11 @@ class Replicator {
   comm::Group group_;
   std::shared_ptr<Replication> replication_;
   std::unique_ptr<Reducer> reducer_;
-  // At zero_stage 1 and 2: the slices, and whether a synchronized backward (and so, maybe, an
-  // optimizer step) came since the parameters were last gathered.
+  // At zero_stage 1 to 3: the slices, and (1 and 2) whether a synchronized backward (and so, maybe,
+  // an optimizer step) came since the parameters were last gathered.
   std::shared_ptr<Shards> shards_;
   bool gather_pending_ = false;
+  std::shared_ptr<Gatherer> gatherer_;  // stage 3
   bool sync_ = true;
   int world_listener_ = 0;  // set while following shoal::world()
 };

@@ -27,9 +27,15 @@ Shards::Shards(std::vector<at::Tensor> params, int rank, int size, int stage)
     starts_.push_back(std::move(starts));
     const int64_t start = starts_.back()[rank];
     const int64_t length = starts_.back()[rank + 1] - start;
-    // Note [A parameter's slice]: its own tensor over the parameter's memory.
-    auto slice = at::empty({0}, p.options());
-    slice.set_(p.storage(), p.storage_offset() + start, {length}, {1});
+    // Note [A parameter's slice]: its own tensor, over the parameter's memory at stages 1 and 2,
+    // in memory of its own at stage 3 (the parameter's is freed between uses).
+    at::Tensor slice;
+    if (stage >= 3) {
+      slice = p.detach().view(-1).narrow(0, start, length).clone();
+    } else {
+      slice = at::empty({0}, p.options());
+      slice.set_(p.storage(), p.storage_offset() + start, {length}, {1});
+    }
     slice.requires_grad_(p.requires_grad());
     slices_.push_back(slice);
   }

@@ -12,7 +12,8 @@
 // slice is a one-dimensional tensor of its own (not an autograd view), made once and kept: the
 // optimizer's state is keyed by it. At stages 1 and 2 it lies in the parameter's own memory, so
 // the optimizer's step writes this worker's part of the parameter in place, and the all-gather
-// writes the other members' parts.
+// writes the other members' parts. At stage 3 it has memory of its own, and the parameter's
+// memory is freed between uses (src/dp/gatherer.h).
 //
 // Note [Buckets cut by member]
 // The gradients of a bucket's parameters p_1..p_s are laid out member by member, so that a
@@ -34,7 +35,7 @@ namespace shoal::dp {
 
 class Shards {
  public:
-  // `params`: the trainable parameters, each once, contiguous; `stage` 1 or 2.
+  // `params`: the trainable parameters, each once, contiguous; `stage` 1, 2 or 3.
   Shards(std::vector<at::Tensor> params, int rank, int size, int stage);
 
   int stage() const { return stage_; }
@@ -60,8 +61,8 @@ class Shards {
   void pack(size_t k, const at::Tensor& gradient, const std::vector<int64_t>& offsets,
             at::Tensor& buffer, double scale) const;
 
-  // After the optimizer's step: every member's slices into every member's parameters, in
-  // all-gathers of about `bucket_bytes`, all in flight together. A collective.
+  // After the optimizer's step at stages 1 and 2: every member's slices into every member's
+  // parameters, in all-gathers of about `bucket_bytes`, two in flight. A collective.
   void gather(comm::Group& group, int64_t bucket_bytes);
 
   // The norm of the slices' gradients over the group (a collective), as

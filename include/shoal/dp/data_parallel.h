@@ -89,9 +89,17 @@ struct DataParallelOptions : BucketOptions {
   // (DataParallel::parameters() gives the slices, which the optimizer must be built on), and the
   // next forward through the wrapper all-gathers the parameters; gradients are reduce-scattered
   // into the slices during backward. 2 also releases each full gradient once it is copied into
-  // its bucket, so that a worker keeps only its slice's. The result equals the one-process run
-  // for optimizers that act on each element alone (SGD, Adam, AdamW, RMSprop, Adagrad).
+  // its bucket, so that a worker keeps only its slice's. 3 also frees the parameters' memory
+  // between uses: each is gathered, with its unit, just before an operation reads it, in forward
+  // and again in backward (Note [Gathering a parameter when an operation reads it],
+  // src/dp/gatherer.h). The result equals the one-process run for optimizers that act on each
+  // element alone (SGD, Adam, AdamW, RMSprop, Adagrad).
   int zero_stage = 0;
+  // Stage 3: parameters are gathered in units of consecutive modules' parameters of about this
+  // many bytes, and at most max_units units are whole (or on their way) at once: the one in use
+  // and the next ones, gathered while it computes.
+  int64_t unit_bytes = 1024 * 1024;
+  int max_units = 2;
 };
 
 namespace dp {
@@ -104,6 +112,8 @@ void set_sync(Replicator& replicator, bool sync);
 bool sync(const Replicator& replicator);
 // Before the module's forward, with its first tensor argument (null when it has none).
 void before_forward(Replicator& replicator, const at::Tensor* input);
+// After it: raises what stage 3's gathers met during it.
+void after_forward(Replicator& replicator);
 std::vector<std::vector<size_t>> bucket_assignment(const Replicator& replicator);
 std::optional<GradientNoise> gradient_noise(const Replicator& replicator);
 torch::OrderedDict<std::string, at::Tensor> named_parameters(const Replicator& replicator);
@@ -168,7 +178,8 @@ class DataParallel {
   // At zero_stage 1 and 2: makes the module's parameters whole on every worker after the
   // optimizer's step (each worker's step updated its slices only). The next forward through
   // the wrapper does it by itself; call this to read the parameters before then (after the last
-  // step, say). A collective when there is something to gather; nothing at stage 0.
+  // step, say). A collective when there is something to gather; nothing at stage 0. At stage 3:
+  // every parameter whole until the next forward needs the room or the next backward ends.
   void gather_parameters() { dp::gather_parameters(*replicator_); }
 
   // Calls the module's forward, seeing the batch on the way (Note [Weighing gradients by batch
@@ -176,7 +187,15 @@ class DataParallel {
   template <typename... Args>
   decltype(auto) forward(Args&&... args) {
     dp::before_forward(*replicator_, dp::detail::first_tensor(args...));
-    return module_->forward(std::forward<Args>(args)...);
+    using Result = decltype(module_->forward(std::forward<Args>(args)...));
+    if constexpr (std::is_void_v<Result>) {
+      module_->forward(std::forward<Args>(args)...);
+      dp::after_forward(*replicator_);
+    } else {
+      Result result = module_->forward(std::forward<Args>(args)...);
+      dp::after_forward(*replicator_);
+      return result;
+    }
   }
   template <typename... Args>
   decltype(auto) operator()(Args&&... args) {

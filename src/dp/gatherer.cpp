@@ -1,0 +1,303 @@
+#include "dp/gatherer.h"
+
+// RecordFunction's layout depends on NDEBUG (a debug-only field), and LibTorch is built with it.
+#ifndef NDEBUG
+#error "src/dp/gatherer.cpp reads RecordFunction's inputs: build shoal with NDEBUG, as LibTorch is"
+#endif
+
+#include <algorithm>
+#include <string>
+#include <utility>
+
+#include <ATen/record_function.h>
+#include <c10/core/StorageImpl.h>
+
+#include "shoal/core/error.h"
+
+namespace shoal::dp {
+namespace {
+
+// Note [Gathering a parameter when an operation reads it]. Each thread that ran a stage-3
+// wrapper's forward observes its operations once, for every Gatherer that asked it to; a
+// Gatherer gone is dropped at the next operation.
+thread_local std::vector<std::weak_ptr<Gatherer>> observers;
+thread_local bool observer_registered = false;
+thread_local bool inside_observer = false;
+
+void add_storage(const c10::IValue& value, std::vector<const void*>& storages) {
+  if (value.isTensor()) {
+    const at::Tensor& t = value.toTensor();
+    if (t.defined() && t.has_storage()) storages.push_back(t.storage().unsafeGetStorageImpl());
+  } else if (value.isTensorList()) {
+    for (const at::Tensor& t : value.toTensorVector()) {
+      if (t.defined() && t.has_storage()) storages.push_back(t.storage().unsafeGetStorageImpl());
+    }
+  } else if (value.isList()) {
+    for (const c10::IValue& item : value.toListRef()) add_storage(item, storages);
+  }
+}
+
+std::unique_ptr<at::ObserverContext> observe(const at::RecordFunction& operation) {
+  if (inside_observer || observers.empty()) return nullptr;
+  inside_observer = true;
+  struct Leave {
+    ~Leave() { inside_observer = false; }
+  } leave;
+  std::vector<const void*> storages;
+  for (const c10::IValue& input : operation.inputs()) add_storage(input, storages);
+  if (storages.empty()) return nullptr;
+  bool expired = false;
+  for (const auto& weak : observers) {
+    auto gatherer = weak.lock();
+    if (!gatherer) {
+      expired = true;
+      continue;
+    }
+    for (const void* storage : storages) {
+      if (gatherer->watches(storage)) {
+        gatherer->on_operation(storages);
+        break;
+      }
+    }
+  }
+  if (expired) {
+    observers.erase(std::remove_if(observers.begin(), observers.end(),
+                                   [](const auto& w) { return w.expired(); }),
+                    observers.end());
+  }
+  return nullptr;
+}
+
+c10::StorageImpl* storage_of(const at::Tensor& p) {
+  return p.storage().unsafeGetStorageImpl();
+}
+
+size_t bytes_of(const at::Tensor& p) {
+  return static_cast<size_t>(p.numel()) * p.element_size();
+}
+
+// The parameter's memory, given back or taken again, on its own StorageImpl: the parameter's
+// TensorImpl, its version counter and every view of it (autograd's saved tensors) stay as they are.
+void release_memory(const at::Tensor& p) {
+  c10::StorageImpl* storage = storage_of(p);
+  storage->set_data_ptr_noswap(c10::DataPtr(nullptr, p.device()));
+  storage->set_nbytes(0);
+}
+
+void take_memory(const at::Tensor& p) {
+  c10::StorageImpl* storage = storage_of(p);
+  storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes_of(p)));
+  storage->set_nbytes(bytes_of(p));
+}
+
+// The parameter's memory as a flat tensor of its own (writing through it bumps no version).
+at::Tensor flat_memory(const at::Tensor& p) {
+  auto flat = at::empty({0}, p.options().requires_grad(false));
+  flat.set_(p.storage(), 0, {p.numel()}, {1});
+  return flat;
+}
+
+}  // namespace
+
+Gatherer::Gatherer(std::shared_ptr<Shards> shards, comm::Group group,
+                   std::vector<std::vector<size_t>> units, int max_units)
+    : shards_(std::move(shards)), group_(std::move(group)), max_units_(std::max(1, max_units)) {
+  const auto& params = shards_->params();
+  for (const auto& p : params) {
+    if (p.storage_offset() != 0 || p.storage().nbytes() != bytes_of(p)) {
+      throw UsageError(
+          "DataParallel: zero_stage 3 frees each parameter's memory between uses, so each must own "
+          "its memory; a parameter of " +
+          std::to_string(p.numel()) + " elements is a view of a larger tensor");
+    }
+  }
+  for (auto& members : units) {
+    Unit unit;
+    unit.layout = shards_->layout(members);
+    for (size_t k : members) unit_of_[storage_of(params[k])] = units_.size();
+    unit.params = std::move(members);
+    units_.push_back(std::move(unit));
+  }
+  SHOAL_CHECK(unit_of_.size() == params.size())
+      << "units cover " << unit_of_.size() << " of " << params.size()
+      << " parameters, or two share memory";
+  at::NoGradGuard no_grad;
+  for (const auto& p : params) release_memory(p);
+}
+
+Gatherer::~Gatherer() {
+  for (auto& unit : units_) {
+    if (unit.status != Status::kInFlight) continue;
+    try {
+      unit.work.wait();
+    } catch (const std::exception&) {
+      // the group broke; nothing reads this unit
+    }
+  }
+}
+
+void Gatherer::begin_forward() {
+  if (!observer_registered) {
+    at::addThreadLocalCallback(at::RecordFunctionCallback(observe).needsInputs(true));
+    observer_registered = true;
+  }
+  bool known = false;
+  for (const auto& weak : observers) known = known || weak.lock().get() == this;
+  if (!known) observers.push_back(weak_from_this());
+  if (!needed_.empty()) plan_ = std::exchange(needed_, {});
+  next_ = 0;
+}
+
+size_t Gatherer::occupied() const {
+  size_t count = 0;
+  for (const auto& unit : units_) count += unit.status != Status::kFreed ? 1 : 0;
+  return count;
+}
+
+bool Gatherer::make_room() {
+  size_t victim = units_.size();
+  for (size_t u = 0; u < units_.size(); ++u) {
+    const Unit& unit = units_[u];
+    if (unit.status != Status::kWhole || unit.last_use == clock_)
+      continue;  // in flight, or read now
+    if (victim == units_.size() || unit.last_use < units_[victim].last_use) victim = u;
+  }
+  if (victim == units_.size()) return false;
+  free(victim);
+  return true;
+}
+
+void Gatherer::launch(size_t u) {
+  Unit& unit = units_[u];
+  const int rank = shards_->rank();
+  ++gathers_;
+  unit.status = Status::kInFlight;
+  if (broken_) return;  // finish() gives zeros
+  const int64_t base = unit.layout.offsets.empty() ? 0 : unit.layout.offsets[0][rank];
+  auto mine = at::empty({unit.layout.segments[rank]},
+                        shards_->slice(unit.params.front()).options().requires_grad(false));
+  for (size_t j = 0; j < unit.params.size(); ++j) {
+    const at::Tensor& slice = shards_->slice(unit.params[j]);
+    if (slice.numel() > 0)
+      mine.narrow(0, unit.layout.offsets[j][rank] - base, slice.numel()).copy_(slice);
+  }
+  comm::AllGatherOptions options;
+  options.sizes = unit.layout.segments;
+  unit.work = group_.all_gather_async(mine, options);
+}
+
+void Gatherer::finish(size_t u) {
+  Unit& unit = units_[u];
+  if (unit.status != Status::kInFlight) return;
+  const auto& params = shards_->params();
+  for (size_t k : unit.params) take_memory(params[k]);
+  unit.status = Status::kWhole;
+  if (broken_) {
+    for (size_t k : unit.params) flat_memory(params[k]).zero_();
+    return;
+  }
+  unit.work.wait();
+  const at::Tensor& all = unit.work.result();
+  for (size_t j = 0; j < unit.params.size(); ++j) {
+    const size_t k = unit.params[j];
+    auto flat = flat_memory(params[k]);
+    for (int r = 0; r < shards_->size(); ++r) {
+      const int64_t length = shards_->length(k, r);
+      if (length > 0) {
+        flat.narrow(0, shards_->start(k, r), length)
+            .copy_(all.narrow(0, unit.layout.offsets[j][r], length));
+      }
+    }
+  }
+}
+
+void Gatherer::free(size_t u) {
+  Unit& unit = units_[u];
+  for (size_t k : unit.params) release_memory(shards_->params()[k]);
+  unit.status = Status::kFreed;
+}
+
+void Gatherer::need(size_t u) {
+  needed_.push_back(u);
+  // Where this step stands in the previous one's plan.
+  auto at = std::find(plan_.begin() + static_cast<std::ptrdiff_t>(std::min(next_, plan_.size())),
+                      plan_.end(), u);
+  if (at != plan_.end()) next_ = static_cast<size_t>(at - plan_.begin()) + 1;
+  if (units_[u].status == Status::kFreed) {
+    if (occupied() >= static_cast<size_t>(max_units_)) make_room();
+    launch(u);
+  }
+  finish(u);
+  prefetch();
+}
+
+void Gatherer::prefetch() {
+  // The next units of the plan, up to max_units - 1 ahead of the one just needed.
+  size_t ahead = 0;
+  for (size_t i = next_; i < plan_.size() && ahead + 1 < static_cast<size_t>(max_units_); ++i) {
+    const size_t v = plan_[i];
+    if (units_[v].last_use == clock_) continue;  // read by this operation: whole already
+    ++ahead;
+    if (units_[v].status != Status::kFreed) continue;
+    if (occupied() >= static_cast<size_t>(max_units_) && !make_room()) break;
+    launch(v);
+  }
+}
+
+void Gatherer::on_operation(const std::vector<const void*>& storages) {
+  at::DisableRecordFunctionGuard quiet;  // the gathers' own operations are not observed
+  at::NoGradGuard no_grad;
+  ++clock_;
+  std::vector<size_t> missing;
+  for (const void* storage : storages) {
+    const auto found = unit_of_.find(storage);
+    if (found == unit_of_.end()) continue;
+    Unit& unit = units_[found->second];
+    unit.last_use = clock_;
+    if (unit.status != Status::kWhole &&
+        std::find(missing.begin(), missing.end(), found->second) == missing.end()) {
+      missing.push_back(found->second);
+    }
+  }
+  for (size_t u : missing) {
+    try {
+      need(u);
+    } catch (...) {
+      if (!error_) error_ = std::current_exception();
+      broken_ = true;
+      if (units_[u].status == Status::kFreed) units_[u].status = Status::kInFlight;
+      finish(u);  // zeros, so that the operation can run
+    }
+  }
+}
+
+void Gatherer::release_all() {
+  at::DisableRecordFunctionGuard quiet;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    Unit& unit = units_[u];
+    if (unit.status == Status::kInFlight && !broken_) {
+      try {
+        unit.work.wait();  // a prefetch past the plan's end: its result is not needed
+      } catch (...) {
+        if (!error_) error_ = std::current_exception();
+        broken_ = true;
+      }
+    }
+    if (unit.status != Status::kFreed) free(u);
+  }
+}
+
+void Gatherer::gather_all() {
+  at::DisableRecordFunctionGuard quiet;
+  at::NoGradGuard no_grad;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    if (units_[u].status == Status::kFreed) launch(u);
+  }
+  for (size_t u = 0; u < units_.size(); ++u) finish(u);
+}
+
+void Gatherer::rethrow() {
+  if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+}
+
+}  // namespace shoal::dp
