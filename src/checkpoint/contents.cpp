@@ -94,7 +94,7 @@ void plan_module(const std::string& path, InputArchive& archive, torch::nn::Modu
       if (!is_piece) {
         copies.push_back({target, stored});
       } else if (at::Tensor mine = piece->second.piece(stored); mine.defined()) {
-        copies.push_back({target, mine});
+        copies.push_back({piece->second.target.defined() ? piece->second.target : target, mine});
       }
     }
   };

@@ -33,6 +33,7 @@ std::string serialize_contents(const torch::nn::Module& module, const torch::opt
 struct WholeValue {
   std::vector<int64_t> shape;
   std::function<at::Tensor(const at::Tensor& whole)> piece;
+  at::Tensor target;  // where the piece goes when not into the module's tensor (Piece::slice)
 };
 using WholeValues = std::map<const c10::TensorImpl*, WholeValue>;
 

@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include <torch/csrc/autograd/variable.h>
 #include <torch/serialize/output-archive.h>
 
 #include "collective.h"
@@ -35,6 +36,8 @@ struct Parameter {
   Piece piece;
   std::vector<std::string> names;
   const c10::TensorImpl* impl() const { return piece.local.unsafeGetTensorImpl(); }
+  // What this worker holds of the value, the optimizer's key: the slice when there is one.
+  const at::Tensor& held() const { return piece.slice.defined() ? piece.slice : piece.local; }
 };
 
 // What the model is called in errors: its first Savable's name for it.
@@ -61,9 +64,10 @@ comm::Group world_group(const std::optional<comm::Group>& group, const std::stri
 std::string check_model(const torch::nn::Module& module, const torch::optim::Optimizer* optimizer,
                         const std::vector<Parameter>& parameters, const std::string& operation) {
   const std::string prefix = operation + ": ";
-  std::set<const c10::TensorImpl*> pieces;
+  std::set<const c10::TensorImpl*> pieces, held;
   for (const auto& parameter : parameters) {
     pieces.insert(parameter.impl());
+    held.insert(parameter.held().unsafeGetTensorImpl());
     if (!parameter.piece.refusal.empty())
       return prefix + "parameter '" + parameter.name + "' " + parameter.piece.refusal;
   }
@@ -79,7 +83,7 @@ std::string check_model(const torch::nn::Module& module, const torch::optim::Opt
     return prefix + unsupported;
   for (const auto& group : optimizer->param_groups()) {
     for (const auto& p : group.params()) {
-      if (!pieces.count(p.unsafeGetTensorImpl())) {
+      if (!held.count(p.unsafeGetTensorImpl())) {
         std::ostringstream shape;
         shape << p.sizes();
         return prefix + "the optimizer holds a tensor of shape " + shape.str() +
@@ -115,8 +119,8 @@ std::vector<NamedState> gather_state(comm::Group& group, torch::optim::Optimizer
   std::vector<StateRefs> refs(parameters.size());
   for (int64_t i = 0; i < n; ++i) {
     const auto& parameter = parameters[static_cast<size_t>(i)];
-    if (!parameter.piece.held_here || !held.count(parameter.impl())) continue;
-    auto entry = optimizer.state().find(state_key(parameter.piece.local));
+    if (!parameter.piece.held_here || !held.count(parameter.held().unsafeGetTensorImpl())) continue;
+    auto entry = optimizer.state().find(state_key(parameter.held()));
     if (entry == optimizer.state().end()) continue;
     refs[static_cast<size_t>(i)] = kind.refs(*entry->second);
     const StateRefs& mine = refs[static_cast<size_t>(i)];
@@ -183,6 +187,16 @@ void write_whole(const torch::nn::Module& module, OutputArchive& archive,
 std::vector<std::pair<std::string, Piece>> pieces_of(const torch::nn::Module& module) {
   std::vector<std::pair<std::string, Piece>> found;
   std::set<const c10::TensorImpl*> seen;
+  // Parameters marked by what holds them in pieces (PieceOf), under their first name.
+  for (const auto& item : module.named_parameters()) {
+    for (const auto& hook : torch::autograd::impl::hooks(item.value())) {
+      const auto* marker = dynamic_cast<const PieceOf*>(hook.get());
+      if (marker == nullptr) continue;
+      Piece piece = marker->describe();
+      if (piece.local.defined() && seen.insert(piece.local.unsafeGetTensorImpl()).second)
+        found.emplace_back(item.key(), std::move(piece));
+    }
+  }
   for (const auto& item : module.named_modules()) {
     const auto* savable = dynamic_cast<const Savable*>(item.value().get());
     if (savable == nullptr) continue;
@@ -219,7 +233,7 @@ void save_whole(const std::string& path, const torch::nn::Module& module,
   agree(group, check_model(module, optimizer, parameters, operation), options.timeout);
   std::map<const c10::TensorImpl*, at::Tensor> whole;  // on the first worker
   for (const auto& parameter : parameters) {
-    at::Tensor value = parameter.piece.gather(parameter.piece.local);
+    at::Tensor value = parameter.piece.gather(parameter.held());
     // As Module::save writes it: the flag is part of the file.
     if (value.defined())
       whole[parameter.impl()] = value.set_requires_grad(parameter.piece.local.requires_grad());
@@ -252,7 +266,8 @@ StateMap plan_state(const std::string& path, PlannedContents& planned,
     if (parameter.names.empty()) continue;  // a buffer
     names.insert(parameter.names.begin(), parameter.names.end());
     if (!parameter.piece.held_here) continue;  // a placeholder has no state to take
-    targets.push_back({parameter.names, parameter.piece.shape, parameter.piece.local, parameter.piece.cut});
+    targets.push_back(
+        {parameter.names, parameter.piece.shape, parameter.held(), parameter.piece.cut});
   }
   return plan_state_by_name(path, planned.optimizer_by_name, planned.optimizer_type, optimizer, targets,
                             &names);
@@ -268,7 +283,8 @@ void load_whole(const std::string& path, torch::nn::Module& module, torch::optim
   agree(group, check_model(module, optimizer, parameters, operation), options.timeout);
   const std::string payload = read_payload(path, group, options.timeout);
   WholeValues whole;
-  for (const auto& parameter : parameters) whole[parameter.impl()] = {parameter.piece.shape, parameter.piece.cut};
+  for (const auto& parameter : parameters)
+    whole[parameter.impl()] = {parameter.piece.shape, parameter.piece.cut, parameter.piece.slice};
   // Every worker checks the file against its model and optimizer before any worker changes
   // anything.
   std::string error;
@@ -288,12 +304,15 @@ void load_whole(const std::string& path, torch::nn::Module& module, torch::optim
   if (optimizer != nullptr) {
     for (const auto& parameter : parameters) {
       if (parameter.piece.held_here) continue;
-      auto entry = optimizer->state().find(state_key(parameter.piece.local));
+      auto entry = optimizer->state().find(state_key(parameter.held()));
       if (entry != optimizer->state().end()) state[entry->first] = std::move(entry->second);
     }
     optimizer->state() = std::move(state);
   }
   planned.copy_module();
+  for (const auto& parameter : parameters) {
+    if (parameter.piece.loaded) parameter.piece.loaded();
+  }
   if (options.extras != nullptr) *options.extras = std::move(planned.extras);
   if (loader != nullptr) loader->load_state_dict(*planned.loader_state);
 }

@@ -7,9 +7,11 @@
 #include <ATen/core/grad_mode.h>
 
 #include "dp/replicator.h"
+
+#include <torch/csrc/autograd/variable.h>
+#include "runtime/world.h"
 #include "shoal/core/error.h"
 #include "shoal/runtime/init.h"
-#include "runtime/world.h"
 
 namespace shoal::dp {
 namespace {
@@ -235,6 +237,7 @@ void Replicator::bind(comm::Group group, bool synchronize) {
       gatherer_ = std::make_shared<Gatherer>(
           shards_, group_, units(*module_, *shards_, options_.unit_bytes), options_.max_units);
     }
+    mark_pieces();
   }
 
   ReducerOptions reducer;
@@ -325,6 +328,83 @@ void Replicator::before_forward(const at::Tensor* input) {
                      " (DataParallelOptions::batch_dim), or weigh_by_batch_share = false");
   }
   reducer_->count_batch(input->size(options_.batch_dim));
+}
+
+// Note [Saving a sharded model]
+// A checkpoint holds what the same model on one process holds (docs/memory.md, "Checkpoints"):
+// each trainable parameter's piece is this worker's slice, gathered whole on save (over the
+// group, which must be the world, as shoal::save's whole values are) and cut again on load; the
+// optimizer's state is keyed by the slice and laid out as it is. Frozen parameters are whole on
+// every worker. After a load the slices hold the file's values: at stages 1 and 2 the parameters
+// are gathered before the next forward; at stage 3 every unit is released, to be gathered anew.
+void Replicator::mark_pieces() {
+  std::map<const void*, size_t> index_of;
+  for (size_t k = 0; k < shards_->params().size(); ++k)
+    index_of[shards_->params()[k].unsafeGetTensorImpl()] = k;
+  const std::weak_ptr<int> alive = alive_;
+  for (const auto& p : unique_parameters(*module_)) {
+    const auto found = index_of.find(p.unsafeGetTensorImpl());
+    const bool sliced = found != index_of.end();
+    const size_t k = sliced ? found->second : 0;
+    // Weakly: the marker lives on the parameter itself.
+    c10::weak_intrusive_ptr<at::TensorImpl, c10::UndefinedTensorImpl> weak(p.getIntrusivePtr());
+    auto describe = [this, alive, weak, sliced, k]() {
+      auto strong = weak.lock();
+      if (alive.expired() || !strong) return checkpoint::Piece{};
+      return piece_of(at::Tensor(std::move(strong)), sliced, k);
+    };
+    // A tensor's first register_hook() clears the hooks it had (LibTorch's create_cpp_hook):
+    // one made and removed first keeps the marker from the Reducer's and the program's.
+    if (p.requires_grad()) {
+      at::Tensor handle = p;
+      handle.remove_hook(handle.register_hook([](const at::Tensor&) { return at::Tensor(); }));
+    }
+    torch::autograd::impl::add_hook(p, std::make_shared<checkpoint::PieceOf>(describe));
+  }
+}
+
+checkpoint::Piece Replicator::piece_of(const at::Tensor& parameter, bool sliced, size_t k) {
+  checkpoint::Piece piece;
+  const int n = group_.size(), rank = group_.rank();
+  piece.local = parameter;
+  piece.shape = parameter.sizes().vec();
+  piece.holders = n;
+  piece.first_holder = rank == 0;
+  if (n != shoal::world_size()) {
+    piece.refusal = "is held in slices over " + std::to_string(n) + " of the " +
+                    std::to_string(shoal::world_size()) +
+                    " workers; expected a DataParallel over the world";
+    return piece;
+  }
+  if (!sliced) {  // frozen: the same whole value on every worker
+    piece.gather = [rank](const at::Tensor& like) {
+      return rank == 0 ? like.detach().clone() : at::Tensor();
+    };
+    piece.cut = [](const at::Tensor& whole) { return whole; };
+    return piece;
+  }
+  piece.slice = shards_->slice(k);
+  piece.gather = [shards = shards_, group = group_, k,
+                  shape = piece.shape](const at::Tensor& like) mutable {
+    comm::AllGatherOptions options;
+    for (int r = 0; r < shards->size(); ++r) options.sizes.push_back(shards->length(k, r));
+    at::Tensor whole = group.all_gather(like.detach().reshape(-1), options);
+    return group.rank() == 0 ? whole.view(shape) : at::Tensor();
+  };
+  piece.cut = [shards = shards_, k](const at::Tensor& whole) {
+    const int rank = shards->rank();
+    return whole.reshape(-1).narrow(0, shards->start(k, rank), shards->length(k, rank)).clone();
+  };
+  const std::weak_ptr<int> alive = alive_;
+  piece.loaded = [this, alive] {
+    if (alive.expired()) return;
+    if (gatherer_) {
+      gatherer_->release_all();
+    } else {
+      gather_pending_ = true;
+    }
+  };
+  return piece;
 }
 
 void Replicator::after_forward() {

@@ -9,6 +9,7 @@
 #include "dp/gatherer.h"
 #include "dp/reducer.h"
 #include "dp/replication.h"
+#include "shoal/checkpoint/savable.h"
 #include "shoal/dp/data_parallel.h"
 
 namespace shoal::dp {
@@ -53,6 +54,11 @@ class Replicator {
   std::shared_ptr<Shards> shards_;
   bool gather_pending_ = false;
   std::shared_ptr<Gatherer> gatherer_;  // stage 3
+  // Under ZeRO, tells shoal::save and shoal::load each parameter's piece (checkpoint::PieceOf on
+  // every parameter), as long as this Replicator lives.
+  void mark_pieces();
+  checkpoint::Piece piece_of(const at::Tensor& parameter, bool sliced, size_t k);
+  std::shared_ptr<int> alive_ = std::make_shared<int>(0);
   bool sync_ = true;
   int world_listener_ = 0;  // set while following shoal::world()
 };

@@ -93,6 +93,9 @@ void load(const std::string& path, torch::nn::Module& module, torch::optim::Opti
 // loader state are not used.
 void load(const std::string& path, torch::nn::Module& module, const LoadOptions& options = {});
 
+// A model that a DataParallel shards (DataParallelOptions::zero_stage) is saved and loaded by
+// these functions too, whole: its parameters carry their pieces (checkpoint::PieceOf), and the
+// file is what the same model on one process writes (docs/memory.md, "Checkpoints").
 // A pipeline's model (shoal::pipeline::Pipeline) is saved and loaded by the overloads that
 // shoal/pipeline/pipeline.h declares beside it.
 

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/function_hook.h>
 
 namespace shoal::checkpoint {
 
@@ -39,6 +40,29 @@ struct Piece {
   // Why its value cannot be saved whole (for instance, a partial sum that no worker holds), in a
   // phrase; empty when it can.
   std::string refusal;
+  // When defined: what this worker holds of the value instead of `local`, which the module holds
+  // whole or not at all (a sharded data-parallel worker's slice of a parameter; ZeRO,
+  // docs/memory.md). The optimizer holds it and keys its state by it; gather and cut work on its
+  // layout; the value is saved from it and loaded into it, and then `loaded` runs.
+  at::Tensor slice;
+  std::function<void()> loaded;
+};
+
+// What marks a parameter that something other than its module holds in pieces (DataParallel at
+// a ZeRO stage): added among the parameter's autograd hooks (torch::autograd::impl::add_hook), it
+// passes gradients through unchanged and tells shoal::save and shoal::load the parameter's piece,
+// so that a program saves and loads such a model as any other. `describe` returns nothing (a
+// Piece whose `local` is undefined) once its owner is gone.
+class PieceOf : public torch::autograd::FunctionPreHook {
+ public:
+  explicit PieceOf(std::function<Piece()> describe) : describe_(std::move(describe)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    return grads;
+  }
+  Piece describe() const { return describe_(); }
+
+ private:
+  std::function<Piece()> describe_;
 };
 
 class Savable {
