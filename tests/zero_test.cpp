@@ -3,15 +3,18 @@
 // that no worker count divides, a scalar, a weight tied under two names, a frozen parameter and
 // batch-norm buffers; each worker starts from a different random model (DataParallel broadcasts
 // the first worker's) and trains on its shard with the optimizer built on model.parameters().
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
 #include <functional>
+#include <iostream>
 #include <memory>
 #include <numeric>
 #include <string>
 #include <vector>
 
+#include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -315,6 +318,107 @@ TEST(Zero, CheckpointsCrossStagesAndWorkerCounts) {
                   1e-5);
       },
       {.launcher = shoal::testing::Launcher::kNone});
+}
+
+// ----- Peak memory per worker, from the allocator, against the formula (docs/memory.md) -----
+
+// The CPU allocator, counting: the bytes of every tensor alive, and their peak.
+class CountingAllocator final : public c10::Allocator {
+ public:
+  explicit CountingAllocator(c10::Allocator* base) : base_(base) {}
+  c10::DataPtr allocate(size_t bytes) const override {
+    auto* held = new Held{base_->allocate(bytes), bytes, this};
+    const int64_t now = in_use_ += static_cast<int64_t>(bytes);
+    int64_t peak = peak_.load();
+    while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
+    }
+    return {held->inner.get(), held, &release, held->inner.device()};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  int64_t in_use() const { return in_use_.load(); }
+  int64_t peak() const { return peak_.load(); }
+  void reset_peak() const { peak_.store(in_use_.load()); }
+
+ private:
+  struct Held {
+    c10::DataPtr inner;
+    size_t bytes;
+    const CountingAllocator* owner;
+  };
+  static void release(void* context) {
+    auto* held = static_cast<Held*>(context);
+    held->owner->in_use_ -= static_cast<int64_t>(held->bytes);
+    delete held;
+  }
+  c10::Allocator* base_;
+  mutable std::atomic<int64_t> in_use_{0}, peak_{0};
+};
+
+struct WideImpl : torch::nn::Module {
+  WideImpl() {
+    for (int i = 0; i < 16; ++i)
+      layers.push_back(register_module("l" + std::to_string(i), torch::nn::Linear(256, 256)));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (auto& layer : layers) x = torch::tanh(layer(x));
+    return x;
+  }
+  std::vector<torch::nn::Linear> layers;
+};
+TORCH_MODULE(Wide);
+
+// Four workers train a model of 1.05 M float32 parameters (Psi) with Adam at each stage; the
+// peak of the bytes alive during a step (after the first, whose peak includes the broadcast) is
+// at least the formula's bytes per parameter times Psi, and at most that plus what moves, which
+// is bounded by the bucket and unit sizes, not by the model's.
+TEST(Zero, PeakMemoryPerWorkerFollowsTheFormula) {
+  run_workers(4, [] {
+    static CountingAllocator counting(c10::GetDefaultCPUAllocator());
+    c10::SetCPUAllocator(&counting, /*priority=*/100);
+    const double n = shoal::world_size();
+    const double formula[] = {16, 8 + 8 / n, 4 + 12 / n, 16 / n};
+    const int64_t moving_cap = 256 * 1024;  // bucket_bytes and unit_bytes
+    // Over TCP: on shared memory stage 0's buckets lie in a segment the allocator does not see.
+    std::vector<int> everyone(shoal::world_size());
+    std::iota(everyone.begin(), everyone.end(), 0);
+    setenv("SHOAL_COMM", "tcp", 1);
+    auto tcp = shoal::world().subgroup(everyone);
+    unsetenv("SHOAL_COMM");
+    for (int stage : {0, 1, 2, 3}) {
+      torch::manual_seed(1);
+      Wide net;
+      int64_t psi = 0;
+      for (const auto& p : net->parameters()) psi += p.numel();
+      shoal::DataParallelOptions options;
+      options.zero_stage = stage;
+      options.bucket_bytes = moving_cap;
+      options.first_bucket_bytes = moving_cap;
+      options.unit_bytes = moving_cap;
+      options.group = tcp;
+      shoal::DataParallel model(net, options);
+      torch::optim::Adam opt(model.parameters(), torch::optim::AdamOptions(1e-3));
+      auto x = torch::randn({4, 256});
+      int64_t peak = 0;
+      for (int step = 0; step < 3; ++step) {
+        if (step == 1) counting.reset_peak();
+        opt.zero_grad();
+        model(x).pow(2).mean().backward();
+        opt.step();
+        peak = counting.peak();
+      }
+      const double expected = formula[stage] * static_cast<double>(psi);
+      // What moves, whatever the model's size: at most two reduce-scatters in flight (each its
+      // bucket, what it received and its result), the bucket being filled, the full gradient of
+      // the layer backward is at, two gathered buckets, Adam's temporaries: twelve buckets' worth,
+      // less than what separates one stage's formula from the next here. Stage 3 adds its units:
+      // max_units whole, and their gathers' buffers.
+      const double moving = (stage == 3 ? 16.0 : 12.0) * moving_cap;
+      std::cout << "stage " << stage << ": peak " << peak / 1e6 << " MB, formula " << expected / 1e6
+                << " MB\n";
+      EXPECT_GE(static_cast<double>(peak), expected) << "stage " << stage;
+      EXPECT_LE(static_cast<double>(peak), expected + moving) << "stage " << stage;
+    }
+  });
 }
 
 class Zero : public ::testing::TestWithParam<int> {};

@@ -209,6 +209,8 @@ void Gatherer::finish(size_t u) {
       }
     }
   }
+  unit.work =
+      comm::Work();  // the gathered buffer (a unit's worth) goes now, not at the next gather
 }
 
 void Gatherer::free(size_t u) {

@@ -1,5 +1,6 @@
 #include "dp/reducer.h"
 
+#include <deque>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -36,6 +37,9 @@ struct Reducer::State {
     size_t pending = 0;  // parameters whose gradient has not arrived in this backward
     comm::Work work;
     Shards::Layout layout;       // with shards: Note [Buckets cut by member]
+    int64_t numel = 0;
+    at::Tensor result;  // with shards: this member's part of the average, once settled
+    bool settled = true;
     timeline::AsyncSlice slice;  // from its all-reduce's start until finalize() has waited for it
   };
 
@@ -87,6 +91,12 @@ struct Reducer::State {
   NoiseMeter* noise = nullptr;
   // ZeRO (ReducerOptions::shards), else null.
   Shards* shards = nullptr;
+  // Note [Sharded buckets live only while they travel]
+  // Under ZeRO a bucket's buffer is made when its first gradient arrives and dropped once its
+  // reduce-scatter has returned, and at most two reduce-scatters travel at once (starting a third
+  // waits for the oldest): the full gradients then never lie in memory all at once, which is what
+  // stages 2 and 3 save. The buckets started and not yet waited for, oldest first:
+  std::deque<size_t> traveling;
   double local_sqr = 0.0;
   std::vector<at::Tensor> previous;
   int64_t previous_rows = 0;
@@ -127,6 +137,17 @@ struct Reducer::State {
   // Starts the bucket's average, or with `sum` that all-reduce (sum_gradients()).
   void start(Bucket& bucket, const comm::AllReduceOptions* sum = nullptr);
   void finalize();
+  // With shards: waits for the bucket's reduce-scatter and keeps only its result (the Work holds
+  // the buffers it moved: the bucket and what it received).
+  void settle(Bucket& bucket) {
+    if (bucket.settled) return;
+    bucket.work.wait();
+    bucket.slice.end();
+    bucket.result = bucket.work.result();
+    bucket.work = comm::Work();
+    if (!noise || group.size() > 1) bucket.buffer = at::Tensor();  // one worker's noise reads it
+    bucket.settled = true;
+  }
   // With shards, after the buckets' reduce-scatters returned: each slice's part of the average
   // into its .grad (skipping the parameters `used` marks as unused everywhere).
   void give_slices_gradients(const at::Tensor& used);
@@ -223,13 +244,18 @@ void Reducer::State::assign(const std::vector<size_t>& order) {
       total += params[k].numel();
     }
     const at::ScalarType dtype = params[groups[b].front()].scalar_type();
+    bucket.numel = total;
+    if (shards) {
+      // Note [Sharded buckets live only while they travel].
+      bucket.layout = shards->layout(bucket.params);
+      continue;
+    }
     bucket.buffer = arenas.at(dtype).narrow(0, used[dtype], total);
-    if (shards) bucket.layout = shards->layout(bucket.params);
     bucket.buffer.zero_();
     used[dtype] += total;
   }
   buckets = std::move(fresh);
-  for (size_t k = 0; k < params.size(); ++k)
+  for (size_t k = 0; k < params.size() && !shards; ++k)
     slice_data[k] = slice(buckets[bucket_of[k]], slot_of[k]).data_ptr();
   for (size_t k = 0; k < params.size(); ++k) {
     if (!aliased[k].defined()) continue;
@@ -260,6 +286,7 @@ void Reducer::State::on_grad_ready(size_t index, const std::shared_ptr<State>& s
   Bucket& bucket = buckets[bucket_of[index]];
   at::Tensor& grad = params[index].mutable_grad();
   if (shards) {
+    if (!bucket.buffer.defined()) bucket.buffer = at::empty({bucket.numel}, grad.options());
     shards->pack(index, grad, bucket.layout.offsets[slot_of[index]], bucket.buffer,
                  prescale ? 1.0 / group.size() : 1.0);
     // The parameter's own .grad has served: its average arrives in the slice's.
@@ -311,6 +338,13 @@ void Reducer::State::start(Bucket& bucket, const comm::AllReduceOptions* sum) {
     local_sqr += squared_norm(bucket.buffer) * (prescale ? n * n : 1.0);
   }
   if (shards) {
+    // Note [Sharded buckets live only while they travel]: at most two in flight.
+    while (traveling.size() >= 2) {
+      settle(buckets[traveling.front()]);
+      traveling.pop_front();
+    }
+    bucket.settled = false;
+    traveling.push_back(static_cast<size_t>(&bucket - buckets.data()));
     comm::ReduceScatterOptions scatter;
     scatter.op = op;
     scatter.sizes = bucket.layout.segments;
@@ -333,6 +367,8 @@ void Reducer::State::finalize() {
       if (ready[index]) continue;
       if (options.find_unused_parameters && is_alias(index)) params[index].mutable_grad() = params[index].grad().clone();
       if (shards) {
+        if (!bucket.buffer.defined())
+          bucket.buffer = at::empty({bucket.numel}, params[index].options());
         shards->pack(index, at::zeros({params[index].numel()}, bucket.buffer.options()),
                      bucket.layout.offsets[slot], bucket.buffer, 1.0);
       } else {
@@ -356,15 +392,25 @@ void Reducer::State::finalize() {
   }
   in_backward = false;
   for (auto& bucket : buckets) {
+    if (shards) {
+      settle(bucket);
+      continue;
+    }
     bucket.work.wait();
     bucket.slice.end();
   }
+  traveling.clear();
   if (noise) {
     noise_work.wait();
     measure_noise(noise_sum);
   }
   if (used.defined()) group.all_reduce(used, {comm::ReduceOp::kMax});
-  if (shards) give_slices_gradients(used);
+  if (shards) {
+    give_slices_gradients(used);
+    // The reduce-scatters' results: at stage 1 copied into the full gradients; at 2 and 3 what
+    // the slices' .grad do not hold goes.
+    for (auto& bucket : buckets) bucket.result = at::Tensor();
+  }
   for (size_t index = 0; index < params.size() && !shards; ++index) {
     if (used.defined() && used.data_ptr<float>()[index] == 0.0f) continue;
     if (is_alias(index)) continue;
@@ -389,25 +435,10 @@ void Reducer::State::finalize() {
 }
 
 void Reducer::State::give_slices_gradients(const at::Tensor& used) {
-  at::NoGradGuard no_grad;
   for (auto& bucket : buckets) {
-    const at::Tensor& mine = bucket.work.result();
-    const int64_t base = bucket.layout.offsets.empty() ? 0 : bucket.layout.offsets[0][group.rank()];
-    for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
-      const size_t index = bucket.params[slot];
-      if (used.defined() && used.data_ptr<float>()[index] == 0.0f) continue;
-      const at::Tensor& slice = shards->slice(index);
-      const int64_t offset = bucket.layout.offsets[slot][group.rank()] - base;
-      at::Tensor& grad = const_cast<at::Tensor&>(slice).mutable_grad();
-      if (grad.defined()) {
-        grad.add_(mine.narrow(0, offset, slice.numel()));
-      } else {
-        // Over the result's memory with set_, not as an autograd view: Optimizer::zero_grad()
-        // detaches every .grad in place, which autograd refuses for views.
-        grad = at::empty({0}, mine.options());
-        grad.set_(mine.storage(), mine.storage_offset() + offset, {slice.numel()}, {1});
-      }
-    }
+    shards->give_gradients(bucket.params, bucket.layout, bucket.result, [&](size_t index) {
+      return used.defined() && used.data_ptr<float>()[index] == 0.0f;
+    });
   }
 }
 
@@ -423,7 +454,7 @@ void Reducer::State::measure_noise(const at::Tensor& sum) {
     double average_sqr = 0.0;
     if (shards) {
       // Each member holds its part of the average: the parts' squares, summed over the group.
-      for (const auto& bucket : buckets) average_sqr += squared_norm(bucket.work.result());
+      for (const auto& bucket : buckets) average_sqr += squared_norm(bucket.result);
       auto total = at::full({1}, average_sqr, at::kDouble);
       group.all_reduce(total, {comm::ReduceOp::kSum});
       average_sqr = total.item<double>();
@@ -508,8 +539,9 @@ Reducer::Reducer(std::vector<at::Tensor> parameters, comm::Group group, ReducerO
   state.ready.assign(n, false);
   std::map<at::ScalarType, int64_t> numel;
   for (const auto& p : state.params) numel[p.scalar_type()] += p.numel();
-  for (const auto& [dtype, count] : numel)
-    state.arenas[dtype] = state.group.empty_shared(count, dtype);
+  for (const auto& [dtype, count] : numel) {
+    if (!state.shards) state.arenas[dtype] = state.group.empty_shared(count, dtype);
+  }
   // Reverse registration order approximates the order in which backward produces gradients
   // until the first backward tells (rebuild()).
   std::vector<size_t> reverse(n);

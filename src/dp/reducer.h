@@ -59,8 +59,10 @@ struct ReducerOptions : BucketOptions {
   std::shared_ptr<Replication> replication;
   // DataParallel's ZeRO stages (src/dp/shards.h): each bucket is cut by member (Note [Buckets cut
   // by member]) and reduce-scattered, and each member's part of the average becomes its slices'
-  // .grad (added to a .grad a slice has, as autograd accumulates). The parameters' own .grad is
-  // zeroed (stage 1) or released (stage 2) once copied into its bucket, outside no_sync.
+  // .grad (added to a .grad a slice has, as autograd accumulates). At stage 1 the parameters keep
+  // their full .grad, zeroed once copied into its bucket (outside no_sync), and each slice's .grad
+  // is its part of it, given the average; at stages 2 and 3 the full .grad is released once
+  // copied, and the slices' .grad are parts of the reduce-scatters' results.
   // Needs during_backward and no hook; gradient_as_bucket_view does not apply.
   std::shared_ptr<Shards> shards;
 };

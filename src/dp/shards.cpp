@@ -72,6 +72,40 @@ void Shards::pack(size_t k, const at::Tensor& gradient, const std::vector<int64_
   }
 }
 
+void Shards::give_gradients(const std::vector<size_t>& bucket, const Layout& layout,
+                            const at::Tensor& mine, const std::function<bool(size_t)>& skip) {
+  at::NoGradGuard no_grad;
+  const int64_t base = layout.offsets.empty() ? 0 : layout.offsets[0][rank_];
+  for (size_t slot = 0; slot < bucket.size(); ++slot) {
+    const size_t k = bucket[slot];
+    if (skip(k)) continue;
+    at::Tensor& grad = slices_[k].mutable_grad();
+    const int64_t offset = layout.offsets[slot][rank_] - base, length = slices_[k].numel();
+    const at::Tensor part = mine.narrow(0, offset, length);
+    // A .grad over memory made with set_, not an autograd view: Optimizer::zero_grad() detaches
+    // every .grad in place, which autograd refuses for views.
+    const auto alias = [&](const at::Tensor& memory, int64_t at) {
+      grad = at::empty({0}, memory.options());
+      grad.set_(memory.storage(), memory.storage_offset() + at, {length}, {1});
+    };
+    if (stage_ == 1) {
+      // Stage 1 keeps the full gradient: the slice's .grad is its part of the parameter's, which
+      // held what accumulated before this backward (summed into the average).
+      at::Tensor& full = params_[k].mutable_grad();
+      if (!full.defined()) full = at::zeros_like(params_[k]);
+      if (!grad.defined() ||
+          grad.data_ptr() != full.view(-1).narrow(0, start(k, rank_), length).data_ptr()) {
+        alias(full, start(k, rank_));
+      }
+      grad.copy_(part);
+    } else if (grad.defined()) {
+      grad.add_(part);
+    } else {
+      alias(mine, offset);
+    }
+  }
+}
+
 void Shards::gather(comm::Group& group, int64_t bucket_bytes) {
   SHOAL_CHECK(group.size() == size_)
       << "shards for " << size_ << " members gathered over " << group.size();

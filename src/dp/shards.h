@@ -25,6 +25,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -60,6 +61,12 @@ class Shards {
   // `offsets` (a Layout's offsets[j]) says, each scaled by `scale` when it is not 1.
   void pack(size_t k, const at::Tensor& gradient, const std::vector<int64_t>& offsets,
             at::Tensor& buffer, double scale) const;
+
+  // After a bucket's reduce-scatter (ReducerOptions::shards): `mine`, this member's segment of
+  // the average of the parameters `bucket` (laid out by `layout`), into each slice's .grad, but
+  // for the parameters `skip` names (no gradient anywhere: their .grad stays as it is).
+  void give_gradients(const std::vector<size_t>& bucket, const Layout& layout,
+                      const at::Tensor& mine, const std::function<bool(size_t)>& skip);
 
   // After the optimizer's step at stages 1 and 2: every member's slices into every member's
   // parameters, in all-gathers of about `bucket_bytes`, two in flight. A collective.
