@@ -165,7 +165,9 @@ void train_and_compare(const Case& c, std::optional<shoal::comm::Group> group = 
     if (c.stage == 3) {
       // Stage 3 holds no parameter's memory between steps.
       for (const auto& p : net->parameters()) {
-        if (p.requires_grad()) EXPECT_EQ(p.storage().nbytes(), 0u) << describe(c);
+        if (p.requires_grad()) {
+          EXPECT_EQ(p.storage().nbytes(), 0u) << describe(c);
+        }
       }
     }
     if (c.clip > 0) model.clip_grad_norm(c.clip);
@@ -198,6 +200,14 @@ void every_case(std::optional<shoal::comm::Group> group = std::nullopt) {
   train_and_compare({3, Optim::kAdam, 0.5, true}, group);
   train_and_compare({3, Optim::kSgd, 0.0, false, 1 << 20}, group);  // one unit: the whole model
   train_and_compare({1, Optim::kSgd, 0.0, true}, group);
+}
+
+// Stage 3 with a unit per module: gathered and freed many times a step.
+shoal::DataParallelOptions stage3_by_module() {
+  shoal::DataParallelOptions options;
+  options.zero_stage = 3;
+  options.unit_bytes = 1;
+  return options;
 }
 
 // ----- Checkpoints (Note [Saving a sharded model], src/dp/data_parallel.cpp) -----
@@ -259,10 +269,7 @@ TEST(Zero, CheckpointsCrossStagesAndWorkerCounts) {
   run_workers(4, [path] {
     torch::manual_seed(100);
     Net net(false);
-    shoal::DataParallelOptions options;
-    options.zero_stage = 3;
-    options.unit_bytes = 1;
-    shoal::DataParallel model(net, options);
+    shoal::DataParallel model(net, stage3_by_module());
     torch::optim::Adam opt(model.parameters(), torch::optim::AdamOptions(0.01).eps(1e-4));
     train([&](torch::Tensor x) { return model(x); }, opt, 0, kSaved, 4, shoal::rank());
     shoal::save(path, *net, opt);
@@ -299,13 +306,18 @@ TEST(Zero, CheckpointsCrossStagesAndWorkerCounts) {
   };
   run_workers(2, [&] { check_load(1); });
   run_workers(3, [&] { check_load(3); });
+  // In one process with no launcher: a plain model and optimizer.
+  shoal::testing::WorkersOptions alone;
+  alone.launcher = shoal::testing::Launcher::kNone;
   run_workers(
       1,
       [path] {
         Net net(false);
         torch::optim::Adam opt(unique(net->parameters()),
                                torch::optim::AdamOptions(0.01).eps(1e-4));
-        shoal::load(path, *net, opt, {.group = shoal::comm::Group::single()});
+        shoal::LoadOptions single;
+        single.group = shoal::comm::Group::single();
+        shoal::load(path, *net, opt, single);
         auto [saved, saved_opt] = reference(kSaved);
         EXPECT_LT(relative_difference(unique(net->parameters()), unique(saved->parameters())),
                   1e-5);
@@ -317,7 +329,7 @@ TEST(Zero, CheckpointsCrossStagesAndWorkerCounts) {
         EXPECT_LT(relative_difference(unique(net->parameters()), unique(trained->parameters())),
                   1e-5);
       },
-      {.launcher = shoal::testing::Launcher::kNone});
+      alone);
 }
 
 // ----- Peak memory per worker, from the allocator, against the formula (docs/memory.md) -----
@@ -502,6 +514,29 @@ TEST(Zero, GradientNoiseEqualsTheReplicatedMeasure) {
     EXPECT_NEAR(measured[1].gradient_sqr, measured[0].gradient_sqr,
                 1e-6 * measured[0].gradient_sqr);
     EXPECT_NEAR(measured[1].variance, measured[0].variance, 1e-6 * std::abs(measured[0].variance));
+  });
+}
+
+// At stage 3 the module's own forward, called directly on the thread that wrapped it (an
+// evaluation that skips the wrapper), gathers what it reads too, and so does any operation that
+// reads a parameter; the parameters hold no memory again after the next backward.
+TEST(Zero, Stage3GathersForTheModuleCalledDirectly) {
+  run_workers(2, [] {
+    torch::manual_seed(100);
+    Net reference(false);
+    torch::manual_seed(100);
+    Net net(false);
+    shoal::DataParallel model(net, stage3_by_module());
+    for (const auto& p : net->parameters()) {
+      if (p.requires_grad()) {
+        EXPECT_EQ(p.storage().nbytes(), 0u);
+      }
+    }
+    torch::manual_seed(9);
+    auto x = torch::randn({5, kIn});
+    torch::NoGradGuard no_grad;
+    EXPECT_TRUE(torch::allclose(net->forward(x), reference->forward(x)));
+    EXPECT_TRUE(torch::equal(net->fc2->bias.clone(), reference->fc2->bias));
   });
 }
 

@@ -236,6 +236,7 @@ void Replicator::bind(comm::Group group, bool synchronize) {
     if (options_.zero_stage == 3) {
       gatherer_ = std::make_shared<Gatherer>(
           shards_, group_, units(*module_, *shards_, options_.unit_bytes), options_.max_units);
+      gatherer_->observe_this_thread();
     }
     mark_pieces();
   }

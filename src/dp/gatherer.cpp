@@ -136,7 +136,7 @@ Gatherer::~Gatherer() {
   }
 }
 
-void Gatherer::begin_forward() {
+void Gatherer::observe_this_thread() {
   if (!observer_registered) {
     at::addThreadLocalCallback(at::RecordFunctionCallback(observe).needsInputs(true));
     observer_registered = true;
@@ -144,6 +144,10 @@ void Gatherer::begin_forward() {
   bool known = false;
   for (const auto& weak : observers) known = known || weak.lock().get() == this;
   if (!known) observers.push_back(weak_from_this());
+}
+
+void Gatherer::begin_forward() {
+  observe_this_thread();
   if (!needed_.empty()) plan_ = std::exchange(needed_, {});
   next_ = 0;
 }

@@ -54,8 +54,12 @@ class Gatherer : public std::enable_shared_from_this<Gatherer> {
   Gatherer(const Gatherer&) = delete;
   Gatherer& operator=(const Gatherer&) = delete;
 
-  // At the wrapper's forward: observes the calling thread too (once per thread), and starts
-  // following the plan from its beginning.
+  // Observes the calling thread's operations from now on (once per thread). The Replicator
+  // calls it on the thread that wraps the model, so that the module's own forward, called there
+  // directly, gathers too.
+  void observe_this_thread();
+  // At the wrapper's forward: observes the calling thread too, and starts following the plan
+  // from its beginning.
   void begin_forward();
   // At the end of a synchronized backward: every unit freed.
   void release_all();
