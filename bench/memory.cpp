@@ -8,9 +8,9 @@
 //
 // Memory: each contender alone (built, one untimed step, then --block steps), the peak of the bytes
 // every tensor holds, from a CPU allocator that counts them (as tests/zero_test.cpp's), the main
-// worker's, beside the formula's bytes per parameter (float32 Adam: 16, 8 + 8/N, 4 + 12/N, 16/N).
-// On shared memory stage 0's buckets lie in a segment the allocator does not see: measure memory
-// with SHOAL_COMM=tcp.
+// worker's (tests/counting_allocator.h), beside the formula's bytes per parameter (float32 Adam:
+// 16, 8 + 8/N, 4 + 12/N, 16/N). On shared memory stage 0's buckets lie in a segment the allocator
+// does not see: measure memory with SHOAL_COMM=tcp.
 // Throughput: all contenders alive together, taking turns in blocks of --block steps, the order
 // rotating from cycle to cycle, each block between two barriers; --steps steps each. One line per
 // contender:
@@ -32,63 +32,12 @@
 #include <torch/torch.h>
 #include <CLI/CLI.hpp>
 
+#include "../tests/counting_allocator.h"
 #include "shoal/shoal.h"
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-// The CPU allocator, counting the bytes every tensor holds and their peak. Its DataPtr's context
-// is the data itself (as raw_allocate, which some of LibTorch uses, requires), and a table keeps
-// what the base allocator gave.
-class CountingAllocator final : public c10::Allocator {
- public:
-  explicit CountingAllocator(c10::Allocator* base) : base_(base) { self_ = this; }
-  c10::DataPtr allocate(size_t bytes) const override {
-    c10::DataPtr inner = base_->allocate(bytes);
-    void* data = inner.get();
-    const c10::Device device = inner.device();
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      held_[data] = {std::move(inner), bytes};
-      in_use_ += static_cast<int64_t>(bytes);
-      peak_ = std::max(peak_, in_use_);
-    }
-    return {data, data, &release, device};
-  }
-  c10::DeleterFnPtr raw_deleter() const override { return &release; }
-  int64_t peak() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return peak_;
-  }
-  void reset_peak() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    peak_ = in_use_;
-  }
-
- private:
-  struct Held {
-    c10::DataPtr inner;
-    size_t bytes = 0;
-  };
-  static void release(void* data) {
-    if (data == nullptr) return;
-    Held gone;
-    {
-      std::lock_guard<std::mutex> lock(self_->mutex_);
-      auto found = self_->held_.find(data);
-      if (found == self_->held_.end()) return;
-      gone = std::move(found->second);
-      self_->held_.erase(found);
-      self_->in_use_ -= static_cast<int64_t>(gone.bytes);
-    }
-  }
-  static inline const CountingAllocator* self_ = nullptr;
-  c10::Allocator* base_;
-  mutable std::mutex mutex_;
-  mutable std::unordered_map<void*, Held> held_;
-  mutable int64_t in_use_ = 0, peak_ = 0;
-};
 
 struct Shape {
   int64_t width, layers, seq, vocab;
@@ -217,7 +166,7 @@ int main(int argc, char** argv) {
 
   const auto bucket_bytes = static_cast<int64_t>(bucket_mb * 1024 * 1024);
   const auto unit_bytes = static_cast<int64_t>(unit_mb * 1024 * 1024);
-  static CountingAllocator counting(c10::GetDefaultCPUAllocator());
+  static shoal::testing::CountingAllocator counting(c10::GetDefaultCPUAllocator());
   c10::SetCPUAllocator(&counting, /*priority=*/100);
   at::set_num_threads(1);
   shoal::init();

@@ -3,7 +3,6 @@
 // that no worker count divides, a scalar, a weight tied under two names, a frozen parameter and
 // batch-norm buffers; each worker starts from a different random model (DataParallel broadcasts
 // the first worker's) and trains on its shard with the optimizer built on model.parameters().
-#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
@@ -14,10 +13,10 @@
 #include <string>
 #include <vector>
 
-#include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "counting_allocator.h"
 #include "harness.h"
 #include "shoal/shoal.h"
 
@@ -49,6 +48,16 @@ struct NetImpl : torch::nn::Module {
   torch::Tensor tied, scale, frozen;
 };
 TORCH_MODULE(Net);
+
+// The whole world again, over Gloo's TCP path (not shared memory).
+shoal::comm::Group tcp_group() {
+  std::vector<int> everyone(shoal::world_size());
+  std::iota(everyone.begin(), everyone.end(), 0);
+  setenv("SHOAL_COMM", "tcp", 1);
+  auto tcp = shoal::world().subgroup(everyone);
+  unsetenv("SHOAL_COMM");
+  return tcp;
+}
 
 enum class Optim { kSgd, kAdam };
 
@@ -334,38 +343,6 @@ TEST(Zero, CheckpointsCrossStagesAndWorkerCounts) {
 
 // ----- Peak memory per worker, from the allocator, against the formula (docs/memory.md) -----
 
-// The CPU allocator, counting: the bytes of every tensor alive, and their peak.
-class CountingAllocator final : public c10::Allocator {
- public:
-  explicit CountingAllocator(c10::Allocator* base) : base_(base) {}
-  c10::DataPtr allocate(size_t bytes) const override {
-    auto* held = new Held{base_->allocate(bytes), bytes, this};
-    const int64_t now = in_use_ += static_cast<int64_t>(bytes);
-    int64_t peak = peak_.load();
-    while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
-    }
-    return {held->inner.get(), held, &release, held->inner.device()};
-  }
-  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
-  int64_t in_use() const { return in_use_.load(); }
-  int64_t peak() const { return peak_.load(); }
-  void reset_peak() const { peak_.store(in_use_.load()); }
-
- private:
-  struct Held {
-    c10::DataPtr inner;
-    size_t bytes;
-    const CountingAllocator* owner;
-  };
-  static void release(void* context) {
-    auto* held = static_cast<Held*>(context);
-    held->owner->in_use_ -= static_cast<int64_t>(held->bytes);
-    delete held;
-  }
-  c10::Allocator* base_;
-  mutable std::atomic<int64_t> in_use_{0}, peak_{0};
-};
-
 struct WideImpl : torch::nn::Module {
   WideImpl() {
     for (int i = 0; i < 16; ++i)
@@ -385,17 +362,13 @@ TORCH_MODULE(Wide);
 // is bounded by the bucket and unit sizes, not by the model's.
 TEST(Zero, PeakMemoryPerWorkerFollowsTheFormula) {
   run_workers(4, [] {
-    static CountingAllocator counting(c10::GetDefaultCPUAllocator());
+    static shoal::testing::CountingAllocator counting(c10::GetDefaultCPUAllocator());
     c10::SetCPUAllocator(&counting, /*priority=*/100);
     const double n = shoal::world_size();
     const double formula[] = {16, 8 + 8 / n, 4 + 12 / n, 16 / n};
     const int64_t moving_cap = 256 * 1024;  // bucket_bytes and unit_bytes
     // Over TCP: on shared memory stage 0's buckets lie in a segment the allocator does not see.
-    std::vector<int> everyone(shoal::world_size());
-    std::iota(everyone.begin(), everyone.end(), 0);
-    setenv("SHOAL_COMM", "tcp", 1);
-    auto tcp = shoal::world().subgroup(everyone);
-    unsetenv("SHOAL_COMM");
+    auto tcp = tcp_group();
     for (int stage : {0, 1, 2, 3}) {
       torch::manual_seed(1);
       Wide net;
@@ -442,11 +415,7 @@ TEST_P(Zero, EveryStageEqualsOneProcess) {
 // Over Gloo's TCP path, where gradients are scaled by 1/n on their way into the bucket.
 TEST(Zero, EveryStageEqualsOneProcessOverTcp) {
   run_workers(3, [] {
-    std::vector<int> everyone(shoal::world_size());
-    std::iota(everyone.begin(), everyone.end(), 0);
-    setenv("SHOAL_COMM", "tcp", 1);
-    auto tcp = shoal::world().subgroup(everyone);
-    unsetenv("SHOAL_COMM");
+    auto tcp = tcp_group();
     every_case(tcp);
   });
 }

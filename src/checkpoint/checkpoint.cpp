@@ -161,31 +161,6 @@ comm::Group checkpoint_group(const std::optional<comm::Group>& group, const std:
 
 namespace {
 
-// An optimizer stepping a part of a module's parameter (a tensor over the parameter's memory
-// that is not the parameter: a sharded data-parallel worker's slice) would be saved as that
-// part's state only, which no load could tell from the whole's. Refused before anything is
-// written, on every worker alike (each checks its own optimizer, and all build theirs alike).
-void refuse_parts_of_parameters(const torch::nn::Module& module,
-                                const torch::optim::Optimizer* optimizer) {
-  if (optimizer == nullptr) return;
-  for (const auto& item : module.named_parameters()) {
-    const at::Tensor& whole = item.value();
-    for (const auto& group : optimizer->param_groups()) {
-      for (const auto& p : group.params()) {
-        if (p.is_same(whole) || !p.has_storage() || !whole.has_storage() ||
-            !p.storage().is_alias_of(whole.storage())) {
-          continue;
-        }
-        throw UsageError(
-            "shoal::save: the optimizer steps a part of parameter '" + item.key() + "' (" +
-            std::to_string(p.numel()) + " of its " + std::to_string(whole.numel()) +
-            " elements), whose state alone cannot be saved; expected an optimizer of the module's "
-            "whole parameters");
-      }
-    }
-  }
-}
-
 // A model some of whose parameters are pieces of whole values (a global model's layers, wherever
 // they sit) is saved whole (whole.h); any other is saved as the module holds it.
 void save_checkpoint(const std::string& path, const torch::nn::Module& module, const torch::optim::Optimizer* optimizer,
@@ -198,7 +173,6 @@ void save_checkpoint(const std::string& path, const torch::nn::Module& module, c
     checkpoint::save_whole(path, module, const_cast<torch::optim::Optimizer*>(optimizer), state, options);
     return;
   }
-  refuse_parts_of_parameters(module, optimizer);
   comm::Group group = checkpoint::checkpoint_group(options.group, path, "shoal::save");
   checkpoint::save_payload(
       path, group, [&] { return checkpoint::serialize_contents(module, optimizer, state, options.extras); },

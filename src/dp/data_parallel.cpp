@@ -6,9 +6,9 @@
 
 #include <ATen/core/grad_mode.h>
 
-#include "dp/replicator.h"
-
 #include <torch/csrc/autograd/variable.h>
+
+#include "dp/replicator.h"
 #include "runtime/world.h"
 #include "shoal/core/error.h"
 #include "shoal/runtime/init.h"
@@ -107,23 +107,20 @@ std::string first_difference(const std::vector<std::string>& descriptions, const
 // stay in one unit.
 std::vector<std::vector<size_t>> units(const torch::nn::Module& module, const Shards& shards,
                                        int64_t unit_bytes) {
-  std::map<const void*, size_t> index_of;
-  for (size_t k = 0; k < shards.params().size(); ++k)
-    index_of[shards.params()[k].unsafeGetTensorImpl()] = k;
   std::vector<std::vector<size_t>> units;
   std::set<size_t> placed;
   int64_t bytes = unit_bytes;  // full: the first module opens a unit
   for (const auto& child : module.modules()) {
     bool opened = false;
     for (const auto& p : child->parameters(/*recurse=*/false)) {
-      const auto found = index_of.find(p.unsafeGetTensorImpl());
-      if (found == index_of.end() || !placed.insert(found->second).second) continue;
+      const auto k = shards.index_of(p);
+      if (!k || !placed.insert(*k).second) continue;
       if (!opened && bytes >= unit_bytes) {
         units.emplace_back();
         bytes = 0;
       }
       opened = true;
-      units.back().push_back(found->second);
+      units.back().push_back(*k);
       bytes += p.numel() * static_cast<int64_t>(p.element_size());
     }
   }
@@ -255,31 +252,27 @@ void Replicator::bind(comm::Group group, bool synchronize) {
   if (buffers || shards_) {
     reducer_->set_after_backward([this, buffers] {
       if (buffers) broadcast_buffers();
-      if (gatherer_) {
-        // The optimizer's step is about to change the slices.
-        gatherer_->release_all();
-        gatherer_->rethrow();
-      } else {
-        gather_pending_ = shards_ != nullptr;
-      }
+      if (shards_) slices_changed();  // the optimizer's step is about to change them
+      if (gatherer_) gatherer_->rethrow();
     });
+  }
+}
+
+void Replicator::slices_changed() {
+  if (gatherer_) {
+    gatherer_->release_all();
+  } else {
+    gather_pending_ = true;
   }
 }
 
 torch::OrderedDict<std::string, at::Tensor> Replicator::named_parameters() const {
   torch::OrderedDict<std::string, at::Tensor> named;
-  std::map<const void*, size_t> index_of;  // trainable parameter -> its slice's index
-  if (shards_) {
-    for (size_t k = 0; k < shards_->params().size(); ++k)
-      index_of[shards_->params()[k].unsafeGetTensorImpl()] = k;
-  }
   std::set<const void*> seen;
   for (const auto& item : module_->named_parameters()) {
-    const void* impl = item.value().unsafeGetTensorImpl();
-    if (!seen.insert(impl).second) continue;
-    const auto found = index_of.find(impl);
-    named.insert(item.key(),
-                 found == index_of.end() ? item.value() : shards_->slice(found->second));
+    if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;
+    const auto k = shards_ ? shards_->index_of(item.value()) : std::nullopt;
+    named.insert(item.key(), k ? shards_->slice(*k) : item.value());
   }
   return named;
 }
@@ -339,14 +332,11 @@ void Replicator::before_forward(const at::Tensor* input) {
 // every worker. After a load the slices hold the file's values: at stages 1 and 2 the parameters
 // are gathered before the next forward; at stage 3 every unit is released, to be gathered anew.
 void Replicator::mark_pieces() {
-  std::map<const void*, size_t> index_of;
-  for (size_t k = 0; k < shards_->params().size(); ++k)
-    index_of[shards_->params()[k].unsafeGetTensorImpl()] = k;
   const std::weak_ptr<int> alive = alive_;
   for (const auto& p : unique_parameters(*module_)) {
-    const auto found = index_of.find(p.unsafeGetTensorImpl());
-    const bool sliced = found != index_of.end();
-    const size_t k = sliced ? found->second : 0;
+    const auto index = shards_->index_of(p);
+    const bool sliced = index.has_value();
+    const size_t k = index.value_or(0);
     // Weakly: the marker lives on the parameter itself.
     c10::weak_intrusive_ptr<at::TensorImpl, c10::UndefinedTensorImpl> weak(p.getIntrusivePtr());
     auto describe = [this, alive, weak, sliced, k]() {
@@ -398,12 +388,7 @@ checkpoint::Piece Replicator::piece_of(const at::Tensor& parameter, bool sliced,
   };
   const std::weak_ptr<int> alive = alive_;
   piece.loaded = [this, alive] {
-    if (alive.expired()) return;
-    if (gatherer_) {
-      gatherer_->release_all();
-    } else {
-      gather_pending_ = true;
-    }
+    if (!alive.expired()) slices_changed();
   };
   return piece;
 }

@@ -173,21 +173,10 @@ bool Gatherer::make_room() {
 
 void Gatherer::launch(size_t u) {
   Unit& unit = units_[u];
-  const int rank = shards_->rank();
-  ++gathers_;
   unit.status = Status::kInFlight;
-  if (broken_) return;  // finish() gives zeros
-  const int64_t base = unit.layout.offsets.empty() ? 0 : unit.layout.offsets[0][rank];
-  auto mine = at::empty({unit.layout.segments[rank]},
-                        shards_->slice(unit.params.front()).options().requires_grad(false));
-  for (size_t j = 0; j < unit.params.size(); ++j) {
-    const at::Tensor& slice = shards_->slice(unit.params[j]);
-    if (slice.numel() > 0)
-      mine.narrow(0, unit.layout.offsets[j][rank] - base, slice.numel()).copy_(slice);
-  }
-  comm::AllGatherOptions options;
-  options.sizes = unit.layout.segments;
-  unit.work = group_.all_gather_async(mine, options);
+  if (!broken_)
+    unit.work =
+        shards_->start_gather(group_, unit.params, unit.layout);  // else finish() gives zeros
 }
 
 void Gatherer::finish(size_t u) {
@@ -201,18 +190,9 @@ void Gatherer::finish(size_t u) {
     return;
   }
   unit.work.wait();
-  const at::Tensor& all = unit.work.result();
-  for (size_t j = 0; j < unit.params.size(); ++j) {
-    const size_t k = unit.params[j];
-    auto flat = flat_memory(params[k]);
-    for (int r = 0; r < shards_->size(); ++r) {
-      const int64_t length = shards_->length(k, r);
-      if (length > 0) {
-        flat.narrow(0, shards_->start(k, r), length)
-            .copy_(all.narrow(0, unit.layout.offsets[j][r], length));
-      }
-    }
-  }
+  shards_->unpack(
+      unit.params, unit.layout, unit.work.result(),
+      [&params](size_t k) { return flat_memory(params[k]); }, /*skip_own=*/false);
   unit.work =
       comm::Work();  // the gathered buffer (a unit's worth) goes now, not at the next gather
 }

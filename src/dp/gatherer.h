@@ -73,10 +73,6 @@ class Gatherer : public std::enable_shared_from_this<Gatherer> {
   void on_operation(const std::vector<const void*>& storages);
   bool watches(const void* storage) const { return unit_of_.count(storage) != 0; }
 
-  // For tests and the benchmark: units gathered so far (each need of a unit not whole counts).
-  int64_t gathers() const { return gathers_; }
-  size_t units() const { return units_.size(); }
-
  private:
   enum class Status { kFreed, kInFlight, kWhole };
   struct Unit {
@@ -104,7 +100,6 @@ class Gatherer : public std::enable_shared_from_this<Gatherer> {
   int64_t clock_ = 0;                  // operations observed
   std::vector<size_t> plan_, needed_;  // the previous step's needs, and this step's
   size_t next_ = 0;                    // where this step stands in plan_
-  int64_t gathers_ = 0;
   std::exception_ptr error_;
   bool broken_ = false;  // an error was met: units are given zeros from now on
 };

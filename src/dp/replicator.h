@@ -57,6 +57,9 @@ class Replicator {
   // Under ZeRO, tells shoal::save and shoal::load each parameter's piece (checkpoint::PieceOf on
   // every parameter), as long as this Replicator lives.
   void mark_pieces();
+  // The slices have changed (an optimizer's step comes, or a load wrote them): the parameters are
+  // gathered anew before they are next read.
+  void slices_changed();
   checkpoint::Piece piece_of(const at::Tensor& parameter, bool sliced, size_t k);
   std::shared_ptr<int> alive_ = std::make_shared<int>(0);
   bool sync_ = true;

@@ -25,6 +25,7 @@ Shards::Shards(std::vector<at::Tensor> params, int rank, int size, int stage)
     for (int64_t length : comm::split_sizes(p.numel(), size))
       starts.push_back(starts.back() + length);
     starts_.push_back(std::move(starts));
+    index_of_[p.unsafeGetTensorImpl()] = slices_.size();
     const int64_t start = starts_.back()[rank];
     const int64_t length = starts_.back()[rank + 1] - start;
     // Note [A parameter's slice]: its own tensor, over the parameter's memory at stages 1 and 2,
@@ -106,9 +107,44 @@ void Shards::give_gradients(const std::vector<size_t>& bucket, const Layout& lay
   }
 }
 
+std::optional<size_t> Shards::index_of(const at::Tensor& parameter) const {
+  const auto found = index_of_.find(parameter.unsafeGetTensorImpl());
+  if (found == index_of_.end()) return std::nullopt;
+  return found->second;
+}
+
+comm::Work Shards::start_gather(comm::Group& group, const std::vector<size_t>& bucket,
+                                const Layout& layout) const {
+  const int64_t base = layout.offsets.empty() ? 0 : layout.offsets[0][rank_];
+  auto mine =
+      at::empty({layout.segments[rank_]}, slices_[bucket.front()].options().requires_grad(false));
+  for (size_t j = 0; j < bucket.size(); ++j) {
+    const at::Tensor& slice = slices_[bucket[j]];
+    if (slice.numel() > 0)
+      mine.narrow(0, layout.offsets[j][rank_] - base, slice.numel()).copy_(slice);
+  }
+  comm::AllGatherOptions options;
+  options.sizes = layout.segments;
+  return group.all_gather_async(mine, options);
+}
+
+void Shards::unpack(const std::vector<size_t>& bucket, const Layout& layout, const at::Tensor& all,
+                    const std::function<at::Tensor(size_t)>& flat, bool skip_own) const {
+  for (size_t j = 0; j < bucket.size(); ++j) {
+    const size_t k = bucket[j];
+    at::Tensor memory = flat(k);
+    for (int r = 0; r < size_; ++r) {
+      const int64_t length = this->length(k, r);
+      if (length == 0 || (skip_own && r == rank_)) continue;
+      memory.narrow(0, start(k, r), length).copy_(all.narrow(0, layout.offsets[j][r], length));
+    }
+  }
+}
+
 void Shards::gather(comm::Group& group, int64_t bucket_bytes) {
   SHOAL_CHECK(group.size() == size_)
       << "shards for " << size_ << " members gathered over " << group.size();
+  SHOAL_CHECK(stage_ < 3) << "stage 3 gathers by unit (src/dp/gatherer.h)";
   if (size_ == 1) return;  // the slices are the parameters
   // Consecutive parameters of one dtype, about bucket_bytes at a time, in registration order
   // (the order forward uses them).
@@ -131,20 +167,11 @@ void Shards::gather(comm::Group& group, int64_t bucket_bytes) {
   at::NoGradGuard no_grad;
   const auto launch = [&](const std::vector<size_t>& bucket) {
     InFlight flight{&bucket, layout(bucket), {}};
-    const int64_t base = flight.layout.offsets.empty() ? 0 : flight.layout.offsets[0][rank_];
-    auto mine = at::empty({flight.layout.segments[rank_]}, params_[bucket.front()].options());
-    for (size_t j = 0; j < bucket.size(); ++j) {
-      const int64_t length = this->length(bucket[j], rank_);
-      if (length > 0)
-        mine.narrow(0, flight.layout.offsets[j][rank_] - base, length).copy_(slices_[bucket[j]]);
-    }
-    comm::AllGatherOptions options;
-    options.sizes = flight.layout.segments;
-    flight.work = group.all_gather_async(mine, options);
+    flight.work = start_gather(group, bucket, flight.layout);
     return flight;
   };
   // Two in flight: the next bucket travels while this one is copied out, and the gathered
-  // buffers alive at once stay two buckets' worth.
+  // buffers alive at once stay two buckets' worth. This member's parts are in place already.
   std::deque<InFlight> flights;
   size_t next = 0;
   while (next < buckets.size() && flights.size() < 2) flights.push_back(launch(buckets[next++]));
@@ -153,17 +180,9 @@ void Shards::gather(comm::Group& group, int64_t bucket_bytes) {
     flights.pop_front();
     flight.work.wait();
     if (next < buckets.size()) flights.push_back(launch(buckets[next++]));
-    const at::Tensor& all = flight.work.result();
-    const auto& bucket = *flight.bucket;
-    for (size_t j = 0; j < bucket.size(); ++j) {
-      auto flat = params_[bucket[j]].view(-1);
-      for (int r = 0; r < size_; ++r) {
-        const int64_t length = this->length(bucket[j], r);
-        if (r == rank_ || length == 0) continue;
-        flat.narrow(0, start(bucket[j], r), length)
-            .copy_(all.narrow(0, flight.layout.offsets[j][r], length));
-      }
-    }
+    unpack(
+        *flight.bucket, flight.layout, flight.work.result(),
+        [this](size_t k) { return params_[k].view(-1); }, /*skip_own=*/true);
   }
 }
 

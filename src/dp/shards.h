@@ -26,6 +26,8 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
+#include <unordered_map>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -46,6 +48,8 @@ class Shards {
   // The optimizer's tensor for parameter k: this worker's slice.
   const at::Tensor& slice(size_t k) const { return slices_[k]; }
   const std::vector<at::Tensor>& slices() const { return slices_; }
+  // The index in params() of `parameter` (the same tensor), if it is one.
+  std::optional<size_t> index_of(const at::Tensor& parameter) const;
   int64_t start(size_t k, int member) const { return starts_[k][member]; }
   int64_t length(size_t k, int member) const { return starts_[k][member + 1] - starts_[k][member]; }
 
@@ -68,6 +72,15 @@ class Shards {
   void give_gradients(const std::vector<size_t>& bucket, const Layout& layout,
                       const at::Tensor& mine, const std::function<bool(size_t)>& skip);
 
+  // Starts the all-gather of the slices of `bucket` (laid out by `layout`): this member sends its
+  // segment. Its result, once waited for, is every member's segment in member order.
+  comm::Work start_gather(comm::Group& group, const std::vector<size_t>& bucket,
+                          const Layout& layout) const;
+  // Copies the parts in `all` (a finished start_gather's result) into each parameter's memory,
+  // `flat(k)` (one-dimensional), this member's own parts too unless `skip_own`.
+  void unpack(const std::vector<size_t>& bucket, const Layout& layout, const at::Tensor& all,
+              const std::function<at::Tensor(size_t)>& flat, bool skip_own) const;
+
   // After the optimizer's step at stages 1 and 2: every member's slices into every member's
   // parameters, in all-gathers of about `bucket_bytes`, two in flight. A collective.
   void gather(comm::Group& group, int64_t bucket_bytes);
@@ -81,6 +94,7 @@ class Shards {
   std::vector<at::Tensor> params_;
   std::vector<at::Tensor> slices_;
   std::vector<std::vector<int64_t>> starts_;  // [k][r], n + 1 entries
+  std::unordered_map<const void*, size_t> index_of_;  // a parameter's TensorImpl -> k
   int rank_;
   int size_;
   int stage_;
