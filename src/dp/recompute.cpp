@@ -72,26 +72,26 @@ struct RecomputeNode : torch::autograd::Function<RecomputeNode> {
     const auto held = ctx->saved_data["held"].toCapsule();
     const auto& fn = static_cast<const Held&>(*held).fn;
 
-    const at::Tensor now = rng_state();
-    set_rng_state(ctx->saved_data["rng"].toTensor());
-    const bool autocast_was = at::autocast::is_cpu_enabled();
-    const at::ScalarType dtype_was = at::autocast::get_autocast_cpu_dtype();
-    at::autocast::set_cpu_enabled(ctx->saved_data["autocast"].toBool());
-    at::autocast::set_autocast_cpu_dtype(
-        static_cast<at::ScalarType>(ctx->saved_data["autocast_dtype"].toInt()));
     std::vector<at::Tensor> outputs;
-    try {
+    {
+      // The forward's random and autocast state for the recomputation, this one's after it.
+      struct Replay {
+        at::Tensor rng = rng_state();
+        bool autocast = at::autocast::is_cpu_enabled();
+        at::ScalarType dtype = at::autocast::get_autocast_cpu_dtype();
+        ~Replay() {
+          set_rng_state(rng);
+          at::autocast::set_cpu_enabled(autocast);
+          at::autocast::set_autocast_cpu_dtype(dtype);
+        }
+      } restore;
+      set_rng_state(ctx->saved_data["rng"].toTensor());
+      at::autocast::set_cpu_enabled(ctx->saved_data["autocast"].toBool());
+      at::autocast::set_autocast_cpu_dtype(
+          static_cast<at::ScalarType>(ctx->saved_data["autocast_dtype"].toInt()));
       at::AutoGradMode grad(true);
       outputs = fn(inputs);
-    } catch (...) {
-      set_rng_state(now);
-      at::autocast::set_cpu_enabled(autocast_was);
-      at::autocast::set_autocast_cpu_dtype(dtype_was);
-      throw;
     }
-    set_rng_state(now);
-    at::autocast::set_cpu_enabled(autocast_was);
-    at::autocast::set_autocast_cpu_dtype(dtype_was);
     SHOAL_CHECK(outputs.size() == grad_outputs.size())
         << "recompute: the function gave " << outputs.size() << " outputs in backward, "
         << grad_outputs.size() << " in forward";
