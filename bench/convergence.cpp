@@ -8,6 +8,7 @@
 //       [--batch 64] [--lr 0.05] [--epochs 3] [--limit 12000] [--seed 0] [--eval-every 1500]
 //       [--test-size N] [--start-when FILE]
 //   convergence ...                                          # alone: the fixed run of one worker
+//   convergence ... --precision fp32|bf16|bf16-reduce|bf16-all|fp16-reduce  # mixed_precision
 //
 // --model gpt: the GPT of examples/global_gpt.cpp (2 blocks of 4 heads, width 64, 32 characters
 // of context, dropout 0.1), built of plain LibTorch modules, since an elastic job's model cannot
@@ -32,6 +33,10 @@
 // --start-when FILE makes the program load its data first and then wait for FILE to exist before
 // it joins the job (shoal::init()): bench/convergence.py starts the joining workers ahead, so
 // that their start-up does not delay the resize past the point it asks for.
+//
+// --precision sets DataParallelOptions::mixed_precision (bench/precision.sh compares them in
+// fixed runs): bf16 computes the forward in bfloat16, bf16-reduce sends gradients in bfloat16,
+// bf16-all does both, fp16-reduce sends them in float16 under shoal::GradScaler's loss scaling.
 //
 // --seed sets the initial parameters and the data order. Every worker prints
 // "train pid=P rank=R world=W step=S" when the training function (re)starts; the first worker
@@ -210,6 +215,7 @@ struct Settings {
   int epochs = 3;
   uint64_t seed = 0;
   int64_t eval_every = 1500;
+  std::string precision = "fp32";
 };
 
 // Trains `net` on `train` under the policy until scaled_steps() reaches the reference's T, then
@@ -219,7 +225,13 @@ void train(Net net, Dataset train_set, const torch::Tensor& test_inputs,
            const torch::Tensor& test_targets, const Settings& s, const MakeOptimizer& make) {
   shoal::DataParallelOptions dp_options;
   dp_options.measure_gradient_noise = s.policy == "adascale" || s.policy == "goodput";
+  if (s.precision == "bf16" || s.precision == "bf16-all")
+    dp_options.mixed_precision.compute = at::kBFloat16;
+  if (s.precision == "bf16-reduce" || s.precision == "bf16-all")
+    dp_options.mixed_precision.reduce = at::kBFloat16;
+  if (s.precision == "fp16-reduce") dp_options.mixed_precision.reduce = at::kHalf;
   shoal::DataParallel model(net, dp_options);
+  shoal::GradScaler scaler;  // --precision fp16-reduce
   const auto forward = [&](const torch::Tensor& x) { return net->forward(x); };
 
   shoal::data::LoaderOptions loader_options;
@@ -277,8 +289,14 @@ void train(Net net, Dataset train_set, const torch::Tensor& test_inputs,
         const torch::Tensor logits = model(b.data);
         const torch::Tensor loss = torch::nn::functional::cross_entropy(
             logits.reshape({-1, logits.size(-1)}), b.target.reshape({-1}));
-        loss.backward();
-        optimizer->step();
+        if (s.precision == "fp16-reduce") {
+          scaler.scale(loss).backward();
+          scaler.step(*optimizer);
+          scaler.update();
+        } else {
+          loss.backward();
+          optimizer->step();
+        }
         state.commit();
         if (shoal::is_main()) {
           std::printf("step %lld world %d samples %lld scaled %.2f lr %.5f gain %.3f loss %.4f",
@@ -323,6 +341,11 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--limit", limit, "training samples, the first N (default 12000)")
       ->check(CLI::PositiveNumber);
+  app.add_option(
+         "--precision", s.precision,
+         "fp32 (the default); bf16 (compute in bfloat16), bf16-reduce (gradients reduced in "
+         "bfloat16), bf16-all (both), fp16-reduce (gradients in float16, with loss scaling)")
+      ->check(CLI::IsMember({"fp32", "bf16", "bf16-reduce", "bf16-all", "fp16-reduce"}));
   app.add_option("--seed", s.seed, "initial parameters and data order (default 0)");
   app.add_option("--eval-every", s.eval_every, "samples between evaluations (default 1500)")
       ->check(CLI::PositiveNumber);

@@ -23,6 +23,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "compare.h"
 #include "error_of.h"
 #include "harness.h"
 #include "shoal/checkpoint/checkpoint.h"
@@ -339,12 +340,7 @@ shoal::data::LoaderOptions loader_options() {
 
 // Largest |a - b| over largest |b|, across all parameters.
 double relative_difference(Net& a, Net& b) {
-  double diff = 0, scale = 0;
-  for (size_t i = 0; i < a->parameters().size(); ++i) {
-    diff = std::max(diff, (a->parameters()[i] - b->parameters()[i]).abs().max().item<double>());
-    scale = std::max(scale, b->parameters()[i].abs().max().item<double>());
-  }
-  return diff / scale;
+  return shoal::testing::relative_difference(a->parameters(), b->parameters());
 }
 
 void train_step(Net& net, torch::optim::Optimizer& optimizer, const torch::data::Example<>& batch) {

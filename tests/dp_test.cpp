@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "compare.h"
 #include "dp/replication.h"
 #include "harness.h"
 #include "shoal/data/torch_sampler.h"
@@ -52,14 +53,7 @@ torch::Tensor loss_of(Mlp& net, const torch::Tensor& x, const torch::Tensor& y, 
 }
 
 // Largest |a - b| over largest |b|, across all parameters (or buffers).
-double relative_difference(const std::vector<torch::Tensor>& pa, const std::vector<torch::Tensor>& pb) {
-  double diff = 0, scale = 0;
-  for (size_t i = 0; i < pa.size(); ++i) {
-    diff = std::max(diff, (pa[i] - pb[i]).abs().max().item<double>());
-    scale = std::max(scale, pb[i].abs().max().item<double>());
-  }
-  return diff / scale;
-}
+using shoal::testing::relative_difference;
 
 double relative_difference(Mlp& a, Mlp& b) { return relative_difference(a->parameters(), b->parameters()); }
 

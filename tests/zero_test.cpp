@@ -16,6 +16,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "compare.h"
 #include "counting_allocator.h"
 #include "harness.h"
 #include "shoal/shoal.h"
@@ -81,15 +82,7 @@ std::vector<torch::Tensor> unique(const std::vector<torch::Tensor>& params) {
   return out;
 }
 
-double relative_difference(const std::vector<torch::Tensor>& a,
-                           const std::vector<torch::Tensor>& b) {
-  double diff = 0, scale = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    diff = std::max(diff, (a[i] - b[i]).abs().max().item<double>());
-    scale = std::max(scale, b[i].abs().max().item<double>());
-  }
-  return diff / scale;
-}
+using shoal::testing::relative_difference;
 
 struct Case {
   int stage;

@@ -15,6 +15,7 @@
 #include "shoal/data/loader.h"
 #include "shoal/data/torch_sampler.h"
 #include "shoal/dp/data_parallel.h"
+#include "shoal/dp/grad_scaler.h"
 #include "shoal/dp/recompute.h"
 #include "shoal/elastic/state.h"
 #include "shoal/global/nn.h"

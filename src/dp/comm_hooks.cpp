@@ -5,6 +5,7 @@
 #include <memory>
 #include <vector>
 
+#include "dp/compressed_scatter.h"
 #include "shoal/core/error.h"
 
 namespace shoal::dp {
@@ -37,7 +38,11 @@ comm::Sizes chunks_of(int64_t count, int64_t value_bytes) {
 // chunks come in, and sends each averaged chunk, rounded to 16 bits, to every member at once
 // (an all-gather's traffic). Together that is a ring all-reduce's traffic at 16 bits a value,
 // with the summing overlapped with the transfers, and every member ends with the same values.
+// Without `gather_back`, phase 1 alone: a reduce-scatter whose result is this member's averaged
+// part in the bucket's precision (ZeRO's buckets under mixed precision).
 struct Exchange {
+  bool gather_back = true;
+  at::Tensor result;  // without gather_back: this member's average, bucket's dtype
   comm::Group* group = nullptr;
   at::Tensor bucket;
   at::ScalarType wire;
@@ -79,6 +84,7 @@ struct Exchange {
         if (my_chunks[k] > 0) post(&copy_in[j][k], false, copies[j].narrow(0, at, my_chunks[k]), j, 0, static_cast<int>(k));
         at += my_chunks[k];
       }
+      if (!gather_back) continue;
       theirs[j] = at::empty({parts[j]}, compressed.options());
       at = 0;
       for (size_t k = 0; k < theirs_chunks.size(); ++k) {
@@ -106,8 +112,14 @@ struct Exchange {
         wait(copy_in[j][k]);
         sum.add_(copies[j].narrow(0, at, my_chunks[k]).to(bucket.scalar_type()));
       }
+      sum.div_(n);
+      if (!gather_back) {
+        result.narrow(0, at, my_chunks[k]).copy_(sum);
+        at += my_chunks[k];
+        continue;
+      }
       at::Tensor chunk = average.narrow(0, at, my_chunks[k]);
-      chunk.copy_(sum.div_(n));
+      chunk.copy_(sum);
       for (int j = 0; j < n; ++j) {
         if (j == me) continue;
         post(nullptr, true, chunk, j, 1, static_cast<int>(k));
@@ -116,45 +128,74 @@ struct Exchange {
       at += my_chunks[k];
     }
     for (size_t i = 0; i < works.size(); ++i) wait(i);
+    if (!gather_back) return;
     for (int j = 0; j < n; ++j) bucket.narrow(0, offsets[j], parts[j]).copy_(j == me ? average : theirs[j]);
   }
 };
+
+// Starts an exchange of `bucket` (n > 1, not empty), cut into `parts`, on the wire in `wire`.
+comm::Work start_exchange(std::shared_ptr<Exchange> exchange, comm::Group& group,
+                          const at::Tensor& bucket, comm::Sizes parts, at::ScalarType wire,
+                          int64_t call) {
+  Exchange& x = *exchange;
+  const int n = group.size();
+  x.group = &group;
+  x.bucket = bucket;
+  x.wire = wire;
+  x.call = call;
+  x.n = n;
+  x.me = group.rank();
+  x.parts = std::move(parts);
+  x.offsets.assign(n, 0);
+  for (int j = 1; j < n; ++j) x.offsets[j] = x.offsets[j - 1] + x.parts[j - 1];
+  at::Tensor compressed = bucket.to(wire);
+  x.my_chunks = chunks_of(x.parts[x.me], compressed.element_size());
+  x.copies = at::empty({n, x.parts[x.me]}, compressed.options());
+  if (x.gather_back) {
+    x.average = at::empty({x.parts[x.me]}, compressed.options());
+  } else {
+    x.result = at::empty({x.parts[x.me]}, bucket.options());
+  }
+  x.theirs.resize(n);
+  x.start(compressed);
+  // Never empty: with n > 1 and a non-empty bucket some part is not empty, and its member
+  // receives it from every other, who send it.
+  SHOAL_CHECK(!x.works.empty()) << "compressed average of " << bucket.numel()
+                                << " values posted nothing";
+  // The first operation posted (of phase 1, which needs nothing from finish() on any member)
+  // carries the exchange: its wait() runs the rest, and finish() does not wait for it again.
+  comm::Work carrier = x.works.front();
+  x.waited[0] = true;
+  carrier.then([exchange, compressed](const at::Tensor&) { exchange->finish(); });
+  return carrier;
+}
 
 CommHook compress_hook(at::ScalarType wire) {
   auto calls = std::make_shared<int64_t>(0);
   return [wire, calls](comm::Group& group, at::Tensor& bucket) {
     const int n = group.size();
     if (n == 1 || bucket.numel() == 0) return group.all_reduce_async(bucket, {comm::ReduceOp::kAvg});
-    auto exchange = std::make_shared<Exchange>();
-    Exchange& x = *exchange;
-    x.group = &group;
-    x.bucket = bucket;
-    x.wire = wire;
-    x.call = (*calls)++;
-    x.n = n;
-    x.me = group.rank();
-    x.parts = comm::split_sizes(bucket.numel(), n);
-    x.offsets.assign(n, 0);
-    for (int j = 1; j < n; ++j) x.offsets[j] = x.offsets[j - 1] + x.parts[j - 1];
-    at::Tensor compressed = bucket.to(wire);
-    x.my_chunks = chunks_of(x.parts[x.me], compressed.element_size());
-    x.copies = at::empty({n, x.parts[x.me]}, compressed.options());
-    x.average = at::empty({x.parts[x.me]}, compressed.options());
-    x.theirs.resize(n);
-    x.start(compressed);
-    // Never empty: with n > 1 and a non-empty bucket some part is not empty, and its member
-    // receives it from every other, who send it.
-    SHOAL_CHECK(!x.works.empty()) << "compressed average of " << bucket.numel() << " values posted nothing";
-    // The first operation posted (of phase 1, which needs nothing from finish() on any member)
-    // carries the exchange: its wait() runs the rest, and finish() does not wait for it again.
-    comm::Work carrier = x.works.front();
-    x.waited[0] = true;
-    carrier.then([exchange, compressed](const at::Tensor&) { exchange->finish(); });
-    return carrier;
+    return start_exchange(std::make_shared<Exchange>(), group, bucket,
+                          comm::split_sizes(bucket.numel(), n), wire, (*calls)++);
   };
 }
 
 }  // namespace
+
+CompressedScatter::CompressedScatter(at::ScalarType wire) : wire_(wire) {}
+
+CompressedScatter::Started CompressedScatter::start(comm::Group& group, const at::Tensor& bucket,
+                                                    const comm::Sizes& parts) {
+  if (group.size() == 1) {
+    comm::ReduceScatterOptions options;
+    options.sizes = parts;
+    return {group.reduce_scatter_async(bucket, options), nullptr};
+  }
+  auto exchange = std::make_shared<Exchange>();
+  exchange->gather_back = false;
+  comm::Work work = start_exchange(exchange, group, bucket, parts, wire_, calls_++);
+  return {std::move(work), std::shared_ptr<at::Tensor>(exchange, &exchange->result)};
+}
 
 CommHook allreduce_hook() {
   return [](comm::Group& group, at::Tensor& bucket) {

@@ -8,6 +8,7 @@
 
 #include <torch/csrc/autograd/variable.h>
 
+#include "dp/autocast.h"
 #include "dp/replicator.h"
 #include "runtime/world.h"
 #include "shoal/core/error.h"
@@ -127,6 +128,32 @@ std::vector<std::vector<size_t>> units(const torch::nn::Module& module, const Sh
   return units;
 }
 
+std::string dtype_name(at::ScalarType dtype) {
+  return c10::toString(dtype);
+}
+
+void check_precision(const DataParallelOptions& options) {
+  const MixedPrecision& policy = options.mixed_precision;
+  if (policy.compute == at::kHalf) {
+    throw UsageError(
+        "DataParallel: mixed_precision.compute is Half, and LibTorch's CPU autocast computes in "
+        "BFloat16 only; expected at::kBFloat16 or at::kFloat");
+  }
+  if (policy.compute != at::kFloat && policy.compute != at::kBFloat16) {
+    throw UsageError("DataParallel: mixed_precision.compute is " + dtype_name(policy.compute) +
+                     "; expected at::kBFloat16 or at::kFloat");
+  }
+  if (policy.reduce != at::kFloat && policy.reduce != at::kBFloat16 && policy.reduce != at::kHalf) {
+    throw UsageError("DataParallel: mixed_precision.reduce is " + dtype_name(policy.reduce) +
+                     "; expected at::kFloat, at::kBFloat16 or at::kHalf");
+  }
+  if (policy.reduce != at::kFloat && options.comm_hook) {
+    throw UsageError("DataParallel: mixed_precision.reduce is " + dtype_name(policy.reduce) +
+                     " and a comm_hook is given, which decides the dtype itself; expected one "
+                     "of the two");
+  }
+}
+
 std::vector<at::Tensor> unique_parameters(const torch::nn::Module& module) {
   std::vector<at::Tensor> unique;
   std::set<const void*> seen;
@@ -175,6 +202,7 @@ Replicator::Replicator(std::shared_ptr<torch::nn::Module> module, DataParallelOp
                      std::to_string(options_.zero_stage) +
                      " reduce-scatters them; expected zero_stage 0 with a hook");
   }
+  check_precision(options_);
   if (options_.batch_dim < 0) {
     throw UsageError("DataParallel: batch_dim must be 0 or more, got " + std::to_string(options_.batch_dim));
   }
@@ -243,6 +271,16 @@ void Replicator::bind(comm::Group group, bool synchronize) {
   reducer.find_unused_parameters = options_.find_unused_parameters;
   reducer.gradient_as_bucket_view = options_.gradient_as_bucket_view;
   reducer.hook = options_.comm_hook;
+  // Mixed precision: 16-bit parts summed in float32 (shoal/dp/comm_hooks.h), over a whole bucket
+  // or, under ZeRO, as its reduce-scatter.
+  const at::ScalarType wire = options_.mixed_precision.reduce;
+  if (wire != at::kFloat) {
+    if (shards_) {
+      reducer.wire = wire;
+    } else {
+      reducer.hook = wire == at::kHalf ? fp16_compress_hook() : bf16_compress_hook();
+    }
+  }
   reducer.weigh_by_batch_share = options_.weigh_by_batch_share;
   reducer.replication = replication_;
   reducer.shards = shards_;
@@ -395,6 +433,62 @@ checkpoint::Piece Replicator::piece_of(const at::Tensor& parameter, bool sliced,
 
 void Replicator::after_forward() {
   if (gatherer_) gatherer_->rethrow();
+}
+
+// Note [Copying a commit in the background] (src/dp/replication.h).
+int Replication::add_waiter(std::function<void()> wait) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  waiters_.emplace(++last_id_, std::move(wait));
+  return last_id_;
+}
+
+void Replication::remove_waiter(int id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  waiters_.erase(id);
+}
+
+void Replication::before_parameters_change() {
+  std::vector<std::function<void()>> waiters;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& [id, wait] : waiters_) waiters.push_back(wait);
+  }
+  for (auto& wait : waiters) wait();
+}
+
+ForwardScope::ForwardScope(Replicator& replicator, const at::Tensor* input)
+    : replicator_(replicator) {
+  replicator_.before_forward(input);
+  const at::ScalarType compute = replicator_.compute_dtype();
+  if (compute == at::kFloat) return;
+  const AutocastState before = enter_autocast({true, compute});
+  was_enabled_ = before.enabled;
+  was_dtype_ = before.dtype;
+  autocast_ = true;
+}
+
+ForwardScope::~ForwardScope() {
+  leave_autocast();
+}
+
+void ForwardScope::leave_autocast() {
+  if (!autocast_) return;
+  autocast_ = false;
+  dp::leave_autocast({was_enabled_, was_dtype_});
+}
+
+void ForwardScope::finish() {
+  leave_autocast();
+  replicator_.after_forward();
+}
+
+at::Tensor ForwardScope::finish(at::Tensor output) {
+  const bool computed_low = autocast_;
+  finish();
+  if (computed_low && output.defined() && output.is_floating_point() && output.element_size() < 4) {
+    return output.to(at::kFloat);
+  }
+  return output;
 }
 
 std::shared_ptr<Replicator> make_replicator(std::shared_ptr<torch::nn::Module> module, DataParallelOptions options) {

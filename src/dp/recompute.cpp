@@ -10,6 +10,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/custom_class.h>
 
+#include "dp/autocast.h"
 #include "shoal/core/error.h"
 
 namespace shoal {
@@ -77,18 +78,16 @@ struct RecomputeNode : torch::autograd::Function<RecomputeNode> {
       // The forward's random and autocast state for the recomputation, this one's after it.
       struct Replay {
         at::Tensor rng = rng_state();
-        bool autocast = at::autocast::is_cpu_enabled();
-        at::ScalarType dtype = at::autocast::get_autocast_cpu_dtype();
+        dp::AutocastState autocast;
         ~Replay() {
           set_rng_state(rng);
-          at::autocast::set_cpu_enabled(autocast);
-          at::autocast::set_autocast_cpu_dtype(dtype);
+          dp::leave_autocast(autocast);
         }
       } restore;
       set_rng_state(ctx->saved_data["rng"].toTensor());
-      at::autocast::set_cpu_enabled(ctx->saved_data["autocast"].toBool());
-      at::autocast::set_autocast_cpu_dtype(
-          static_cast<at::ScalarType>(ctx->saved_data["autocast_dtype"].toInt()));
+      restore.autocast = dp::enter_autocast(
+          {ctx->saved_data["autocast"].toBool(),
+           static_cast<at::ScalarType>(ctx->saved_data["autocast_dtype"].toInt())});
       at::AutoGradMode grad(true);
       outputs = fn(inputs);
     }

@@ -11,6 +11,7 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include "dp/compressed_scatter.h"
 #include "shoal/core/error.h"
 #include "shoal/core/timeline.h"
 
@@ -39,6 +40,7 @@ struct Reducer::State {
     Shards::Layout layout;       // with shards: Note [Buckets cut by member]
     int64_t numel = 0;
     at::Tensor result;  // with shards: this member's part of the average, once settled
+    std::shared_ptr<at::Tensor> compressed;  // where a CompressedScatter leaves it
     bool settled = true;
     timeline::AsyncSlice slice;  // from its all-reduce's start until finalize() has waited for it
   };
@@ -91,6 +93,7 @@ struct Reducer::State {
   NoiseMeter* noise = nullptr;
   // ZeRO (ReducerOptions::shards), else null.
   Shards* shards = nullptr;
+  std::optional<CompressedScatter> scatter;  // with ReducerOptions::wire
   // Note [Sharded buckets live only while they travel]
   // Under ZeRO a bucket's buffer is made when its first gradient arrives and dropped once its
   // reduce-scatter has returned, and at most two reduce-scatters travel at once (starting a third
@@ -143,7 +146,8 @@ struct Reducer::State {
     if (bucket.settled) return;
     bucket.work.wait();
     bucket.slice.end();
-    bucket.result = bucket.work.result();
+    bucket.result =
+        bucket.compressed ? *std::exchange(bucket.compressed, nullptr) : bucket.work.result();
     bucket.work = comm::Work();
     if (!noise || group.size() > 1) bucket.buffer = at::Tensor();  // one worker's noise reads it
     bucket.settled = true;
@@ -345,10 +349,16 @@ void Reducer::State::start(Bucket& bucket, const comm::AllReduceOptions* sum) {
     }
     bucket.settled = false;
     traveling.push_back(static_cast<size_t>(&bucket - buckets.data()));
-    comm::ReduceScatterOptions scatter;
-    scatter.op = op;
-    scatter.sizes = bucket.layout.segments;
-    bucket.work = group.reduce_scatter_async(bucket.buffer, scatter);
+    if (scatter) {
+      auto started = scatter->start(group, bucket.buffer, bucket.layout.segments);
+      bucket.work = std::move(started.work);
+      bucket.compressed = std::move(started.result);
+      return;
+    }
+    comm::ReduceScatterOptions options;
+    options.op = op;
+    options.sizes = bucket.layout.segments;
+    bucket.work = group.reduce_scatter_async(bucket.buffer, options);
     return;
   }
   bucket.work = options.hook ? options.hook(group, bucket.buffer)
@@ -525,9 +535,10 @@ Reducer::Reducer(std::vector<at::Tensor> parameters, comm::Group group, ReducerO
   State& state = *state_;
   state.params = std::move(parameters);
   state.group = std::move(group);
-  state.prescale = !options.hook && state.group.path() == "gloo";
+  state.prescale = !options.hook && options.wire == at::kFloat && state.group.path() == "gloo";
   state.options = std::move(options);
   state.shards = state.options.shards.get();
+  if (state.shards && state.options.wire != at::kFloat) state.scatter.emplace(state.options.wire);
   SHOAL_CHECK(!state.shards || (state.options.during_backward && !state.options.hook))
       << "a sharding reducer sums during backward, with no communication hook";
   if (state.options.replication && state.options.during_backward)
@@ -658,26 +669,6 @@ void Reducer::sum_gradients(const std::vector<at::Tensor>& since, Duration timeo
 void Reducer::set_sync(bool sync) { state_->sync = sync; }
 bool Reducer::sync() const { return state_->sync; }
 void Reducer::set_after_backward(std::function<void()> callback) { state_->after_backward = std::move(callback); }
-
-int Replication::add_waiter(std::function<void()> wait) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  waiters_.emplace(++last_id_, std::move(wait));
-  return last_id_;
-}
-
-void Replication::remove_waiter(int id) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  waiters_.erase(id);
-}
-
-void Replication::before_parameters_change() {
-  std::vector<std::function<void()>> waiters;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (auto& [id, wait] : waiters_) waiters.push_back(wait);
-  }
-  for (auto& wait : waiters) wait();
-}
 
 std::shared_ptr<Replication> replication_of(const at::Tensor& parameter) {
   const auto accumulator = torch::autograd::impl::try_get_grad_accumulator(parameter);

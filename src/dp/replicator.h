@@ -28,6 +28,8 @@ class Replicator {
   bool sync() const { return sync_; }
   void before_forward(const at::Tensor* input);
   void after_forward();
+  // What the forward computes in (DataParallelOptions::mixed_precision.compute).
+  at::ScalarType compute_dtype() const { return options_.mixed_precision.compute; }
   // Null in a job of one, where there is nothing to average (unless it measures the noise).
   const Reducer* reducer() const { return reducer_.get(); }
   const Replication& replication() const { return *replication_; }

@@ -48,6 +48,23 @@
 
 namespace shoal {
 
+// Mixed precision (docs/memory.md, "Mixed precision"): what DataParallel computes and reduces in,
+// the parameters and the optimizer's state staying in their own dtype (float32).
+struct MixedPrecision {
+  // at::kBFloat16: the module's forward runs under LibTorch's CPU autocast in bfloat16 (matrix
+  // products and convolutions in bfloat16, reductions and losses in float32, as autocast's op
+  // lists say), and a tensor the forward returns in a lower precision is given back in float32,
+  // so that the loss is computed as before. at::kFloat: off. LibTorch's CPU autocast computes in
+  // bfloat16 only; float16 is refused.
+  at::ScalarType compute = at::kFloat;
+  // The dtype gradients travel in: at::kFloat (their own), at::kBFloat16 (float32's range, 8
+  // bits of mantissa) or at::kHalf (float16: 11 bits, a range of 6e-5 to 65504, so small
+  // gradients need loss scaling, shoal::GradScaler). Each member's part is summed in float32;
+  // at zero_stage 0 the average comes back rounded to the wire's dtype (bf16_compress_hook and
+  // fp16_compress_hook), under ZeRO each slice's average stays float32.
+  at::ScalarType reduce = at::kFloat;
+};
+
 // bucket_bytes and first_bucket_bytes come from BucketOptions (shoal/dp/buckets.h), which
 // GradientSync takes too.
 struct DataParallelOptions : BucketOptions {
@@ -100,6 +117,8 @@ struct DataParallelOptions : BucketOptions {
   // and the next ones, gathered while it computes.
   int64_t unit_bytes = 1024 * 1024;
   int max_units = 2;
+  // Computing and reducing in 16 bits (above); the default computes and reduces in float32.
+  MixedPrecision mixed_precision{};
 };
 
 namespace dp {
@@ -110,10 +129,31 @@ class Replicator;
 std::shared_ptr<Replicator> make_replicator(std::shared_ptr<torch::nn::Module> module, DataParallelOptions options);
 void set_sync(Replicator& replicator, bool sync);
 bool sync(const Replicator& replicator);
-// Before the module's forward, with its first tensor argument (null when it has none).
+// Before the module's forward, with its first tensor argument (null when it has none), and after
+// it (raises what stage 3's gathers met during it): for a front end that calls the module itself
+// (Python's).
 void before_forward(Replicator& replicator, const at::Tensor* input);
-// After it: raises what stage 3's gathers met during it.
 void after_forward(Replicator& replicator);
+// One forward through DataParallel<M>: sees the batch (its first tensor argument, null when it
+// has none) and gathers what ZeRO needs on construction, computes under the mixed-precision
+// policy's autocast until destroyed, and on finish() raises what stage 3's gathers met and
+// gives a 16-bit output back in float32.
+class ForwardScope {
+ public:
+  ForwardScope(Replicator& replicator, const at::Tensor* input);
+  ~ForwardScope();
+  ForwardScope(const ForwardScope&) = delete;
+  ForwardScope& operator=(const ForwardScope&) = delete;
+  void finish();
+  at::Tensor finish(at::Tensor output);
+
+ private:
+  void leave_autocast();
+  Replicator& replicator_;
+  bool autocast_ = false;
+  bool was_enabled_ = false;
+  at::ScalarType was_dtype_ = at::kBFloat16;
+};
 std::vector<std::vector<size_t>> bucket_assignment(const Replicator& replicator);
 std::optional<GradientNoise> gradient_noise(const Replicator& replicator);
 torch::OrderedDict<std::string, at::Tensor> named_parameters(const Replicator& replicator);
@@ -186,14 +226,16 @@ class DataParallel {
   // share]).
   template <typename... Args>
   decltype(auto) forward(Args&&... args) {
-    dp::before_forward(*replicator_, dp::detail::first_tensor(args...));
+    dp::ForwardScope scope(*replicator_, dp::detail::first_tensor(args...));
     using Result = decltype(module_->forward(std::forward<Args>(args)...));
     if constexpr (std::is_void_v<Result>) {
       module_->forward(std::forward<Args>(args)...);
-      dp::after_forward(*replicator_);
+      scope.finish();
+    } else if constexpr (std::is_same_v<std::decay_t<Result>, at::Tensor>) {
+      return scope.finish(module_->forward(std::forward<Args>(args)...));
     } else {
       Result result = module_->forward(std::forward<Args>(args)...);
-      dp::after_forward(*replicator_);
+      scope.finish();
       return result;
     }
   }
