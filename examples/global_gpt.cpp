@@ -17,6 +17,8 @@
 // parameters (whole values, by name) from the first worker, --text FILE trains on another text,
 // --layers and --dropout change the model. A pipeline draws each micro-batch's dropout mask on its
 // own, so its losses equal one process's at --dropout 0 (docs/pipeline.md, "Global layers").
+// --zero S shards each parameter's piece over its data axes at ZeRO stage S
+// (g::nn::GradientSyncOptions::zero_stage; not with the pipeline plans).
 // --report prints one line of measurements after training (bench/gpt_plans.sh, "Report" below).
 #include <algorithm>
 #include <chrono>
@@ -160,7 +162,7 @@ int main(int argc, char** argv) {
   CLI::App app{"A character-level GPT on global tensors, in one of six plans.", "global_gpt"};
   std::string plan_name = "one", save, text_path = "/usr/share/common-licenses/GPL-3";
   std::string schedule = "1f1b", checkpoint, resume;
-  int steps = 20, micro_batches = 4;
+  int steps = 20, micro_batches = 4, zero_stage = 0;
   bool report = false;
   Config config;
   app.add_option("--plan", plan_name, "one, data, tensor, hybrid, pipeline or 3d");
@@ -175,12 +177,20 @@ int main(int argc, char** argv) {
   app.add_option("--resume", resume, "go on from a --checkpoint file, saved in any plan");
   app.add_option("--layers", config.layers, "transformer blocks")->check(examples::positive());
   app.add_option("--dropout", config.dropout, "dropout probability")->check(CLI::Range(0.0, 1.0));
+  app.add_option("--zero", zero_stage,
+                 "ZeRO stage on the data axes (0-3; not with the pipeline plans)")
+      ->check(CLI::Range(0, 3));
   app.add_flag("--report", report, "print the step time and bytes sent per step at the end");
   if (const int code = examples::parse(app, argc, argv); code >= 0) return code;
   try {
     shoal::init();
     const int stages_per_worker = schedule == "interleaved" ? 2 : 1;
     const Plan plan = make_plan(plan_name, static_cast<int>(config.layers) + 2, stages_per_worker);
+    if (zero_stage > 0 && plan.pipeline)
+      throw shoal::UsageError(
+          "--zero: the pipeline plans sum gradients in the pipeline, which "
+          "does not shard them yet; expected --zero 0 with --plan " +
+          plan_name);
     const g::Placement& first = plan.layouts.front().placement;
     const g::Placement& last = plan.layouts.back().placement;
 
@@ -217,9 +227,12 @@ int main(int argc, char** argv) {
       options.batch = plan.batch.axes();
       pipe = std::make_unique<pp::Pipeline>(model->layers, options);
     } else {
-      sync = std::make_unique<g::nn::GradientSync>(model);
+      g::nn::GradientSyncOptions sync_options;
+      sync_options.zero_stage = zero_stage;
+      sync = std::make_unique<g::nn::GradientSync>(model, sync_options);
     }
-    torch::optim::AdamW optimizer(pipe ? pipe->parameters() : model->parameters(),
+    // Under ZeRO the optimizer updates this worker's slices (GradientSync::parameters()).
+    torch::optim::AdamW optimizer(pipe ? pipe->parameters() : sync->parameters(),
                                   torch::optim::AdamWOptions(1e-3));
     const int64_t vocabulary = config.vocabulary;
     auto loss_of = [vocabulary](const g::GlobalTensor& logits, const g::GlobalTensor& y) {

@@ -2,6 +2,7 @@
 // programs give the one-process values on 2 and 3 workers with the SBP the guide shows, and the
 // character-level GPT trains 20 steps to the one-process loss curve and parameters in each of
 // its plans, the pipeline and 3-D ones included (relative 1e-4).
+#include <array>
 #include <cstdlib>
 #include <filesystem>
 #include <regex>
@@ -74,6 +75,28 @@ class GlobalGpt : public ::testing::Test {
     dir_ = pattern;
   }
   void TearDown() override { fs::remove_all(dir_); }
+
+  // One process's 20 steps (with `args` added): the losses of steps `from` to 20, and the final
+  // parameters.
+  struct Reference {
+    std::vector<double> losses;
+    std::vector<torch::Tensor> parameters;
+  };
+  Reference one_process(const std::vector<std::string>& args, int from = 1) {
+    std::vector<std::string> command = {"-n",  "1",      example("global_gpt"), "--plan",
+                                        "one", "--save", dir_ / "one.pt"};
+    command.insert(command.end(), args.begin(), args.end());
+    const auto one = run(command);
+    Reference reference;
+    reference.losses = losses(one);
+    EXPECT_EQ(reference.losses.size(), 20u) << one.out;
+    reference.losses.erase(
+        reference.losses.begin(),
+        reference.losses.begin() + std::min<size_t>(from - 1, reference.losses.size()));
+    torch::load(reference.parameters, dir_ / "one.pt");
+    EXPECT_FALSE(reference.parameters.empty());
+    return reference;
+  }
   fs::path dir_;
 };
 
@@ -109,6 +132,36 @@ TEST_F(GlobalGpt, EveryPlanTrainsAsOneProcess) {
     const auto result = run({"-n", "4", gpt, "--plan", plan, "--save", file}, 240s);
     expect_as_one_process(result, file, expected, reference, plan);
   }
+}
+
+// ZeRO on the data axes (GradientSyncOptions::zero_stage, docs/memory.md "Global models"): the
+// hybrid plan's 2 x 2 mesh shards each piece over its 2 data workers (the layer norms, broadcast
+// on both axes, over all 4), the data plan over every worker (3: no shape divides evenly). The
+// losses and the final parameters (gathered by --save's reads) are the one process's.
+TEST_F(GlobalGpt, ZeroOnTheDataAxesTrainsAsOneProcess) {
+  const std::string gpt = example("global_gpt");
+  const auto [expected, reference] = one_process({});
+  const std::vector<std::array<std::string, 3>> runs = {{"hybrid", "4", "1"},
+                                                        {"hybrid", "4", "2"},
+                                                        {"hybrid", "4", "3"},
+                                                        {"data", "3", "2"},
+                                                        {"data", "3", "3"}};
+  for (const auto& [plan, workers, stage] : runs) {
+    const std::string name = plan + " on " + workers + " at zero stage " + stage;
+    const std::string file = dir_ / (plan + workers + "zero" + stage + ".pt");
+    const auto result =
+        run({"-n", workers, gpt, "--plan", plan, "--zero", stage, "--save", file}, 240s);
+    expect_as_one_process(result, file, expected, reference, name);
+  }
+  // Refused where it does not apply yet, in one line.
+  const auto refused =
+      shoal::testing::run_shoal({"-n", "2", gpt, "--plan", "pipeline", "--zero", "1"}, 60s);
+  EXPECT_NE(refused.exit_code, 0);
+  EXPECT_NE(refused.err.find(
+                "global_gpt: --zero: the pipeline plans sum gradients in the pipeline, which does "
+                "not shard them yet; expected --zero 0 with --plan pipeline"),
+            std::string::npos)
+      << refused.err;
 }
 
 // The pipeline plans, with each schedule, micro-batches that don't divide the batch of 8 and
@@ -180,13 +233,7 @@ TEST_F(GlobalGpt, PlansTrainAlikeOnSharedMemoryAndOverTcp) {
 // each ends as one process that never stopped (losses of steps 11-20 and parameters, 1e-4).
 TEST_F(GlobalGpt, CheckpointSavedIn3dResumesInOtherPlans) {
   const std::string gpt = example("global_gpt");
-  const auto one =
-      run({"-n", "1", gpt, "--plan", "one", "--dropout", "0", "--save", dir_ / "one.pt"});
-  auto expected = losses(one);
-  ASSERT_EQ(expected.size(), 20u) << one.out;
-  expected.erase(expected.begin(), expected.begin() + 10);
-  std::vector<torch::Tensor> reference;
-  torch::load(reference, dir_ / "one.pt");
+  const auto [expected, reference] = one_process({"--dropout", "0"}, 11);
   const std::string saved = dir_ / "3d.ckpt";
   run({"-n", "8", gpt, "--plan", "3d", "--dropout", "0", "--steps", "10", "--checkpoint", saved},
       240s);
@@ -216,6 +263,39 @@ TEST_F(GlobalGpt, BadPlansAreUsageErrors) {
                            "3 tensor-parallel workers"),
             std::string::npos)
       << heads.err;
+}
+
+// Checkpoints under ZeRO (Note [Saving a sharded global model], src/global/nn.cpp): 10 steps in
+// hybrid at stage 3, saved, then 10 more in data at stage 1 on 3 workers, in hybrid at stage 2,
+// in tensor at stage 0 and on one process: each ends as one process that never stopped. And the
+// other way: saved at stage 0 in tensor, resumed at stage 3 in hybrid.
+TEST_F(GlobalGpt, CheckpointUnderZeroResumesInOtherPlansAndStages) {
+  const std::string gpt = example("global_gpt");
+  const auto [expected, reference] = one_process({"--dropout", "0"}, 11);
+  const std::string sharded = dir_ / "zero3.ckpt", plain = dir_ / "tensor.ckpt";
+  run({"-n", "4", gpt, "--plan", "hybrid", "--zero", "3", "--dropout", "0", "--steps", "10",
+       "--checkpoint", sharded},
+      240s);
+  run({"-n", "4", gpt, "--plan", "tensor", "--dropout", "0", "--steps", "10", "--checkpoint",
+       plain},
+      240s);
+  ASSERT_TRUE(fs::exists(sharded));
+  ASSERT_TRUE(fs::exists(plain));
+  const std::vector<std::array<std::string, 4>> resumes = {{sharded, "data", "3", "1"},
+                                                           {sharded, "hybrid", "4", "2"},
+                                                           {sharded, "tensor", "4", "0"},
+                                                           {sharded, "one", "1", "0"},
+                                                           {plain, "hybrid", "4", "3"}};
+  for (const auto& [saved, plan, workers, stage] : resumes) {
+    const std::string name = "saved as " + fs::path(saved).filename().string() + ", resumed in " +
+                             plan + " at stage " + stage;
+    const std::string file = dir_ / ("resumed-" + plan + stage + ".pt");
+    const auto result = run({"-n", workers, gpt, "--plan", plan, "--zero", stage, "--dropout", "0",
+                             "--steps", "10", "--resume", saved, "--save", file},
+                            240s);
+    EXPECT_NE(result.out.find("step 11 loss"), std::string::npos) << result.out;
+    expect_as_one_process(result, file, expected, reference, name);
+  }
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 // outside shoal: Linear, Embedding, LayerNorm, the GPT-2 block and a small GPT give the outputs
 // and gradients of the same model written in plain LibTorch (torch::nn, with the same weights
 // copied in), on one worker and on 4 in the data, tensor and hybrid plans.
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -110,6 +111,71 @@ TEST(GradientSync, SumsOverTheWorkersHoldingThePiece) {
     const std::vector<int> column = {r % 2, r % 2 + 2};
     EXPECT_EQ(sync.groups(), (std::vector<std::vector<int>>{column, {0, 1, 2, 3}}))
         << "worker " << r;
+  });
+}
+
+// ZeRO on the data axes (GradientSyncOptions::zero_stage): on the 2 x 2 mesh each piece is cut
+// over the workers holding it (2 for the linears, 4 for the layer norm), and after backward each
+// worker's slice holds its part of the piece's summed gradient, as stage 0 sums it whole. At
+// stages 2 and 3 the pieces keep no gradient; at stage 3 no memory either.
+TEST(GradientSync, ZeroSlicesGetTheirPartOfTheSummedGradient) {
+  run_workers(4, [] {
+    const g::nn::Layout layout{g::Placement::mesh({2, 2}), {1}};
+    const g::NdSbp batch{g::split(0), g::broadcast()};
+    const auto backward = [&](Mlp& model) {
+      torch::manual_seed(12);
+      const auto x = g::randn({5, 6}, layout.placement, batch);
+      const auto target = g::randn({5, 6}, layout.placement, batch);
+      const auto diff = model->forward(x) - target;
+      g::mean(diff * diff).backward();
+    };
+    torch::manual_seed(11);
+    Mlp plain(layout);
+    g::nn::GradientSync whole(plain);
+    backward(plain);
+    for (int stage : {1, 2, 3}) {
+      torch::manual_seed(11);
+      Mlp sharded(layout);
+      g::nn::GradientSyncOptions options;
+      options.zero_stage = stage;
+      g::nn::GradientSync sync(sharded, options);
+      backward(sharded);
+      const auto slices = sync.parameters();
+      const auto pieces = plain->parameters();
+      const auto globals = sharded->named_global_parameters();
+      ASSERT_EQ(slices.size(), pieces.size());
+      for (size_t i = 0; i < slices.size(); ++i) {
+        const auto holders = g::nn::piece_holders(globals[i].second);
+        const int n = static_cast<int>(holders.size());
+        const int r = static_cast<int>(std::find(holders.begin(), holders.end(), shoal::rank()) -
+                                       holders.begin());
+        const auto sizes = shoal::comm::split_sizes(pieces[i].numel(), n);
+        int64_t start = 0;
+        for (int j = 0; j < r; ++j) start += sizes[j];
+        const auto expected = pieces[i].grad().reshape(-1).narrow(0, start, sizes[r]);
+        const std::string what = "stage " + std::to_string(stage) + ", " + globals[i].first;
+        ASSERT_EQ(slices[i].numel(), sizes[r]) << what;
+        if (sizes[r] == 0) continue;
+        ASSERT_TRUE(slices[i].grad().defined()) << what;
+        EXPECT_TRUE(slices[i].grad().allclose(expected, 1e-5, 1e-6)) << what;
+        const auto& piece = globals[i].second.to_local();
+        if (stage >= 2) EXPECT_FALSE(piece.grad().defined()) << what;
+        if (stage == 3) EXPECT_EQ(piece.storage().nbytes(), 0u) << what;
+      }
+    }
+  });
+}
+
+TEST(GradientSync, ZeroStageOutOfRangeIsRefused) {
+  run_workers(1, [] {
+    g::nn::GradientSyncOptions options;
+    options.zero_stage = 4;
+    try {
+      g::nn::GradientSync sync(Mlp(g::nn::Layout{g::Placement({0}), {}}), options);
+      ADD_FAILURE() << "expected UsageError";
+    } catch (const shoal::UsageError& e) {
+      EXPECT_STREQ(e.what(), "GradientSync: zero_stage must be 0, 1, 2 or 3, got 4");
+    }
   });
 }
 

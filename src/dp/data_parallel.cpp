@@ -103,31 +103,6 @@ std::string first_difference(const std::vector<std::string>& descriptions, const
   return "";
 }
 
-// Stage 3's units (src/dp/gatherer.h): the trainable parameters of consecutive modules, in the
-// order the module tree registered them, about unit_bytes together; a module's own parameters
-// stay in one unit.
-std::vector<std::vector<size_t>> units(const torch::nn::Module& module, const Shards& shards,
-                                       int64_t unit_bytes) {
-  std::vector<std::vector<size_t>> units;
-  std::set<size_t> placed;
-  int64_t bytes = unit_bytes;  // full: the first module opens a unit
-  for (const auto& child : module.modules()) {
-    bool opened = false;
-    for (const auto& p : child->parameters(/*recurse=*/false)) {
-      const auto k = shards.index_of(p);
-      if (!k || !placed.insert(*k).second) continue;
-      if (!opened && bytes >= unit_bytes) {
-        units.emplace_back();
-        bytes = 0;
-      }
-      opened = true;
-      units.back().push_back(*k);
-      bytes += p.numel() * static_cast<int64_t>(p.element_size());
-    }
-  }
-  return units;
-}
-
 std::string dtype_name(at::ScalarType dtype) {
   return c10::toString(dtype);
 }
@@ -259,8 +234,9 @@ void Replicator::bind(comm::Group group, bool synchronize) {
     shards_ =
         std::make_shared<Shards>(trainable, group_.rank(), group_.size(), options_.zero_stage);
     if (options_.zero_stage == 3) {
-      gatherer_ = std::make_shared<Gatherer>(
-          shards_, group_, units(*module_, *shards_, options_.unit_bytes), options_.max_units);
+      gatherer_ = std::make_shared<Gatherer>(shards_, group_,
+                                             module_units(*module_, *shards_, options_.unit_bytes),
+                                             options_.max_units);
       gatherer_->observe_this_thread();
     }
     mark_pieces();

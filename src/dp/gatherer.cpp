@@ -6,6 +6,7 @@
 #endif
 
 #include <algorithm>
+#include <set>
 #include <string>
 #include <utility>
 
@@ -24,16 +25,21 @@ thread_local std::vector<std::weak_ptr<Gatherer>> observers;
 thread_local bool observer_registered = false;
 thread_local bool inside_observer = false;
 
-void add_storage(const c10::IValue& value, std::vector<const void*>& storages) {
+// An operation's tensor inputs: each one's storage and the tensor itself.
+using Reads = std::vector<std::pair<const void*, const void*>>;
+
+void add_read(const at::Tensor& t, Reads& reads) {
+  if (t.defined() && t.has_storage())
+    reads.emplace_back(t.storage().unsafeGetStorageImpl(), t.unsafeGetTensorImpl());
+}
+
+void add_storage(const c10::IValue& value, Reads& reads) {
   if (value.isTensor()) {
-    const at::Tensor& t = value.toTensor();
-    if (t.defined() && t.has_storage()) storages.push_back(t.storage().unsafeGetStorageImpl());
+    add_read(value.toTensor(), reads);
   } else if (value.isTensorList()) {
-    for (const at::Tensor& t : value.toTensorVector()) {
-      if (t.defined() && t.has_storage()) storages.push_back(t.storage().unsafeGetStorageImpl());
-    }
+    for (const at::Tensor& t : value.toTensorVector()) add_read(t, reads);
   } else if (value.isList()) {
-    for (const c10::IValue& item : value.toListRef()) add_storage(item, storages);
+    for (const c10::IValue& item : value.toListRef()) add_storage(item, reads);
   }
 }
 
@@ -43,22 +49,22 @@ std::unique_ptr<at::ObserverContext> observe(const at::RecordFunction& operation
   struct Leave {
     ~Leave() { inside_observer = false; }
   } leave;
-  std::vector<const void*> storages;
-  for (const c10::IValue& input : operation.inputs()) add_storage(input, storages);
-  if (storages.empty()) return nullptr;
+  Reads reads;
+  for (const c10::IValue& input : operation.inputs()) add_storage(input, reads);
+  if (reads.empty()) return nullptr;
   bool expired = false;
+  std::vector<const void*> storages;
   for (const auto& weak : observers) {
     auto gatherer = weak.lock();
     if (!gatherer) {
       expired = true;
       continue;
     }
-    for (const void* storage : storages) {
-      if (gatherer->watches(storage)) {
-        gatherer->on_operation(storages);
-        break;
-      }
+    storages.clear();
+    for (const auto& [storage, tensor] : reads) {
+      if (gatherer->watches(storage, tensor)) storages.push_back(storage);
     }
+    if (!storages.empty()) gatherer->on_operation(storages);
   }
   if (expired) {
     observers.erase(std::remove_if(observers.begin(), observers.end(),
@@ -99,14 +105,40 @@ at::Tensor flat_memory(const at::Tensor& p) {
 
 }  // namespace
 
+std::vector<std::vector<size_t>> module_units(const torch::nn::Module& module, const Shards& shards,
+                                              int64_t unit_bytes) {
+  std::vector<std::vector<size_t>> units;
+  std::set<size_t> placed;
+  int64_t bytes = unit_bytes;  // full: the first module opens a unit
+  for (const auto& child : module.modules()) {
+    bool opened = false;
+    for (const auto& p : child->parameters(/*recurse=*/false)) {
+      const auto k = shards.index_of(p);
+      if (!k || !placed.insert(*k).second) continue;
+      if (!opened && bytes >= unit_bytes) {
+        units.emplace_back();
+        bytes = 0;
+      }
+      opened = true;
+      units.back().push_back(*k);
+      bytes += p.numel() * static_cast<int64_t>(p.element_size());
+    }
+  }
+  return units;
+}
+
 Gatherer::Gatherer(std::shared_ptr<Shards> shards, comm::Group group,
-                   std::vector<std::vector<size_t>> units, int max_units)
-    : shards_(std::move(shards)), group_(std::move(group)), max_units_(std::max(1, max_units)) {
+                   std::vector<std::vector<size_t>> units, int max_units, bool keep_memory)
+    : shards_(std::move(shards)),
+      group_(std::move(group)),
+      max_units_(std::max(1, max_units)),
+      keep_memory_(keep_memory) {
   const auto& params = shards_->params();
   for (const auto& p : params) {
+    if (keep_memory_) break;
     if (p.storage_offset() != 0 || p.storage().nbytes() != bytes_of(p)) {
       throw UsageError(
-          "DataParallel: zero_stage 3 frees each parameter's memory between uses, so each must own "
+          "zero_stage 3 frees each parameter's memory between uses, so each must own "
           "its memory; a parameter of " +
           std::to_string(p.numel()) + " elements is a view of a larger tensor");
     }
@@ -118,9 +150,16 @@ Gatherer::Gatherer(std::shared_ptr<Shards> shards, comm::Group group,
     unit.params = std::move(members);
     units_.push_back(std::move(unit));
   }
+  if (keep_memory_) {
+    for (const auto& slice : shards_->slices()) slices_.insert(slice.unsafeGetTensorImpl());
+  }
   SHOAL_CHECK(unit_of_.size() == params.size())
       << "units cover " << unit_of_.size() << " of " << params.size()
       << " parameters, or two share memory";
+  if (keep_memory_) {
+    for (auto& unit : units_) unit.status = Status::kWhole;
+    return;
+  }
   at::NoGradGuard no_grad;
   for (const auto& p : params) release_memory(p);
 }
@@ -154,11 +193,24 @@ void Gatherer::begin_forward() {
 
 size_t Gatherer::occupied() const {
   size_t count = 0;
-  for (const auto& unit : units_) count += unit.status != Status::kFreed ? 1 : 0;
+  for (const auto& unit : units_) {
+    // With keep_memory whole units hold nothing more than the model: only gathers in flight count.
+    count += unit.status == Status::kInFlight || (!keep_memory_ && unit.status == Status::kWhole)
+                 ? 1
+                 : 0;
+  }
   return count;
 }
 
 bool Gatherer::make_room() {
+  if (keep_memory_) {
+    for (size_t u = 0; u < units_.size(); ++u) {
+      if (units_[u].status != Status::kInFlight) continue;
+      finish(u);
+      return true;
+    }
+    return false;
+  }
   size_t victim = units_.size();
   for (size_t u = 0; u < units_.size(); ++u) {
     const Unit& unit = units_[u];
@@ -183,23 +235,32 @@ void Gatherer::finish(size_t u) {
   Unit& unit = units_[u];
   if (unit.status != Status::kInFlight) return;
   const auto& params = shards_->params();
-  for (size_t k : unit.params) take_memory(params[k]);
+  if (!keep_memory_) {
+    for (size_t k : unit.params) take_memory(params[k]);
+  }
   unit.status = Status::kWhole;
+  // With keep_memory the parameter is written in place (a stage-1 or 2 parameter may be a view);
+  // its own part is its slice already.
+  const auto flat = [&](size_t k) {
+    return keep_memory_ ? params[k].view(-1) : flat_memory(params[k]);
+  };
   if (broken_) {
-    for (size_t k : unit.params) flat_memory(params[k]).zero_();
+    if (!keep_memory_) {
+      for (size_t k : unit.params) flat(k).zero_();
+    }
     return;
   }
   unit.work.wait();
-  shards_->unpack(
-      unit.params, unit.layout, unit.work.result(),
-      [&params](size_t k) { return flat_memory(params[k]); }, /*skip_own=*/false);
+  shards_->unpack(unit.params, unit.layout, unit.work.result(), flat, /*skip_own=*/keep_memory_);
   unit.work =
       comm::Work();  // the gathered buffer (a unit's worth) goes now, not at the next gather
 }
 
 void Gatherer::free(size_t u) {
   Unit& unit = units_[u];
-  for (size_t k : unit.params) release_memory(shards_->params()[k]);
+  if (!keep_memory_) {
+    for (size_t k : unit.params) release_memory(shards_->params()[k]);
+  }
   unit.status = Status::kFreed;
 }
 
@@ -277,7 +338,10 @@ void Gatherer::gather_all() {
   at::DisableRecordFunctionGuard quiet;
   at::NoGradGuard no_grad;
   for (size_t u = 0; u < units_.size(); ++u) {
-    if (units_[u].status == Status::kFreed) launch(u);
+    if (units_[u].status != Status::kFreed) continue;
+    // With keep_memory at most max_units gathers travel at once; stage 3 makes every unit whole.
+    if (keep_memory_ && occupied() >= static_cast<size_t>(max_units_)) make_room();
+    launch(u);
   }
   for (size_t u = 0; u < units_.size(); ++u) finish(u);
 }

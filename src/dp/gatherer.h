@@ -35,21 +35,33 @@
 #include <exception>
 #include <memory>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <torch/nn/module.h>
 
 #include "dp/shards.h"
 #include "shoal/comm/group.h"
 
 namespace shoal::dp {
 
+// Units (above): the trainable parameters of consecutive modules of `module`, in the order the
+// module tree registered them, about unit_bytes together, as indices into shards.params(); a
+// module's own parameters stay in one unit.
+std::vector<std::vector<size_t>> module_units(const torch::nn::Module& module, const Shards& shards,
+                                              int64_t unit_bytes);
+
 class Gatherer : public std::enable_shared_from_this<Gatherer> {
  public:
   // `units`: lists of indices into shards->params(), covering each once. Frees every parameter's
   // memory. Held by shared_ptr: the threads it observes hold it weakly.
+  // With `keep_memory` (stages 1 and 2 of a GradientSync, whose model has no wrapper's forward
+  // to gather in): the parameters keep their memory, every unit starts whole and is never freed
+  // for room, and release_all() only marks them stale: the first operation that reads a stale
+  // unit gathers it again, in place, and max_units bounds the gathers in flight.
   Gatherer(std::shared_ptr<Shards> shards, comm::Group group,
-           std::vector<std::vector<size_t>> units, int max_units);
+           std::vector<std::vector<size_t>> units, int max_units, bool keep_memory = false);
   ~Gatherer();
   Gatherer(const Gatherer&) = delete;
   Gatherer& operator=(const Gatherer&) = delete;
@@ -61,7 +73,7 @@ class Gatherer : public std::enable_shared_from_this<Gatherer> {
   // At the wrapper's forward: observes the calling thread too, and starts following the plan
   // from its beginning.
   void begin_forward();
-  // At the end of a synchronized backward: every unit freed.
+  // At the end of a synchronized backward: every unit freed (with keep_memory: stale).
   void release_all();
   // Every unit whole (DataParallel::gather_parameters()); they stay whole until needed room or
   // the next release_all(). A collective.
@@ -69,9 +81,14 @@ class Gatherer : public std::enable_shared_from_this<Gatherer> {
   // Raises the first error an observer met since the last call, if any.
   void rethrow();
 
-  // The observer's entry: the storages an operation reads.
+  // The observer's entry: the storages of parameters an operation reads.
   void on_operation(const std::vector<const void*>& storages);
-  bool watches(const void* storage) const { return unit_of_.count(storage) != 0; }
+  // Whether reading `tensor`, over `storage`, needs its parameter whole: it is a parameter's
+  // memory, and not (with keep_memory) a slice, which lies in that memory and which the
+  // optimizer's step reads and writes on its own.
+  bool watches(const void* storage, const void* tensor) const {
+    return unit_of_.count(storage) != 0 && slices_.count(tensor) == 0;
+  }
 
  private:
   enum class Status { kFreed, kInFlight, kWhole };
@@ -96,12 +113,14 @@ class Gatherer : public std::enable_shared_from_this<Gatherer> {
   comm::Group group_;
   std::vector<Unit> units_;
   std::unordered_map<const void*, size_t> unit_of_;  // a parameter's StorageImpl -> its unit
+  std::unordered_set<const void*> slices_;           // with keep_memory: the slices' TensorImpls
   int max_units_;
   int64_t clock_ = 0;                  // operations observed
   std::vector<size_t> plan_, needed_;  // the previous step's needs, and this step's
   size_t next_ = 0;                    // where this step stands in plan_
   std::exception_ptr error_;
   bool broken_ = false;  // an error was met: units are given zeros from now on
+  bool keep_memory_ = false;
 };
 
 }  // namespace shoal::dp

@@ -335,7 +335,8 @@ void Reducer::State::start(Bucket& bucket, const comm::AllReduceOptions* sum) {
     bucket.work = group.all_reduce_async(bucket.buffer, *sum);
     return;
   }
-  const comm::ReduceOp op = prescale ? comm::ReduceOp::kSum : comm::ReduceOp::kAvg;
+  const comm::ReduceOp op =
+      prescale || !options.average ? comm::ReduceOp::kSum : comm::ReduceOp::kAvg;
   if (noise) {
     // The bucket holds this worker's gradients (divided by n when prescaled) until it starts.
     const double n = group.size();
@@ -535,9 +536,12 @@ Reducer::Reducer(std::vector<at::Tensor> parameters, comm::Group group, ReducerO
   State& state = *state_;
   state.params = std::move(parameters);
   state.group = std::move(group);
-  state.prescale = !options.hook && options.wire == at::kFloat && state.group.path() == "gloo";
+  state.prescale = !options.hook && options.wire == at::kFloat && options.average &&
+                   state.group.path() == "gloo";
   state.options = std::move(options);
   state.shards = state.options.shards.get();
+  SHOAL_CHECK(state.options.average || (state.shards && state.options.wire == at::kFloat))
+      << "a reducer sums (average = false) only under shards, in the gradients' dtype";
   if (state.shards && state.options.wire != at::kFloat) state.scatter.emplace(state.options.wire);
   SHOAL_CHECK(!state.shards || (state.options.during_backward && !state.options.hook))
       << "a sharding reducer sums during backward, with no communication hook";

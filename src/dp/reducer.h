@@ -65,6 +65,9 @@ struct ReducerOptions : BucketOptions {
   // copied, and the slices' .grad are parts of the reduce-scatters' results.
   // Needs during_backward and no hook; gradient_as_bucket_view does not apply.
   std::shared_ptr<Shards> shards;
+  // With shards: reduce-scatter the average (DataParallel's), or the sum (false: GradientSync's,
+  // whose global loss is already the whole batch's mean).
+  bool average = true;
   // With shards: the buckets' parts travel in this dtype (16 bits) and are summed in theirs
   // (src/dp/compressed_scatter.h); at::kFloat: in their own.
   at::ScalarType wire = at::kFloat;

@@ -17,7 +17,7 @@ Shards::Shards(std::vector<at::Tensor> params, int rank, int size, int stage)
   at::NoGradGuard no_grad;
   for (const auto& p : params_) {
     if (!p.is_contiguous()) {
-      throw UsageError("DataParallel: zero_stage needs contiguous parameters; one of shape " +
+      throw UsageError("zero_stage: sharding needs contiguous parameters; one of shape " +
                        std::to_string(p.dim()) +
                        "-d is not (make it contiguous before wrapping the model)");
     }

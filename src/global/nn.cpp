@@ -6,7 +6,9 @@
 #include <map>
 #include <set>
 
+#include "dp/gatherer.h"
 #include "dp/reducer.h"
+#include "dp/shards.h"
 #include "layout.h"
 #include "shoal/core/error.h"
 #include "shoal/runtime/init.h"
@@ -24,35 +26,54 @@ std::vector<std::pair<std::string, GlobalTensor>> Module::named_global_parameter
   return all;
 }
 
+namespace {
+
+// The piece of a global parameter as its layout holds it: gathered and cut along its placement
+// and SBP; a partial_sum one is refused.
+checkpoint::Piece layout_piece(const GlobalTensor& value) {
+  checkpoint::Piece piece;
+  piece.local = value.to_local();
+  piece.held_here = value.is_local();
+  piece.shape = value.shape();
+  piece.holders = static_cast<int>(value.placement().size());
+  piece.first_holder = value.placement().ranks().front() == shoal::rank();
+  const GlobalTensor layout = value;
+  piece.gather = [layout](const at::Tensor& like_local) {
+    torch::NoGradGuard no_grad;
+    const at::Tensor local = layout.is_local() ? like_local.detach() : layout.to_local().detach();
+    at::Tensor whole = GlobalTensor(local, layout.placement(), layout.sbp(), layout.shape()).full();
+    return shoal::rank() == 0 ? whole : at::Tensor();
+  };
+  piece.cut = [layout](const at::Tensor& whole) {
+    if (!layout.is_local()) return at::Tensor();
+    torch::NoGradGuard no_grad;
+    return GlobalTensor::from_full(whole.detach(), layout.placement(), layout.sbp())
+        .to_local()
+        .contiguous()
+        .clone();
+  };
+  const auto& sbp = value.sbp();
+  for (int axis = 0; axis < static_cast<int>(sbp.axes().size()); ++axis) {
+    if (sbp[axis].is_partial_sum()) {
+      piece.refusal = "is " + value.describe() + ", partial_sum on mesh axis " +
+                      std::to_string(axis) +
+                      "; expected split or broadcast on every axis (a saved value is whole)";
+      break;
+    }
+  }
+  return piece;
+}
+
+}  // namespace
+
 std::vector<std::pair<std::string, checkpoint::Piece>> Module::pieces() const {
   std::vector<std::pair<std::string, checkpoint::Piece>> pieces;
   for (const auto& [name, value] : globals_) {
-    checkpoint::Piece piece;
-    piece.local = value.to_local();
-    piece.held_here = value.is_local();
-    piece.shape = value.shape();
-    piece.holders = static_cast<int>(value.placement().size());
-    piece.first_holder = value.placement().ranks().front() == shoal::rank();
-    const GlobalTensor layout = value;
-    piece.gather = [layout](const at::Tensor& like_local) {
-      torch::NoGradGuard no_grad;
-      const at::Tensor local = layout.is_local() ? like_local.detach() : layout.to_local().detach();
-      at::Tensor whole = GlobalTensor(local, layout.placement(), layout.sbp(), layout.shape()).full();
-      return shoal::rank() == 0 ? whole : at::Tensor();
-    };
-    piece.cut = [layout](const at::Tensor& whole) {
-      if (!layout.is_local()) return at::Tensor();
-      torch::NoGradGuard no_grad;
-      return GlobalTensor::from_full(whole.detach(), layout.placement(), layout.sbp()).to_local().contiguous().clone();
-    };
-    const auto& sbp = value.sbp();
-    for (int axis = 0; axis < static_cast<int>(sbp.axes().size()); ++axis) {
-      if (sbp[axis].is_partial_sum()) {
-        piece.refusal = "is " + value.describe() + ", partial_sum on mesh axis " + std::to_string(axis) +
-                        "; expected split or broadcast on every axis (a saved value is whole)";
-        break;
-      }
-    }
+    checkpoint::Piece piece = layout_piece(value);
+    // Under a GradientSync's ZeRO the optimizer holds a slice of the piece (Note [Saving a
+    // sharded global model]).
+    const auto sliced = sliced_.find(value.to_local().unsafeGetTensorImpl());
+    if (sliced != sliced_.end()) piece = sliced->second(std::move(piece));
     pieces.emplace_back(name, std::move(piece));
   }
   return pieces;
@@ -158,8 +179,17 @@ GradientSync::~GradientSync() = default;
 GradientSync::GradientSync(GradientSync&&) noexcept = default;
 GradientSync& GradientSync::operator=(GradientSync&&) noexcept = default;
 
-GradientSync::GradientSync(const std::shared_ptr<Module>& module, BucketOptions options) {
+GradientSync::GradientSync(const std::shared_ptr<Module>& module, GradientSyncOptions options) {
   SHOAL_CHECK(module != nullptr) << "GradientSync of a null module";
+  if (options.zero_stage < 0 || options.zero_stage > 3) {
+    throw UsageError("GradientSync: zero_stage must be 0, 1, 2 or 3, got " +
+                     std::to_string(options.zero_stage));
+  }
+  if (options.zero_stage > 0 && (options.unit_bytes < 1 || options.max_units < 1)) {
+    throw UsageError("GradientSync: unit_bytes and max_units must be positive, got " +
+                     std::to_string(options.unit_bytes) + " and " +
+                     std::to_string(options.max_units));
+  }
   std::set<const c10::TensorImpl*> global;
   // Parameters by the workers their gradients are summed over, in registration order.
   std::map<std::vector<int>, std::vector<at::Tensor>> by_group;
@@ -183,13 +213,115 @@ GradientSync::GradientSync(const std::shared_ptr<Module>& module, BucketOptions 
   }
   dp::ReducerOptions reducer;
   static_cast<BucketOptions&>(reducer) = options;
-  reducer.hook = [](comm::Group& group, at::Tensor& bucket) {
-    return group.all_reduce_async(bucket);
-  };  // a sum
+  if (options.zero_stage == 0) {
+    reducer.hook = [](comm::Group& group, at::Tensor& bucket) {
+      return group.all_reduce_async(bucket);
+    };  // a sum
+  } else {
+    reducer.average = false;  // a global loss is the whole batch's mean already
+  }
   for (const auto& ranks : order) {
     groups_.push_back(ranks);
-    reducers_.push_back(
-        std::make_unique<dp::Reducer>(by_group[ranks], detail::group_of(ranks), reducer));
+    comm::Group& group = detail::group_of(ranks);
+    if (options.zero_stage == 0) {
+      reducers_.push_back(std::make_unique<dp::Reducer>(by_group[ranks], group, reducer));
+      continue;
+    }
+    // ZeRO over the workers holding the same pieces: the data axes of these parameters.
+    auto shards = std::make_shared<dp::Shards>(by_group[ranks], group.rank(), group.size(),
+                                               options.zero_stage);
+    const bool stage3 = options.zero_stage == 3;
+    auto gatherer = std::make_shared<dp::Gatherer>(
+        shards, group, dp::module_units(*module, *shards, options.unit_bytes), options.max_units,
+        /*keep_memory=*/!stage3);
+    gatherer->observe_this_thread();
+    dp::ReducerOptions sharded = reducer;
+    sharded.shards = shards;
+    auto sum = std::make_unique<dp::Reducer>(by_group[ranks], group, sharded);
+    // The optimizer's step comes next and changes the slices: each piece is gathered again when
+    // an operation next reads it.
+    std::weak_ptr<dp::Gatherer> weak = gatherer;
+    sum->set_after_backward([weak] {
+      if (auto g = weak.lock()) {
+        g->release_all();
+        g->rethrow();
+      }
+    });
+    reducers_.push_back(std::move(sum));
+    shards_.push_back(std::move(shards));
+    gatherers_.push_back(std::move(gatherer));
+  }
+  if (!shards_.empty()) mark_slices(*module);
+  // Each tensor once, a shared piece replaced by this worker's slice of it.
+  std::set<const c10::TensorImpl*> listed;
+  for (const auto& p : module->parameters()) {
+    if (!listed.insert(p.unsafeGetTensorImpl()).second) continue;
+    at::Tensor tensor = p;
+    for (const auto& shards : shards_) {
+      if (const auto k = shards->index_of(p)) tensor = shards->slice(*k);
+    }
+    parameters_.push_back(tensor);
+  }
+}
+
+// Note [Saving a sharded global model]
+// A checkpoint holds whole values, whatever the plan (docs/checkpoint.md). Under ZeRO a worker's
+// optimizer holds a slice of its piece of each shared parameter, so the piece the checkpoint sees
+// is the layout's piece seen through the slice: gathering a value laid out as the slice (the
+// parameter's or a moment's) first all-gathers the slices of the workers holding that piece,
+// then gathers the pieces along the layout; cutting a whole value cuts the layout's piece, then
+// this worker's slice of it. After a load the pieces are gathered anew when next read. So a
+// checkpoint saved under ZeRO loads into any plan at any stage, and the other way round.
+void GradientSync::mark_slices(Module& root) {
+  for (const auto& item : root.named_modules()) {
+    auto* module = dynamic_cast<Module*>(item.value().get());
+    if (module == nullptr) continue;
+    for (const auto& [name, value] : module->globals_) {
+      const at::Tensor& local = value.to_local();
+      for (size_t g = 0; g < shards_.size(); ++g) {
+        const auto k = shards_[g]->index_of(local);
+        if (!k) continue;
+        std::weak_ptr<dp::Shards> weak_shards = shards_[g];
+        std::weak_ptr<dp::Gatherer> weak_gatherer = gatherers_[g];
+        comm::Group group = detail::group_of(groups_[g]);
+        module->sliced_[local.unsafeGetTensorImpl()] = [weak_shards, weak_gatherer, group,
+                                                        k = *k](checkpoint::Piece piece) {
+          auto shards = weak_shards.lock();
+          if (!shards) return piece;
+          const std::vector<int64_t> piece_shape = piece.local.sizes().vec();
+          piece.slice = shards->slice(k);
+          auto whole_of_piece = std::move(piece.gather);
+          piece.gather = [shards, group, k, piece_shape,
+                          whole_of_piece](const at::Tensor& like) mutable {
+            torch::NoGradGuard no_grad;
+            comm::AllGatherOptions options;
+            for (int r = 0; r < shards->size(); ++r) options.sizes.push_back(shards->length(k, r));
+            return whole_of_piece(
+                group.all_gather(like.detach().reshape(-1), options).view(piece_shape));
+          };
+          auto piece_of_whole = std::move(piece.cut);
+          piece.cut = [shards, k, piece_of_whole](const at::Tensor& whole) {
+            const at::Tensor mine = piece_of_whole(whole);
+            if (!mine.defined()) return mine;
+            const int rank = shards->rank();
+            return mine.reshape(-1)
+                .narrow(0, shards->start(k, rank), shards->length(k, rank))
+                .clone();
+          };
+          piece.loaded = [weak_gatherer] {
+            if (auto gatherer = weak_gatherer.lock()) gatherer->release_all();
+          };
+          return piece;
+        };
+      }
+    }
+  }
+}
+
+void GradientSync::gather_parameters() {
+  for (auto& gatherer : gatherers_) {
+    gatherer->gather_all();
+    gatherer->rethrow();
   }
 }
 

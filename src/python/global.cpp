@@ -222,10 +222,16 @@ std::shared_ptr<g::nn::Module> model_of(const std::vector<std::pair<std::string,
   return root;
 }
 
+g::nn::GradientSyncOptions sync_options(const BucketOptions& buckets) {
+  g::nn::GradientSyncOptions options;
+  static_cast<BucketOptions&>(options) = buckets;
+  return options;
+}
+
 class Sync {
  public:
   Sync(const std::vector<std::pair<std::string, GlobalLayer>>& layers, const BucketOptions& options)
-      : model_(model_of(layers)), sync_(model_, options) {}
+      : model_(model_of(layers)), sync_(model_, sync_options(options)) {}
   std::vector<std::vector<int>> groups() const { return sync_.groups(); }
 
  private:

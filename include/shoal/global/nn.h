@@ -16,6 +16,8 @@
 
 #include <torch/torch.h>
 
+#include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -26,7 +28,9 @@
 #include "shoal/global/ops.h"
 
 namespace shoal::dp {
-class Reducer;  // src/dp/reducer.h
+class Reducer;   // src/dp/reducer.h
+class Shards;    // src/dp/shards.h
+class Gatherer;  // src/dp/gatherer.h
 }  // namespace shoal::dp
 
 namespace shoal::global::nn {
@@ -51,7 +55,11 @@ class Module : public torch::nn::Module, public checkpoint::Savable {
   GlobalTensor register_global_parameter(const std::string& name, const GlobalTensor& value);
 
  private:
+  friend class GradientSync;
   std::vector<std::pair<std::string, GlobalTensor>> globals_;
+  // A GradientSync's ZeRO: how the checkpoint's piece of a parameter (by its local tensor) is
+  // seen through this worker's slice of it (Note [Saving a sharded global model], nn.cpp).
+  std::map<const c10::TensorImpl*, std::function<checkpoint::Piece(checkpoint::Piece)>> sliced_;
 };
 
 // How a transformer's weights are laid out: on `placement`, tensor-parallel (Megatron-style)
@@ -131,28 +139,59 @@ TORCH_MODULE(TransformerBlock);
 // workers GradientSync sums its gradient over. This worker must be a member.
 std::vector<int> piece_holders(const GlobalTensor& parameter);
 
+struct GradientSyncOptions : BucketOptions {
+  // ZeRO on the data axes (docs/memory.md, "Global models"): the workers that hold the same
+  // piece of a parameter (along the mesh axes where its SBP is broadcast: the data axes) each
+  // keep a slice of it (Note [A parameter's slice], src/dp/shards.h), the one their optimizer
+  // updates. 1: the optimizer's state is the slices'; gradients are reduce-scattered into the
+  // slices during backward, and each parameter is gathered whole again by the first operation
+  // that reads it after the step. 2: the pieces' own gradients are also released once sent. 3:
+  // the pieces' memory is also freed between uses, each gathered with its unit just before an
+  // operation reads it, in forward and again in backward (Note [Gathering a parameter when an
+  // operation reads it], src/dp/gatherer.h). Build the optimizer on GradientSync::parameters().
+  int zero_stage = 0;
+  // Parameters are gathered in units of consecutive modules' parameters of about unit_bytes; at
+  // stage 3 at most max_units units are whole at once, at stages 1 and 2 at most max_units
+  // gathers travel at once.
+  int64_t unit_bytes = 1024 * 1024;
+  int max_units = 2;
+};
+
 // Sums the partial_sum gradients of a module's broadcast parameters during backward. For each
 // parameter, the workers summed over are those holding the same piece: along the mesh axes on
 // which it is broadcast. Parameters with the same such workers share buckets. Construct it once
-// the module is built, on every worker; UsageError for a parameter that is not global (a plain
-// torch parameter has no layout to say how its gradient is shared).
+// the module is built, on every worker, on the thread that trains; UsageError for a parameter
+// that is not global (a plain torch parameter has no layout to say how its gradient is shared).
 class GradientSync {
  public:
-  explicit GradientSync(const std::shared_ptr<Module>& module, BucketOptions options = {});
+  explicit GradientSync(const std::shared_ptr<Module>& module, GradientSyncOptions options = {});
   ~GradientSync();
   GradientSync(GradientSync&&) noexcept;
   GradientSync& operator=(GradientSync&&) noexcept;
   template <typename ModuleType>
   explicit GradientSync(const torch::nn::ModuleHolder<ModuleType>& holder,
-                        BucketOptions options = {})
+                        GradientSyncOptions options = {})
       : GradientSync(std::static_pointer_cast<Module>(holder.ptr()), std::move(options)) {}
 
   // The workers each bucketed set of parameters is summed over (job ranks), one list per set.
   std::vector<std::vector<int>> groups() const;
 
+  // The tensors to build the optimizer on, each once: the module's parameters (local pieces),
+  // and under ZeRO this worker's slice in place of each piece it shares with other workers.
+  std::vector<at::Tensor> parameters() const { return parameters_; }
+
+  // Under ZeRO: every parameter's piece whole on this worker now (after the last step, to read
+  // them all at once); the first operation that reads one does it by itself. A collective
+  // among the workers of each group; nothing at stage 0.
+  void gather_parameters();
+
  private:
   std::vector<std::vector<int>> groups_;
   std::vector<std::unique_ptr<dp::Reducer>> reducers_;
+  std::vector<at::Tensor> parameters_;
+  std::vector<std::shared_ptr<dp::Shards>> shards_;       // per group, under ZeRO
+  std::vector<std::shared_ptr<dp::Gatherer>> gatherers_;  // per group, under ZeRO
+  void mark_slices(Module& root);
 };
 
 }  // namespace shoal::global::nn
