@@ -17,6 +17,8 @@
 // parameters (whole values, by name) from the first worker, --text FILE trains on another text,
 // --layers and --dropout change the model. A pipeline draws each micro-batch's dropout mask on its
 // own, so its losses equal one process's at --dropout 0 (docs/pipeline.md, "Global layers").
+// --recompute K recomputes every K-th block in backward instead of keeping its activations
+// (g::nn::TransformerBlockOptions::recompute).
 // --zero S shards each parameter's piece over its data axes at ZeRO stage S
 // (g::nn::GradientSyncOptions::zero_stage; not with the pipeline plans).
 // --report prints one line of measurements after training (bench/gpt_plans.sh, "Report" below).
@@ -38,6 +40,7 @@ namespace pp = shoal::pipeline;
 struct Config {
   int64_t vocabulary = 0, time = 32, batch = 8, dim = 64, heads = 4, layers = 2;
   double dropout = 0.1;
+  int recompute = 0;  // every k-th block recomputed in backward; 0: none
 };
 
 // The first layer: token and position embeddings. ids [batch, time] -> [batch, time, dim]
@@ -144,8 +147,10 @@ class GptImpl : public g::nn::Module {
     const int count = static_cast<int>(plan.layouts.size());
     layers->push_back(Embed(config, plan.layouts[0]));
     for (int i = 1; i + 1 < count; ++i) {
+      // Blocks 1, 1 + k, 1 + 2k, ... under --recompute k.
+      const bool recompute = config.recompute > 0 && (i - 1) % config.recompute == 0;
       layers->push_back(g::nn::TransformerBlock(
-          g::nn::TransformerBlockOptions{config.dim, config.heads, 0, config.dropout},
+          g::nn::TransformerBlockOptions{config.dim, config.heads, 0, config.dropout, recompute},
           plan.layouts[i]));
     }
     layers->push_back(Head(config, plan.layouts[count - 1]));
@@ -177,6 +182,9 @@ int main(int argc, char** argv) {
   app.add_option("--resume", resume, "go on from a --checkpoint file, saved in any plan");
   app.add_option("--layers", config.layers, "transformer blocks")->check(examples::positive());
   app.add_option("--dropout", config.dropout, "dropout probability")->check(CLI::Range(0.0, 1.0));
+  app.add_option("--recompute", config.recompute,
+                 "recompute every k-th transformer block in backward (0: none)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--zero", zero_stage,
                  "ZeRO stage on the data axes (0-3; not with the pipeline plans)")
       ->check(CLI::Range(0, 3));

@@ -141,16 +141,18 @@ TEST_F(GlobalGpt, EveryPlanTrainsAsOneProcess) {
 TEST_F(GlobalGpt, ZeroOnTheDataAxesTrainsAsOneProcess) {
   const std::string gpt = example("global_gpt");
   const auto [expected, reference] = one_process({});
-  const std::vector<std::array<std::string, 3>> runs = {{"hybrid", "4", "1"},
-                                                        {"hybrid", "4", "2"},
-                                                        {"hybrid", "4", "3"},
-                                                        {"data", "3", "2"},
-                                                        {"data", "3", "3"}};
-  for (const auto& [plan, workers, stage] : runs) {
-    const std::string name = plan + " on " + workers + " at zero stage " + stage;
-    const std::string file = dir_ / (plan + workers + "zero" + stage + ".pt");
-    const auto result =
-        run({"-n", workers, gpt, "--plan", plan, "--zero", stage, "--save", file}, 240s);
+  // The last: every block recomputed in backward (TransformerBlockOptions::recompute), with
+  // dropout: its masks drawn again alike, its weights gathered again at stage 3.
+  const std::vector<std::array<std::string, 4>> runs = {
+      {"hybrid", "4", "1", "0"}, {"hybrid", "4", "2", "0"}, {"hybrid", "4", "3", "0"},
+      {"data", "3", "2", "0"},   {"data", "3", "3", "0"},   {"hybrid", "4", "3", "1"}};
+  for (const auto& [plan, workers, stage, recompute] : runs) {
+    const std::string name =
+        plan + " on " + workers + " at zero stage " + stage + ", recompute " + recompute;
+    const std::string file = dir_ / (plan + workers + "zero" + stage + "r" + recompute + ".pt");
+    const auto result = run({"-n", workers, gpt, "--plan", plan, "--zero", stage, "--recompute",
+                             recompute, "--save", file},
+                            240s);
     expect_as_one_process(result, file, expected, reference, name);
   }
   // Refused where it does not apply yet, in one line.
@@ -176,19 +178,22 @@ TEST_F(GlobalGpt, PipelinePlansTrainAsOneProcess) {
   std::vector<torch::Tensor> reference;
   torch::load(reference, dir_ / "one.pt");
   struct Run {
-    std::string plan, workers, schedule, micro_batches;
+    std::string plan, workers, schedule, micro_batches, recompute = "0";
   };
+  // The last two recompute every block in backward, inside the stages (split backward too).
   const std::vector<Run> runs = {
       {"pipeline", "2", "1f1b", "4"},  {"pipeline", "2", "interleaved", "3"},
       {"pipeline", "4", "gpipe", "3"}, {"pipeline", "4", "zb", "2"},
-      {"3d", "8", "1f1b", "4"},        {"3d", "8", "zb", "3"}};
+      {"3d", "8", "1f1b", "4"},        {"3d", "8", "zb", "3"},
+      {"3d", "8", "1f1b", "4", "1"},   {"pipeline", "2", "zb", "2", "1"}};
   for (const auto& r : runs) {
-    const std::string name =
-        r.plan + " on " + r.workers + ", " + r.schedule + ", " + r.micro_batches + " micro-batches";
-    const std::string file = dir_ / (r.plan + r.workers + r.schedule + ".pt");
-    const auto result = run({"-n", r.workers, gpt, "--plan", r.plan, "--dropout", "0", "--schedule",
-                             r.schedule, "--micro-batches", r.micro_batches, "--save", file},
-                            240s);
+    const std::string name = r.plan + " on " + r.workers + ", " + r.schedule + ", " +
+                             r.micro_batches + " micro-batches, recompute " + r.recompute;
+    const std::string file = dir_ / (r.plan + r.workers + r.schedule + r.recompute + ".pt");
+    const auto result =
+        run({"-n", r.workers, gpt, "--plan", r.plan, "--dropout", "0", "--schedule", r.schedule,
+             "--micro-batches", r.micro_batches, "--recompute", r.recompute, "--save", file},
+            240s);
     expect_as_one_process(result, file, expected, reference, name);
   }
 }

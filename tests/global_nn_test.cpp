@@ -4,6 +4,8 @@
 // outside shoal: Linear, Embedding, LayerNorm, the GPT-2 block and a small GPT give the outputs
 // and gradients of the same model written in plain LibTorch (torch::nn, with the same weights
 // copied in), on one worker and on 4 in the data, tensor and hybrid plans.
+#include <malloc.h>
+
 #include <algorithm>
 #include <cmath>
 #include <functional>
@@ -176,6 +178,46 @@ TEST(GradientSync, ZeroStageOutOfRangeIsRefused) {
     } catch (const shoal::UsageError& e) {
       EXPECT_STREQ(e.what(), "GradientSync: zero_stage must be 0, 1, 2 or 3, got 4");
     }
+  });
+}
+
+// TransformerBlockOptions::recompute on 2 tensor-parallel workers, with dropout: the gradients
+// of x and of every weight equal the block kept whole, bit for bit on one thread (the dropout
+// masks drawn again alike, the all-reduces run again), and between forward and backward the
+// recomputed block holds less.
+TEST(TransformerBlock, RecomputedGivesTheSameGradientsAndHoldsLess) {
+  run_workers(2, [] {
+    at::set_num_threads(1);
+    const g::nn::Layout layout{g::Placement::all(), {0}};
+    const auto run = [&](bool recompute, int64_t* held) {
+      torch::manual_seed(5);
+      g::nn::TransformerBlock block(g::nn::TransformerBlockOptions{32, 4, 0, 0.1, recompute},
+                                    layout);
+      torch::manual_seed(6);
+      auto x = g::randn({16, 24, 32}, layout.placement, layout.replicated());
+      x.requires_grad_();
+      const auto in_use = [] {
+        const auto info = mallinfo2();
+        return static_cast<int64_t>(info.uordblks + info.hblkhd);
+      };
+      const int64_t before = in_use();
+      const auto loss = g::mean(block->forward(x));
+      *held = in_use() - before;
+      loss.backward();
+      std::vector<torch::Tensor> grads{x.to_local().grad()};
+      for (const auto& p : block->parameters()) grads.push_back(p.grad());
+      return grads;
+    };
+    int64_t warm = 0, plain_held = 0, recomputed_held = 0;
+    run(false, &warm);
+    const auto plain = run(false, &plain_held);
+    const auto recomputed = run(true, &recomputed_held);
+    ASSERT_EQ(plain.size(), recomputed.size());
+    for (size_t i = 0; i < plain.size(); ++i) {
+      ASSERT_TRUE(plain[i].defined() && recomputed[i].defined()) << i;
+      EXPECT_TRUE(torch::equal(plain[i], recomputed[i])) << "gradient " << i;
+    }
+    EXPECT_LT(recomputed_held, plain_held / 2) << recomputed_held << " against " << plain_held;
   });
 }
 

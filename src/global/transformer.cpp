@@ -3,6 +3,7 @@
 #include <limits>
 
 #include "shoal/core/error.h"
+#include "shoal/dp/recompute.h"
 #include "shoal/global/nn.h"
 
 namespace shoal::global::nn {
@@ -40,6 +41,27 @@ GlobalTensor TransformerBlockImpl::forward(const GlobalTensor& x) {
     throw UsageError("TransformerBlock: expected x [batch, time, " + std::to_string(options.dim) +
                      "], got " + x.describe());
   }
+  if (!options.recompute) return compute(x);
+  // Note [Recomputing a global block]: shoal::recompute works on torch tensors, so the block
+  // runs on this worker's piece of x, wrapped again as the global tensor it is, and gives its
+  // output's piece; the output's layout, which the ops decide, is read from the first run. Every
+  // worker of the placement recomputes the same block at the same point of backward, so the
+  // collectives of the recomputation (and of its backward) meet as the forward's did.
+  std::vector<at::Tensor> weights;
+  for (const auto& p : parameters()) {
+    if (p.requires_grad()) weights.push_back(p);
+  }
+  auto output = std::make_shared<GlobalTensor>();
+  const RecomputedFunction fn = [this, output, placement = x.placement(), sbp = x.sbp(),
+                                 shape = x.shape()](const std::vector<at::Tensor>& inputs) {
+    *output = compute(GlobalTensor(inputs[0], placement, sbp, shape));
+    return std::vector<at::Tensor>{output->to_local()};
+  };
+  const at::Tensor y = shoal::recompute(fn, {x.to_local()}, weights).front();
+  return GlobalTensor(y, output->placement(), output->sbp(), output->shape());
+}
+
+GlobalTensor TransformerBlockImpl::compute(const GlobalTensor& x) {
   const int64_t batch = x.shape()[0], time = x.shape()[1];
   const int64_t heads = options.heads, head_dim = options.dim / heads;
   const double p = is_training() ? options.dropout : 0.0;

@@ -113,6 +113,10 @@ struct TransformerBlockOptions {
   int64_t heads = 4;
   int64_t hidden = 0;  // of the MLP; 0: 4 * dim
   double dropout = 0;
+  // Recompute the block in backward instead of keeping its activations (shoal::recompute,
+  // docs/memory.md "Recomputing activations"): the dropout masks are drawn again alike, the
+  // tensor axes' all-reduces run again, and at ZeRO stage 3 the weights are gathered again.
+  bool recompute = false;
 };
 
 // A GPT-2 block: x + attention(layer_norm(x)), then x + mlp(layer_norm(x)), with causal
@@ -125,6 +129,8 @@ class TransformerBlockImpl : public Module {
   TransformerBlockImpl(const TransformerBlockOptions& options, const Layout& layout);
   // x [batch, time, dim].
   GlobalTensor forward(const GlobalTensor& x);
+  // The block's computation, which forward() runs directly or under recompute.
+  GlobalTensor compute(const GlobalTensor& x);
 
   TransformerBlockOptions options;
   Layout layout;
