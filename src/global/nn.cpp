@@ -12,6 +12,7 @@
 #include "layout.h"
 #include "shoal/core/error.h"
 #include "shoal/runtime/init.h"
+#include "zero.h"
 
 namespace shoal::global::nn {
 
@@ -220,49 +221,68 @@ GradientSync::GradientSync(const std::shared_ptr<Module>& module, GradientSyncOp
   } else {
     reducer.average = false;  // a global loss is the whole batch's mean already
   }
+  std::vector<global::detail::DataAxisZero::Set> sets;
   for (const auto& ranks : order) {
     groups_.push_back(ranks);
-    comm::Group& group = detail::group_of(ranks);
     if (options.zero_stage == 0) {
-      reducers_.push_back(std::make_unique<dp::Reducer>(by_group[ranks], group, reducer));
-      continue;
+      reducers_.push_back(
+          std::make_unique<dp::Reducer>(by_group[ranks], detail::group_of(ranks), reducer));
+    } else {
+      sets.push_back({ranks, by_group[ranks]});
     }
-    // ZeRO over the workers holding the same pieces: the data axes of these parameters.
-    auto shards = std::make_shared<dp::Shards>(by_group[ranks], group.rank(), group.size(),
-                                               options.zero_stage);
-    const bool stage3 = options.zero_stage == 3;
-    auto gatherer = std::make_shared<dp::Gatherer>(
-        shards, group, dp::module_units(*module, *shards, options.unit_bytes), options.max_units,
-        /*keep_memory=*/!stage3);
-    gatherer->observe_this_thread();
-    dp::ReducerOptions sharded = reducer;
-    sharded.shards = shards;
-    auto sum = std::make_unique<dp::Reducer>(by_group[ranks], group, sharded);
-    // The optimizer's step comes next and changes the slices: each piece is gathered again when
-    // an operation next reads it.
-    std::weak_ptr<dp::Gatherer> weak = gatherer;
-    sum->set_after_backward([weak] {
-      if (auto g = weak.lock()) {
-        g->release_all();
-        g->rethrow();
-      }
-    });
-    reducers_.push_back(std::move(sum));
-    shards_.push_back(std::move(shards));
-    gatherers_.push_back(std::move(gatherer));
   }
-  if (!shards_.empty()) mark_slices(*module);
+  if (!sets.empty()) {
+    // ZeRO over the workers holding the same pieces: the data axes of these parameters.
+    zero_ = std::make_unique<global::detail::DataAxisZero>(
+        *module, std::move(sets), options.zero_stage, options.unit_bytes, options.max_units);
+    zero_->start();
+    for (size_t set = 0; set < zero_->sets(); ++set) {
+      dp::ReducerOptions sharded = reducer;
+      sharded.shards = zero_->shards(set);
+      auto sum =
+          std::make_unique<dp::Reducer>(by_group[zero_->ranks(set)], zero_->group(set), sharded);
+      // The optimizer's step comes next and changes the slices.
+      global::detail::DataAxisZero* zero = zero_.get();
+      sum->set_after_backward([zero, set] { zero->slices_changed(set); });
+      reducers_.push_back(std::move(sum));
+    }
+  }
   // Each tensor once, a shared piece replaced by this worker's slice of it.
   std::set<const c10::TensorImpl*> listed;
   for (const auto& p : module->parameters()) {
-    if (!listed.insert(p.unsafeGetTensorImpl()).second) continue;
-    at::Tensor tensor = p;
-    for (const auto& shards : shards_) {
-      if (const auto k = shards->index_of(p)) tensor = shards->slice(*k);
-    }
-    parameters_.push_back(tensor);
+    if (listed.insert(p.unsafeGetTensorImpl()).second)
+      parameters_.push_back(zero_ ? zero_->optimizer_tensor(p) : p);
   }
 }
+
+void GradientSync::gather_parameters() {
+  if (zero_) zero_->gather_all();
+}
+
+std::vector<std::vector<int>> GradientSync::groups() const {
+  return groups_;
+}
+
+}  // namespace shoal::global::nn
+
+namespace shoal::global::detail {
+
+// ----- ZeRO on the data axes (src/global/zero.h) -----
+
+struct DataAxisZero::State {
+  struct PerSet {
+    std::vector<int> ranks;
+    std::shared_ptr<dp::Shards> shards;
+    std::vector<std::vector<size_t>> units;
+    std::shared_ptr<dp::Gatherer> gatherer;  // once started
+  };
+  std::vector<PerSet> sets;
+  int stage = 0;
+  int max_units = 2;
+  bool started = false;
+};
+
+namespace {
 
 // Note [Saving a sharded global model]
 // A checkpoint holds whole values, whatever the plan (docs/checkpoint.md). Under ZeRO a worker's
@@ -272,61 +292,126 @@ GradientSync::GradientSync(const std::shared_ptr<Module>& module, GradientSyncOp
 // then gathers the pieces along the layout; cutting a whole value cuts the layout's piece, then
 // this worker's slice of it. After a load the pieces are gathered anew when next read. So a
 // checkpoint saved under ZeRO loads into any plan at any stage, and the other way round.
-void GradientSync::mark_slices(Module& root) {
+checkpoint::Piece through_slice(checkpoint::Piece piece,
+                                const std::weak_ptr<DataAxisZero::State>& weak, size_t set,
+                                size_t k) {
+  auto state = weak.lock();
+  if (!state) return piece;
+  const auto shards = state->sets[set].shards;
+  const std::vector<int> ranks = state->sets[set].ranks;
+  const std::vector<int64_t> piece_shape = piece.local.sizes().vec();
+  piece.slice = shards->slice(k);
+  auto whole_of_piece = std::move(piece.gather);
+  piece.gather = [shards, ranks, k, piece_shape, whole_of_piece](const at::Tensor& like) {
+    torch::NoGradGuard no_grad;
+    comm::AllGatherOptions options;
+    for (int r = 0; r < shards->size(); ++r) options.sizes.push_back(shards->length(k, r));
+    const at::Tensor piece_value = group_of(ranks).all_gather(like.detach().reshape(-1), options);
+    return whole_of_piece(piece_value.view(piece_shape));
+  };
+  auto piece_of_whole = std::move(piece.cut);
+  piece.cut = [shards, k, piece_of_whole](const at::Tensor& whole) {
+    const at::Tensor mine = piece_of_whole(whole);
+    if (!mine.defined()) return mine;
+    const int rank = shards->rank();
+    return mine.reshape(-1).narrow(0, shards->start(k, rank), shards->length(k, rank)).clone();
+  };
+  piece.loaded = [weak, set] {
+    auto state = weak.lock();
+    if (state && state->sets[set].gatherer) state->sets[set].gatherer->release_all();
+  };
+  return piece;
+}
+
+}  // namespace
+
+DataAxisZero::DataAxisZero(torch::nn::Module& root, std::vector<Set> sets, int stage,
+                           int64_t unit_bytes, int max_units)
+    : state_(std::make_shared<State>()) {
+  state_->stage = stage;
+  state_->max_units = max_units;
+  const int me = my_rank();
+  for (auto& set : sets) {
+    State::PerSet per;
+    const int rank =
+        static_cast<int>(std::find(set.ranks.begin(), set.ranks.end(), me) - set.ranks.begin());
+    per.shards =
+        std::make_shared<dp::Shards>(set.pieces, rank, static_cast<int>(set.ranks.size()), stage);
+    per.units = dp::module_units(root, *per.shards, unit_bytes);
+    per.ranks = std::move(set.ranks);
+    state_->sets.push_back(std::move(per));
+  }
+  // The global layers' pieces, seen through the slices by checkpoints.
+  const std::weak_ptr<State> weak = state_;
   for (const auto& item : root.named_modules()) {
-    auto* module = dynamic_cast<Module*>(item.value().get());
+    auto* module = dynamic_cast<nn::Module*>(item.value().get());
     if (module == nullptr) continue;
-    for (const auto& [name, value] : module->globals_) {
-      const at::Tensor& local = value.to_local();
-      for (size_t g = 0; g < shards_.size(); ++g) {
-        const auto k = shards_[g]->index_of(local);
+    for (const auto& named : module->globals_) {
+      const at::Tensor& local = named.second.to_local();
+      for (size_t set = 0; set < state_->sets.size(); ++set) {
+        const auto k = state_->sets[set].shards->index_of(local);
         if (!k) continue;
-        std::weak_ptr<dp::Shards> weak_shards = shards_[g];
-        std::weak_ptr<dp::Gatherer> weak_gatherer = gatherers_[g];
-        comm::Group group = detail::group_of(groups_[g]);
-        module->sliced_[local.unsafeGetTensorImpl()] = [weak_shards, weak_gatherer, group,
+        module->sliced_[local.unsafeGetTensorImpl()] = [weak, set,
                                                         k = *k](checkpoint::Piece piece) {
-          auto shards = weak_shards.lock();
-          if (!shards) return piece;
-          const std::vector<int64_t> piece_shape = piece.local.sizes().vec();
-          piece.slice = shards->slice(k);
-          auto whole_of_piece = std::move(piece.gather);
-          piece.gather = [shards, group, k, piece_shape,
-                          whole_of_piece](const at::Tensor& like) mutable {
-            torch::NoGradGuard no_grad;
-            comm::AllGatherOptions options;
-            for (int r = 0; r < shards->size(); ++r) options.sizes.push_back(shards->length(k, r));
-            return whole_of_piece(
-                group.all_gather(like.detach().reshape(-1), options).view(piece_shape));
-          };
-          auto piece_of_whole = std::move(piece.cut);
-          piece.cut = [shards, k, piece_of_whole](const at::Tensor& whole) {
-            const at::Tensor mine = piece_of_whole(whole);
-            if (!mine.defined()) return mine;
-            const int rank = shards->rank();
-            return mine.reshape(-1)
-                .narrow(0, shards->start(k, rank), shards->length(k, rank))
-                .clone();
-          };
-          piece.loaded = [weak_gatherer] {
-            if (auto gatherer = weak_gatherer.lock()) gatherer->release_all();
-          };
-          return piece;
+          return through_slice(std::move(piece), weak, set, k);
         };
       }
     }
   }
 }
 
-void GradientSync::gather_parameters() {
-  for (auto& gatherer : gatherers_) {
-    gatherer->gather_all();
-    gatherer->rethrow();
+DataAxisZero::~DataAxisZero() = default;
+
+size_t DataAxisZero::sets() const {
+  return state_->sets.size();
+}
+const std::vector<int>& DataAxisZero::ranks(size_t set) const {
+  return state_->sets[set].ranks;
+}
+comm::Group& DataAxisZero::group(size_t set) const {
+  return group_of(state_->sets[set].ranks);
+}
+const std::shared_ptr<dp::Shards>& DataAxisZero::shards(size_t set) const {
+  return state_->sets[set].shards;
+}
+
+at::Tensor DataAxisZero::optimizer_tensor(const at::Tensor& parameter) const {
+  for (const auto& set : state_->sets) {
+    if (const auto k = set.shards->index_of(parameter)) return set.shards->slice(*k);
+  }
+  return parameter;
+}
+
+void DataAxisZero::start() {
+  if (state_->started) return;
+  state_->started = true;
+  const bool stage3 = state_->stage == 3;
+  for (auto& set : state_->sets) {
+    set.gatherer = std::make_shared<dp::Gatherer>(set.shards, group_of(set.ranks), set.units,
+                                                  state_->max_units, /*keep_memory=*/!stage3);
+    set.gatherer->observe_this_thread();
+    // The slices may hold values the pieces do not (a load before the start): gathered when read.
+    if (!stage3) set.gatherer->release_all();
   }
 }
 
-std::vector<std::vector<int>> GradientSync::groups() const {
-  return groups_;
+bool DataAxisZero::started() const {
+  return state_->started;
 }
 
-}  // namespace shoal::global::nn
+void DataAxisZero::slices_changed(size_t set) {
+  auto& gatherer = state_->sets[set].gatherer;
+  if (!gatherer) return;
+  gatherer->release_all();
+  gatherer->rethrow();
+}
+
+void DataAxisZero::gather_all() {
+  for (auto& set : state_->sets) {
+    if (!set.gatherer) continue;
+    set.gatherer->gather_all();
+    set.gatherer->rethrow();
+  }
+}
+
+}  // namespace shoal::global::detail

@@ -28,10 +28,12 @@
 #include "shoal/global/ops.h"
 
 namespace shoal::dp {
-class Reducer;   // src/dp/reducer.h
-class Shards;    // src/dp/shards.h
-class Gatherer;  // src/dp/gatherer.h
+class Reducer;  // src/dp/reducer.h
 }  // namespace shoal::dp
+
+namespace shoal::global::detail {
+class DataAxisZero;  // src/global/zero.h
+}  // namespace shoal::global::detail
 
 namespace shoal::global::nn {
 
@@ -55,9 +57,9 @@ class Module : public torch::nn::Module, public checkpoint::Savable {
   GlobalTensor register_global_parameter(const std::string& name, const GlobalTensor& value);
 
  private:
-  friend class GradientSync;
+  friend class global::detail::DataAxisZero;
   std::vector<std::pair<std::string, GlobalTensor>> globals_;
-  // A GradientSync's ZeRO: how the checkpoint's piece of a parameter (by its local tensor) is
+  // ZeRO on the data axes: how the checkpoint's piece of a parameter (by its local tensor) is
   // seen through this worker's slice of it (Note [Saving a sharded global model], nn.cpp).
   std::map<const c10::TensorImpl*, std::function<checkpoint::Piece(checkpoint::Piece)>> sliced_;
 };
@@ -195,9 +197,7 @@ class GradientSync {
   std::vector<std::vector<int>> groups_;
   std::vector<std::unique_ptr<dp::Reducer>> reducers_;
   std::vector<at::Tensor> parameters_;
-  std::vector<std::shared_ptr<dp::Shards>> shards_;       // per group, under ZeRO
-  std::vector<std::shared_ptr<dp::Gatherer>> gatherers_;  // per group, under ZeRO
-  void mark_slices(Module& root);
+  std::unique_ptr<global::detail::DataAxisZero> zero_;  // under ZeRO
 };
 
 }  // namespace shoal::global::nn
