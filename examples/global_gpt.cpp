@@ -20,7 +20,7 @@
 // --recompute K recomputes every K-th block in backward instead of keeping its activations
 // (g::nn::TransformerBlockOptions::recompute).
 // --zero S shards each parameter's piece over its data axes at ZeRO stage S
-// (g::nn::GradientSyncOptions::zero_stage; not with the pipeline plans).
+// (g::nn::GradientSyncOptions::zero_stage, PipelineOptions::zero_stage).
 // --report prints one line of measurements after training (bench/gpt_plans.sh, "Report" below).
 #include <algorithm>
 #include <chrono>
@@ -185,8 +185,7 @@ int main(int argc, char** argv) {
   app.add_option("--recompute", config.recompute,
                  "recompute every k-th transformer block in backward (0: none)")
       ->check(CLI::NonNegativeNumber);
-  app.add_option("--zero", zero_stage,
-                 "ZeRO stage on the data axes (0-3; not with the pipeline plans)")
+  app.add_option("--zero", zero_stage, "ZeRO stage on the data axes (0-3)")
       ->check(CLI::Range(0, 3));
   app.add_flag("--report", report, "print the step time and bytes sent per step at the end");
   if (const int code = examples::parse(app, argc, argv); code >= 0) return code;
@@ -194,11 +193,6 @@ int main(int argc, char** argv) {
     shoal::init();
     const int stages_per_worker = schedule == "interleaved" ? 2 : 1;
     const Plan plan = make_plan(plan_name, static_cast<int>(config.layers) + 2, stages_per_worker);
-    if (zero_stage > 0 && plan.pipeline)
-      throw shoal::UsageError(
-          "--zero: the pipeline plans sum gradients in the pipeline, which "
-          "does not shard them yet; expected --zero 0 with --plan " +
-          plan_name);
     const g::Placement& first = plan.layouts.front().placement;
     const g::Placement& last = plan.layouts.back().placement;
 
@@ -233,6 +227,7 @@ int main(int argc, char** argv) {
       options.micro_batches = micro_batches;
       options.schedule = shoal::pipeline::parse_schedule_kind(schedule);
       options.batch = plan.batch.axes();
+      options.zero_stage = zero_stage;
       pipe = std::make_unique<pp::Pipeline>(model->layers, options);
     } else {
       g::nn::GradientSyncOptions sync_options;

@@ -706,6 +706,14 @@ TEST(PipelineErrors, BadOptionsAndBatchesAreUsageErrors) {
     expect_usage([&] { pp::Pipeline pipe(mlp(), options); },
                  "pipeline: split [9, 0] gives stage 1 no layer; every stage needs at least one");
     options.split = {};
+    options.zero_stage = 2;  // ZeRO shards global layers' pieces (tests/global_examples_test.cpp)
+    expect_usage([&] { pp::Pipeline pipe(mlp(), options); },
+                 "pipeline: zero_stage shards global layers' pieces over their data axes, but this "
+                 "model's layers are plain torch modules; expected zero_stage 0");
+    options.zero_stage = 4;
+    expect_usage([&] { pp::Pipeline pipe(mlp(), options); },
+                 "pipeline: zero_stage must be 0, 1, 2 or 3, got 4");
+    options.zero_stage = 0;
     options.micro_batches = 4;
     pp::Pipeline pipe(mlp(), options);
     auto [x, y] = batch(3, 5, 3, 0);

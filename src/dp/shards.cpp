@@ -141,13 +141,7 @@ void Shards::unpack(const std::vector<size_t>& bucket, const Layout& layout, con
   }
 }
 
-void Shards::gather(comm::Group& group, int64_t bucket_bytes) {
-  SHOAL_CHECK(group.size() == size_)
-      << "shards for " << size_ << " members gathered over " << group.size();
-  SHOAL_CHECK(stage_ < 3) << "stage 3 gathers by unit (src/dp/gatherer.h)";
-  if (size_ == 1) return;  // the slices are the parameters
-  // Consecutive parameters of one dtype, about bucket_bytes at a time, in registration order
-  // (the order forward uses them).
+std::vector<std::vector<size_t>> Shards::consecutive(int64_t bucket_bytes) const {
   std::vector<std::vector<size_t>> buckets;
   int64_t bytes = 0;
   for (size_t k = 0; k < params_.size(); ++k) {
@@ -159,6 +153,59 @@ void Shards::gather(comm::Group& group, int64_t bucket_bytes) {
     buckets.back().push_back(k);
     bytes += params_[k].numel() * static_cast<int64_t>(params_[k].element_size());
   }
+  return buckets;
+}
+
+void Shards::sum_gradients(comm::Group& group, const std::vector<at::Tensor>& since,
+                           int64_t bucket_bytes, Duration timeout) {
+  SHOAL_CHECK(group.size() == size_)
+      << "shards for " << size_ << " members summed over " << group.size();
+  SHOAL_CHECK(since.empty() || since.size() == params_.size())
+      << "sum_gradients() given " << since.size() << " earlier gradients for " << params_.size();
+  at::NoGradGuard no_grad;
+  const auto earlier = [&](size_t k) { return since.empty() ? at::Tensor() : since[k]; };
+  for (const auto& bucket : consecutive(bucket_bytes)) {
+    const Layout cut = layout(bucket);
+    int64_t total = 0;
+    for (auto segment : cut.segments) total += segment;
+    auto buffer = at::zeros({total}, params_[bucket.front()].options().requires_grad(false));
+    for (size_t j = 0; j < bucket.size(); ++j) {
+      const size_t k = bucket[j];
+      at::Tensor& grad = params_[k].mutable_grad();
+      if (!grad.defined()) continue;
+      const at::Tensor before = earlier(k);
+      pack(k, before.defined() ? grad - before : grad, cut.offsets[j], buffer, 1.0);
+      if (stage_ >= 2) {
+        grad.reset();
+      } else {
+        grad.zero_();
+      }
+    }
+    comm::ReduceScatterOptions options;
+    options.sizes = cut.segments;
+    options.timeout = timeout;
+    const at::Tensor mine = group.reduce_scatter(buffer, options);
+    give_gradients(bucket, cut, mine, [](size_t) { return false; });
+    if (stage_ != 1) continue;
+    // Stage 1's slice .grad is its part of the parameter's, zeroed above: what it held before
+    // this step (the earlier steps' sums) goes back in.
+    for (size_t k : bucket) {
+      const at::Tensor before = earlier(k);
+      if (before.defined() && slices_[k].numel() > 0)
+        slices_[k].mutable_grad().add_(
+            before.reshape(-1).narrow(0, start(k, rank_), slices_[k].numel()));
+    }
+  }
+}
+
+void Shards::gather(comm::Group& group, int64_t bucket_bytes) {
+  SHOAL_CHECK(group.size() == size_)
+      << "shards for " << size_ << " members gathered over " << group.size();
+  SHOAL_CHECK(stage_ < 3) << "stage 3 gathers by unit (src/dp/gatherer.h)";
+  if (size_ == 1) return;  // the slices are the parameters
+  // Consecutive parameters of one dtype, about bucket_bytes at a time, in registration order
+  // (the order forward uses them).
+  const auto buckets = consecutive(bucket_bytes);
   struct InFlight {
     const std::vector<size_t>* bucket;
     Layout layout;

@@ -33,6 +33,7 @@
 #include <ATen/ATen.h>
 
 #include "shoal/comm/group.h"
+#include "shoal/core/timeout.h"
 
 namespace shoal::dp {
 
@@ -85,12 +86,23 @@ class Shards {
   // parameters, in all-gathers of about `bucket_bytes`, two in flight. A collective.
   void gather(comm::Group& group, int64_t bucket_bytes);
 
+  // A pipeline's end-of-step sum (its backward runs once per micro-batch): what each parameter's
+  // .grad gained since `since` (one entry per parameter, undefined: since zero; empty: all
+  // zero), summed over the group and reduce-scattered, in buckets of about `bucket_bytes`, into
+  // the slices' .grad (added to what they hold). The parameters' own .grad are then released at
+  // stages 2 and 3, zeroed at stage 1 (whose slices' .grad are parts of them). A collective.
+  void sum_gradients(comm::Group& group, const std::vector<at::Tensor>& since, int64_t bucket_bytes,
+                     Duration timeout);
+
   // The norm of the slices' gradients over the group (a collective), as
   // torch::nn::utils::clip_grad_norm_ computes it on one process, and the gradients scaled by
   // max_norm / (norm + 1e-6) when that is below 1. Returns the norm.
   double clip_grad_norm(comm::Group& group, double max_norm, double norm_type);
 
  private:
+  // Consecutive parameters of one dtype, about bucket_bytes at a time, in registration order.
+  std::vector<std::vector<size_t>> consecutive(int64_t bucket_bytes) const;
+
   std::vector<at::Tensor> params_;
   std::vector<at::Tensor> slices_;
   std::vector<std::vector<int64_t>> starts_;  // [k][r], n + 1 entries

@@ -330,6 +330,14 @@ void keep_global_layers(Pipeline::State& state, torch::nn::Sequential& net) {
   }
   // In sorted order (std::map's), so that workers sharing two sets make their groups alike.
   for (auto& [holders, parameters] : by_holders) state.holders.emplace_back(holders, parameters);
+  if (state.options.zero_stage == 0) return;
+  // ZeRO: the same sets, each piece cut over its holders; the optimizer takes the slices.
+  std::vector<global::detail::DataAxisZero::Set> sets;
+  for (const auto& [holders, parameters] : state.holders) sets.push_back({holders, parameters});
+  state.zero = std::make_unique<global::detail::DataAxisZero>(
+      *net, std::move(sets), state.options.zero_stage, state.options.unit_bytes,
+      state.options.max_units);
+  for (auto& p : state.parameters) p = state.zero->optimizer_tensor(p);
 }
 
 }  // namespace
@@ -350,6 +358,16 @@ Pipeline::Pipeline(torch::nn::Sequential net, PipelineOptions options)
   State& state = *state_;
   state.options = std::move(options);
   state.world_size = shoal::world_size();
+  if (state.options.zero_stage < 0 || state.options.zero_stage > 3) {
+    throw UsageError("pipeline: zero_stage must be 0, 1, 2 or 3, got " +
+                     std::to_string(state.options.zero_stage));
+  }
+  if (state.options.zero_stage > 0 &&
+      (state.options.unit_bytes < 1 || state.options.max_units < 1)) {
+    throw UsageError("pipeline: unit_bytes and max_units must be positive, got " +
+                     std::to_string(state.options.unit_bytes) + " and " +
+                     std::to_string(state.options.max_units));
+  }
   const int layer_count = static_cast<int>(net->size());
   const std::vector<global::Placement> layer_placements = placements_of_layers(net);
   state.global = !layer_placements.empty();
@@ -360,6 +378,11 @@ Pipeline::Pipeline(torch::nn::Sequential net, PipelineOptions options)
     place_stages(state, state.stage_placements);
     state.batch = batch_layout(state.options.batch, state.stage_placements.front());
   } else {
+    if (state.options.zero_stage > 0) {
+      throw UsageError(
+          "pipeline: zero_stage shards global layers' pieces over their data axes, but this "
+          "model's layers are plain torch modules; expected zero_stage 0");
+    }
     if (!state.options.batch.empty()) {
       throw UsageError(
           "pipeline: options.batch lays out the micro-batches of global layers, but this "

@@ -14,6 +14,7 @@
 #include <torch/types.h>
 
 #include "dp/reducer.h"
+#include "global/zero.h"
 #include "shoal/comm/group.h"
 #include "shoal/global/placement.h"
 #include "shoal/pipeline/pipeline.h"
@@ -163,6 +164,9 @@ struct Pipeline::State {
   // [Summing a step's gradients], step.cpp).
   std::unique_ptr<dp::Reducer> tied_sum;
   std::vector<std::unique_ptr<dp::Reducer>> holder_sums;
+  // PipelineOptions::zero_stage: the `holders` sets' slices and gathers, in the same order; their
+  // sums are reduce-scatters into the slices (dp::Shards::sum_gradients) instead of holder_sums.
+  std::unique_ptr<global::detail::DataAxisZero> zero;
   std::unique_ptr<dp::Reducer> replica_sum;
   // Shapes and receive buffers, by (batch rows, stage, micro-batch): learned at the first step
   // with that batch size (Note [Shape headers]).

@@ -5,6 +5,7 @@
 
 #include <torch/autograd.h>
 
+#include "dp/shards.h"
 #include "pipeline_state.h"
 #include "shoal/core/error.h"
 #include "shoal/core/timeline.h"
@@ -543,6 +544,7 @@ torch::Tensor evaluate_step(Pipeline::State& state, const torch::Tensor& input,
   std::optional<timeline::Slice> slice;
   if (timeline::enabled()) slice.emplace("evaluate", "pipeline");
   double part = 0;
+  if (state.zero) state.zero->start();
   StepRun run(state, input, target, loss, global_loss);
   try {
     torch::NoGradGuard no_grad;
@@ -606,6 +608,8 @@ torch::Tensor Pipeline::run_step(const torch::Tensor& input, const torch::Tensor
   for (const auto& [holders, parameters] : state.holders)
     holders_before.push_back(gradients_of(parameters));
 
+  // ZeRO: from the first step on, pieces are gathered when the stages read them.
+  if (state.zero) state.zero->start();
   // The whole step as one slice, around its actions' (docs/pipeline.md, "Timeline").
   std::optional<timeline::Slice> step_slice;
   if (timeline::enabled()) step_slice.emplace("step", "pipeline");
@@ -635,6 +639,13 @@ torch::Tensor Pipeline::run_step(const torch::Tensor& input, const torch::Tensor
     // Global layers: each parameter's over the workers holding the same piece, in the sorted
     // order of those sets, so that two workers sharing two sets make and use them alike.
     for (size_t h = 0; h < state.holders.size(); ++h) {
+      if (state.zero) {
+        // ZeRO: into this worker's slices; the pieces are gathered again when next read.
+        state.zero->shards(h)->sum_gradients(state.zero->group(h), holders_before[h],
+                                             state.options.unit_bytes, timeout);
+        state.zero->slices_changed(h);
+        continue;
+      }
       if (state.holder_sums.size() == h) {
         std::vector<int> positions;
         const auto& members = world.members();

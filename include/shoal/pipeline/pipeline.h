@@ -91,6 +91,15 @@ struct PipelineOptions {
   // agree with the pipeline's). It is validated (validate()) when the pipeline is made, as the
   // generated ones are.
   std::shared_ptr<const Schedule> custom_schedule;
+  // Global layers only: ZeRO on the data axes (docs/memory.md, "Global models: ZeRO on the data
+  // axes"), as global::nn::GradientSyncOptions::zero_stage: each piece that several workers hold
+  // is cut over them; parameters() gives this worker's slices; the step's sum over them is a
+  // reduce-scatter into the slices, and a piece is gathered when an operation first reads it
+  // after the optimizer's step (at stage 3 freed again between uses). unit_bytes and max_units as
+  // there; the step's reduce-scatters go in buckets of unit_bytes.
+  int zero_stage = 0;
+  int64_t unit_bytes = 1024 * 1024;
+  int max_units = 2;
 };
 
 // What one step stashed on one of this worker's stages (Pipeline::last_step_stats()).
