@@ -482,6 +482,47 @@ TEST(Zero, GradientNoiseEqualsTheReplicatedMeasure) {
 // At stage 3 the module's own forward, called directly on the thread that wrapped it (an
 // evaluation that skips the wrapper), gathers what it reads too, and so does any operation that
 // reads a parameter; the parameters hold no memory again after the next backward.
+// Two synchronized backwards before a step, with no zero_grad() between (the gradients
+// accumulate, as on one process and under PyTorch's DDP): each stage gives the one-process sum of
+// the two averages, and so does the next step after zero_grad().
+TEST(Zero, SynchronizedBackwardsAccumulateAsOneProcess) {
+  run_workers(3, [] {
+    const int n = shoal::world_size(), r = shoal::rank();
+    torch::manual_seed(77);
+    const auto x = torch::randn({2, 2, n * kPerWorker, kIn});
+    const auto y = torch::randint(kOut, {2, 2, n * kPerWorker});
+    for (int stage : {0, 1, 2, 3}) {
+      torch::manual_seed(78);
+      Net reference(/*with_norm=*/false);
+      torch::manual_seed(78);
+      Net net(/*with_norm=*/false);
+      shoal::DataParallelOptions options;
+      options.zero_stage = stage;
+      options.bucket_bytes = 100;
+      options.first_bucket_bytes = 40;
+      shoal::DataParallel model(net, options);
+      torch::optim::SGD ref_opt(unique(reference->parameters()), torch::optim::SGDOptions(0.1));
+      torch::optim::SGD opt(model.parameters(), torch::optim::SGDOptions(0.1));
+      for (int step = 0; step < 2; ++step) {
+        ref_opt.zero_grad();
+        opt.zero_grad();
+        for (int pass = 0; pass < 2; ++pass) {
+          torch::nn::functional::cross_entropy(reference->forward(x[step][pass]), y[step][pass])
+              .backward();
+          const auto mine = x[step][pass].narrow(0, r * kPerWorker, kPerWorker);
+          const auto labels = y[step][pass].narrow(0, r * kPerWorker, kPerWorker);
+          torch::nn::functional::cross_entropy(model(mine), labels).backward();
+        }
+        ref_opt.step();
+        opt.step();
+        model.gather_parameters();
+        EXPECT_LT(relative_difference(net->parameters(), reference->parameters()), 1e-5)
+            << "stage " << stage << ", step " << step;
+      }
+    }
+  });
+}
+
 TEST(Zero, Stage3GathersForTheModuleCalledDirectly) {
   run_workers(2, [] {
     torch::manual_seed(100);

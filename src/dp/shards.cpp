@@ -4,6 +4,7 @@
 #include <deque>
 #include <limits>
 #include <string>
+#include <utility>
 
 #include <ATen/core/grad_mode.h>
 
@@ -39,6 +40,32 @@ Shards::Shards(std::vector<at::Tensor> params, int rank, int size, int stage)
     }
     slice.requires_grad_(p.requires_grad());
     slices_.push_back(slice);
+  }
+}
+
+Shards::~Shards() {
+  for (size_t k = 0; k < apart_hooks_.size(); ++k) params_[k].remove_hook(apart_hooks_[k]);
+}
+
+void Shards::keep_sums_apart() {
+  if (stage_ != 1 || !apart_hooks_.empty()) return;
+  apart_.resize(params_.size());
+  apart_open_.assign(params_.size(), true);
+  for (size_t k = 0; k < params_.size(); ++k) {
+    // Runs before the gradient accumulates into the parameter's .grad.
+    apart_hooks_.push_back(params_[k].register_hook([this, k](const at::Tensor&) {
+      // Once between two synchronized backwards: the first gradient after one.
+      if (!apart_open_[k]) return at::Tensor();
+      apart_open_[k] = false;
+      at::Tensor& grad = slices_[k].mutable_grad();
+      if (!grad.defined() || grad.numel() == 0) return at::Tensor();
+      at::NoGradGuard no_grad;
+      // After zero_grad() (LibTorch's zeroes in place) there is nothing to keep: no copy.
+      if (grad.count_nonzero().item<int64_t>() == 0) return at::Tensor();
+      apart_[k] = grad.clone();
+      grad.zero_();
+      return at::Tensor();
+    }));
   }
 }
 
@@ -99,6 +126,10 @@ void Shards::give_gradients(const std::vector<size_t>& bucket, const Layout& lay
         alias(full, start(k, rank_));
       }
       grad.copy_(part);
+      if (k < apart_.size()) {
+        if (apart_[k].defined()) grad.add_(std::exchange(apart_[k], at::Tensor()));
+        apart_open_[k] = true;
+      }
     } else if (grad.defined()) {
       grad.add_(part);
     } else {

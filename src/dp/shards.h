@@ -41,6 +41,9 @@ class Shards {
  public:
   // `params`: the trainable parameters, each once, contiguous; `stage` 1, 2 or 3.
   Shards(std::vector<at::Tensor> params, int rank, int size, int stage);
+  ~Shards();
+  Shards(const Shards&) = delete;
+  Shards& operator=(const Shards&) = delete;
 
   int stage() const { return stage_; }
   int size() const { return size_; }
@@ -94,6 +97,14 @@ class Shards {
   void sum_gradients(comm::Group& group, const std::vector<at::Tensor>& since, int64_t bucket_bytes,
                      Duration timeout);
 
+  // Stage 1 under a reducer that sums during backward (DataParallel, GradientSync): a slice's
+  // .grad is its part of the parameter's, where autograd accumulates the next backward's local
+  // gradient onto the average already there. So, as each parameter's first gradient after a
+  // synchronized backward arrives (before it accumulates), its slice's .grad is set apart and
+  // zeroed, and give_gradients() adds it back to the new average: backwards without
+  // zero_grad() between accumulate their averages, as on one process.
+  void keep_sums_apart();
+
   // The norm of the slices' gradients over the group (a collective), as
   // torch::nn::utils::clip_grad_norm_ computes it on one process, and the gradients scaled by
   // max_norm / (norm + 1e-6) when that is below 1. Returns the norm.
@@ -105,6 +116,11 @@ class Shards {
 
   std::vector<at::Tensor> params_;
   std::vector<at::Tensor> slices_;
+  // keep_sums_apart(): each slice's .grad set apart, whether the next gradient sets it apart,
+  // and the hooks that do.
+  std::vector<at::Tensor> apart_;
+  std::vector<bool> apart_open_;
+  std::vector<unsigned> apart_hooks_;
   std::vector<std::vector<int64_t>> starts_;  // [k][r], n + 1 entries
   std::unordered_map<const void*, size_t> index_of_;  // a parameter's TensorImpl -> k
   int rank_;
