@@ -55,4 +55,6 @@ for stage in 0 3; do
     bash "$script" --inside "$limit" "$build/bench/memory" --stages "$stage" "${args[@]}" 2>&1 |
     grep -E '^(memory |cap |shoal run)' | tee -a "$out"
   echo "run exit ${PIPESTATUS[0]}" | tee -a "$out"
+  # A worker that shoal run stopped (after another was killed) leaves its empty cgroup behind.
+  for left in "$memory_root"/shoal-bench-cap-*; do [ -d "$left" ] && rmdir "$left" 2>/dev/null; done
 done
