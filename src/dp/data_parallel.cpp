@@ -233,7 +233,6 @@ void Replicator::bind(comm::Group group, bool synchronize) {
   if (options_.zero_stage > 0 && !shards_) {
     shards_ =
         std::make_shared<Shards>(trainable, group_.rank(), group_.size(), options_.zero_stage);
-    shards_->keep_sums_apart();
     if (options_.zero_stage == 3) {
       gatherer_ = std::make_shared<Gatherer>(shards_, group_,
                                              module_units(*module_, *shards_, options_.unit_bytes),

@@ -134,8 +134,7 @@ Gatherer::Gatherer(std::shared_ptr<Shards> shards, comm::Group group,
       max_units_(std::max(1, max_units)),
       keep_memory_(keep_memory) {
   const auto& params = shards_->params();
-  for (const auto& p : params) {
-    if (keep_memory_) break;
+  for (const auto& p : keep_memory_ ? std::vector<at::Tensor>() : params) {
     if (p.storage_offset() != 0 || p.storage().nbytes() != bytes_of(p)) {
       throw UsageError(
           "zero_stage 3 frees each parameter's memory between uses, so each must own "
@@ -150,13 +149,11 @@ Gatherer::Gatherer(std::shared_ptr<Shards> shards, comm::Group group,
     unit.params = std::move(members);
     units_.push_back(std::move(unit));
   }
-  if (keep_memory_) {
-    for (const auto& slice : shards_->slices()) slices_.insert(slice.unsafeGetTensorImpl());
-  }
   SHOAL_CHECK(unit_of_.size() == params.size())
       << "units cover " << unit_of_.size() << " of " << params.size()
       << " parameters, or two share memory";
   if (keep_memory_) {
+    for (const auto& slice : shards_->slices()) slices_.insert(slice.unsafeGetTensorImpl());
     for (auto& unit : units_) unit.status = Status::kWhole;
     return;
   }

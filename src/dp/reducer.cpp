@@ -356,10 +356,10 @@ void Reducer::State::start(Bucket& bucket, const comm::AllReduceOptions* sum) {
       bucket.compressed = std::move(started.result);
       return;
     }
-    comm::ReduceScatterOptions options;
-    options.op = op;
-    options.sizes = bucket.layout.segments;
-    bucket.work = group.reduce_scatter_async(bucket.buffer, options);
+    comm::ReduceScatterOptions by_member;
+    by_member.op = op;
+    by_member.sizes = bucket.layout.segments;
+    bucket.work = group.reduce_scatter_async(bucket.buffer, by_member);
     return;
   }
   bucket.work = options.hook ? options.hook(group, bucket.buffer)

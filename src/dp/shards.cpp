@@ -41,14 +41,14 @@ Shards::Shards(std::vector<at::Tensor> params, int rank, int size, int stage)
     slice.requires_grad_(p.requires_grad());
     slices_.push_back(slice);
   }
+  if (stage_ == 1) set_sums_apart();
 }
 
 Shards::~Shards() {
   for (size_t k = 0; k < apart_hooks_.size(); ++k) params_[k].remove_hook(apart_hooks_[k]);
 }
 
-void Shards::keep_sums_apart() {
-  if (stage_ != 1 || !apart_hooks_.empty()) return;
+void Shards::set_sums_apart() {
   apart_.resize(params_.size());
   apart_open_.assign(params_.size(), true);
   for (size_t k = 0; k < params_.size(); ++k) {
@@ -60,7 +60,6 @@ void Shards::keep_sums_apart() {
       at::Tensor& grad = slices_[k].mutable_grad();
       if (!grad.defined() || grad.numel() == 0) return at::Tensor();
       at::NoGradGuard no_grad;
-      // After zero_grad() (LibTorch's zeroes in place) there is nothing to keep: no copy.
       if (grad.count_nonzero().item<int64_t>() == 0) return at::Tensor();
       apart_[k] = grad.clone();
       grad.zero_();
@@ -187,14 +186,10 @@ std::vector<std::vector<size_t>> Shards::consecutive(int64_t bucket_bytes) const
   return buckets;
 }
 
-void Shards::sum_gradients(comm::Group& group, const std::vector<at::Tensor>& since,
-                           int64_t bucket_bytes, Duration timeout) {
+void Shards::sum_gradients(comm::Group& group, int64_t bucket_bytes, Duration timeout) {
   SHOAL_CHECK(group.size() == size_)
       << "shards for " << size_ << " members summed over " << group.size();
-  SHOAL_CHECK(since.empty() || since.size() == params_.size())
-      << "sum_gradients() given " << since.size() << " earlier gradients for " << params_.size();
   at::NoGradGuard no_grad;
-  const auto earlier = [&](size_t k) { return since.empty() ? at::Tensor() : since[k]; };
   for (const auto& bucket : consecutive(bucket_bytes)) {
     const Layout cut = layout(bucket);
     int64_t total = 0;
@@ -204,8 +199,7 @@ void Shards::sum_gradients(comm::Group& group, const std::vector<at::Tensor>& si
       const size_t k = bucket[j];
       at::Tensor& grad = params_[k].mutable_grad();
       if (!grad.defined()) continue;
-      const at::Tensor before = earlier(k);
-      pack(k, before.defined() ? grad - before : grad, cut.offsets[j], buffer, 1.0);
+      pack(k, grad, cut.offsets[j], buffer, 1.0);
       if (stage_ >= 2) {
         grad.reset();
       } else {
@@ -217,15 +211,6 @@ void Shards::sum_gradients(comm::Group& group, const std::vector<at::Tensor>& si
     options.timeout = timeout;
     const at::Tensor mine = group.reduce_scatter(buffer, options);
     give_gradients(bucket, cut, mine, [](size_t) { return false; });
-    if (stage_ != 1) continue;
-    // Stage 1's slice .grad is its part of the parameter's, zeroed above: what it held before
-    // this step (the earlier steps' sums) goes back in.
-    for (size_t k : bucket) {
-      const at::Tensor before = earlier(k);
-      if (before.defined() && slices_[k].numel() > 0)
-        slices_[k].mutable_grad().add_(
-            before.reshape(-1).narrow(0, start(k, rank_), slices_[k].numel()));
-    }
   }
 }
 

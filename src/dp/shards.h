@@ -15,6 +15,16 @@
 // writes the other members' parts. At stage 3 it has memory of its own, and the parameter's
 // memory is freed between uses (src/dp/gatherer.h).
 //
+// Note [Sums set apart]
+// At stage 1 a slice's .grad is its part of the parameter's .grad, where autograd accumulates the
+// next backward's local gradient, onto the sum already there, which would then be summed over the
+// members again. So each parameter has a hook (made with the Shards) that, as its first gradient
+// after a sum arrives and before it accumulates, sets the slice's .grad apart and zeroes it, and
+// give_gradients() adds it back to the new sum. Backwards without zero_grad() between them (under
+// DataParallel and GradientSync, or a pipeline's steps) then accumulate their sums, as on one
+// process; after zero_grad() (LibTorch's zeroes in place) nothing is copied. At stages 2 and 3
+// the parameter's .grad is released once sent, and the slice's .grad is added to.
+//
 // Note [Buckets cut by member]
 // The gradients of a bucket's parameters p_1..p_s are laid out member by member, so that a
 // reduce-scatter gives each member its own slices, contiguous: the bucket is
@@ -89,21 +99,12 @@ class Shards {
   // parameters, in all-gathers of about `bucket_bytes`, two in flight. A collective.
   void gather(comm::Group& group, int64_t bucket_bytes);
 
-  // A pipeline's end-of-step sum (its backward runs once per micro-batch): what each parameter's
-  // .grad gained since `since` (one entry per parameter, undefined: since zero; empty: all
-  // zero), summed over the group and reduce-scattered, in buckets of about `bucket_bytes`, into
-  // the slices' .grad (added to what they hold). The parameters' own .grad are then released at
-  // stages 2 and 3, zeroed at stage 1 (whose slices' .grad are parts of them). A collective.
-  void sum_gradients(comm::Group& group, const std::vector<at::Tensor>& since, int64_t bucket_bytes,
-                     Duration timeout);
-
-  // Stage 1 under a reducer that sums during backward (DataParallel, GradientSync): a slice's
-  // .grad is its part of the parameter's, where autograd accumulates the next backward's local
-  // gradient onto the average already there. So, as each parameter's first gradient after a
-  // synchronized backward arrives (before it accumulates), its slice's .grad is set apart and
-  // zeroed, and give_gradients() adds it back to the new average: backwards without
-  // zero_grad() between accumulate their averages, as on one process.
-  void keep_sums_apart();
+  // A pipeline's end-of-step sum (its backward runs once per micro-batch): the parameters' .grad
+  // (what the step's backwards accumulated: Note [Sums set apart]) summed over the group and
+  // reduce-scattered, in buckets of about `bucket_bytes`, into the slices' .grad (added to what
+  // they hold). The parameters' own .grad are then released at stages 2 and 3, zeroed at stage 1
+  // (whose slices' .grad are parts of them). A collective.
+  void sum_gradients(comm::Group& group, int64_t bucket_bytes, Duration timeout);
 
   // The norm of the slices' gradients over the group (a collective), as
   // torch::nn::utils::clip_grad_norm_ computes it on one process, and the gradients scaled by
@@ -111,13 +112,15 @@ class Shards {
   double clip_grad_norm(comm::Group& group, double max_norm, double norm_type);
 
  private:
+  // Note [Sums set apart]: the stage-1 hooks.
+  void set_sums_apart();
   // Consecutive parameters of one dtype, about bucket_bytes at a time, in registration order.
   std::vector<std::vector<size_t>> consecutive(int64_t bucket_bytes) const;
 
   std::vector<at::Tensor> params_;
   std::vector<at::Tensor> slices_;
-  // keep_sums_apart(): each slice's .grad set apart, whether the next gradient sets it apart,
-  // and the hooks that do.
+  // Stage 1, Note [Sums set apart]: each slice's .grad set apart, whether the next gradient sets
+  // it apart, and the hooks that do.
   std::vector<at::Tensor> apart_;
   std::vector<bool> apart_open_;
   std::vector<unsigned> apart_hooks_;

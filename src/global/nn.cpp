@@ -239,7 +239,6 @@ GradientSync::GradientSync(const std::shared_ptr<Module>& module, GradientSyncOp
     for (size_t set = 0; set < zero_->sets(); ++set) {
       dp::ReducerOptions sharded = reducer;
       sharded.shards = zero_->shards(set);
-      sharded.shards->keep_sums_apart();
       auto sum =
           std::make_unique<dp::Reducer>(by_group[zero_->ranks(set)], zero_->group(set), sharded);
       // The optimizer's step comes next and changes the slices.

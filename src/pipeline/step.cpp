@@ -604,9 +604,11 @@ torch::Tensor Pipeline::run_step(const torch::Tensor& input, const torch::Tensor
   const auto tied_before = gradients_of(state.tied);
   const auto replicated_before =
       state.replicas > 1 ? gradients_of(state.replicated) : std::vector<torch::Tensor>();
+  // Under ZeRO a set's earlier sums lie in its slices apart from what the step adds (Note [Sums
+  // set apart], src/dp/shards.h): nothing to keep.
   std::vector<std::vector<torch::Tensor>> holders_before;
   for (const auto& [holders, parameters] : state.holders)
-    holders_before.push_back(gradients_of(parameters));
+    holders_before.push_back(state.zero ? std::vector<torch::Tensor>() : gradients_of(parameters));
 
   // ZeRO: from the first step on, pieces are gathered when the stages read them.
   if (state.zero) state.zero->start();
@@ -641,8 +643,8 @@ torch::Tensor Pipeline::run_step(const torch::Tensor& input, const torch::Tensor
     for (size_t h = 0; h < state.holders.size(); ++h) {
       if (state.zero) {
         // ZeRO: into this worker's slices; the pieces are gathered again when next read.
-        state.zero->shards(h)->sum_gradients(state.zero->group(h), holders_before[h],
-                                             state.options.unit_bytes, timeout);
+        state.zero->shards(h)->sum_gradients(state.zero->group(h), state.options.unit_bytes,
+                                             timeout);
         state.zero->slices_changed(h);
         continue;
       }
