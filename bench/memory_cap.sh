@@ -31,7 +31,7 @@ if [ "${1:-}" = --inside ]; then
   kills=$(awk '$1 == "oom_kill" { print $2 }' "$cgroup/memory.oom_control")
   echo $$ > "$memory_root$home/cgroup.procs"
   rmdir "$cgroup" 2>/dev/null
-  echo "cap worker=${SHOAL_RANK:-0} limit_mb=$limit_mb peak_mb=$(echo "scale=1; $peak / 1048576" | bc) oom_kills=${kills:-0} exit=$status"
+  echo "cap worker=${SHOAL_RANK:-0} limit_mb=$limit_mb peak_mb=$(awk -v b="$peak" 'BEGIN { printf "%.1f", b / 1048576 }') oom_kills=${kills:-0} exit=$status"
   exit $status
 fi
 

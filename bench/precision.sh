@@ -21,7 +21,7 @@ for model in $models; do
       line=$("$build/bin/shoal" run -n 2 --no-tag-output "$build/bench/convergence" $args \
         --seed "$seed" --precision "$p" --eval-every 1000000000 2>&1 | grep '^final')
       end=$(date +%s.%N)
-      echo "$model $p seed $seed $line seconds $(echo "$end - $start" | bc)" | tee -a "$out"
+      echo "$model $p seed $seed $line seconds $(awk -v a="$start" -v b="$end" 'BEGIN { printf "%.9f", b - a }')" | tee -a "$out"
     done
   done
 done
