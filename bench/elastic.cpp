@@ -1,12 +1,13 @@
 // Elastic training for bench/elastic.py: the MLP of bench/ddp.cpp (784-2048-2048-10), random
 // data, SGD with momentum, batch 64 per worker, one intra-op thread, under shoal::elastic::run.
 //
-//   shoal run --min 1 --max 3 -n 3 elastic [--steps 200] [--commit-every 1] [--batch 64]
+//   shoal run --min 1 --max 3 -n 3 elastic [--steps 200] [--commit-every 1] [--batch 64] [--zero S]
 //
-// --commit-every 0 never commits (to measure what committing costs). The main worker prints
-// "step S world W t=MS" after each step (MS: milliseconds since the epoch, to line up with the
-// driver's clock) and at the end "elastic steps=S samples_per_s=X step_ms=Y" over the steps
-// after the first 3 of the last round.
+// --commit-every 0 never commits (to measure what committing costs). --zero S shards the model at
+// ZeRO stage S, whose commits copy each worker's slices to the next (docs/memory.md). The main
+// worker prints "step S world W t=MS" after each step (MS: milliseconds since the epoch, to line up
+// with the driver's clock) and at the end "elastic steps=S samples_per_s=X step_ms=Y" over the
+// steps after the first 3 of the last round.
 #include <chrono>
 #include <cstdio>
 #include <string>
@@ -51,6 +52,9 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   app.add_option("--batch", batch, "Samples per worker and step (default 64)")
       ->check(CLI::PositiveNumber);
+  int zero_stage = 0;
+  app.add_option("--zero", zero_stage, "ZeRO stage of the DataParallel (default 0)")
+      ->check(CLI::Range(0, 3));
   CLI11_PARSE(app, argc, argv);
   shoal::InitOptions init;
   init.intra_op_threads = 1;
@@ -58,8 +62,10 @@ int main(int argc, char** argv) {
   torch::manual_seed(1);
   auto net = torch::nn::Sequential(torch::nn::Linear(784, 2048), torch::nn::ReLU(), torch::nn::Linear(2048, 2048),
                                    torch::nn::ReLU(), torch::nn::Linear(2048, 10));
-  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
-  shoal::DataParallel model(net);
+  shoal::DataParallelOptions dp_options;
+  dp_options.zero_stage = zero_stage;
+  shoal::DataParallel model(net, dp_options);
+  torch::optim::SGD optimizer(model.parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
   shoal::data::LoaderOptions options;
   options.batch_size = batch;
   options.per_worker = true;

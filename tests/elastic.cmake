@@ -1,9 +1,9 @@
 # Elastic jobs end to end (docs/elastic.md): `shoal run --min/--max` with a small training program.
 add_executable(elastic_worker programs/elastic_worker.cpp)
 shoal_program(elastic_worker)
-# The training state's side (oracles, commits, policies) and the membership's side (stopped
-# workers, tokens, usage errors, etcd restarts, partitions).
-foreach(name elastic_test elastic_membership_test)
+# The training state's side (oracles, commits, policies), the membership's side (stopped
+# workers, tokens, usage errors, etcd restarts, partitions), and sharded models (ZeRO).
+foreach(name elastic_test elastic_membership_test elastic_zero_test)
   shoal_add_test(${name} ${name}.cpp etcd_server.cpp)
   add_dependencies(${name} elastic_worker shoal_cli)
 endforeach()

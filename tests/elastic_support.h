@@ -3,6 +3,8 @@
 // backend (gossip, or a real etcd the test starts) a job runs on.
 #pragma once
 
+#include <signal.h>
+
 #include <cmath>
 #include <fstream>
 #include <map>
@@ -175,6 +177,40 @@ inline void expect_same_parameters(const Outcome& got, const Outcome& want) {
     norm += std::pow(want.parameters[i], 2);
   }
   EXPECT_LT(std::sqrt(diff / norm), 1e-4) << "relative difference of the final parameters";
+}
+
+// The oracles' changes to a running job of 3 workers (`first`: pids by rank): the second is
+// SIGKILLed and the others go on; a worker joins as the first launcher says, running `program`;
+// `lead` steps after it trained in the world of 3, the third leaves with SIGTERM. Then the job
+// and the joiner end well, every sample of `epochs` was trained on once in committed steps, and
+// the parameters in `out` are `reference`'s.
+inline void kill_join_leave(ShoalRun& job, const std::map<int, int>& first,
+                            const std::vector<std::string>& program, int lead,
+                            const std::string& out, int epochs, const Outcome& reference) {
+  ASSERT_EQ(::kill(first.at(1), SIGKILL), 0);
+  const int64_t killed_at = last_step(job.so_far().out).first;
+  ASSERT_TRUE(step_at_least(job, killed_at + lead, 2, 60s)) << job.so_far().out << job.so_far().err;
+  const auto join = join_flags(job.so_far().err);
+  ASSERT_FALSE(join.empty()) << job.so_far().err;
+  ShoalRun joiner(join + std::vector<std::string>{"-n", "1"} + program);
+  const int64_t joined_from = last_step(job.so_far().out).first;
+  ASSERT_TRUE(step_at_least(job, joined_from + 1, 3, 60s))
+      << job.so_far().out << job.so_far().err << joiner.so_far().err;
+  const int64_t left_at = last_step(job.so_far().out).first + lead;
+  ASSERT_TRUE(step_at_least(job, left_at, 3, 30s)) << job.so_far().out << job.so_far().err;
+  ASSERT_EQ(::kill(first.at(2), SIGTERM), 0);
+  ASSERT_TRUE(step_at_least(job, left_at + 1, 2, 30s)) << job.so_far().out << job.so_far().err;
+  const RunResult joined = joiner.wait(120s);
+  const RunResult result = job.wait(120s);
+  EXPECT_EQ(result.exit_code, 0) << result.err;
+  EXPECT_EQ(joined.exit_code, 0) << joined.err;
+  EXPECT_NE(result.err.find("was killed by signal 9 (SIGKILL); the job goes on without it"),
+            std::string::npos)
+      << result.err;
+  EXPECT_NE(result.err.find("leaves the job after step"), std::string::npos) << result.err;
+  const Outcome outcome = read_outcome(out);
+  expect_each_sample_once(outcome, epochs);
+  expect_same_parameters(outcome, reference);
 }
 
 // The oracle: 3 workers, one SIGKILLed mid-epoch, one joining later, one leaving with

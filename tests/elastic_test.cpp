@@ -51,38 +51,13 @@ TEST_P(ElasticOracle, KillJoinLeaveEndsWithTheOneProcessParameters) {
   ASSERT_EQ(::stat(token.c_str(), &info), 0);
   EXPECT_EQ(info.st_mode & 0777, 0600u);
 
-  // SIGKILL the second worker; the other two go on.
-  ASSERT_EQ(::kill(first[1], SIGKILL), 0);
-  const int64_t killed_at = last_step(job.so_far().out).first;
-  ASSERT_TRUE(step_at_least(job, killed_at + 5, 2, 30s)) << job.so_far().out << job.so_far().err;
-
-  // A worker joins as the first launcher says.
+  // The join flags the first launcher prints name the token file.
   const auto join = join_flags(job.so_far().err);
-  ASSERT_FALSE(join.empty()) << job.so_far().err;
   EXPECT_NE(std::find(join.begin(), join.end(), token), join.end()) << job.so_far().err;
-  ShoalRun joiner(join +
-                  std::vector<std::string>{"-n", "1", kWorker, out, std::to_string(kEpochs), "80"});
-  const int64_t joined_from = last_step(job.so_far().out).first;
-  ASSERT_TRUE(step_at_least(job, joined_from + 1, 3, 60s))
-      << job.so_far().out << job.so_far().err << joiner.so_far().err;
-
-  // The third worker of the first round leaves with SIGTERM.
-  const int64_t left_at = last_step(job.so_far().out).first + 5;
-  ASSERT_TRUE(step_at_least(job, left_at, 3, 30s));
-  ASSERT_EQ(::kill(first[2], SIGTERM), 0);
-  ASSERT_TRUE(step_at_least(job, left_at + 1, 2, 30s)) << job.so_far().out << job.so_far().err;
-
-  const RunResult joined = joiner.wait(120s);
-  const RunResult result = job.wait(120s);
-  EXPECT_EQ(result.exit_code, 0) << result.err;
-  EXPECT_EQ(joined.exit_code, 0) << joined.err;
-  EXPECT_NE(result.err.find("was killed by signal 9 (SIGKILL); the job goes on without it"),
-            std::string::npos)
-      << result.err;
-  EXPECT_NE(result.err.find("leaves the job after step"), std::string::npos) << result.err;
-  const Outcome outcome = read_outcome(out);
-  expect_each_sample_once(outcome, kEpochs);
-  expect_same_parameters(outcome, reference);
+  // The second worker SIGKILLed, a worker joining, the third leaving with SIGTERM.
+  kill_join_leave(job, first, {kWorker, out, std::to_string(kEpochs), "80"}, 5, out, kEpochs,
+                  reference);
+  if (HasFatalFailure()) return;
   EXPECT_NE(::stat(token.c_str(), &info), 0) << "the token file outlived the job";
 }
 

@@ -21,6 +21,13 @@ namespace shoal::checkpoint {
 std::string encode_payload(const torch::nn::Module& module, const torch::optim::Optimizer* optimizer,
                            const Stateful* loader, const CheckpointExtras& extras);
 
+// For a model of pieces (checkpoint::Savable, or PieceOf marks: a DataParallel at a ZeRO stage):
+// every worker of the job calls it, and the first gets the payload shoal::save writes (each
+// value whole, the optimizer's state by name), the others an empty string.
+std::string encode_whole_payload(const torch::nn::Module& module,
+                                 torch::optim::Optimizer& optimizer, const Stateful* loader,
+                                 const CheckpointExtras& extras);
+
 // Restores `module`, and `optimizer`, `extras` and `loader` when not null, from `payload`
 // (described as `what` in errors). Everything is checked before anything changes: UsageError
 // naming the first mismatch, with nothing changed.

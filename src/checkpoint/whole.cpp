@@ -18,6 +18,7 @@
 
 #include "collective.h"
 #include "contents.h"
+#include "file.h"
 #include "optimizer_state.h"
 #include "shoal/checkpoint/checkpoint.h"
 #include "shoal/checkpoint/savable.h"
@@ -224,13 +225,17 @@ std::vector<Parameter> parameters_of(const torch::nn::Module& module) {
 
 }  // namespace
 
-void save_whole(const std::string& path, const torch::nn::Module& module,
-                torch::optim::Optimizer* optimizer, const StateDict* loader_state,
-                const SaveOptions& options) {
-  const std::string operation = "shoal::save of " + model_name_of(module);
-  comm::Group group = world_group(options.group, path, operation);
+namespace {
+
+// Gathers every whole value and the optimizer's state by name (a collective of `group`, the
+// world); what it returns makes the payload, on the first worker.
+std::function<std::string()> gather_whole(comm::Group& group, const torch::nn::Module& module,
+                                          torch::optim::Optimizer* optimizer,
+                                          const StateDict* loader_state,
+                                          const CheckpointExtras& extras,
+                                          const std::string& operation, Duration timeout) {
   const auto parameters = parameters_of(module);
-  agree(group, check_model(module, optimizer, parameters, operation), options.timeout);
+  agree(group, check_model(module, optimizer, parameters, operation), timeout);
   std::map<const c10::TensorImpl*, at::Tensor> whole;  // on the first worker
   for (const auto& parameter : parameters) {
     at::Tensor value = parameter.piece.gather(parameter.held());
@@ -239,18 +244,39 @@ void save_whole(const std::string& path, const torch::nn::Module& module,
       whole[parameter.impl()] = value.set_requires_grad(parameter.piece.local.requires_grad());
   }
   std::vector<NamedState> state;
-  if (optimizer != nullptr) state = gather_state(group, *optimizer, parameters, operation, options.timeout);
-  save_payload(
-      path, group,
-      [&] {
-        auto write_module = [&](OutputArchive& archive) { write_whole(module, archive, whole); };
-        if (optimizer == nullptr)
-          return serialize_contents(write_module, {}, "", loader_state, options.extras);
-        return serialize_contents(
-            write_module, [&](OutputArchive& archive) { write_state_by_name(archive, state); },
-            optimizer_type(*optimizer), loader_state, options.extras);
-      },
-      options.timeout);
+  if (optimizer != nullptr) state = gather_state(group, *optimizer, parameters, operation, timeout);
+  return [&module, optimizer, loader_state, &extras, whole = std::move(whole),
+          state = std::move(state)] {
+    auto write_module = [&](OutputArchive& archive) { write_whole(module, archive, whole); };
+    if (optimizer == nullptr) return serialize_contents(write_module, {}, "", loader_state, extras);
+    return serialize_contents(
+        write_module, [&](OutputArchive& archive) { write_state_by_name(archive, state); },
+        optimizer_type(*optimizer), loader_state, extras);
+  };
+}
+
+}  // namespace
+
+void save_whole(const std::string& path, const torch::nn::Module& module,
+                torch::optim::Optimizer* optimizer, const StateDict* loader_state,
+                const SaveOptions& options) {
+  const std::string operation = "shoal::save of " + model_name_of(module);
+  comm::Group group = world_group(options.group, path, operation);
+  save_payload(path, group,
+               gather_whole(group, module, optimizer, loader_state, options.extras, operation,
+                            options.timeout),
+               options.timeout);
+}
+
+std::string encode_whole_payload(const torch::nn::Module& module,
+                                 torch::optim::Optimizer& optimizer, const Stateful* loader,
+                                 const CheckpointExtras& extras) {
+  comm::Group group = world();
+  const std::optional<StateDict> loader_state =
+      loader != nullptr ? std::optional(loader->state_dict()) : std::nullopt;
+  auto make = gather_whole(group, module, &optimizer, loader_state ? &*loader_state : nullptr,
+                           extras, "a durable commit of " + model_name_of(module), kUnsetTimeout);
+  return group.rank() == 0 ? make() : std::string();
 }
 
 namespace {

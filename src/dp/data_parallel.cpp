@@ -189,9 +189,11 @@ Replicator::Replicator(std::shared_ptr<torch::nn::Module> module, DataParallelOp
   // An elastic job's members synchronize through elastic::State, which every member of a
   // round reaches together; a newcomer's constructor must not start a collective of its own.
   const bool elastic = shoal::job().elastic;
+  // Note [Slices in an elastic job] (src/elastic/slices.cpp): elastic::State gives the slices
+  // their values, and re-cuts them when the world changes.
   if (elastic && options_.zero_stage > 0) {
-    throw UsageError("DataParallel: zero_stage " + std::to_string(options_.zero_stage) +
-                     " in an elastic job is not available yet; expected zero_stage 0 there");
+    slicing_ = std::make_shared<Slices>(*this);
+    replication_->set_slicing(slicing_);
   }
   bind(shoal::world(), !elastic);
   world_listener_ = runtime::add_world_listener([this] { bind(shoal::world(), false); });
@@ -215,6 +217,19 @@ void Replicator::bind(comm::Group group, bool synchronize) {
   for (auto& p : unique_parameters(*module_)) {
     if (p.requires_grad()) trainable.push_back(p);
   }
+  if (slicing_) {
+    // The slices hold what they held, in the cut they held it, until elastic::State re-cuts them
+    // for this world and calls Slices::filled().
+    ready_ = false;
+    gatherer_.reset();
+    if (!shards_) {
+      shards_ =
+          std::make_shared<Shards>(trainable, group_.rank(), group_.size(), options_.zero_stage);
+      mark_pieces();
+      mark_replicated();
+    }
+    return;
+  }
   // A job of one: nothing to check, copy or average; the Reducer only measures the noise there,
   // and under ZeRO gives the slices their gradients.
   if (group_.size() == 1 && !options_.measure_gradient_noise && options_.zero_stage == 0) return;
@@ -233,15 +248,19 @@ void Replicator::bind(comm::Group group, bool synchronize) {
   if (options_.zero_stage > 0 && !shards_) {
     shards_ =
         std::make_shared<Shards>(trainable, group_.rank(), group_.size(), options_.zero_stage);
-    if (options_.zero_stage == 3) {
-      gatherer_ = std::make_shared<Gatherer>(shards_, group_,
-                                             module_units(*module_, *shards_, options_.unit_bytes),
-                                             options_.max_units);
-      gatherer_->observe_this_thread();
-    }
+    if (options_.zero_stage == 3) make_gatherer();
     mark_pieces();
   }
+  make_reducer(std::move(trainable));
+}
 
+void Replicator::make_gatherer() {
+  gatherer_ = std::make_shared<Gatherer>(
+      shards_, group_, module_units(*module_, *shards_, options_.unit_bytes), options_.max_units);
+  gatherer_->observe_this_thread();
+}
+
+void Replicator::make_reducer(std::vector<at::Tensor> trainable) {
   ReducerOptions reducer;
   static_cast<BucketOptions&>(reducer) = options_;
   reducer.find_unused_parameters = options_.find_unused_parameters;
@@ -269,6 +288,33 @@ void Replicator::bind(comm::Group group, bool synchronize) {
       if (shards_) slices_changed();  // the optimizer's step is about to change them
       if (gatherer_) gatherer_->rethrow();
     });
+  }
+}
+
+// The slices were re-cut for group_ and hold the job's values (Slices::filled()).
+void Replicator::slices_filled() {
+  holds_values_ = true;
+  ready_ = true;
+  if (options_.zero_stage == 3) make_gatherer();
+  make_reducer(shards_->params());
+  slices_changed();
+}
+
+void Replicator::check_ready() const {
+  if (slicing_ && !ready_) {
+    throw UsageError("DataParallel: zero_stage " + std::to_string(options_.zero_stage) +
+                     " in an elastic job takes its slices' values from elastic::State; expected "
+                     "the model in an elastic::State, trained inside elastic::run");
+  }
+}
+
+// Note [Slices in an elastic job]: elastic::State finds the Replication on the parameters
+// (replication_of) before any Reducer exists, and across worlds.
+void Replicator::mark_replicated() {
+  for (const auto& p : shards_->params()) {
+    at::Tensor handle = p;  // see mark_pieces
+    handle.remove_hook(handle.register_hook([](const at::Tensor&) { return at::Tensor(); }));
+    torch::autograd::impl::add_hook(p, std::make_shared<ReplicatedBy>(replication_));
   }
 }
 
@@ -302,6 +348,7 @@ double Replicator::clip_grad_norm(double max_norm, double norm_type) {
 }
 
 void Replicator::gather_parameters() {
+  check_ready();
   if (gatherer_) {
     gatherer_->gather_all();
     gatherer_->rethrow();
@@ -322,6 +369,7 @@ void Replicator::broadcast_buffers() {
 void Replicator::before_forward(const at::Tensor* input) {
   // Under ZeRO, every forward (an evaluation's too) needs the step's parameters: gathered now at
   // stages 1 and 2, as operations read them at stage 3.
+  check_ready();
   if (gatherer_) {
     gatherer_->begin_forward();
   } else {

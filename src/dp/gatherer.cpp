@@ -135,7 +135,9 @@ Gatherer::Gatherer(std::shared_ptr<Shards> shards, comm::Group group,
       keep_memory_(keep_memory) {
   const auto& params = shards_->params();
   for (const auto& p : keep_memory_ ? std::vector<at::Tensor>() : params) {
-    if (p.storage_offset() != 0 || p.storage().nbytes() != bytes_of(p)) {
+    // Its memory may be freed already: by the Gatherer of an elastic job's previous world.
+    const size_t held = p.storage().nbytes();
+    if (p.storage_offset() != 0 || (held != 0 && held != bytes_of(p))) {
       throw UsageError(
           "zero_stage 3 frees each parameter's memory between uses, so each must own "
           "its memory; a parameter of " +

@@ -675,6 +675,10 @@ bool Reducer::sync() const { return state_->sync; }
 void Reducer::set_after_backward(std::function<void()> callback) { state_->after_backward = std::move(callback); }
 
 std::shared_ptr<Replication> replication_of(const at::Tensor& parameter) {
+  for (const auto& hook : torch::autograd::impl::hooks(parameter)) {
+    if (const auto* mark = dynamic_cast<const ReplicatedBy*>(hook.get()))
+      return mark->replication();
+  }
   const auto accumulator = torch::autograd::impl::try_get_grad_accumulator(parameter);
   if (!accumulator) return nullptr;
   for (const auto& hook : accumulator->post_hooks()) {

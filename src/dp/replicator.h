@@ -63,6 +63,33 @@ class Replicator {
   // gathered anew before they are next read.
   void slices_changed();
   checkpoint::Piece piece_of(const at::Tensor& parameter, bool sliced, size_t k);
+  // In an elastic job at a ZeRO stage (Note [Slices in an elastic job], src/elastic/slices.cpp):
+  // what elastic::State re-cuts, whether the slices hold the job's values, and whether they are
+  // cut for group_ with its Reducer built.
+  class Slices : public Slicing {
+   public:
+    explicit Slices(Replicator& owner) : owner_(owner) {}
+    const std::vector<at::Tensor>& parameters() const override { return owner_.shards_->params(); }
+    const std::vector<at::Tensor>& slices() const override { return owner_.shards_->slices(); }
+    int cut_rank() const override { return owner_.holds_values_ ? owner_.shards_->rank() : 0; }
+    int cut_size() const override { return owner_.holds_values_ ? owner_.shards_->size() : 0; }
+    void recut() override {
+      owner_.holds_values_ = false;
+      owner_.shards_->recut(owner_.group_.rank(), owner_.group_.size());
+    }
+    void filled() override { owner_.slices_filled(); }
+
+   private:
+    Replicator& owner_;
+  };
+  std::shared_ptr<Slices> slicing_;
+  bool holds_values_ = false;
+  bool ready_ = true;
+  void slices_filled();
+  void check_ready() const;
+  void mark_replicated();
+  void make_gatherer();
+  void make_reducer(std::vector<at::Tensor> trainable);
   std::shared_ptr<int> alive_ = std::make_shared<int>(0);
   bool sync_ = true;
   int world_listener_ = 0;  // set while following shoal::world()

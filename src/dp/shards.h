@@ -106,6 +106,12 @@ class Shards {
   // (whose slices' .grad are parts of them). A collective.
   void sum_gradients(comm::Group& group, int64_t bucket_bytes, Duration timeout);
 
+  // Cuts every slice again, for member `rank` of `size` (an elastic job's new world): each keeps
+  // its tensor (the optimizer's key), with the new length, and no gradient; its values are
+  // whatever its memory holds (stages 1 and 2: the parameter's there; stage 3: new, unset) until
+  // the caller writes them (Note [Slices in an elastic job], src/elastic/slices.cpp).
+  void recut(int rank, int size);
+
   // The norm of the slices' gradients over the group (a collective), as
   // torch::nn::utils::clip_grad_norm_ computes it on one process, and the gradients scaled by
   // max_norm / (norm + 1e-6) when that is below 1. Returns the norm.

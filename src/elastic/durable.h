@@ -32,6 +32,9 @@ class DurableCommits {
   // and in the background; first waits for the previous write. A write that failed raises its
   // UsageError here or in wait().
   void write(int64_t version, std::string payload);
+  // Commit `version` is kept, by the first worker (a sharded model's, which every worker gathers:
+  // each then decides alike whether a commit is still to keep).
+  void written_by_first(int64_t version) { written_ = version; }
   void wait();
 
   // The payload of the checkpoint at path(), checked; nullopt when there is no file. UsageError

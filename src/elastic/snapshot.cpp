@@ -2,6 +2,8 @@
 
 #include "snapshot.h"
 
+#include "slices.h"
+
 #include <algorithm>
 #include <cstring>
 #include <future>
@@ -142,7 +144,10 @@ void State::snapshot() {
     s.backwards = 0;
     for (const auto& r : replicated) s.backwards += r->synchronized_backwards();
     s.parameter_versions.clear();
-    for (const auto& p : params) s.parameter_versions.push_back(static_cast<int64_t>(p._version()));
+    // Under ZeRO the parameters' memory is written by every gather; only the optimizer's step
+    // changes the slices (through .data()), which the backwards count.
+    for (const auto& p : params)
+      s.parameter_versions.push_back(sliced_ ? int64_t{-1} : static_cast<int64_t>(p._version()));
     for (size_t i = 0; i < params.size(); ++i) s.tensors[i] = at::Tensor();
     s.optimizer_state.clear();
     return;
@@ -205,8 +210,8 @@ bool State::parameters_changed() const {
   const auto params = module_.parameters();
   if (params.size() != committed_->parameter_versions.size()) return true;
   for (size_t i = 0; i < params.size(); ++i) {
-    if (static_cast<int64_t>(params[i]._version()) != committed_->parameter_versions[i])
-      return true;
+    const int64_t version = committed_->parameter_versions[i];
+    if (version >= 0 && static_cast<int64_t>(params[i]._version()) != version) return true;
   }
   uint64_t backwards = 0;
   for (const auto& weak : committed_->replications) {

@@ -6,24 +6,27 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <sstream>
 
 #include <torch/optim.h>
 #include <torch/serialize.h>
 
-#include "checkpoint/file.h"
 #include "../core/hash.h"
+#include "checkpoint/file.h"
+#include "core/log.h"
 #include "dp/replication.h"
 #include "durable.h"
 #include "notes.h"
+#include "policy.h"
+#include "runtime/world.h"
 #include "shoal/core/error.h"
 #include "shoal/global/nn.h"
 #include "shoal/runtime/init.h"
-#include "runtime/world.h"
+#include "slices.h"
 #include "snapshot.h"
 #include "state_access.h"
 #include "world.h"
-#include "core/log.h"
 
 namespace shoal::elastic {
 namespace {
@@ -60,45 +63,8 @@ const char* policy_name(BatchPolicy::Kind kind) {
   }
 }
 
-// BatchPolicy::goodput()'s agreed step times as a tensor of five numbers each (world, batch per
-// backward, backward passes, mean seconds, steps), and back.
-using StepTimes = std::map<std::tuple<int, int64_t, int>, std::pair<double, int64_t>>;
-
-at::Tensor pack_step_times(const StepTimes& step_times) {
-  std::vector<double> numbers;
-  for (const auto& [shape, mean] : step_times) {
-    const auto& [world, batch, passes] = shape;
-    numbers.insert(numbers.end(),
-                   {static_cast<double>(world), static_cast<double>(batch),
-                    static_cast<double>(passes), mean.first, static_cast<double>(mean.second)});
-  }
-  return at::tensor(numbers, at::kDouble);
-}
-
-StepTimes unpack_step_times(const at::Tensor& tensor) {
-  const auto numbers = tensor.to(at::kDouble).contiguous();
-  const double* n = numbers.data_ptr<double>();
-  StepTimes step_times;
-  for (int64_t i = 0; i + 5 <= numbers.numel(); i += 5) {
-    step_times[{static_cast<int>(n[i]), static_cast<int64_t>(n[i + 1]),
-                static_cast<int>(n[i + 2])}] = {n[i + 3], static_cast<int64_t>(n[i + 4])};
-  }
-  return step_times;
-}
-
-std::vector<StepSample> samples_of(const StepTimes& step_times) {
-  std::vector<StepSample> steps;
-  for (const auto& [shape, mean] : step_times) {
-    const auto& [world, batch, passes] = shape;
-    steps.push_back({world, static_cast<double>(batch), mean.first, passes});
-  }
-  return steps;
-}
-
-double steady_seconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 constexpr const char* kValuePrefix = "value.";
+constexpr const char* kBufferPrefix = "shoal.elastic.buffer.";
 // How often commit() records the job's progress for newcomers (Note [The job's recorded commits]).
 constexpr int64_t kRecordEvery = 100;
 
@@ -132,9 +98,16 @@ State::State(torch::nn::Module& module, torch::optim::Optimizer& optimizer, data
   // The DataParallel that measures the module's gradient noise, if any.
   for (const auto& p : module.parameters()) {
     if (!p.requires_grad()) continue;
-    if (auto replication = dp::replication_of(p); replication && replication->noise()) {
-      noise_ = replication->noise();
-      break;
+    auto replication = dp::replication_of(p);
+    if (!replication) continue;
+    if (!noise_) noise_ = replication->noise();
+    if (auto slicing = replication->slicing(); slicing && !sliced_) {
+      if (options_.copy_parameters) {
+        throw UsageError(
+            "elastic::State: copy_parameters with a DataParallel at a ZeRO stage; expected it "
+            "false (each commit's slices are copied to the next worker instead; docs/memory.md)");
+      }
+      sliced_ = std::make_unique<SlicedCommits>(std::move(slicing), optimizer_);
     }
   }
   if ((kind == BatchPolicy::Kind::kAdaScale || kind == BatchPolicy::Kind::kGoodput) && !noise_) {
@@ -230,6 +203,7 @@ void State::commit() {
       throw CommError("commit on " + std::to_string(shoal::world_size()) + " workers: lost " +
                       lost);
     }
+    if (sliced_) sliced_->copy_to_next(shoal::world(), version_, lineage_);
     // Once per round and every kRecordEvery commits: one small metadata update each.
     if (!recorded_ || version_ % kRecordEvery == 0) {
       elastic.rendezvous().record_commit(version_);
@@ -244,11 +218,31 @@ void State::commit() {
 
 // The first worker keeps the commit on disk; the others hold the same one.
 void State::write_to_disk() {
+  if (sliced_) {  // every member's slices gathered whole, as shoal::save gathers them
+    std::string payload =
+        checkpoint::encode_whole_payload(module_, optimizer_, &sampler_, extras());
+    if (shoal::rank() == 0) {
+      durable_->write(version_, std::move(payload));
+    } else {
+      durable_->written_by_first(version_);
+    }
+    return;
+  }
   if (shoal::is_initialized() && shoal::rank() != 0) return;
   durable_->write(version_, serialize());
 }
 
 std::string State::serialize() const {
+  auto extras = this->extras();
+  if (!sliced_) return checkpoint::encode_payload(module_, &optimizer_, &sampler_, extras);
+  // The slices travel on their own; the buffers as extras.
+  for (const auto& item : module_.named_buffers())
+    extras[kBufferPrefix + item.key()] = item.value();
+  const torch::nn::Module none;
+  return checkpoint::encode_payload(none, nullptr, &sampler_, extras);
+}
+
+shoal::CheckpointExtras State::extras() const {
   shoal::CheckpointExtras extras;
   for (const auto& [name, value] : values_) {
     if (value.defined()) extras[kValuePrefix + name] = value;
@@ -261,12 +255,26 @@ std::string State::serialize() const {
   extras[kScaledStepsKey] = at::tensor({scaled_steps_}, at::kDouble);
   if (!step_times_.empty()) extras[kStepTimesKey] = pack_step_times(step_times_);
   if (noise_) extras[kNoiseKey] = at::tensor(noise_->state(), at::kDouble);
-  return checkpoint::encode_payload(module_, &optimizer_, &sampler_, extras);
+  return extras;
 }
 
 void State::deserialize(const std::string& what, std::string_view payload) {
   shoal::CheckpointExtras extras;
-  checkpoint::decode_payload(what, payload, module_, &optimizer_, &extras, &sampler_);
+  if (!sliced_) {
+    checkpoint::decode_payload(what, payload, module_, &optimizer_, &extras, &sampler_);
+  } else {
+    torch::nn::Module none;
+    checkpoint::decode_payload(what, payload, none, nullptr, &extras, &sampler_);
+    torch::NoGradGuard no_grad;
+    for (auto& item : module_.named_buffers()) {
+      auto found = extras.find(kBufferPrefix + item.key());
+      if (found != extras.end()) item.value().copy_(found->second);
+    }
+  }
+  take_extras(what, extras);
+}
+
+void State::take_extras(const std::string& what, shoal::CheckpointExtras& extras) {
   for (const char* key : {kEpochKey, kVersionKey, kRatesKey}) {
     if (extras.count(key) == 0) {
       throw UsageError(what + " has no " + key + ": expected the commit of an elastic::State");
@@ -380,7 +388,7 @@ void State::check_world() {
     // job's last in memory, so the first worker keeps it on disk before it goes, and the job
     // started again resumes from here rather than from the last periodic durable commit.
     if (durable_->enabled() && !durable_->written(version_)) {
-      if (last_to_leave) {
+      if (last_to_leave && !sliced_) {  // alone, it cannot gather the others' slices
         durable_->write(version_, serialize());
         durable_->wait();
       } else if (static_cast<int>(leavers.size()) == n) {
@@ -420,6 +428,10 @@ void State::sync() {
   comm::Group alone = comm::Group::single();
   comm::Group& group = shoal::is_initialized() ? shoal::world() : alone;
   const int n = group.size();
+  if (sliced_) {
+    sync_slices(group);
+    return;
+  }
   if (needs_parameters_ && n == 1) {
     throw UsageError(
         "elastic: no worker holds the parameters of commit " + std::to_string(version_) +
@@ -474,29 +486,98 @@ void State::sync() {
           view.describe(group.rank()).c_str(), static_cast<long long>(version_),
           static_cast<long long>(newest), view.describe(source).c_str());
     }
-    if (!same) {
-      std::string payload;
-      int64_t lost = 0;
-      if (group.rank() == source) {
-        if (newest == 0) resume_from_disk();
-        // -1: the job lost its history, and every member stops (the source says why).
-        const int64_t recorded = version_ == 0 ? lost_history() : 0;
-        if (recorded == 0) payload = serialize();
-        lost = recorded;
-      }
-      auto length =
-          at::tensor({lost > 0 ? int64_t{-1} : static_cast<int64_t>(payload.size())}, at::kLong);
-      group.broadcast(length, {source});
-      if (length.item<int64_t>() < 0) refuse_to_start_again(lost);
-      auto bytes = at::empty({length.item<int64_t>()}, at::kByte);
-      if (group.rank() == source) std::memcpy(bytes.data_ptr(), payload.data(), payload.size());
-      group.broadcast(bytes, {source});
-      if (group.rank() != source) {
-        const std::string_view view(reinterpret_cast<const char*>(bytes.data_ptr()), bytes.numel());
-        deserialize("the elastic state of worker " + std::to_string(source), view);
-      }
-    }
+    if (!same) share_from(group, source, newest, true);
   }
+  finish_sync(group);
+}
+
+void State::share_from(comm::Group& group, int source, int64_t newest, bool resume) {
+  std::string payload;
+  int64_t lost = 0;
+  if (group.rank() == source) {
+    if (newest == 0 && resume) resume_from_disk();
+    // -1: the job lost its history, and every member stops (the source says why).
+    const int64_t recorded = version_ == 0 ? lost_history() : 0;
+    if (recorded == 0) payload = serialize();
+    lost = recorded;
+  }
+  auto length =
+      at::tensor({lost > 0 ? int64_t{-1} : static_cast<int64_t>(payload.size())}, at::kLong);
+  group.broadcast(length, {source});
+  if (length.item<int64_t>() < 0) refuse_to_start_again(lost);
+  auto bytes = at::empty({length.item<int64_t>()}, at::kByte);
+  if (group.rank() == source) std::memcpy(bytes.data_ptr(), payload.data(), payload.size());
+  group.broadcast(bytes, {source});
+  if (group.rank() != source) {
+    const std::string_view view(reinterpret_cast<const char*>(bytes.data_ptr()), bytes.numel());
+    deserialize("the elastic state of worker " + std::to_string(source), view);
+  }
+}
+
+// Note [Slices in an elastic job] (src/elastic/slices.cpp): the newest commit's slices cut for
+// this round, from the members' own slices and copies, else from the durable commit.
+void State::sync_slices(comm::Group& group) {
+  const int n = group.size();
+  std::vector<int64_t> mine{version_, static_cast<int64_t>(lineage_), int64_t{needs_parameters_}};
+  for (const int64_t number : sliced_->holding()) mine.push_back(number);
+  const auto row = at::tensor(mine, at::kLong).view({1, -1});
+  const at::Tensor rows = n > 1 ? group.all_gather(row) : row;
+  int source = 0;  // the first member with the newest commit
+  for (int m = 1; m < n; ++m) {
+    if (rows[m][0].item<int64_t>() > rows[source][0].item<int64_t>()) source = m;
+  }
+  const int64_t newest = rows[source][0].item<int64_t>();
+  const bool held = SlicedCommits::any_holds_values(rows);
+  std::string missing;
+  std::optional<SlicedCommits::Plan> plan;
+  if (held) plan = SlicedCommits::plan(rows, newest, rows[source][1].item<int64_t>(), &missing);
+  if (plan) {
+    sliced_->recut(group, *plan);
+    bool same = true;
+    for (int m = 0; m < n; ++m)
+      same = same && rows[m].narrow(0, 0, 3).equal(rows[source].narrow(0, 0, 3));
+    if (!same) share_from(group, source, newest, false);
+  } else if (!load_durable(group)) {
+    if (held) {
+      throw UsageError(
+          "elastic: part(s) " + missing + " of the slices of step " + std::to_string(newest) +
+          " were lost with their workers (a worker died between its optimizer's step and its "
+          "commit's copy, or it and the next one died together); expected a durable commit "
+          "(SHOAL_CHECKPOINT) to resume from (docs/memory.md, \"Elastic jobs\")");
+    }
+    // The job's first round: every slice from the first member's parameters.
+    if (n == 1 && lost_history() > 0) refuse_to_start_again(lost_history());
+    sliced_->recut_from(group, source);
+    if (n > 1) share_from(group, source, newest, false);
+  }
+  finish_sync(group);
+  sliced_->copy_to_next(group, version_, lineage_);
+}
+
+// Every member loads its part of the durable commit, when the first finds one.
+bool State::load_durable(comm::Group& group) {
+  if (!durable_->enabled()) return false;
+  auto exists = at::zeros({1}, at::kLong);
+  if (group.rank() == 0) exists[0] = int64_t{durable_->read().has_value()};
+  if (group.size() > 1) group.broadcast(exists, {0});
+  if (exists.item<int64_t>() == 0) return false;
+  sliced_->recut_for_load();
+  shoal::CheckpointExtras extras;
+  LoadOptions options;
+  options.extras = &extras;
+  shoal::load(durable_->path(), module_, optimizer_, sampler_, options);
+  sliced_->filled();
+  take_extras("checkpoint " + durable_->path(), extras);
+  if (group.rank() == 0) {
+    std::fprintf(stderr, "shoal elastic: resuming from step %lld (epoch %lld) of %s\n",
+                 static_cast<long long>(version_), static_cast<long long>(epoch_),
+                 durable_->path().c_str());
+  }
+  return true;
+}
+
+void State::finish_sync(comm::Group& group) {
+  const int n = group.size();
   if (shoal::is_initialized() && shoal::job().elastic) {
     const View& view = ElasticWorld::get().view();
     std::string members = std::to_string(view.round);
@@ -527,105 +608,6 @@ void State::finish() {
     // A worker was lost after the last commit: the training is complete all the same.
   }
   vote_.reset();
-}
-
-void State::apply_policy() {
-  const auto& policy = options_.policy;
-  if (policy.kind == BatchPolicy::Kind::kGoodput) {
-    // This worker's steps of the last round are not agreed on: dropped. A member whose last
-    // agreement failed where others' succeeded holds other times: the first worker's stand.
-    pending_seconds_ = 0;
-    pending_steps_ = 0;
-    last_commit_s_ = -1;
-    if (shoal::is_initialized() && shoal::world_size() > 1) {
-      comm::Group& group = shoal::world();
-      auto times = pack_step_times(step_times_);
-      auto count = at::tensor({times.numel()}, at::kLong);
-      group.broadcast(count);
-      if (shoal::rank() != 0) times = at::zeros({count.item<int64_t>()}, at::kDouble);
-      group.broadcast(times);
-      step_times_ = unpack_step_times(times);
-    }
-    choose();
-  }
-  if (policy.kind == BatchPolicy::Kind::kAdaScale) apply_gain();
-  if (policy.kind != BatchPolicy::Kind::kScaleLearningRate) return;
-  const int world = shoal::is_initialized() ? shoal::world_size() : 1;
-  gain_ = static_cast<double>(world) / policy.reference_world_size;
-  auto& groups = optimizer_.param_groups();
-  warmup_from_.clear();
-  for (size_t i = 0; i < groups.size() && i < base_rates_.size(); ++i) {
-    const double target = base_rates_[i] * world / policy.reference_world_size;
-    warmup_from_.push_back(groups[i].options().get_lr());
-    if (policy.warmup_steps == 0) groups[i].options().set_lr(target);
-  }
-  warmup_done_ = 0;
-}
-
-void State::set_base_learning_rates(std::vector<double> rates) {
-  base_rates_ = std::move(rates);
-  const BatchPolicy& policy = options_.policy;
-  if (policy.kind == BatchPolicy::Kind::kScaleLearningRate && warmup_done_ < policy.warmup_steps)
-    return;  // the warmup's commits reach base * world / reference
-  auto& groups = optimizer_.param_groups();
-  for (size_t i = 0; i < groups.size() && i < base_rates_.size(); ++i)
-    groups[i].options().set_lr(base_rates_[i] * gain_);
-}
-
-void State::apply_gain() {
-  const int world = shoal::is_initialized() ? shoal::world_size() : 1;
-  const double per_worker = static_cast<double>(sampler_.options().batch_size);
-  const auto& policy = options_.policy;
-  gain_ =
-      policy.kind == BatchPolicy::Kind::kGoodput
-          ? noise_->value().gain(world * per_worker, static_cast<double>(policy.limits.base_batch))
-          : noise_->value().gain(world * per_worker, policy.reference_world_size * per_worker);
-  auto& groups = optimizer_.param_groups();
-  for (size_t i = 0; i < groups.size() && i < base_rates_.size(); ++i)
-    groups[i].options().set_lr(base_rates_[i] * gain_);
-}
-
-// Note [Choosing the batch in an elastic job]
-// Every worker must cut the same batch at the same step, so BatchPolicy::goodput() chooses from
-// what every worker holds the same: the gradient noise (summed over the workers, committed with
-// the rest) and the agreed step times. Each worker times its own steps, commit to commit (not
-// next_epoch()'s, which ends none, nor a round's first, which pays for the round); every
-// choose_every commits one all-reduce of two numbers sums them over the workers, and the mean is
-// merged into the agreed time of the current (world, batch per backward, backward passes). The
-// agreed times are committed, so that a newcomer and a job resumed from disk choose alike. After
-// a change of the world the unagreed steps of the last round are dropped and the new world's
-// batch is chosen from the agreed times alone: a world never run at is modeled (shoal/dp/
-// goodput.h). The learning rates follow AdaScale's gain for the global batch chosen.
-void State::time_step() {
-  const double now = steady_seconds();
-  if (last_commit_s_ >= 0 && !epoch_commit_) {
-    pending_seconds_ += now - last_commit_s_;
-    ++pending_steps_;
-  }
-  last_commit_s_ = now;
-  if (++commits_since_choice_ < options_.policy.choose_every) return;
-  auto sums = at::tensor({pending_seconds_, static_cast<double>(pending_steps_)}, at::kDouble);
-  if (shoal::is_initialized() && shoal::world_size() > 1) shoal::world().all_reduce(sums);
-  const double seconds = sums[0].item<double>();
-  const auto steps = static_cast<int64_t>(sums[1].item<double>());
-  pending_seconds_ = 0;
-  pending_steps_ = 0;
-  if (steps > 0) {
-    const int world = shoal::is_initialized() ? shoal::world_size() : 1;
-    auto& [mean, count] = step_times_[{world, choice_.local_batch, choice_.accumulation}];
-    mean = (mean * static_cast<double>(count) + seconds) / static_cast<double>(count + steps);
-    count += steps;
-  }
-  choose();
-}
-
-void State::choose() {
-  commits_since_choice_ = 0;
-  const int world = shoal::is_initialized() ? shoal::world_size() : 1;
-  choice_ = best_batch(StepTimeModel::fit(samples_of(step_times_)), noise_->value(), world,
-                       options_.policy.limits);
-  sampler_.set_batch_size(choice_.local_batch * choice_.accumulation);
-  apply_gain();
 }
 
 void run(State& state, const std::function<void()>& train) {

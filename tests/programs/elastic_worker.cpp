@@ -28,6 +28,10 @@
 // the last worker SIGKILL itself right after that step, in the step after commit K: the others'
 // committed model has not changed since its commit, though the model beside it has.
 // ELASTIC_WORKER_NO_INIT=1 leaves out shoal::init(), so that DataParallel comes first.
+// ELASTIC_WORKER_ZERO=S shards the model at ZeRO stage S (1-3), each worker seeding its own
+// initial parameters; ELASTIC_WORKER_ADAM=1 trains with Adam instead of SGD with momentum.
+// ELASTIC_WORKER_DIE_BEFORE_BACKWARD=K makes the last worker SIGKILL itself right before the
+// backward of the step after commit K: the others' backward fails, with their slices unchanged.
 #include <signal.h>
 #include <unistd.h>
 
@@ -92,12 +96,33 @@ int main(int argc, char** argv) {
 
   const char* no_init = std::getenv("ELASTIC_WORKER_NO_INIT");
   if (no_init == nullptr || std::string(no_init) != "1") shoal::init();
-  torch::manual_seed(1);
+  auto flag = [](const char* name) {
+    const char* value = std::getenv(name);
+    return value != nullptr ? std::atoll(value) : int64_t{-1};
+  };
+  // A seed of each worker's own under ZeRO: the job's first round gives every worker the first
+  // one's parameters.
+  const int64_t zero_stage = std::max<int64_t>(0, flag("ELASTIC_WORKER_ZERO"));
+  torch::manual_seed(zero_stage > 0 ? 1 + shoal::rank() : 1);
   auto net = std::make_shared<Net>();
-  torch::optim::SGD optimizer(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
   shoal::DataParallelOptions dp_options;
   dp_options.measure_gradient_noise = policy == "adascale" || policy == "goodput";
+  dp_options.zero_stage = static_cast<int>(zero_stage);
+  if (zero_stage == 3) dp_options.unit_bytes = 256;  // one layer's weight or bias a unit
   shoal::DataParallel model(net, dp_options);
+  const bool adam = flag("ELASTIC_WORKER_ADAM") == 1;
+  // ELASTIC_WORKER_OPTIMIZE_MODULE=1: the optimizer on the module's parameters, not the
+  // DataParallel's (a mistake under ZeRO).
+  const auto trained =
+      flag("ELASTIC_WORKER_OPTIMIZE_MODULE") == 1 ? net->parameters() : model.parameters();
+  std::unique_ptr<torch::optim::Optimizer> made;
+  if (adam) {
+    made = std::make_unique<torch::optim::Adam>(trained, torch::optim::AdamOptions(0.01));
+  } else {
+    made =
+        std::make_unique<torch::optim::SGD>(trained, torch::optim::SGDOptions(0.05).momentum(0.9));
+  }
+  torch::optim::Optimizer& optimizer = *made;
 
   shoal::data::LoaderOptions options;
   options.shuffle = true;
@@ -124,12 +149,9 @@ int main(int argc, char** argv) {
   } else {
     options.batch_size = 10;
   }
-  auto flag = [](const char* name) {
-    const char* value = std::getenv(name);
-    return value != nullptr ? std::atoll(value) : int64_t{-1};
-  };
   const bool late_count = flag("ELASTIC_WORKER_LATE_COUNT") == 1;
   const int64_t die_after = flag("ELASTIC_WORKER_DIE_AFTER");
+  const int64_t die_before_backward = flag("ELASTIC_WORKER_DIE_BEFORE_BACKWARD");
   const int64_t exit_at = flag("ELASTIC_WORKER_EXIT_AT");
   const int64_t term_at = flag("ELASTIC_WORKER_TERM_AT");
   // Alone in a round, after this many steps: no more training, only commits every STEP_MS, until
@@ -208,6 +230,10 @@ int main(int argc, char** argv) {
           const double weight =
               features.size(0) > 0 ? static_cast<double>(parts[i].size(0)) / features.size(0) : 1.0;
           auto loss = torch::nn::functional::cross_entropy(model(parts[i]), targets[i]) * weight;
+          if (state.version() == die_before_backward && shoal::rank() == shoal::world_size() - 1 &&
+              shoal::world_size() > 1) {
+            ::kill(::getpid(), SIGKILL);
+          }
           if (i + 1 < parts.size()) {
             auto guard = model.no_sync();
             loss.backward();
@@ -264,6 +290,7 @@ int main(int argc, char** argv) {
     shoal::world().all_reduce(low, {shoal::comm::ReduceOp::kMin});
     if (shoal::is_main()) std::cout << "parameter spread " << (high - low).max().item<double>() << std::endl;
   }
+  if (zero_stage > 0) model.gather_parameters();  // every worker's slices into the parameters
   if (shoal::is_main()) {
     std::ofstream out(out_path + ".tmp");
     out << std::setprecision(9);

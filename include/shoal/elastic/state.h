@@ -32,6 +32,10 @@
 #include "shoal/data/sampler.h"
 #include "shoal/dp/goodput.h"
 
+namespace shoal::comm {
+class Group;
+}  // namespace shoal::comm
+
 namespace shoal::dp {
 class Replication;  // src/dp/replication.h
 class NoiseMeter;   // src/dp/noise_meter.h
@@ -105,6 +109,7 @@ struct StateOptions {
 };
 
 class DurableCommits;
+class SlicedCommits;  // src/elastic/slices.h
 struct StateAccess;  // run()'s and the tests' way to restore, sync and finish (src/elastic/state_access.h)
 
 class State {
@@ -196,9 +201,21 @@ class State {
   void time_step();
   void choose();
   void check_world();
-  // The state as a checkpoint payload (checkpoint/contents.h), and back.
+  // The state as a checkpoint payload (checkpoint/contents.h), and back. Under ZeRO, without
+  // the slices and their optimizer state, which travel on their own (Note [Slices in an elastic
+  // job], src/elastic/slices.cpp). take_extras restores what the extras hold.
   std::string serialize() const;
   void deserialize(const std::string& what, std::string_view payload);
+  std::map<std::string, at::Tensor> extras() const;
+  void take_extras(const std::string& what, std::map<std::string, at::Tensor>& extras);
+  // sync()'s parts: sharing `source`'s commit with the others (and with newest 0, the durable
+  // one it resumes from, unless `resume` is false); under ZeRO, the slices cut for the new world
+  // and the durable commit loaded by every member (false: there is none); what every round
+  // does after.
+  void share_from(comm::Group& group, int source, int64_t newest, bool resume);
+  void sync_slices(comm::Group& group);
+  bool load_durable(comm::Group& group);
+  void finish_sync(comm::Group& group);
   // No member of the round holds a commit: take the durable one, if any (the first worker).
   void resume_from_disk();
   // No member of the round holds a commit and none is on disk, but the job has committed
@@ -247,6 +264,8 @@ class State {
   struct Vote;
   std::unique_ptr<Vote> vote_;
   std::unique_ptr<DurableCommits> durable_;
+  // A DataParallel at a ZeRO stage replicates the module: its slices' copies and re-cuts.
+  std::unique_ptr<SlicedCommits> sliced_;
   bool recorded_ = false;  // a commit of this round was recorded for newcomers
   int64_t progress_at_ms_ = 0;  // the last progress written for a queue (src/elastic/notes.h)
   int progress_world_ = 0;
