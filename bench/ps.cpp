@@ -33,6 +33,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "shoal/core/timeline.h"
 #include "shoal/shoal.h"
 
 namespace {
@@ -106,11 +107,22 @@ int main(int argc, char** argv) {
   servers.batch_size = batch;
   shoal::ps::Optimizer optimizer(*model, torch::optim::SGDOptions(0.01), servers);
 
+  // The step's parts as slices of SHOAL_TIMELINE (docs/ps.md, "A step's timeline").
   auto step = [&](int i) {
+    shoal::timeline::Slice whole("step " + std::to_string(i), "train", {{"step", i}});
     optimizer.zero_grad();
-    torch::nn::functional::cross_entropy(model->forward(inputs[i % kBatches]), labels[i % kBatches])
-        .backward();
+    torch::Tensor loss;
+    {
+      shoal::timeline::Slice forward("forward", "train");
+      loss = torch::nn::functional::cross_entropy(model->forward(inputs[i % kBatches]),
+                                                  labels[i % kBatches]);
+    }
+    {
+      shoal::timeline::Slice backward("backward", "train");
+      loss.backward();
+    }
     if (slow) std::this_thread::sleep_for(std::chrono::milliseconds(slow_ms));
+    shoal::timeline::Slice optimizer_step("optimizer.step()", "train");
     optimizer.step();
   };
   for (int i = 0; i < warmup; ++i) step(i);

@@ -10,10 +10,12 @@
 #include <iostream>
 #include <map>
 #include <regex>
+#include <set>
 
 #include <unistd.h>
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "error_of.h"
 #include "shoal/data/loader.h"
@@ -62,6 +64,61 @@ TEST(PsTrain, SyncThroughSharedMemoryEqualsOneProcess) {
     }
   }
   ::unsetenv("PS_TRAIN_WIDE");
+}
+
+// SHOAL_TIMELINE with servers (docs/ps.md, "A step's timeline"): each server's track beside its
+// workers' in the one file, and in sync every pull a worker made after pushing c steps answered
+// only once that server's sum of step c - 1 had ended.
+TEST(PsTrain, TheTimelineShowsTheServersBesideTheirWorkers) {
+  const std::string trace = (std::filesystem::temp_directory_path() /
+                             ("shoal-ps-timeline-" + std::to_string(::getpid()) + ".json"))
+                                .string();
+  std::filesystem::remove(trace);
+  ::setenv("SHOAL_TIMELINE", trace.c_str(), 1);
+  const RunResult run = run_shoal({"--servers", "2", "-n", "2", kTrain, "sgd"}, 120s);
+  ::unsetenv("SHOAL_TIMELINE");
+  ASSERT_EQ(run.exit_code, 0) << run.out << run.err;
+  std::ifstream in(trace);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto events = nlohmann::json::parse(text + "]");
+  std::map<int64_t, std::string> tracks;  // pid -> "server S" / "worker R"
+  const std::regex track(R"((server|worker) (\d+) \(pid \d+ on .+\))");
+  for (const auto& e : events) {
+    if (e.at("ph") != "M" || e.at("name") != "process_name") continue;
+    const std::string name = e.at("args").at("name");
+    std::smatch match;
+    ASSERT_TRUE(std::regex_match(name, match, track)) << name;
+    tracks[e.at("pid")] = match[1].str() + " " + match[2].str();
+  }
+  std::set<std::string> names;
+  for (const auto& [pid, name] : tracks) names.insert(name);
+  EXPECT_EQ(names, (std::set<std::string>{"server 0", "server 1", "worker 0", "worker 1"}));
+  std::map<std::pair<std::string, int64_t>, int64_t> sum_end;  // (server, step) -> end (us)
+  for (const auto& e : events) {
+    if (e.at("ph") != "X") continue;
+    const std::string name = e.at("name");
+    if (name.rfind("sum step ", 0) == 0) {
+      sum_end[{tracks[e.at("pid")], e.at("args").at("step").get<int64_t>()}] =
+          e.at("ts").get<int64_t>() + e.at("dur").get<int64_t>();
+    }
+  }
+  int checked = 0;
+  for (const auto& e : events) {
+    if (e.at("ph") != "X") continue;
+    const std::string name = e.at("name");
+    if (name.rfind("pull from server ", 0) != 0) continue;
+    const int64_t clock = e.at("args").at("clock");
+    if (clock == 0) continue;  // the first pull: the registration's values
+    const std::string server = "server " + name.substr(std::string("pull from server ").size());
+    const auto sum = sum_end.find({server, clock - 1});
+    ASSERT_NE(sum, sum_end.end()) << server << " has no sum of step " << clock - 1;
+    EXPECT_LE(sum->second, e.at("ts").get<int64_t>() + e.at("dur").get<int64_t>())
+        << tracks[e.at("pid")] << "'s pull at clock " << clock << " from " << server
+        << " answered before the step's sum ended";
+    ++checked;
+  }
+  EXPECT_EQ(checked, 2 * 2 * 5) << "2 workers, 2 servers, a pull after each of 5 sync steps";
+  std::filesystem::remove(trace);
 }
 
 // Without servers a job of one trains on the servers' rules in-process (docs/ps.md).

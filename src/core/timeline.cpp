@@ -144,7 +144,8 @@ class Recorder {
     return *recorder;
   }
 
-  void start(const env::Environment& env, int rank, const std::optional<std::string>& job) {
+  void start(const env::Environment& env, int rank, const std::optional<std::string>& job,
+             const char* role) {
     const auto path = env::get(env, "SHOAL_TIMELINE");
     if (!path || path->empty()) return;
     const auto cap = env::get_int(env, "SHOAL_TIMELINE_MAX_EVENTS", 1);
@@ -158,6 +159,7 @@ class Recorder {
       std::lock_guard<std::mutex> lock(mutex_);
       path_ = *path;
       rank_ = rank;
+      role_ = role;
       metadata_changed_ = true;
       max_events_ = cap.value_or(kDefaultMaxEvents);
       host_ = host_name();
@@ -319,9 +321,10 @@ class Recorder {
               ",\"tid\":" + std::to_string(tid) + ",\"args\":{" + args + "}}\n";
     };
     meta("process_name", pid_,
-         "\"name\":" + quoted("worker " + std::to_string(rank_) + " (pid " + std::to_string(pid_) +
-                              " on " + host_ + ")"));
-    meta("process_sort_index", pid_, "\"sort_index\":" + std::to_string(rank_));
+         "\"name\":" + quoted(role_ + " " + std::to_string(rank_) + " (pid " +
+                              std::to_string(pid_) + " on " + host_ + ")"));
+    meta("process_sort_index", pid_,
+         "\"sort_index\":" + std::to_string(role_ == "worker" ? rank_ : 1000 + rank_));
     for (const auto& [tid, name] : threads_) {
       meta("thread_name", tid, "\"name\":" + quoted(name));
       meta("thread_sort_index", tid, "\"sort_index\":" + std::to_string(tid == pid_ ? 0 : 1));
@@ -415,6 +418,7 @@ class Recorder {
   std::mutex mutex_;  // guards what follows, up to write_mutex_
   std::string path_;
   int rank_ = 0;
+  std::string role_ = "worker";
   const int pid_ = ::getpid();
   std::string host_;
   std::string job_;
@@ -501,8 +505,9 @@ void AsyncSlice::end() {
   start_ns_ = -1;
 }
 
-void start(const env::Environment& env, int rank, const std::optional<std::string>& job) {
-  Recorder::get().start(env, rank, job);
+void start(const env::Environment& env, int rank, const std::optional<std::string>& job,
+           const char* role) {
+  Recorder::get().start(env, rank, job, role);
 }
 
 void set_job(const std::string& job) {

@@ -15,7 +15,10 @@ namespace shoal::timeline {
 // run across its workers: a file whose header names another job is replaced, one naming this job
 // is appended to. "" means a run of this process alone; nullopt that set_job() will name it (no
 // event is written before). A file that cannot be opened for writing raises UsageError naming it.
-void start(const env::Environment& env, int rank, const std::optional<std::string>& job);
+// `role` names the process's track ("worker R", or "server R" for a parameter server, whose
+// tracks sort after the workers').
+void start(const env::Environment& env, int rank, const std::optional<std::string>& job,
+           const char* role = "worker");
 void set_job(const std::string& job);
 // The worker's rank, after an elastic job re-formed its world: names the track.
 void set_rank(int rank);

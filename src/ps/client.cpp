@@ -9,17 +9,18 @@
 #include <sstream>
 #include <thread>
 
+#include "comm/store.h"
 #include "connect.h"
 #include "fan_out.h"
 #include "mode.h"
 #include "rpc.h"
 #include "server_core.h"
-#include "squares.h"
 #include "shoal/comm/group.h"
-#include "comm/store.h"
 #include "shoal/core/env.h"
 #include "shoal/core/error.h"
+#include "shoal/core/timeline.h"
 #include "shoal/runtime/init.h"
+#include "squares.h"
 
 namespace shoal::ps {
 namespace detail {
@@ -382,7 +383,11 @@ void Client::pull_dense() {
     // into the parameters were two passes over the model's size per step.
     const DenseSink sink = scatter;
     PullReply& reply = pulled_[s];
-    servers_[s]->pull(request, timeout_, reply, &sink);
+    {
+      timeline::Slice slice("pull from server " + std::to_string(s), "ps",
+                            {{"server", s}, {"clock", clock_}});
+      servers_[s]->pull(request, timeout_, reply, &sink);
+    }
     if (reply.dense.size() != request.dense.size()) {
       throw CommError(server() + " answered a pull of " + std::to_string(request.dense.size()) +
                       " dense tables with " + std::to_string(reply.dense.size()));
@@ -616,6 +621,8 @@ void Client::step() {
       }
       request.sparse.push_back(std::move(slice));
     }
+    timeline::Slice slice("push to server " + std::to_string(s), "ps",
+                          {{"server", s}, {"clock", clock_}});
     return servers_[s]->push(request, timeout_, &source);
   };
   if (backup_workers_ && servers_.size() > 1) {

@@ -13,12 +13,14 @@
 #include "comm/store.h"
 #include "connect.h"
 #include "core/log.h"
+#include "core/timeline_start.h"
 #include "replica.h"
 #include "rpc.h"
 #include "server_core.h"
 #include "shard_map.h"
 #include "shoal/core/env.h"
 #include "shoal/core/error.h"
+#include "shoal/core/timeline.h"
 #include "snapshot.h"
 #include "sum_handler.h"
 
@@ -138,6 +140,9 @@ void run_server_process(const ServerProcessOptions& process) {
   store_options.described_as = "SHOAL_MASTER_ADDR:SHOAL_MASTER_PORT";
   if (auto id = env::get(env, "SHOAL_RUN_ID"); id && !id->empty()) {
     store_options.job_id = "shoal run " + *id;
+    // SHOAL_TIMELINE: the server's track beside its workers' (docs/runtime.md, "Timeline"), in
+    // the file of their job, which shoal run names (without it, the server records nothing).
+    timeline::start(env, index, store_options.job_id, process.backup ? "backup server" : "server");
   }
   const std::string token = job_token(env);
 
@@ -192,6 +197,7 @@ void run_server_process(const ServerProcessOptions& process) {
   // global teardown in ~Server can wait ~10 s for an executor thread still polling, which got
   // the server SIGKILLed at the job's end about every other time.
   snapshots.reset();
+  timeline::flush();  // _Exit runs no atexit handler
   std::cout.flush();
   std::cerr.flush();
   std::_Exit(0);

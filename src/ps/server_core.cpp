@@ -14,6 +14,7 @@
 
 #include "server_text.h"
 #include "shoal/core/error.h"
+#include "shoal/core/timeline.h"
 
 namespace shoal::ps::detail {
 
@@ -109,6 +110,8 @@ PushReply ServerCore::push_taking(PushRequest& request, const Deadline& /*deadli
 
 PushReply ServerCore::accept_push(const PushRequest& request, PushRequest* take) {
   const char* what = "push";
+  // With the sum of the step it completes, in sync (docs/ps.md, "A step's timeline").
+  timeline::Slice slice("push", "ps", {{"worker", request.worker}, {"clock", request.clock}});
   std::lock_guard<std::mutex> lock(mutex_);
   const int32_t w = request.worker;
   membership_.check_live(what, w);
@@ -157,6 +160,8 @@ void ServerCore::pull_into(const PullRequest& request, const Deadline& deadline,
 void ServerCore::answer_pull(const PullRequest& request, const Deadline& deadline, PullReply& reply,
                              DenseOut* out) {
   const char* what = "pull";
+  // With its wait for the step (sync) or the slowest worker (ssp).
+  timeline::Slice slice("pull", "ps", {{"worker", request.worker}, {"clock", request.clock}});
   std::unique_lock<std::mutex> lock(mutex_);
   const int32_t w = request.worker;
   membership_.check_live(what, w);

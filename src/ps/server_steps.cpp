@@ -12,6 +12,7 @@
 #include "server_registry.h"
 #include "server_snapshots.h"
 #include "server_text.h"
+#include "shoal/core/timeline.h"
 
 namespace shoal::ps::detail {
 
@@ -68,6 +69,9 @@ void ServerSteps::apply_ready_steps() {
   while (step_complete(step_)) {
     auto node = pending_.extract(step_);
     if (!node.empty()) {
+      timeline::Slice slice(
+          "sum step " + std::to_string(step_), "ps",
+          {{"step", step_}, {"pushes", static_cast<int64_t>(node.mapped().size())}});
       sum_.sum_step(step_, node.mapped());
       leases_.finish(node.mapped());
       recycle(node.mapped());
