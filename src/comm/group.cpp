@@ -189,6 +189,12 @@ Sizes split_sizes(int64_t length, int parts) {
   return sizes;
 }
 
+Sizes split_starts(int64_t length, int parts) {
+  Sizes starts{0};
+  for (int64_t size : split_sizes(length, parts)) starts.push_back(starts.back() + size);
+  return starts;
+}
+
 // ----- accessors -----
 
 int Group::rank() const {

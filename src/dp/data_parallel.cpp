@@ -226,7 +226,6 @@ void Replicator::bind(comm::Group group, bool synchronize) {
       shards_ =
           std::make_shared<Shards>(trainable, group_.rank(), group_.size(), options_.zero_stage);
       mark_pieces();
-      mark_replicated();
     }
     return;
   }
@@ -305,16 +304,6 @@ void Replicator::check_ready() const {
     throw UsageError("DataParallel: zero_stage " + std::to_string(options_.zero_stage) +
                      " in an elastic job takes its slices' values from elastic::State; expected "
                      "the model in an elastic::State, trained inside elastic::run");
-  }
-}
-
-// Note [Slices in an elastic job]: elastic::State finds the Replication on the parameters
-// (replication_of) before any Reducer exists, and across worlds.
-void Replicator::mark_replicated() {
-  for (const auto& p : shards_->params()) {
-    at::Tensor handle = p;  // see mark_pieces
-    handle.remove_hook(handle.register_hook([](const at::Tensor&) { return at::Tensor(); }));
-    torch::autograd::impl::add_hook(p, std::make_shared<ReplicatedBy>(replication_));
   }
 }
 
@@ -413,6 +402,10 @@ void Replicator::mark_pieces() {
       handle.remove_hook(handle.register_hook([](const at::Tensor&) { return at::Tensor(); }));
     }
     torch::autograd::impl::add_hook(p, std::make_shared<checkpoint::PieceOf>(describe));
+    // Note [Slices in an elastic job]: elastic::State finds the Replication on the parameters
+    // (replication_of) before any Reducer exists, and across worlds.
+    if (slicing_ && sliced)
+      torch::autograd::impl::add_hook(p, std::make_shared<ReplicatedBy>(replication_));
   }
 }
 

@@ -87,7 +87,6 @@ class Replicator {
   bool ready_ = true;
   void slices_filled();
   void check_ready() const;
-  void mark_replicated();
   void make_gatherer();
   void make_reducer(std::vector<at::Tensor> trainable);
   std::shared_ptr<int> alive_ = std::make_shared<int>(0);

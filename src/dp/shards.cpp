@@ -12,16 +12,6 @@
 
 namespace shoal::dp {
 
-namespace {
-
-std::vector<int64_t> starts_of(int64_t numel, int size) {
-  std::vector<int64_t> starts{0};
-  for (int64_t length : comm::split_sizes(numel, size)) starts.push_back(starts.back() + length);
-  return starts;
-}
-
-}  // namespace
-
 Shards::Shards(std::vector<at::Tensor> params, int rank, int size, int stage)
     : params_(std::move(params)), rank_(rank), size_(size), stage_(stage) {
   SHOAL_CHECK(size >= 1 && rank >= 0 && rank < size) << "rank " << rank << " of " << size;
@@ -32,7 +22,7 @@ Shards::Shards(std::vector<at::Tensor> params, int rank, int size, int stage)
                        std::to_string(p.dim()) +
                        "-d is not (make it contiguous before wrapping the model)");
     }
-    starts_.push_back(starts_of(p.numel(), size));
+    starts_.push_back(comm::split_starts(p.numel(), size));
     index_of_[p.unsafeGetTensorImpl()] = slices_.size();
     const int64_t start = starts_.back()[rank];
     const int64_t length = starts_.back()[rank + 1] - start;
@@ -58,7 +48,7 @@ void Shards::recut(int rank, int size) {
   size_ = size;
   for (size_t k = 0; k < params_.size(); ++k) {
     const at::Tensor& p = params_[k];
-    starts_[k] = starts_of(p.numel(), size);
+    starts_[k] = comm::split_starts(p.numel(), size);
     const int64_t start = starts_[k][rank], length = starts_[k][rank + 1] - start;
     at::Tensor& slice = slices_[k];
     slice.mutable_grad().reset();

@@ -45,9 +45,13 @@ void DurableCommits::wait() {
   if (writing_.valid()) writing_.get();
 }
 
-std::optional<std::string> DurableCommits::read() const {
+bool DurableCommits::exists() const {
   struct stat info {};
-  if (::stat(path_.c_str(), &info) != 0 && errno == ENOENT) return std::nullopt;
+  return !(::stat(path_.c_str(), &info) != 0 && errno == ENOENT);
+}
+
+std::optional<std::string> DurableCommits::read() const {
+  if (!exists()) return std::nullopt;
   return checkpoint::read_file(path_);
 }
 

@@ -40,6 +40,8 @@ class DurableCommits {
   // The payload of the checkpoint at path(), checked; nullopt when there is no file. UsageError
   // for a file that is unreadable, truncated or corrupt.
   std::optional<std::string> read() const;
+  // Whether there is a file at path() (one that cannot be read is read()'s error).
+  bool exists() const;
 
  private:
   std::string path_;

@@ -4,6 +4,7 @@
 #include "slices.h"
 
 #include <algorithm>
+#include <bitset>
 #include <cstring>
 
 #include <torch/csrc/autograd/variable.h>
@@ -48,16 +49,19 @@ constexpr int kRowsTag = 0x5a11ce2;
 // A commit's copy is packed and sent about this many bytes of whole parameters per member at once.
 constexpr int64_t kChunkBytes = int64_t{4} << 20;
 
-std::vector<int64_t> cut_starts(int64_t numel, int size) {
-  std::vector<int64_t> starts{0};
-  for (int64_t length : comm::split_sizes(numel, size)) starts.push_back(starts.back() + length);
-  return starts;
+// The columns of a parameter's part: its values, and each field its header row's mask names.
+int64_t width_of(int64_t mask) {
+  return 1 + static_cast<int64_t>(std::bitset<64>(static_cast<uint64_t>(mask)).count());
 }
 
-int fields_in(int64_t mask) {
-  int count = 0;
-  for (; mask != 0; mask &= mask - 1) ++count;
-  return count;
+// The elements of the old cut's `part` that fall in the new cut's `member` (from >= to: none).
+struct Overlap {
+  int64_t from, to;
+};
+Overlap overlap(const comm::Sizes& old_starts, int part, const comm::Sizes& new_starts,
+                int member) {
+  return {std::max(old_starts[part], new_starts[member]),
+          std::min(old_starts[part + 1], new_starts[member + 1])};
 }
 
 }  // namespace
@@ -125,7 +129,7 @@ void SlicedCommits::copy_to_next(comm::Group& group, int64_t version, uint64_t l
   at::NoGradGuard no_grad;
   auto header = at::empty({count, 3}, at::kLong);
   for (int64_t k = 0; k < count; ++k)
-    header_row(static_cast<size_t>(k), header[k].data_ptr<int64_t>());
+    header_row(static_cast<size_t>(k), header.data_ptr<int64_t>() + 3 * k);
   const int next = (group.rank() + 1) % n, previous = (group.rank() + n - 1) % n;
   auto theirs = at::empty({count, 3}, at::kLong);
   auto sent = group.send_async(header, next, {kHeaderTag});
@@ -134,12 +138,13 @@ void SlicedCommits::copy_to_next(comm::Group& group, int64_t version, uint64_t l
   // The previous member's part of each parameter, as its header says.
   std::vector<int64_t> received(slices.size());
   int64_t expected = 0;
-  copy_.rows.clear();
+  copy_.columns.clear();
   std::vector<std::pair<int64_t, int64_t>> shapes;
+  const int64_t* masks = theirs.data_ptr<int64_t>() + 2;  // column 2 of each row
   for (size_t k = 0; k < slices.size(); ++k) {
-    const auto starts = cut_starts(params[k].numel(), n);
+    const auto starts = comm::split_starts(params[k].numel(), n);
     const int64_t length = starts[previous + 1] - starts[previous];
-    const int64_t width = 1 + fields_in(theirs[static_cast<int64_t>(k)][2].item<int64_t>());
+    const int64_t width = width_of(masks[3 * k]);
     shapes.emplace_back(length, width);
     received[k] = length * width * static_cast<int64_t>(slices[k].element_size());
     expected += received[k];
@@ -184,9 +189,9 @@ void SlicedCommits::copy_to_next(comm::Group& group, int64_t version, uint64_t l
   int64_t offset = 0;
   for (size_t k = 0; k < slices.size(); ++k) {
     const auto [length, width] = shapes[k];
-    copy_.rows.push_back(copy_.bytes.narrow(0, offset, received[k])
-                             .view(slices[k].scalar_type())
-                             .view({width, length}));
+    copy_.columns.push_back(copy_.bytes.narrow(0, offset, received[k])
+                                .view(slices[k].scalar_type())
+                                .view({width, length}));
     offset += received[k];
   }
   copy_.header = theirs;
@@ -202,14 +207,17 @@ std::optional<SlicedCommits::Plan> SlicedCommits::plan(const at::Tensor& rows, i
   const auto members = static_cast<int>(rows.size(0));
   Plan plan;
   auto own = [&](int m) {
-    return r[m][0] == version && r[m][1] == lineage && r[m][2] == 0 && r[m][3] > 0;
+    return r[m][kVersion] == version && r[m][kLineage] == lineage && r[m][kChanged] == 0 &&
+           r[m][kCutSize] > 0;
   };
-  auto copied = [&](int m) { return r[m][7] == version && r[m][8] == lineage && r[m][5] > 0; };
+  auto copied = [&](int m) {
+    return r[m][kCopyVersion] == version && r[m][kCopyLineage] == lineage && r[m][kCopySize] > 0;
+  };
   for (int m = 0; m < members && plan.size == 0; ++m) {
-    if (own(m)) plan.size = static_cast<int>(r[m][3]);
+    if (own(m)) plan.size = static_cast<int>(r[m][kCutSize]);
   }
   for (int m = 0; m < members && plan.size == 0; ++m) {
-    if (copied(m)) plan.size = static_cast<int>(r[m][5]);
+    if (copied(m)) plan.size = static_cast<int>(r[m][kCopySize]);
   }
   if (plan.size == 0) {
     *missing = "every part";
@@ -218,12 +226,14 @@ std::optional<SlicedCommits::Plan> SlicedCommits::plan(const at::Tensor& rows, i
   plan.holder.assign(plan.size, -1);
   plan.copy.assign(plan.size, false);
   for (int m = 0; m < members; ++m) {
-    if (own(m) && r[m][3] == plan.size && plan.holder[r[m][4]] < 0) plan.holder[r[m][4]] = m;
+    if (own(m) && r[m][kCutSize] == plan.size && plan.holder[r[m][kCutRank]] < 0)
+      plan.holder[r[m][kCutRank]] = m;
   }
   for (int m = 0; m < members; ++m) {
-    if (copied(m) && r[m][5] == plan.size && plan.holder[r[m][6]] < 0) {
-      plan.holder[r[m][6]] = m;
-      plan.copy[r[m][6]] = true;
+    const int64_t part = r[m][kCopyRank];
+    if (copied(m) && r[m][kCopySize] == plan.size && plan.holder[part] < 0) {
+      plan.holder[part] = m;
+      plan.copy[part] = true;
     }
   }
   missing->clear();
@@ -235,7 +245,7 @@ std::optional<SlicedCommits::Plan> SlicedCommits::plan(const at::Tensor& rows, i
 }
 
 bool SlicedCommits::any_holds_values(const at::Tensor& rows) {
-  return rows.select(1, 3).gt(0).any().item<bool>();
+  return rows.select(1, kCutSize).gt(0).any().item<bool>();
 }
 
 void SlicedCommits::recut(comm::Group& group, const Plan& plan) {
@@ -246,19 +256,23 @@ void SlicedCommits::recut(comm::Group& group, const Plan& plan) {
   const auto count = static_cast<int64_t>(params.size());
   // The header of part 0's holder stands for every part (all members step every slice alike).
   auto header = at::zeros({count, 3}, at::kLong);
-  std::vector<int> mine;  // the parts this member holds
-  for (int part = 0; part < plan.size; ++part) {
-    if (plan.holder[part] == me) mine.push_back(part);
-  }
   if (plan.holder[0] == me) {
     if (plan.copy[0]) {
       header.copy_(copy_.header);
     } else {
       for (int64_t k = 0; k < count; ++k)
-        header_row(static_cast<size_t>(k), header[k].data_ptr<int64_t>());
+        header_row(static_cast<size_t>(k), header.data_ptr<int64_t>() + 3 * k);
     }
   }
   group.broadcast(header, {plan.holder[0]});
+  const auto rows_of = header.accessor<int64_t, 2>();
+  std::vector<int> mine;  // the parts this member holds
+  bool own_part = false;  // one of them is its own slices'
+  for (int part = 0; part < plan.size; ++part) {
+    if (plan.holder[part] != me) continue;
+    mine.push_back(part);
+    own_part = own_part || !plan.copy[part];
+  }
   // What each member sends to each: the rows of its parts that fall in the receiver's new range.
   struct Outgoing {
     at::Tensor rows;
@@ -266,21 +280,18 @@ void SlicedCommits::recut(comm::Group& group, const Plan& plan) {
   };
   std::vector<Outgoing> outgoing(params.size());
   for (size_t k = 0; k < params.size(); ++k) {
-    const auto old_starts = cut_starts(params[k].numel(), plan.size);
-    const auto new_starts = cut_starts(params[k].numel(), n);
-    const int64_t width = 1 + fields_in(header[static_cast<int64_t>(k)][2].item<int64_t>());
+    const auto old_starts = comm::split_starts(params[k].numel(), plan.size);
+    const auto new_starts = comm::split_starts(params[k].numel(), n);
+    const int64_t width = width_of(rows_of[static_cast<int64_t>(k)][2]);
     std::vector<at::Tensor> pieces;
     Outgoing& out = outgoing[k];
-    const bool own_part =
-        std::any_of(mine.begin(), mine.end(), [&](int part) { return !plan.copy[part]; });
     const at::Tensor own = own_part ? at::stack(own_columns(k), 1) : at::Tensor();
     for (int q = 0; q < n; ++q) {
       int64_t sent = 0;
       for (int part : mine) {
-        const int64_t from = std::max(old_starts[part], new_starts[q]);
-        const int64_t to = std::min(old_starts[part + 1], new_starts[q + 1]);
+        const auto [from, to] = overlap(old_starts, part, new_starts, q);
         if (from >= to) continue;
-        const at::Tensor rows = plan.copy[part] ? copy_.rows[k].t() : own;
+        const at::Tensor rows = plan.copy[part] ? copy_.columns[k].t() : own;
         SHOAL_CHECK(rows.size(1) == width)
             << "parameter " << k << ": " << rows.size(1) << " columns, expected " << width;
         pieces.push_back(rows.narrow(0, from - old_starts[part], to - from));
@@ -288,14 +299,10 @@ void SlicedCommits::recut(comm::Group& group, const Plan& plan) {
       }
       out.send.push_back(sent);
     }
-    for (int s = 0; s < n; ++s) {
-      int64_t received = 0;
-      for (int part = 0; part < plan.size; ++part) {
-        if (plan.holder[part] != s) continue;
-        received += std::max<int64_t>(0, std::min(old_starts[part + 1], new_starts[me + 1]) -
-                                             std::max(old_starts[part], new_starts[me]));
-      }
-      out.recv.push_back(received);
+    out.recv.assign(static_cast<size_t>(n), 0);
+    for (int part = 0; part < plan.size; ++part) {
+      const auto [from, to] = overlap(old_starts, part, new_starts, me);
+      if (from < to) out.recv[static_cast<size_t>(plan.holder[part])] += to - from;
     }
     out.rows = pieces.empty() ? at::empty({0, width}, slices[k].options().requires_grad(false))
                               : at::cat(pieces, 0);
@@ -310,15 +317,14 @@ void SlicedCommits::recut(comm::Group& group, const Plan& plan) {
     out.rows = at::Tensor();
     // Placed by where each piece lies in the parameter: senders in member order, each sending
     // its parts in order.
-    const auto old_starts = cut_starts(params[k].numel(), plan.size);
-    const auto new_starts = cut_starts(params[k].numel(), n);
+    const auto old_starts = comm::split_starts(params[k].numel(), plan.size);
+    const auto new_starts = comm::split_starts(params[k].numel(), n);
     auto placed = at::empty_like(got);
     int64_t at_row = 0;
     for (int s = 0; s < n; ++s) {
       for (int part = 0; part < plan.size; ++part) {
         if (plan.holder[part] != s) continue;
-        const int64_t from = std::max(old_starts[part], new_starts[me]);
-        const int64_t to = std::min(old_starts[part + 1], new_starts[me + 1]);
+        const auto [from, to] = overlap(old_starts, part, new_starts, me);
         if (from >= to) continue;
         placed.narrow(0, from - new_starts[me], to - from).copy_(got.narrow(0, at_row, to - from));
         at_row += to - from;
@@ -326,17 +332,16 @@ void SlicedCommits::recut(comm::Group& group, const Plan& plan) {
     }
     const at::Tensor& slice = slices[k];
     slice.detach().copy_(placed.select(1, 0));
-    const auto row = header[static_cast<int64_t>(k)];
-    if (row[0].item<int64_t>() == 0) {
+    const auto row = rows_of[static_cast<int64_t>(k)];
+    if (row[0] == 0) {
       optimizer_.state().erase(c10::guts::to_string(slice.unsafeGetTensorImpl()));
       continue;
     }
     checkpoint::ParamState state;
-    if (row[1].item<int64_t>() >= 0) state.step = row[1].item<int64_t>();
-    const int64_t mask = row[2].item<int64_t>();
+    if (row[1] >= 0) state.step = row[1];
     int64_t column = 1;
     for (size_t f = 0; f < fields_.size(); ++f) {
-      if ((mask & (int64_t{1} << f)) == 0) continue;
+      if ((row[2] & (int64_t{1} << f)) == 0) continue;
       state.fields[fields_[f]] = placed.select(1, column++).clone();
     }
     checkpoint::set_param_state(optimizer_, slice, state);
@@ -352,7 +357,7 @@ void SlicedCommits::recut_from(comm::Group& group, int source) {
   for (size_t k = 0; k < params.size(); ++k) {
     at::Tensor whole = params[k].detach();
     group.broadcast(whole, {source});
-    const auto starts = cut_starts(whole.numel(), group.size());
+    const auto starts = comm::split_starts(whole.numel(), group.size());
     const at::Tensor part = whole.view(-1).narrow(0, starts[group.rank()],
                                                   starts[group.rank() + 1] - starts[group.rank()]);
     if (part.data_ptr() != slices[k].data_ptr()) slices[k].detach().copy_(part);

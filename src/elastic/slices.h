@@ -24,11 +24,22 @@ class SlicedCommits {
   // RMSprop) or when the optimizer does not hold the slices.
   SlicedCommits(std::shared_ptr<dp::Slicing> slicing, torch::optim::Optimizer& optimizer);
 
-  // What this worker holds, as sync() gathers it after (version, lineage, changed): its slices'
-  // cut (size 0: none of the job's values), and the cut, part, version and lineage of the copy
-  // it keeps of the previous worker's.
-  static constexpr int kNumbers = 6;
-  std::vector<int64_t> holding() const;
+  // The row each member gives sync(): its commit's version and lineage and whether its slices
+  // changed since (Note [Commits without copies]); then, from holding(), its slices' cut (size 0:
+  // none of the job's values) and the cut, part, version and lineage of the copy it keeps of the
+  // previous worker's.
+  enum Column : int {
+    kVersion,
+    kLineage,
+    kChanged,
+    kCutSize,
+    kCutRank,
+    kCopySize,
+    kCopyRank,
+    kCopyVersion,
+    kCopyLineage,
+  };
+  std::vector<int64_t> holding() const;  // the columns from kCutSize on
 
   // At a commit of `version` in the history `lineage` (and after a round's re-cut): this worker's
   // slices and their optimizer state go to the next member of `group`, the previous member's
@@ -75,7 +86,7 @@ class SlicedCommits {
     int64_t size = 0, rank = 0, version = -1;
     uint64_t lineage = 0;
     at::Tensor header, bytes;
-    std::vector<at::Tensor> rows;
+    std::vector<at::Tensor> columns;
   } copy_;
 };
 

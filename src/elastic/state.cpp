@@ -518,24 +518,29 @@ void State::share_from(comm::Group& group, int source, int64_t newest, bool resu
 // this round, from the members' own slices and copies, else from the durable commit.
 void State::sync_slices(comm::Group& group) {
   const int n = group.size();
+  // SlicedCommits::Column's order.
   std::vector<int64_t> mine{version_, static_cast<int64_t>(lineage_), int64_t{needs_parameters_}};
   for (const int64_t number : sliced_->holding()) mine.push_back(number);
   const auto row = at::tensor(mine, at::kLong).view({1, -1});
   const at::Tensor rows = n > 1 ? group.all_gather(row) : row;
   int source = 0;  // the first member with the newest commit
+  const auto column = rows.accessor<int64_t, 2>();
+  using Column = SlicedCommits::Column;
   for (int m = 1; m < n; ++m) {
-    if (rows[m][0].item<int64_t>() > rows[source][0].item<int64_t>()) source = m;
+    if (column[m][Column::kVersion] > column[source][Column::kVersion]) source = m;
   }
-  const int64_t newest = rows[source][0].item<int64_t>();
+  const int64_t newest = column[source][Column::kVersion];
   const bool held = SlicedCommits::any_holds_values(rows);
   std::string missing;
   std::optional<SlicedCommits::Plan> plan;
-  if (held) plan = SlicedCommits::plan(rows, newest, rows[source][1].item<int64_t>(), &missing);
+  if (held) plan = SlicedCommits::plan(rows, newest, column[source][Column::kLineage], &missing);
   if (plan) {
     sliced_->recut(group, *plan);
     bool same = true;
     for (int m = 0; m < n; ++m)
-      same = same && rows[m].narrow(0, 0, 3).equal(rows[source].narrow(0, 0, 3));
+      same =
+          same &&
+          rows[m].narrow(0, 0, Column::kCutSize).equal(rows[source].narrow(0, 0, Column::kCutSize));
     if (!same) share_from(group, source, newest, false);
   } else if (!load_durable(group)) {
     if (held) {
@@ -546,7 +551,9 @@ void State::sync_slices(comm::Group& group) {
           "(SHOAL_CHECKPOINT) to resume from (docs/memory.md, \"Elastic jobs\")");
     }
     // The job's first round: every slice from the first member's parameters.
-    if (n == 1 && lost_history() > 0) refuse_to_start_again(lost_history());
+    if (const int64_t recorded = n == 1 ? lost_history() : 0; recorded > 0) {
+      refuse_to_start_again(recorded);
+    }
     sliced_->recut_from(group, source);
     if (n > 1) share_from(group, source, newest, false);
   }
@@ -558,7 +565,7 @@ void State::sync_slices(comm::Group& group) {
 bool State::load_durable(comm::Group& group) {
   if (!durable_->enabled()) return false;
   auto exists = at::zeros({1}, at::kLong);
-  if (group.rank() == 0) exists[0] = int64_t{durable_->read().has_value()};
+  if (group.rank() == 0) exists[0] = int64_t{durable_->exists()};  // shoal::load reads it
   if (group.size() > 1) group.broadcast(exists, {0});
   if (exists.item<int64_t>() == 0) return false;
   sliced_->recut_for_load();

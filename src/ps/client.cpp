@@ -384,8 +384,9 @@ void Client::pull_dense() {
     const DenseSink sink = scatter;
     PullReply& reply = pulled_[s];
     {
-      timeline::Slice slice("pull from server " + std::to_string(s), "ps",
-                            {{"server", s}, {"clock", clock_}});
+      // The name is made only when the timeline records (a step's calls are its hot path).
+      timeline::Slice slice(timeline::enabled() ? "pull from server " + std::to_string(s) : "",
+                            "ps", {{"server", s}, {"clock", clock_}});
       servers_[s]->pull(request, timeout_, reply, &sink);
     }
     if (reply.dense.size() != request.dense.size()) {
@@ -621,7 +622,7 @@ void Client::step() {
       }
       request.sparse.push_back(std::move(slice));
     }
-    timeline::Slice slice("push to server " + std::to_string(s), "ps",
+    timeline::Slice slice(timeline::enabled() ? "push to server " + std::to_string(s) : "", "ps",
                           {{"server", s}, {"clock", clock_}});
     return servers_[s]->push(request, timeout_, &source);
   };

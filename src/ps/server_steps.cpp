@@ -70,7 +70,7 @@ void ServerSteps::apply_ready_steps() {
     auto node = pending_.extract(step_);
     if (!node.empty()) {
       timeline::Slice slice(
-          "sum step " + std::to_string(step_), "ps",
+          timeline::enabled() ? "sum step " + std::to_string(step_) : "", "ps",
           {{"step", step_}, {"pushes", static_cast<int64_t>(node.mapped().size())}});
       sum_.sum_step(step_, node.mapped());
       leases_.finish(node.mapped());

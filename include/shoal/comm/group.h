@@ -92,6 +92,8 @@ int64_t sent_bytes();
 // How `length` rows are cut into `parts`: the first (length % parts) parts get one row more.
 // The same rule everywhere in shoal (collectives, data sharding, split SBP).
 Sizes split_sizes(int64_t length, int parts);
+// Where each of those parts starts, and the end: parts + 1 entries, the first 0, the last length.
+Sizes split_starts(int64_t length, int parts);
 
 // Promises, for its scope, that the calling thread waits for the first operation it launches
 // before it launches another. On the shared-memory path that operation then runs on the thread
