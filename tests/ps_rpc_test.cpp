@@ -25,6 +25,8 @@
 
 #include "ps.pb.h"
 #include "ps/connect.h"
+#include "ps/server_core.h"
+#include "ps/shard_map.h"
 #include "ps/shm.h"
 #include "ps/wire.h"
 #include "shoal_run.h"
@@ -867,6 +869,53 @@ TEST(PsWire, AStructReadIntoAgainHoldsOnlyTheNewMessage) {
   EXPECT_EQ(std::make_tuple(reply.noise.step, reply.noise.average_sqr, reply.noise.big),
             std::make_tuple(int64_t{3}, 2.0, 8.0));
   same(reply, sent_big);
+}
+
+// Note [Pushes read in place] (server_steps.cpp): a push sent in place through a segment is read
+// there until its step is summed, so a sync step that waits for its second worker sums what the
+// segment holds then, and the server keeps the segment's memory until that step; one sent without
+// the flag (a primary's forward to its backup) is copied when it arrives. The sender below breaks
+// its word on purpose, to see which of the two the server did.
+TEST(PsWire, APushSentInPlaceIsReadWhereItIsUntilItsStepIsSummed) {
+  for (const bool in_place : {true, false}) {
+    SCOPED_TRACE(in_place ? "in place" : "not in place");
+    ServerCoreOptions options;
+    options.workers = {0, 1};
+    options.shards = ShardMap(1).shards_of(0);
+    ServerCore core(options);
+    OptimizerSpec sgd;
+    sgd.lr = 1;
+    RegisterRequest request;
+    request.tables = {TableSpec{"w", false, {4}, sgd, {}, 1}};
+    request.initial = {DenseSlice{0, {0}, std::vector<float>(4, 0.f)}};
+    core.register_tables(request, shoal::Deadline(std::chrono::milliseconds(0)));
+
+    auto segment = std::make_shared<std::vector<float>>(16, 0.f);
+    const SharedValues shm{segment->data(), segment->size()};
+    const PushRequest first{0, 0, 1, {DenseSlice{0, {0}, std::vector<float>(4, 1.f)}}, {}};
+    const grpc::ByteBuffer bytes = wire_format::encode(first, shm, nullptr, in_place);
+    PushRequest received;
+    ASSERT_TRUE(wire_format::decode(bytes, received, &shm, segment));
+    ASSERT_EQ(received.dense.size(), 1u);
+    EXPECT_EQ(received.dense[0].view == segment->data(), in_place);
+    EXPECT_EQ(received.dense[0].values.empty(), in_place);
+    core.push_taking(received, shoal::Deadline(std::chrono::milliseconds(0)));
+    received = PushRequest();  // as the transport's thread forgets it
+
+    std::fill(segment->begin(), segment->end(), 3.f);
+    const std::weak_ptr<std::vector<float>> watch = segment;
+    segment.reset();
+    EXPECT_EQ(watch.expired(), !in_place) << "the held push keeps the segment only in place";
+    core.push(PushRequest{1, 0, 1, {DenseSlice{0, {0}, std::vector<float>(4, 1.f)}}, {}},
+              shoal::Deadline(std::chrono::milliseconds(0)));
+    ASSERT_EQ(core.step(), 1);
+    EXPECT_TRUE(watch.expired()) << "the summed push still keeps the segment";
+    // SGD with lr 1 from 0: minus the mean of the two pushes.
+    const float expected = in_place ? -(3.f + 1.f) / 2 : -(1.f + 1.f) / 2;
+    const PullRequest pull{0, 1, {DenseSlice{0, {0}, {}}}, {}};
+    EXPECT_EQ(core.pull(pull, shoal::Deadline(std::chrono::milliseconds(0))).dense.at(0).values,
+              std::vector<float>(4, expected));
+  }
 }
 
 TEST(PsRpc, ConnectingWithoutServersTimesOutNamingTheFirstMissing) {

@@ -5,8 +5,10 @@
 // size against the table before it touches a byte (a malformed request is refused, never obeyed).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -60,6 +62,13 @@ struct DenseSlice {
   int32_t table = 0;            // index in the registration order
   std::vector<int64_t> chunks;
   std::vector<float> values;    // sum of the chunks' lengths
+  // A push a server reads where the worker wrote it (Note [Pushes read in place] in
+  // server_steps.cpp): `values` is empty and the `view_count` values are at `view`, which the
+  // request's `keep` keeps mapped. Readers of a push's values use data() and count().
+  const float* view = nullptr;
+  size_t view_count = 0;
+  const float* data() const { return view != nullptr ? view : values.data(); }
+  size_t count() const { return view != nullptr ? view_count : values.size(); }
 };
 
 // Rows of a sparse table: ids and their values (ids.size() x dim), in the ids' order.
@@ -158,6 +167,8 @@ struct PushRequest {
   // The worker measures the gradient noise (ps::ServerOptions::measure_gradient_noise): |g|^2
   // over this push's values, dense and sparse; < 0: not measured.
   double gradient_sqr = -1;
+  // What the dense slices' views point into (DenseSlice::view), kept while they are read.
+  std::shared_ptr<const void> keep = nullptr;
 };
 // A batch of the epoch's ledger for `worker` (ledger.h, docs/ps.md "Leased batches"): the data
 // set's size and the batch size name the ledger, and every worker must name the same.

@@ -96,8 +96,11 @@ class RpcClient {
   void pull(const PullRequest& request, Duration timeout, PullReply& reply,
             const DenseSink* sink = nullptr);
   PushReply push(const PushRequest& request, Duration timeout);
-  // The same, with the dense values written by `source` where they are sent from (DenseSource,
-  // messages.h): the request's slices carry none, and are filled when the values go inline.
+  // A worker's push of its step: the dense values are written by `source` where they are sent
+  // from (DenseSource, messages.h; the request's slices carry none, and are filled when the values
+  // go inline). Through the shared segment they are sent in place (Note [Pushes read in place] in
+  // server_steps.cpp): the caller's next call to this server must come after the push is applied,
+  // as a worker's next pull does.
   PushReply push(PushRequest& request, Duration timeout, const DenseSource& source);
   // Liveness: returns the index the server was started with.
   int ping(Duration timeout);
@@ -108,7 +111,7 @@ class RpcClient {
  private:
   // A push through the shared segment, or nullopt where there is none or the values are few.
   std::optional<PushReply> push_shared(const PushRequest& request, Duration timeout,
-                                       const DenseSource* source);
+                                       const DenseSource* source, bool in_place);
   PushReply push_inline(const PushRequest& request, Duration timeout);
 
   struct State;

@@ -343,21 +343,21 @@ void RpcClient::pull(const PullRequest& request, Duration timeout, PullReply& re
 
 PushReply RpcClient::push(const PushRequest& request, Duration timeout) {
   const auto start = SteadyClock::now();
-  if (auto reply = push_shared(request, timeout, nullptr)) return *reply;
+  if (auto reply = push_shared(request, timeout, nullptr, false)) return *reply;
   return push_inline(request,
                      timeout - std::chrono::duration_cast<Duration>(SteadyClock::now() - start));
 }
 
 PushReply RpcClient::push(PushRequest& request, Duration timeout, const DenseSource& source) {
   const auto start = SteadyClock::now();
-  if (auto reply = push_shared(request, timeout, &source)) return *reply;
+  if (auto reply = push_shared(request, timeout, &source, true)) return *reply;
   source.fill_slices(request.dense);  // in the message, from the request's slices
   return push_inline(request,
                      timeout - std::chrono::duration_cast<Duration>(SteadyClock::now() - start));
 }
 
 std::optional<PushReply> RpcClient::push_shared(const PushRequest& request, Duration timeout,
-                                                const DenseSource* source) {
+                                                const DenseSource* source, bool in_place) {
   State& state = *state_;
   const size_t values =
       source ? std::accumulate(source->counts.begin(), source->counts.end(), size_t{0})
@@ -369,7 +369,8 @@ std::optional<PushReply> RpcClient::push_shared(const PushRequest& request, Dura
   try {
     grpc::ByteBuffer reply;
     state.call("Push", &Methods::push, timeout,
-               wire_format::encode(request, segment->values(), source), reply, &segment->handle());
+               wire_format::encode(request, segment->values(), source, in_place), reply,
+               &segment->handle());
     ++state.shared_calls;
     return state.convert<PushReply>("Push", "PushReply", reply);
   } catch (const SegmentUnusable&) {

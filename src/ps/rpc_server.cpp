@@ -108,10 +108,18 @@ class Service : public grpc::Service {
       // Read into storage this gRPC thread kept from its last push: a dense push is the model's
       // size (Note [Values without copies], wire.h). The handler may take the values' storage and
       // leave other storage here (Note [Taking a push's storage], server_steps.cpp).
+      // Values in the worker's segment are read there (Note [Pushes read in place],
+      // server_steps.cpp): a push the handler holds keeps the segment mapped, this thread not.
       thread_local PushRequest request;
+      struct Forget {
+        ~Forget() {
+          request.keep.reset();
+          for (DenseSlice& slice : request.dense) slice.view = nullptr;
+        }
+      } forget;
       const auto segment = segment_of(*context);
       const SharedValues shared = segment ? segment->values() : SharedValues{};
-      if (!wire_format::decode(*in, request, segment ? &shared : nullptr))
+      if (!wire_format::decode(*in, request, segment ? &shared : nullptr, segment))
         throw malformed("Push", "PushRequest", *in);
       *out = wire_format::encode(handler_.push_taking(request, deadline_of(*context)));
       return grpc::Status::OK;

@@ -182,8 +182,8 @@ void ServerRegistry::check_slices(const char* what, const std::vector<DenseSlice
     if (const auto twice = repeated(slice.chunks))
       bad(what, name + ": chunk " + std::to_string(*twice) + " is named twice; expected each once");
     const int64_t expected = with_values ? length : 0;
-    if (static_cast<int64_t>(slice.values.size()) != expected)
-      bad(what, name + ": " + std::to_string(slice.values.size()) + " values for " +
+    if (static_cast<int64_t>(slice.count()) != expected)
+      bad(what, name + ": " + std::to_string(slice.count()) + " values for " +
                     std::to_string(slice.chunks.size()) + " chunks; expected " +
                     std::to_string(expected));
   }
@@ -300,7 +300,7 @@ void ServerRegistry::apply(const std::vector<DenseSlice>& dense,
                            const std::vector<SparseSlice>& sparse) {
   for (const auto& slice : dense) {
     const Table& table = tables_[static_cast<size_t>(slice.table)];
-    const float* grad = slice.values.data();
+    const float* grad = slice.data();
     for (int64_t chunk : slice.chunks) {
       apply_chunk(slice.table, chunk, grad);
       grad += chunk_length(table.numel, chunk);

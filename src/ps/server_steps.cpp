@@ -181,6 +181,18 @@ std::string ServerSteps::describe_sync_wait(int64_t step) const {
 // primary forwards the request after handling it, so ReplicatedHandler keeps Handler's default
 // (a copy); the in-process core of a job of one takes the client's own request, which the client
 // refills at its next step. An elastic job's unsealed pushes (async, ssp) are held alike.
+//
+// Note [Pushes read in place]: a push whose values came through the worker's shared segment
+// (Note [Values in shared memory], wire.h) is not copied out of it at all: its dense slices view
+// the segment (DenseSlice::view), which the held push keeps mapped (PushRequest::keep), and the
+// step's sum reads the gradients there. That is safe because a worker writes its segment with a
+// server again only in its next call to that server, and every mode answers that call after the
+// push is applied: in sync the worker's next call is the pull of the step after it, answered once
+// the step is summed (the pull is the one that seals an elastic job's push); an elastic job's
+// unsealed pushes in async and ssp are applied when the pull seals them, before the pull answers;
+// the other pushes are applied in their own call. A worker that gave up on a call (its deadline)
+// takes a new segment for the next one, and the server's mapping keeps the old one's memory. A
+// held push that is discarded (a leaver's, a dropped one) is never read.
 void ServerSteps::buffer_push(const PushRequest& request, PushRequest* take) {
   pending_[request.clock].emplace(request.worker, hold(request, take));
 }
@@ -200,21 +212,28 @@ PushRequest ServerSteps::hold(const PushRequest& request, PushRequest* take) {
   held.gradient_sqr = request.gradient_sqr;
   held.dense.resize(request.dense.size());
   for (size_t i = 0; i < request.dense.size(); ++i) {
-    held.dense[i].table = request.dense[i].table;
+    const DenseSlice& from = request.dense[i];
+    DenseSlice& to = held.dense[i];
+    to.table = from.table;
+    to.view = from.view;  // Note [Pushes read in place]
+    to.view_count = from.view_count;
     if (take != nullptr) {
-      held.dense[i].chunks.swap(take->dense[i].chunks);
-      held.dense[i].values.swap(take->dense[i].values);
+      to.chunks.swap(take->dense[i].chunks);
+      if (from.view == nullptr) to.values.swap(take->dense[i].values);
     } else {
-      held.dense[i].chunks.assign(request.dense[i].chunks.begin(), request.dense[i].chunks.end());
-      held.dense[i].values.assign(request.dense[i].values.begin(), request.dense[i].values.end());
+      to.chunks.assign(from.chunks.begin(), from.chunks.end());
+      if (from.view == nullptr) to.values.assign(from.values.begin(), from.values.end());
     }
   }
+  held.keep = request.keep;
   held.sparse = request.sparse;  // rows are few; their storage is not worth keeping
   return held;
 }
 
 void ServerSteps::recycle(int32_t worker, PushRequest& push) {
   push.sparse.clear();
+  push.keep.reset();  // the worker's segment is no longer read here
+  for (DenseSlice& slice : push.dense) slice.view = nullptr;
   spare_[worker] = std::move(push);
 }
 

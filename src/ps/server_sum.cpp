@@ -63,7 +63,7 @@ void ServerSum::sum_step(int64_t step, const std::map<int32_t, PushRequest>& pus
   for (const auto& [worker, push] : pushes) {
     for (const auto& slice : push.dense) {
       const ServerRegistry::Table& table = registry_.table(slice.table);
-      const float* grad = slice.values.data();
+      const float* grad = slice.data();
       for (int64_t chunk : slice.chunks) {
         sum_terms_.push_back({slice.table, chunk, order, static_cast<double>(push.rows), grad});
         grad += chunk_length(table.numel, chunk);
@@ -156,24 +156,37 @@ size_t ServerSum::next_chunk(size_t first) const {
   return last;
 }
 
+// Note [A chunk's sum in blocks]: the workers' gradients are read once each, straight from where
+// their pushes are (Note [Pushes read in place], server_steps.cpp), into a sum of a few thousand
+// doubles that stays in the first-level cache, block after block of the chunk; the sum is scaled
+// by 1 / total, a product (a division per value took a quarter of the sum's time). The order of
+// the terms is Note [Sync sum]'s, so a step's result does not depend on the threads either.
 void ServerSum::sum_chunks(size_t first, size_t end, double total, bool measure,
                            SumScratch& scratch) {
-  scratch.acc.resize(static_cast<size_t>(kChunkElements));
+  constexpr int64_t kBlock = 2048;
+  scratch.acc.resize(static_cast<size_t>(kBlock));
   scratch.out.resize(static_cast<size_t>(kChunkElements));
+  const double scale = 1.0 / total;
+  double* acc = scratch.acc.data();
   while (first < end) {
     const SumTerm& head = sum_terms_[first];
     const ServerRegistry::Table& table = registry_.table(head.table);
     const int64_t length = chunk_length(table.numel, head.chunk);
-    double* acc = scratch.acc.data();
-    std::fill(acc, acc + length, 0.0);
     const size_t last = next_chunk(first);
-    for (size_t term = first; term < last; ++term) {
-      const double weight = sum_terms_[term].weight;
-      const float* grad = sum_terms_[term].grad;
-      for (int64_t i = 0; i < length; ++i) acc[i] += weight * grad[i];
-    }
     float* out = scratch.out.data();
-    for (int64_t i = 0; i < length; ++i) out[i] = static_cast<float>(acc[i] / total);
+    for (int64_t at = 0; at < length; at += kBlock) {
+      const int64_t n = std::min(kBlock, length - at);
+      const double weight = head.weight;
+      const float* grad = head.grad + at;
+      for (int64_t i = 0; i < n; ++i) acc[i] = weight * grad[i];
+      for (size_t term = first + 1; term < last; ++term) {
+        const double w = sum_terms_[term].weight;
+        const float* g = sum_terms_[term].grad + at;
+        for (int64_t i = 0; i < n; ++i) acc[i] += w * g[i];
+      }
+      float* block = out + at;
+      for (int64_t i = 0; i < n; ++i) block[i] = static_cast<float>(acc[i] * scale);
+    }
     if (measure) scratch.sqr += sum_of_squares(out, length);
     registry_.apply_chunk(head.table, head.chunk, out);
     first = last;

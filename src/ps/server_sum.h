@@ -40,7 +40,7 @@ class ServerSum {
     const float* grad;
   };
   struct SumScratch {
-    std::vector<double> acc;  // one chunk's sum
+    std::vector<double> acc;  // one block of a chunk's sum (Note [A chunk's sum in blocks])
     std::vector<float> out;   // one chunk's gradient, rounded
     double sqr = 0;           // measuring the noise: |out|^2 summed over the chunks
   };

@@ -143,9 +143,9 @@ PushReply SumHandler::push(const PushRequest& request, const Deadline&) {
       const auto [begin, end] = chunk_range(t, chunk);
       expected += end - begin;
     }
-    if (static_cast<int64_t>(slice.values.size()) != expected) {
+    if (static_cast<int64_t>(slice.count()) != expected) {
       throw UsageError("push to table '" + t.spec.name + "' carries " +
-                       std::to_string(slice.values.size()) + " values for " +
+                       std::to_string(slice.count()) + " values for " +
                        std::to_string(slice.chunks.size()) + " chunks; expected " +
                        std::to_string(expected));
     }
@@ -162,10 +162,11 @@ PushReply SumHandler::push(const PushRequest& request, const Deadline&) {
   }
   for (const DenseSlice& slice : request.dense) {
     Table& t = tables_[slice.table];
+    const float* values = slice.data();
     size_t at = 0;
     for (int64_t chunk : slice.chunks) {
       const auto [begin, end] = chunk_range(t, chunk);
-      for (int64_t i = begin; i < end; ++i) t.dense[i] += slice.values[at++];
+      for (int64_t i = begin; i < end; ++i) t.dense[i] += values[at++];
     }
   }
   for (const SparseSlice& slice : request.sparse) {

@@ -61,11 +61,11 @@ void check_dense(const DenseSlice& slice, int64_t odd_bytes, const std::string& 
   non_negative(slice.table, where + ".table");
   all_non_negative(slice.chunks, where + ".chunks");
   check_values_bytes(odd_bytes, where);
-  if (!values && !slice.values.empty()) {
-    throw UsageError(where + " carries " + std::to_string(slice.values.size()) +
+  if (!values && slice.count() != 0) {
+    throw UsageError(where + " carries " + std::to_string(slice.count()) +
                      " values; a pull request names chunks only");
   }
-  if (values && !slice.chunks.empty() && slice.values.empty()) {
+  if (values && !slice.chunks.empty() && slice.count() == 0) {
     throw UsageError(where + " names " + std::to_string(slice.chunks.size()) +
                      " chunks but carries no values");
   }
@@ -124,8 +124,14 @@ struct Slices {
     s.table = 0;
     indices_of_mutable(s).clear();
     s.values.clear();
+    forget_view(s);
     return s;
   }
+  static void forget_view(DenseSlice& s) {
+    s.view = nullptr;
+    s.view_count = 0;
+  }
+  static void forget_view(SparseSlice&) {}
   static std::vector<int64_t>& indices_of_mutable(DenseSlice& s) { return s.chunks; }
   static std::vector<int64_t>& indices_of_mutable(SparseSlice& s) { return s.ids; }
 
@@ -141,7 +147,10 @@ struct Slices {
   // Note [Values in shared memory]: dense slices that name a count of values in the segment
   // take them from it, in slice order; every count is checked against what the segment holds
   // before a value is read.
-  void take_shared(const SharedValues* shm, const DenseSink* sink = nullptr) {
+  // `in_place`: the slices read their values where they are (DenseSlice::view) rather than copy
+  // them (Note [Pushes read in place] in server_steps.cpp).
+  void take_shared(const SharedValues* shm, const DenseSink* sink = nullptr,
+                   bool in_place = false) {
     sunk = sink != nullptr;
     size_t at = 0;
     for (size_t i = 0; i < dense.size(); ++i) {
@@ -161,7 +170,12 @@ struct Slices {
                          std::to_string(at) + " of the shared segment, which holds " +
                          std::to_string(shm->capacity) + "; expected values within it");
       }
-      if (sink == nullptr) dense[i].values.assign(shm->data + at, shm->data + at + count);
+      if (in_place) {
+        dense[i].view = shm->data + at;
+        dense[i].view_count = count;
+      } else if (sink == nullptr) {
+        dense[i].values.assign(shm->data + at, shm->data + at + count);
+      }
       at += count;
     }
   }
@@ -193,7 +207,8 @@ struct Slices {
 
 template <typename Message>
 void write_slices(Writer& w, int dense_field, int sparse_field, const Message& in) {
-  for (const DenseSlice& s : in.dense) w.slice(dense_field, s.table, indices_of(s), s.values);
+  for (const DenseSlice& s : in.dense)
+    w.slice(dense_field, s.table, indices_of(s), values_of(s), count_of(s));
   for (const SparseSlice& s : in.sparse) w.slice(sparse_field, s.table, indices_of(s), s.values);
 }
 
@@ -393,7 +408,7 @@ grpc::ByteBuffer encode(const PushRequest& in) {
 
 size_t dense_values(const std::vector<DenseSlice>& dense) {
   size_t count = 0;
-  for (const DenseSlice& s : dense) count += s.values.size();
+  for (const DenseSlice& s : dense) count += s.count();
   return count;
 }
 
@@ -413,7 +428,7 @@ size_t shared_slices_size(const Message& in, const Count& count) {
 }
 template <typename Message>
 size_t shared_slices_size(const Message& in) {
-  return shared_slices_size(in, [&](size_t i) { return in.dense[i].values.size(); });
+  return shared_slices_size(in, [&](size_t i) { return in.dense[i].count(); });
 }
 // Dense slice i's `count(i)` values written by `put(i, at)` into the segment, in slice order.
 template <typename Message, typename Count, typename Put>
@@ -435,23 +450,22 @@ template <typename Message>
 void write_shared_slices(Writer& w, int dense_field, int sparse_field, const Message& in,
                          const SharedValues& shm) {
   write_shared_slices(
-      w, dense_field, sparse_field, in, shm, [&](size_t i) { return in.dense[i].values.size(); },
+      w, dense_field, sparse_field, in, shm, [&](size_t i) { return in.dense[i].count(); },
       [&](size_t i, float* at) {
-        const std::vector<float>& values = in.dense[i].values;
-        if (!values.empty()) std::memcpy(at, values.data(), values_bytes(values));
+        const DenseSlice& s = in.dense[i];
+        if (s.count() != 0) std::memcpy(at, s.data(), s.count() * sizeof(float));
       });
 }
 
 }  // namespace
 
-grpc::ByteBuffer encode(const PushRequest& in, const SharedValues& shm, const DenseSource* source) {
-  const auto count = [&](size_t i) {
-    return source ? source->counts.at(i) : in.dense[i].values.size();
-  };
+grpc::ByteBuffer encode(const PushRequest& in, const SharedValues& shm, const DenseSource* source,
+                        bool in_place) {
+  const auto count = [&](size_t i) { return source ? source->counts.at(i) : in.dense[i].count(); };
   Writer w(varint_field_size(in.worker) + varint_field_size(in.clock) + varint_field_size(in.rows) +
            shared_slices_size(in, count) + varint_field_size(in.epoch) +
            varint_field_size(in.batch + 1) + varint_field_size(static_cast<int32_t>(in.verdict)) +
-           gradient_sqr_size(in.gradient_sqr));
+           gradient_sqr_size(in.gradient_sqr) + varint_field_size(in_place ? 1 : 0));
   w.varint_field(1, in.worker);
   w.varint_field(2, in.clock);
   w.varint_field(3, in.rows);
@@ -466,6 +480,7 @@ grpc::ByteBuffer encode(const PushRequest& in, const SharedValues& shm, const De
   w.varint_field(7, in.batch + 1);  // as encode(const PushRequest&)
   w.varint_field(8, static_cast<int32_t>(in.verdict));
   write_gradient_sqr(w, in.gradient_sqr);
+  w.varint_field(10, in_place ? 1 : 0);
   return w.finish();
 }
 
@@ -568,7 +583,9 @@ bool decode(const grpc::ByteBuffer& in, PullReply& out, const SharedValues* shm,
   return true;
 }
 
-bool decode(const grpc::ByteBuffer& in, PushRequest& out, const SharedValues* shm) {
+bool decode(const grpc::ByteBuffer& in, PushRequest& out, const SharedValues* shm,
+            std::shared_ptr<const void> keep) {
+  out.keep.reset();
   out.worker = 0;
   out.clock = 0;
   out.rows = 0;
@@ -576,6 +593,7 @@ bool decode(const grpc::ByteBuffer& in, PushRequest& out, const SharedValues* sh
   out.epoch = 0;
   int64_t batch = 0;
   int32_t verdict = 0;
+  bool in_place = false;
   out.gradient_sqr = -1;
   Slices slices{out.dense, out.sparse, {}, {}, {}, {}};
   const bool read = r.fields([&](int number, WireType type, uint32_t tag) {
@@ -588,6 +606,7 @@ bool decode(const grpc::ByteBuffer& in, PushRequest& out, const SharedValues* sh
     if (number == 7 && type == kVarint) return r.varint(batch);
     if (number == 8 && type == kVarint) return r.varint(verdict);
     if (number == 9 && type == kFixed64) return r.fixed64(out.gradient_sqr);
+    if (number == 10 && type == kVarint) return r.varint(in_place);
     return r.skip(tag);
   });
   if (!read) return false;
@@ -603,8 +622,10 @@ bool decode(const grpc::ByteBuffer& in, PushRequest& out, const SharedValues* sh
   non_negative(out.epoch, "epoch");
   if (batch < 0)
     throw UsageError("batch = " + std::to_string(batch) + "; expected 0 (none) or the batch + 1");
-  slices.take_shared(shm);
+  in_place = in_place && keep != nullptr;
+  slices.take_shared(shm, nullptr, in_place);
   slices.check(/*values=*/true);
+  if (in_place) out.keep = std::move(keep);
   return true;
 }
 

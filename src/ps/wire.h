@@ -57,8 +57,10 @@ grpc::ByteBuffer encode(std::shared_ptr<const PullReply> in);
 // their count (ps.proto's DenseSlice.shared) instead. Sparse values stay in the message.
 size_t dense_values(const std::vector<DenseSlice>& dense);
 // With `source`, the push's dense slices carry no values: `source` writes them into `shm`.
+// `in_place`: the caller leaves them in `shm` until the push is applied, and the server may read
+// them there (ps.proto's PushRequest.in_place; Note [Pushes read in place] in server_steps.cpp).
 grpc::ByteBuffer encode(const PushRequest& in, const SharedValues& shm,
-                        const DenseSource* source = nullptr);
+                        const DenseSource* source = nullptr, bool in_place = false);
 grpc::ByteBuffer encode(const PullReply& in, const SharedValues& shm);
 // A reply whose dense values are in the segment already, `counts[i]` of them for dense slice i
 // in slice order (DenseOut, handler.h); its dense slices carry no values.
@@ -73,7 +75,11 @@ bool decode(const grpc::ByteBuffer& in, PullRequest& out);
 // (DenseSink, messages.h), once every slice's count is checked against the segment.
 bool decode(const grpc::ByteBuffer& in, PullReply& out, const SharedValues* shm = nullptr,
             const DenseSink* sink = nullptr);
-bool decode(const grpc::ByteBuffer& in, PushRequest& out, const SharedValues* shm = nullptr);
+// `keep`: what `shm` lives in; with it, a push sent in place has its dense values read where they
+// are (DenseSlice::view, kept by out.keep: Note [Pushes read in place] in server_steps.cpp)
+// rather than copied into `out`.
+bool decode(const grpc::ByteBuffer& in, PushRequest& out, const SharedValues* shm = nullptr,
+            std::shared_ptr<const void> keep = nullptr);
 bool decode(const grpc::ByteBuffer& in, PushReply& out);
 
 }  // namespace shoal::ps::detail::wire_format

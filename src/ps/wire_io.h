@@ -55,11 +55,14 @@ inline size_t values_bytes(const std::vector<float>& values) {
   return values.size() * sizeof(float);
 }
 
-// A slice (dense: chunks, sparse: ids) without its own tag and length.
+// A slice (dense: chunks, sparse: ids) of `count` values without its own tag and length.
+inline size_t slice_size(int32_t table, const std::vector<int64_t>& indices, size_t count) {
+  return varint_field_size(table) + length_field_size(packed_size(indices)) +
+         length_field_size(count * sizeof(float));
+}
 inline size_t slice_size(int32_t table, const std::vector<int64_t>& indices,
                   const std::vector<float>& values) {
-  return varint_field_size(table) + length_field_size(packed_size(indices)) +
-         length_field_size(values_bytes(values));
+  return slice_size(table, indices, values.size());
 }
 
 // A dense slice whose values are in the shared segment (field 4: their count).
@@ -114,27 +117,31 @@ class Writer {
     length(field, packed_size(values));
     for (int64_t value : values) varint(static_cast<uint64_t>(value));
   }
-  void values(int field, const std::vector<float>& values) {
-    if (values.empty()) return;
-    const size_t bytes = values_bytes(values);
+  void values(int field, const float* values, size_t count) {
+    if (count == 0) return;
+    const size_t bytes = count * sizeof(float);
     length(field, bytes);
     if (!owner_ || bytes < kLendAtLeast) {
-      raw(values.data(), bytes);
+      raw(values, bytes);
       return;
     }
     flush();
     // Each lent slice holds a reference to the owner, dropped when gRPC frees the slice.
     auto* keep = new std::shared_ptr<const void>(owner_);
     lent_.emplace_back(
-        const_cast<float*>(values.data()), bytes,
+        const_cast<float*>(values), bytes,
         [](void* p) { delete static_cast<std::shared_ptr<const void>*>(p); }, keep);
+  }
+  void slice(int field, int32_t table, const std::vector<int64_t>& indices, const float* values,
+             size_t count) {
+    length(field, slice_size(table, indices, count));
+    varint_field(1, table);
+    packed(2, indices);
+    this->values(3, values, count);
   }
   void slice(int field, int32_t table, const std::vector<int64_t>& indices,
              const std::vector<float>& values) {
-    length(field, slice_size(table, indices, values));
-    varint_field(1, table);
-    packed(2, indices);
-    this->values(3, values);
+    slice(field, table, indices, values.data(), values.size());
   }
 
   void shared_slice(int field, int32_t table, const std::vector<int64_t>& indices, size_t count) {
@@ -189,13 +196,26 @@ inline const std::vector<int64_t>& indices_of(const DenseSlice& slice) {
 inline const std::vector<int64_t>& indices_of(const SparseSlice& slice) {
   return slice.ids;
 }
+// A slice's values: a dense push's may be a view (DenseSlice::view).
+inline const float* values_of(const DenseSlice& slice) {
+  return slice.data();
+}
+inline const float* values_of(const SparseSlice& slice) {
+  return slice.values.data();
+}
+inline size_t count_of(const DenseSlice& slice) {
+  return slice.count();
+}
+inline size_t count_of(const SparseSlice& slice) {
+  return slice.values.size();
+}
 
 // Repeated slices with their tags and lengths (a slice is written even when empty).
 template <typename Slice>
 size_t slices_size(const std::vector<Slice>& slices) {
   size_t size = 0;
   for (const Slice& s : slices) {
-    size += length_field_size(slice_size(s.table, indices_of(s), s.values), /*always=*/true);
+    size += length_field_size(slice_size(s.table, indices_of(s), count_of(s)), /*always=*/true);
   }
   return size;
 }
