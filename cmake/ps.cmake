@@ -33,6 +33,7 @@ add_library(shoal_ps_rpc_objects OBJECT
   src/ps/connect.cpp
   src/ps/replica.cpp
   src/ps/shm.cpp
+  src/ps/mirror.cpp
 )
 set_target_properties(shoal_ps_rpc_objects PROPERTIES POSITION_INDEPENDENT_CODE ON)
 target_include_directories(shoal_ps_rpc_objects PRIVATE ${PROJECT_SOURCE_DIR}/include

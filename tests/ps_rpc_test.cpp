@@ -53,9 +53,13 @@ double seconds_since(Clock::time_point start) {
 // One `shoal ps-server --index I` process of a job whose store the test hosts.
 class ServerProcess {
  public:
-  ServerProcess(int index, int store_port) {
+  // `flags` after --index; `more_env`: KEY=VALUE entries added to the environment.
+  ServerProcess(int index, int store_port,
+                const std::vector<std::string>& flags = {"--handler", "sum"},
+                const std::vector<std::string>& more_env = {}) {
     std::vector<std::string> env;
     for (char** e = environ; *e; ++e) env.push_back(*e);
+    env.insert(env.end(), more_env.begin(), more_env.end());
     env.push_back("SHOAL_MASTER_ADDR=127.0.0.1");
     env.push_back("SHOAL_MASTER_PORT=" + std::to_string(store_port));
     env.push_back("SHOAL_RUN_ID=ps-rpc-test");
@@ -66,11 +70,12 @@ class ServerProcess {
     envp.push_back(nullptr);
     // Read before the fork: the child only calls execve.
     const std::string& shoal = shoal_bin();
-    const char* argv[] = {shoal.c_str(), "ps-server", "--index", index_text.c_str(),
-                          "--handler",   "sum",       nullptr};
+    std::vector<const char*> argv = {shoal.c_str(), "ps-server", "--index", index_text.c_str()};
+    for (const std::string& flag : flags) argv.push_back(flag.c_str());
+    argv.push_back(nullptr);
     pid_ = ::fork();
     if (pid_ == 0) {
-      ::execve(shoal.c_str(), const_cast<char**>(argv), envp.data());
+      ::execve(shoal.c_str(), const_cast<char**>(argv.data()), envp.data());
       ::_exit(127);
     }
   }
@@ -145,10 +150,12 @@ class PsRpcTest : public ::testing::Test {
     options.job_id = "shoal run ps-rpc-test";
     store_ = comm::open_store(options);
   }
-  // Starts `count` servers and connects to them.
-  void start(int count) {
+  // Starts `count` servers and connects to them; `flags` and `more_env` as ServerProcess's.
+  void start(int count, const std::vector<std::string>& flags = {"--handler", "sum"},
+             const std::vector<std::string>& more_env = {}) {
     for (int i = 0; i < count; ++i) {
-      servers_.push_back(std::make_unique<ServerProcess>(i, comm::hosted_port(store_)));
+      servers_.push_back(
+          std::make_unique<ServerProcess>(i, comm::hosted_port(store_), flags, more_env));
     }
     clients_ = connect_servers(store_, count, kToken, 60s);
   }
@@ -514,6 +521,64 @@ TEST_F(PsRpcTest, DenseValuesCrossThroughSharedMemoryOnOneHost) {
                              (third ? c[i - 3 * kChunk] : 0.f);
     ASSERT_EQ(last.dense[0].values[i], expected_i) << i;
   }
+}
+
+// Note [The values' mirror] (src/ps/mirror.h): a parameter server on this host answers a pull of
+// its dense values with where they are in its mirror, and the worker copies them from there (one
+// copy: the server copies nothing). A copy that a change of the values overlapped (here an async
+// push of another worker, applied while the first worker copies) is pulled again without the
+// mirror, and the worker ends with the values after the change.
+TEST_F(PsRpcTest, APullCopiesFromTheServersMirrorAndAgainWhenAChangeOverlapsIt) {
+  start(1, {"--handler", "core", "--mode", "async"}, {"SHOAL_PS_SERVERS=1", "SHOAL_PS_WORKERS=2"});
+  RpcClient& first = *clients_[0];
+  RpcClient second(0, first.address(), kToken);
+  constexpr int64_t kValues = 3 * kChunkElements + 5;
+  std::vector<int64_t> chunks;
+  for (int64_t c = 0; c * kChunkElements < kValues; ++c) chunks.push_back(c);
+  OptimizerSpec sgd;
+  sgd.lr = 1;
+  RegisterRequest registration;
+  registration.tables = {TableSpec{"big", false, {kValues}, sgd, {}, 1}};
+  registration.mode = "async";
+  const std::vector<float> initial = ramp(kValues, 0.5f);
+  registration.initial = {DenseSlice{0, chunks, initial}};
+  first.register_tables(registration, 10s);
+  registration.worker = 1;
+  registration.initial.clear();
+  second.register_tables(registration, 10s);
+
+  const PullRequest pull{0, 0, {DenseSlice{0, chunks, {}}}, {}};
+  std::vector<float> copied;
+  DenseSink keep = [&](size_t, const DenseSlice&, const float* values, size_t count) {
+    copied.assign(values, values + count);
+  };
+  PullReply reply;
+  first.pull(pull, 10s, reply, &keep);
+  EXPECT_EQ(first.mirrored_calls(), 1) << "the pull was not answered from the mirror";
+  EXPECT_EQ(first.mirror_retries(), 0);
+  EXPECT_TRUE(reply.dense.at(0).values.empty()) << "the values came in the reply";
+  EXPECT_EQ(copied, initial);
+
+  // The second worker's push lands while the first copies its next pull.
+  const std::vector<float> gradient = ramp(kValues, 0.25f);
+  bool pushed = false;
+  DenseSink push_meanwhile = [&](size_t, const DenseSlice&, const float* values, size_t count) {
+    if (!pushed) {
+      pushed = true;
+      EXPECT_TRUE(
+          second.push(PushRequest{1, 0, 1, {DenseSlice{0, chunks, gradient}}, {}}, 10s).counted);
+    }
+    copied.assign(values, values + count);
+  };
+  copied.clear();
+  PullReply again;
+  first.pull(pull, 10s, again, &push_meanwhile);
+  EXPECT_TRUE(pushed);
+  EXPECT_EQ(first.mirror_retries(), 1) << "the overlapped copy was not pulled again";
+  const std::vector<float>& after =
+      again.dense.at(0).values.empty() ? copied : again.dense[0].values;
+  ASSERT_EQ(after.size(), static_cast<size_t>(kValues));
+  for (int64_t i = 0; i < kValues; ++i) ASSERT_EQ(after[i], initial[i] - gradient[i]) << i;
 }
 
 // A shared segment is the worker's memory: a call that names one the server cannot use (not as

@@ -3,6 +3,8 @@
 // throws to a status the worker's client turns back into the same exception type.
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -20,13 +22,23 @@ class NotFoundError : public UsageError {
 };
 
 // Where a handler may write a pull reply's dense values itself rather than into the reply (a
-// worker's shared segment, Note [Pull replies in place] in server_registry.cpp): `capacity` floats at
-// `data`. A handler that writes there puts slice i's values right after slice i - 1's, leaves the
-// reply's dense `values` empty and sets `counts`, one per dense slice; `counts` empty: it did not.
+// worker's shared segment, Note [Pull replies in place] in server_registry.cpp): `capacity` floats
+// at `data`. A handler that writes there puts slice i's values right after slice i - 1's, leaves
+// the reply's dense `values` empty and sets `counts`, one per dense slice; `counts` empty: it did
+// not.
+//
+// `mirror_offered`: the worker can read the server's mirror (Note [The values' mirror] in
+// mirror.h). A handler that answers from it sets `counts` as above, `mirrored` (slice i's values
+// are at mirrored[i] in the mirror), the mirror's `handle` and its `sequence` then, and writes
+// nothing.
 struct DenseOut {
   float* data = nullptr;
   size_t capacity = 0;
   std::vector<size_t> counts;
+  bool mirror_offered = false;
+  std::vector<size_t> mirrored = {};
+  std::string mirror = {};
+  uint64_t sequence = 0;
 };
 
 // Contract: called concurrently from the transport's threads, one call per request; a call may

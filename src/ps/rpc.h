@@ -26,6 +26,9 @@ namespace shoal::ps::detail {
 inline constexpr const char* kTokenMetadata = "shoal-job-token";
 // The gRPC metadata key that names the worker's shared segment (Note [Shared segments], shm.h).
 inline constexpr const char* kSegmentMetadata = "shoal-ps-shm";
+// The gRPC metadata key by which a pull offers to read the server's mirror (Note [The values'
+// mirror], mirror.h); its value is "1".
+inline constexpr const char* kMirrorMetadata = "shoal-ps-mirror";
 
 struct RpcServerOptions {
   std::string host = "0.0.0.0";  // the interface to listen on
@@ -80,6 +83,10 @@ class RpcClient {
   // "Transport": a server on this host), and whether the client still offers one.
   int shared_calls() const;
   bool sharing() const;
+  // Pulls answered from the server's mirror (Note [The values' mirror], mirror.h), and those of
+  // them pulled again because a change of the values overlapped the copy.
+  int mirrored_calls() const;
+  int mirror_retries() const;
 
   // Reconnection (docs/ps.md, "Replicas and snapshots"): when the server is gone and no backup is
   // left, the client asks `resolve` for the index's address (the job's store, where a restarted

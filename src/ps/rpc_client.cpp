@@ -103,6 +103,13 @@ struct RpcClient::State {
   std::unique_ptr<SharedSegment> segment;
   std::atomic<bool> no_segment{false};  // the system or a server refused one: inline from now on
   std::atomic<int> shared_calls{0};
+  // Note [The values' mirror] (mirror.h): the servers' mirrors this client has mapped; whether it
+  // stopped offering to read them (one could not be mapped here); pulls answered from one, and
+  // those pulled again because a change overlapped the copy.
+  SegmentMappings mirrors;
+  std::atomic<bool> no_mirror{false};
+  std::atomic<int> mirrored_calls{0};
+  std::atomic<int> mirror_retries{0};
 
   // The segment, with room for `values`, under segment_mutex; nullptr when there is none.
   SharedSegment* segment_for(size_t values) {
@@ -182,9 +189,10 @@ struct RpcClient::State {
   // `segment`: the handle of the shared segment the call's values are in; a server that cannot
   // use it answers FAILED_PRECONDITION, thrown here as SegmentUnusable for the caller to resend
   // the values inline.
+  // `mirror`: the call offers to read the server's mirror (a pull).
   void call(const char* name, grpc::internal::RpcMethod Methods::*method, Duration timeout,
             const grpc::ByteBuffer& request, grpc::ByteBuffer& reply,
-            const std::string* segment = nullptr) {
+            const std::string* segment = nullptr, bool mirror = false) {
     const auto start = SteadyClock::now();
     const auto deadline = SystemClock::now() + std::max(timeout, Duration(0));
     for (;;) {
@@ -193,6 +201,7 @@ struct RpcClient::State {
       context.set_deadline(deadline);
       context.AddMetadata(kTokenMetadata, token);
       if (segment != nullptr) context.AddMetadata(kSegmentMetadata, *segment);
+      if (mirror) context.AddMetadata(kMirrorMetadata, "1");
       const grpc::Status status =
           grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
               endpoint->channel.get(), endpoint->methods.get()->*method, &context, request, &reply);
@@ -237,11 +246,12 @@ struct RpcClient::State {
   // The same into `reply`, whose storage is reused; `shm`: the segment the call brought.
   template <typename Reply>
   void convert(const char* name, const char* type, const grpc::ByteBuffer& bytes, Reply& reply,
-               const SharedValues* shm = nullptr, const DenseSink* sink = nullptr) {
+               const SharedValues* shm = nullptr, const DenseSink* sink = nullptr,
+               wire_format::MirrorReader* mirror = nullptr) {
     bool read = false;
     try {
       if constexpr (std::is_same_v<Reply, PullReply>) {
-        read = wire_format::decode(bytes, reply, shm, sink);
+        read = wire_format::decode(bytes, reply, shm, sink, mirror);
       } else {
         read = wire_format::decode(bytes, reply);
       }
@@ -314,31 +324,60 @@ void RpcClient::pull(const PullRequest& request, Duration timeout, PullReply& re
                      const DenseSink* sink) {
   State& state = *state_;
   const auto start = SteadyClock::now();
-  if (!request.dense.empty() && !state.no_segment) {
-    std::unique_lock<std::mutex> lock(state.segment_mutex, std::try_to_lock);
-    if (lock.owns_lock() && state.segment && !state.no_segment) {
-      const SharedValues shared = state.segment->values();
+  const auto left = [&] {
+    return timeout - std::chrono::duration_cast<Duration>(SteadyClock::now() - start);
+  };
+  const bool dense = !request.dense.empty();
+  // Note [The values' mirror] (mirror.h): offered while this client can map servers' mirrors; a
+  // copy that a change overlapped is pulled again without the offer.
+  bool offer_mirror = dense && !state.no_mirror;
+  for (;;) {
+    std::unique_lock<std::mutex> lock(state.segment_mutex, std::defer_lock);
+    const SharedSegment* segment = nullptr;
+    if (dense && !state.no_segment && lock.try_lock() && state.segment && !state.no_segment)
+      segment = state.segment.get();
+    const SharedValues shared = segment ? segment->values() : SharedValues{};
+    std::shared_ptr<const SegmentMapping> mapped;
+    bool mirror_refused = false;
+    wire_format::MirrorReader mirror;
+    mirror.open = [&](const std::string& handle) {
       try {
-        grpc::ByteBuffer bytes;
-        state.call("Pull", &Methods::pull, timeout, wire_format::encode(request), bytes,
-                   &state.segment->handle());
-        state.convert("Pull", "PullReply", bytes, reply, &shared, sink);
-        ++state.shared_calls;
-        return;
+        mapped = state.mirrors.open(handle);
       } catch (const SegmentUnusable&) {
-        state.no_segment = true;  // this server cannot map it: values inline from now on
-      } catch (...) {
-        // A server may still answer a call the client gave up on, into this segment: the next
-        // call gets a new one.
-        state.segment.reset();
+        mirror_refused = true;
         throw;
       }
+      return mapped->values();
+    };
+    try {
+      grpc::ByteBuffer bytes;
+      state.call("Pull", &Methods::pull, left(), wire_format::encode(request), bytes,
+                 segment ? &segment->handle() : nullptr, offer_mirror);
+      state.convert("Pull", "PullReply", bytes, reply, segment ? &shared : nullptr, sink,
+                    offer_mirror ? &mirror : nullptr);
+      if (segment) ++state.shared_calls;
+      if (mirror.used) {
+        ++state.mirrored_calls;
+        const uint64_t now = mapped->sequence().load_after_reads();
+        if (now != mirror.sequence || now % 2 != 0) {
+          ++state.mirror_retries;
+          offer_mirror = false;
+          continue;
+        }
+      }
+      return;
+    } catch (const SegmentUnusable&) {
+      // The server cannot map this client's segment, or this client the server's mirror: without
+      // it from now on.
+      (mirror_refused ? state.no_mirror : state.no_segment) = true;
+      offer_mirror = offer_mirror && !mirror_refused;
+    } catch (...) {
+      // A server may still answer a call the client gave up on, into this segment: the next call
+      // gets a new one.
+      if (segment) state.segment.reset();
+      throw;
     }
   }
-  grpc::ByteBuffer bytes;
-  const auto left = timeout - std::chrono::duration_cast<Duration>(SteadyClock::now() - start);
-  state.call("Pull", &Methods::pull, left, wire_format::encode(request), bytes);
-  state.convert("Pull", "PullReply", bytes, reply);
 }
 
 PushReply RpcClient::push(const PushRequest& request, Duration timeout) {
@@ -392,6 +431,12 @@ PushReply RpcClient::push_inline(const PushRequest& request, Duration timeout) {
 
 int RpcClient::shared_calls() const {
   return state_->shared_calls;
+}
+int RpcClient::mirrored_calls() const {
+  return state_->mirrored_calls;
+}
+int RpcClient::mirror_retries() const {
+  return state_->mirror_retries;
 }
 bool RpcClient::sharing() const {
   return !state_->no_segment;

@@ -80,14 +80,21 @@ class Service : public grpc::Service {
     return serve("Pull", context, [&] {
       const auto request = parse<PullRequest>("Pull", "PullRequest", *in);
       const auto segment = segment_of(*context);
+      const bool mirror = offers_mirror(*context);
       std::shared_ptr<PullReply> reply = replies_->take();
-      if (segment) {
+      if (segment || mirror) {
         // The handler may write the values into the worker's segment itself (Note [Pull replies
-        // in place], server_registry.cpp); a reply is then its slices' counts.
-        DenseOut shared{segment->values().data, segment->values().capacity, {}};
+        // in place], server_registry.cpp), or name them in its mirror (Note [The values' mirror],
+        // mirror.h); a reply is then its slices' counts.
+        DenseOut shared;
+        if (segment) {
+          shared.data = segment->values().data;
+          shared.capacity = segment->values().capacity;
+        }
+        shared.mirror_offered = mirror;
         handler_.pull_into(request, deadline_of(*context), *reply, shared);
         if (!shared.counts.empty()) {
-          *out = wire_format::encode(*reply, shared.counts);
+          *out = wire_format::encode(*reply, shared);
           return grpc::Status::OK;
         }
       } else {
@@ -259,6 +266,12 @@ class Service : public grpc::Service {
     std::vector<std::unique_ptr<PullReply>> free_;
   };
 
+  // Whether a pull offers to read the server's mirror (Note [The values' mirror], mirror.h).
+  static bool offers_mirror(const grpc::ServerContext& context) {
+    const auto& metadata = context.client_metadata();
+    const auto offer = metadata.find(kMirrorMetadata);
+    return offer != metadata.end() && offer->second == "1";
+  }
   // The worker's shared segment a call names (Note [Shared segments], shm.h), or nullptr.
   std::shared_ptr<const SegmentMapping> segment_of(const grpc::ServerContext& context) {
     const auto& metadata = context.client_metadata();

@@ -69,6 +69,7 @@ std::unique_ptr<Handler> make_handler(bool sum_handler, const std::string& mode,
     options.staleness = parsed.staleness;
   }
   for (int w = 0; w < *workers; ++w) options.workers.push_back(w);
+  options.mirror_values = true;  // Note [The values' mirror] (src/ps/mirror.h)
   // An elastic job's workers die, leave and join (docs/ps.md, "Elastic workers").
   options.sealed_pushes = env::get_bool(env, "SHOAL_PS_ELASTIC").value_or(false);
   // shoal run --ps-backup-workers B: a sync step takes the first W - B pushes (docs/ps.md,

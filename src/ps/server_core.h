@@ -73,6 +73,9 @@ struct ServerCoreOptions {
   // Threads a sync step's dense sum runs on when it is large (Note [A step's sum on two
   // threads], server_sum.cpp): 1 or 2.
   int sum_threads = 2;
+  // Keep the dense values in shared memory too, for pulls from this host to copy from (Note [The
+  // values' mirror], mirror.h): a server process's, not the in-process core of a job of one.
+  bool mirror_values = false;
 };
 
 // What a worker that leaves does to its push of a step not yet applied (sync): counted with the

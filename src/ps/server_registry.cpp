@@ -97,7 +97,7 @@ std::optional<int64_t> repeated(const std::vector<int64_t>& values) {
 }  // namespace
 
 ServerRegistry::ServerRegistry(const ServerCoreOptions& options)
-    : virtual_shards_(options.virtual_shards) {
+    : virtual_shards_(options.virtual_shards), mirror_wanted_(options.mirror_values) {
   held_.assign(static_cast<size_t>(virtual_shards_), nullptr);
   for (int32_t shard : options.shards)
     held_[static_cast<size_t>(shard)] = &shards_.emplace(shard, VirtualShard(shard)).first->second;
@@ -286,18 +286,27 @@ void ServerRegistry::create(const RegisterRequest& request) {
     }
   }
   registered_ = true;
+  if (mirror_wanted_) mirror_ = ValuesMirror::create(*this);
+}
+
+void ServerRegistry::shard_loaded() {
+  if (mirror_) mirror_->place_all(*this);
 }
 
 void ServerRegistry::apply_chunk(int32_t index, int64_t chunk, const float* grad) {
   const Table& table = tables_[static_cast<size_t>(index)];
   const int64_t length = chunk_length(table.numel, chunk);
-  Slot* slot = holder(chunk_shard(table.spec.name, chunk, virtual_shards_))->chunk(index, chunk);
+  VirtualShard* shard = holder(chunk_shard(table.spec.name, chunk, virtual_shards_));
+  Slot* slot = shard->chunk(index, chunk);
   SHOAL_CHECK(slot != nullptr) << "chunk " << chunk << " of table " << table.spec.name;
-  apply_dense(table.spec.optimizer, slot->values(), slot->state(length), slot->step, grad, length);
+  // The values may be in the mirror (Note [The values' mirror], mirror.h): written there.
+  apply_dense(table.spec.optimizer, slot->values(), shard->chunk_state(index, chunk, length),
+              slot->step, grad, length);
 }
 
 void ServerRegistry::apply(const std::vector<DenseSlice>& dense,
                            const std::vector<SparseSlice>& sparse) {
+  const Change changing = change();
   for (const auto& slice : dense) {
     const Table& table = tables_[static_cast<size_t>(slice.table)];
     const float* grad = slice.data();
@@ -332,10 +341,19 @@ void ServerRegistry::fill_reply(const PullRequest& request, PullReply& reply, De
   const auto length_of = [&](const DenseSlice& slice) {
     return chunks_length(tables_[static_cast<size_t>(slice.table)].numel, slice.chunks);
   };
+  if (out != nullptr) {
+    out->counts.clear();
+    out->mirrored.clear();
+    out->mirror.clear();
+  }
+  if (out != nullptr && out->mirror_offered && mirror_ && !request.dense.empty() &&
+      from_mirror(request, reply, *out)) {
+    fill_rows(request, reply);
+    return;
+  }
   size_t total = 0;
   for (const DenseSlice& slice : request.dense) total += length_of(slice);
   const bool in_place = out != nullptr && !request.dense.empty() && total <= out->capacity;
-  if (out != nullptr) out->counts.clear();
   float* shared = in_place ? out->data : nullptr;
   for (size_t s = 0; s < request.dense.size(); ++s) {
     const DenseSlice& slice = request.dense[s];
@@ -362,6 +380,36 @@ void ServerRegistry::fill_reply(const PullRequest& request, PullReply& reply, De
       dst += n;
     }
   }
+  fill_rows(request, reply);
+}
+
+// Note [The values' mirror] (mirror.h): a pull whose every dense slice is one run of the mirror
+// is answered with where the runs are; otherwise (false) it is answered as before.
+bool ServerRegistry::from_mirror(const PullRequest& request, PullReply& reply,
+                                 DenseOut& out) const {
+  for (const DenseSlice& slice : request.dense) {
+    const std::optional<size_t> at = mirror_->run_of(slice);
+    if (!at) {
+      out.mirrored.clear();
+      return false;
+    }
+    out.mirrored.push_back(*at);
+  }
+  for (size_t s = 0; s < request.dense.size(); ++s) {
+    const DenseSlice& slice = request.dense[s];
+    DenseSlice& out_slice = reply.dense[s];
+    out_slice.table = slice.table;
+    out_slice.chunks.assign(slice.chunks.begin(), slice.chunks.end());
+    out_slice.values.clear();
+    out.counts.push_back(
+        chunks_length(tables_[static_cast<size_t>(slice.table)].numel, slice.chunks));
+  }
+  out.mirror = mirror_->handle();
+  out.sequence = mirror_->sequence();
+  return true;
+}
+
+void ServerRegistry::fill_rows(const PullRequest& request, PullReply& reply) const {
   reply.sparse.resize(request.sparse.size());
   for (size_t s = 0; s < request.sparse.size(); ++s) {
     const SparseSlice& slice = request.sparse[s];

@@ -6,11 +6,13 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "handler.h"
 #include "messages.h"
+#include "mirror.h"
 #include "table.h"
 
 namespace shoal::ps::detail {
@@ -58,8 +60,28 @@ class ServerRegistry {
                     const std::vector<SparseSlice>& sparse, bool with_values) const;
   // The optimizer steps of checked slices' gradients.
   void apply(const std::vector<DenseSlice>& dense, const std::vector<SparseSlice>& sparse);
-  // One dense chunk's optimizer step with the gradient `grad` (the chunk's length of values).
+  // One dense chunk's optimizer step with the gradient `grad` (the chunk's length of values),
+  // within a Change.
   void apply_chunk(int32_t table, int64_t chunk, const float* grad);
+  // Values change while one lives (apply() makes its own): the mirror's sequence is odd (Note
+  // [The values' mirror], mirror.h). Made under the core's lock; they nest.
+  class Change {
+   public:
+    explicit Change(ValuesMirror* mirror) : mirror_(mirror) {
+      if (mirror_) mirror_->begin_change();
+    }
+    ~Change() {
+      if (mirror_) mirror_->end_change();
+    }
+    Change(const Change&) = delete;
+    Change& operator=(const Change&) = delete;
+
+   private:
+    ValuesMirror* mirror_;
+  };
+  Change change() { return Change(mirror_.get()); }
+  // A shard's values were replaced (loaded from a snapshot): the mirror is written anew.
+  void shard_loaded();
   // A checked pull's values. `out`: where the dense values go when they fit (Note [Pull replies
   // in place]), or null.
   void fill_reply(const PullRequest& request, PullReply& reply, DenseOut* out) const;
@@ -73,6 +95,9 @@ class ServerRegistry {
 
  private:
   bool holds_dense_chunks(const std::vector<TableSpec>& tables) const;
+  // fill_reply's parts: the dense values' places in the mirror, and the sparse rows.
+  bool from_mirror(const PullRequest& request, PullReply& reply, DenseOut& out) const;
+  void fill_rows(const PullRequest& request, PullReply& reply) const;
   bool holds(int32_t shard) const {
     return shard >= 0 && static_cast<size_t>(shard) < held_.size() &&
            held_[static_cast<size_t>(shard)] != nullptr;
@@ -81,6 +106,8 @@ class ServerRegistry {
   const VirtualShard* holder(int32_t shard) const { return held_[static_cast<size_t>(shard)]; }
 
   int32_t virtual_shards_;
+  bool mirror_wanted_;                    // ServerCoreOptions::mirror_values
+  std::unique_ptr<ValuesMirror> mirror_;  // once the tables exist, where wanted and possible
   std::map<int32_t, VirtualShard> shards_;
   // By virtual shard: its entry in shards_ (map nodes do not move), or nullptr if not held here.
   std::vector<VirtualShard*> held_;

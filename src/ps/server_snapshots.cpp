@@ -41,6 +41,7 @@ void ServerSnapshots::load_shard(int32_t shard, const std::string& bytes) {
                               tables[t].spec.name + "'; expected every chunk of the shard");
   }
   *held = std::move(loaded);
+  registry_.shard_loaded();
 }
 
 void ServerSnapshots::take_when_due(int64_t step) {

@@ -42,6 +42,7 @@ ServerSum::ServerSum(const ServerCoreOptions& options, ServerRegistry& registry)
 // those measured; a job of one measures nothing (DataParallel pairs a worker's steps instead, which
 // on a server would cost a copy of the model).
 void ServerSum::sum_step(int64_t step, const std::map<int32_t, PushRequest>& pushes) {
+  const ServerRegistry::Change changing = registry_.change();  // Note [The values' mirror]
   double total = 0;
   for (const auto& [worker, push] : pushes) total += static_cast<double>(push.rows);
   int64_t measured = 0;

@@ -13,9 +13,10 @@
 namespace shoal::ps::detail {
 namespace {
 
-// The tag, then room to keep the values 64-byte aligned.
+// The tag, the sequence (SharedSequence), then room to keep the values 64-byte aligned.
 constexpr size_t kHeaderBytes = 64;
 constexpr size_t kTagBytes = 16;
+constexpr size_t kSequenceAt = 16;
 constexpr char kMemfdName[] = "shoal-ps";
 
 using shoal::detail::hex;
@@ -51,6 +52,14 @@ std::unique_ptr<SharedSegment> SharedSegment::create(size_t floats) {
                      std::to_string(segment->memory_.fd()) + " " + boot_id() + " " +
                      hex(tag, kTagBytes) + " " + std::to_string(segment->memory_.bytes());
   return segment;
+}
+
+SharedSequence SharedSegment::sequence() const {
+  return SharedSequence(reinterpret_cast<uint64_t*>(memory_.data() + kSequenceAt));
+}
+
+SharedSequence SegmentMapping::sequence() const {
+  return SharedSequence(reinterpret_cast<uint64_t*>(memory_.data() + kSequenceAt));
 }
 
 std::shared_ptr<const SegmentMapping> SegmentMappings::open(const std::string& handle) {

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <list>
 #include <memory>
 #include <mutex>
@@ -30,7 +31,32 @@ struct SharedValues {
   size_t capacity = 0;  // in floats
 };
 
-// The worker's side: a segment it created. Not thread-safe: one call uses it at a time.
+// A segment's sequence number, in its header: odd while its writer changes the values (a server's
+// mirror, Note [The values' mirror] in mirror.h). Read and written as atomics across processes.
+class SharedSequence {
+ public:
+  explicit SharedSequence(uint64_t* word = nullptr) : word_(word) {}
+  uint64_t load() const { return __atomic_load_n(word_, __ATOMIC_ACQUIRE); }
+  // After reading values: the sequence as it is now, ordered after those reads.
+  uint64_t load_after_reads() const {
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    return __atomic_load_n(word_, __ATOMIC_RELAXED);
+  }
+  // The writer's: odd before its writes, even after them.
+  void begin_writes() {
+    __atomic_store_n(word_, __atomic_load_n(word_, __ATOMIC_RELAXED) + 1, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+  }
+  void end_writes() {
+    __atomic_store_n(word_, __atomic_load_n(word_, __ATOMIC_RELAXED) + 1, __ATOMIC_RELEASE);
+  }
+
+ private:
+  uint64_t* word_;
+};
+
+// The side that created a segment: a worker's, for its calls (one at a time), or a server's mirror
+// (mirror.h).
 class SharedSegment {
  public:
   // A segment with room for `floats` values; nullptr when the system refuses one (no memfd).
@@ -40,6 +66,7 @@ class SharedSegment {
 
   SharedValues values() const { return values_; }
   const std::string& handle() const { return handle_; }
+  SharedSequence sequence() const;
 
  private:
   SharedSegment() = default;
@@ -52,6 +79,7 @@ class SharedSegment {
 class SegmentMapping {
  public:
   SharedValues values() const { return values_; }
+  SharedSequence sequence() const;
 
  private:
   friend class SegmentMappings;

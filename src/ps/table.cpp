@@ -126,6 +126,20 @@ const Slot* VirtualShard::chunk(int32_t table, int64_t chunk) const {
   return it == chunks_.end() ? nullptr : &it->second.slot;
 }
 
+float* VirtualShard::chunk_state(int32_t table, int64_t chunk, int64_t length) {
+  Chunk& entry = chunks_.at({table, chunk});
+  return entry.placed >= 0 ? entry.floats.data() : entry.slot.data + length;
+}
+
+void VirtualShard::place_values(int32_t table, int64_t chunk, float* at, int64_t length) {
+  Chunk& entry = chunks_.at({table, chunk});
+  if (entry.slot.data == at) return;  // placed there already
+  std::memcpy(at, entry.slot.data, static_cast<size_t>(length) * sizeof(float));
+  if (entry.placed < 0) entry.floats.erase(entry.floats.begin(), entry.floats.begin() + length);
+  entry.slot.data = at;
+  entry.placed = length;
+}
+
 RowStore* VirtualShard::rows_of(int32_t table) {
   if (table < 0) return nullptr;
   if (static_cast<size_t>(table) >= rows_.size()) rows_.resize(static_cast<size_t>(table) + 1);
@@ -180,14 +194,21 @@ void put(std::string& out, T value) {
   out.append(reinterpret_cast<const char*>(&value), sizeof(T));
 }
 
+// `state`: where the floats after the slot's first `values` are (a placed chunk's), or nullptr:
+// right after them.
 void put_slot(std::string& out, const std::string& name, int64_t index, const Slot& slot,
-              size_t floats) {
+              size_t floats, size_t values = 0, const float* state = nullptr) {
   put(out, static_cast<uint32_t>(name.size()));
   out += name;
   put(out, index);
   put(out, slot.step);
   put(out, static_cast<uint64_t>(floats));
-  out.append(reinterpret_cast<const char*>(slot.data), floats * sizeof(float));
+  if (state == nullptr) {
+    out.append(reinterpret_cast<const char*>(slot.data), floats * sizeof(float));
+    return;
+  }
+  out.append(reinterpret_cast<const char*>(slot.data), values * sizeof(float));
+  out.append(reinterpret_cast<const char*>(state), (floats - values) * sizeof(float));
 }
 
 class Reader {
@@ -223,9 +244,16 @@ std::string VirtualShard::save(const std::vector<TableSpec>& tables) const {
   std::string out(kShardMagic, sizeof(kShardMagic) - 1);
   put(out, id_);
   put(out, static_cast<uint64_t>(chunks_.size()));
-  for (const auto& [key, entry] : chunks_)
-    put_slot(out, tables.at(static_cast<size_t>(key.first)).name, key.second, entry.slot,
-             entry.floats.size());
+  for (const auto& [key, entry] : chunks_) {
+    const std::string& name = tables.at(static_cast<size_t>(key.first)).name;
+    if (entry.placed < 0) {
+      put_slot(out, name, key.second, entry.slot, entry.floats.size());
+    } else {
+      const auto values = static_cast<size_t>(entry.placed);
+      put_slot(out, name, key.second, entry.slot, values + entry.floats.size(), values,
+               entry.floats.data());
+    }
+  }
   put(out, static_cast<uint64_t>(row_count()));
   for (size_t table = 0; table < rows_.size(); ++table) {
     const RowStore& rows = rows_[table];

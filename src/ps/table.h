@@ -77,6 +77,12 @@ class VirtualShard {
                  int64_t length);
   Slot* chunk(int32_t table, int64_t chunk);
   const Slot* chunk(int32_t table, int64_t chunk) const;
+  // A chunk's optimizer state: after its values' slot, or on its own once placed.
+  float* chunk_state(int32_t table, int64_t chunk, int64_t length);
+  // Moves the `length` values of a held chunk to `at` (a server's mirror, Note [The values'
+  // mirror] in mirror.h), where its slot reads and writes them from then on; `at` must outlive
+  // the shard. Its optimizer state stays here.
+  void place_values(int32_t table, int64_t chunk, float* at, int64_t length);
 
   // Sparse rows. find_row answers nullptr for a row never updated; touch_row creates it from
   // initial_row on first use. Reading a row (a pull) never creates it: only updates cost memory.
@@ -99,8 +105,9 @@ class VirtualShard {
  private:
   int32_t id_;
   struct Chunk {
-    std::vector<float> floats;
-    Slot slot;  // slot.data is floats.data()
+    std::vector<float> floats;  // the values, then the optimizer state; once placed, the state
+    Slot slot;                  // slot.data is floats.data(), or where place_values() put them
+    int64_t placed = -1;        // once placed: the values' length
   };
   RowStore* rows_of(int32_t table);
   const RowStore* rows_of(int32_t table) const;

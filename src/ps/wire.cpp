@@ -93,15 +93,18 @@ constexpr WireType kLength = WireFormat::WIRETYPE_LENGTH_DELIMITED;
 constexpr WireType kFixed64 = WireFormat::WIRETYPE_FIXED64;
 
 // One DenseSlice or SparseSlice submessage; `indices` is its chunks or ids.
-// `shared`: a dense slice's count of values in the shared segment (nullptr: sparse).
+// `shared`: a dense slice's count of values in the shared segment (nullptr: sparse);
+// `mirror_at`: a dense slice's place in the server's mirror, plus 1 (0: none).
 bool read_slice(Reader& r, int32_t& table, std::vector<int64_t>& indices,
-                std::vector<float>& values, int64_t& odd_bytes, uint64_t* shared) {
+                std::vector<float>& values, int64_t& odd_bytes, uint64_t* shared,
+                uint64_t* mirror_at = nullptr) {
   return r.submessage([&] {
     return r.fields([&](int number, WireType type, uint32_t tag) {
       if (number == 1 && type == kVarint) return r.varint(table);
       if (number == 2 && (type == kVarint || type == kLength)) return r.int64s(type, indices);
       if (number == 3 && type == kLength) return r.values(values, odd_bytes);
       if (number == 4 && type == kVarint && shared != nullptr) return r.varint(*shared);
+      if (number == 5 && type == kVarint && mirror_at != nullptr) return r.varint(*mirror_at);
       return r.skip(tag);
     });
   });
@@ -115,6 +118,7 @@ struct Slices {
   std::vector<SparseSlice>& sparse;
   std::vector<int64_t> dense_odd, sparse_odd;
   std::vector<uint64_t> dense_shared;
+  std::vector<uint64_t> dense_mirror_at;  // a reply's: in the server's mirror, plus 1
   bool sunk = false;  // shared values left to a DenseSink: those slices carry none
 
   template <typename Slice>
@@ -138,7 +142,7 @@ struct Slices {
   bool read_dense(Reader& r) {
     DenseSlice& s = next(dense, dense_odd.size());
     return read_slice(r, s.table, s.chunks, s.values, dense_odd.emplace_back(-1),
-                      &dense_shared.emplace_back(0));
+                      &dense_shared.emplace_back(0), &dense_mirror_at.emplace_back(0));
   }
   bool read_sparse(Reader& r) {
     SparseSlice& s = next(sparse, sparse_odd.size());
@@ -149,43 +153,63 @@ struct Slices {
   // before a value is read.
   // `in_place`: the slices read their values where they are (DenseSlice::view) rather than copy
   // them (Note [Pushes read in place] in server_steps.cpp).
-  void take_shared(const SharedValues* shm, const DenseSink* sink = nullptr,
-                   bool in_place = false) {
+  //
+  // A reply's slices may name values in the server's mirror instead (`mirror`, Note [The values'
+  // mirror] in mirror.h), each at its own place, checked alike.
+  void take_shared(const SharedValues* shm, const DenseSink* sink = nullptr, bool in_place = false,
+                   const SharedValues* mirror = nullptr) {
     sunk = sink != nullptr;
     size_t at = 0;
     for (size_t i = 0; i < dense.size(); ++i) {
       const uint64_t count = dense_shared[i];
-      if (count == 0) continue;
+      const uint64_t mirror_at = i < dense_mirror_at.size() ? dense_mirror_at[i] : 0;
       const std::string where = "dense[" + std::to_string(i) + "]";
+      if (count == 0) {
+        if (mirror_at != 0)
+          throw UsageError(where + " names a place in the mirror but no values; expected both");
+        continue;
+      }
       if (!dense[i].values.empty() || dense_odd[i] >= 0) {
         throw UsageError(where + " carries values and names " + std::to_string(count) +
                          " in the shared segment; expected one or the other");
       }
-      if (shm == nullptr) {
-        throw UsageError(where + " names " + std::to_string(count) +
-                         " values in a shared segment, but the call brought none");
+      const SharedValues* from = mirror_at != 0 ? mirror : shm;
+      const char* what = mirror_at != 0 ? "the server's mirror" : "the shared segment";
+      const size_t first = mirror_at != 0 ? mirror_at - 1 : at;
+      if (from == nullptr) {
+        throw UsageError(where + " names " + std::to_string(count) + " values in " +
+                         (mirror_at != 0
+                              ? std::string("the server's mirror, but the reply names none")
+                              : std::string("a shared segment, but the call brought none")));
       }
-      if (count > shm->capacity - at) {
+      if (first > from->capacity || count > from->capacity - first) {
         throw UsageError(where + " names " + std::to_string(count) + " values from value " +
-                         std::to_string(at) + " of the shared segment, which holds " +
-                         std::to_string(shm->capacity) + "; expected values within it");
+                         std::to_string(first) + " of " + what + ", which holds " +
+                         std::to_string(from->capacity) + "; expected values within it");
       }
       if (in_place) {
-        dense[i].view = shm->data + at;
+        dense[i].view = from->data + first;
         dense[i].view_count = count;
       } else if (sink == nullptr) {
-        dense[i].values.assign(shm->data + at, shm->data + at + count);
+        dense[i].values.assign(from->data + first, from->data + first + count);
       }
-      at += count;
+      if (mirror_at == 0) at += count;
     }
   }
   // With a sink, once the whole message is checked: hands it the values take_shared left in the
-  // segment.
-  void deliver(const SharedValues* shm, const DenseSink* sink) const {
+  // segment or the mirror.
+  void deliver(const SharedValues* shm, const DenseSink* sink,
+               const SharedValues* mirror = nullptr) const {
     if (sink == nullptr) return;
     size_t at = 0;
     for (size_t i = 0; i < dense.size(); ++i) {
-      if (dense_shared[i] > 0) (*sink)(i, dense[i], shm->data + at, dense_shared[i]);
+      const uint64_t mirror_at = i < dense_mirror_at.size() ? dense_mirror_at[i] : 0;
+      if (dense_shared[i] == 0) continue;
+      if (mirror_at != 0) {
+        (*sink)(i, dense[i], mirror->data + mirror_at - 1, dense_shared[i]);
+        continue;
+      }
+      (*sink)(i, dense[i], shm->data + at, dense_shared[i]);
       at += dense_shared[i];
     }
   }
@@ -494,18 +518,31 @@ grpc::ByteBuffer encode(const PullReply& in, const SharedValues& shm) {
   return w.finish();
 }
 
-grpc::ByteBuffer encode(const PullReply& in, const std::vector<size_t>& counts) {
+grpc::ByteBuffer encode(const PullReply& in, const DenseOut& out) {
+  const std::vector<size_t>& counts = out.counts;
   SHOAL_CHECK(counts.size() == in.dense.size())
       << counts.size() << " counts for " << in.dense.size() << " dense slices";
-  const auto count = [&](size_t i) { return counts[i]; };
-  Writer w(shared_slices_size(in, count) + varint_field_size(in.clock) +
-           varint_field_size(in.staleness) + noise_size(in.noise));
+  const bool mirrored = !out.mirror.empty();
+  SHOAL_CHECK(!mirrored || out.mirrored.size() == counts.size())
+      << out.mirrored.size() << " places in the mirror for " << counts.size() << " dense slices";
+  const auto mirror_at = [&](size_t i) { return mirrored ? uint64_t{out.mirrored[i]} + 1 : 0; };
+  size_t size = slices_size(in.sparse) + varint_field_size(in.clock) +
+                varint_field_size(in.staleness) + noise_size(in.noise) +
+                length_field_size(out.mirror.size()) +
+                varint_field_size(static_cast<int64_t>(mirrored ? out.sequence : 0));
+  for (size_t i = 0; i < in.dense.size(); ++i) {
+    const DenseSlice& s = in.dense[i];
+    size += length_field_size(shared_slice_size(s.table, s.chunks, counts[i], mirror_at(i)), true);
+  }
+  Writer w(size);
   for (size_t i = 0; i < in.dense.size(); ++i)
-    w.shared_slice(1, in.dense[i].table, in.dense[i].chunks, counts[i]);
+    w.shared_slice(1, in.dense[i].table, in.dense[i].chunks, counts[i], mirror_at(i));
   for (const SparseSlice& s : in.sparse) w.slice(2, s.table, s.ids, s.values);
   w.varint_field(3, in.clock);
   w.varint_field(4, in.staleness);
   write_noise(w, in.noise);
+  w.string_field(10, out.mirror);
+  w.varint_field(11, static_cast<int64_t>(mirrored ? out.sequence : 0));
   return w.finish();
 }
 
@@ -552,14 +589,19 @@ bool decode(const grpc::ByteBuffer& in, PullRequest& out) {
 }
 
 bool decode(const grpc::ByteBuffer& in, PullReply& out, const SharedValues* shm,
-            const DenseSink* sink) {
+            const DenseSink* sink, MirrorReader* mirror) {
   out.clock = 0;
   out.staleness = 0;
   out.noise = {};
   int64_t noise_step = 0;
+  std::string mirror_handle;
+  uint64_t mirror_sequence = 0;
+  if (mirror != nullptr) mirror->used = false;
   Reader r(in);
-  Slices slices{out.dense, out.sparse, {}, {}, {}, {}};
+  Slices slices{out.dense, out.sparse, {}, {}, {}, {}, {}};
   const bool read = r.fields([&](int number, WireType type, uint32_t tag) {
+    if (number == 10 && type == kLength) return r.text(mirror_handle, 4096);
+    if (number == 11 && type == kVarint) return r.varint(mirror_sequence);
     if (number == 1 && type == kLength) return slices.read_dense(r);
     if (number == 2 && type == kLength) return slices.read_sparse(r);
     if (number == 3 && type == kVarint) return r.varint(out.clock);
@@ -575,11 +617,21 @@ bool decode(const grpc::ByteBuffer& in, PullReply& out, const SharedValues* shm,
   non_negative(noise_step, "noise_step");
   out.noise.step = noise_step - 1;
   slices.trim();
-  slices.take_shared(shm, sink);
+  // Note [The values' mirror] (mirror.h): a reply naming the server's mirror is read from it.
+  SharedValues mirror_values;
+  const bool mirrored = !mirror_handle.empty();
+  if (mirrored) {
+    if (mirror == nullptr || !mirror->open)
+      throw UsageError("the reply names the server's mirror, which the pull did not offer to read");
+    mirror_values = mirror->open(mirror_handle);
+    mirror->sequence = mirror_sequence;
+    mirror->used = true;
+  }
+  slices.take_shared(shm, sink, false, mirrored ? &mirror_values : nullptr);
   slices.check(/*values=*/true);
   non_negative(out.clock, "clock");
   non_negative(out.staleness, "staleness");
-  slices.deliver(shm, sink);
+  slices.deliver(shm, sink, mirrored ? &mirror_values : nullptr);
   return true;
 }
 

@@ -19,8 +19,12 @@
 // rare and small and stay on the generated classes.
 #pragma once
 
+#include <cstdint>
+#include <functional>
 #include <memory>
+#include <string>
 
+#include "handler.h"
 #include "messages.h"
 #include "ps.pb.h"
 #include "shm.h"
@@ -62,9 +66,18 @@ size_t dense_values(const std::vector<DenseSlice>& dense);
 grpc::ByteBuffer encode(const PushRequest& in, const SharedValues& shm,
                         const DenseSource* source = nullptr, bool in_place = false);
 grpc::ByteBuffer encode(const PullReply& in, const SharedValues& shm);
-// A reply whose dense values are in the segment already, `counts[i]` of them for dense slice i
-// in slice order (DenseOut, handler.h); its dense slices carry no values.
-grpc::ByteBuffer encode(const PullReply& in, const std::vector<size_t>& counts);
+// A reply whose dense values are in the segment already, `out.counts[i]` of them for dense slice
+// i in slice order, or in the server's mirror (DenseOut, handler.h); its dense slices carry no
+// values.
+grpc::ByteBuffer encode(const PullReply& in, const DenseOut& out);
+// A reply's values in a server's mirror (Note [The values' mirror] in mirror.h): decode() opens
+// the mirror a reply names with `open` (which may throw SegmentUnusable, passed on), and tells
+// `sequence` the mirror's sequence the reply carries.
+struct MirrorReader {
+  std::function<SharedValues(const std::string& handle)> open;
+  uint64_t sequence = 0;  // set by decode()
+  bool used = false;      // set by decode(): the reply named the mirror
+};
 
 // false when `in` is not a message of that type (truncated or corrupt); UsageError when it is
 // one whose fields fail a check. `out` is only meaningful after true. `shm`: the segment the call
@@ -74,7 +87,7 @@ bool decode(const grpc::ByteBuffer& in, PullRequest& out);
 // `sink`: takes the dense values a reply names in `shm` in place of copying them into `out`
 // (DenseSink, messages.h), once every slice's count is checked against the segment.
 bool decode(const grpc::ByteBuffer& in, PullReply& out, const SharedValues* shm = nullptr,
-            const DenseSink* sink = nullptr);
+            const DenseSink* sink = nullptr, MirrorReader* mirror = nullptr);
 // `keep`: what `shm` lives in; with it, a push sent in place has its dense values read where they
 // are (DenseSlice::view, kept by out.keep: Note [Pushes read in place] in server_steps.cpp)
 // rather than copied into `out`.

@@ -66,9 +66,11 @@ inline size_t slice_size(int32_t table, const std::vector<int64_t>& indices,
 }
 
 // A dense slice whose values are in the shared segment (field 4: their count).
-inline size_t shared_slice_size(int32_t table, const std::vector<int64_t>& indices, size_t count) {
+inline size_t shared_slice_size(int32_t table, const std::vector<int64_t>& indices, size_t count,
+                                uint64_t mirror_at = 0) {
   return varint_field_size(table) + length_field_size(packed_size(indices)) +
-         varint_field_size(static_cast<int64_t>(count));
+         varint_field_size(static_cast<int64_t>(count)) +
+         varint_field_size(static_cast<int64_t>(mirror_at));
 }
 
 // Values shorter than this are copied beside the fields around them rather than lent to gRPC as
@@ -144,11 +146,19 @@ class Writer {
     slice(field, table, indices, values.data(), values.size());
   }
 
-  void shared_slice(int field, int32_t table, const std::vector<int64_t>& indices, size_t count) {
-    length(field, shared_slice_size(table, indices, count));
+  // `mirror_at`: where the values are in the server's mirror, plus 1; 0: in the segment.
+  void shared_slice(int field, int32_t table, const std::vector<int64_t>& indices, size_t count,
+                    uint64_t mirror_at = 0) {
+    length(field, shared_slice_size(table, indices, count, mirror_at));
     varint_field(1, table);
     packed(2, indices);
     varint_field(4, static_cast<int64_t>(count));
+    varint_field(5, static_cast<int64_t>(mirror_at));
+  }
+  void string_field(int field, const std::string& text) {
+    if (text.empty()) return;
+    length(field, text.size());
+    raw(text.data(), text.size());
   }
 
   grpc::ByteBuffer finish() {
@@ -249,6 +259,13 @@ class Reader {
     if (!in_.ReadVarint64(&value)) return false;
     out = static_cast<Int>(static_cast<int64_t>(value));  // protobuf's int32: truncated
     return true;
+  }
+
+  // A `string` field of at most `most` bytes (a longer one is not a message of this kind).
+  bool text(std::string& out, uint32_t most) {
+    uint32_t size = 0;
+    if (!length(size) || size > most) return false;
+    return in_.ReadString(&out, static_cast<int>(size));
   }
 
   bool fixed64(double& out) {
