@@ -98,7 +98,7 @@ std::shared_ptr<const SegmentMapping> SegmentMappings::open(const std::string& h
                       (bytes - kHeaderBytes) / sizeof(float)};
   std::lock_guard<std::mutex> lock(mutex_);
   kept_.emplace_front(handle, mapping);
-  if (kept_.size() > kKept) kept_.pop_back();
+  while (kept_.size() > kept_count_) kept_.pop_back();
   return mapping;
 }
 

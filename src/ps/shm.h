@@ -95,15 +95,18 @@ class SegmentUnusable : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// The server's mappings, by handle, kept while used lately. Thread-safe.
+// Mappings of others' segments, by handle, kept while used lately. Thread-safe.
 class SegmentMappings {
  public:
+  // Keeps the last `kept` handles' mappings (a server: its connections'; a worker's client: the
+  // one server's mirror it pulls from, so that a server gone leaves none of its memory mapped).
+  explicit SegmentMappings(size_t kept = 64) : kept_count_(kept) {}
   // The segment `handle` names; SegmentUnusable (one line) saying why not.
   std::shared_ptr<const SegmentMapping> open(const std::string& handle);
 
  private:
   // Connections whose segments stay mapped; the least lately used goes first.
-  static constexpr size_t kKept = 64;
+  size_t kept_count_;
   std::mutex mutex_;
   std::list<std::pair<std::string, std::shared_ptr<const SegmentMapping>>> kept_;
 };
