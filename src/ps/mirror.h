@@ -14,9 +14,10 @@
 // it, under the core's lock, so a worker that reads the same even number before and after its copy
 // has values no change touched (the sequence is read before the copy, in the reply, and after it);
 // another number (an async push applied meanwhile, a step completed by backup workers) and it pulls
-// again without the offer. A worker on another host, or one the server's memory is refused to,
-// cannot map it and stops offering. A sync worker's pull is answered once its step is applied, and
-// the next change needs the worker's own next push, so in sync its copy always stands.
+// again without the offer. A worker maps it read-only; one on another host, or one the server's
+// memory is refused to, cannot map it and stops offering. A sync worker's pull is answered once its
+// step is applied, and the next change needs the worker's own next push, so in sync its copy always
+// stands.
 #pragma once
 
 #include <cstddef>

@@ -106,7 +106,7 @@ struct RpcClient::State {
   // Note [The values' mirror] (mirror.h): the servers' mirrors this client has mapped; whether it
   // stopped offering to read them (one could not be mapped here); pulls answered from one, and
   // those pulled again because a change overlapped the copy.
-  SegmentMappings mirrors{1};
+  SegmentMappings mirrors{1, /*read_only=*/true};
   std::atomic<bool> no_mirror{false};
   std::atomic<int> mirrored_calls{0};
   std::atomic<int> mirror_retries{0};

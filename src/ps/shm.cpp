@@ -87,8 +87,8 @@ std::shared_ptr<const SegmentMapping> SegmentMappings::open(const std::string& h
   if (boot != boot_id()) throw unusable("on another host (boot id " + boot_id() + " here)");
   std::shared_ptr<SegmentMapping> mapping(new SegmentMapping());
   try {
-    mapping->memory_ =
-        comm::shm::Mapping::open(static_cast<int>(pid), static_cast<int>(fd), kMemfdName, bytes);
+    mapping->memory_ = comm::shm::Mapping::open(static_cast<int>(pid), static_cast<int>(fd),
+                                                kMemfdName, bytes, read_only_);
   } catch (const CommError& e) {
     throw unusable(e.what());
   }

@@ -100,13 +100,16 @@ class SegmentMappings {
  public:
   // Keeps the last `kept` handles' mappings (a server: its connections'; a worker's client: the
   // one server's mirror it pulls from, so that a server gone leaves none of its memory mapped).
-  explicit SegmentMappings(size_t kept = 64) : kept_count_(kept) {}
+  // `read_only`: mapped so (a worker reads a server's mirror and never writes it).
+  explicit SegmentMappings(size_t kept = 64, bool read_only = false)
+      : kept_count_(kept), read_only_(read_only) {}
   // The segment `handle` names; SegmentUnusable (one line) saying why not.
   std::shared_ptr<const SegmentMapping> open(const std::string& handle);
 
  private:
   // Connections whose segments stay mapped; the least lately used goes first.
   size_t kept_count_;
+  bool read_only_;
   std::mutex mutex_;
   std::list<std::pair<std::string, std::shared_ptr<const SegmentMapping>>> kept_;
 };

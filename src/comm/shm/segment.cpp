@@ -49,8 +49,9 @@ std::string errno_text() {
 // Opens a memfd through /proc that must hold `bytes` and be sealed against resizing; `refused`
 // makes the CommError that names what was wrong.
 template <typename Refused>
-int open_sealed(const std::string& path, size_t bytes, const char* what, const Refused& refused) {
-  const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+int open_sealed(const std::string& path, size_t bytes, const char* what, const Refused& refused,
+                bool read_only = false) {
+  const int fd = ::open(path.c_str(), (read_only ? O_RDONLY : O_RDWR) | O_CLOEXEC);
   if (fd < 0)
     throw refused("cannot open " + path + ": " + errno_text() + " (has its creator ended?)");
   struct stat st {};
@@ -163,7 +164,7 @@ Mapping Mapping::create(const std::string& name, size_t bytes) {
   return mapping;
 }
 
-Mapping Mapping::open(int pid, int fd, const std::string& name, size_t bytes) {
+Mapping Mapping::open(int pid, int fd, const std::string& name, size_t bytes, bool read_only) {
   const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
   auto refused = [&](const std::string& why) {
     return CommError("shared memory: buffer " + path + " refused: " + why);
@@ -177,14 +178,15 @@ Mapping Mapping::open(int pid, int fd, const std::string& name, size_t bytes) {
     throw refused("it is " + std::string(link, static_cast<size_t>(n)) + ", expected " + expected);
   }
   Mapping mapping;
-  mapping.fd_ = open_sealed(path, bytes, "shared buffer", refused);
-  mapping.map(mapping.fd_, bytes);
+  mapping.fd_ = open_sealed(path, bytes, "shared buffer", refused, read_only);
+  mapping.map(mapping.fd_, bytes, read_only);
   mapping.close_fd();  // the mapping keeps the memory; only the creator's fd is ever opened
   return mapping;
 }
 
-void Mapping::map(int fd, size_t bytes) {
-  void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+void Mapping::map(int fd, size_t bytes, bool read_only) {
+  void* base =
+      mmap(nullptr, bytes, read_only ? PROT_READ : PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (base == MAP_FAILED) {
     throw CommError("shared memory: cannot map " + std::to_string(bytes) +
                     " bytes: " + errno_text());

@@ -74,8 +74,10 @@ class Mapping {
   // CommError (one line) when the system refuses.
   static Mapping create(const std::string& name, size_t bytes);
   // Member `pid`'s memfd `fd`, which must be named `name` and hold `bytes`, mapped (and its fd
-  // here closed again); CommError naming what was wrong otherwise.
-  static Mapping open(int pid, int fd, const std::string& name, size_t bytes);
+  // here closed again); CommError naming what was wrong otherwise. `read_only`: mapped so (a
+  // write into it is a fault).
+  static Mapping open(int pid, int fd, const std::string& name, size_t bytes,
+                      bool read_only = false);
 
   Mapping() = default;
   Mapping(Mapping&& other) noexcept;
@@ -92,7 +94,7 @@ class Mapping {
 
  private:
   friend class Segment;
-  void map(int fd, size_t bytes);
+  void map(int fd, size_t bytes, bool read_only = false);
   void release();
   int fd_ = -1;
   void* base_ = nullptr;
