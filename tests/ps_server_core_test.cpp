@@ -21,6 +21,7 @@
 #include "ps/optimizer.h"
 #include "ps/server_core.h"
 #include "ps/shard_map.h"
+#include "ps/shm.h"
 #include "ps/table.h"
 #include "ps_support.h"
 #include "shoal/core/error.h"
@@ -705,6 +706,95 @@ TEST(PsServerCore, ASyncStepsNoisePartIsWhatItsPushesAndItsSumSay) {
     EXPECT_DOUBLE_EQ(part.small, 3 / (1.0 / 2 + 1.0 / 4 + 1.0 / 4));
     EXPECT_DOUBLE_EQ(part.big, 10);
   }
+}
+
+// Note [The values' mirror] (src/ps/mirror.h): a core whose dense values live in its mirror steps
+// exactly as one whose values stay in its shards (Adam: the optimizer state stays in the shard),
+// saves the same bytes for every shard, and a shard loaded back into a mirrored core is served
+// and stepped from the mirror again.
+TEST(PsServerCore, ValuesInTheMirrorStepSaveAndLoadAsInTheShards) {
+  constexpr int64_t kValues = 3 * kChunkElements + 77;  // the last chunk short
+  OptimizerSpec adam;
+  adam.kind = OptimizerSpec::Kind::kAdam;
+  adam.lr = 0.01;
+  std::vector<int64_t> chunks;
+  for (int64_t c = 0; c * kChunkElements < kValues; ++c) chunks.push_back(c);
+  std::vector<float> initial(kValues);
+  for (int64_t i = 0; i < kValues; ++i) initial[i] = std::sin(0.003f * static_cast<float>(i));
+  const auto make = [&](bool mirror) {
+    ServerCoreOptions options;
+    options.workers = {0, 1};
+    options.shards = ShardMap(1).shards_of(0);
+    options.mirror_values = mirror;
+    auto core = std::make_unique<ServerCore>(options);
+    RegisterRequest request;
+    request.tables = {dense_spec("big", {kValues}, adam), dense_spec("small", {5}, adam)};
+    request.initial = {DenseSlice{0, chunks, initial}, DenseSlice{1, {0}, {1, 2, 3, 4, 5}}};
+    core->register_tables(request, shoal::Deadline(Ms(0)));
+    return core;
+  };
+  // Both workers' pushes of `clock`, with the gradients of step `seed`.
+  const auto step = [&](ServerCore& core, int64_t clock, int64_t seed) {
+    for (int32_t w : {0, 1}) {
+      PushRequest push{w,
+                       clock,
+                       w + 1,
+                       {DenseSlice{0, chunks, std::vector<float>(kValues)},
+                        DenseSlice{1, {0}, std::vector<float>(5, 0.5f)}},
+                       {}};
+      for (int64_t i = 0; i < kValues; ++i)
+        push.dense[0].values[i] = std::cos(0.01f * static_cast<float>(i * (w + 1) + seed));
+      core.push(push, shoal::Deadline(Ms(0)));
+    }
+  };
+  const auto values = [&](ServerCore& core, int64_t clock) {
+    PullRequest pull{0, clock, {DenseSlice{0, chunks, {}}, DenseSlice{1, {0}, {}}}, {}};
+    const PullReply reply = core.pull(pull, shoal::Deadline(Ms(0)));
+    std::vector<float> all = reply.dense.at(0).values;
+    all.insert(all.end(), reply.dense.at(1).values.begin(), reply.dense.at(1).values.end());
+    return all;
+  };
+  // The same values as the mirror holds them, where a pull offered it names them.
+  SegmentMappings mappings(4, /*read_only=*/true);
+  const auto in_mirror = [&](ServerCore& core, int64_t clock) {
+    PullRequest pull{0, clock, {DenseSlice{0, chunks, {}}, DenseSlice{1, {0}, {}}}, {}};
+    PullReply reply;
+    DenseOut out;
+    out.mirror_offered = true;
+    core.pull_into(pull, shoal::Deadline(Ms(0)), reply, out);
+    std::vector<float> all;
+    if (out.mirror.empty()) return all;
+    const SharedValues mirror = mappings.open(out.mirror)->values();
+    for (size_t i = 0; i < out.counts.size(); ++i)
+      all.insert(all.end(), mirror.data + out.mirrored.at(i),
+                 mirror.data + out.mirrored.at(i) + out.counts[i]);
+    return all;
+  };
+  auto plain = make(false), mirrored = make(true);
+  EXPECT_TRUE(in_mirror(*plain, 0).empty()) << "a core without a mirror named one";
+  for (int64_t clock = 0; clock < 3; ++clock) {
+    step(*plain, clock, clock);
+    step(*mirrored, clock, clock);
+  }
+  const std::vector<float> after = values(*plain, 3);
+  EXPECT_NE(std::vector<float>(after.begin(), after.begin() + kValues), initial);
+  EXPECT_EQ(values(*mirrored, 3), after);
+  EXPECT_EQ(in_mirror(*mirrored, 3), after);
+  std::map<int32_t, std::string> saved;
+  for (int32_t v : ShardMap(1).shards_of(0)) {
+    saved[v] = mirrored->save_shard(v);
+    ASSERT_EQ(saved[v], plain->save_shard(v)) << "virtual shard " << v;
+  }
+  // A fresh mirrored core loads the shards (as a restarted server does) and goes on as the plain
+  // one does.
+  auto loaded = make(true);
+  for (const auto& [v, bytes] : saved) loaded->load_shard(v, bytes);
+  EXPECT_EQ(values(*loaded, 0), after);
+  EXPECT_EQ(in_mirror(*loaded, 0), after) << "the loaded shard's values are not in the mirror";
+  step(*plain, 3, 3);
+  step(*loaded, 0, 3);  // its workers start at clock 0; the chunks keep their Adam step counts
+  EXPECT_EQ(values(*loaded, 1), values(*plain, 4));
+  EXPECT_EQ(in_mirror(*loaded, 1), values(*plain, 4));
 }
 
 TEST(PsServerCore, ALargeStepSummedOnTwoThreadsEqualsOneThread) {

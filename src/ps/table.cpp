@@ -135,7 +135,10 @@ void VirtualShard::place_values(int32_t table, int64_t chunk, float* at, int64_t
   Chunk& entry = chunks_.at({table, chunk});
   if (entry.slot.data == at) return;  // placed there already
   std::memcpy(at, entry.slot.data, static_cast<size_t>(length) * sizeof(float));
-  if (entry.placed < 0) entry.floats.erase(entry.floats.begin(), entry.floats.begin() + length);
+  if (entry.placed < 0) {  // the values' floats here are no longer needed
+    entry.floats.erase(entry.floats.begin(), entry.floats.begin() + length);
+    entry.floats.shrink_to_fit();
+  }
   entry.slot.data = at;
   entry.placed = length;
 }
