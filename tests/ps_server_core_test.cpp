@@ -708,19 +708,33 @@ TEST(PsServerCore, ASyncStepsNoisePartIsWhatItsPushesAndItsSumSay) {
   }
 }
 
+// Adam at `lr`; the chunks of a dense table of `values` values; sin(step * i) for i < n.
+OptimizerSpec adam_at(double lr) {
+  OptimizerSpec adam;
+  adam.kind = OptimizerSpec::Kind::kAdam;
+  adam.lr = lr;
+  return adam;
+}
+std::vector<int64_t> every_chunk(int64_t values) {
+  std::vector<int64_t> chunks;
+  for (int64_t c = 0; c * kChunkElements < values; ++c) chunks.push_back(c);
+  return chunks;
+}
+std::vector<float> sines(int64_t n, float step) {
+  std::vector<float> values(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) values[i] = std::sin(step * static_cast<float>(i));
+  return values;
+}
+
 // Note [The values' mirror] (src/ps/mirror.h): a core whose dense values live in its mirror steps
 // exactly as one whose values stay in its shards (Adam: the optimizer state stays in the shard),
 // saves the same bytes for every shard, and a shard loaded back into a mirrored core is served
 // and stepped from the mirror again.
 TEST(PsServerCore, ValuesInTheMirrorStepSaveAndLoadAsInTheShards) {
   constexpr int64_t kValues = 3 * kChunkElements + 77;  // the last chunk short
-  OptimizerSpec adam;
-  adam.kind = OptimizerSpec::Kind::kAdam;
-  adam.lr = 0.01;
-  std::vector<int64_t> chunks;
-  for (int64_t c = 0; c * kChunkElements < kValues; ++c) chunks.push_back(c);
-  std::vector<float> initial(kValues);
-  for (int64_t i = 0; i < kValues; ++i) initial[i] = std::sin(0.003f * static_cast<float>(i));
+  const OptimizerSpec adam = adam_at(0.01);
+  const std::vector<int64_t> chunks = every_chunk(kValues);
+  const std::vector<float> initial = sines(kValues, 0.003f);
   const auto make = [&](bool mirror) {
     ServerCoreOptions options;
     options.workers = {0, 1};
@@ -799,13 +813,9 @@ TEST(PsServerCore, ValuesInTheMirrorStepSaveAndLoadAsInTheShards) {
 
 TEST(PsServerCore, ALargeStepSummedOnTwoThreadsEqualsOneThread) {
   constexpr int64_t kValues = 20 * kChunkElements + 123;  // 21 chunks, the last one short
-  OptimizerSpec adam;
-  adam.kind = OptimizerSpec::Kind::kAdam;
-  adam.lr = 0.01;
-  std::vector<int64_t> chunks;
-  for (int64_t c = 0; c * kChunkElements < kValues; ++c) chunks.push_back(c);
-  std::vector<float> initial(kValues);
-  for (int64_t i = 0; i < kValues; ++i) initial[i] = std::sin(0.001f * static_cast<float>(i));
+  const OptimizerSpec adam = adam_at(0.01);
+  const std::vector<int64_t> chunks = every_chunk(kValues);
+  const std::vector<float> initial = sines(kValues, 0.001f);
   std::vector<std::vector<float>> after;
   for (int threads : {1, 2}) {
     ServerCoreOptions options;
