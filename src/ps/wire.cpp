@@ -162,7 +162,7 @@ struct Slices {
     size_t at = 0;
     for (size_t i = 0; i < dense.size(); ++i) {
       const uint64_t count = dense_shared[i];
-      const uint64_t mirror_at = i < dense_mirror_at.size() ? dense_mirror_at[i] : 0;
+      const uint64_t mirror_at = dense_mirror_at[i];
       const std::string where = "dense[" + std::to_string(i) + "]";
       if (count == 0) {
         if (mirror_at != 0)
@@ -203,7 +203,7 @@ struct Slices {
     if (sink == nullptr) return;
     size_t at = 0;
     for (size_t i = 0; i < dense.size(); ++i) {
-      const uint64_t mirror_at = i < dense_mirror_at.size() ? dense_mirror_at[i] : 0;
+      const uint64_t mirror_at = dense_mirror_at[i];
       if (dense_shared[i] == 0) continue;
       if (mirror_at != 0) {
         (*sink)(i, dense[i], mirror->data + mirror_at - 1, dense_shared[i]);
@@ -232,7 +232,7 @@ struct Slices {
 template <typename Message>
 void write_slices(Writer& w, int dense_field, int sparse_field, const Message& in) {
   for (const DenseSlice& s : in.dense)
-    w.slice(dense_field, s.table, indices_of(s), values_of(s), count_of(s));
+    w.slice(dense_field, s.table, indices_of(s), s.data(), s.count());
   for (const SparseSlice& s : in.sparse) w.slice(sparse_field, s.table, indices_of(s), s.values);
 }
 
@@ -440,15 +440,20 @@ namespace {
 
 // The dense slices' values copied into the segment in slice order, and the slices written with
 // their counts (Note [Values in shared memory]); the sparse ones as before.
-// `count(i)`: the number of values of dense slice i in the segment.
-template <typename Message, typename Count>
-size_t shared_slices_size(const Message& in, const Count& count) {
+// `count(i)`: the number of values of dense slice i in the segment; `mirror_at(i)`: their place
+// in the server's mirror plus 1, 0 where they are in the segment.
+template <typename Message, typename Count, typename MirrorAt>
+size_t shared_slices_size(const Message& in, const Count& count, const MirrorAt& mirror_at) {
   size_t size = slices_size(in.sparse);
   for (size_t i = 0; i < in.dense.size(); ++i) {
     const DenseSlice& s = in.dense[i];
-    size += length_field_size(shared_slice_size(s.table, s.chunks, count(i)), true);
+    size += length_field_size(shared_slice_size(s.table, s.chunks, count(i), mirror_at(i)), true);
   }
   return size;
+}
+template <typename Message, typename Count>
+size_t shared_slices_size(const Message& in, const Count& count) {
+  return shared_slices_size(in, count, [](size_t) { return uint64_t{0}; });
 }
 template <typename Message>
 size_t shared_slices_size(const Message& in) {
@@ -526,15 +531,11 @@ grpc::ByteBuffer encode(const PullReply& in, const DenseOut& out) {
   SHOAL_CHECK(!mirrored || out.mirrored.size() == counts.size())
       << out.mirrored.size() << " places in the mirror for " << counts.size() << " dense slices";
   const auto mirror_at = [&](size_t i) { return mirrored ? uint64_t{out.mirrored[i]} + 1 : 0; };
-  size_t size = slices_size(in.sparse) + varint_field_size(in.clock) +
-                varint_field_size(in.staleness) + noise_size(in.noise) +
-                length_field_size(out.mirror.size()) +
-                varint_field_size(static_cast<int64_t>(mirrored ? out.sequence : 0));
-  for (size_t i = 0; i < in.dense.size(); ++i) {
-    const DenseSlice& s = in.dense[i];
-    size += length_field_size(shared_slice_size(s.table, s.chunks, counts[i], mirror_at(i)), true);
-  }
-  Writer w(size);
+  Writer w(shared_slices_size(
+               in, [&](size_t i) { return counts[i]; }, mirror_at) +
+           varint_field_size(in.clock) + varint_field_size(in.staleness) + noise_size(in.noise) +
+           length_field_size(out.mirror.size()) +
+           varint_field_size(static_cast<int64_t>(mirrored ? out.sequence : 0)));
   for (size_t i = 0; i < in.dense.size(); ++i)
     w.shared_slice(1, in.dense[i].table, in.dense[i].chunks, counts[i], mirror_at(i));
   for (const SparseSlice& s : in.sparse) w.slice(2, s.table, s.ids, s.values);

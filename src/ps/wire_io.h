@@ -206,13 +206,7 @@ inline const std::vector<int64_t>& indices_of(const DenseSlice& slice) {
 inline const std::vector<int64_t>& indices_of(const SparseSlice& slice) {
   return slice.ids;
 }
-// A slice's values: a dense push's may be a view (DenseSlice::view).
-inline const float* values_of(const DenseSlice& slice) {
-  return slice.data();
-}
-inline const float* values_of(const SparseSlice& slice) {
-  return slice.values.data();
-}
+// A slice's count of values: a dense push's may be a view (DenseSlice::view).
 inline size_t count_of(const DenseSlice& slice) {
   return slice.count();
 }
